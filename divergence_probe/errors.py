@@ -1,0 +1,30 @@
+"""Errors a user can fix. Each message names the problem and the fix; the CLI prints it as one line.
+
+Anything that is not a ProbeError is a bug in divergence-probe and keeps its traceback.
+"""
+
+
+class ProbeError(Exception):
+    """A problem with the user's input or environment, with a message that says how to fix it."""
+
+    exit_code = 2
+
+
+class ModelError(ProbeError):
+    """The model path, hub id, architecture or weights cannot be used."""
+
+
+class PromptError(ProbeError):
+    """The prompts are missing, empty, malformed or too long."""
+
+
+class OutputError(ProbeError):
+    """The output directory cannot be written."""
+
+
+class StackError(ProbeError):
+    """An inference or training stack is missing, or behaves in a way the tool does not understand."""
+
+
+class NumericsError(ProbeError):
+    """NaN or Inf where a finite number is required (weights, logits)."""
