@@ -1,0 +1,15 @@
+"""divergence-probe: where do vLLM and the transformers training stack round differently?
+
+Python API (the CLI is a thin shell over it):
+
+    import divergence_probe as dp
+    probe = dp.load("path/or/hub-id", infer="vllm", dtype="bfloat16")   # both stacks, loaded once
+    run = probe.compare(prompts="sample_prompts", taps="all")            # diff every tap and token
+    run.write("runs/my-run")                                             # CSVs + manifest, atomically
+"""
+
+from .errors import ProbeError
+from .probe import LoadConfig, Probe, load
+
+__version__ = "0.1.0"
+__all__ = ["load", "Probe", "LoadConfig", "ProbeError", "__version__"]

@@ -1,0 +1,153 @@
+"""compare: feed both stacks the same token ids and diff every tap and every token's logprob.
+
+The loop: an inference batch runs first and parks its taps; then each of its prompts runs on the training
+stack, whose taps are paired and reduced on arrival (capture.py), and whose logits are scored against the
+inference logits at every prompt position. Nothing per-layer outlives its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .capture import TapPairing
+from .errors import NumericsError, ProbeError, StackError
+from .metrics import DiffStats, token_kl
+from .prompts import Prompt, file_hashes, load_prompts, default_prompts_path
+from .reports.tables import layers_frame, summary_row, tokens_frame
+from .taps import TapKey, expected_taps, parse_tap_selection
+
+Progress = Callable[[int, int], None]  # (prompts done, prompts total)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareOptions:
+    """Which prompts to score and what to capture."""
+
+    prompts: str | Path | None = None
+    """A .txt/.jsonl file or a folder of them; None = the shipped sample_prompts/."""
+    num_prompts: int | None = None
+    max_prompt_tokens: int | None = None
+    """Truncate longer prompts to this many tokens (otherwise a prompt beyond the context is an error)."""
+    taps: str = "all"
+    """all, none, or a comma list of canonical tap names."""
+    threshold: float = 1e-3
+    """rel_l2 above which a tap counts as diverged (first_over_threshold)."""
+    progress: Progress | None = None
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ProbeError("--threshold must be a non-negative number")
+
+
+@dataclass
+class TokenScore:
+    """One scored prompt token: both logprobs of the actual token and the full-vocabulary KL."""
+
+    prompt_id: int
+    position: int
+    token_id: int
+    token: str
+    logprob_infer: float
+    logprob_train: float
+    kl: float
+
+
+@dataclass
+class CompareRun:
+    """The result of one comparison; `write` puts it on disk as CSVs and a manifest."""
+
+    prompts: list[Prompt]
+    tokens: list[TokenScore]
+    tap_stats: dict[TapKey, DiffStats]
+    threshold: float
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def tokens_table(self):
+        return tokens_frame(self.tokens)
+
+    @property
+    def layers_table(self):
+        return layers_frame(self.tap_stats)
+
+    @property
+    def summary(self) -> dict:
+        return summary_row(self.tokens, self.tap_stats, self.threshold)
+
+    def write(self, out_dir: str | Path) -> Path:
+        from .reports.writer import write_compare_run
+
+        return write_compare_run(self, Path(out_dir))
+
+
+def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
+    """Consecutive groups whose total length fits max_tokens (a longer prompt goes alone)."""
+    group, size = [], 0
+    for prompt in prompts:
+        if group and size + len(prompt.token_ids) > max_tokens:
+            yield group
+            group, size = [], 0
+        group.append(prompt)
+        size += len(prompt.token_ids)
+    if group:
+        yield group
+
+
+def _check_finite(logits: torch.Tensor, side: str, prompt: Prompt) -> None:
+    if not torch.isfinite(logits).all():
+        raise NumericsError(
+            f"the {side} stack produced NaN/Inf logits on prompt {prompt.prompt_id} ({prompt.source}); "
+            "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
+        )
+
+
+def score_prompt(probe, prompt: Prompt, infer_logits, infer_logprobs, train_logits, train_logprobs) -> list[TokenScore]:
+    _check_finite(infer_logits, "inference", prompt)
+    _check_finite(train_logits, "training", prompt)
+    kl = token_kl(infer_logits, train_logits.to(infer_logits.device)).tolist()
+    ids = prompt.token_ids
+    tokens = probe.tokenizer.convert_ids_to_tokens(list(ids[1:]))
+    return [
+        TokenScore(prompt.prompt_id, pos + 1, ids[pos + 1], tokens[pos], float(li), float(lt), kl[pos])
+        for pos, (li, lt) in enumerate(zip(infer_logprobs.tolist(), train_logprobs.tolist()))
+    ]
+
+
+def run_compare(probe, options: CompareOptions) -> CompareRun:
+    prompts_path = Path(options.prompts) if options.prompts is not None else default_prompts_path()
+    prompts = load_prompts(
+        prompts_path,
+        probe.tokenizer,
+        num_prompts=options.num_prompts,
+        max_prompt_tokens=options.max_prompt_tokens,
+        max_model_len=probe.settings.max_model_len,
+    )
+    taps = parse_tap_selection(options.taps)
+    pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
+    tokens: list[TokenScore] = []
+    done = 0
+    for group in batches(prompts, probe.settings.batch_tokens):
+        infer_scores = probe.infer.score(group, taps, pairing.park)
+        for prompt, infer in zip(group, infer_scores):
+            [train] = probe.train.score([prompt], taps, pairing.pair)
+            if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
+                raise StackError("a stack returned scores out of prompt order")
+            pairing.finish_prompt(prompt.prompt_id)
+            tokens += score_prompt(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
+            done += 1
+            if options.progress:
+                options.progress(done, len(prompts))
+    manifest = probe.manifest()
+    manifest["compare"] = {
+        "prompts": str(prompts_path),
+        "prompt_files_sha256": file_hashes(prompts_path),
+        "num_prompts": len(prompts),
+        "max_prompt_tokens": options.max_prompt_tokens,
+        "taps": sorted(taps),
+        "threshold": options.threshold,
+    }
+    return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest)

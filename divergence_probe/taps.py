@@ -1,0 +1,83 @@
+"""Canonical tap points: the names every stack maps its intermediate tensors to.
+
+A tap is identified by (name, layer). Decoder-layer taps carry their layer index 0..L-1; the model-level
+taps use layer -1 (`embed`) and L (`final_norm`, `logits`), so sorting by `forward_order` walks the model
+in the order data flows through it, which is what "first divergence" means.
+
+Every captured tensor is handed over in one layout, `[tokens, features]` for one prompt (heads flattened
+into features), so the metrics never need to know which stack produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ProbeError
+
+MODEL_TAPS_BEFORE = ("embed",)
+LAYER_TAPS = (
+    "input_norm",
+    "q_norm",  # Qwen3 only: per-head RMSNorm of the query projection
+    "k_norm",  # Qwen3 only
+    "q_rope",
+    "k_rope",
+    "attn_core",  # attention output before o_proj
+    "attn_out",  # after o_proj
+    "resid_mid",  # residual stream after the attention add
+    "post_norm",
+    "swiglu",  # input of down_proj: silu(gate) * up
+    "mlp_out",
+    "resid_out",  # residual stream after the MLP add
+)
+MODEL_TAPS_AFTER = ("final_norm", "logits")
+ALL_TAPS = MODEL_TAPS_BEFORE + LAYER_TAPS + MODEL_TAPS_AFTER
+QK_NORM_TAPS = ("q_norm", "k_norm")
+
+
+@dataclass(frozen=True, order=True)
+class TapKey:
+    """One tap of one layer. Ordered by data flow: embed, layer 0 taps, ..., final_norm, logits."""
+
+    order: tuple[int, int]
+    name: str
+    layer: int
+
+    @classmethod
+    def of(cls, name: str, layer: int) -> "TapKey":
+        return cls(order=(layer, ALL_TAPS.index(name)), name=name, layer=layer)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.layer}"
+
+
+def parse_tap_selection(spec: str) -> frozenset[str]:
+    """`all`, `none`, or a comma list of canonical names; unknown names are an error that lists the valid ones."""
+    spec = spec.strip()
+    if spec == "all":
+        return frozenset(ALL_TAPS)
+    if spec == "none":
+        return frozenset()
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(ALL_TAPS))
+    if unknown or not names:
+        raise ProbeError(
+            f"unknown tap name(s) {', '.join(unknown) or repr(spec)}; use all, none, or a comma list of: "
+            + ", ".join(ALL_TAPS)
+        )
+    return frozenset(names)
+
+
+def expected_taps(selected: frozenset[str], num_layers: int, has_qk_norm: bool) -> list[TapKey]:
+    """Every (tap, layer) a model must produce for this selection, in forward order."""
+    keys = []
+    for name in ALL_TAPS:
+        if name not in selected or (name in QK_NORM_TAPS and not has_qk_norm):
+            continue
+        if name in MODEL_TAPS_BEFORE:
+            keys.append(TapKey.of(name, -1))
+        elif name in MODEL_TAPS_AFTER:
+            keys.append(TapKey.of(name, num_layers))
+        else:
+            keys.extend(TapKey.of(name, i) for i in range(num_layers))
+    return sorted(keys)
