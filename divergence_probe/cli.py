@@ -108,7 +108,7 @@ def compare(
         check_out_dir(out_dir)
         load_kwargs = dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed, batch_tokens=batch_tokens)
         dp.LoadConfig(model=model, **load_kwargs)  # validate flags before the slow load
-        CompareOptions(threshold=threshold)
+        CompareOptions(threshold=threshold, taps=taps)
         with console.status("loading the model in transformers and the inference stack…"):
             probe = dp.load(model, **load_kwargs)
         with _progress() as bar:
@@ -127,7 +127,7 @@ def compare(
 @app.command("make-model")
 def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
-    arch: str = typer.Option("qwen3", "--arch", help="qwen2 or qwen3."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="qwen2 or qwen3; default: the preset's own (tiny: qwen3)."),
     preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB), qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b or qwen3-1.7b (real shapes, random weights)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; same seed, same bytes."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty folder."),

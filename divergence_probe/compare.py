@@ -41,6 +41,7 @@ class CompareOptions:
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
             raise ProbeError("--threshold must be a non-negative number")
+        parse_tap_selection(self.taps)  # fail on a typo before anything is loaded
 
 
 @dataclass

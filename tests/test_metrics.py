@@ -1,0 +1,78 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from divergence_probe.metrics import DiffStats, token_kl, token_logprobs, ulp_distance
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_ulp_distance_counts_representable_steps(dtype):
+    one = torch.tensor([1.0, -2.0, 3.5], dtype=dtype)
+    eps = torch.finfo(dtype).eps  # spacing just above 1.0
+    assert ulp_distance(torch.tensor([1.0 + eps], dtype=dtype), one[:1]).item() == 1
+    assert ulp_distance(torch.tensor([1.0 + 3 * eps], dtype=dtype), one[:1]).item() == 3
+    assert ulp_distance(one, one).sum().item() == 0
+
+
+def test_ulp_distance_across_zero_counts_both_sides():
+    tiny = torch.finfo(torch.bfloat16).tiny
+    a = torch.tensor([tiny], dtype=torch.bfloat16)
+    b = -a
+    zero = torch.zeros(1, dtype=torch.bfloat16)
+    assert ulp_distance(a, b).item() == 2 * ulp_distance(a, zero).item()
+    assert ulp_distance(zero, -zero).item() == 0  # -0 == +0
+
+
+def test_diff_stats_hand_computed():
+    test = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    ref = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    s = DiffStats.of(test, ref)
+    assert s.n == 4 and s.n_equal == 3 and s.frac_equal == 0.75
+    assert s.max_abs == 1.0 and s.mean_abs == 0.25
+    assert s.rel_l2 == pytest.approx(1 / math.sqrt(1 + 4 + 9 + 25))
+    assert s.cosine == pytest.approx((1 + 4 + 9 + 20) / (math.sqrt(30) * math.sqrt(39)))
+    assert not s.bitwise_equal
+    assert DiffStats.of(ref, ref).bitwise_equal and DiffStats.of(ref, ref).rel_l2 == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 7), st.integers(0, 2**16))
+def test_merge_equals_stats_of_concatenation(rows_a, rows_b, seed):
+    g = torch.Generator().manual_seed(seed)
+    a1, a2 = torch.randn(rows_a, 3, generator=g), torch.randn(rows_b, 3, generator=g)
+    b1, b2 = a1 + 1e-3 * torch.randn(rows_a, 3, generator=g), a2.clone()
+    merged = DiffStats.of(a1, b1).merge(DiffStats.of(a2, b2))
+    whole = DiffStats.of(torch.cat([a1, a2]), torch.cat([b1, b2]))
+    assert merged.n == whole.n and merged.n_equal == whole.n_equal and merged.max_ulp == whole.max_ulp
+    assert merged.rel_l2 == pytest.approx(whole.rel_l2, rel=1e-12)
+    assert merged.mean_abs == pytest.approx(whole.mean_abs, rel=1e-12)
+
+
+def test_diff_stats_rejects_mismatched_inputs():
+    with pytest.raises(ValueError):
+        DiffStats.of(torch.zeros(2, 3), torch.zeros(3, 2))
+    with pytest.raises(ValueError):
+        DiffStats.of(torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_token_kl_matches_definition_and_is_zero_on_identical_logits():
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(4, 11, generator=g).to(torch.bfloat16)
+    q_logits = (p_logits.float() + 0.1 * torch.randn(4, 11, generator=g)).to(torch.bfloat16)
+    lp = torch.log_softmax(p_logits.double(), -1)
+    lq = torch.log_softmax(q_logits.double(), -1)
+    expected = (lp.exp() * (lp - lq)).sum(-1)
+    assert torch.allclose(token_kl(p_logits, q_logits, rows_per_chunk=3), expected, rtol=0, atol=1e-15)
+    assert token_kl(p_logits, p_logits).abs().max().item() == 0.0
+    assert (token_kl(p_logits, q_logits) > 0).all()
+
+
+def test_token_logprobs_are_fp32_log_softmax_at_targets():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    got = token_logprobs(logits, torch.tensor([2, 0]))
+    assert got.dtype == torch.float32
+    expected = torch.log_softmax(logits.float(), -1)[[0, 1], [2, 0]]
+    assert torch.equal(got, expected)

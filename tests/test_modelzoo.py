@@ -1,0 +1,213 @@
+"""modelzoo: seeded random Qwen checkpoints that transformers loads, built atomically and reproducibly.
+
+No vLLM here: starting an engine takes a minute, and the vLLM stack's tests do it.
+"""
+
+import unicodedata
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from divergence_probe import modelzoo
+from divergence_probe.errors import ModelError, OutputError
+from divergence_probe.modelzoo import ARCHS, PRESETS, make_config, make_model
+
+FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "chat_template.jinja"}
+
+# Copied by hand from each model's config.json on the hub, independently of modelzoo.PRESETS.
+PUBLISHED = {
+    # name: (arch, hidden, layers, heads, kv heads, head_dim, intermediate, max positions)
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, 32768),
+    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 128, 8960, 131072),
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 128, 3072, 40960),
+    "qwen3-1.7b": ("qwen3", 2048, 28, 16, 8, 128, 6144, 40960),
+}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny(arch, tmp_path_factory):
+    """One tiny model per arch, shared by the tests that only read it."""
+    return make_model(tmp_path_factory.mktemp("zoo") / "tiny", arch=arch)
+
+
+def test_writes_hub_layout(tiny):
+    assert {p.name for p in tiny.iterdir()} == FILES
+
+
+def test_rebuild_is_byte_identical(arch, tiny, tmp_path):
+    again = make_model(tmp_path / "again", arch=arch, preset="tiny", seed=0)
+    for name in FILES:
+        assert (again / name).read_bytes() == (tiny / name).read_bytes(), name
+
+
+def test_seed_changes_weights_only(arch, tiny, tmp_path):
+    other = make_model(tmp_path / "seed1", arch=arch, seed=1)
+    assert (other / "model.safetensors").read_bytes() != (tiny / "model.safetensors").read_bytes()
+    for name in FILES - {"model.safetensors"}:
+        assert (other / name).read_bytes() == (tiny / name).read_bytes(), name
+
+
+def test_build_leaves_caller_rng_alone(tmp_path):
+    state = torch.get_rng_state()
+    make_model(tmp_path / "m", seed=123)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_loads_with_transformers(arch, tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert model.config.architectures == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert model.dtype == torch.bfloat16
+    assert model.config.vocab_size == 2048 and len(tok) == modelzoo.TOKENIZER_SIZE
+    ids = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    assert ids == (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)
+    assert ids == (model.generation_config.bos_token_id, model.generation_config.eos_token_id,
+                   model.generation_config.pad_token_id)
+    with torch.no_grad():
+        logits = model(**tok("Hello, world!", return_tensors="pt")).logits
+    assert logits.shape[-1] == 2048 and torch.isfinite(logits).all()
+
+
+def test_weights_are_bf16_and_norms_not_all_one(tiny):
+    weights = load_file(tiny / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    norms = [w for name, w in weights.items() if "norm" in name]
+    assert norms and all((w != 1).float().mean() > 0.9 for w in norms)
+
+
+def test_chat_template(tiny):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(messages, tokenize=False).endswith("Hi!<|im_end|>\n")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids.count(tok.eos_token_id) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces,\ttabs,\n\nnewlines and trailing spaces  ",
+    "def f(x):\n    return x ** 2  # square\n",
+    "Grüße aus Köln! Où est la bibliothèque ? ¿Qué tal?",
+    "今天天气很好。日本語のテキストです。한국어 Ελληνικά",
+    "e^(iπ) + 1 = 0, ∑ 1/k² = π²/6 😀🚀",
+    "<|im_start|>user\nhi<|im_end|>",
+])
+def test_tokenizer_round_trips(tiny, text):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert unicodedata.is_normalized("NFC", text)  # the tokenizer NFC-normalises, like Qwen's
+    ids = tok(text)["input_ids"]
+    assert ids[0] != tok.bos_token_id  # nothing is prepended
+    assert tok.decode(ids) == text
+
+
+def test_tokenizer_splits_digits_like_qwen(tiny):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert tok.tokenize("2024") == ["2", "0", "2", "4"]
+
+
+def test_preset_arch_mismatch(tmp_path):
+    with pytest.raises(ModelError, match="qwen2"):
+        make_model(tmp_path / "m", arch="qwen3", preset="qwen2.5-0.5b")
+    with pytest.raises(ModelError, match="qwen3-0.6b"):
+        make_model(tmp_path / "m", preset="qwen3-7b")
+    with pytest.raises(ModelError, match="qwen2, qwen3"):
+        make_model(tmp_path / "m", arch="llama")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name, published", PUBLISHED.items())
+def test_presets_have_published_shapes(name, published):
+    arch, hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos = published
+    assert PRESETS[name].arch == arch
+    config = make_config(preset=name)  # arch left out: the preset's own
+    assert config.model_type == arch
+    got = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+           getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+           config.intermediate_size, config.max_position_embeddings)
+    assert got == (hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos)
+    assert (config.vocab_size, config.rope_parameters["rope_theta"], config.rms_norm_eps) == (151936, 1e6, 1e-6)
+    assert config.tie_word_embeddings is True
+
+
+def test_tiny_fits_both_archs():
+    for arch in ARCHS:
+        config = make_config(arch=arch, preset="tiny")
+        assert config.model_type == arch
+        assert config.hidden_size // config.num_attention_heads == PRESETS["tiny"].head_dim
+
+
+def test_refuses_non_empty_out_dir(tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="--overwrite"):
+        make_model(out)
+    with pytest.raises(OutputError, match="not a model directory"):
+        make_model(out, overwrite=True)  # --overwrite deletes only what looks like a model
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_a_model(tmp_path):
+    out = make_model(tmp_path / "m", seed=0)
+    before = (out / "model.safetensors").read_bytes()
+    make_model(out, seed=1, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() != before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_empty_out_dir_is_used(tmp_path):
+    (tmp_path / "m").mkdir()
+    assert {p.name for p in make_model(tmp_path / "m").iterdir()} == FILES
+
+
+def test_unwritable_parent(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputError, match="cannot write"):
+        make_model(tmp_path / "file" / "m")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, exc):
+    def fail(*args, **kwargs):  # the tokenizer is already written when the weights fail
+        raise exc
+
+    monkeypatch.setattr(modelzoo, "_random_model", fail)
+    with pytest.raises(type(exc)):
+        make_model(tmp_path / "m")
+    assert not any(tmp_path.iterdir())
+
+
+def test_default_model_path_builds_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIVERGENCE_PROBE_HOME", str(tmp_path / "home"))
+    path = modelzoo.default_model_path()
+    assert path == tmp_path / "home" / "models" / f"qwen3-tiny-seed0-v{modelzoo.BUILD_VERSION}"
+    expected = make_model(tmp_path / "expected", arch="qwen3", preset="tiny", seed=0)
+    assert (path / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes()
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the cached model was rebuilt")
+
+    monkeypatch.setattr(modelzoo, "make_model", no_rebuild)
+    assert modelzoo.default_model_path() == path
+
+
+def test_default_model_path_loses_race_gracefully(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIVERGENCE_PROBE_HOME", str(tmp_path))
+    build = modelzoo.make_model
+
+    def other_process_wins(out_dir, **kwargs):
+        build(out_dir, **kwargs)  # the other process's rename lands first ...
+        raise OutputError("written by someone else")  # ... so ours fails
+
+    monkeypatch.setattr(modelzoo, "make_model", other_process_wins)
+    assert (modelzoo.default_model_path() / "config.json").is_file()
