@@ -64,11 +64,24 @@ class Probe:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
 
-    def compare(self, **options):
-        """Diff the two stacks on prompts; see `divergence_probe.compare.CompareOptions` for the options."""
+    def compare(self, *, align: str | tuple[str, ...] = (), side: str = "both", **options):
+        """Diff the two stacks on prompts (options: `divergence_probe.compare.CompareOptions`), optionally
+        with `align` regions aligned on `side` ("both", "train" or "infer")."""
+        from .ablate import run_aligned_compare
         from .compare import CompareOptions, run_compare
 
+        if align:
+            return run_aligned_compare(self, CompareOptions(**options), align, side)
         return run_compare(self, CompareOptions(**options))
+
+    def ablate(self, *, regions=("rope", "swiglu", "rmsnorm"), side: str = "both", metric: str = "mean_kl",
+               bootstrap: int = 1000, **options):
+        """Every subset of `regions` aligned, one compare each, and the attribution of the mismatch."""
+        from .ablate import AblateOptions, run_ablation
+        from .compare import CompareOptions
+
+        ablate = AblateOptions(regions=regions, side=side, metric=metric, bootstrap=bootstrap, seed=self.config.seed)
+        return run_ablation(self, CompareOptions(**options), ablate)
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""

@@ -68,3 +68,15 @@ def write_compare_run(run, out_dir: Path) -> Path:
         write_csv(run.layers_table, tmp / "layers.csv")
         write_csv(pd.DataFrame([run.summary]), tmp / "summary.csv")
     return out_dir
+
+
+def write_ablation_run(run, out_dir: Path) -> Path:
+    with atomic_dir(out_dir) as tmp:
+        write_json(run.manifest, tmp / "manifest.json")
+        write_prompts(run.prompts, tmp / "prompts.jsonl")
+        write_csv(run.tokens_table, tmp / "tokens.csv")
+        write_csv(run.layers_table, tmp / "layers.csv")
+        write_csv(run.summary_table, tmp / "summary.csv")
+        write_csv(run.ablation_table, tmp / "ablation.csv")
+        write_csv(run.attribution_table, tmp / "attribution.csv")
+    return out_dir

