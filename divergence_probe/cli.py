@@ -40,6 +40,8 @@ SeedOpt = typer.Option(0, "--seed", help="Seed for every random choice (recorded
 ThresholdOpt = typer.Option(1e-3, "--threshold", help="rel_l2 above which a tap counts as diverged (first_over_threshold).")
 BatchOpt = typer.Option(8192, "--batch-tokens", help="Most prompt tokens per inference batch; bounds the memory held while pairing taps.")
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
+AlignOpt = typer.Option("", "--align", help="Regions to align (FP32 until the output, one rounding): comma list of rope, swiglu, rmsnorm.")
+SideOpt = typer.Option("both", "--side", help="Where regions are aligned: both, train (transformers only; the engine as shipped) or infer.")
 
 
 def _default_out() -> Path:
@@ -93,35 +95,115 @@ def compare(
     threshold: float = ThresholdOpt,
     batch_tokens: int = BatchOpt,
     out_dir: Optional[Path] = OutOpt,
+    align: str = AlignOpt,
+    side: str = SideOpt,
 ) -> None:
     """Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
     Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
     """
+    from .ablate import AblateOptions
+    from .regions import parse_regions
+
+    def work(probe, progress):
+        return probe.compare(align=parse_regions(align), side=side, prompts=prompts, num_prompts=num_prompts,
+                             max_prompt_tokens=max_prompt_tokens, taps=taps, threshold=threshold, progress=progress)
+
+    def validate():
+        AblateOptions(regions=parse_regions(align) or ("rope",), side=side)
+
+    run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
+                        dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
+                             batch_tokens=batch_tokens))
+    _print_summary(run, out_dir)
+
+
+def _run(work, validate, model, out_dir, taps, threshold, load_kwargs):
+    """Shared by compare and ablate: validate every flag, check --out, load once, run with a progress bar,
+    write atomically. Any ProbeError on the way is one line and exit code 2, and nothing is written."""
     import divergence_probe as dp
     from .compare import CompareOptions
     from .reports.writer import check_out_dir
 
     try:
         out_dir = out_dir or _default_out()
-        check_out_dir(out_dir)
-        load_kwargs = dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed, batch_tokens=batch_tokens)
         dp.LoadConfig(model=model, **load_kwargs)  # validate flags before the slow load
         CompareOptions(threshold=threshold, taps=taps)
+        validate()
+        check_out_dir(out_dir)
         with console.status("loading the model in transformers and the inference stack…"):
             probe = dp.load(model, **load_kwargs)
         with _progress() as bar:
-            task = bar.add_task("comparing prompts", total=None)
-            run = probe.compare(
-                prompts=prompts, num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, taps=taps,
-                threshold=threshold, progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
+            task = bar.add_task("scoring prompts", total=None)
+            run = work(probe, lambda done, total: bar.update(task, completed=done, total=total))
         run.manifest["command"] = sys.argv
         run.write(out_dir)
     except ProbeError as e:
         _fail(e)
-    _print_summary(run, out_dir)
+    return run, out_dir
+
+
+@app.command()
+def ablate(
+    model: Optional[str] = ModelOpt,
+    prompts: Optional[Path] = PromptsOpt,
+    num_prompts: Optional[int] = NumPromptsOpt,
+    max_prompt_tokens: Optional[int] = MaxTokOpt,
+    dtype: str = DtypeOpt,
+    infer: str = InferOpt,
+    train_attn: str = AttnOpt,
+    taps: str = TapsOpt,
+    device: str = DeviceOpt,
+    seed: int = SeedOpt,
+    threshold: float = ThresholdOpt,
+    batch_tokens: int = BatchOpt,
+    out_dir: Optional[Path] = OutOpt,
+    regions: str = typer.Option("rope,swiglu,rmsnorm", "--regions", help="Regions to ablate; all 2^k subsets run."),
+    side: str = SideOpt,
+    metric: str = typer.Option("mean_kl", "--metric", help="What attribution explains: mean_kl, mean_abs_dlogp, max_kl or max_abs_dlogp."),
+    bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap resamples of prompts for confidence intervals (0 = none)."),
+) -> None:
+    """Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
+    the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
+
+    Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
+    attribution.csv (one row per region, and what remains with all aligned).
+    """
+    from .ablate import AblateOptions
+    from .regions import parse_regions
+
+    def work(probe, progress):
+        return probe.ablate(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap,
+                            prompts=prompts, num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens,
+                            taps=taps, threshold=threshold, progress=progress)
+
+    def validate():
+        AblateOptions(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap)
+
+    run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
+                        dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
+                             batch_tokens=batch_tokens))
+    _print_ablation(run, out_dir)
+
+
+def _print_ablation(run, out_dir: Path) -> None:
+    metric = run.options.metric
+    combos = run.ablation_table.sort_values(metric, kind="stable")
+    table = Table(title=f"ablation ({run.options.side}), sorted by {metric}")
+    for col in ("combo", metric, "mean_abs_dlogp", "first_inexact"):
+        table.add_column(col, justify="left" if col in ("combo", "first_inexact") else "right")
+    for row in combos.itertuples():
+        table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}", row.first_inexact)
+    out.print(table)
+    attr = Table(title=f"attribution of the reduction in {metric}")
+    for col in ("region", "shapley", "share", "95% CI", "main effect", "leave-one-out"):
+        attr.add_column(col, justify="left" if col == "region" else "right")
+    for row in run.attribution_table.itertuples():
+        attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
+                     f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
+    out.print(attr)
+    out.print(f"report: {out_dir}")
 
 
 @app.command("make-model")

@@ -167,11 +167,16 @@ def _resolve_arch(arch: str | None, preset: str) -> str:
     return arch or implied or "qwen3"
 
 
-def make_config(*, arch: str | None = None, preset: str = "tiny"):
-    """The transformers config for a preset, with our tokenizer's special-token ids; builds no weights."""
+def make_config(*, arch: str | None = None, preset: str = "tiny", num_layers: int | None = None):
+    """The transformers config for a preset, with our tokenizer's special-token ids; builds no weights.
+
+    num_layers replaces the preset's num_hidden_layers (None: keep it).
+    """
     import transformers
 
     arch = _resolve_arch(arch, preset)
+    if num_layers is not None and num_layers < 1:
+        raise ModelError(f"num_layers must be at least 1, got {num_layers}")
     shape = PRESETS[preset]
     config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
     extra = {"head_dim": shape.head_dim} if arch == "qwen3" else {}  # qwen2 derives it from hidden_size
@@ -179,7 +184,7 @@ def make_config(*, arch: str | None = None, preset: str = "tiny"):
         vocab_size=shape.vocab_size or -(-TOKENIZER_SIZE // 64) * 64,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
+        num_hidden_layers=shape.num_hidden_layers if num_layers is None else num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         max_position_embeddings=shape.max_position_embeddings,
@@ -221,9 +226,9 @@ def _random_model(config, seed: int):
     return model
 
 
-def _write_model(out_dir: Path, arch: str, preset: str, seed: int) -> None:
+def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: int | None) -> None:
     """Write config, weights, tokenizer and generation config into the existing directory out_dir."""
-    config = make_config(arch=arch, preset=preset)
+    config = make_config(arch=arch, preset=preset, num_layers=num_layers)
     tokenizer = build_tokenizer(model_max_length=config.max_position_embeddings)
     assert [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id] == [
         config.bos_token_id, config.eos_token_id, config.pad_token_id
@@ -243,13 +248,16 @@ def _write_model(out_dir: Path, arch: str, preset: str, seed: int) -> None:
 
 
 def make_model(
-    out_dir: Path, *, arch: str | None = None, preset: str = "tiny", seed: int = 0, overwrite: bool = False
+    out_dir: Path, *, arch: str | None = None, preset: str = "tiny", seed: int = 0, overwrite: bool = False,
+    num_layers: int | None = None,
 ) -> Path:
     """Build a random-weight checkpoint into out_dir and return out_dir.
 
     arch None means the preset's own arch (qwen3 for `tiny`, which fits both). The files are written into a
     temporary sibling directory that is renamed to out_dir at the end, so out_dir is either absent or
     complete, even if the build fails or is interrupted.
+    num_layers replaces the preset's number of decoder layers (None: the preset's), e.g. to see how a cost
+    scales with depth; every other size stays the preset's.
     """
     out_dir = Path(out_dir).expanduser().absolute()
     arch = _resolve_arch(arch, preset)
@@ -271,7 +279,7 @@ def make_model(
         raise OutputError(f"cannot write in {out_dir.parent}: {e.strerror}; choose another path") from None
 
     try:
-        _write_model(tmp, arch, preset, seed)
+        _write_model(tmp, arch, preset, seed, num_layers)
         old = None
         if overwrite and out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}")

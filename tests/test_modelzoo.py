@@ -115,6 +115,15 @@ def test_tokenizer_splits_digits_like_qwen(tiny):
     assert tok.tokenize("2024") == ["2", "0", "2", "4"]
 
 
+def test_num_layers_overrides_only_the_depth(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "m", num_layers=2))
+    assert model.config.num_hidden_layers == len(model.model.layers) == 2
+    preset, deep = make_config().to_dict(), make_config(num_layers=8).to_dict()
+    assert {k for k in preset if preset[k] != deep[k]} == {"num_hidden_layers", "layer_types"}
+    with pytest.raises(ModelError, match="at least 1"):
+        make_model(tmp_path / "none", num_layers=0)
+
+
 def test_preset_arch_mismatch(tmp_path):
     with pytest.raises(ModelError, match="qwen2"):
         make_model(tmp_path / "m", arch="qwen3", preset="qwen2.5-0.5b")

@@ -46,7 +46,13 @@ def patch_hf(model: torch.nn.Module, hooks: HookSet) -> int:
     hooks.replace(rotary, "forward", lambda x, position_ids: cos_sin(position_ids, freqs))
 
     modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    shipped = modeling.apply_rotary_pos_emb
+    if not getattr(modeling.apply_rotary_pos_emb, "_aligned", False):  # a second model of the class shares it
+        hooks.replace(modeling, "apply_rotary_pos_emb", _dispatching(modeling.apply_rotary_pos_emb))
+    return 1
+
+
+def _dispatching(shipped):
+    """apply_rotary_pos_emb that rotates in FP32 when handed half-width cos/sin, else runs the shipped one."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
         if cos.shape[-1] * 2 != q.shape[-1]:
@@ -54,8 +60,8 @@ def patch_hf(model: torch.nn.Module, hooks: HookSet) -> int:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # [B, 1, T, d/2]
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
-    hooks.replace(modeling, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    return 1
+    apply_rotary_pos_emb._aligned = True
+    return apply_rotary_pos_emb
 
 
 def patch_vllm(model: torch.nn.Module, hooks: HookSet) -> int:

@@ -126,18 +126,20 @@ class VLLMStack:
                 _disable_flashinfer_sampler_if_missing()
             dtype = str(settings.dtype).removeprefix("torch.")
             try:
-                llm = vllm.LLM(
-                    model=settings.model_path,
-                    skip_tokenizer_init=True,  # we send token ids; both stacks must see the very same ids
-                    dtype=dtype,
-                    seed=settings.seed,
-                    enforce_eager=True,
-                    enable_prefix_caching=False,
-                    enable_chunked_prefill=False,
-                    max_model_len=settings.max_model_len,
-                    max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
-                    gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
-                )
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    llm = vllm.LLM(
+                        model=settings.model_path,
+                        skip_tokenizer_init=True,  # we send token ids; both stacks must see the very same ids
+                        dtype=dtype,
+                        seed=settings.seed,
+                        enforce_eager=True,
+                        enable_prefix_caching=False,
+                        enable_chunked_prefill=False,
+                        max_model_len=settings.max_model_len,
+                        max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
+                        gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
+                    )
             except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
                 raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: {e}") from e
             _ENGINE.update(key=settings, llm=llm)

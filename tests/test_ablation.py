@@ -1,0 +1,148 @@
+"""Attribution math (pure) and ablate end to end on the real stacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from divergence_probe.ablate import REMAINING
+from divergence_probe.ablation import Combo, attribution, bootstrap_intervals, shapley, subsets
+from divergence_probe.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+REGIONS = ("rope", "swiglu", "rmsnorm")
+
+
+def test_subsets_enumerate_every_combination_once():
+    combos = subsets(REGIONS)
+    assert len(combos) == 8 and len(set(combos)) == 8
+    assert combos[0] == Combo() and combos[-1] == Combo(REGIONS)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1, 1), min_size=3, max_size=3), st.lists(st.floats(-1, 1), min_size=8, max_size=8))
+def test_shapley_is_efficient_for_any_game(effects, interactions):
+    value = {c: sum(effects[i] for i, r in enumerate(REGIONS) if r in c) + (interactions[k] if len(c) > 1 else 0)
+             for k, c in enumerate(subsets(REGIONS))}
+    value[Combo()] = 0.0
+    phi = shapley(value, REGIONS)
+    assert sum(phi.values()) == pytest.approx(value[Combo(REGIONS)], abs=1e-12)
+
+
+def test_attribution_is_exact_on_an_additive_metric():
+    base, effect = 10.0, {"rope": 3.0, "swiglu": 0.5, "rmsnorm": 1.5}
+    metric = {c: base - sum(effect[r] for r in c) for c in subsets(REGIONS)}
+    table = attribution(metric, REGIONS).set_index("region")
+    for r, e in effect.items():
+        assert table.loc[r, "shapley"] == pytest.approx(e)
+        assert table.loc[r, "main_effect"] == pytest.approx(e)
+        assert table.loc[r, "leave_one_out"] == pytest.approx(e)
+    assert table["share"].sum() == pytest.approx(1.0)
+
+
+def test_interaction_is_split_evenly():
+    # aligning both rope and rmsnorm is needed to remove 2.0; either alone removes nothing
+    metric = {c: 5.0 - (2.0 if {"rope", "rmsnorm"} <= c else 0.0) for c in subsets(REGIONS)}
+    table = attribution(metric, REGIONS).set_index("region")
+    assert table.loc["rope", "shapley"] == pytest.approx(1.0) and table.loc["rmsnorm", "shapley"] == pytest.approx(1.0)
+    assert table.loc["swiglu", "shapley"] == pytest.approx(0.0)
+    assert table.loc["rope", "main_effect"] == 0 and table.loc["rope", "leave_one_out"] == pytest.approx(2.0)
+
+
+def test_bootstrap_interval_brackets_the_estimate_and_is_seeded():
+    per_prompt = {c: pd.DataFrame({"n": [10, 10, 10, 10], "sum_kl": [4.0 - len(c), 3.0, 5.0 - 2 * len(c), 4.0],
+                                   "sum_abs_dlogp": [1.0] * 4, "max_kl": [1.0] * 4, "max_abs_dlogp": [1.0] * 4})
+                  for c in subsets(REGIONS)}
+    a = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
+    b = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
+    assert a == b
+    point = attribution({c: (p["sum_kl"].sum() / p["n"].sum()) for c, p in per_prompt.items()}, REGIONS)
+    for r, estimate in zip(point.region, point.shapley):
+        assert a[r][0] <= estimate <= a[r][1]
+    assert a["remaining"][0] <= a["remaining"][1]
+    assert bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=2) != a
+
+
+# ----------------------------------------------------------------------------- end to end
+
+# (region tap, taps that carry all of its inputs); inputs equal on both stacks => output equal when aligned
+REGION_RULES = [
+    ("q_rope", lambda i: [f"q_norm@{i}"]),  # Qwen3: RoPE's input is the q_norm output
+    ("k_rope", lambda i: [f"k_norm@{i}"]),
+    ("post_norm", lambda i: [f"attn_out@{i}", f"resid_out@{i - 1}" if i else "embed@-1"]),
+    ("input_norm", lambda i: [f"mlp_out@{i - 1}", f"resid_mid@{i - 1}"] if i else ["embed@-1"]),
+]
+
+
+def check_region_taps(layers: pd.DataFrame, n_layers: int) -> int:
+    """Assert every region rule whose inputs are bitwise equal; return how many rules applied."""
+    equal = {f"{r.tap}@{r.layer}": r.frac_equal == 1.0 for r in layers.itertuples()}
+    applied = 0
+    for tap, inputs in REGION_RULES:
+        for i in range(n_layers):
+            needed = inputs(i)
+            if f"{tap}@{i}" in equal and all(equal.get(n, False) for n in needed):
+                assert equal[f"{tap}@{i}"], f"{tap}@{i} differs although its inputs {needed} are bitwise equal"
+                applied += 1
+    return applied
+
+
+def test_all_regions_aligned_makes_region_taps_bitwise_equal_qwen3(vllm_probe, prompts_file):
+    run = vllm_probe.ablate(prompts=prompts_file, bootstrap=50)
+    everything = run.layers_table[run.layers_table.combo == "rope+swiglu+rmsnorm"]
+    assert check_region_taps(everything, vllm_probe.source.num_layers) >= 3
+    shipped = run.layers_table[run.layers_table.combo == "none"]
+    assert (shipped.frac_equal < 1).any()  # as shipped, the stacks do disagree
+    table = run.attribution_table.set_index("region")
+    metric = run.metric_of()
+    assert table.loc[list(REGIONS), "shapley"].sum() == pytest.approx(
+        metric[Combo()] - metric[Combo(REGIONS)], rel=1e-9, abs=1e-18)
+    assert len(run.ablation_table) == 8 and set(run.tokens_table.combo) == set(run.ablation_table.combo)
+
+
+def test_ablate_cli_writes_its_tables(qwen3_tiny, prompts_file, tmp_path):
+    out_dir = tmp_path / "ab"
+    result = CliRunner().invoke(app, ["ablate", "--model", str(qwen3_tiny), "--prompts", str(prompts_file),
+                                      "--infer", "hf", "--regions", "rope,rmsnorm", "--bootstrap", "20",
+                                      "--out", str(out_dir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    ablation = pd.read_csv(out_dir / "ablation.csv")
+    assert list(ablation.combo) == ["none", "rope", "rmsnorm", "rope+rmsnorm"]
+    assert list(ablation.columns[:3]) == ["combo", "rope", "rmsnorm"]
+    attribution_csv = pd.read_csv(out_dir / "attribution.csv")
+    assert list(attribution_csv.columns) == ["region", "shapley", "share", "main_effect", "leave_one_out",
+                                             "ci_low", "ci_high"]
+    assert list(attribution_csv.region) == ["rope", "rmsnorm", REMAINING]
+    for name in ("tokens.csv", "layers.csv", "summary.csv"):
+        assert pd.read_csv(out_dir / name).columns[0] == "combo"
+    assert json.loads((out_dir / "manifest.json").read_text())["ablate"]["combos"] == list(ablation.combo)
+
+
+def test_ablate_rejects_bad_options(qwen3_tiny, tmp_path):
+    for flags, message in [(["--regions", "attention"], "unknown region"), (["--side", "engine"], "--side"),
+                           (["--metric", "p99"], "--metric")]:
+        result = CliRunner().invoke(app, ["ablate", "--model", str(qwen3_tiny), *flags, "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.slow
+def test_qwen2_ablation_through_vllm(qwen2_tiny, prompts_file, tmp_path):
+    out_dir = tmp_path / "qwen2-ablate"
+    proc = subprocess.run(
+        [sys.executable, "-m", "divergence_probe", "ablate", "--model", str(qwen2_tiny), "--prompts",
+         str(prompts_file), "--bootstrap", "50", "--out", str(out_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layers = pd.read_csv(out_dir / "layers.csv")
+    n_layers = json.loads((out_dir / "manifest.json").read_text())["model"]["num_layers"]
+    assert check_region_taps(layers[layers.combo == "rope+swiglu+rmsnorm"], n_layers) >= 1
