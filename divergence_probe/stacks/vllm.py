@@ -28,7 +28,6 @@ from typing import Sequence
 import torch
 
 from ..errors import StackError
-from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
 from .base import PromptScores, StackInfo, StackSettings, TapSink
@@ -169,7 +168,9 @@ class VLLMStack:
                 raise StackError(f"vLLM computed no prompt logits for prompt {prompt.prompt_id}; capture seam moved")
             reported = torch.tensor(reported, dtype=torch.float32)
             targets = torch.tensor(prompt.token_ids[1:], device=logits.device)
-            if not torch.equal(token_logprobs(logits, targets).cpu(), reported):
+            # vLLM's own formula (Sampler.compute_logprobs), so the check holds on any device's kernels
+            recomputed = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[:, None])[:, 0]
+            if not torch.equal(recomputed.cpu(), reported):
                 raise StackError(  # the KL would then describe other logits than the ones vLLM scored
                     f"the logits captured for prompt {prompt.prompt_id} do not reproduce vLLM's own prompt logprobs"
                 )
