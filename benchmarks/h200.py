@@ -41,13 +41,14 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/dp-models"))
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
 
     model_dir = args.models_dir / args.preset
     timings: dict[str, float] = {}
     if not (model_dir / "config.json").exists():
         _, timings["make_model_s"] = timed(lambda: make_model(model_dir, preset=args.preset, seed=0))
-    probe, timings["load_s"] = timed(lambda: dp.load(str(model_dir), infer="vllm", dtype="bfloat16", device="cuda"))
+    probe, timings["load_s"] = timed(lambda: dp.load(str(model_dir), infer="vllm", dtype="bfloat16", device=args.device))
     opts = dict(prompts=args.prompts, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
 
     probe.compare(taps="none", **opts)  # warm-up: first-call kernel selection and allocator growth
@@ -57,8 +58,10 @@ def main() -> None:
         timings.setdefault(f"compare_{taps}_s", []).append(seconds)
         runs[taps] = run
     runs["all"].write(args.out / "compare")
-    with open(args.out / "compare" / "tokens.csv", "rb") as src, gzip.open(args.out / "compare" / "tokens.csv.gz", "wb", mtime=0) as dst:
-        shutil.copyfileobj(src, dst)
+    tokens_csv = args.out / "compare" / "tokens.csv"
+    with open(tokens_csv, "rb") as src, open(tokens_csv.with_suffix(".csv.gz"), "wb") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:  # mtime=0: same data, same bytes
+            shutil.copyfileobj(src, dst)
     (args.out / "compare" / "tokens.csv").unlink()
 
     for side in ("both", "train"):

@@ -4,8 +4,8 @@ Engine settings and why:
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine core lives in this process, so hooks can reach the model.
 - `enforce_eager=True`: no CUDA graphs / torch.compile, so module hooks fire on every step.
 - prefix caching off: a cached prefix is never recomputed, so its taps would silently be missing.
-- chunked prefill off and one step per batch: every prompt is prefilled whole, in submission order, so the
-  step's flattened token rows map back to (prompt, position) exactly (checked against the token ids).
+- chunked prefill off and one step per batch: every prompt is prefilled whole, so the step's flattened token
+  rows map back to (prompt, position) by matching the token ids (the GPU runner reorders requests).
 - `prompt_logprobs=0`: vLLM reports the logprob of every actual prompt token itself (the raw, untempered
   log_softmax over FP32 logits); we also capture the logits it computed them from, for the full-vocab KL.
 
@@ -95,7 +95,34 @@ class _Step:
 
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt_id -> (first row, length)
     final_hidden: torch.Tensor | None = None  # what compute_logits slices for prompt logprobs
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1, V]
+    logits_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1, V]
+    logits_seen: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1] bool
+
+    def add_logits(self, row: int, logits: torch.Tensor) -> None:
+        """Logits for step rows [row, row+n): keep those at each prompt's scored positions (0..T-2).
+
+        vLLM 0.32 (CPU) computes them per request, vLLM 0.24 (CUDA) over the whole step; either way each
+        position must come out once, or identical every time it does."""
+        for prompt_id, (start, length) in self.spans.items():
+            lo, hi = max(row, start), min(row + logits.shape[0], start + length - 1)
+            if lo >= hi:
+                continue
+            if prompt_id not in self.logits_rows:
+                self.logits_rows[prompt_id] = logits.new_empty(length - 1, logits.shape[1])
+                self.logits_seen[prompt_id] = torch.zeros(length - 1, dtype=torch.bool)
+            rows, seen = self.logits_rows[prompt_id], self.logits_seen[prompt_id]
+            new = logits[lo - row : hi - row]
+            if seen[lo - start : hi - start].any() and not torch.equal(rows[lo - start : hi - start], new):
+                raise StackError(f"vLLM computed two different logits for prompt {prompt_id}; capture seam moved")
+            rows[lo - start : hi - start] = new
+            seen[lo - start : hi - start] = True
+
+    def logits(self, prompt_id: int, length: int) -> torch.Tensor:
+        """The prompt's [T-1, V] logits; every scored position must have been computed."""
+        seen = self.logits_seen.get(prompt_id)
+        if seen is None or not bool(seen.all()) or len(seen) != length - 1:
+            raise StackError(f"vLLM computed no complete prompt logits for prompt {prompt_id}; capture seam moved")
+        return self.logits_rows[prompt_id]
 
     def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
         """x: [rows, ...] for the whole step -> one [T, features] clone per prompt."""
@@ -163,9 +190,9 @@ class VLLMStack:
         results = []
         for prompt, output in zip(prompts, outputs):
             reported = [entry[tok].logprob for entry, tok in zip(output.prompt_logprobs[1:], prompt.token_ids[1:])]
-            logits = step.logits.get(prompt.prompt_id)
-            if logits is None or logits.shape[0] != len(prompt.token_ids) - 1:
-                raise StackError(f"vLLM computed no prompt logits for prompt {prompt.prompt_id}; capture seam moved")
+            logits = step.logits(prompt.prompt_id, len(prompt.token_ids))
+            if "logits" in taps:
+                sink(prompt.prompt_id, TapKey.of("logits", len(self.layers)), logits)
             reported = torch.tensor(reported, dtype=torch.float32)
             targets = torch.tensor(prompt.token_ids[1:], device=logits.device)
             # vLLM's own formula (Sampler.compute_logprobs), so the check holds on any device's kernels
@@ -182,19 +209,21 @@ class VLLMStack:
         model, n_layers = self.model.model, len(self.layers)
         expected = {p.prompt_id: p.token_ids for p in prompts}
 
-        def layout(m, a, k):  # input_ids of the step -> spans, in submission order, checked id for id
+        def layout(m, a, k):  # input_ids of the step -> spans, matched id for id (the runner may reorder)
             if step.spans:
                 raise StackError("vLLM split the batch over several steps; lower --batch-tokens")
             ids = arg(a, k, 0, "input_").tolist()
+            unplaced = sorted(prompts, key=lambda p: -len(p.token_ids))  # longest first: a prefix never wins
             row = 0
-            for prompt in prompts:
-                n = len(prompt.token_ids)
-                if tuple(ids[row : row + n]) != prompt.token_ids:
-                    raise StackError(
-                        f"vLLM scheduled prompt {prompt.prompt_id} differently than submitted; cannot map its rows"
-                    )
-                step.spans[prompt.prompt_id] = (row, n)
-                row += n
+            while unplaced and row < len(ids):
+                match = next((p for p in unplaced if tuple(ids[row : row + len(p.token_ids)]) == p.token_ids), None)
+                if match is None:
+                    raise StackError(f"vLLM's step holds tokens at row {row} that match no submitted prompt")
+                step.spans[match.prompt_id] = (row, len(match.token_ids))
+                unplaced.remove(match)
+                row += len(match.token_ids)
+            if unplaced:
+                raise StackError(f"vLLM did not schedule prompt {unplaced[0].prompt_id} in this step")
 
         def keep_final_hidden(m, a, k, o):
             step.final_hidden = first_tensor(o)
@@ -204,13 +233,7 @@ class VLLMStack:
             if base is None or hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
                 return  # the sampler's call on gathered last rows; not a prompt position
             row = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
-            for prompt_id, (start, length) in step.spans.items():
-                if start <= row < start + length:
-                    if row != start or hidden.shape[0] != length - 1:
-                        raise StackError("vLLM computed prompt logits in pieces; lower --batch-tokens")
-                    step.logits[prompt_id] = o.clone()
-                    if "logits" in taps:
-                        sink(prompt_id, TapKey.of("logits", n_layers), step.logits[prompt_id])
+            step.add_logits(row, o)
 
         hooks.before(model.embed_tokens, layout)
         hooks.after(model.norm, keep_final_hidden)
