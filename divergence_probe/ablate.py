@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .ablation import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from .compare import CompareOptions, CompareRun, run_compare
+from .compare import CompareOptions, CompareRun
 from .errors import ProbeError
 from .regions import aligned, parse_regions
 
@@ -117,7 +117,8 @@ class AblationRun:
         return write_ablation_run(self, Path(out_dir))
 
 
-def run_ablation(probe, compare: CompareOptions, options: AblateOptions) -> AblationRun:
+def run_ablation(probe, run_one, compare: CompareOptions, options: AblateOptions) -> AblationRun:
+    """run_one(probe, compare_options) is one compare or generate-mode run; it is repeated per combination."""
     regions = parse_regions(options.regions)
     combos = subsets(regions)
     stacks = stacks_for(probe, options.side)
@@ -128,7 +129,7 @@ def run_ablation(probe, compare: CompareOptions, options: AblateOptions) -> Abla
         step = replace(compare, progress=(lambda d, t, base=done_before: progress(base + d, t * len(combos)))
                        if progress else None)
         with aligned(stacks, [r for r in regions if r in combo]):
-            runs[combo] = run_compare(probe, step)
+            runs[combo] = run_one(probe, step)
         done_before += len(runs[combo].prompts)
     manifest = dict(next(iter(runs.values())).manifest)
     manifest["ablate"] = {"regions": list(regions), "side": options.side, "metric": options.metric,
@@ -137,11 +138,12 @@ def run_ablation(probe, compare: CompareOptions, options: AblateOptions) -> Abla
     return AblationRun(regions, options, runs, manifest)
 
 
-def run_aligned_compare(probe, compare: CompareOptions, regions, side: str) -> CompareRun:
-    """compare --align: one run with the given regions aligned on the given side(s)."""
+def run_aligned_compare(probe, run_one, compare: CompareOptions, regions, side: str) -> CompareRun:
+    """compare --align: one run with the given regions aligned on the given side(s) (none: as shipped)."""
     names = parse_regions(regions)
     AblateOptions(regions=names or ("rope",), side=side)  # validates side
     with aligned(stacks_for(probe, side), names):
-        run = run_compare(probe, compare)
-    run.manifest["align"] = {"regions": list(names), "side": side}
+        run = run_one(probe, compare)
+    if names:
+        run.manifest["align"] = {"regions": list(names), "side": side}
     return run

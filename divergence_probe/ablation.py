@@ -35,7 +35,9 @@ def combo_name(combo: Combo, order: Sequence[str]) -> str:
 
 
 def per_prompt(tokens: pd.DataFrame) -> pd.DataFrame:
-    """Per-prompt sums and maxima of a tokens table (sorted by prompt_id)."""
+    """Per-prompt sums and maxima of a tokens table (sorted by prompt_id); response tokens in generate mode."""
+    if "is_response" in tokens:
+        tokens = tokens[tokens["is_response"]]
     t = tokens.assign(abs_dlogp=tokens["delta_logprob"].abs())
     g = t.groupby("prompt_id", sort=True)
     return pd.DataFrame({

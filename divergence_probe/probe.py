@@ -19,6 +19,7 @@ import torch
 
 from .environment import environment, resolve_device
 from .errors import ProbeError
+from .compare import CompareOptions, run_compare
 from .model_source import ModelSource, resolve_model
 from .stacks import INFER_STACKS, TRAIN_STACK, Stack, StackSettings, get_stack
 
@@ -64,24 +65,31 @@ class Probe:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
 
-    def compare(self, *, align: str | tuple[str, ...] = (), side: str = "both", **options):
+    def compare(self, *, align: str | tuple[str, ...] = (), side: str = "both", generate: dict | None = None,
+                **options):
         """Diff the two stacks on prompts (options: `divergence_probe.compare.CompareOptions`), optionally
-        with `align` regions aligned on `side` ("both", "train" or "infer")."""
+        with `align` regions aligned on `side` ("both", "train" or "infer"). `generate` (a dict of
+        `divergence_probe.rollout.GenerateOptions`) switches to generate mode: sampled responses, decode path."""
         from .ablate import run_aligned_compare
-        from .compare import CompareOptions, run_compare
 
-        if align:
-            return run_aligned_compare(self, CompareOptions(**options), align, side)
-        return run_compare(self, CompareOptions(**options))
+        return run_aligned_compare(self, self._runner(generate), CompareOptions(**options), align, side)
+
+    def _runner(self, generate: dict | None):
+        """The single-run function for prefill (compare) or generate mode."""
+        if generate is None:
+            return run_compare
+        from .rollout import GenerateOptions, run_generate
+
+        gen = GenerateOptions(**generate)
+        return lambda probe, options: run_generate(probe, options, gen)
 
     def ablate(self, *, regions=("rope", "swiglu", "rmsnorm"), side: str = "both", metric: str = "mean_kl",
-               bootstrap: int = 1000, **options):
-        """Every subset of `regions` aligned, one compare each, and the attribution of the mismatch."""
+               bootstrap: int = 1000, generate: dict | None = None, **options):
+        """Every subset of `regions` aligned, one compare (or generate-mode run) each, and the attribution."""
         from .ablate import AblateOptions, run_ablation
-        from .compare import CompareOptions
 
         ablate = AblateOptions(regions=regions, side=side, metric=metric, bootstrap=bootstrap, seed=self.config.seed)
-        return run_ablation(self, CompareOptions(**options), ablate)
+        return run_ablation(self, self._runner(generate), CompareOptions(**options), ablate)
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""

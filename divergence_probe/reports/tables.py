@@ -20,10 +20,16 @@ NOT_CAPTURED = "not captured"  # no taps were requested (--taps none)
 NO_DIVERGENCE = "none"  # every captured tap was bitwise equal / under the threshold
 
 
+ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "token", "is_response",
+                         "logprob_infer", "logprob_train", "delta_logprob", "kl"]
+
+
 def tokens_frame(tokens) -> pd.DataFrame:
-    df = pd.DataFrame([asdict(t) for t in tokens], columns=[c for c in TOKEN_COLUMNS if c != "delta_logprob"])
+    rows = [asdict(t) for t in tokens]
+    columns = ROLLOUT_TOKEN_COLUMNS if rows and "sample_id" in rows[0] else TOKEN_COLUMNS
+    df = pd.DataFrame(rows, columns=[c for c in columns if c != "delta_logprob"])
     # delta = train - infer: positive when the trainer finds the sampled token more likely than the engine did
-    df.insert(6, "delta_logprob", df["logprob_train"] - df["logprob_infer"])
+    df.insert(columns.index("delta_logprob"), "delta_logprob", df["logprob_train"] - df["logprob_infer"])
     return df
 
 

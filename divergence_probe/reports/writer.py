@@ -67,6 +67,8 @@ def write_compare_run(run, out_dir: Path) -> Path:
         write_csv(run.tokens_table, tmp / "tokens.csv")
         write_csv(run.layers_table, tmp / "layers.csv")
         write_csv(pd.DataFrame([run.summary]), tmp / "summary.csv")
+        if hasattr(run, "buckets_table"):
+            write_csv(run.buckets_table, tmp / "buckets.csv")
     return out_dir
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from ..errors import ProbeError
-from .base import PromptScores, Stack, StackInfo, StackSettings, TapSink
+from .base import PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings, TapSink
 
 STACKS: dict[str, str] = {
     "vllm": "divergence_probe.stacks.vllm:VLLMStack",
@@ -26,5 +26,5 @@ def get_stack(name: str) -> Stack:
     return getattr(import_module(module), cls)()
 
 
-__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACK", "get_stack", "PromptScores", "Stack", "StackInfo",
+__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACK", "get_stack", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
            "StackSettings", "TapSink"]

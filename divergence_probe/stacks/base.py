@@ -67,3 +67,36 @@ class Stack(Protocol):
     def info(self) -> StackInfo: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """How the inference stack samples rollouts (generate mode)."""
+
+    max_new_tokens: int = 64
+    samples_per_prompt: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def request_seed(self, prompt_id: int, sample: int) -> int:
+        """One seed per (prompt, sample): reproducible, and independent of how requests are batched."""
+        return self.seed * 1_000_003 + prompt_id * 1009 + sample
+
+
+@dataclass
+class SequenceScores:
+    """One sampled sequence (prompt + response) as the inference stack produced and scored it.
+
+    token_ids: prompt then response; positions 1..L-1 are scored. logits: [L-1, V] in the stack's dtype.
+    logprobs: [L-1] float32 as the stack reports them (prompt part: prompt logprobs; response part: the raw
+    logprob of each sampled token). seq_id keys this sequence's taps.
+    """
+
+    seq_id: int
+    prompt_id: int
+    sample_id: int
+    token_ids: tuple[int, ...]
+    n_prompt: int
+    logits: torch.Tensor
+    logprobs: torch.Tensor

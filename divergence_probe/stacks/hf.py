@@ -13,6 +13,7 @@ after): the wrapper sees query/key after RoPE and the attention output before o_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -21,7 +22,7 @@ from ..errors import ModelError, NumericsError
 from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
-from .base import PromptScores, StackInfo, StackSettings, TapSink
+from .base import PromptScores, SamplingSpec, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 
 
@@ -63,6 +64,32 @@ class HFStack:
                 logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
             logprobs = token_logprobs(logits, ids[0, 1:])
             results.append(PromptScores(prompt.prompt_id, logits, logprobs))
+        return results
+
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
+        """Sample with transformers' generate, then score each whole sequence in one forward, exactly as the
+        training side does: on the inference side this makes generate mode's honest zero baseline."""
+        results = []
+        for prompt in prompts:
+            for k in range(spec.samples_per_prompt):
+                ids = torch.tensor([prompt.token_ids], device=self.settings.device)
+                with torch.random.fork_rng(devices=[]), torch.inference_mode():
+                    torch.manual_seed(spec.request_seed(prompt.prompt_id, k))
+                    out = self.model.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec.max_new_tokens,
+                        do_sample=spec.temperature > 0, temperature=spec.temperature or None, top_p=spec.top_p,
+                        top_k=0, pad_token_id=self.model.generation_config.pad_token_id,
+                    )
+                tokens = tuple(out[0].tolist())
+                seq_id = len(results)
+                fed = len(tokens) - 1  # like an engine, which never feeds its last sample back
+
+                def trimmed(sid, key, x, fed=fed):
+                    sink(sid, key, x[:fed])
+
+                [scored] = self.score([replace(prompt, prompt_id=seq_id, token_ids=tokens)], taps, trimmed)
+                results.append(SequenceScores(seq_id, prompt.prompt_id, k, tokens, len(prompt.token_ids),
+                                              scored.logits, scored.logprobs))
         return results
 
     def _capture(self, taps: frozenset[str], emit) -> HookSet:

@@ -30,8 +30,9 @@ import torch
 from ..errors import StackError
 from ..prompts import Prompt
 from ..taps import TapKey
-from .base import PromptScores, StackInfo, StackSettings, TapSink
+from .base import PromptScores, SamplingSpec, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
+from .vllm_rollout import RolloutRecorder
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ENGINE: dict = {}  # the one live engine of this process: {"key": settings, "llm": LLM}
@@ -68,20 +69,17 @@ def _disable_flashinfer_sampler_if_missing() -> None:
             topk_topp_sampler.flashinfer_sampler_supported = lambda: False
 
 
-def _find_model(llm) -> torch.nn.Module:
-    """The in-process nn.Module; the attribute path moves between releases, so it is looked up here only."""
-    engine = llm.llm_engine
+def _find_runner(llm):
+    """The in-process model runner; the attribute path moves between releases, so it is looked up here only."""
     paths = [
-        ("model_executor", "driver_worker", "worker", "model_runner", "model"),
-        ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+        ("model_executor", "driver_worker", "worker", "model_runner"),
+        ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"),
     ]
     for path in paths:
-        obj = engine
+        obj = llm.llm_engine
         for name in path:
             obj = getattr(obj, name, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(getattr(obj, "model", None), torch.nn.Module):
             return obj
     raise StackError(
         "cannot reach vLLM's model in-process (is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM "
@@ -135,9 +133,9 @@ class VLLMStack:
     name = "vllm"
 
     def __init__(self) -> None:
-        self.llm = None
-        self.model = None
+        self.llm = self.runner = self.model = None
         self.settings: StackSettings | None = None
+        self.recompute_gap = 0.0  # max |our log_softmax of captured logits - vLLM's reported logprob|
 
     def load(self, settings: StackSettings) -> None:
         vllm = _import_vllm()
@@ -170,7 +168,8 @@ class VLLMStack:
                 raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: {e}") from e
             _ENGINE.update(key=settings, llm=llm)
         self.llm = _ENGINE["llm"]
-        self.model = _find_model(self.llm)
+        self.runner = _find_runner(self.llm)
+        self.model = self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
 
@@ -194,20 +193,70 @@ class VLLMStack:
             if "logits" in taps:
                 sink(prompt.prompt_id, TapKey.of("logits", len(self.layers)), logits)
             reported = torch.tensor(reported, dtype=torch.float32)
-            targets = torch.tensor(prompt.token_ids[1:], device=logits.device)
-            # vLLM's own formula (Sampler.compute_logprobs), so the check holds on any device's kernels
-            recomputed = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[:, None])[:, 0]
-            if not torch.equal(recomputed.cpu(), reported):
-                raise StackError(  # the KL would then describe other logits than the ones vLLM scored
-                    f"the logits captured for prompt {prompt.prompt_id} do not reproduce vLLM's own prompt logprobs"
-                )
+            self._check_logits(logits, prompt.token_ids, reported, f"prompt {prompt.prompt_id}")
             results.append(PromptScores(prompt.prompt_id, logits, reported))
         return results
 
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
+        """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;
+        report raw logprobs of every sampled token and vLLM's prompt logprobs, and capture every step's taps."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        recorder = RolloutRecorder(self.runner)
+        keys, requests, params = [], [], []
+        for prompt in prompts:
+            for k in range(spec.samples_per_prompt):
+                keys.append((prompt, k))
+                requests.append(TokensPrompt(prompt_token_ids=list(prompt.token_ids)))
+                params.append(SamplingParams(
+                    max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                    seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False,
+                    ignore_eos=False))
+        hooks = HookSet()
+        model = self.model.model
+        hooks.before(model.embed_tokens, lambda m, a, k: recorder.begin_step(arg(a, k, 0, "input_")))
+        hooks.after(model.norm, lambda m, a, k, o: setattr(recorder, "final_hidden", first_tensor(o)))
+        hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
+        self._tap_hooks(hooks, taps, recorder.add_tap)
+        with torch.inference_mode(), hooks:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        by_request = {out.request_id: out for out in outputs}
+        results = []
+        internal = {req_id.split("-")[0]: req_id for req_id in recorder.logits}
+        for seq_id, ((prompt, k), out) in enumerate(zip(keys, outputs)):
+            completion = out.outputs[0]
+            response = tuple(completion.token_ids)
+            tokens = prompt.token_ids + response
+            reported = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt.token_ids[1:])]
+            reported += [e[t].logprob for e, t in zip(completion.logprobs, response)]
+            req_id = internal.get(out.request_id)
+            if req_id is None or by_request.get(out.request_id) is not out:
+                raise StackError(f"vLLM request {out.request_id} left no capture; the runner's ids changed format")
+            logits = recorder.stitch(req_id, tokens, seq_id, sink)
+            if "logits" in taps:
+                sink(seq_id, TapKey.of("logits", len(self.layers)), logits)
+            reported_t = torch.tensor(reported, dtype=torch.float32)
+            self._check_logits(logits, tokens, reported_t, f"sequence {seq_id}")
+            results.append(SequenceScores(seq_id, prompt.prompt_id, k, tokens, len(prompt.token_ids), logits, reported_t))
+        return results
+
+    def _check_logits(self, logits: torch.Tensor, tokens, reported: torch.Tensor, what: str) -> None:
+        """The captured logits must reproduce vLLM's own logprobs (Sampler.compute_logprobs). A wrong row
+        mapping is off by O(1); a softmax reducing over a differently shaped batch by an ulp or so: recorded."""
+        targets = torch.tensor(tokens[1:], device=logits.device)
+        recomputed = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[:, None])[:, 0]
+        gap = (recomputed.cpu() - reported).abs().max().item()
+        self.recompute_gap = max(self.recompute_gap, gap)
+        if not gap <= 1e-3:
+            raise StackError(  # the KL would then describe other logits than the ones vLLM scored
+                f"the logits captured for {what} do not reproduce vLLM's own logprobs (max gap {gap:.2e}); "
+                "the capture seam moved"
+            )
+
     def _capture(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, step: _Step) -> HookSet:
         hooks = HookSet()
-        model, n_layers = self.model.model, len(self.layers)
-        expected = {p.prompt_id: p.token_ids for p in prompts}
+        model = self.model.model
 
         def layout(m, a, k):  # input_ids of the step -> spans, matched id for id (the runner may reorder)
             if step.spans:
@@ -238,19 +287,23 @@ class VLLMStack:
         hooks.before(model.embed_tokens, layout)
         hooks.after(model.norm, keep_final_hidden)
         hooks.after(self.model.logits_processor, keep_logits)
-        if not taps:
-            return hooks
+        self._tap_hooks(hooks, taps, lambda key, x: step.split(x, sink, key))
+        return hooks
+
+    def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
+        """Hooks that hand each selected tap of a step, as `[step rows, ...]`, to on_tap(key, tensor)."""
+        model, n_layers = self.model.model, len(self.layers)
 
         def out(name: str, layer: int, pick=first_tensor):
-            return lambda m, a, k, o: step.split(pick(o), sink, TapKey.of(name, layer))
+            return lambda m, a, k, o: on_tap(TapKey.of(name, layer), pick(o))
 
         def inp(name: str, layer: int, index: int, arg_name: str):
-            return lambda m, a, k: step.split(arg(a, k, index, arg_name), sink, TapKey.of(name, layer))
+            return lambda m, a, k: on_tap(TapKey.of(name, layer), arg(a, k, index, arg_name))
 
         def resid_out(layer: int):
             def hook(m, a, k, o):  # the layer output exists only inside the next fused add+norm: form it here
                 hidden, residual = o
-                step.split((hidden.float() + residual.float()).to(hidden.dtype), sink, TapKey.of("resid_out", layer))
+                on_tap(TapKey.of("resid_out", layer), (hidden.float() + residual.float()).to(hidden.dtype))
 
             return hook
 
@@ -280,7 +333,6 @@ class VLLMStack:
                 hooks.before(mlp.down_proj, inp("swiglu", i, 0, "input_"))
         if "final_norm" in taps:
             hooks.after(model.norm, out("final_norm", n_layers))
-        return hooks
 
     def info(self) -> StackInfo:
         import vllm
@@ -315,9 +367,10 @@ class VLLMStack:
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(self.settings.batch_tokens, self.settings.max_model_len),
                 "torch_threads": torch.get_num_threads(),
+                "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
             },
         )
 
     def close(self) -> None:
         """The engine stays alive for reuse in this process (see module docstring); drop our references."""
-        self.llm = self.model = None
+        self.llm = self.runner = self.model = None

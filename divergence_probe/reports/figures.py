@@ -1,0 +1,296 @@
+"""The report's figures: pure functions from a run's tables to matplotlib Figures, and `save` (PNG + PDF).
+
+    fig = figures.layer_growth(layers, taps=("q_rope", "resid_out"))
+    figures.save(fig, out_dir / "figures", "layers")     # layers.png (1200 x 675 px) and layers.pdf
+
+Every figure has the same size, is readable in greyscale (each series differs in line style, marker or hatch,
+not only colour) and is byte-identical for identical inputs: no pyplot state, matplotlib's default style
+whatever the user's matplotlibrc says, a fixed hash salt, no dates or software versions in the files, and
+subsampling with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import matplotlib as mpl
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+FIGSIZE = (8.0, 4.5)  # inches
+DPI = 150  # PNG: 1200 x 675 pixels
+PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
+MAX_POINTS = 20_000  # scatter points per series; more are subsampled with a fixed seed
+SEED = 0
+
+PNG_METADATA = {"Software": None}
+PDF_METADATA = {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None}
+_RC = {
+    "svg.hashsalt": "divergence-probe",
+    "path.simplify": False,  # keep every point of a curve; the files stay small at these sizes
+    "axes.grid": True,
+    "grid.color": "#d9d9d9",
+    "grid.linewidth": 0.6,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 8.5,
+    "legend.framealpha": 0.9,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+}
+
+# Okabe-Ito colours (colour-blind safe) paired with line styles, markers and hatches that tell series apart
+# in greyscale on their own.
+COLORS = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#777777")
+LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1.5)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 2, 2, 2)))
+MARKERS = ("o", "s", "^", "D", "v", "x", "+", "*")
+HATCHES = ("///", "\\\\\\", "...", "xxx", "---", "+++", "ooo", "|||")
+
+
+def style(i: int) -> dict:
+    """Line style of series i: colour, line style and marker all differ, so greyscale prints stay readable."""
+    i %= len(COLORS)
+    return {"color": COLORS[i], "linestyle": LINESTYLES[i], "marker": MARKERS[i]}
+
+
+def _styled(fn):
+    """Build the figure under matplotlib's default style plus _RC, whatever the caller's rcParams are."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with mpl.rc_context():
+            mpl.rcdefaults()
+            mpl.rcParams.update(_RC)
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _new_figure(ncols: int = 1) -> tuple[Figure, list]:
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)  # the Agg canvas: no GUI backend, no pyplot registry
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+@_styled
+def save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
+    """Write <stem>.png (150 dpi, fixed pixel size) and <stem>.pdf, both without timestamps or versions."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, pdf = out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"
+    fig.savefig(png, format="png", dpi=DPI, metadata=PNG_METADATA)
+    fig.savefig(pdf, format="pdf", metadata=PDF_METADATA)
+    return [png, pdf]
+
+
+def _positive(values) -> np.ndarray:
+    """Values for a log axis: zeros (bitwise-equal results) and negatives become gaps."""
+    v = np.asarray(values, dtype=np.float64)
+    return np.where(v > 0, v, np.nan)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10,
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "#999999"})
+
+
+def subsample(n: int, limit: int = MAX_POINTS, seed: int = SEED) -> np.ndarray:
+    """Sorted indices of at most `limit` of n rows, the same for the same n on every run."""
+    if n <= limit:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
+
+
+# ---------------------------------------------------------------------------------------------- (1) layers
+def _layer_lines(ax, curves: list[tuple[str, pd.DataFrame]], title: str) -> None:
+    drawn = 0
+    for i, (label, df) in enumerate(curves):
+        df = df.sort_values("layer")
+        y = _positive(df["rel_l2"])
+        if np.isnan(y).all():
+            label += " (all 0)"
+        ax.plot(df["layer"].to_numpy(), y, label=label, linewidth=1.4, markersize=4.5,
+                markevery=(i % 3, 3) if len(df) > 12 else None, markerfacecolor="none", **style(i))
+        drawn += int(not np.isnan(y).all())
+    ax.set_title(title)
+    ax.set_xlabel("decoder layer (index)")
+    ax.set_ylabel("relative L2 error ‖a−b‖/‖b‖ (dimensionless)")
+    if drawn:
+        ax.set_yscale("log")
+    else:
+        _note(ax, "every tap is bitwise equal (rel_l2 = 0)")
+    ax.legend(loc="best")
+
+
+@_styled
+def layer_growth(layers: pd.DataFrame, taps: tuple[str, ...], combos: tuple[str, ...] = (),
+                 combo_tap: str = "resid_out", shipped: str = "none") -> Figure:
+    """rel_l2 per tap against decoder layer (log y). With combos (an ablation): a second panel with one
+    `combo_tap` line per combination. Only decoder layers (0..L-1) are drawn."""
+    fig, axes = _new_figure(2 if combos else 1)
+    base = layers[layers["combo"] == shipped] if combos else layers
+    curves = [(tap, base[base["tap"] == tap]) for tap in taps]
+    _layer_lines(axes[0], curves, "error growth by tap" + (f" (as shipped: {shipped})" if combos else ""))
+    if combos:
+        tap_rows = layers[layers["tap"] == combo_tap]
+        _layer_lines(axes[1], [(c, tap_rows[tap_rows["combo"] == c]) for c in combos],
+                     f"{combo_tap} by aligned regions")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (2) Δlogprob
+@_styled
+def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
+    """Histogram of delta_logprob = logprob_train − logprob_infer; several series share the bins."""
+    fig, (ax,) = _new_figure()
+    values = [np.asarray(v, dtype=np.float64) for _, v in series]
+    edges = np.histogram_bin_edges(np.concatenate(values), bins=80)
+    for i, ((label, _), v) in enumerate(zip(series, values)):
+        s = style(i)
+        if i == 0:  # the reference series filled and hatched, the others as outlines in their own line style
+            ax.hist(v, bins=edges, histtype="stepfilled", log=True, linewidth=1.2, facecolor="#e6e6e6",
+                    edgecolor=s["color"], hatch=HATCHES[0], label=f"{label} (n={len(v)})")
+        else:
+            ax.hist(v, bins=edges, histtype="step", log=True, linewidth=1.6, color=s["color"],
+                    linestyle=s["linestyle"], label=f"{label} (n={len(v)})")
+    ax.axvline(0.0, color="#555555", linewidth=0.8)
+    ax.set_title("distribution of Δlogprob")
+    ax.set_xlabel("Δlogprob = logprob_train − logprob_infer (nats)")
+    ax.set_ylabel("tokens (count, log scale)")
+    if all((v == 0).all() for v in values):
+        _note(ax, "every Δlogprob is exactly 0")
+    ax.legend(loc="upper right")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (3) |Δ| vs p
+@_styled
+def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Figure:
+    """|Δlogprob| against the inference-side probability exp(logprob_infer), log-log, per series
+    (label, logprob_infer, delta_logprob); the line is the median |Δ| in each probability decade-bin."""
+    fig, (ax,) = _new_figure()
+    drawn = 0
+    for i, (label, logp, delta) in enumerate(series):
+        p, d = np.exp(np.asarray(logp, dtype=np.float64)), np.abs(np.asarray(delta, dtype=np.float64))
+        keep = subsample(len(p))
+        p_s, d_s = p[keep], _positive(d[keep])
+        zeros = int((d == 0).sum())
+        s = style(i)
+        shown = f"{label} ({len(keep)} of {len(p)} tokens" + (")" if len(keep) == len(p) else ", sampled)")
+        if zeros:
+            shown += f"; {zeros} with Δ=0 not shown"
+        ax.scatter(p_s, d_s, s=5, marker=s["marker"], facecolors="none" if s["marker"] not in "x+" else s["color"],
+                   edgecolors=s["color"], linewidths=0.5, alpha=0.5, rasterized=True, label=shown)
+        if (d > 0).any():
+            drawn += 1
+            lo = max(np.log10(p[p > 0].min()), -30.0)
+            edges = np.linspace(lo, 0.0, 25)
+            which = np.clip(np.digitize(np.log10(np.maximum(p, 1e-300)), edges) - 1, 0, len(edges) - 2)
+            med = np.array([np.median(d[which == b]) if (which == b).any() else np.nan for b in range(len(edges) - 1)])
+            centres = 10 ** ((edges[:-1] + edges[1:]) / 2)
+            ax.plot(centres, _positive(med), color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
+                    label=f"{label}: median per bin")
+    ax.set_title("|Δlogprob| against the token's inference probability")
+    ax.set_xlabel("inference-side token probability exp(logprob_infer) (log scale)")
+    ax.set_ylabel("|Δlogprob| (nats, log scale)")
+    if drawn:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.legend(loc="lower left", markerscale=2.5)
+    else:
+        ax.set_xscale("log")
+        _note(ax, "every Δlogprob is exactly 0")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (4) KL
+@_styled
+def kl_by_position(series: list[tuple[str, pd.DataFrame]]) -> Figure:
+    """Per-token KL(π_infer ‖ π_train), averaged over prompts at each position (log y)."""
+    fig, (ax,) = _new_figure()
+    drawn = 0
+    for i, (label, df) in enumerate(series):
+        mean = df.groupby("position", sort=True)["kl"].mean()
+        y = _positive(mean.to_numpy())
+        drawn += int(not np.isnan(y).all())
+        s = style(i)
+        ax.plot(mean.index.to_numpy(), y, color=s["color"], linestyle=s["linestyle"], linewidth=1.1,
+                label=f"{label} (mean over {df['prompt_id'].nunique()} prompts)")
+    ax.set_title("per-token KL along the sequence")
+    ax.set_xlabel("token position in the prompt (index)")
+    ax.set_ylabel("mean KL(π_infer ‖ π_train) (nats, log scale)")
+    if drawn:
+        ax.set_yscale("log")
+    else:
+        _note(ax, "every KL is exactly 0")
+    ax.legend(loc="upper right")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (5) attribution
+@_styled
+def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(remaining)") -> Figure:
+    """Shapley value per region with its bootstrap interval, and the metric left with every region aligned."""
+    fig, (ax,) = _new_figure()
+    labels = list(attribution["region"])
+    values = attribution["shapley"].to_numpy(dtype=np.float64)
+    low = attribution["ci_low"].to_numpy(dtype=np.float64)
+    high = attribution["ci_high"].to_numpy(dtype=np.float64)
+    x = np.arange(len(labels))
+    is_rest = np.array([r == remaining for r in labels])
+    for i in range(len(labels)):
+        ax.bar(x[i], values[i], width=0.6, color="#bbbbbb" if is_rest[i] else "#ffffff",
+               edgecolor="#000000", linewidth=1.0, hatch="..." if is_rest[i] else HATCHES[i % 2])
+    ok = np.isfinite(low) & np.isfinite(high)
+    if ok.any():
+        err = np.vstack([np.maximum(values - low, 0), np.maximum(high - values, 0)])[:, ok]
+        ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor="#000000", elinewidth=1.2, capsize=5,
+                    label="95% bootstrap interval")
+        ax.legend(loc="upper right")
+    shares = attribution["share"].to_numpy(dtype=np.float64)
+    for i in range(len(labels)):
+        if np.isfinite(shares[i]):
+            text = f"{100 * shares[i]:.3g}%" + (" of shipped" if is_rest[i] else "")
+            top = max(values[i], high[i] if np.isfinite(high[i]) else values[i])
+            ax.annotate(text, (x[i], top if values[i] >= 0 else 0), xytext=(0, 4), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=9)
+    ax.axhline(0.0, color="#000000", linewidth=0.8)
+    if is_rest.any() and (~is_rest).any():
+        ax.axvline(x[is_rest][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
+    ax.set_xticks(x, [("remaining\n(with all aligned)" if r else lab) for lab, r in zip(labels, is_rest)])
+    ax.set_title(f"attribution of the reduction in {metric}")
+    ax.set_xlabel("region (aligned: FP32 until its output)")
+    ax.set_ylabel(f"Shapley value: reduction in {metric} (nats)")
+    ax.margins(y=0.15)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (6) ratio
+@_styled
+def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
+    """Importance ratio ρ = exp(logprob_train − logprob_infer) on response tokens, with the clip band [1−ε, 1+ε]."""
+    fig, (ax,) = _new_figure()
+    rho = np.asarray(rho, dtype=np.float64)
+    lo, hi = 1.0 - eps, 1.0 + eps
+    outside = int(((rho < lo) | (rho > hi)).sum())
+    finite = rho[np.isfinite(rho)]
+    ax.axvspan(lo, hi, facecolor="#eeeeee", edgecolor="#888888", hatch="//", linewidth=0.0,
+               label=f"clip band [1−ε, 1+ε], ε = {eps:g}")
+    ax.axvline(lo, color="#555555", linestyle="--", linewidth=1.0)
+    ax.axvline(hi, color="#555555", linestyle="--", linewidth=1.0)
+    if len(finite):
+        edges = np.histogram_bin_edges(finite, bins=100)
+        ax.hist(finite, bins=edges, histtype="stepfilled", log=True, facecolor="#777777", edgecolor="#000000",
+                linewidth=0.8, label=f"response tokens (n={len(rho)}; {outside} outside the band)")
+        span = (min(finite.min(), lo), max(finite.max(), hi))
+        pad = 0.05 * (span[1] - span[0])
+        ax.set_xlim(span[0] - pad, span[1] + pad)
+    else:
+        _note(ax, "no response tokens")
+    ax.axvline(1.0, color="#000000", linewidth=0.8)
+    ax.set_title("importance ratio on response tokens")
+    ax.set_xlabel("importance ratio ρ = exp(logprob_train − logprob_infer) (dimensionless)")
+    ax.set_ylabel("tokens (count, log scale)")
+    ax.legend(loc="upper right")
+    return fig
