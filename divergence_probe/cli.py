@@ -40,8 +40,17 @@ SeedOpt = typer.Option(0, "--seed", help="Seed for every random choice (recorded
 ThresholdOpt = typer.Option(1e-3, "--threshold", help="rel_l2 above which a tap counts as diverged (first_over_threshold).")
 BatchOpt = typer.Option(8192, "--batch-tokens", help="Most prompt tokens per inference batch; bounds the memory held while pairing taps.")
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
+ModeOpt = typer.Option("prefill", "--mode", help="prefill: score the prompts (vLLM's prompt logprobs); generate: sample responses through vLLM's decode path and compare what RL sees.")
+NewTokOpt = typer.Option(64, "--max-new-tokens", help="generate mode: most tokens sampled per response.")
+SamplesOpt = typer.Option(1, "--samples-per-prompt", help="generate mode: responses sampled per prompt.")
+TempOpt = typer.Option(1.0, "--temperature", help="generate mode: sampling temperature (0 = greedy). Compared logprobs stay raw (untempered).")
+TopPOpt = typer.Option(1.0, "--top-p", help="generate mode: nucleus sampling.")
+ClipOpt = typer.Option(0.2, "--clip-eps", help="generate mode: PPO clip band [1-eps, 1+eps] for the ratio metrics.")
+TisOpt = typer.Option(2.0, "--tis-cap", help="generate mode: TIS truncation cap C (token MIS band [1/C, C]).")
+BatchInvOpt = typer.Option(False, "--batch-invariance", help="Also measure each stack alone vs batched on the same sequences (the noise floor; batch_invariance.csv).")
 AlignOpt = typer.Option("", "--align", help="Regions to align (FP32 until the output, one rounding): comma list of rope, swiglu, rmsnorm.")
 SideOpt = typer.Option("both", "--side", help="Where regions are aligned: both, train (transformers only; the engine as shipped) or infer.")
+ReportOpt = typer.Option(False, "--report", help="After the run is written, render OUT/report (report.md and figures; see the report command).")
 
 
 def _default_out() -> Path:
@@ -66,7 +75,7 @@ def _print_summary(run, out_dir: Path) -> None:
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("tokens scored", str(s["n_tokens"]))
+    table.add_row("response tokens scored" if "k3" in s else "tokens scored", str(s["n_tokens"]))
     table.add_row("mean |Δlogp|", f"{s['mean_abs_dlogp']:.3e}")
     table.add_row("max |Δlogp|", f"{s['max_abs_dlogp']:.3e}")
     table.add_row("p99 |Δlogp|", f"{s['p99_abs_dlogp']:.3e}")
@@ -76,6 +85,12 @@ def _print_summary(run, out_dir: Path) -> None:
     table.add_row(f"first tap over rel_l2 {run.threshold:g}", s["first_over_threshold"])
     worst = worst_layer(run.tap_stats)
     table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})" if worst else "not captured")
+    for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
+                       ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
+                       ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
+                       ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
+        if key in s:
+            table.add_row(label, f"{s[key]:.3e}")
     out.print(table)
     out.print(f"report: {out_dir}")
 
@@ -97,6 +112,15 @@ def compare(
     out_dir: Optional[Path] = OutOpt,
     align: str = AlignOpt,
     side: str = SideOpt,
+    mode: str = ModeOpt,
+    max_new_tokens: int = NewTokOpt,
+    samples_per_prompt: int = SamplesOpt,
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    clip_eps: float = ClipOpt,
+    tis_cap: float = TisOpt,
+    batch_invariance: bool = BatchInvOpt,
+    report: bool = ReportOpt,
 ) -> None:
     """Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
@@ -106,17 +130,42 @@ def compare(
     from .ablate import AblateOptions
     from .regions import parse_regions
 
+    generate = _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap)
+
     def work(probe, progress):
-        return probe.compare(align=parse_regions(align), side=side, prompts=prompts, num_prompts=num_prompts,
-                             max_prompt_tokens=max_prompt_tokens, taps=taps, threshold=threshold, progress=progress)
+        return probe.compare(align=parse_regions(align), side=side, generate=generate, prompts=prompts,
+                             num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, taps=taps,
+                             threshold=threshold, batch_invariance=batch_invariance, progress=progress)
 
     def validate():
         AblateOptions(regions=parse_regions(align) or ("rope",), side=side)
+        _check_generate(generate)
 
     run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
                         dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
                              batch_tokens=batch_tokens))
     _print_summary(run, out_dir)
+    if report:
+        _write_report(out_dir)
+
+
+def _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap):
+    """None for prefill mode, else the GenerateOptions fields (validated in _check_generate)."""
+    if mode not in ("prefill", "generate"):
+        return {"mode": mode}
+    if mode == "prefill":
+        return None
+    return dict(max_new_tokens=max_new_tokens, samples_per_prompt=samples_per_prompt, temperature=temperature,
+                top_p=top_p, clip_eps=clip_eps, tis_cap=tis_cap)
+
+
+def _check_generate(generate) -> None:
+    from .rollout import GenerateOptions
+
+    if generate and "mode" in generate:
+        raise ProbeError(f"--mode {generate['mode']!r}; choose prefill or generate")
+    if generate:
+        GenerateOptions(**generate)
 
 
 def _run(work, validate, model, out_dir, taps, threshold, load_kwargs):
@@ -159,10 +208,18 @@ def ablate(
     threshold: float = ThresholdOpt,
     batch_tokens: int = BatchOpt,
     out_dir: Optional[Path] = OutOpt,
+    mode: str = ModeOpt,
+    max_new_tokens: int = NewTokOpt,
+    samples_per_prompt: int = SamplesOpt,
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    clip_eps: float = ClipOpt,
+    tis_cap: float = TisOpt,
     regions: str = typer.Option("rope,swiglu,rmsnorm", "--regions", help="Regions to ablate; all 2^k subsets run."),
     side: str = SideOpt,
     metric: str = typer.Option("mean_kl", "--metric", help="What attribution explains: mean_kl, mean_abs_dlogp, max_kl or max_abs_dlogp."),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap resamples of prompts for confidence intervals (0 = none)."),
+    report: bool = ReportOpt,
 ) -> None:
     """Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
@@ -173,18 +230,23 @@ def ablate(
     from .ablate import AblateOptions
     from .regions import parse_regions
 
+    generate = _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap)
+
     def work(probe, progress):
         return probe.ablate(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap,
-                            prompts=prompts, num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens,
-                            taps=taps, threshold=threshold, progress=progress)
+                            generate=generate, prompts=prompts, num_prompts=num_prompts,
+                            max_prompt_tokens=max_prompt_tokens, taps=taps, threshold=threshold, progress=progress)
 
     def validate():
         AblateOptions(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap)
+        _check_generate(generate)
 
     run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
                         dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
                              batch_tokens=batch_tokens))
     _print_ablation(run, out_dir)
+    if report:
+        _write_report(out_dir)
 
 
 def _print_ablation(run, out_dir: Path) -> None:
@@ -204,6 +266,29 @@ def _print_ablation(run, out_dir: Path) -> None:
                      f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
     out.print(attr)
     out.print(f"report: {out_dir}")
+
+
+@app.command("report")
+def report_command(
+    run_dir: Path = typer.Argument(..., help="A run folder: the --out of compare or ablate."),
+    fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder, or one holding a previous report (replaced). Default: RUN_DIR/report."),
+) -> None:
+    """Render a run folder as a report a reader understands without the tool: setup, headline numbers,
+    first divergence, tables and figures (error growth across layers, Δlogprob, KL by position, attribution).
+    """
+    _write_report(run_dir, out_dir, fmt)
+
+
+def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md") -> None:
+    from .report import write_report
+
+    try:
+        with console.status("rendering the report…"):
+            path = write_report(run_dir, out_dir, fmt=fmt)
+    except ProbeError as e:
+        _fail(e)
+    out.print(f"report: {path}")
 
 
 @app.command("make-model")

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .errors import NumericsError, ProbeError, StackError
 from .metrics import DiffStats, token_kl
@@ -36,6 +37,8 @@ class CompareOptions:
     """all, none, or a comma list of canonical tap names."""
     threshold: float = 1e-3
     """rel_l2 above which a tap counts as diverged (first_over_threshold)."""
+    batch_invariance: bool = False
+    """Also measure each stack's own batch-1-vs-batched difference (batch_invariance.csv)."""
     progress: Progress | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +69,7 @@ class CompareRun:
     tap_stats: dict[TapKey, DiffStats]
     threshold: float
     manifest: dict = field(default_factory=dict)
+    batch_invariance: "pd.DataFrame | None" = None
 
     @property
     def tokens_table(self):
@@ -77,7 +81,7 @@ class CompareRun:
 
     @property
     def summary(self) -> dict:
-        return summary_row(self.tokens, self.tap_stats, self.threshold)
+        return summary_row(self.tokens, self.tap_stats, self.threshold) | noise_floor_columns(self.batch_invariance)
 
     def write(self, out_dir: str | Path) -> Path:
         from .reports.writer import write_compare_run
@@ -118,6 +122,13 @@ def score_prompt(probe, prompt: Prompt, infer_logits, infer_logprobs, train_logi
     ]
 
 
+def noise_floor_columns(floor) -> dict:
+    """Each stack's own batch-1-vs-batched mean |Δlogp|, for the summary beside the mismatch (if measured)."""
+    if floor is None:
+        return {}
+    return {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
+
+
 def run_compare(probe, options: CompareOptions) -> CompareRun:
     prompts_path = Path(options.prompts) if options.prompts is not None else default_prompts_path()
     prompts = load_prompts(
@@ -151,4 +162,5 @@ def run_compare(probe, options: CompareOptions) -> CompareRun:
         "taps": sorted(taps),
         "threshold": options.threshold,
     }
-    return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest)
+    floor = measure_batch_invariance(probe, prompts) if options.batch_invariance else None
+    return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor)

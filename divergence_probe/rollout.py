@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
-from .compare import CompareOptions, CompareRun, TokenScore, batches, score_prompt
+from .compare import CompareOptions, CompareRun, TokenScore, batches, noise_floor_columns, score_prompt
 from .errors import ProbeError
 from .prompts import Prompt, default_prompts_path, file_hashes, load_prompts
 from .reports.tables import summary_row
@@ -88,7 +89,7 @@ class RolloutRun(CompareRun):
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              g.clip_eps, g.tis_cap)
         row |= sequence_metrics(responses, g.clip_eps)
-        return row
+        return row | noise_floor_columns(self.batch_invariance)
 
     @property
     def buckets_table(self) -> pd.DataFrame:
@@ -107,6 +108,7 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
     spec = gen.spec(probe.config.seed)
     tokens: list[RolloutTokenScore] = []
+    sampled: list[Prompt] = []  # every prompt+response, for the noise floor
     done = 0
     for group in batches(prompts, max(1, probe.settings.batch_tokens // gen.samples_per_prompt)):
         sequences = probe.infer.sample(group, spec, taps, pairing.park)
@@ -117,6 +119,7 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
                 pairing.pair(seq_id, key, x[:fed])
 
             as_prompt = Prompt(seq.seq_id, f"prompt {seq.prompt_id} sample {seq.sample_id}", "", seq.token_ids)
+            sampled.append(as_prompt)
             [train] = probe.train.score([as_prompt], taps, pair)
             pairing.finish_prompt(seq.seq_id)
             scored = score_prompt(probe, as_prompt, seq.logits, seq.logprobs, train.logits, train.logprobs)
@@ -136,4 +139,5 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
         "threshold": options.threshold,
     }
     manifest["generate"] = asdict(gen) | {"logprobs": "raw (untempered log-softmax of the logits)"}
-    return RolloutRun(prompts, tokens, pairing.stats, options.threshold, manifest, generate=gen)
+    floor = measure_batch_invariance(probe, sampled) if options.batch_invariance else None
+    return RolloutRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor, generate=gen)

@@ -69,6 +69,8 @@ def write_compare_run(run, out_dir: Path) -> Path:
         write_csv(pd.DataFrame([run.summary]), tmp / "summary.csv")
         if hasattr(run, "buckets_table"):
             write_csv(run.buckets_table, tmp / "buckets.csv")
+        if run.batch_invariance is not None:
+            write_csv(run.batch_invariance, tmp / "batch_invariance.csv")
     return out_dir
 
 

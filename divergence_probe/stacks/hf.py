@@ -66,6 +66,25 @@ class HFStack:
             results.append(PromptScores(prompt.prompt_id, logits, logprobs))
         return results
 
+    def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
+        """All prompts in one right-padded forward (attention mask, positions from 0 per row), no taps:
+        how a trainer batches sequences of different lengths."""
+        pad = self.model.generation_config.pad_token_id or 0
+        longest = max(len(p.token_ids) for p in prompts)
+        ids = torch.full((len(prompts), longest), pad, device=self.settings.device)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
+            mask[row, : len(p.token_ids)] = 1
+        positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        results = []
+        for row, p in enumerate(prompts):
+            n = len(p.token_ids)
+            results.append(PromptScores(p.prompt_id, logits[row, : n - 1], token_logprobs(logits[row, : n - 1], ids[row, 1:n])))
+        return results
+
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         """Sample with transformers' generate, then score each whole sequence in one forward, exactly as the
         training side does: on the inference side this makes generate mode's honest zero baseline."""

@@ -197,6 +197,10 @@ class VLLMStack:
             results.append(PromptScores(prompt.prompt_id, logits, reported))
         return results
 
+    def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
+        """All prompts in one engine step (as `score` does), no taps."""
+        return self.score(prompts, frozenset(), lambda *_: None)
+
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;
         report raw logprobs of every sampled token and vLLM's prompt logprobs, and capture every step's taps."""
