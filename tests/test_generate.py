@@ -1,0 +1,72 @@
+"""compare --mode generate: sampled responses through vLLM's decode path vs a teacher-forced trainer forward."""
+
+from __future__ import annotations
+
+import pandas as pd
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.taps import ALL_TAPS, expected_taps
+
+GEN = dict(max_new_tokens=12, samples_per_prompt=2, temperature=1.0)
+
+
+def test_generate_is_reproducible_byte_for_byte(vllm_probe, prompts_file, tmp_path):
+    for name in ("a", "b"):
+        vllm_probe.compare(prompts=prompts_file, generate=GEN).write(tmp_path / name)
+    for csv in ("tokens.csv", "layers.csv", "summary.csv", "buckets.csv"):
+        assert (tmp_path / "a" / csv).read_bytes() == (tmp_path / "b" / csv).read_bytes(), csv
+
+
+def test_decode_path_taps_cover_every_layer_and_response_token(vllm_probe, prompts_file):
+    run = vllm_probe.compare(prompts=prompts_file, generate=GEN)
+    tokens = run.tokens_table
+    assert set(tokens.sample_id) == {0, 1} and tokens.is_response.any() and (~tokens.is_response).any()
+    n_layers = vllm_probe.source.num_layers
+    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), n_layers, has_qk_norm=True)}
+    assert set(zip(run.layers_table.tap, run.layers_table.layer)) == want
+    response = tokens[tokens.is_response]
+    assert (response.delta_logprob != 0).any()  # the decode path disagrees with the trainer too
+    summary = run.summary
+    assert summary["n_tokens"] == len(response) == summary["n_response_tokens"]
+    assert summary["k3"] >= 0 and summary["n_sequences"] == 2 * len(run.prompts)
+
+
+def test_sampling_settings_change_the_samples(vllm_probe, prompts_file):
+    base = vllm_probe.compare(prompts=prompts_file, taps="none", generate=GEN).tokens_table
+    greedy = vllm_probe.compare(prompts=prompts_file, taps="none", generate=GEN | {"temperature": 0.0}).tokens_table
+    assert not base.token_id.equals(greedy.token_id) or len(base) != len(greedy)
+
+
+def test_hf_vs_hf_generate_is_exactly_zero_on_responses(hf_probe, prompts_file):
+    run = hf_probe.compare(prompts=prompts_file, generate=GEN, batch_invariance=True)
+    response = run.tokens_table[run.tokens_table.is_response]
+    assert len(response) > 0
+    assert (response.delta_logprob == 0).all() and (response.kl == 0).all()
+    s = run.summary
+    assert s["ratio_min"] == s["ratio_max"] == 1.0 and s["ppo_clip_frac"] == 0 and s["first_inexact"] == "none"
+    assert list(run.batch_invariance.side) == ["infer", "train"]
+
+
+def test_generate_cli_writes_rl_files(qwen3_tiny, prompts_file, tmp_path):
+    out_dir = tmp_path / "gen"
+    result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file),
+                                      "--infer", "hf", "--mode", "generate", "--max-new-tokens", "6",
+                                      "--batch-invariance", "--taps", "none", "--out", str(out_dir)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    tokens = pd.read_csv(out_dir / "tokens.csv")
+    assert {"sample_id", "is_response"} <= set(tokens.columns)
+    summary = pd.read_csv(out_dir / "summary.csv")
+    for col in ("k1", "k2", "k3", "ppo_clip_frac", "tis_truncated_frac", "mis_masked_frac", "ess", "ppl_ratio",
+                "noise_infer_mean_abs_dlogp", "noise_train_mean_abs_dlogp", "prompt_mean_abs_dlogp"):
+        assert col in summary.columns, col
+    assert set(pd.read_csv(out_dir / "buckets.csv").group) == {"p_infer", "response_position"}
+    assert len(pd.read_csv(out_dir / "batch_invariance.csv")) == 2
+
+
+def test_bad_generate_flags(qwen3_tiny, tmp_path):
+    for flags, message in [(["--mode", "decode"], "--mode"), (["--mode", "generate", "--top-p", "0"], "--top-p"),
+                           (["--mode", "generate", "--max-new-tokens", "0"], "--max-new-tokens")]:
+        result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), *flags, "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2 and message in result.output, result.output

@@ -1,0 +1,66 @@
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from divergence_probe.rl_metrics import bucket_table, sequence_metrics, token_metrics
+
+logprobs = st.lists(st.floats(-12, 0), min_size=1, max_size=40)
+
+
+def test_hand_computed_values():
+    lp_infer = np.log([0.5, 0.25])
+    lp_train = np.log([0.25, 0.25])  # r = [-ln 2, 0], rho = [0.5, 1]
+    m = token_metrics(lp_infer, lp_train, clip_eps=0.2, tis_cap=2.0)
+    ln2 = math.log(2)
+    assert m["mean_abs_dlogp"] == pytest.approx(ln2 / 2) and m["max_abs_dlogp"] == pytest.approx(ln2)
+    assert m["mean_abs_dp"] == pytest.approx(0.125) and m["max_abs_dp"] == pytest.approx(0.25)
+    assert m["k1"] == pytest.approx(ln2 / 2)
+    assert m["k2"] == pytest.approx(ln2**2 / 4)
+    assert m["k3"] == pytest.approx(((0.5 - 1 + ln2) + 0) / 2)
+    assert m["ratio_mean"] == pytest.approx(0.75) and m["ratio_min"] == pytest.approx(0.5) and m["ratio_max"] == 1
+    assert m["ppo_clip_frac"] == 0.5 and m["tis_truncated_frac"] == 0 and m["mis_masked_frac"] == 0
+    assert m["ess"] == pytest.approx(1.5**2 / (2 * 1.25))
+
+
+@settings(max_examples=100, deadline=None)
+@given(logprobs, st.lists(st.floats(-0.5, 0.5), min_size=40, max_size=40))
+def test_properties(lp_infer, noise):
+    lp_infer = np.array(lp_infer)
+    lp_train = lp_infer + np.array(noise[: len(lp_infer)])
+    m = token_metrics(lp_infer, lp_train, 0.2, 2.0)
+    assert m["k3"] >= -1e-15 and m["k2"] >= 0  # k3 = (rho - 1) - log rho >= 0
+    assert 0 < m["ess"] <= 1 + 1e-12
+    for frac in ("ppo_clip_frac", "tis_truncated_frac", "mis_masked_frac"):
+        assert 0 <= m[frac] <= 1
+    assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+
+
+@given(logprobs)
+def test_no_mismatch_means_ratio_one_and_nothing_clipped(lp):
+    m = token_metrics(np.array(lp), np.array(lp), 0.2, 2.0)
+    assert m["ratio_mean"] == m["ratio_min"] == m["ratio_max"] == 1.0 and m["ratio_std"] == 0
+    assert m["ppo_clip_frac"] == m["tis_truncated_frac"] == m["mis_masked_frac"] == 0
+    assert m["k1"] == m["k2"] == m["k3"] == 0 and m["ess"] == 1.0
+
+
+def test_sequence_metrics_and_buckets():
+    responses = pd.DataFrame({
+        "prompt_id": [0, 0, 0, 1], "sample_id": [0, 0, 1, 0],
+        "delta_logprob": [0.1, 0.2, -0.3, 0.0],
+        "logprob_infer": np.log([0.9995, 0.5, 0.0005, 0.05]), "logprob_train": np.log([0.9995, 0.5, 0.0005, 0.05]),
+        "kl": [0.0, 0.1, 0.2, 0.3], "response_position": [0, 1, 0, 20],
+    })
+    m = sequence_metrics(responses, clip_eps=0.2)
+    assert m["n_sequences"] == 3
+    assert m["seq_mean_abs_logratio"] == pytest.approx((0.3 + 0.3 + 0.0) / 3)
+    assert m["seq_max_abs_logratio"] == pytest.approx(0.3)
+    assert m["mean_logppl_diff"] == pytest.approx(-(0.15 - 0.3 + 0.0) / 3)
+    table = bucket_table(responses, 0.2, 2.0)
+    by_prob = table[table.group == "p_infer"].set_index("bucket")["n_tokens"]
+    assert by_prob["[0, 0.001)"] == 1 and by_prob["[0.9, 1]"] == 1 and by_prob["[0.01, 0.1)"] == 1
+    by_pos = table[table.group == "response_position"].set_index("bucket")["n_tokens"]
+    assert by_pos["[0, 16)"] == 3 and by_pos["[16, 64)"] == 1
