@@ -1,11 +1,14 @@
 """The GPU lane: compare and ablate at real Qwen shapes on one CUDA GPU, with timings, in one process.
 
     PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200.py --preset qwen2.5-1.5b --out $OUT/qwen2.5-1.5b
+    ... --part rollout --out $OUT/qwen2.5-1.5b-rollout
 
-One process per model (one vLLM engine per process). Writes, under --out:
+One process per model (one vLLM engine per process). `--part prefill` writes, under --out:
   compare/             compare with all taps (the run folder compare writes)
   ablate-both/         ablate --side both, and ablate-train/ --side train (tokens.csv dropped: too large to commit)
   timings.json         seconds for each step and the ratios the benchmark targets are stated in
+`--part rollout` writes noise-prefill/ (compare --taps none --batch-invariance) and generate/
+(compare --mode generate --batch-invariance, all taps) and timings.json.
 The model is built with make-model (real shapes, seeded weights): real weights need a network.
 """
 
@@ -32,6 +35,28 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
+def gzip_tokens(run_dir: Path) -> None:
+    tokens_csv = run_dir / "tokens.csv"
+    with open(tokens_csv, "rb") as src, open(tokens_csv.with_suffix(".csv.gz"), "wb") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:  # mtime=0: same data, same bytes
+            shutil.copyfileobj(src, dst)
+    tokens_csv.unlink()
+
+
+def rollout(probe, args, opts, timings) -> None:
+    noise, timings["noise_prefill_s"] = timed(lambda: probe.compare(taps="none", batch_invariance=True, **opts))
+    noise.write(args.out / "noise-prefill")
+    gzip_tokens(args.out / "noise-prefill")
+    gen = dict(max_new_tokens=args.max_new_tokens, samples_per_prompt=1, temperature=1.0)
+    run, timings["generate_s"] = timed(lambda: probe.compare(taps="all", batch_invariance=True, generate=gen, **opts))
+    run.write(args.out / "generate")
+    gzip_tokens(args.out / "generate")
+    timings["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    (args.out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    print(json.dumps(timings, indent=2))
+    print(json.dumps(run.summary, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", required=True)
@@ -42,6 +67,8 @@ def main() -> None:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/dp-models"))
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--part", choices=("prefill", "rollout"), default="prefill")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
     model_dir = args.models_dir / args.preset
@@ -51,6 +78,8 @@ def main() -> None:
     probe, timings["load_s"] = timed(lambda: dp.load(str(model_dir), infer="vllm", dtype="bfloat16", device=args.device))
     opts = dict(prompts=args.prompts, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
 
+    if args.part == "rollout":
+        return rollout(probe, args, opts, timings)
     probe.compare(taps="none", **opts)  # warm-up: first-call kernel selection and allocator growth
     runs = {}
     for taps in ("all", "none", "all", "none"):  # interleaved, so drift hits both alike
@@ -58,11 +87,7 @@ def main() -> None:
         timings.setdefault(f"compare_{taps}_s", []).append(seconds)
         runs[taps] = run
     runs["all"].write(args.out / "compare")
-    tokens_csv = args.out / "compare" / "tokens.csv"
-    with open(tokens_csv, "rb") as src, open(tokens_csv.with_suffix(".csv.gz"), "wb") as raw:
-        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:  # mtime=0: same data, same bytes
-            shutil.copyfileobj(src, dst)
-    (args.out / "compare" / "tokens.csv").unlink()
+    gzip_tokens(args.out / "compare")
 
     for side in ("both", "train"):
         abl, timings[f"ablate_{side}_s"] = timed(lambda: probe.ablate(side=side, bootstrap=args.bootstrap, taps="all", **opts))
