@@ -31,7 +31,7 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
         for seq in sequences:
             [alone] = stack.score([seq], frozenset(), _ignore)
             batched = together[seq.prompt_id]
-            deltas.append((batched.logprobs.double() - alone.logprobs.double()).abs().numpy())
+            deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
             kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
         d, k = np.concatenate(deltas), np.concatenate(kls)
         rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),

@@ -198,8 +198,11 @@ class VLLMStack:
         return results
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
-        """All prompts in one engine step (as `score` does), no taps."""
-        return self.score(prompts, frozenset(), lambda *_: None)
+        """Prompts batched into engine steps of at most --batch-tokens (as compare runs them), no taps."""
+        from ..compare import batches
+
+        return [s for group in batches(prompts, self.settings.batch_tokens)
+                for s in self.score(group, frozenset(), lambda *_: None)]
 
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;

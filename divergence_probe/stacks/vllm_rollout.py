@@ -40,15 +40,18 @@ class RolloutRecorder:
         self._joined: dict[TapKey, torch.Tensor] = {}
 
     def begin_step(self, input_ids: torch.Tensor) -> None:
-        batch = self.runner.input_batch
         try:
+            batch = self.runner.input_batch
             n = batch.num_reqs
             req_ids = list(batch.req_ids[:n])
             starts = self.runner.query_start_loc.np[: n + 1].tolist()
             computed = batch.num_computed_tokens_cpu[:n].tolist()
         except AttributeError as e:
-            raise StackError(f"this vLLM's model runner has no step layout ({e}); generate mode knows vLLM "
-                             "0.24 (CUDA) and 0.32 (CPU)") from e
+            raise StackError(
+                f"{type(self.runner).__name__} ({type(self.runner).__module__}) exposes no step layout ({e}); "
+                "generate mode reads the layout of vLLM's v1 GPUModelRunner (0.32 CPU, 0.24 CUDA for Qwen2); "
+                "vLLM 0.24's newer runner (used for Qwen3 on CUDA) is not supported yet"
+            ) from e
         self.steps.append([_Span(r, starts[i], int(computed[i]), starts[i + 1] - starts[i]) for i, r in enumerate(req_ids)])
         self.step_ids.append(input_ids.tolist())
 
