@@ -11,6 +11,9 @@ The named presets copy the shapes of published Qwen models, so kernels see the s
     make_model(Path("/tmp/qwen3-tiny"), arch="qwen3", preset="tiny", seed=0)
 
 Same arch, preset and seed give byte-identical files (with the same torch and transformers versions).
+
+The default model (`default_model_path()`) is not random: it is the `tiny` Qwen3 trained on the Python standard
+library by scripts/train_default_model.py and shipped in data/default_model/ (model card: MODEL.md there).
 """
 
 import os
@@ -246,6 +249,10 @@ def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: i
 # -----------------------------------------------------------------------------
 # public API
 
+# The trained default model (scripts/train_default_model.py). A plain path, not importlib.resources: both stacks
+# load a checkpoint from a folder on disk, and an install that has no such folder falls back to the random model.
+SHIPPED_MODEL = Path(__file__).resolve().parent / "data" / "default_model"
+
 
 def make_model(
     out_dir: Path, *, arch: str | None = None, preset: str = "tiny", seed: int = 0, overwrite: bool = False,
@@ -301,12 +308,16 @@ def make_model(
 
 
 def default_model_path() -> Path:
-    """The built-in model (qwen3, tiny, seed 0), built into the cache on first use and reused after.
+    """The built-in model: the trained tiny Qwen3 shipped in the package (data/default_model/, see MODEL.md).
 
-    The cache is $DIVERGENCE_PROBE_HOME/models (default ~/.cache/divergence-probe/models). No lock is needed:
-    make_model renames a complete directory into place, so when two processes build at once one rename wins
-    and the other process uses the winner's files, which are byte-identical to its own.
+    Only if that folder is missing (an install without package data) does it fall back to the random tiny Qwen3
+    (seed 0), built into the cache on first use and reused after. The cache is $DIVERGENCE_PROBE_HOME/models
+    (default ~/.cache/divergence-probe/models). No lock is needed: make_model renames a complete directory into
+    place, so when two processes build at once one rename wins and the other process uses the winner's files,
+    which are byte-identical to its own.
     """
+    if (SHIPPED_MODEL / "config.json").is_file() and (SHIPPED_MODEL / "model.safetensors").is_file():
+        return SHIPPED_MODEL
     home = Path(os.environ.get("DIVERGENCE_PROBE_HOME") or "~/.cache/divergence-probe").expanduser()
     path = home / "models" / f"qwen3-tiny-seed0-v{BUILD_VERSION}"  # a new build recipe gets a new cache entry
     if not (path / "config.json").is_file():

@@ -334,8 +334,8 @@ def _setup(run: RunData) -> list:
         blocks.append(Table(
             "implementations",
             "What each region ran as, per stack (from the manifest: the function or kernel each stack dispatched to).",
-            (Column("region", "code"), Column(f"inference ({infer.get('name', 'infer')})", "code"),
-             Column(f"training ({train.get('name', 'train')})", "code")),
+            (Column("region", "code"), Column(f"inference ({infer.get('name', 'infer')})", "longcode"),
+             Column(f"training ({train.get('name', 'train')})", "longcode")),
             tuple((r, impl_i.get(r), impl_t.get(r)) for r in regions)))
     return blocks
 
@@ -370,7 +370,8 @@ def _headline(run: RunData) -> list:
     if run.is_ablate and run.all_aligned:
         full = _row_of(run.ablation, run.all_aligned)
         m, before, after = run.metric, float(shipped[run.metric]), float(full[run.metric])
-        change = f" ({sig(100 * (after - before) / before)}% relative to shipped)" if before else ""
+        change = (f" ({sig(100 * abs(after - before) / before)}% {'lower' if after < before else 'higher'} than "
+                  "shipped)" if before and after != before else "")
         best = run.ablation.sort_values(m, kind="stable").iloc[0]
         blocks.append(Paragraph(
             f"With every region aligned (`{run.all_aligned}`), {sentence(full)}. The ablation metric `{m}` goes "
@@ -399,9 +400,9 @@ def _first_divergence(run: RunData) -> list:
     threshold = _get(run.manifest, "compare", "threshold")
     blocks: list = [Heading("First divergence")]
     first, over = str(shipped.get("first_inexact", "not captured")), str(shipped.get("first_over_threshold", ""))
-    scope = " with the stacks as shipped" if run.is_ablate else ""
+    scope = " (stacks as shipped)" if run.is_ablate else ""
     if first == "not captured":
-        blocks.append(Paragraph(f"No taps were captured in this run (`--taps none`){scope}, so only the "
+        blocks.append(Paragraph(f"No taps were captured in this run (`--taps none`), so only the "
                                 "token-level numbers are available."))
         return blocks
     if first == "none":
@@ -429,9 +430,11 @@ def _first_divergence(run: RunData) -> list:
     if len(resid) and resid["rel_l2"].notna().any():
         worst = resid.loc[resid["rel_l2"].idxmax()]
         last = resid.loc[resid["layer"].idxmax()]
-        text += (f" The decoder-layer output (`resid_out`) differs most at layer {int(worst['layer'])} "
-                 f"(rel_l2 {_num(worst['rel_l2'])}) and ends at rel_l2 {_num(last['rel_l2'])} after layer "
-                 f"{int(last['layer'])}.")
+        first_row = resid.loc[resid["layer"].idxmin()]
+        text += (f" The decoder-layer output (`resid_out`) goes from rel_l2 {_num(first_row['rel_l2'])} after "
+                 f"layer {int(first_row['layer'])} to {_num(last['rel_l2'])} after layer {int(last['layer'])}")
+        text += (f", largest at layer {int(worst['layer'])} ({_num(worst['rel_l2'])})."
+                 if int(worst["layer"]) != int(last["layer"]) else ".")
     blocks.append(Paragraph(text))
     if run.is_ablate:
         blocks.append(Paragraph("The ablation table below gives the first divergence of every combination."))
@@ -582,7 +585,7 @@ def _figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         series = _token_series(run)
         specs.append(FigureSpec(
             "delta_hist", "Distribution of Δlogprob",
-            "Δlogprob = logprob_train − logprob_infer of every scored token, in nats (log count). A narrow peak "
+            "Δlogprob = logprob_train − logprob_infer of every scored token, in nats. A narrow peak "
             "symmetric about 0 means the stacks differ by rounding noise; a shifted peak means one stack "
             "systematically gives the scored tokens more probability.",
             lambda: F.delta_histogram([(label, df["delta_logprob"].to_numpy()) for label, df in series])))
@@ -611,7 +614,7 @@ def _figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         eps = run.clip_eps
         specs.append(FigureSpec(
             "ratio_hist", "Importance ratio on response tokens",
-            f"Histogram of ρ = exp(Δlogprob) over response tokens (log count), with the clip band "
+            f"Histogram of ρ = exp(Δlogprob) over response tokens, with the clip band "
             f"[1 − ε, 1 + ε], ε = {eps:g}, hatched. Any token outside the band is clipped by a PPO-style "
             "objective only because the two stacks round differently: the policy is the same.",
             lambda: F.ratio_histogram(rho, eps)))
@@ -729,6 +732,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: st
     if out_dir.resolve() == run.path.resolve():
         raise OutputError(f"--out {out_dir} is the run folder itself; choose another --out (default: RUN_DIR/report)")
     with _report_dir(out_dir) as tmp:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report is meant to be shared
         _render(run, tmp, fmt)
         (tmp / MARKER).write_text("\n".join(_files(tmp)) + "\n", encoding="utf-8")
     return out_dir / FORMATS[fmt]

@@ -1,4 +1,5 @@
-"""modelzoo: seeded random Qwen checkpoints that transformers loads, built atomically and reproducibly.
+"""modelzoo: seeded random Qwen checkpoints that transformers loads, built atomically and reproducibly, and the
+trained default model that ships in the package.
 
 No vLLM here: starting an engine takes a minute, and the vLLM stack's tests do it.
 """
@@ -196,7 +197,44 @@ def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, exc):
     assert not any(tmp_path.iterdir())
 
 
-def test_default_model_path_builds_once(tmp_path, monkeypatch):
+def test_default_model_is_the_shipped_trained_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIVERGENCE_PROBE_HOME", str(tmp_path / "home"))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built a random model although the trained one ships")
+
+    monkeypatch.setattr(modelzoo, "make_model", no_build)
+    assert modelzoo.default_model_path() == modelzoo.SHIPPED_MODEL
+    assert not (tmp_path / "home").exists()
+
+
+def test_shipped_model_is_tiny_qwen3_with_the_modelzoo_tokenizer(tmp_path):
+    shipped = modelzoo.SHIPPED_MODEL
+    assert {p.name for p in shipped.iterdir()} == FILES | {"MODEL.md"}
+    assert (shipped / "model.safetensors").stat().st_size <= 10 * 2**20
+    random_tiny = make_model(tmp_path / "tiny", arch="qwen3", preset="tiny", seed=0)
+    # the same shape, dtype and special tokens as the random tiny Qwen3, and the same tokenizer, byte for byte
+    for name in FILES - {"model.safetensors"}:
+        assert (shipped / name).read_bytes() == (random_tiny / name).read_bytes(), name
+    weights = load_file(shipped / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    assert weights.keys() == load_file(random_tiny / "model.safetensors").keys()
+    norms = [w for name, w in weights.items() if "norm" in name]  # trained, so not 1: rounding after x*w shows
+    assert norms and all((w != 1).float().mean() > 0.9 for w in norms)
+
+
+def test_shipped_model_is_peaked_on_python():
+    model = AutoModelForCausalLM.from_pretrained(modelzoo.SHIPPED_MODEL)
+    tok = AutoTokenizer.from_pretrained(modelzoo.SHIPPED_MODEL)
+    code = "import os\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n    return 0\n"
+    with torch.no_grad():
+        logp = model(**tok(code, return_tensors="pt")).logits[0].float().log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1).mean().item()
+    assert entropy < 3.0  # random weights give ~7.6 (uniform over 2048 is 7.62); MODEL.md has the full numbers
+
+
+def test_default_model_path_falls_back_to_building_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(modelzoo, "SHIPPED_MODEL", tmp_path / "not-shipped")  # an install without package data
     monkeypatch.setenv("DIVERGENCE_PROBE_HOME", str(tmp_path / "home"))
     path = modelzoo.default_model_path()
     assert path == tmp_path / "home" / "models" / f"qwen3-tiny-seed0-v{modelzoo.BUILD_VERSION}"
@@ -211,6 +249,7 @@ def test_default_model_path_builds_once(tmp_path, monkeypatch):
 
 
 def test_default_model_path_loses_race_gracefully(tmp_path, monkeypatch):
+    monkeypatch.setattr(modelzoo, "SHIPPED_MODEL", tmp_path / "not-shipped")
     monkeypatch.setenv("DIVERGENCE_PROBE_HOME", str(tmp_path))
     build = modelzoo.make_model
 

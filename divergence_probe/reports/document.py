@@ -46,7 +46,8 @@ class Column:
     title: str
     kind: str = "auto"
     """text (inline markup), code, num (3 significant digits), int, pct (fraction shown as %), bool, prose
-    (long text: a wrapped column in LaTeX), auto (by the value's type; strings as code)."""
+    (long text: a wrapped column in LaTeX), longcode (code in a wrapped column, breaking after . and _),
+    auto (by the value's type; strings as code)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _plain(value, kind: str) -> tuple[str, str]:
         return sig(float(value)), "num"
     if kind == "pct":
         return sig(100.0 * float(value)) + "%", "num"
-    if kind == "code":
+    if kind in ("code", "longcode"):
         return str(value), "code"
     return str(value), "text"
 
@@ -283,14 +284,17 @@ def _tex_cell(value, kind: str) -> str:
         return "--"
     if style == "num":
         return tex_number(text)
+    if kind == "longcode" and text:  # let long identifiers break after dots and underscores
+        return r"\texttt{" + tex_escape(text).replace(".", r".\allowbreak{}").replace(r"\_", r"\_\allowbreak{}") + "}"
     return r"\texttt{" + tex_escape(text) + "}" if style == "code" and text else tex_escape(text)
 
 
 def latex_table(table: Table) -> str:
     """A booktabs `table` float; needs only \\usepackage{booktabs}. Wide tables are set in a smaller font."""
     numeric = [_numeric(c.kind, table.rows, i) for i, c in enumerate(table.columns)]
-    spec = "".join("p{0.45\\linewidth}" if c.kind == "prose" else ("r" if n else "l")
-                   for c, n in zip(table.columns, numeric))
+    wrapped = {"prose": "p{0.45\\linewidth}", "longcode": "p{%.2f\\linewidth}" % (0.8 / max(
+        1, sum(c.kind == "longcode" for c in table.columns)))}
+    spec = "".join(wrapped.get(c.kind) or ("r" if n else "l") for c, n in zip(table.columns, numeric))
     wide = len(table.columns) > 7
     lines = [
         r"\begin{table}[htbp]",

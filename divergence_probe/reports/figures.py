@@ -80,6 +80,9 @@ def save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     png, pdf = out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"
     fig.savefig(png, format="png", dpi=DPI, metadata=PNG_METADATA)
+    # The layout is in figure fractions and was just computed: keep it for the PDF instead of solving it again
+    # (half the rendering time goes to measuring tick labels).
+    fig.set_layout_engine("none")
     fig.savefig(pdf, format="pdf", metadata=PDF_METADATA)
     return [png, pdf]
 
@@ -93,6 +96,15 @@ def _positive(values) -> np.ndarray:
 def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10,
             bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "#999999"})
+
+
+def _count_axis(ax, counts) -> None:
+    """Counts on a log axis only when they span more than two decades (tails of thousands of tokens)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    counts = counts[counts > 0]
+    wide = len(counts) and counts.max() / counts.min() > 100
+    ax.set_yscale("log" if wide else "linear")
+    ax.set_ylabel("tokens (count, log scale)" if wide else "tokens (count)")
 
 
 def subsample(n: int, limit: int = MAX_POINTS, seed: int = SEED) -> np.ndarray:
@@ -146,18 +158,20 @@ def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
     fig, (ax,) = _new_figure()
     values = [np.asarray(v, dtype=np.float64) for _, v in series]
     edges = np.histogram_bin_edges(np.concatenate(values), bins=80)
+    counts = []
     for i, ((label, _), v) in enumerate(zip(series, values)):
         s = style(i)
         if i == 0:  # the reference series filled and hatched, the others as outlines in their own line style
-            ax.hist(v, bins=edges, histtype="stepfilled", log=True, linewidth=1.2, facecolor="#e6e6e6",
-                    edgecolor=s["color"], hatch=HATCHES[0], label=f"{label} (n={len(v)})")
+            n, _, _ = ax.hist(v, bins=edges, histtype="stepfilled", linewidth=1.2, facecolor="#e6e6e6",
+                              edgecolor=s["color"], hatch=HATCHES[0], label=f"{label} (n={len(v)})")
         else:
-            ax.hist(v, bins=edges, histtype="step", log=True, linewidth=1.6, color=s["color"],
-                    linestyle=s["linestyle"], label=f"{label} (n={len(v)})")
+            n, _, _ = ax.hist(v, bins=edges, histtype="step", linewidth=1.6, color=s["color"],
+                              linestyle=s["linestyle"], label=f"{label} (n={len(v)})")
+        counts.append(n)
     ax.axvline(0.0, color="#555555", linewidth=0.8)
     ax.set_title("distribution of Δlogprob")
     ax.set_xlabel("Δlogprob = logprob_train − logprob_infer (nats)")
-    ax.set_ylabel("tokens (count, log scale)")
+    _count_axis(ax, np.concatenate(counts))
     if all((v == 0).all() for v in values):
         _note(ax, "every Δlogprob is exactly 0")
     ax.legend(loc="upper right")
@@ -168,22 +182,25 @@ def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
 @_styled
 def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Figure:
     """|Δlogprob| against the inference-side probability exp(logprob_infer), log-log, per series
-    (label, logprob_infer, delta_logprob); the line is the median |Δ| in each probability decade-bin."""
+    (label, logprob_infer, delta_logprob); the line is the median |Δ| in each probability bin."""
     fig, (ax,) = _new_figure()
-    drawn = 0
+    ax.set_title("|Δlogprob| against the token's inference probability")
+    ax.set_xlabel("inference-side token probability exp(logprob_infer) (log scale)")
+    ax.set_ylabel("|Δlogprob| (nats, log scale)")
+    if not any((np.asarray(delta) != 0).any() for _, _, delta in series):
+        _note(ax, "every Δlogprob is exactly 0")  # nothing to draw on log axes
+        return fig
     for i, (label, logp, delta) in enumerate(series):
         p, d = np.exp(np.asarray(logp, dtype=np.float64)), np.abs(np.asarray(delta, dtype=np.float64))
         keep = subsample(len(p))
         p_s, d_s = p[keep], _positive(d[keep])
         zeros = int((d == 0).sum())
         s = style(i)
-        shown = f"{label} ({len(keep)} of {len(p)} tokens" + (")" if len(keep) == len(p) else ", sampled)")
-        if zeros:
-            shown += f"; {zeros} with Δ=0 not shown"
+        shown = f"{label} ({len(p)} tokens" if len(keep) == len(p) else f"{label} ({len(keep)} of {len(p)} tokens, sampled"
+        shown += f"; {zeros} with Δ=0 not shown)" if zeros else ")"
         ax.scatter(p_s, d_s, s=5, marker=s["marker"], facecolors="none" if s["marker"] not in "x+" else s["color"],
                    edgecolors=s["color"], linewidths=0.5, alpha=0.5, rasterized=True, label=shown)
         if (d > 0).any():
-            drawn += 1
             lo = max(np.log10(p[p > 0].min()), -30.0)
             edges = np.linspace(lo, 0.0, 25)
             which = np.clip(np.digitize(np.log10(np.maximum(p, 1e-300)), edges) - 1, 0, len(edges) - 2)
@@ -191,16 +208,9 @@ def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Fi
             centres = 10 ** ((edges[:-1] + edges[1:]) / 2)
             ax.plot(centres, _positive(med), color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
                     label=f"{label}: median per bin")
-    ax.set_title("|Δlogprob| against the token's inference probability")
-    ax.set_xlabel("inference-side token probability exp(logprob_infer) (log scale)")
-    ax.set_ylabel("|Δlogprob| (nats, log scale)")
-    if drawn:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.legend(loc="lower left", markerscale=2.5)
-    else:
-        ax.set_xscale("log")
-        _note(ax, "every Δlogprob is exactly 0")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(loc="lower left", markerscale=2.5)
     return fig
 
 
@@ -215,10 +225,16 @@ def kl_by_position(series: list[tuple[str, pd.DataFrame]]) -> Figure:
         y = _positive(mean.to_numpy())
         drawn += int(not np.isnan(y).all())
         s = style(i)
-        ax.plot(mean.index.to_numpy(), y, color=s["color"], linestyle=s["linestyle"], linewidth=1.1,
-                label=f"{label} (mean over {df['prompt_id'].nunique()} prompts)")
+        x = mean.index.to_numpy()
+        ax.plot(x, y, color=s["color"], linestyle="-", linewidth=0.6, alpha=0.35)
+        # The per-position mean is noisy where few prompts reach; a centred rolling mean shows the trend.
+        window = max(1, len(mean) // 40)
+        smooth = _positive(pd.Series(mean.to_numpy()).rolling(window, center=True, min_periods=1).mean())
+        ax.plot(x, smooth, color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
+                label=f"{label}: mean over {df['prompt_id'].nunique()} prompts"
+                      + (f", rolling mean of {window} positions (thin: each position)" if window > 1 else ""))
     ax.set_title("per-token KL along the sequence")
-    ax.set_xlabel("token position in the prompt (index)")
+    ax.set_xlabel("token position in the sequence (index)")
     ax.set_ylabel("mean KL(π_infer ‖ π_train) (nats, log scale)")
     if drawn:
         ax.set_yscale("log")
@@ -281,8 +297,9 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
     ax.axvline(hi, color="#555555", linestyle="--", linewidth=1.0)
     if len(finite):
         edges = np.histogram_bin_edges(finite, bins=100)
-        ax.hist(finite, bins=edges, histtype="stepfilled", log=True, facecolor="#777777", edgecolor="#000000",
-                linewidth=0.8, label=f"response tokens (n={len(rho)}; {outside} outside the band)")
+        counts, _, _ = ax.hist(finite, bins=edges, histtype="stepfilled", facecolor="#777777", edgecolor="#000000",
+                               linewidth=0.8, label=f"response tokens (n={len(rho)}; {outside} outside the band)")
+        _count_axis(ax, counts)
         span = (min(finite.min(), lo), max(finite.max(), hi))
         pad = 0.05 * (span[1] - span[0])
         ax.set_xlim(span[0] - pad, span[1] + pad)
@@ -291,6 +308,5 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
     ax.axvline(1.0, color="#000000", linewidth=0.8)
     ax.set_title("importance ratio on response tokens")
     ax.set_xlabel("importance ratio ρ = exp(logprob_train − logprob_infer) (dimensionless)")
-    ax.set_ylabel("tokens (count, log scale)")
     ax.legend(loc="upper right")
     return fig
