@@ -122,6 +122,22 @@ def score_prompt(probe, prompt: Prompt, infer_logits, infer_logprobs, train_logi
     ]
 
 
+def run_manifest(probe, mode: str, prompts_path: Path, prompts, options: CompareOptions, taps) -> dict:
+    """The probe's manifest plus what this run scored and captured."""
+    manifest = probe.manifest()
+    manifest["compare"] = {
+        "mode": mode,
+        "prompts": str(prompts_path),
+        "prompt_files_sha256": file_hashes(prompts_path),
+        "num_prompts": len(prompts),
+        "max_prompt_tokens": options.max_prompt_tokens,
+        "taps": sorted(taps),
+        "threshold": options.threshold,
+        "batch_invariance": options.batch_invariance,
+    }
+    return manifest
+
+
 def noise_floor_columns(floor) -> dict:
     """Each stack's own batch-1-vs-batched mean |Δlogp|, for the summary beside the mismatch (if measured)."""
     if floor is None:
@@ -153,14 +169,6 @@ def run_compare(probe, options: CompareOptions) -> CompareRun:
             done += 1
             if options.progress:
                 options.progress(done, len(prompts))
-    manifest = probe.manifest()
-    manifest["compare"] = {
-        "prompts": str(prompts_path),
-        "prompt_files_sha256": file_hashes(prompts_path),
-        "num_prompts": len(prompts),
-        "max_prompt_tokens": options.max_prompt_tokens,
-        "taps": sorted(taps),
-        "threshold": options.threshold,
-    }
+    manifest = run_manifest(probe, "prefill", prompts_path, prompts, options, taps)
     floor = measure_batch_invariance(probe, prompts) if options.batch_invariance else None
     return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor)

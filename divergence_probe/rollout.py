@@ -16,9 +16,10 @@ import pandas as pd
 
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
-from .compare import CompareOptions, CompareRun, TokenScore, batches, noise_floor_columns, score_prompt
+from .compare import (CompareOptions, CompareRun, TokenScore, batches, noise_floor_columns, run_manifest,
+                      score_prompt)
 from .errors import ProbeError
-from .prompts import Prompt, default_prompts_path, file_hashes, load_prompts
+from .prompts import Prompt, default_prompts_path, load_prompts
 from .reports.tables import summary_row
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
 from .stacks import SamplingSpec
@@ -128,16 +129,7 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
         done += len(group)
         if options.progress:
             options.progress(done, len(prompts))
-    manifest = probe.manifest()
-    manifest["compare"] = {
-        "mode": "generate",
-        "prompts": str(prompts_path),
-        "prompt_files_sha256": file_hashes(prompts_path),
-        "num_prompts": len(prompts),
-        "max_prompt_tokens": options.max_prompt_tokens,
-        "taps": sorted(taps),
-        "threshold": options.threshold,
-    }
+    manifest = run_manifest(probe, "generate", prompts_path, prompts, options, taps)
     manifest["generate"] = asdict(gen) | {"logprobs": "raw (untempered log-softmax of the logits)"}
     floor = measure_batch_invariance(probe, sampled) if options.batch_invariance else None
     return RolloutRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor, generate=gen)

@@ -60,12 +60,17 @@ def write_prompts(prompts, path: Path) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def _write_common(run, tmp: Path) -> None:
+    """What every run folder has: manifest, prompts, tokens and layers."""
+    write_json(run.manifest, tmp / "manifest.json")
+    write_prompts(run.prompts, tmp / "prompts.jsonl")
+    write_csv(run.tokens_table, tmp / "tokens.csv")
+    write_csv(run.layers_table, tmp / "layers.csv")
+
+
 def write_compare_run(run, out_dir: Path) -> Path:
     with atomic_dir(out_dir) as tmp:
-        write_json(run.manifest, tmp / "manifest.json")
-        write_prompts(run.prompts, tmp / "prompts.jsonl")
-        write_csv(run.tokens_table, tmp / "tokens.csv")
-        write_csv(run.layers_table, tmp / "layers.csv")
+        _write_common(run, tmp)
         write_csv(pd.DataFrame([run.summary]), tmp / "summary.csv")
         if hasattr(run, "buckets_table"):
             write_csv(run.buckets_table, tmp / "buckets.csv")
@@ -76,10 +81,7 @@ def write_compare_run(run, out_dir: Path) -> Path:
 
 def write_ablation_run(run, out_dir: Path) -> Path:
     with atomic_dir(out_dir) as tmp:
-        write_json(run.manifest, tmp / "manifest.json")
-        write_prompts(run.prompts, tmp / "prompts.jsonl")
-        write_csv(run.tokens_table, tmp / "tokens.csv")
-        write_csv(run.layers_table, tmp / "layers.csv")
+        _write_common(run, tmp)
         write_csv(run.summary_table, tmp / "summary.csv")
         write_csv(run.ablation_table, tmp / "ablation.csv")
         write_csv(run.attribution_table, tmp / "attribution.csv")

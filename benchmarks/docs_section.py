@@ -1,0 +1,23 @@
+"""Each benchmark owns one marked section of docs/benchmarks.md and rewrites only that section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_MD = ROOT / "docs" / "benchmarks.md"
+
+
+def write_section(name: str, markdown: str, raw: dict) -> None:
+    """Replace the `<!-- name:start -->`..`<!-- name:end -->` block (appending it the first time) and save the
+    raw numbers as docs/<name>.json."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{markdown.rstrip()}\n{end}"
+    text = DOCS_MD.read_text() if DOCS_MD.exists() else "# Benchmarks\n"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOCS_MD.write_text(text)
+    (ROOT / "docs" / f"{name}.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
