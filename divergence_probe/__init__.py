@@ -6,10 +6,12 @@ Python API (the CLI is a thin shell over it):
     probe = dp.load("path/or/hub-id", infer="vllm", dtype="bfloat16")   # both stacks, loaded once
     run = probe.compare(prompts="sample_prompts", taps="all")            # diff every tap and token
     run.write("runs/my-run")                                             # CSVs + manifest, atomically
+    dp.write_report("runs/my-run")                                       # figures + report.md
 """
 
 from .errors import ProbeError
 from .probe import LoadConfig, Probe, load
+from .report import write_report
 
 __version__ = "0.1.0"
-__all__ = ["load", "Probe", "LoadConfig", "ProbeError", "__version__"]
+__all__ = ["load", "Probe", "LoadConfig", "ProbeError", "write_report", "__version__"]

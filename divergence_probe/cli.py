@@ -92,7 +92,7 @@ def _print_summary(run, out_dir: Path) -> None:
         if key in s:
             table.add_row(label, f"{s[key]:.3e}")
     out.print(table)
-    out.print(f"report: {out_dir}")
+    out.print(f"run: {out_dir}")
 
 
 @app.command()
@@ -265,12 +265,12 @@ def _print_ablation(run, out_dir: Path) -> None:
         attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
                      f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
     out.print(attr)
-    out.print(f"report: {out_dir}")
+    out.print(f"run: {out_dir}")
 
 
 @app.command("report")
 def report_command(
-    run_dir: Path = typer.Argument(..., help="A run folder: the --out of compare or ablate."),
+    run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare or ablate)."),
     fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder, or one holding a previous report (replaced). Default: RUN_DIR/report."),
 ) -> None:

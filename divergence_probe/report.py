@@ -41,16 +41,46 @@ SHIPPED = "none"
 REMAINING = "(remaining)"
 TOKEN_FILES = ("tokens.csv", "tokens.csv.gz")
 
+# Column meanings as the README documents them ("Output files", "Reading the RL metrics", "The noise floor").
+# In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
 SUMMARY_MEANINGS = {
     "mean_abs_dlogp": "mean |Δlogprob| over scored tokens (nats)",
     "max_abs_dlogp": "largest |Δlogprob| (nats)",
     "p99_abs_dlogp": "99th percentile of |Δlogprob| (nats)",
+    "std_abs_dlogp": "standard deviation of |Δlogprob| (nats)",
     "mean_kl": "mean per-token KL(π_infer ‖ π_train) over the full vocabulary (nats)",
     "max_kl": "largest per-token KL (nats)",
     "first_inexact": "first tap, in forward order, that is not bitwise equal (`tap@layer`)",
     "first_over_threshold": "first tap whose rel_l2 exceeds the threshold",
     "n_tokens": "scored tokens",
+    "prompt_mean_abs_dlogp": "mean |Δlogprob| over the prompt tokens (nats)",
+    "prompt_mean_kl": "mean full-vocabulary KL over the prompt tokens (nats)",
+    "mean_abs_dp": "mean |π_train − π_infer| of the sampled token (probability)",
+    "max_abs_dp": "largest |π_train − π_infer| of the sampled token (probability)",
+    "k1": "mean of −r: k1 estimator of KL(π_infer ‖ π_train) from samples (nats)",
+    "k2": "mean of r²/2: k2 estimator of the KL (nats)",
+    "k3": "mean of (ρ − 1) − r: k3 estimator of the KL, ≥ 0 (nats)",
+    "ratio_mean": "mean importance ratio ρ",
+    "ratio_std": "standard deviation of ρ",
+    "ratio_min": "smallest ρ",
+    "ratio_max": "largest ρ",
+    "ppo_clip_frac": "fraction of response tokens with ρ outside [1−ε, 1+ε]: PPO clipping from numerics alone",
+    "tis_truncated_frac": "fraction with ρ above the TIS cap C (truncated importance sampling)",
+    "mis_masked_frac": "fraction with ρ outside [1/C, C] (masked importance sampling)",
+    "ess": "effective sample size fraction (Σρ)²/(n Σρ²), in (0, 1]",
+    "n_response_tokens": "response tokens",
+    "seq_mean_abs_logratio": "mean over responses of |Σ r| (nats)",
+    "seq_max_abs_logratio": "largest |Σ r| over responses (nats)",
+    "mean_logppl_diff": "mean over responses of log PPL_train − log PPL_infer",
+    "ppl_ratio": "exp(mean_logppl_diff): PPL_train / PPL_infer",
+    "seq_geo_ratio_outside_frac": "fraction of responses whose geometric-mean ratio is outside [1−ε, 1+ε]",
+    "n_sequences": "responses",
+    "noise_infer_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the inference stack, one sequence per call vs one batch",
+    "noise_train_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the training stack, one sequence per call vs one batch",
 }
+# The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
+BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
+                  "ratio_max", "ppo_clip_frac")
 
 
 class ReportError(ProbeError):
@@ -274,12 +304,33 @@ def _token_series(run: RunData) -> list[tuple[str, pd.DataFrame]]:
     t = run.tokens
     if run.is_ablate and "combo" in t:
         names = [SHIPPED] + ([run.all_aligned] if run.all_aligned and run.all_aligned != SHIPPED else [])
-        tags = {SHIPPED: "as shipped", run.all_aligned: "all regions aligned"}
-        return [(f"{n} ({tags[n]})", t[t["combo"] == n]) for n in names if (t["combo"] == n).any()]
+        tags = {SHIPPED: "as shipped", run.all_aligned: "all aligned"}
+        return [(f"{tags[n]} ({n})", t[t["combo"] == n]) for n in names if (t["combo"] == n).any()]
     if "is_response" in t:
         parts = [("prompt tokens", t[~t["is_response"]]), ("response tokens", t[t["is_response"]])]
         return [(label, part) for label, part in parts if len(part)]
     return [("all scored tokens", t)]
+
+
+def _kl_panels(run: RunData, series: list[tuple[str, pd.DataFrame]]) -> list:
+    """Panels of the KL-by-position figure. Generate mode: prompt tokens by position, response tokens by
+    position in the response (their absolute positions depend on each prompt's length)."""
+    def frame(df: pd.DataFrame, x: pd.Series) -> pd.DataFrame:
+        seq = df["prompt_id"].astype(str) + ("/" + df["sample_id"].astype(str) if "sample_id" in df else "")
+        return pd.DataFrame({"x": x.to_numpy(), "kl": df["kl"].to_numpy(), "seq": seq.to_numpy()})
+
+    t = run.tokens
+    if "is_response" not in t:
+        return [("per-token KL along the sequence", "token position in the prompt (index)",
+                 [(label, frame(df, df["position"])) for label, df in series])]
+    if "combo" in t:
+        t = t[t["combo"] == SHIPPED]
+    keys = ["prompt_id", "sample_id"] if "sample_id" in t else ["prompt_id"]
+    prompt, response = t[~t["is_response"]], t[t["is_response"]]
+    start = response.groupby(keys)["position"].transform("min")
+    return [("prompt tokens", "token position in the prompt (index)", [("prompt", frame(prompt, prompt["position"]))]),
+            ("response tokens", "token position in the response (index)",
+             [("response", frame(response, response["position"] - start))])]
 
 
 # ---------------------------------------------------------------------------------------------- document
@@ -361,10 +412,17 @@ def _headline(run: RunData) -> list:
         return " and ".join(parts)
 
     n = shipped.get("n_tokens")
-    lead = f"Over {int(n)} scored tokens" if n is not None and not pd.isna(n) else "Over the scored tokens"
+    what = "response tokens" if run.is_generate and "n_response_tokens" in shipped else "scored tokens"
+    lead = f"Over {int(n)} {what}" if n is not None and not pd.isna(n) else f"Over the {what}"
+    if run.is_generate and "n_sequences" in shipped and not pd.isna(shipped["n_sequences"]):
+        lead += f" ({int(shipped['n_sequences'])} sampled responses)"
     if run.is_ablate:
         lead += f" with the stacks as shipped (combination `{SHIPPED}`)"
     blocks.append(Paragraph(f"{lead}, {sentence(shipped)}."))
+    if "prompt_mean_abs_dlogp" in shipped:
+        blocks.append(Paragraph(
+            f"On the prompt tokens, scored in the same forward passes, the mean |Δlogprob| is "
+            f"{_num(shipped['prompt_mean_abs_dlogp'])} nats and the mean KL {_num(shipped.get('prompt_mean_kl'))} nats."))
     if _zero_run(shipped):
         blocks.append(Paragraph("Every number is exactly 0: the two stacks agree bitwise on every scored token."))
     if run.is_ablate and run.all_aligned:
@@ -387,9 +445,32 @@ def _headline(run: RunData) -> list:
             f"{_num(np.abs(rho - 1).mean())}); {outside} tokens ({_num(100 * outside / len(rho))}%) fall "
             f"outside the clip band [{1 - eps:g}, {1 + eps:g}] (ε = {eps:g}) and would be clipped by a "
             "PPO-style objective purely because the stacks round differently."))
+    rl = [f"`{c}` {_num(shipped[c])}" for c in ("k3", "tis_truncated_frac", "mis_masked_frac", "ess",
+                                                  "seq_max_abs_logratio", "ppl_ratio") if c in shipped]
+    if rl:
+        blocks.append(Paragraph("Other RL diagnostics from summary.csv (meanings in the summary table below): "
+                                + ", ".join(rl) + "."))
+    blocks += _noise_floor(run, shipped)
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
+
+
+def _noise_floor(run: RunData, shipped: pd.Series) -> list:
+    """The batch-composition noise of each stack, set against the vLLM-vs-transformers mismatch."""
+    infer, train = shipped.get("noise_infer_mean_abs_dlogp"), shipped.get("noise_train_mean_abs_dlogp")
+    if infer is None or train is None or pd.isna(infer) or pd.isna(train):
+        return []
+    mismatch = float(shipped.get("mean_abs_dlogp", float("nan")))
+    text = (f"Noise floor: scoring the same sequences one at a time and then in one batch changes the inference "
+            f"stack's logprobs by {_num(infer)} nats on average and the training stack's by {_num(train)} nats "
+            "(batch_invariance.csv).")
+    if float(train) > 0 and not math.isnan(mismatch):
+        ratio = mismatch / float(train)
+        text += (f" The mismatch between the stacks, {_num(mismatch)}, is {_num(ratio)}× the training stack's own "
+                 "batch noise" + ("; a mismatch no larger than that noise is not a numerics bug in the engine."
+                                  if ratio <= 1 else "."))
+    return [Paragraph(text)]
 
 
 def _first_divergence(run: RunData) -> list:
@@ -448,9 +529,12 @@ def _summary_table(run: RunData) -> Table:
     def meaning(c: str) -> str:
         if c == "first_over_threshold" and _get(run.manifest, "compare", "threshold") is not None:
             return f"first tap whose rel_l2 exceeds {_get(run.manifest, 'compare', 'threshold')}"
+        if c in SUMMARY_MEANINGS:
+            text = SUMMARY_MEANINGS[c]
+            return text.replace("scored tokens", "response tokens") if run.is_generate else text
         if c.startswith("ratio_"):
             return "importance-ratio statistic, ρ = exp(Δlogprob) on response tokens (see README)"
-        return SUMMARY_MEANINGS.get(c, "")
+        return ""
 
     def value(v):
         return v.item() if isinstance(v, np.generic) else v
@@ -534,10 +618,21 @@ def _tables(run: RunData) -> list:
         blocks.append(_ablation_table(run))
     if run.attribution is not None:
         blocks += [_attribution_table(run), _attribution_reading(run)]
-    titles = {"buckets": "Metrics per token-probability bucket (buckets.csv).",
-              "batch_invariance": "Batch invariance (batch_invariance.csv)."}
-    for stem, df in run.extra.items():
-        blocks.append(_generic_table(stem, titles.get(stem, f"{stem}.csv"), df))
+    if "buckets" in run.extra:
+        b = run.extra["buckets"]
+        shown = b[[c for c in BUCKET_COLUMNS if c in b.columns]]
+        empty = int((shown["n_tokens"] == 0).sum()) if "n_tokens" in shown else 0
+        if empty:
+            shown = shown[shown["n_tokens"] > 0]
+        blocks.append(_generic_table(
+            "buckets", "Response-token metrics per bucket of the inference-side probability of the sampled token "
+            "(`group` p_infer) and per response-position range (`group` response_position), from buckets.csv"
+            + (f"; {empty} empty buckets left out" if empty else "") + ". The CSV has every token metric per bucket.",
+            shown))
+    if "batch_invariance" in run.extra:
+        blocks.append(_generic_table(
+            "batch_invariance", "Noise floor (batch_invariance.csv): each stack scores the same sequences one per "
+            "call and then all in one batch; the columns compare the two.", run.extra["batch_invariance"]))
     return blocks
 
 
@@ -599,9 +694,11 @@ def _figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         specs.append(FigureSpec(
             "kl_by_position", "Per-token KL along the position",
             "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
-            "prompts that reach that position (log scale). Fewer prompts reach late positions, so the tail is "
-            "noisier; a rising trend means the mismatch accumulates with context length.",
-            lambda: F.kl_by_position(series)))
+            "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
+            "is noisier; a rising trend means the mismatch accumulates with context length."
+            + (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
+               "response (0 = first sampled token)." if "is_response" in run.tokens else ""),
+            lambda: F.kl_by_position(_kl_panels(run, series))))
     if run.attribution is not None:
         specs.append(FigureSpec(
             "attribution", "Attribution to regions",

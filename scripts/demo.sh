@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec .venv/bin/divergence-probe compare "$@"
+exec .venv/bin/divergence-probe compare --report "$@"

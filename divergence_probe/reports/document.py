@@ -17,6 +17,7 @@ import base64
 import html
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -250,12 +251,27 @@ _TEX_UNICODE = {
     "−": r"$-$", "≤": r"$\le$", "≥": r"$\ge$", "≈": r"$\approx$", "→": r"$\to$", "∖": r"$\setminus$",
     "…": r"\dots{}", "—": "---", "–": "--", "“": "``", "”": "''", "‘": "`", "’": "'", "✓": "yes",
     "·": r"$\cdot$", "±": r"$\pm$", "²": r"$^2$", "√": r"$\surd$", "≠": r"$\neq$", "∞": r"$\infty$",
+    "Σ": r"$\Sigma$", "σ": r"$\sigma$", "μ": r"$\mu$", "α": r"$\alpha$", "β": r"$\beta$", "γ": r"$\gamma$",
+    "λ": r"$\lambda$", "θ": r"$\theta$", "τ": r"$\tau$", "∈": r"$\in$", "≪": r"$\ll$", "≫": r"$\gg$",
     "\u00a0": "~",
 }
 
 
+def _tex_char(ch: str) -> str:
+    if ch in _TEX_SPECIAL:
+        return _TEX_SPECIAL[ch]
+    if ch in _TEX_UNICODE:
+        return _TEX_UNICODE[ch]
+    if ch.isascii():
+        return ch
+    # Anything else (a model path in another script, a rare symbol): its ASCII base letter, or "?", so the
+    # output always compiles with plain pdflatex.
+    return unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii") or "?"
+
+
 def tex_escape(text: str) -> str:
-    return "".join(_TEX_SPECIAL.get(ch) or _TEX_UNICODE.get(ch) or ch for ch in text)
+    # Adjacent replacements ($\Sigma$$\rho$) become one formula ($\Sigma\rho$); an escaped \$ is left alone.
+    return re.sub(r"(?<!\\)\$\$", "", "".join(_tex_char(ch) for ch in text))
 
 
 def tex_number(text: str) -> str:

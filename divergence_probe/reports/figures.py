@@ -163,10 +163,10 @@ def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
         s = style(i)
         if i == 0:  # the reference series filled and hatched, the others as outlines in their own line style
             n, _, _ = ax.hist(v, bins=edges, histtype="stepfilled", linewidth=1.2, facecolor="#e6e6e6",
-                              edgecolor=s["color"], hatch=HATCHES[0], label=f"{label} (n={len(v)})")
+                              edgecolor=s["color"], hatch=HATCHES[0], label=f"{label}: n={len(v)}")
         else:
             n, _, _ = ax.hist(v, bins=edges, histtype="step", linewidth=1.6, color=s["color"],
-                              linestyle=s["linestyle"], label=f"{label} (n={len(v)})")
+                              linestyle=s["linestyle"], label=f"{label}: n={len(v)}")
         counts.append(n)
     ax.axvline(0.0, color="#555555", linewidth=0.8)
     ax.set_title("distribution of Δlogprob")
@@ -196,15 +196,17 @@ def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Fi
         p_s, d_s = p[keep], _positive(d[keep])
         zeros = int((d == 0).sum())
         s = style(i)
-        shown = f"{label} ({len(p)} tokens" if len(keep) == len(p) else f"{label} ({len(keep)} of {len(p)} tokens, sampled"
-        shown += f"; {zeros} with Δ=0 not shown)" if zeros else ")"
+        shown = f"{label}: n={len(p)}" if len(keep) == len(p) else f"{label}: {len(keep)} of {len(p)} shown (sampled)"
+        shown += f", {zeros} with Δ=0 not shown" if zeros else ""
         ax.scatter(p_s, d_s, s=5, marker=s["marker"], facecolors="none" if s["marker"] not in "x+" else s["color"],
                    edgecolors=s["color"], linewidths=0.5, alpha=0.5, rasterized=True, label=shown)
         if (d > 0).any():
             lo = max(np.log10(p[p > 0].min()), -30.0)
             edges = np.linspace(lo, 0.0, 25)
             which = np.clip(np.digitize(np.log10(np.maximum(p, 1e-300)), edges) - 1, 0, len(edges) - 2)
-            med = np.array([np.median(d[which == b]) if (which == b).any() else np.nan for b in range(len(edges) - 1)])
+            # a median of fewer than 5 tokens is noise: leave a gap
+            med = np.array([np.median(d[which == b]) if (which == b).sum() >= 5 else np.nan
+                            for b in range(len(edges) - 1)])
             centres = 10 ** ((edges[:-1] + edges[1:]) / 2)
             ax.plot(centres, _positive(med), color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
                     label=f"{label}: median per bin")
@@ -216,31 +218,34 @@ def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Fi
 
 # ---------------------------------------------------------------------------------------------- (4) KL
 @_styled
-def kl_by_position(series: list[tuple[str, pd.DataFrame]]) -> Figure:
-    """Per-token KL(π_infer ‖ π_train), averaged over prompts at each position (log y)."""
-    fig, (ax,) = _new_figure()
-    drawn = 0
-    for i, (label, df) in enumerate(series):
-        mean = df.groupby("position", sort=True)["kl"].mean()
-        y = _positive(mean.to_numpy())
-        drawn += int(not np.isnan(y).all())
-        s = style(i)
-        x = mean.index.to_numpy()
-        ax.plot(x, y, color=s["color"], linestyle="-", linewidth=0.6, alpha=0.35)
-        # The per-position mean is noisy where few prompts reach; a centred rolling mean shows the trend.
-        window = max(1, len(mean) // 40)
-        smooth = _positive(pd.Series(mean.to_numpy()).rolling(window, center=True, min_periods=1).mean())
-        ax.plot(x, smooth, color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
-                label=f"{label}: mean over {df['prompt_id'].nunique()} prompts"
-                      + (f", rolling mean of {window} positions (thin: each position)" if window > 1 else ""))
-    ax.set_title("per-token KL along the sequence")
-    ax.set_xlabel("token position in the sequence (index)")
-    ax.set_ylabel("mean KL(π_infer ‖ π_train) (nats, log scale)")
-    if drawn:
-        ax.set_yscale("log")
-    else:
-        _note(ax, "every KL is exactly 0")
-    ax.legend(loc="upper right")
+def kl_by_position(panels: list[tuple[str, str, list[tuple[str, pd.DataFrame]]]]) -> Figure:
+    """Per-token KL(π_infer ‖ π_train) averaged over sequences at each position (log y). One panel per
+    (title, x label, series); each series frame has `x` (the position), `kl` and `seq` (a sequence id)."""
+    fig, axes = _new_figure(len(panels))
+    for ax, (title, xlabel, series) in zip(axes, panels):
+        drawn = 0
+        # The per-position mean is noisy where few sequences reach; a centred rolling mean shows the trend.
+        window = max(1, max((df["x"].nunique() for _, df in series), default=1) // 40)
+        for i, (label, df) in enumerate(series):
+            mean = df.groupby("x", sort=True)["kl"].mean()
+            y = _positive(mean.to_numpy())
+            drawn += int(not np.isnan(y).all())
+            s = style(i)
+            x = mean.index.to_numpy()
+            if window > 1:
+                ax.plot(x, y, color=s["color"], linestyle="-", linewidth=0.6, alpha=0.35)
+                y = _positive(pd.Series(mean.to_numpy()).rolling(window, center=True, min_periods=1).mean())
+            ax.plot(x, y, color=s["color"], linestyle=s["linestyle"], linewidth=1.8,
+                    label=f"{label} ({df['seq'].nunique()} sequences)")
+        ax.set_title(title + (f"\n(thick: rolling mean over {window} positions; thin: each position)"
+                              if window > 1 else ""), fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean KL(π_infer ‖ π_train) (nats, log scale)")
+        if drawn:
+            ax.set_yscale("log")
+        else:
+            _note(ax, "every KL is exactly 0")
+        ax.legend(loc="upper right")
     return fig
 
 
@@ -261,9 +266,7 @@ def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(
     ok = np.isfinite(low) & np.isfinite(high)
     if ok.any():
         err = np.vstack([np.maximum(values - low, 0), np.maximum(high - values, 0)])[:, ok]
-        ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor="#000000", elinewidth=1.2, capsize=5,
-                    label="95% bootstrap interval")
-        ax.legend(loc="upper right")
+        ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor="#000000", elinewidth=1.2, capsize=5)
     shares = attribution["share"].to_numpy(dtype=np.float64)
     for i in range(len(labels)):
         if np.isfinite(shares[i]):
@@ -275,7 +278,8 @@ def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(
     if is_rest.any() and (~is_rest).any():
         ax.axvline(x[is_rest][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
     ax.set_xticks(x, [("remaining\n(with all aligned)" if r else lab) for lab, r in zip(labels, is_rest)])
-    ax.set_title(f"attribution of the reduction in {metric}")
+    ax.set_title(f"attribution of the reduction in {metric}" + (" (whiskers: 95% bootstrap interval)" if ok.any() else ""))
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
     ax.set_xlabel("region (aligned: FP32 until its output)")
     ax.set_ylabel(f"Shapley value: reduction in {metric} (nats)")
     ax.margins(y=0.15)
@@ -291,7 +295,7 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
     lo, hi = 1.0 - eps, 1.0 + eps
     outside = int(((rho < lo) | (rho > hi)).sum())
     finite = rho[np.isfinite(rho)]
-    ax.axvspan(lo, hi, facecolor="#eeeeee", edgecolor="#888888", hatch="//", linewidth=0.0,
+    ax.axvspan(lo, hi, facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="//", linewidth=0.0,
                label=f"clip band [1−ε, 1+ε], ε = {eps:g}")
     ax.axvline(lo, color="#555555", linestyle="--", linewidth=1.0)
     ax.axvline(hi, color="#555555", linestyle="--", linewidth=1.0)

@@ -1,0 +1,567 @@
+"""report: run folders written by hand (compare, ablate, generate) rendered as md, html and LaTeX.
+
+No model and no vLLM: the fixtures are small CSVs with the documented columns. One test at the end runs
+`compare --report` and `ablate --report` on the tiny checkpoint through transformers on both sides.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+import matplotlib
+import matplotlib.image as mpimg
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.errors import OutputError, ProbeError
+from divergence_probe.report import MARKER, ReportError, write_report
+from divergence_probe.reports import figures
+from divergence_probe.reports.document import sig, tex_escape, tex_number
+
+runner = CliRunner()
+N_LAYERS = 4
+TAPS = ("input_norm", "q_rope", "k_rope", "attn_core", "attn_out", "resid_mid", "post_norm", "swiglu",
+        "mlp_out", "resid_out")
+TOKEN_FIGURES = ("delta_hist", "delta_vs_prob", "kl_by_position")
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def _manifest(**extra) -> dict:
+    manifest = {
+        "command": ["divergence-probe", "compare", "--model", "tiny"],
+        "compare": {"max_prompt_tokens": None, "num_prompts": 3, "prompts": "/x/sample_prompts",
+                    "taps": list(TAPS), "threshold": 0.001},
+        "environment": {"cpu": "Test CPU", "gpu": None, "python": "3.12.3", "platform": "Linux-test"},
+        "load": {"batch_tokens": 8192, "device": "cpu", "dtype": "bfloat16", "infer": "vllm", "seed": 0,
+                 "train": "hf", "train_attn": "sdpa"},
+        "model": {"arch": "qwen3", "config_sha256": "ab" * 32, "num_layers": N_LAYERS, "path": "/m/tiny",
+                  "spec": "/m/tiny"},
+        "stacks": {
+            "infer": {"name": "vllm", "versions": {"torch": "2.13.0+cpu", "vllm": "0.32.0"},
+                      "implementations": {"rope": "RotaryEmbedding.forward_cpu", "rmsnorm": "RMSNorm.forward_cpu",
+                                          "swiglu": "SiluAndMul.forward_cpu"},
+                      "settings": {"enforce_eager": True}},
+            "train": {"name": "hf", "versions": {"torch": "2.13.0+cpu", "transformers": "5.19.0"},
+                      "implementations": {"rope": "apply_rotary_pos_emb", "rmsnorm": "Qwen3RMSNorm.forward",
+                                          "swiglu": "Qwen3MLP.forward"}},
+        },
+    }
+    manifest.update(extra)
+    return manifest
+
+
+def _tokens(rng, scale: float, n_prompts: int = 3, length: int = 40, generate: bool = False) -> pd.DataFrame:
+    rows = []
+    for prompt in range(n_prompts):
+        for sample in range(2 if generate else 1):
+            for pos in range(1, length):
+                logp = -float(rng.exponential(3.0)) - 1e-3
+                delta = float(rng.normal(0, scale)) if scale else 0.0
+                row = {"prompt_id": prompt, "position": pos, "token_id": int(rng.integers(0, 500)),
+                       "token": "NaN" if pos == 3 else f"t{pos}",  # a token string pandas would read as NaN
+                       "logprob_infer": logp, "logprob_train": logp + delta, "delta_logprob": delta,
+                       "kl": abs(float(rng.normal(0, scale**2))) if scale else 0.0}
+                if generate:
+                    row = {"prompt_id": prompt, "sample_id": sample, **{k: v for k, v in row.items() if k != "prompt_id"},
+                           "is_response": pos >= 10}
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _layers(rng, scale: float) -> pd.DataFrame:
+    rows = [{"layer": -1, "tap": "embed", "max_abs": 0.0, "mean_abs": 0.0, "rel_l2": 0.0, "cosine": 1.0,
+             "frac_equal": 1.0, "max_ulp": 0}]
+    for layer in range(N_LAYERS):
+        for i, tap in enumerate(TAPS):
+            rel = scale * (1 + layer) * (1 + 0.1 * i) * float(rng.uniform(0.9, 1.1)) if scale else 0.0
+            rows.append({"layer": layer, "tap": tap, "max_abs": 10 * rel, "mean_abs": rel / 10, "rel_l2": rel,
+                         "cosine": 1 - rel**2, "frac_equal": 1.0 if rel == 0 else 0.5, "max_ulp": 3 if rel else 0})
+    rows.append({"layer": N_LAYERS, "tap": "logits", "max_abs": 0.1, "mean_abs": 0.01, "rel_l2": 0.002 if scale else 0.0,
+                 "cosine": 1.0, "frac_equal": 0.2, "max_ulp": 5})
+    return pd.DataFrame(rows)
+
+
+def _summary(tokens: pd.DataFrame, first: str) -> dict:
+    a = tokens["delta_logprob"].abs()
+    return {"mean_abs_dlogp": float(a.mean()), "max_abs_dlogp": float(a.max()),
+            "p99_abs_dlogp": float(np.percentile(a, 99)), "mean_kl": float(tokens["kl"].mean()),
+            "max_kl": float(tokens["kl"].max()), "first_inexact": first, "first_over_threshold": first,
+            "n_tokens": len(tokens)}
+
+
+def _write(path: Path, manifest: dict, tables: dict, tokens: pd.DataFrame | None, tokens_as: str = "csv") -> Path:
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (path / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt_id": i, "source": f"p.txt:{i}", "text": "x", "token_ids": [1, 2], "truncated": False}) + "\n"
+        for i in range(3)))
+    for name, df in tables.items():
+        df.to_csv(path / f"{name}.csv", index=False, lineterminator="\n")
+    if tokens is not None:
+        text = tokens.to_csv(index=False, lineterminator="\n")
+        if tokens_as == "gz":
+            (path / "tokens.csv.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
+        else:
+            (path / "tokens.csv").write_text(text)
+    return path
+
+
+def make_compare(path: Path, zero: bool = False, tokens_as: str | None = "csv") -> Path:
+    rng = np.random.default_rng(1)
+    scale = 0.0 if zero else 0.01
+    tokens = _tokens(rng, scale)
+    summary = _summary(tokens, "none" if zero else "q_rope@0")
+    return _write(path, _manifest(), {"layers": _layers(rng, scale), "summary": pd.DataFrame([summary])},
+                  tokens if tokens_as else None, tokens_as or "csv")
+
+
+REGIONS = ("rope", "swiglu")
+COMBOS = {"none": 1.0, "rope": 0.9, "swiglu": 0.97, "rope+swiglu": 0.8}
+
+
+def make_ablate(path: Path, with_tokens: bool = True) -> Path:
+    rng = np.random.default_rng(2)
+    tokens, layers, summary, ablation = [], [], [], []
+    for combo, factor in COMBOS.items():
+        t = _tokens(rng, 0.01 * factor)
+        tokens.append(t.assign(combo=combo))
+        layers.append(_layers(rng, 0.01 * factor).assign(combo=combo))
+        s = _summary(t, "input_norm@0" if combo == "none" else "attn_core@1")
+        summary.append({"combo": combo, **s})
+        ablation.append({"combo": combo, **{r: r in combo.split("+") for r in REGIONS}, **s})
+    lead = lambda frames: (lambda df: df[["combo", *[c for c in df.columns if c != "combo"]]])(pd.concat(frames))  # noqa: E731
+    m = {c["combo"]: c["mean_kl"] for c in summary}
+    v_all = m["none"] - m["rope+swiglu"]
+    attribution = pd.DataFrame([
+        {"region": "rope", "shapley": 0.7 * v_all, "share": 0.7, "main_effect": m["none"] - m["rope"],
+         "leave_one_out": m["swiglu"] - m["rope+swiglu"], "ci_low": 0.6 * v_all, "ci_high": 0.8 * v_all},
+        {"region": "swiglu", "shapley": 0.3 * v_all, "share": 0.3, "main_effect": m["none"] - m["swiglu"],
+         "leave_one_out": m["rope"] - m["rope+swiglu"], "ci_low": -0.1 * v_all, "ci_high": 0.5 * v_all},
+        {"region": "(remaining)", "shapley": m["rope+swiglu"], "share": m["rope+swiglu"] / m["none"],
+         "main_effect": float("nan"), "leave_one_out": float("nan"), "ci_low": 0.9 * m["rope+swiglu"],
+         "ci_high": 1.1 * m["rope+swiglu"]},
+    ])
+    manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
+                                 "seed": 0, "combos": list(COMBOS)})
+    return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
+                                   "ablation": pd.DataFrame(ablation), "attribution": attribution},
+                  lead(tokens) if with_tokens else None)
+
+
+def make_generate(path: Path, clip_eps: float = 0.01) -> Path:
+    """Generate mode as README "Reading the RL metrics" describes it: headline columns on response tokens,
+    RL columns, buckets.csv, and the noise floor (batch_invariance.csv)."""
+    rng = np.random.default_rng(3)
+    tokens = _tokens(rng, 0.01, generate=True)
+    response = tokens[tokens["is_response"]]
+    rho = np.exp(response["delta_logprob"])
+    summary = {**_summary(response, "q_rope@0"), "prompt_mean_abs_dlogp": 0.01, "prompt_mean_kl": 1e-4,
+               "k3": float(((rho - 1) - response["delta_logprob"]).mean()), "ratio_mean": float(rho.mean()),
+               "ratio_unknown_stat": 1.5,
+               "ppo_clip_frac": float(((rho < 1 - clip_eps) | (rho > 1 + clip_eps)).mean()), "ess": 0.999,
+               "n_response_tokens": len(response), "n_sequences": 6,
+               "noise_infer_mean_abs_dlogp": 0.002, "noise_train_mean_abs_dlogp": 0.004}
+    buckets = pd.DataFrame({"group": "p_infer", "bucket": ["[0, 0.001)", "[0.001, 0.01)", "[0.9, 1]"],
+                            "n_tokens": [10, 0, 30], "mean_kl": [1e-4, None, 1e-5],
+                            "mean_abs_dlogp": [0.02, None, 0.001], "ess": [0.99, None, 0.999]})
+    noise = pd.DataFrame({"stack": ["vllm", "hf"], "side": ["infer", "train"], "mean_abs_dlogp": [0.002, 0.004],
+                          "max_abs_dlogp": [0.01, 0.02], "mean_kl": [1e-5, 2e-5], "max_kl": [1e-4, 2e-4],
+                          "n_tokens": [234, 234], "batch_size": [6, 6]})
+    manifest = _manifest(generate={"clip_eps": clip_eps, "max_new_tokens": 30, "samples_per_prompt": 2})
+    return _write(path, manifest, {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary]),
+                                   "buckets": buckets, "batch_invariance": noise}, tokens)
+
+
+MAKERS = {"compare": make_compare, "ablate": make_ablate, "generate": make_generate}
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".") and (".partial-" in p.name or ".old-" in p.name)]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """rendered(kind, fmt) -> main file of the default report of a fresh fixture run, made once per module
+    (a render takes a second or two). Tests must not change these folders."""
+    cache: dict = {}
+
+    def get(kind: str, fmt: str = "md") -> Path:
+        if (kind, fmt) not in cache:
+            cache[kind, fmt] = write_report(MAKERS[kind](tmp_path_factory.mktemp(f"{kind}-{fmt}") / "run"), fmt=fmt)
+        return cache[kind, fmt]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("fmt", ["md", "html", "latex"])
+def test_every_run_type_in_every_format(kind, fmt, rendered):
+    main = rendered(kind, fmt)
+    out = main.parent
+    assert main == out / {"md": "report.md", "html": "report.html", "latex": "report.tex"}[fmt] and main.is_file()
+    stems = {"layers", *TOKEN_FIGURES} | ({"attribution"} if kind == "ablate" else set()) \
+        | ({"ratio_hist"} if kind == "generate" else set())
+    assert {p.name for p in (out / "figures").iterdir()} == {f"{s}.{e}" for s in stems for e in ("png", "pdf")}
+    for stem in stems:
+        image = mpimg.imread(out / "figures" / f"{stem}.png")
+        assert image.shape[:2] == (figures.PIXELS[1], figures.PIXELS[0])
+        assert image[..., :3].std() > 0.01  # something is drawn, not a blank canvas
+        assert (out / "figures" / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
+    if fmt == "md":
+        text = main.read_text()
+        assert all(f"](figures/{s}.png)" in text for s in stems)
+    elif fmt == "html":
+        text = main.read_text()
+        assert text.count('src="data:image/png;base64,') == len(stems) and 'src="figures/' not in text
+        embedded = re.search(r'src="data:image/png;base64,([^"]+)"', text).group(1)
+        assert base64.b64decode(embedded) == (out / "figures" / "layers.png").read_bytes()
+    else:
+        tables = {"summary", "implementations"} | ({"ablation", "attribution"} if kind == "ablate" else set()) \
+            | ({"buckets", "batch_invariance"} if kind == "generate" else set())
+        assert {p.stem for p in out.glob("*.tex")} == tables | {"report"}
+        text = main.read_text()
+        assert not re.search(r"[^\x00-\x7f]", text), "plain pdflatex must compile it: ASCII only"
+        assert _balanced(text) and all(_balanced((out / f"{t}.tex").read_text()) for t in tables)
+        assert all(f"\\input{{{t}.tex}}" in text for t in tables)
+        assert all(f"figures/{s}.pdf" in text for s in stems)
+        assert text.count("\\begin{") == text.count("\\end{")
+        for t in tables:
+            body = (out / f"{t}.tex").read_text()
+            assert "\\toprule" in body and "\\midrule" in body and "\\bottomrule" in body
+            assert not re.search(r"[^\x00-\x7f]", body), "LaTeX tables must be plain ASCII"
+
+
+def test_markdown_tells_setup_headline_and_first_divergence(rendered):
+    main = rendered("compare")
+    run, text = main.parent.parent, main.read_text()
+    summary = pd.read_csv(run / "summary.csv").iloc[0]
+    assert "First divergence" in text and "`q_rope@0`" in text and "decoder layer 0" in text
+    assert f"**{sig(summary['mean_abs_dlogp'])}**" in text and f"**{sig(summary['mean_kl'])}**" in text
+    assert "bfloat16" in text and "`vllm`" in text and "0.32.0" in text and "3 prompts" in text
+    assert "RotaryEmbedding.forward_cpu" in text and "Seed: `0`" in text
+    assert "no tokens.csv" not in text
+
+
+def test_ablation_markdown_sorted_by_metric_and_explains_attribution(rendered):
+    main = rendered("ablate")
+    run, text = main.parent.parent, main.read_text()
+    table = text.split("sorted by `mean_kl`")[1].split("\n\n")[1]
+    combos = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    expected = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")["combo"].tolist()
+    assert combos == expected
+    assert "How to read the attribution" in text and "(remaining)" in text
+    assert "With every region aligned (`rope+swiglu`)" in text
+
+
+def test_generate_report_draws_ratio_with_manifest_clip_band(rendered):
+    main = rendered("generate")  # clip_eps 0.01
+    run, text = main.parent.parent, main.read_text()
+    tokens = pd.read_csv(run / "tokens.csv")
+    rho = np.exp(tokens.loc[tokens["is_response"], "delta_logprob"])
+    outside = int(((rho < 0.99) | (rho > 1.01)).sum())
+    assert f"On the {len(rho)} response tokens" in text and f"{outside} tokens" in text
+    assert "[0.99, 1.01] (ε = 0.01)" in text
+    assert f"Over {len(rho)} response tokens (6 sampled responses)" in text
+    assert "| `ppo_clip_frac` |" in text and "| `ratio_unknown_stat` | 1.5 | importance-ratio statistic" in text
+    assert "1 empty buckets left out" in text and "[0.001, 0.01)" not in text  # the empty bucket
+    assert "Noise floor" in text and "| `hf` | `train` | 0.004 |" in text
+    assert (run / "report" / "figures" / "ratio_hist.png").is_file()
+
+
+def test_generate_without_clip_eps_uses_default(tmp_path):
+    run = make_generate(tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["generate"]["clip_eps"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "[0.8, 1.2] (ε = 0.2)" in write_report(run).read_text()
+
+
+# ---------------------------------------------------------------------------------------------- LaTeX numbers
+def _tex_rows(path: Path) -> list[list[str]]:
+    body = path.read_text().split("\\midrule\n")[1].split("\\bottomrule")[0]
+    return [[c.strip() for c in line.rstrip(" \\").split(" & ")] for line in body.strip().splitlines()]
+
+
+def _number(cell: str) -> float:
+    percent = cell.endswith("\\%")
+    m = re.fullmatch(r"\$(-?[\d.]+)(?:\\times 10\^\{(-?\d+)\})?\$|\$10\^\{(-?\d+)\}\$", cell.removesuffix("\\%"))
+    assert m, cell
+    value = 10.0 ** int(m.group(3)) if m.group(3) else float(m.group(1)) * 10.0 ** int(m.group(2) or 0)
+    return value / 100 if percent else value
+
+
+def _rounded(x: float, percent: bool = False) -> float:
+    return float(sig(100 * x)) / 100 if percent else float(sig(x))
+
+
+def test_latex_tables_hold_the_csv_numbers_after_rounding(rendered):
+    out = rendered("ablate", "latex").parent
+    run = out.parent
+
+    attribution = pd.read_csv(run / "attribution.csv")
+    rows = _tex_rows(out / "attribution.tex")
+    assert [r[0] for r in rows] == [f"\\texttt{{{r}}}" for r in attribution["region"]]
+    for row, (_, expected) in zip(rows, attribution.iterrows()):
+        for cell, col in zip(row[1:], ["shapley", "share", "main_effect", "leave_one_out", "ci_low", "ci_high"]):
+            if pd.isna(expected[col]):
+                assert cell == "--"
+            else:
+                assert _number(cell) == pytest.approx(_rounded(expected[col], col == "share"), rel=1e-12)
+
+    ablation = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")
+    rows = _tex_rows(out / "ablation.tex")
+    header = (out / "ablation.tex").read_text().split("\\toprule\n")[1].split(" \\\\")[0].split(" & ")
+    header = [h.replace("\\_", "_") for h in header]
+    assert header[:4] == ["combo", "rope", "swiglu", "mean_kl"]
+    for row, (_, expected) in zip(rows, ablation.iterrows()):
+        assert row[0] == f"\\texttt{{{expected['combo']}}}"
+        assert row[1:3] == ["yes" if expected[r] else "no" for r in REGIONS]
+        for cell, col in zip(row, header):
+            if col in ("mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "max_kl"):
+                assert _number(cell) == pytest.approx(_rounded(expected[col]), rel=1e-12)
+
+    summary = pd.read_csv(run / "summary.csv").set_index("combo")
+    for row in _tex_rows(out / "summary.tex"):
+        quantity = row[0].removeprefix("\\texttt{").removesuffix("}").replace("\\_", "_")
+        for cell, combo in zip(row[1:3], ["none", "rope+swiglu"]):
+            value = summary.loc[combo, quantity]
+            if quantity == "n_tokens":
+                assert cell == f"${value}$"
+            elif isinstance(value, str):
+                assert cell == f"\\texttt{{{value.replace('_', chr(92) + '_')}}}"
+            else:
+                assert _number(cell) == pytest.approx(_rounded(value), rel=1e-12)
+
+
+def test_sig_and_tex_number():
+    assert [sig(x) for x in (0.0, -0.0, 0.02352652, 0.000437197, 3.893786e-05, 10132.0, -0.0155706)] == [
+        "0", "0", "0.0235", "0.000437", "3.89e-05", "1.01e+04", "-0.0156"]
+    assert tex_number("3.89e-05") == r"$3.89\times 10^{-5}$" and tex_number("1e-05") == r"$10^{-5}$"
+    assert tex_number("-0.0156") == "$-0.0156$" and tex_number("81.3%") == r"$81.3$\%"
+    assert tex_escape("Σρ 5$ a_b {x} ‖é") == r"$\Sigma\rho$ 5\$ a\_b \{x\} $\|$e"
+
+
+def _balanced(tex: str) -> bool:
+    """Braces nest and math shifts pair up, once escaped characters (\\{ \\$ ...) are set aside."""
+    plain, depth = re.sub(r"\\[{}$%&#_]", "", tex), 0
+    for ch in plain:
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0 and plain.count("$") % 2 == 0
+
+
+# ---------------------------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("fmt", ["md", "html", "latex"])
+def test_two_renders_are_byte_identical(fmt, rendered, tmp_path):
+    first = rendered("ablate", fmt).parent
+    matplotlib.rcParams["lines.linewidth"] = 7  # the caller's style must not leak into the figures
+    try:
+        write_report(first.parent, tmp_path / "again", fmt=fmt)
+    finally:
+        matplotlib.rcdefaults()
+    a, b = files(first), files(tmp_path / "again")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), [k for k in a if a[k] != b.get(k)]
+
+
+def test_gzipped_tokens_render_like_plain_tokens(rendered, tmp_path):
+    run = make_compare(tmp_path / "run", tokens_as="gz")
+    assert (run / "tokens.csv.gz").is_file() and not (run / "tokens.csv").exists()
+    write_report(run)
+    a, b = files(rendered("compare").parent), files(run / "report")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+
+
+def test_figures_keep_no_timestamps_or_versions(rendered):
+    out = rendered("compare").parent
+    pdf = (out / "figures" / "layers.pdf").read_bytes()
+    png = (out / "figures" / "layers.png").read_bytes()
+    assert b"CreationDate" not in pdf and b"Producer" not in pdf and b"matplotlib" not in pdf.lower()
+    assert b"Software" not in png and b"matplotlib" not in png.lower()
+
+
+def test_subsampling_is_deterministic_and_bounded():
+    a, b = figures.subsample(100_000, 500), figures.subsample(100_000, 500)
+    assert (a == b).all() and len(a) == 500 and (np.diff(a) > 0).all()
+    assert (figures.subsample(10, 500) == np.arange(10)).all()
+
+
+# ---------------------------------------------------------------------------------------------- edge cases
+def test_ablate_without_tokens_skips_token_figures_and_says_so(tmp_path):
+    run = make_ablate(tmp_path / "run", with_tokens=False)
+    text = write_report(run).read_text()
+    assert "no tokens.csv" in text
+    assert {p.stem for p in (run / "report" / "figures").iterdir()} == {"layers", "attribution"}
+
+
+def test_zero_baseline_renders_and_says_bitwise_equal(tmp_path):
+    run = make_compare(tmp_path / "run", zero=True)
+    text = write_report(run).read_text()
+    assert "exactly 0" in text and "bitwise equal" in text
+    assert (run / "report" / "figures" / "delta_vs_prob.png").is_file()
+
+
+def test_all_zero_series_draw_on_any_axes(tmp_path):
+    """transformers on both sides gives exact zeros, which log axes cannot show: every figure still renders."""
+    logp, zeros = -np.linspace(0.1, 9, 50), np.zeros(50)
+    frame = pd.DataFrame({"seq": 0, "x": np.arange(50), "kl": zeros})
+    layers = pd.DataFrame({"combo": "none", "layer": np.arange(4), "tap": "resid_out", "rel_l2": 0.0})
+    drawn = {
+        "vs_prob": figures.delta_vs_probability([("a", logp, zeros), ("b", logp, zeros)]),
+        "mixed": figures.delta_vs_probability([("a", logp, zeros), ("b", logp, zeros + 1e-3)]),
+        "hist": figures.delta_histogram([("a", zeros), ("b", zeros)]),
+        "kl": figures.kl_by_position([("t", "x", [("a", frame), ("b", frame)]), ("u", "x", [("c", frame)])]),
+        "layers": figures.layer_growth(layers, ("resid_out",), combos=("none",)),
+        "ratio": figures.ratio_histogram(np.ones(50), 0.2),
+    }
+    for stem, fig in drawn.items():
+        png, pdf = figures.save(fig, tmp_path, stem)
+        assert png.stat().st_size > 0 and pdf.stat().st_size > 0
+
+
+def test_taps_none_run_has_no_layer_figure(tmp_path):
+    run = make_compare(tmp_path / "run")
+    pd.DataFrame(columns=["layer", "tap", "max_abs", "mean_abs", "rel_l2", "cosine", "frac_equal", "max_ulp"]).to_csv(
+        run / "layers.csv", index=False)
+    summary = pd.read_csv(run / "summary.csv").assign(first_inexact="not captured", first_over_threshold="not captured")
+    summary.to_csv(run / "summary.csv", index=False)
+    text = write_report(run).read_text()
+    assert "`--taps none`" in text and not (run / "report" / "figures" / "layers.png").exists()
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b/ablate-both", "qwen2.5-1.5b-rollout/generate"])
+def test_real_h200_runs_render(name, tmp_path):
+    """Runs the tool wrote on a GPU: no tokens file (ablate), tokens.csv.gz with every RL column (generate)."""
+    run = RESULTS / name
+    if not run.is_dir():
+        pytest.skip(f"{run} is not in this checkout")
+    text = write_report(run, tmp_path / "out").read_text()
+    assert "`input_norm@0`" in text and "NVIDIA H200" in text
+    assert ("no tokens.csv" in text) == name.endswith("ablate-both")
+    assert ("ratio_hist.png" in text) == name.endswith("generate")
+
+
+# ---------------------------------------------------------------------------------------------- output folder
+def test_rerender_replaces_a_previous_report_only(tmp_path):
+    run = make_compare(tmp_path / "run")
+    write_report(run)
+    out = run / "report"
+    (out / "report.md").write_text("stale")
+    write_report(run, fmt="html")  # replaces the md report: the folder held exactly a previous report
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "figures", "report.html"]
+    assert not leftovers(run)
+
+    (out / "notes.txt").write_text("mine")
+    before = files(out)
+    with pytest.raises(OutputError, match="other than a previous report"):
+        write_report(run)
+    assert files(out) == before and not leftovers(run)
+
+
+def test_out_dir_must_be_new_empty_or_a_report(tmp_path):
+    run = make_compare(tmp_path / "run")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "data.csv").write_text("x")
+    with pytest.raises(OutputError):
+        write_report(run, busy)
+    with pytest.raises(OutputError):
+        write_report(run, run)  # the run folder itself
+    (tmp_path / "empty").mkdir()
+    assert write_report(run, tmp_path / "empty") == tmp_path / "empty" / "report.md"
+    assert not leftovers(tmp_path)
+
+
+def test_failed_render_leaves_the_previous_report(tmp_path, monkeypatch):
+    run = make_compare(tmp_path / "run")
+    write_report(run)
+    before = files(run / "report")
+    monkeypatch.setattr(figures, "kl_by_position", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        write_report(run)
+    assert files(run / "report") == before and not leftovers(run)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("file", "is a file"),
+    ("empty", "not a divergence-probe run folder"),
+    ("no_summary", "no summary.csv"),
+    ("bad_json", "cannot read"),
+    ("bad_summary", "cannot read"),
+    ("bad_tokens", "lacks the column"),
+])
+def test_bad_run_folder_is_a_probe_error(case, message, tmp_path):
+    run = tmp_path / "run"
+    if case == "file":
+        run.write_text("x")
+    elif case == "empty":
+        run.mkdir()
+    elif case != "missing":
+        make_compare(run)
+        if case == "no_summary":
+            (run / "summary.csv").unlink()
+        elif case == "bad_json":
+            (run / "manifest.json").write_text("{not json")
+        elif case == "bad_summary":
+            (run / "summary.csv").write_bytes(b"")
+        elif case == "bad_tokens":
+            (run / "tokens.csv").write_text("prompt_id,position\n0,1\n")
+    with pytest.raises(ReportError, match=message) as info:
+        write_report(run)
+    assert isinstance(info.value, ProbeError)
+    assert not (tmp_path / "run" / "report").exists() or case == "file"
+
+
+def test_unknown_format_is_a_probe_error(tmp_path):
+    with pytest.raises(ProbeError, match="--format"):
+        write_report(make_compare(tmp_path / "run"), fmt="pdf")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_report_cli(tmp_path):
+    run = make_compare(tmp_path / "run")
+    result = runner.invoke(app, ["report", str(run), "--format", "html", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"report: {tmp_path / 'out' / 'report.html'}" in result.output.replace("\n", "")
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0 and (run / "report" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("args, message", [(["missing"], "does not exist"), (["RUN", "--format", "doc"], "--format")])
+def test_report_cli_errors_are_one_line_exit_2(args, message, tmp_path, monkeypatch):
+    monkeypatch.delenv("DP_RAISE_ERRORS", raising=False)
+    run = make_compare(tmp_path / "run")
+    args = [str(tmp_path / a) if a == "missing" else str(run) if a == "RUN" else a for a in args]
+    result = runner.invoke(app, ["report", *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_compare_and_ablate_report_flag(qwen3_tiny, prompts_file, tmp_path):
+    """transformers on both sides (no vLLM): an all-zero run, rendered right after it is written."""
+    common = ["--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--infer", "hf", "--device", "cpu"]
+    result = runner.invoke(app, ["compare", *common, "--out", str(tmp_path / "c"), "--report"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "c" / "report" / "report.md").read_text()
+    assert "exactly 0" in text and "report.md" in result.output.replace("\n", "")
+    result = runner.invoke(app, ["ablate", *common, "--regions", "rope", "--bootstrap", "10",
+                                 "--out", str(tmp_path / "a"), "--report"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a" / "report" / "figures" / "attribution.png").is_file()
+    shutil.rmtree(tmp_path / "a" / "report")
