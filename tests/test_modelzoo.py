@@ -230,7 +230,7 @@ def test_shipped_model_is_peaked_on_python():
     with torch.no_grad():
         logp = model(**tok(code, return_tensors="pt")).logits[0].float().log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1).mean().item()
-    assert entropy < 3.0  # random weights give ~7.6 (uniform over 2048 is 7.62); MODEL.md has the full numbers
+    assert entropy < 4.0  # 2.56 as shipped; random weights give 7.6 (uniform is 7.62). MODEL.md has the full numbers
 
 
 def test_default_model_path_falls_back_to_building_once(tmp_path, monkeypatch):
