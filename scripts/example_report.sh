@@ -2,14 +2,14 @@
 # Regenerate docs/example_report/: run `ablate --report` (every combination of aligned regions; its `none`
 # combination is the plain compare) on the built-in default model with the shipped sample prompts, then
 # copy the rendered report (report.md + figures/*.png|pdf) and a self-contained report.html into the docs.
-# Extra arguments go to `ablate` (e.g. `bash scripts/example_report.sh --num-prompts 8 --device cpu`).
+# It runs on the first 32 sample prompts; extra arguments go to `ablate` (e.g. `--device cpu`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-.venv/bin/divergence-probe ablate --report --out "$tmp/run" "$@"
+.venv/bin/divergence-probe ablate --report --num-prompts 32 --out "$tmp/run" "$@"
 .venv/bin/divergence-probe report "$tmp/run" --format html --out "$tmp/html"
 
 rm -rf docs/example_report

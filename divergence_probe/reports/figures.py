@@ -16,6 +16,7 @@ from pathlib import Path
 
 import matplotlib as mpl
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -127,6 +128,7 @@ def _layer_lines(ax, curves: list[tuple[str, pd.DataFrame]], title: str) -> None
         drawn += int(not np.isnan(y).all())
     ax.set_title(title)
     ax.set_xlabel("decoder layer (index)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
     ax.set_ylabel("relative L2 error ‖a−b‖/‖b‖ (dimensionless)")
     if drawn:
         ax.set_yscale("log")
