@@ -55,6 +55,11 @@ def test_vllm_and_transformers_differ_and_match_independent_computation(vllm_pro
         assert mine["delta_logprob"].tolist() == (hf_lp.double() - torch.tensor(vllm_lp).double()).tolist()
 
 
+def test_captured_logits_reproduce_vllm_logprobs_exactly_on_cpu(vllm_probe, prompts_file):
+    run = vllm_probe.compare(prompts=prompts_file, taps="logits")
+    assert run.manifest["stacks"]["infer"]["settings"]["captured_logits_vs_reported_logprobs_max_gap"] == 0.0
+
+
 def test_taps_do_not_change_logprobs(vllm_probe, prompts_file):
     tapped = vllm_probe.compare(prompts=prompts_file, taps="all").tokens_table
     untapped = vllm_probe.compare(prompts=prompts_file, taps="none").tokens_table
