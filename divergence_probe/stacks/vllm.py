@@ -218,8 +218,7 @@ class VLLMStack:
                 requests.append(TokensPrompt(prompt_token_ids=list(prompt.token_ids)))
                 params.append(SamplingParams(
                     max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                    seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False,
-                    ignore_eos=False))
+                    seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False))
         hooks = HookSet()
         model = self.model.model
         hooks.before(model.embed_tokens, lambda m, a, k: recorder.begin_step(arg(a, k, 0, "input_")))
@@ -228,8 +227,8 @@ class VLLMStack:
         self._tap_hooks(hooks, taps, recorder.add_tap)
         with torch.inference_mode(), hooks:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        by_request = {out.request_id: out for out in outputs}
         results = []
+        # the runner files requests as "<request_id>-<suffix>" (vLLM 0.24 and 0.32); outputs carry <request_id>
         internal = {req_id.split("-")[0]: req_id for req_id in recorder.logits}
         for seq_id, ((prompt, k), out) in enumerate(zip(keys, outputs)):
             completion = out.outputs[0]
@@ -238,7 +237,7 @@ class VLLMStack:
             reported = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt.token_ids[1:])]
             reported += [e[t].logprob for e, t in zip(completion.logprobs, response)]
             req_id = internal.get(out.request_id)
-            if req_id is None or by_request.get(out.request_id) is not out:
+            if req_id is None:
                 raise StackError(f"vLLM request {out.request_id} left no capture; the runner's ids changed format")
             logits = recorder.stitch(req_id, tokens, seq_id, sink)
             if "logits" in taps:
