@@ -1,6 +1,6 @@
 """Benchmark `compare`: what the taps cost, and peak memory against the number of prompts and of layers.
 
-    .venv/bin/python benchmarks/bench_compare.py            # about 4-5 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/bench_compare.py            # about 5 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/bench_compare.py --quick    # about 2 minutes: fewer repetitions and settings
 
 Targets (from the issue): with every tap, compare costs at most 1.5x the same run with `--taps none` on the
@@ -22,8 +22,8 @@ first batch is full. The prompt sweep runs the prompts of sample_prompts/' first
 (and all of sample_prompts/): the batches stay the same size, so growth between those rows is memory held per
 prompt, not a longer prompt or a fuller batch. The verdict compares the least-squares growth per prompt token with
 the bytes of one side's taps per token (what compare would hold if it kept them), since per-call peaks still vary
-by about +-100 MiB (see FLAT_TOLERANCE). Models of different depth need their own processes; their differences are far larger than the
-noise between processes.
+by about +-100 MiB (see FLAT_TOLERANCE). Models of different depth need their own processes; their differences
+are far larger than the noise between processes.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _profile_tapped(probe, num_prompts: int) -> dict:
         if "divergence_probe" in path and func in PROFILED.get(name, ()):
             label = f"stacks/{name}:{func}" if name in ("vllm.py", "hf.py") else f"{name}:{func}"
             found[label] = round(cumtime, 3)
-    return {"wall_s": round(wall, 3), "cumulative_s": dict(sorted(found.items(), key=lambda kv: -kv[1]))}
+    return {"wall_s": round(wall, 3), "cumulative_s": found}
 
 
 def measure_overhead(probe, spec: dict) -> dict:
@@ -302,7 +302,8 @@ def render(data: dict) -> str:
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
                 "profiler; nested rows overlap: `pair` calls `of`, which calls `ulp_distance`):", "",
                 "| function | s | share |", "|---|---:|---:|"]
-        out += [f"| `{k}` | {t:.2f} | {t / p['wall_s']:.0%} |" for k, t in p["cumulative_s"].items()]
+        ranked = sorted(p["cumulative_s"].items(), key=lambda kv: -kv[1])  # the JSON file stores them by name
+        out += [f"| `{k}` | {t:.2f} | {t / p['wall_s']:.0%} |" for k, t in ranked]
     m = data["memory_process"]
     out += [
         "",
