@@ -66,8 +66,9 @@ PROFILED = {
     "compare.py": ("run_compare", "score_prompt"),
     "vllm.py": ("score",),
     "hf.py": ("score",),
-    "capture.py": ("pair",),
-    "metrics.py": ("of", "ulp_distance", "token_kl"),
+    "capture.py": ("park", "pair"),
+    "fused.py": ("fused_diff_sums",),
+    "metrics.py": ("token_kl",),
 }
 
 # -----------------------------------------------------------------------------
@@ -92,14 +93,14 @@ def _mib(kib: int) -> float:
     return round(kib / 1024, 1)
 
 
-def _profile_tapped(probe, num_prompts: int) -> dict:
-    """cProfile one tapped compare; cumulative seconds of the functions in PROFILED."""
+def profile_tapped(probe, **compare_options) -> dict:
+    """cProfile one tapped compare; cumulative seconds of the functions in PROFILED (also used by h200.py)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     start = time.perf_counter()
-    profiler.runcall(probe.compare, num_prompts=num_prompts, taps="all")
+    profiler.runcall(probe.compare, taps="all", **compare_options)
     wall = time.perf_counter() - start
     found = {}
     for (path, _, func), (_, _, _, cumtime, _) in pstats.Stats(profiler).stats.items():
@@ -121,11 +122,13 @@ def measure_overhead(probe, spec: dict) -> dict:
             start = time.perf_counter()
             run = probe.compare(num_prompts=n, taps=taps)
             times[taps].append(round(time.perf_counter() - start, 4))
-    result = {"times_s": times, "num_prompts": len(run.prompts),
+    from divergence_probe.fused import backend
+
+    result = {"times_s": times, "num_prompts": len(run.prompts), "tap_reduction": backend(),
               "prompt_tokens": sum(len(p.token_ids) for p in run.prompts),
               "environment": probe.manifest()["environment"]}
     if spec["profile"]:
-        result["profile"] = _profile_tapped(probe, n)
+        result["profile"] = profile_tapped(probe, num_prompts=n)
     return result
 
 
@@ -300,7 +303,8 @@ def render(data: dict) -> str:
     if "profile" in o:
         p = o["profile"]
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
-                "profiler; nested rows overlap: `pair` calls `of`, which calls `ulp_distance`):", "",
+                "profiler; nested rows overlap: `pair` copies a tap into its stack and calls `fused_diff_sums` when a tap "
+                "name is complete; the reduction kernel runs on the engine's device, the manifest names its backend):", "",
                 "| function | s | share |", "|---|---:|---:|"]
         ranked = sorted(p["cumulative_s"].items(), key=lambda kv: -kv[1])  # the JSON file stores them by name
         out += [f"| `{k}` | {t:.2f} | {t / p['wall_s']:.0%} |" for k, t in ranked]
@@ -352,11 +356,13 @@ def reading(data: dict) -> str:
             f"({s['median_s']['all']:.2f} s against {s['median_s']['none']:.2f} s for {o['num_prompts']} prompts), "
             f"so the {TARGET_RATIO}x target is {'met' if s['meets_ratio_target'] else 'missed'}")
     prof = o.get("profile", {}).get("cumulative_s", {})
-    if "metrics.py:of" in prof:
+    if "fused.py:fused_diff_sums" in prof:
         wall = o["profile"]["wall_s"]
-        text += (f"; {prof['metrics.py:of'] / wall:.0%} of a tapped run goes to `DiffStats.of` (reducing each tap pair "
-                 f"to its statistics, {prof.get('metrics.py:ulp_distance', 0) / wall:.0%} in `ulp_distance` alone), "
-                 f"against {prof.get('stacks/vllm.py:score', 0) / wall:.0%} for the whole vLLM side")
+        text += (f"; {prof['fused.py:fused_diff_sums'] / wall:.0%} of a tapped run goes to reducing tap pairs to their "
+                 f"statistics (`fused_diff_sums`, {o.get('tap_reduction', 'one fused kernel')}), "
+                 f"{(prof.get('capture.py:pair', 0) + prof.get('capture.py:park', 0) - prof['fused.py:fused_diff_sums']) / wall:.0%} "
+                 f"to copying taps into their stacks, against {prof.get('stacks/vllm.py:score', 0) / wall:.0%} for the "
+                 "whole vLLM side")
     text += ". "
     rows = data["by_prompts"]
     if s["meets_memory_target"] is None:

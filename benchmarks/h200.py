@@ -9,6 +9,10 @@ One process per model (one vLLM engine per process). `--part prefill` writes, un
   timings.json         seconds for each step and the ratios the benchmark targets are stated in
 `--part rollout` writes noise-prefill/ (compare --taps none --batch-invariance) and generate/
 (compare --mode generate --batch-invariance, all taps) and timings.json.
+`--part perf` is the issue's performance workload: --num-prompts prompts of exactly --max-prompt-tokens tokens
+(each built from the shipped sample prompts, concatenated from a different starting prompt until long enough),
+loads, compare all taps vs none (interleaved, twice), ablate over three regions, a host-side profile of one
+tapped compare, and perf.json.
 The model is built with make-model (real shapes, seeded weights): real weights need a network.
 """
 
@@ -22,9 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_compare import profile_tapped
 
 import divergence_probe as dp
+from divergence_probe.fused import backend
 from divergence_probe.modelzoo import make_model
+from divergence_probe.prompts import default_prompts_path, load_prompts
 
 
 def timed(fn):
@@ -57,6 +64,44 @@ def rollout(probe, args, opts, timings) -> None:
     print(json.dumps(run.summary, indent=2))
 
 
+def long_prompts(probe, n: int, tokens: int, path: Path) -> Path:
+    """n prompts of at least `tokens` tokens as .jsonl: prompt i joins sample prompts i, i+1, ... until long enough."""
+    texts = [p.text for p in load_prompts(default_prompts_path(), probe.tokenizer, max_model_len=probe.settings.max_model_len)]
+    with open(path, "w") as f:
+        for i in range(n):
+            parts, j = [], i
+            while len(probe.tokenizer("\n\n".join(parts)).input_ids) < tokens:
+                parts.append(texts[j % len(texts)])
+                j += 1
+            f.write(json.dumps({"prompt": "\n\n".join(parts)}) + "\n")
+    return path
+
+
+def perf(probe, args, timings) -> None:
+    prompts = long_prompts(probe, args.num_prompts, args.max_prompt_tokens, args.out / "perf-prompts.jsonl")
+    opts = dict(prompts=prompts, max_prompt_tokens=args.max_prompt_tokens)
+    probe.compare(taps="none", **opts)  # warm-up: first-call kernel selection, allocator growth, the compile
+    probe.compare(taps="all", **opts)
+    for taps in ("all", "none", "none", "all"):  # interleaved, so drift hits both alike
+        run, seconds = timed(lambda: probe.compare(taps=taps, **opts))
+        timings.setdefault(f"compare_{taps}_s", []).append(seconds)
+    _, timings["ablate_both_s"] = timed(lambda: probe.ablate(side="both", bootstrap=args.bootstrap, taps="all", **opts))
+    timings["profile_tapped"] = profile_tapped(probe, **opts)
+    compare_all, compare_none = min(timings["compare_all_s"]), min(timings["compare_none_s"])
+    timings |= {
+        "taps_ratio": compare_all / compare_none,
+        "compare_wall_incl_loads_s": timings["load_s"] + compare_all,
+        "ablate_ratio": (timings["load_s"] + timings["ablate_both_s"]) / (timings["load_s"] + 8 * compare_all),
+        "tokens_per_compare": len(run.prompts) * args.max_prompt_tokens,
+        "prompt_lengths": sorted({len(p.token_ids) for p in run.prompts}),
+        "tap_reduction": backend(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "versions": probe.manifest()["environment"]["versions"],
+    }
+    (args.out / "perf.json").write_text(json.dumps(timings, indent=2) + "\n")
+    print(json.dumps(timings, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", required=True)
@@ -67,10 +112,11 @@ def main() -> None:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/dp-models"))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--part", choices=("prefill", "rollout"), default="prefill")
+    ap.add_argument("--part", choices=("prefill", "rollout", "perf"), default="prefill")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
+    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.models_dir / args.preset
     timings: dict[str, float] = {}
     if not (model_dir / "config.json").exists():
@@ -80,6 +126,8 @@ def main() -> None:
 
     if args.part == "rollout":
         return rollout(probe, args, opts, timings)
+    if args.part == "perf":
+        return perf(probe, args, timings)
     probe.compare(taps="none", **opts)  # warm-up: first-call kernel selection and allocator growth
     runs = {}
     for taps in ("all", "none", "all", "none"):  # interleaved, so drift hits both alike

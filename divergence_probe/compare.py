@@ -16,6 +16,7 @@ import torch
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .errors import NumericsError, ProbeError, StackError
+from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
 from .prompts import Prompt, file_hashes, load_prompts, default_prompts_path
 from .reports.tables import layers_frame, summary_row, tokens_frame
@@ -134,6 +135,7 @@ def run_manifest(probe, mode: str, prompts_path: Path, prompts, options: Compare
         "taps": sorted(taps),
         "threshold": options.threshold,
         "batch_invariance": options.batch_invariance,
+        "tap_reduction": fused_backend() if taps else None,
     }
     return manifest
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.errors import StackError
 from divergence_probe.taps import ALL_TAPS, expected_taps
 
 GEN = dict(max_new_tokens=12, samples_per_prompt=2, temperature=1.0)
@@ -70,3 +72,38 @@ def test_bad_generate_flags(qwen3_tiny, tmp_path):
                            (["--mode", "generate", "--max-new-tokens", "0"], "--max-new-tokens")]:
         result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), *flags, "--out", str(tmp_path / "x")])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_step_layout_reads_both_vllm_runner_kinds():
+    """v1 runners keep a persistent input_batch; model runner V2 (vLLM 0.24 CUDA, Qwen3) only returns its batch from
+    prepare_inputs, which is wrapped for the run and restored after. Fakes with the real attribute names."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from divergence_probe.stacks.hooks import HookSet
+    from divergence_probe.stacks.vllm_rollout import step_layout
+
+    v1 = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=2, req_ids=["a-0", "b-0", None], num_computed_tokens_cpu=np.array([0, 5, 0])),
+        query_start_loc=SimpleNamespace(np=np.array([0, 3, 4, 4])),
+    )
+    with HookSet() as hooks:
+        assert step_layout(v1, hooks)() == (["a-0", "b-0"], [0, 3, 4], [0, 5])
+
+    class V2Runner:
+        def prepare_inputs(self, scheduler_output, batch_desc):
+            return SimpleNamespace(num_reqs=2, req_ids=["b-0", "a-0"], query_start_loc_np=np.array([0, 1, 4, 4]),
+                                   num_computed_tokens_np=np.array([6, 0]))
+
+    runner = V2Runner()
+    with HookSet() as hooks:
+        read = step_layout(runner, hooks)
+        with pytest.raises(StackError, match="without prepare_inputs"):
+            read()
+        runner.prepare_inputs(None, None)  # what the runner does before each forward
+        assert read() == (["b-0", "a-0"], [0, 1, 4], [6, 0])
+    assert "prepare_inputs" not in vars(runner)  # the wrapper is gone after the run
+
+    with HookSet() as hooks, pytest.raises(StackError, match="no step layout"):
+        step_layout(SimpleNamespace(), hooks)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.metrics import DiffStats, token_kl, token_logprobs, ulp_distance
+from divergence_probe.metrics import DiffStats, diff_sums, token_kl, token_logprobs, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -76,3 +76,85 @@ def test_token_logprobs_are_fp32_log_softmax_at_targets():
     assert got.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), -1)[[0, 1], [2, 0]]
     assert torch.equal(got, expected)
+
+
+def _ordered_reference(x: torch.Tensor) -> list[int]:
+    """Independent ULP ordering, element by element in Python: sign-magnitude bits to a signed integer line."""
+    int_dtype = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[x.dtype]
+    bits = torch.iinfo(int_dtype).bits
+    out = []
+    for b in x.view(int_dtype).tolist():
+        magnitude = b & ((1 << (bits - 1)) - 1)
+        out.append(-magnitude if b < 0 else magnitude)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_ulp_distance_matches_reference_on_random_bit_patterns(dtype):
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int16
+    info = torch.iinfo(int_dtype)
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(info.min, info.max, (4096,), generator=g, dtype=torch.int64).to(int_dtype).view(dtype)
+            for _ in range(2))
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    a, b = a[finite], b[finite]
+    want = [abs(x - y) for x, y in zip(_ordered_reference(a), _ordered_reference(b))]
+    assert ulp_distance(a, b).tolist() == want
+
+
+def _random_pair(rows: int, n: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ref = (torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n)).to(dtype)
+    test = (ref.float() * (1 + 1e-2 * torch.randn(rows, n, generator=g))).to(dtype)
+    test[:, ::5] = ref[:, ::5]  # some bitwise-equal elements
+    return test, ref
+
+
+_COMPILED_DIFF_SUMS = torch.compile(diff_sums, dynamic=True)
+
+
+@pytest.mark.parametrize("reduce", ["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_diff_sums_within_documented_error_of_float64(reduce, dtype):
+    """Counts and maxima exact; sums within metrics._row_sums' bound (4e-6 relative for 16-bit taps, whose block
+    sums run in FP32; FP64 throughout for FP32 taps), on the blocked path and on lengths that are no multiple of 64."""
+    fn = diff_sums if reduce == "eager" else _COMPILED_DIFF_SUMS
+    bound = 1e-12 if dtype == torch.float32 else 4e-6
+    for rows, n in ((3, 4096), (1, 3 * 64), (2, 4096 + 7)):
+        test, ref = _random_pair(rows, n, dtype, seed=rows * n)
+        got = fn(test, ref)
+        t, r = test.double(), ref.double()
+        d = t - r
+        exact = torch.stack([(d == 0).sum(1).double(), d.abs().sum(1), d.abs().amax(1), (d * d).sum(1),
+                             (r * r).sum(1), (t * t).sum(1), ulp_distance(test, ref).amax(1).double()], dim=1)
+        assert torch.equal(got[:, [0, 2, 6]], exact[:, [0, 2, 6]])
+        assert ((got - exact).abs() <= bound * exact.abs()).all(), (got - exact).abs() / exact.abs()
+
+
+def test_reduction_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    from divergence_probe import fused
+
+    def broken(fn, **_):
+        def run(*args):
+            raise RuntimeError("no C compiler")
+        return run
+
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
+    monkeypatch.setattr(torch, "compile", broken)
+    test, ref = _random_pair(2, 128, torch.bfloat16, seed=0)
+    with pytest.warns(RuntimeWarning, match="reducing eagerly"):
+        got = fused.fused_diff_sums(test, ref)
+    assert torch.equal(got, diff_sums(test, ref))
+    assert fused.backend() == "eager (torch.compile failed: RuntimeError)"
+
+
+def test_dot_from_three_sums_is_accurate_for_nearly_equal_tensors():
+    """cosine comes from ‖t‖², ‖r‖², ‖t−r‖²; for nearly equal tensors 1−cos must still be right (no cancellation)."""
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4096, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    test = (ref.double() + 1e-3 * torch.randn(4096, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+    t, r = test.double(), ref.double()
+    exact = 1 - (t @ r / (t.norm() * r.norm())).item()
+    assert exact > 0
+    assert 1 - DiffStats.of(test, ref).cosine == pytest.approx(exact, rel=1e-6)

@@ -16,7 +16,8 @@ from ..prompts import Prompt
 from ..taps import TapKey
 
 TapSink = Callable[[int, TapKey, torch.Tensor], None]
-"""sink(prompt_id, tap, tensor[tokens, features]); the tensor is the stack's own copy (already cloned)."""
+"""sink(prompt_id, tap, tensor[tokens, features]); the tensor may be a view of a buffer the stack reuses in
+place (vLLM does), so a sink copies what it keeps before returning."""
 
 
 @dataclass(frozen=True, kw_only=True)

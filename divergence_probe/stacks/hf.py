@@ -112,17 +112,17 @@ class HFStack:
         return results
 
     def _capture(self, taps: frozenset[str], emit) -> HookSet:
-        """Install hooks for the selected taps; each hook hands a cloned [tokens, features] tensor to emit."""
+        """Install hooks for the selected taps; each hook hands a [tokens, features] view to emit."""
         hooks = HookSet()
         if not taps:
             return hooks
         n_layers = len(self.layers)
 
         def out(name: str, layer: int, reshape=lambda x: x[0]):
-            return lambda m, a, k, o: emit(TapKey.of(name, layer), reshape(first_tensor(o)).clone())
+            return lambda m, a, k, o: emit(TapKey.of(name, layer), reshape(first_tensor(o)))
 
         def inp(name: str, layer: int, arg_name: str):
-            return lambda m, a, k: emit(TapKey.of(name, layer), arg(a, k, 0, arg_name)[0].clone())
+            return lambda m, a, k: emit(TapKey.of(name, layer), arg(a, k, 0, arg_name)[0])
 
         def heads(x):  # [1, T, heads, d] -> [T, heads*d]
             return x[0].reshape(x.shape[1], -1)
@@ -176,12 +176,12 @@ class HFStack:
             i = layer_of.get(id(module))
             if i is not None:  # [1, heads, T, d] -> [T, heads*d]
                 if "q_rope" in taps:
-                    emit(TapKey.of("q_rope", i), query[0].transpose(0, 1).reshape(query.shape[2], -1).clone())
+                    emit(TapKey.of("q_rope", i), query[0].transpose(0, 1).reshape(query.shape[2], -1))
                 if "k_rope" in taps:
-                    emit(TapKey.of("k_rope", i), key[0].transpose(0, 1).reshape(key.shape[2], -1).clone())
+                    emit(TapKey.of("k_rope", i), key[0].transpose(0, 1).reshape(key.shape[2], -1))
                 if "attn_core" in taps:  # [1, T, heads, d] -> [T, heads*d]
                     core = result[0]
-                    emit(TapKey.of("attn_core", i), core[0].reshape(core.shape[1], -1).clone())
+                    emit(TapKey.of("attn_core", i), core[0].reshape(core.shape[1], -1))
             return result
 
         registry[impl] = tapped

@@ -13,8 +13,8 @@ vLLM's CPU backend cannot host two engines in one process (the second one crashe
 instruction on these machines), so one engine is kept per process and reused for identical settings.
 
 Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; ../shared/NUMERICS.md has the map): norms return
-`(normed, residual)` when fused with the residual add, and write in place, so everything is cloned at
-capture; `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
+`(normed, residual)` when fused with the residual add, and write in place, so every sink copies what it
+keeps before the hook returns; `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
 R(float(mlp_out) + float(residual)), which is exactly what the next layer's fused add+norm computes.
 """
 
@@ -123,10 +123,10 @@ class _Step:
         return self.logits_rows[prompt_id]
 
     def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
-        """x: [rows, ...] for the whole step -> one [T, features] clone per prompt."""
+        """x: [rows, ...] for the whole step -> one [T, features] view per prompt."""
         flat = x.reshape(x.shape[0], -1)
         for prompt_id, (start, length) in self.spans.items():
-            emit(prompt_id, key, flat[start : start + length].clone())
+            emit(prompt_id, key, flat[start : start + length])
 
 
 class VLLMStack:
@@ -210,7 +210,6 @@ class VLLMStack:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        recorder = RolloutRecorder(self.runner)
         keys, requests, params = [], [], []
         for prompt in prompts:
             for k in range(spec.samples_per_prompt):
@@ -219,13 +218,13 @@ class VLLMStack:
                 params.append(SamplingParams(
                     max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
                     seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False))
-        hooks = HookSet()
         model = self.model.model
-        hooks.before(model.embed_tokens, lambda m, a, k: recorder.begin_step(arg(a, k, 0, "input_")))
-        hooks.after(model.norm, lambda m, a, k, o: setattr(recorder, "final_hidden", first_tensor(o)))
-        hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
-        self._tap_hooks(hooks, taps, recorder.add_tap)
-        with torch.inference_mode(), hooks:
+        with torch.inference_mode(), HookSet() as hooks:
+            recorder = RolloutRecorder(self.runner, hooks)
+            hooks.before(model.embed_tokens, lambda m, a, k: recorder.begin_step(arg(a, k, 0, "input_")))
+            hooks.after(model.norm, lambda m, a, k, o: setattr(recorder, "final_hidden", first_tensor(o)))
+            hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
+            self._tap_hooks(hooks, taps, recorder.add_tap)
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         results = []
         # the runner files requests as "<request_id>-<suffix>" (vLLM 0.24 and 0.32); outputs carry <request_id>
@@ -372,6 +371,7 @@ class VLLMStack:
                 "enable_prefix_caching": False,
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(self.settings.batch_tokens, self.settings.max_model_len),
+                "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
                 "torch_threads": torch.get_num_threads(),
                 "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
             },

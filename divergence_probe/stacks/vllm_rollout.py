@@ -1,9 +1,9 @@
 """Capture inside vLLM's decode path: map every step's flattened rows to (request, position).
 
 Rollouts run many engine steps (one prefill, then one token per sequence per step), with requests in the
-runner's own order. The model runner knows, at each step, which request owns which rows and where each
-starts (`input_batch.req_ids`, `query_start_loc`, `num_computed_tokens_cpu`); that layout is read once per
-step, here, and every tap and logits row is filed under (request, position). After generation each
+runner's own order. The model runner knows, at each step, which request owns which rows, where each starts
+and how many of its tokens were computed before; that layout is read once per step (`step_layout`, the one
+place that knows the runners), and every tap and logits row is filed under (request, position). After generation each
 sequence's pieces are stitched in position order and checked against the tokens it was actually fed.
 
 Logits come from two kinds of calls: prompt-logprob calls slice the step's final hidden states (their rows
@@ -14,11 +14,58 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..errors import StackError
 from ..taps import TapKey
+from .hooks import HookSet
+
+Layout = tuple[list[str], list[int], list[int]]  # request ids, their first rows (+ the end), tokens computed before
+
+
+def step_layout(runner, hooks: HookSet) -> Callable[[], Layout]:
+    """A reader of the layout of the step about to run, for the runner this vLLM uses.
+
+    - v1 `GPUModelRunner` (vLLM 0.32 on CPU; 0.24 on CUDA for Qwen2) keeps a persistent `input_batch` and
+      `query_start_loc`, updated before the forward.
+    - Model runner V2 (`vllm/v1/worker/gpu/model_runner.py`, vLLM 0.24's default for Qwen3 on CUDA) builds a new
+      `InputBatch` in `prepare_inputs` every step and keeps none: that method is wrapped for the run (`hooks`
+      undoes it) and the batch it returns is read.
+    """
+    if hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc"):
+        def v1() -> Layout:
+            batch = runner.input_batch
+            n = batch.num_reqs
+            return (list(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1].tolist(),
+                    batch.num_computed_tokens_cpu[:n].tolist())
+
+        return v1
+    if callable(getattr(runner, "prepare_inputs", None)):
+        prepared = []
+        original = runner.prepare_inputs
+
+        def recording(*args, **kwargs):
+            batch = original(*args, **kwargs)
+            prepared[:] = [batch]
+            return batch
+
+        hooks.replace(runner, "prepare_inputs", recording)
+
+        def v2() -> Layout:
+            if not prepared:
+                raise StackError("vLLM's model runner V2 ran a step without prepare_inputs; the seam moved")
+            batch = prepared[0]
+            n = batch.num_reqs
+            return (list(batch.req_ids[:n]), batch.query_start_loc_np[: n + 1].tolist(),
+                    batch.num_computed_tokens_np[:n].tolist())
+
+        return v2
+    raise StackError(
+        f"{type(runner).__name__} ({type(runner).__module__}) exposes no step layout; generate mode knows vLLM's v1 "
+        "GPUModelRunner (0.32 CPU, 0.24 CUDA) and model runner V2 (0.24 CUDA)"
+    )
 
 
 @dataclass
@@ -30,8 +77,8 @@ class _Span:
 
 
 class RolloutRecorder:
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, runner, hooks: HookSet) -> None:
+        self.layout = step_layout(runner, hooks)
         self.steps: list[list[_Span]] = []
         self.step_ids: list[list[int]] = []  # the input ids of each step, to check the stitching
         self.taps: dict[TapKey, list[torch.Tensor]] = defaultdict(list)
@@ -40,18 +87,7 @@ class RolloutRecorder:
         self._joined: dict[TapKey, torch.Tensor] = {}
 
     def begin_step(self, input_ids: torch.Tensor) -> None:
-        try:
-            batch = self.runner.input_batch
-            n = batch.num_reqs
-            req_ids = list(batch.req_ids[:n])
-            starts = self.runner.query_start_loc.np[: n + 1].tolist()
-            computed = batch.num_computed_tokens_cpu[:n].tolist()
-        except AttributeError as e:
-            raise StackError(
-                f"{type(self.runner).__name__} ({type(self.runner).__module__}) exposes no step layout ({e}); "
-                "generate mode reads the layout of vLLM's v1 GPUModelRunner (0.32 CPU, 0.24 CUDA for Qwen2); "
-                "vLLM 0.24's newer runner (used for Qwen3 on CUDA) is not supported yet"
-            ) from e
+        req_ids, starts, computed = self.layout()
         self.steps.append([_Span(r, starts[i], int(computed[i]), starts[i + 1] - starts[i]) for i, r in enumerate(req_ids)])
         self.step_ids.append(input_ids.tolist())
 

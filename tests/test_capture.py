@@ -1,0 +1,101 @@
+"""TapPairing: stacked per tap name, reduced by the fused kernel, equal to pairing each tap on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from divergence_probe.capture import TapPairing
+from divergence_probe.errors import StackError
+from divergence_probe.metrics import DiffStats
+from divergence_probe.taps import expected_taps
+
+KEYS = expected_taps(frozenset({"embed", "input_norm", "swiglu", "logits"}), num_layers=3, has_qk_norm=False)
+WIDTH = {"embed": 64, "input_norm": 64, "swiglu": 192, "logits": 100}
+
+
+def _taps(seed: int, tokens: int):
+    """(inference, training) tensors per key: nearly equal BF16, as two stacks give."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key in KEYS:
+        rows = tokens - 1 if key.name == "logits" else tokens
+        ref = torch.randn(rows, WIDTH[key.name], generator=g).to(torch.bfloat16)
+        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, generator=g))).to(torch.bfloat16)
+        out[key] = (test, ref)
+    return out
+
+
+def test_pairing_equals_diffstats_of_each_tap_merged_over_prompts():
+    pairing = TapPairing(KEYS)
+    prompts = {0: _taps(0, tokens=7), 1: _taps(1, tokens=12)}
+    for pid, taps in prompts.items():  # the inference batch first, as compare runs it
+        for key, (test, _) in taps.items():
+            pairing.park(pid, key, test)
+    for pid, taps in prompts.items():
+        for key, (_, ref) in reversed(taps.items()):  # arrival order does not matter
+            pairing.pair(pid, key, ref)
+        pairing.finish_prompt(pid)
+    for key in KEYS:
+        want = DiffStats.of(*prompts[0][key]).merge(DiffStats.of(*prompts[1][key]))
+        got = pairing.stats[key]
+        assert (got.n, got.n_equal, got.max_abs, got.max_ulp) == (want.n, want.n_equal, want.max_abs, want.max_ulp)
+        for name in ("sum_abs", "sum_sq_diff", "sum_sq_ref", "sum_sq_test"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-6), (key.label, name)
+
+
+def test_parked_taps_are_copies():
+    """A stack may overwrite its buffers after the hook returns (vLLM does): what was parked must not change."""
+    pairing = TapPairing(KEYS[:1])
+    [key] = KEYS[:1]
+    live = torch.ones(4, 64, dtype=torch.bfloat16)
+    pairing.park(0, key, live)
+    live.zero_()
+    pairing.pair(0, key, torch.ones(4, 64, dtype=torch.bfloat16))
+    pairing.finish_prompt(0)
+    assert pairing.stats[key].bitwise_equal
+
+
+def _parked(keys=KEYS):
+    pairing = TapPairing(keys)
+    for key, (test, _) in _taps(0, tokens=5).items():
+        pairing.park(0, key, test)
+    return pairing
+
+
+def test_a_tap_missing_on_the_training_side_fails_at_finish():
+    pairing = _parked()
+    for key, (_, ref) in list(_taps(0, tokens=5).items())[1:]:
+        pairing.pair(0, key, ref)
+    with pytest.raises(StackError, match=r"embed@-1 \(inference side only\)"):
+        pairing.finish_prompt(0)
+
+
+def test_a_tap_missing_on_both_sides_fails_at_finish():
+    pairing = TapPairing(KEYS)
+    for key, (test, ref) in _taps(0, tokens=5).items():
+        if key.name != "swiglu":
+            pairing.park(0, key, test)
+            pairing.pair(0, key, ref)
+    with pytest.raises(StackError, match=f"{len(KEYS) - 3} of {len(KEYS)} taps paired"):
+        pairing.finish_prompt(0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda t: t[:-1], "shape"),
+    (lambda t: t.float(), "dtype|float32"),
+])
+def test_mismatched_partner_is_an_error(bad, message):
+    pairing = _parked()
+    key = KEYS[1]
+    with pytest.raises(StackError, match=message):
+        pairing.pair(0, key, bad(_taps(0, tokens=5)[key][1]))
+
+
+def test_training_only_and_duplicate_taps_are_errors():
+    pairing = _parked()
+    key = KEYS[1]
+    with pytest.raises(StackError, match="training side only"):
+        pairing.pair(1, key, _taps(0, tokens=5)[key][1])
+    with pytest.raises(StackError, match="twice"):
+        pairing.park(0, key, _taps(0, tokens=5)[key][0])
