@@ -66,7 +66,7 @@ PROFILED = {
     "compare.py": ("run_compare", "score_prompt"),
     "vllm.py": ("score",),
     "hf.py": ("score",),
-    "capture.py": ("park", "pair"),
+    "capture.py": ("park", "pair", "finish_prompt"),
     "fused.py": ("fused_diff_sums",),
     "metrics.py": ("token_kl",),
 }
@@ -303,8 +303,8 @@ def render(data: dict) -> str:
     if "profile" in o:
         p = o["profile"]
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
-                "profiler; nested rows overlap: `pair` copies a tap into its stack and calls `fused_diff_sums` when a tap "
-                "name is complete; the reduction kernel runs on the engine's device, the manifest names its backend):", "",
+                "profiler; nested rows overlap: `park` and `pair` file the taps, `finish_prompt` stacks a prompt's pairs by "
+                "shape and reduces each stack with one `fused_diff_sums` call):", "",
                 "| function | s | share |", "|---|---:|---:|"]
         ranked = sorted(p["cumulative_s"].items(), key=lambda kv: -kv[1])  # the JSON file stores them by name
         out += [f"| `{k}` | {t:.2f} | {t / p['wall_s']:.0%} |" for k, t in ranked]
@@ -360,9 +360,8 @@ def reading(data: dict) -> str:
         wall = o["profile"]["wall_s"]
         text += (f"; {prof['fused.py:fused_diff_sums'] / wall:.0%} of a tapped run goes to reducing tap pairs to their "
                  f"statistics (`fused_diff_sums`, {o.get('tap_reduction', 'one fused kernel')}), "
-                 f"{(prof.get('capture.py:pair', 0) + prof.get('capture.py:park', 0) - prof['fused.py:fused_diff_sums']) / wall:.0%} "
-                 f"to copying taps into their stacks, against {prof.get('stacks/vllm.py:score', 0) / wall:.0%} for the "
-                 "whole vLLM side")
+                 f"{(prof.get('capture.py:finish_prompt', 0) - prof['fused.py:fused_diff_sums']) / wall:.0%} to stacking "
+                 f"them, against {prof.get('stacks/vllm.py:score', 0) / wall:.0%} for the whole vLLM side")
     text += ". "
     rows = data["by_prompts"]
     if s["meets_memory_target"] is None:

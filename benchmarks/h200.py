@@ -77,6 +77,21 @@ def long_prompts(probe, n: int, tokens: int, path: Path) -> Path:
     return path
 
 
+def device_profile(probe, table: Path, **compare_options) -> dict:
+    """torch.profiler over one tapped compare: device-busy time against wall time (host-bound or device-bound?),
+    and the kernels that took it (full table in `table`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, wall = timed(lambda: probe.compare(taps="all", **compare_options))
+    events = prof.key_averages()
+    table.write_text(events.table(sort_by="self_device_time_total", row_limit=40))
+    device_s = sum(e.self_device_time_total for e in events) / 1e6
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    return {"wall_s": wall, "device_busy_s": device_s,
+            "top_kernels_s": {e.key[:90]: e.self_device_time_total / 1e6 for e in top}}
+
+
 def perf(probe, args, timings) -> None:
     prompts = long_prompts(probe, args.num_prompts, args.max_prompt_tokens, args.out / "perf-prompts.jsonl")
     opts = dict(prompts=prompts, max_prompt_tokens=args.max_prompt_tokens)
@@ -87,6 +102,7 @@ def perf(probe, args, timings) -> None:
         timings.setdefault(f"compare_{taps}_s", []).append(seconds)
     _, timings["ablate_both_s"] = timed(lambda: probe.ablate(side="both", bootstrap=args.bootstrap, taps="all", **opts))
     timings["profile_tapped"] = profile_tapped(probe, **opts)
+    timings["device_profile"] = device_profile(probe, args.out / "device-profile.txt", num_prompts=8, **opts)
     compare_all, compare_none = min(timings["compare_all_s"]), min(timings["compare_none_s"])
     timings |= {
         "taps_ratio": compare_all / compare_none,

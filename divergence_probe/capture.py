@@ -1,20 +1,21 @@
-"""Pair the two stacks' taps as they arrive and reduce them to DiffStats, one tap name at a time.
+"""Pair the two stacks' taps as they arrive; reduce a prompt's pairs to DiffStats when the prompt is done.
 
-The inference stack runs a batch first and parks its taps here; the training stack then runs each prompt,
-and once it has emitted a tap name for every layer, that name is diffed against its parked partner and
-both are dropped. Memory is bounded by one inference batch (`--batch-tokens`), never by the number of prompts.
+The inference stack runs a batch first and parks its taps here; the training stack then runs each prompt, and
+every tap it emits is filed beside its parked partner. When the prompt is finished, its pairs are reduced and
+dropped. Memory is bounded by one inference batch (`--batch-tokens`) plus one prompt, never by the number of
+prompts.
 
-Taps are copied on arrival into one `[layers, tokens, features]` stack per (prompt, tap name) and side: the
-copy protects them from buffers a stack reuses in place (vLLM does), and a whole stack is reduced by one
-fused kernel (fused.py) instead of one call per layer, whose fixed cost (~0.1 ms on CPU, more than the
-arithmetic of a small tap) dominated. The sums are read back to the host once per prompt, so a GPU never
-waits on the host between taps.
+Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
+are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
+taps, say) are stacked into one `[taps, tokens, features]` pair and reduced by one fused kernel (fused.py). Per
+call, the fixed cost (~0.1 ms on CPU, more in kernel launches on a GPU) exceeds the arithmetic of a small tap,
+and per tap the host's bookkeeping is a few dictionary operations. The sums are read back to the host once per
+prompt, so a GPU never waits on the host in between.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import defaultdict
 
 import torch
 
@@ -24,89 +25,57 @@ from .metrics import DiffStats
 from .taps import TapKey
 
 
-@dataclass
-class _Stack:
-    """One side's taps of one name for one prompt: `[len(keys), *shape]`, filled slot by slot."""
-
-    keys: list[TapKey]
-    data: torch.Tensor
-    filled: set[int] = field(default_factory=set)
-
-    @property
-    def full(self) -> bool:
-        return len(self.filled) == len(self.keys)
-
-
 class TapPairing:
     def __init__(self, expected: list[TapKey]) -> None:
         self.expected = expected
         self.stats: dict[TapKey, DiffStats] = {key: DiffStats() for key in expected}
-        self._keys_of: dict[str, list[TapKey]] = defaultdict(list)  # tap name -> its keys in layer order
-        for key in expected:
-            self._keys_of[key.name].append(key)
-        self._parked: dict[tuple[int, str], _Stack] = {}
-        self._training: dict[tuple[int, str], _Stack] = {}
-        self._sums: list[tuple[list[TapKey], int, torch.Tensor]] = []  # reduced, not yet read back
-        self._paired: Counter = Counter()  # prompt_id -> number of taps paired
+        self._expected = set(expected)
+        self._parked: dict[tuple[int, TapKey], torch.Tensor] = {}
+        self._pairs: dict[int, list[tuple[TapKey, torch.Tensor, torch.Tensor]]] = defaultdict(list)
 
     def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
         """An inference-side tap, kept until its training-side partner arrives."""
-        stack = self._parked.get((prompt_id, key.name))
-        if stack is None:
-            keys = self._keys_of.get(key.name, [])
-            if key not in keys:
-                raise StackError(f"the inference stack produced tap {key.label}, which this model should not have")
-            data = torch.empty((len(keys), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-            stack = self._parked[(prompt_id, key.name)] = _Stack(keys, data)
-        self._put(stack, key, tensor, f"the inference stack produced tap {key.label} twice for prompt {prompt_id}")
+        if key not in self._expected:
+            raise StackError(f"the inference stack produced tap {key.label}, which this model should not have")
+        if (prompt_id, key) in self._parked:
+            raise StackError(f"the inference stack produced tap {key.label} twice for prompt {prompt_id}")
+        self._parked[(prompt_id, key)] = tensor
 
     def pair(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
-        """A training-side tap; once its name is complete, diff it against the parked partner and drop both."""
-        partner = self._parked.get((prompt_id, key.name))
-        if partner is None or key not in partner.keys or partner.keys.index(key) not in partner.filled:
-            raise StackError(f"tap {key.label} of prompt {prompt_id} exists on the training side only")
-        if tensor.dtype != partner.data.dtype:  # copy_ would convert silently
-            raise StackError(f"tap {key.label} is {partner.data.dtype} (inference) vs {tensor.dtype} (training)")
-        stack = self._training.get((prompt_id, key.name))
-        if stack is None:
-            stack = self._training[(prompt_id, key.name)] = _Stack(partner.keys, torch.empty_like(partner.data))
-        self._put(stack, key, tensor, f"the training stack produced tap {key.label} twice for prompt {prompt_id}")
-        if stack.full and partner.full:
-            del self._parked[(prompt_id, key.name)], self._training[(prompt_id, key.name)]
-            self._sums.append((stack.keys, stack.data[0].numel(), fused_diff_sums(partner.data, stack.data)))
-            self._paired[prompt_id] += len(stack.keys)
+        """A training-side tap: file it beside its parked partner."""
+        partner = self._parked.pop((prompt_id, key), None)
+        if partner is None:
+            raise StackError(f"tap {key.label} of prompt {prompt_id} exists on the training side only (or twice)")
+        if partner.shape != tensor.shape or partner.dtype != tensor.dtype:
+            raise StackError(
+                f"tap {key.label} is {tuple(partner.shape)} {partner.dtype} (inference) vs "
+                f"{tuple(tensor.shape)} {tensor.dtype} (training)"
+            )
+        if tensor.device != partner.device:
+            tensor = tensor.to(partner.device)
+        self._pairs[prompt_id].append((key, partner, tensor))
 
     def finish_prompt(self, prompt_id: int) -> None:
-        """Every expected tap must have been paired exactly once for this prompt; leftovers are a seam bug."""
-        unpaired = []
-        for (pid, name), parked in list(self._parked.items()):
-            if pid == prompt_id:
-                training = self._training.pop((pid, name), None)
-                trained = training.filled if training else set()
-                unpaired += [f"{parked.keys[i].label} ({'training' if i in trained else 'inference'} side only)"
-                             for i in range(len(parked.keys)) if (i in parked.filled) != (i in trained)]
-                del self._parked[(pid, name)]
-        paired = self._paired.pop(prompt_id, 0)
-        if unpaired or paired != len(self.expected):
+        """Reduce the prompt's pairs. Every expected tap must have been paired exactly once; leftovers are a seam bug."""
+        pairs = self._pairs.pop(prompt_id, [])
+        leftovers = sorted(key.label for pid, key in self._parked if pid == prompt_id)
+        if leftovers or len(pairs) != len(self.expected):
             raise StackError(
-                f"prompt {prompt_id}: {paired} of {len(self.expected)} taps paired; unpaired: "
-                + (", ".join(unpaired[:5]) or "none") + (f" and {len(unpaired) - 5} more" if len(unpaired) > 5 else "")
+                f"prompt {prompt_id}: {len(pairs)} of {len(self.expected)} taps paired; "
+                f"inference-only taps: {', '.join(leftovers[:5]) or 'none'}"
             )
-        if self._sums:
-            values = torch.cat([sums for *_, sums in self._sums]).tolist()  # one device -> host transfer
-            row = 0
-            for keys, n, _ in self._sums:
-                for key in keys:
-                    self.stats[key] = self.stats[key].merge(DiffStats.from_sums(n, values[row]))
-                    row += 1
-            self._sums.clear()
-
-    @staticmethod
-    def _put(stack: _Stack, key: TapKey, tensor: torch.Tensor, twice: str) -> None:
-        slot = stack.keys.index(key)
-        if slot in stack.filled:
-            raise StackError(twice)
-        if tuple(tensor.shape) != tuple(stack.data.shape[1:]):
-            raise StackError(f"tap {key.label} has shape {tuple(tensor.shape)}, other layers {tuple(stack.data.shape[1:])}")
-        stack.data[slot].copy_(tensor)
-        stack.filled.add(slot)
+        if not pairs:
+            return
+        groups: dict[tuple, list] = defaultdict(list)  # same shape and dtype: one stacked call
+        for key, test, ref in pairs:
+            groups[(test.shape, test.dtype)].append((key, test, ref))
+        reduced = []
+        for group in groups.values():
+            keys, tests, refs = zip(*group)
+            test, ref = (torch.stack(x) if len(x) > 1 else x[0][None] for x in (tests, refs))
+            reduced.append((keys, tests[0].numel(), fused_diff_sums(test, ref)))
+        values = torch.cat([sums for *_, sums in reduced]).tolist()  # one device -> host transfer
+        rows = iter(values)
+        for keys, n, _ in reduced:
+            for key in keys:
+                self.stats[key] = self.stats[key].merge(DiffStats.from_sums(n, next(rows)))

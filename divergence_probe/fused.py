@@ -1,13 +1,15 @@
-"""metrics.diff_sums as one fused kernel: the reduction of every tap pair, on the device that holds the pair.
+"""metrics.diff_sums as one fused kernel: the reduction of tap pairs, on the device that holds them.
 
-Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, eight reductions) and was 59% of a tapped
-compare on CPU (docs/benchmarks.md). torch.compile fuses it into one read of both tensors (C++/OpenMP on CPU,
-Triton on CUDA): 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
-shapes: one kernel per dtype (and per length that is or is not a multiple of 64), whatever the tap's size.
+Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven reductions); that was 59% of a
+tapped compare on CPU (docs/benchmarks.md). torch.compile fuses it into one read of both tensors (C++/OpenMP on
+CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
+shapes: one kernel per dtype (and per row length that is or is not a multiple of 64), whatever the sizes.
 
-Where compiling fails (no C compiler, an unsupported backend) the same function runs eagerly, with one warning.
-The two paths sum in different orders, so float sums may differ in their last bits (counts and maxima never
-do); `backend()` names the path for the manifest. DIVERGENCE_PROBE_EAGER=1 forces the eager path.
+The float sums' last bits depend on the kernel's summation order: eager vs compiled, and, on a GPU, on how
+many taps one call reduces together (capture.py groups a prompt's taps by shape), so they are reproducible
+for the same inputs and options, not across tap selections. Counts and maxima are exact either way.
+Where compiling fails (no C compiler, an unsupported backend) the same function runs eagerly, with one warning;
+`backend()` names the path for the manifest. DIVERGENCE_PROBE_EAGER=1 forces the eager path.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TapPairing: stacked per tap name, reduced by the fused kernel, equal to pairing each tap on its own."""
+"""TapPairing: pairs grouped by shape, reduced by the fused kernel, equal to reducing each tap on its own."""
 
 from __future__ import annotations
 
@@ -44,16 +44,17 @@ def test_pairing_equals_diffstats_of_each_tap_merged_over_prompts():
             assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-6), (key.label, name)
 
 
-def test_parked_taps_are_copies():
-    """A stack may overwrite its buffers after the hook returns (vLLM does): what was parked must not change."""
-    pairing = TapPairing(KEYS[:1])
-    [key] = KEYS[:1]
-    live = torch.ones(4, 64, dtype=torch.bfloat16)
-    pairing.park(0, key, live)
+def test_vllm_step_taps_are_cloned_once_and_survive_buffer_reuse():
+    """vLLM overwrites its buffers after the hook returns: what each prompt's view shows must not change."""
+    from divergence_probe.stacks.vllm import _Step
+
+    step = _Step(spans={0: (0, 2), 1: (2, 3)})
+    live = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    emitted = {}
+    step.split(live, lambda pid, key, x: emitted.__setitem__(pid, x), KEYS[0])
     live.zero_()
-    pairing.pair(0, key, torch.ones(4, 64, dtype=torch.bfloat16))
-    pairing.finish_prompt(0)
-    assert pairing.stats[key].bitwise_equal
+    assert emitted[0].tolist() == [[0, 1], [2, 3]] and emitted[1].tolist() == [[4, 5], [6, 7], [8, 9]]
+    assert emitted[0].untyped_storage().data_ptr() == emitted[1].untyped_storage().data_ptr()  # one clone
 
 
 def _parked(keys=KEYS):
@@ -67,7 +68,7 @@ def test_a_tap_missing_on_the_training_side_fails_at_finish():
     pairing = _parked()
     for key, (_, ref) in list(_taps(0, tokens=5).items())[1:]:
         pairing.pair(0, key, ref)
-    with pytest.raises(StackError, match=r"embed@-1 \(inference side only\)"):
+    with pytest.raises(StackError, match="inference-only taps: embed@-1"):
         pairing.finish_prompt(0)
 
 
@@ -82,8 +83,8 @@ def test_a_tap_missing_on_both_sides_fails_at_finish():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda t: t[:-1], "shape"),
-    (lambda t: t.float(), "dtype|float32"),
+    (lambda t: t[:-1], r"\(5, 64\) torch.bfloat16 \(inference\) vs \(4, 64\)"),
+    (lambda t: t.float(), r"torch.bfloat16 \(inference\) vs \(5, 64\) torch.float32"),
 ])
 def test_mismatched_partner_is_an_error(bad, message):
     pairing = _parked()
@@ -99,3 +100,6 @@ def test_training_only_and_duplicate_taps_are_errors():
         pairing.pair(1, key, _taps(0, tokens=5)[key][1])
     with pytest.raises(StackError, match="twice"):
         pairing.park(0, key, _taps(0, tokens=5)[key][0])
+    pairing.pair(0, key, _taps(0, tokens=5)[key][1])
+    with pytest.raises(StackError, match="twice"):
+        pairing.pair(0, key, _taps(0, tokens=5)[key][1])

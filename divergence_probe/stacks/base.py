@@ -16,8 +16,9 @@ from ..prompts import Prompt
 from ..taps import TapKey
 
 TapSink = Callable[[int, TapKey, torch.Tensor], None]
-"""sink(prompt_id, tap, tensor[tokens, features]); the tensor may be a view of a buffer the stack reuses in
-place (vLLM does), so a sink copies what it keeps before returning."""
+"""sink(prompt_id, tap, tensor[tokens, features]). The stack never writes to the tensor again, so a sink may keep
+it as it is: vLLM clones the buffers it reuses in place (once per engine step), transformers writes no
+activation in place and hands over views."""
 
 
 @dataclass(frozen=True, kw_only=True)

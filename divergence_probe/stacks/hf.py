@@ -112,7 +112,8 @@ class HFStack:
         return results
 
     def _capture(self, taps: frozenset[str], emit) -> HookSet:
-        """Install hooks for the selected taps; each hook hands a [tokens, features] view to emit."""
+        """Install hooks for the selected taps; each hook hands a [tokens, features] view to emit (no copy:
+        transformers' Qwen2/Qwen3 and our region patches never write an activation in place)."""
         hooks = HookSet()
         if not taps:
             return hooks

@@ -13,8 +13,8 @@ vLLM's CPU backend cannot host two engines in one process (the second one crashe
 instruction on these machines), so one engine is kept per process and reused for identical settings.
 
 Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; ../shared/NUMERICS.md has the map): norms return
-`(normed, residual)` when fused with the residual add, and write in place, so every sink copies what it
-keeps before the hook returns; `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
+`(normed, residual)` when fused with the residual add, and write in place, so every tap is cloned at
+capture (once per engine step); `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
 R(float(mlp_out) + float(residual)), which is exactly what the next layer's fused add+norm computes.
 """
 
@@ -123,8 +123,9 @@ class _Step:
         return self.logits_rows[prompt_id]
 
     def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
-        """x: [rows, ...] for the whole step -> one [T, features] view per prompt."""
-        flat = x.reshape(x.shape[0], -1)
+        """x: [rows, ...] for the whole step -> one [T, features] view per prompt, of one clone for the step
+        (vLLM reuses its buffers in place; one clone per step is one copy kernel, not one per prompt)."""
+        flat = x.reshape(x.shape[0], -1).clone()
         for prompt_id, (start, length) in self.spans.items():
             emit(prompt_id, key, flat[start : start + length])
 
