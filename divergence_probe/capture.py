@@ -9,8 +9,11 @@ Taps are kept as the stacks hand them over (a stack never writes to a tap it emi
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
 taps, say) are stacked into one `[taps, tokens, features]` pair and reduced by one fused kernel (fused.py). Per
 call, the fixed cost (~0.1 ms on CPU, more in kernel launches on a GPU) exceeds the arithmetic of a small tap,
-and per tap the host's bookkeeping is a few dictionary operations. The sums are read back to the host once per
-prompt, so a GPU never waits on the host in between.
+and per tap the host's bookkeeping is a few dictionary operations.
+
+A prompt's sums are read back to the host only when the next prompt finishes (or `stats` is read): on a GPU
+the reduction then runs while the host queues the next prompt's forward, instead of being waited for. Call
+finish_prompt after the prompt's own logprobs have been read back, so that it is not waited for there either.
 """
 
 from __future__ import annotations
@@ -28,10 +31,17 @@ from .taps import TapKey
 class TapPairing:
     def __init__(self, expected: list[TapKey]) -> None:
         self.expected = expected
-        self.stats: dict[TapKey, DiffStats] = {key: DiffStats() for key in expected}
+        self._stats: dict[TapKey, DiffStats] = {key: DiffStats() for key in expected}
         self._expected = set(expected)
         self._parked: dict[tuple[int, TapKey], torch.Tensor] = {}
         self._pairs: dict[int, list[tuple[TapKey, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._pending: list[tuple[tuple[TapKey, ...], int, torch.Tensor]] = []  # reduced, not read back yet
+
+    @property
+    def stats(self) -> dict[TapKey, DiffStats]:
+        """Per-tap statistics of every finished prompt."""
+        self._read_back()
+        return self._stats
 
     def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
         """An inference-side tap, kept until its training-side partner arrives."""
@@ -64,18 +74,21 @@ class TapPairing:
                 f"prompt {prompt_id}: {len(pairs)} of {len(self.expected)} taps paired; "
                 f"inference-only taps: {', '.join(leftovers[:5]) or 'none'}"
             )
-        if not pairs:
-            return
+        self._read_back()  # the previous prompt's sums: computed by now, so this does not wait
         groups: dict[tuple, list] = defaultdict(list)  # same shape and dtype: one stacked call
         for key, test, ref in pairs:
             groups[(test.shape, test.dtype)].append((key, test, ref))
-        reduced = []
         for group in groups.values():
             keys, tests, refs = zip(*group)
             test, ref = (torch.stack(x) if len(x) > 1 else x[0][None] for x in (tests, refs))
-            reduced.append((keys, tests[0].numel(), fused_diff_sums(test, ref)))
-        values = torch.cat([sums for *_, sums in reduced]).tolist()  # one device -> host transfer
+            self._pending.append((keys, tests[0].numel(), fused_diff_sums(test, ref)))
+
+    def _read_back(self) -> None:
+        if not self._pending:
+            return
+        values = torch.cat([sums for *_, sums in self._pending]).tolist()  # one device -> host transfer
         rows = iter(values)
-        for keys, n, _ in reduced:
+        for keys, n, _ in self._pending:
             for key in keys:
-                self.stats[key] = self.stats[key].merge(DiffStats.from_sums(n, next(rows)))
+                self._stats[key] = self._stats[key].merge(DiffStats.from_sums(n, next(rows)))
+        self._pending.clear()

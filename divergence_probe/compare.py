@@ -166,8 +166,8 @@ def run_compare(probe, options: CompareOptions) -> CompareRun:
             [train] = probe.train.score([prompt], taps, pairing.pair)
             if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
                 raise StackError("a stack returned scores out of prompt order")
-            pairing.finish_prompt(prompt.prompt_id)
             tokens += score_prompt(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
+            pairing.finish_prompt(prompt.prompt_id)  # after score_prompt's read-back: see capture.py
             done += 1
             if options.progress:
                 options.progress(done, len(prompts))

@@ -122,8 +122,8 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
             as_prompt = Prompt(seq.seq_id, f"prompt {seq.prompt_id} sample {seq.sample_id}", "", seq.token_ids)
             sampled.append(as_prompt)
             [train] = probe.train.score([as_prompt], taps, pair)
-            pairing.finish_prompt(seq.seq_id)
             scored = score_prompt(probe, as_prompt, seq.logits, seq.logprobs, train.logits, train.logprobs)
+            pairing.finish_prompt(seq.seq_id)  # after score_prompt's read-back: see capture.py
             tokens += [RolloutTokenScore(**(asdict(t) | {"prompt_id": seq.prompt_id}), sample_id=seq.sample_id,
                                          is_response=t.position >= seq.n_prompt) for t in scored]
         done += len(group)
