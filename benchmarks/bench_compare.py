@@ -57,7 +57,7 @@ CHILD_TIMEOUT_S = 900  # a quiet machine needs under 2 minutes for the longest c
 # mode -> settings. Prompt sets: "xK" = the prompts of sample_prompts/' first inference batch, K times over;
 # "all" = all of sample_prompts/. The layer sweep runs "x1". rounds: measured calls per prompt set.
 PLANS = {
-    "full": {"reps": 5, "rounds": 4, "prompts": ("x1", "x2", "all", "x4"), "layers": (2, 4, 8, 16)},
+    "full": {"reps": 9, "rounds": 4, "prompts": ("x1", "x2", "all", "x4"), "layers": (2, 4, 8, 16)},
     "quick": {"reps": 3, "rounds": 2, "prompts": ("x1", "x2"), "layers": (4, 8)},
 }
 

@@ -12,7 +12,7 @@ One process per model (one vLLM engine per process). `--part prefill` writes, un
 `--part perf` is the issue's performance workload: --num-prompts prompts of exactly --max-prompt-tokens tokens
 (each built from the shipped sample prompts, concatenated from a different starting prompt until long enough),
 loads, compare all taps vs none (interleaved, twice), ablate over three regions, a host-side profile of one
-tapped compare, and perf.json.
+tapped compare (cProfile) and a device-side one (torch.profiler table: device-profile.txt), and perf.json.
 The model is built with make-model (real shapes, seeded weights): real weights need a network.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's install.sh: run benchmarks/h200.py for one preset and pack the
 # results into $OUT/PRESET.tgz (packed even when the run is cut short, so partial results come back).
-# usage: bash benchmarks/h200_job.sh PRESET [NUM_PROMPTS] [SECONDS] [PART]   (PART: prefill | rollout)
+# usage: bash benchmarks/h200_job.sh PRESET [NUM_PROMPTS] [SECONDS] [PART]   (PART: prefill | rollout | perf)
 set -u
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
 preset=$1; n=${2:-32}; budget=${3:-500}; part=${4:-prefill}; name=$preset-$part
