@@ -1,8 +1,8 @@
 """metrics.diff_sums as one fused kernel: the reduction of tap pairs, on the device that holds them.
 
-Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven reductions); that was 59% of a
-tapped compare on CPU (docs/benchmarks.md). torch.compile fuses it into one read of both tensors (C++/OpenMP on
-CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
+Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven reductions), which made the
+reduction the largest cost of a tapped compare. torch.compile fuses it into one read of both tensors
+(C++/OpenMP on CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
 shapes: one kernel per dtype (and per row length that is or is not a multiple of 64), whatever the sizes.
 
 The float sums' last bits depend on the kernel's summation order: eager vs compiled, and, on a GPU, on how

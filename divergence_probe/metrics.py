@@ -4,9 +4,9 @@ Conventions: `test` is the inference side, `ref` the training side (the policy t
 for), so relative errors are measured against what the trainer computes.
 
 Elementwise work runs in FP32 for 16-bit tensors (a product of two BF16/FP16 values is exact in FP32, and so
-is their difference unless their exponents are more than 16 apart) and in FP64 for FP32 tensors; sums end in
-FP64 (`_sum` bounds their error). The reported error is the stacks' error and not ours; sums run over fixed shapes in an order
-fixed by the kernel that runs them (eager or compiled, fused.py), which keeps every number reproducible byte
+is their difference unless their exponents are more than 16 apart) and in FP64 for FP32 tensors; sums end
+in FP64 (`_row_sums` bounds their error). The reported error is the stacks' error and not ours; sums run over
+fixed shapes in an order fixed by the kernel that runs them (eager or compiled, fused.py), which keeps every number reproducible byte
 for byte on the same machine.
 """
 
@@ -141,8 +141,10 @@ class DiffStats:
 
     @property
     def dot(self) -> float:
-        """test·ref from ‖t‖² + ‖r‖² − ‖t−r‖² = 2 t·r: the three sums are FP64 sums of products that are exact
-        (or within one FP32 rounding, for ‖t−r‖²), so this is as accurate as summing t*r itself."""
+        """test·ref from ‖t‖² + ‖r‖² − ‖t−r‖² = 2 t·r. Each sum is within `_row_sums`' relative bound, and an
+        error of that size in ‖t‖² or ‖r‖² moves the cosine only to second order, so 1 − cos stays accurate
+        for nearly equal tensors (with t·r summed on its own, the sums' rounding would enter 1 − cos at first
+        order)."""
         return (self.sum_sq_test + self.sum_sq_ref - self.sum_sq_diff) / 2
 
     @property
