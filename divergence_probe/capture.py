@@ -1,4 +1,4 @@
-"""Pair the two stacks' taps as they arrive; reduce a prompt's pairs to DiffStats when the prompt is done.
+"""Pair the two stacks' taps as they arrive; reduce a prompt's pairs into running totals when the prompt is done.
 
 The inference stack runs a batch first and parks its taps here; the training stack then runs each prompt, and
 every tap it emits is filed beside its parked partner. When the prompt is finished, its pairs are reduced and
@@ -8,12 +8,11 @@ prompts.
 Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
 taps, say) are stacked into one `[taps, tokens, features]` pair and reduced by one fused kernel (fused.py). Per
-call, the fixed cost (~0.1 ms on CPU, more in kernel launches on a GPU) exceeds the arithmetic of a small tap,
-and per tap the host's bookkeeping is a few dictionary operations.
+call, the fixed cost (~0.1 ms on CPU, more in kernel launches on a GPU) exceeds the arithmetic of a small tap.
 
-A prompt's sums are read back to the host only when the next prompt finishes (or `stats` is read): on a GPU
-the reduction then runs while the host queues the next prompt's forward, instead of being waited for. Call
-finish_prompt after the prompt's own logprobs have been read back, so that it is not waited for there either.
+The per-tap sums are merged into running totals on the taps' device (float64: the same additions, in the same
+prompt order, as merging DiffStats on the host) and read back once, when `stats` is read. So the host never
+waits for a reduction, and its per-tap work while a run goes on is a few dictionary operations.
 """
 
 from __future__ import annotations
@@ -24,28 +23,30 @@ import torch
 
 from .errors import StackError
 from .fused import fused_diff_sums
-from .metrics import DiffStats
+from .metrics import DIFF_SUM_IS_MAX, DiffStats
 from .taps import TapKey
 
 
 class TapPairing:
     def __init__(self, expected: list[TapKey]) -> None:
         self.expected = expected
-        self._stats: dict[TapKey, DiffStats] = {key: DiffStats() for key in expected}
-        self._expected = set(expected)
+        self._index = {key: i for i, key in enumerate(expected)}
+        self._counts = [0] * len(expected)  # elements reduced per tap (host ints: exact, free)
+        self._totals: torch.Tensor | None = None  # [taps, 7] float64 running diff_sums, on the taps' device
+        self._is_max: torch.Tensor | None = None  # which of those 7 columns merge by max (the others add)
+        self._row_indices: dict[tuple[int, ...], torch.Tensor] = {}  # a group's rows in _totals, on that device
         self._parked: dict[tuple[int, TapKey], torch.Tensor] = {}
         self._pairs: dict[int, list[tuple[TapKey, torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        self._pending: list[tuple[tuple[TapKey, ...], int, torch.Tensor]] = []  # reduced, not read back yet
 
     @property
     def stats(self) -> dict[TapKey, DiffStats]:
-        """Per-tap statistics of every finished prompt."""
-        self._read_back()
-        return self._stats
+        """Per-tap statistics of every finished prompt (reads the totals back: waits for the device)."""
+        totals = self._totals.tolist() if self._totals is not None else [[0.0] * 7] * len(self.expected)
+        return {key: DiffStats.from_sums(n, sums) for key, n, sums in zip(self.expected, self._counts, totals)}
 
     def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
         """An inference-side tap, kept until its training-side partner arrives."""
-        if key not in self._expected:
+        if key not in self._index:
             raise StackError(f"the inference stack produced tap {key.label}, which this model should not have")
         if (prompt_id, key) in self._parked:
             raise StackError(f"the inference stack produced tap {key.label} twice for prompt {prompt_id}")
@@ -61,34 +62,38 @@ class TapPairing:
                 f"tap {key.label} is {tuple(partner.shape)} {partner.dtype} (inference) vs "
                 f"{tuple(tensor.shape)} {tensor.dtype} (training)"
             )
-        if tensor.device != partner.device:
+        if tensor.get_device() != partner.get_device():  # (an int: cheaper than comparing torch.device objects)
             tensor = tensor.to(partner.device)
         self._pairs[prompt_id].append((key, partner, tensor))
 
     def finish_prompt(self, prompt_id: int) -> None:
-        """Reduce the prompt's pairs. Every expected tap must have been paired exactly once; leftovers are a seam bug."""
+        """Reduce the prompt's pairs. Every expected tap must have been paired exactly once; leftovers are a seam bug.
+
+        (park refuses unexpected and repeated taps, so with every expected tap paired none can be left over.)"""
         pairs = self._pairs.pop(prompt_id, [])
-        leftovers = sorted(key.label for pid, key in self._parked if pid == prompt_id)
-        if leftovers or len(pairs) != len(self.expected):
+        if len(pairs) != len(self.expected):
+            leftovers = sorted(key.label for pid, key in self._parked if pid == prompt_id)
             raise StackError(
                 f"prompt {prompt_id}: {len(pairs)} of {len(self.expected)} taps paired; "
                 f"inference-only taps: {', '.join(leftovers[:5]) or 'none'}"
             )
-        self._read_back()  # the previous prompt's sums: computed by now, so this does not wait
         groups: dict[tuple, list] = defaultdict(list)  # same shape and dtype: one stacked call
-        for key, test, ref in pairs:
-            groups[(test.shape, test.dtype)].append((key, test, ref))
+        for pair in pairs:
+            groups[(pair[1].shape, pair[1].dtype)].append(pair)
         for group in groups.values():
             keys, tests, refs = zip(*group)
             test, ref = (torch.stack(x) if len(x) > 1 else x[0][None] for x in (tests, refs))
-            self._pending.append((keys, tests[0].numel(), fused_diff_sums(test, ref)))
+            self._add(tuple(self._index[key] for key in keys), tests[0].numel(), fused_diff_sums(test, ref))
 
-    def _read_back(self) -> None:
-        if not self._pending:
-            return
-        values = torch.cat([sums for *_, sums in self._pending]).tolist()  # one device -> host transfer
-        rows = iter(values)
-        for keys, n, _ in self._pending:
-            for key in keys:
-                self._stats[key] = self._stats[key].merge(DiffStats.from_sums(n, next(rows)))
-        self._pending.clear()
+    def _add(self, rows: tuple[int, ...], n: int, sums: torch.Tensor) -> None:
+        """Merge one group's [taps, 7] sums into the totals: sums add, maxima take the max (as DiffStats.merge)."""
+        if self._totals is None:
+            self._totals = sums.new_zeros(len(self.expected), sums.shape[1])
+            self._is_max = torch.tensor(DIFF_SUM_IS_MAX, device=sums.device)
+        index = self._row_indices.get(rows)
+        if index is None:
+            index = self._row_indices[rows] = torch.tensor(rows, device=sums.device)
+        current = self._totals.index_select(0, index)
+        self._totals.index_copy_(0, index, torch.where(self._is_max, torch.maximum(current, sums), current + sums))
+        for row in rows:
+            self._counts[row] += n

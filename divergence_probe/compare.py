@@ -15,6 +15,7 @@ import torch
 
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
+from .environment import to_device
 from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
@@ -103,24 +104,49 @@ def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]
         yield group
 
 
-def _check_finite(logits: torch.Tensor, side: str, prompt: Prompt) -> None:
-    if not torch.isfinite(logits).all():
-        raise NumericsError(
-            f"the {side} stack produced NaN/Inf logits on prompt {prompt.prompt_id} ({prompt.source}); "
-            "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
-        )
+class PendingScores:
+    """One prompt's token scores, computed on the device and on their way to the host; `read()` waits for them.
+
+    On a GPU every read-back waits for all the work queued before it. Reading a prompt's scores only after the
+    next prompt's forward has been queued lets the device finish this prompt (and its tap reductions) while the
+    host is busy queueing the next one, instead of the host idling at every prompt.
+    """
+
+    def __init__(self, probe, prompt: Prompt, infer_logits, infer_logprobs, train_logits, train_logprobs) -> None:
+        self.prompt, self.tokenizer = prompt, probe.tokenizer
+        device = infer_logits.device
+        finite = torch.stack([torch.isfinite(infer_logits).all(), torch.isfinite(train_logits).all()])
+        kl = token_kl(infer_logits, train_logits.to(device))
+        # float64 holds the float32 logprobs exactly, so one transfer carries everything
+        values = torch.cat([finite.double(), kl, to_device(infer_logprobs, device).double(),
+                            to_device(train_logprobs, device).double()])
+        self._host = values.to("cpu", non_blocking=True)  # pinned and asynchronous from a GPU
+        self._ready = None
+        if values.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self) -> list[TokenScore]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        for side, ok in zip(("inference", "training"), values[:2]):
+            if not ok:
+                raise NumericsError(
+                    f"the {side} stack produced NaN/Inf logits on prompt {self.prompt.prompt_id} ({self.prompt.source}); "
+                    "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
+                )
+        ids = self.prompt.token_ids
+        n = len(ids) - 1
+        kl, infer, train = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids[1:]))
+        return [TokenScore(self.prompt.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos])
+                for pos in range(n)]
 
 
 def score_prompt(probe, prompt: Prompt, infer_logits, infer_logprobs, train_logits, train_logprobs) -> list[TokenScore]:
-    _check_finite(infer_logits, "inference", prompt)
-    _check_finite(train_logits, "training", prompt)
-    kl = token_kl(infer_logits, train_logits.to(infer_logits.device)).tolist()
-    ids = prompt.token_ids
-    tokens = probe.tokenizer.convert_ids_to_tokens(list(ids[1:]))
-    return [
-        TokenScore(prompt.prompt_id, pos + 1, ids[pos + 1], tokens[pos], float(li), float(lt), kl[pos])
-        for pos, (li, lt) in enumerate(zip(infer_logprobs.tolist(), train_logprobs.tolist()))
-    ]
+    """Both logprobs of every scored token and the full-vocabulary KL, on the host (waits for the device)."""
+    return PendingScores(probe, prompt, infer_logits, infer_logprobs, train_logits, train_logprobs).read()
 
 
 def run_manifest(probe, mode: str, prompts_path: Path, prompts, options: CompareOptions, taps) -> dict:
@@ -160,17 +186,28 @@ def run_compare(probe, options: CompareOptions) -> CompareRun:
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
     tokens: list[TokenScore] = []
     done = 0
+
+    def collect(scores: PendingScores) -> None:
+        nonlocal done
+        tokens.extend(scores.read())
+        done += 1
+        if options.progress:
+            options.progress(done, len(prompts))
+
+    pending: PendingScores | None = None  # the previous prompt's scores: read once the next prompt is queued
     for group in batches(prompts, probe.settings.batch_tokens):
         infer_scores = probe.infer.score(group, taps, pairing.park)
         for prompt, infer in zip(group, infer_scores):
             [train] = probe.train.score([prompt], taps, pairing.pair)
             if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
                 raise StackError("a stack returned scores out of prompt order")
-            tokens += score_prompt(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
-            pairing.finish_prompt(prompt.prompt_id)  # after score_prompt's read-back: see capture.py
-            done += 1
-            if options.progress:
-                options.progress(done, len(prompts))
+            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
+            pairing.finish_prompt(prompt.prompt_id)
+            if pending is not None:
+                collect(pending)
+            pending = scores
+    if pending is not None:
+        collect(pending)
     manifest = run_manifest(probe, "prefill", prompts_path, prompts, options, taps)
     floor = measure_batch_invariance(probe, prompts) if options.batch_invariance else None
     return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor)

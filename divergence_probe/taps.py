@@ -10,7 +10,7 @@ into features), so the metrics never need to know which stack produced it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import ProbeError
 
@@ -34,9 +34,10 @@ ALL_TAPS = MODEL_TAPS_BEFORE + LAYER_TAPS + MODEL_TAPS_AFTER
 QK_NORM_TAPS = ("q_norm", "k_norm")
 
 
-@dataclass(frozen=True, order=True)
-class TapKey:
-    """One tap of one layer. Ordered by data flow: embed, layer 0 taps, ..., final_norm, logits."""
+class TapKey(NamedTuple):
+    """One tap of one layer. Ordered by data flow: embed, layer 0 taps, ..., final_norm, logits.
+
+    A tuple, not a dataclass: keys are hashed several times per captured tensor, and a tuple hashes in C."""
 
     order: tuple[int, int]
     name: str

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.metrics import DiffStats, diff_sums, token_kl, token_logprobs, ulp_distance
+from divergence_probe.metrics import DiffStats, _blocks_first, diff_sums, token_kl, token_logprobs, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -110,17 +110,26 @@ def _random_pair(rows: int, n: int, dtype, seed: int):
     return test, ref
 
 
-_COMPILED_DIFF_SUMS = torch.compile(diff_sums, dynamic=True)
+_REDUCTIONS = {
+    "eager": diff_sums,
+    "compiled": torch.compile(diff_sums, dynamic=True),
+    # the GPU's layout (blocks of 64 first, then pairs), run here on the CPU: same function, other device
+    "blocks first": _blocks_first,
+    "blocks first, compiled": torch.compile(_blocks_first, dynamic=True),
+}
 
 
-@pytest.mark.parametrize("reduce", ["eager", "compiled"])
+@pytest.mark.parametrize("reduce", list(_REDUCTIONS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_diff_sums_within_documented_error_of_float64(reduce, dtype):
     """Counts and maxima exact; sums within metrics._row_sums' bound (4e-6 relative for 16-bit taps, whose block
-    sums run in FP32; FP64 throughout for FP32 taps), on the blocked path and on lengths that are no multiple of 64."""
-    fn = diff_sums if reduce == "eager" else _COMPILED_DIFF_SUMS
+    sums run in FP32; FP64 throughout for FP32 taps), on the blocked path and on lengths that are no multiple of 64,
+    reducing whole rows (CPU) or blocks first (GPU; lengths that are multiples of 64)."""
+    fn = _REDUCTIONS[reduce]
     bound = 1e-12 if dtype == torch.float32 else 4e-6
     for rows, n in ((3, 4096), (1, 3 * 64), (2, 4096 + 7)):
+        if reduce.startswith("blocks") and n % 64:
+            continue  # diff_sums reduces those whole rows on a GPU too
         test, ref = _random_pair(rows, n, dtype, seed=rows * n)
         got = fn(test, ref)
         t, r = test.double(), ref.double()

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from ..environment import to_device
 from ..errors import ModelError, NumericsError
 from ..metrics import token_logprobs
 from ..prompts import Prompt
@@ -58,7 +59,7 @@ class HFStack:
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
         results = []
         for prompt in prompts:
-            ids = torch.tensor([prompt.token_ids], device=self.settings.device)
+            ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
             positions = torch.arange(ids.shape[1], device=ids.device)[None]
             with torch.inference_mode(), self._capture(taps, lambda key, x: sink(prompt.prompt_id, key, x)):
                 logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
@@ -120,10 +121,12 @@ class HFStack:
         n_layers = len(self.layers)
 
         def out(name: str, layer: int, reshape=lambda x: x[0]):
-            return lambda m, a, k, o: emit(TapKey.of(name, layer), reshape(first_tensor(o)))
+            key = TapKey.of(name, layer)
+            return lambda m, a, k, o: emit(key, reshape(first_tensor(o)))
 
         def inp(name: str, layer: int, arg_name: str):
-            return lambda m, a, k: emit(TapKey.of(name, layer), arg(a, k, 0, arg_name)[0])
+            key = TapKey.of(name, layer)
+            return lambda m, a, k: emit(key, arg(a, k, 0, arg_name)[0])
 
         def heads(x):  # [1, T, heads, d] -> [T, heads*d]
             return x[0].reshape(x.shape[1], -1)
@@ -170,19 +173,20 @@ class HFStack:
             inner = import_module(type(self.model).__module__).eager_attention_forward
         else:
             inner = registry[impl]
-        layer_of = {id(layer.self_attn): i for i, layer in enumerate(self.layers)}
+        names = [name for name in ("q_rope", "k_rope", "attn_core") if name in taps]
+        keys_of = {id(layer.self_attn): {n: TapKey.of(n, i) for n in names} for i, layer in enumerate(self.layers)}
 
         def tapped(module, query, key, value, attention_mask, **kwargs):
             result = inner(module, query, key, value, attention_mask, **kwargs)
-            i = layer_of.get(id(module))
-            if i is not None:  # [1, heads, T, d] -> [T, heads*d]
-                if "q_rope" in taps:
-                    emit(TapKey.of("q_rope", i), query[0].transpose(0, 1).reshape(query.shape[2], -1))
-                if "k_rope" in taps:
-                    emit(TapKey.of("k_rope", i), key[0].transpose(0, 1).reshape(key.shape[2], -1))
-                if "attn_core" in taps:  # [1, T, heads, d] -> [T, heads*d]
+            keys = keys_of.get(id(module))
+            if keys is not None:  # [1, heads, T, d] -> [T, heads*d]
+                if "q_rope" in keys:
+                    emit(keys["q_rope"], query[0].transpose(0, 1).reshape(query.shape[2], -1))
+                if "k_rope" in keys:
+                    emit(keys["k_rope"], key[0].transpose(0, 1).reshape(key.shape[2], -1))
+                if "attn_core" in keys:  # [1, T, heads, d] -> [T, heads*d]
                     core = result[0]
-                    emit(TapKey.of("attn_core", i), core[0].reshape(core.shape[1], -1))
+                    emit(keys["attn_core"], core[0].reshape(core.shape[1], -1))
             return result
 
         registry[impl] = tapped

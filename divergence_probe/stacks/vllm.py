@@ -301,15 +301,19 @@ class VLLMStack:
         model, n_layers = self.model.model, len(self.layers)
 
         def out(name: str, layer: int, pick=first_tensor):
-            return lambda m, a, k, o: on_tap(TapKey.of(name, layer), pick(o))
+            key = TapKey.of(name, layer)
+            return lambda m, a, k, o: on_tap(key, pick(o))
 
         def inp(name: str, layer: int, index: int, arg_name: str):
-            return lambda m, a, k: on_tap(TapKey.of(name, layer), arg(a, k, index, arg_name))
+            key = TapKey.of(name, layer)
+            return lambda m, a, k: on_tap(key, arg(a, k, index, arg_name))
 
         def resid_out(layer: int):
+            key = TapKey.of("resid_out", layer)
+
             def hook(m, a, k, o):  # the layer output exists only inside the next fused add+norm: form it here
                 hidden, residual = o
-                on_tap(TapKey.of("resid_out", layer), (hidden.float() + residual.float()).to(hidden.dtype))
+                on_tap(key, (hidden.float() + residual.float()).to(hidden.dtype))
 
             return hook
 

@@ -1,0 +1,109 @@
+"""How to lay out the tap reduction on a GPU: four layouts of metrics.diff_sums, timed on one prompt's taps.
+
+    python3 benchmarks/reduction_variants.py --out docs/results/h200/reduction-variants.json   # on a CUDA machine
+
+One prompt of the Qwen2.5-1.5B shape at 1024 tokens, its taps grouped by shape as capture.py groups them
+(BF16 pairs that differ by ~1%, like the two stacks' taps). Each layout is compiled once (dynamic shapes, as
+fused.py does) and timed with CUDA events after a warm-up; accuracy is the largest relative error of the four
+sums against float64 sums of the same pair. Layouts (first level -> second level):
+  whole rows      one row per tap: blocks of 64 summed in FP32 -> FP64 (the CPU path)
+  token rows f64  one row per token of a tap, summed in FP64 -> FP64 over tokens
+  token rows f32  one row per token of a tap, summed in FP32 -> FP64 over tokens
+  blocks of 64    every statistic per block of 64 elements (FP32) -> FP64 over a tap's blocks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from divergence_probe.metrics import ulp_distance
+
+# one prompt of Qwen2.5-1.5B at 1024 tokens: taps per group, features
+GROUPS = {"hidden": (170, 1536), "k_rope": (28, 256), "swiglu": (28, 8960), "logits": (1, 151936)}
+TOKENS = 1024
+
+
+def _stats(t, r, first_sum):
+    """[rows, n] pairs -> [rows, 7] (metrics.DIFF_SUM_FIELDS), the four sums by first_sum."""
+    tf, rf = t.float(), r.float()
+    d = tf - rf
+    a = d.abs()
+    return torch.stack([(d == 0).sum(1).double(), first_sum(a), a.amax(1).double(), first_sum(d * d),
+                        first_sum(rf * rf), first_sum(tf * tf), ulp_distance(t, r).amax(1).double()], 1)
+
+
+def _merge(per, taps):
+    per = per.view(taps, -1, 7)
+    s, m = per.sum(1), per.amax(1)
+    return torch.stack([m[:, i] if i in (2, 6) else s[:, i] for i in range(7)], 1)
+
+
+def whole_rows(t, r):
+    return _stats(t.reshape(len(t), -1), r.reshape(len(r), -1),
+                  lambda x: x.view(len(x), -1, 64).sum(2).double().sum(1))
+
+
+def token_rows_f64(t, r):
+    return _merge(_stats(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.double().sum(1)), len(t))
+
+
+def token_rows_f32(t, r):
+    return _merge(_stats(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.sum(1).double()), len(t))
+
+
+def blocks_of_64(t, r):
+    return _merge(_stats(t.reshape(-1, 64), r.reshape(-1, 64), lambda x: x.sum(1).double()), len(t))
+
+
+LAYOUTS = {"whole rows": whole_rows, "token rows f64": token_rows_f64, "token rows f32": token_rows_f32,
+           "blocks of 64": blocks_of_64}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pairs = {}
+    for name, (taps, features) in GROUPS.items():
+        rows = TOKENS - 1 if name == "logits" else TOKENS
+        ref = torch.randn(taps, rows, features, device="cuda", generator=g).bfloat16()
+        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device="cuda", generator=g))).bfloat16()
+        pairs[name] = (test, ref)
+    exact = {}
+    for name, (t, r) in pairs.items():
+        td, rd = t.double().flatten(1), r.double().flatten(1)
+        d = td - rd
+        exact[name] = torch.stack([d.abs().sum(1), (d * d).sum(1), (rd * rd).sum(1), (td * td).sum(1)], 1)
+        del td, rd, d
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": TOKENS,
+              "groups": {k: list(v) for k, v in GROUPS.items()}, "layouts": {}}
+    for layout, fn in LAYOUTS.items():
+        compiled = torch.compile(fn, dynamic=True)
+        per_group, worst = {}, 0.0
+        for name, (t, r) in pairs.items():
+            got = compiled(t, r)  # warm-up (compiles)
+            worst = max(worst, ((got[:, [1, 3, 4, 5]] - exact[name]).abs() / exact[name].abs()).max().item())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                compiled(t, r)
+            end.record()
+            end.synchronize()
+            per_group[name] = round(start.elapsed_time(end) / args.iters, 3)
+        result["layouts"][layout] = {"ms_per_group": per_group, "ms_per_prompt": round(sum(per_group.values()), 3),
+                                     "max_rel_error_of_sums": worst}
+        print(layout, result["layouts"][layout], flush=True)
+    gb = sum(2 * t.numel() * t.element_size() for t, _ in pairs.values()) / 1e9
+    result["bytes_read_per_prompt_gb"] = round(gb, 3)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

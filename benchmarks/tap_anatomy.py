@@ -1,0 +1,80 @@
+"""Where the cost of taps goes: the compare loop run with its parts switched on one at a time.
+
+Configurations (each the loop of `compare.run_compare`, token scoring included, timed to a device sync):
+  none            no taps
+  infer hooks     the inference stack captures every tap into a sink that drops it; no training taps
+  train hooks     the same on the training stack only
+  both hooks      both stacks capture, both sinks drop
+  pairing         both capture into TapPairing, which stacks each prompt's pairs but does not reduce them
+  all             everything: what `compare --taps all` does
+Differences between rows attribute the overhead: hooks and copies per stack, filing and stacking, the reduction.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+import divergence_probe.capture as capture
+from divergence_probe.capture import TapPairing
+from divergence_probe.compare import PendingScores, batches
+from divergence_probe.taps import expected_taps, parse_tap_selection
+
+CONFIGS = ("none", "infer hooks", "train hooks", "both hooks", "pairing", "all")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def _no_reduction():
+    """Stacks still happen (their inputs are built), the fused kernel does not run."""
+    real = capture.fused_diff_sums
+    capture.fused_diff_sums = lambda test, ref: torch.zeros(len(test), 7, dtype=torch.float64, device=test.device)
+    try:
+        yield
+    finally:
+        capture.fused_diff_sums = real
+
+
+def _loop(probe, prompts, config: str) -> None:
+    everything = parse_tap_selection("all")
+    infer_taps = everything if config in ("infer hooks", "both hooks", "pairing", "all") else frozenset()
+    train_taps = everything if config in ("train hooks", "both hooks", "pairing", "all") else frozenset()
+    pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.has_qk_norm))
+    pairs = config in ("pairing", "all")
+    drop = lambda *_: None  # noqa: E731
+    pending = None
+    for group in batches(prompts, probe.settings.batch_tokens):
+        infer_scores = probe.infer.score(group, infer_taps, pairing.park if pairs else drop)
+        for prompt, infer in zip(group, infer_scores):
+            [train] = probe.train.score([prompt], train_taps, pairing.pair if pairs else drop)
+            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
+            if pairs:
+                pairing.finish_prompt(prompt.prompt_id)
+            if pending is not None:
+                pending.read()
+            pending = scores
+    pending.read()
+    if pairs:
+        pairing.stats  # the read-back
+
+
+def anatomy(probe, prompts, rounds: int = 2) -> dict:
+    """Fastest seconds of each configuration over `rounds` interleaved rounds (after one warm-up of each)."""
+    best = {}
+    for rnd in range(rounds + 1):
+        for config in CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]:
+            with _no_reduction() if config == "pairing" else nullcontext():
+                _sync()
+                start = time.perf_counter()
+                _loop(probe, prompts, config)
+                _sync()
+                seconds = time.perf_counter() - start
+            if rnd:  # round 0 warms up
+                best[config] = min(best.get(config, seconds), seconds)
+    return {config: round(best[config], 4) for config in CONFIGS}
