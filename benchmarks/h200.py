@@ -11,7 +11,7 @@ One process per model (one vLLM engine per process). `--part prefill` writes, un
 (compare --mode generate --batch-invariance, all taps) and timings.json.
 `--part perf` is the issue's performance workload: --num-prompts prompts of exactly --max-prompt-tokens tokens
 (each built from the shipped sample prompts, concatenated from a different starting prompt until long enough),
-loads, compare all taps vs none (interleaved, five times each), ablate over three regions, the anatomy of the taps' cost
+loads, compare all taps vs none (interleaved, four times each), ablate over three regions, the anatomy of the taps' cost
 (benchmarks/tap_anatomy.py), a host-side profile of one tapped compare (cProfile) and a device-side one
 (torch.profiler table: device-profile.txt), and perf.json.
 The model is built with make-model (real shapes, seeded weights): real weights need a network.
@@ -101,13 +101,13 @@ def perf(probe, args, timings) -> None:
     opts = dict(prompts=prompts, max_prompt_tokens=args.max_prompt_tokens)
     probe.compare(taps="none", **opts)  # warm-up: first-call kernel selection, allocator growth, the compile
     probe.compare(taps="all", **opts)
-    for taps in ("all", "none", "none", "all") * 2 + ("all", "none"):  # interleaved, so drift hits both alike
+    for taps in ("all", "none", "none", "all") * 2:  # interleaved, so drift hits both alike
         run, seconds = timed(lambda: probe.compare(taps=taps, **opts))
         timings.setdefault(f"compare_{taps}_s", []).append(seconds)
     _, timings["ablate_both_s"] = timed(lambda: probe.ablate(side="both", bootstrap=args.bootstrap, taps="all", **opts))
     tokenized = load_prompts(prompts, probe.tokenizer, max_prompt_tokens=args.max_prompt_tokens,
                              max_model_len=probe.settings.max_model_len)
-    timings["anatomy_s"] = anatomy(probe, tokenized, rounds=3)
+    timings["anatomy_s"] = anatomy(probe, tokenized, rounds=2)
     timings["profile_tapped"] = profile_tapped(probe, **opts)
     timings["device_profile"] = device_profile(probe, args.out / "device-profile.txt", num_prompts=8, **opts)
     compare_all, compare_none = min(timings["compare_all_s"]), min(timings["compare_none_s"])

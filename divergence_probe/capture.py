@@ -7,8 +7,9 @@ prompts.
 
 Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
-taps, say) are stacked into one `[taps, tokens, features]` pair and reduced by one fused kernel (fused.py). Per
-call, the fixed cost (~0.1 ms on CPU, more in kernel launches on a GPU) exceeds the arithmetic of a small tap.
+taps, say) are stacked into one `[taps, tokens, features]` pair, and all of a prompt's stacks are reduced by one
+call of the fused reduction (fused.py). Per call, the fixed cost (~0.1 ms on CPU, ~0.3 ms of host time on a GPU)
+exceeds the arithmetic of a small tap.
 
 The per-tap sums are merged into running totals on the taps' device (float64: the same additions, in the same
 prompt order, as merging DiffStats on the host) and read back once, when `stats` is read. So the host never
@@ -77,16 +78,23 @@ class TapPairing:
                 f"prompt {prompt_id}: {len(pairs)} of {len(self.expected)} taps paired; "
                 f"inference-only taps: {', '.join(leftovers[:5]) or 'none'}"
             )
-        groups: dict[tuple, list] = defaultdict(list)  # same shape and dtype: one stacked call
+        groups: dict[tuple, list] = defaultdict(list)  # same shape and dtype: one stack
         for pair in pairs:
             groups[(pair[1].shape, pair[1].dtype)].append(pair)
+        rows, tests, refs = [], [], []
         for group in groups.values():
-            keys, tests, refs = zip(*group)
-            test, ref = (torch.stack(x) if len(x) > 1 else x[0][None] for x in (tests, refs))
-            self._add(tuple(self._index[key] for key in keys), tests[0].numel(), fused_diff_sums(test, ref))
+            keys, test, ref = zip(*group)
+            for key in keys:
+                row = self._index[key]
+                rows.append(row)
+                self._counts[row] += test[0].numel()
+            tests.append(torch.stack(test) if len(test) > 1 else test[0][None])
+            refs.append(torch.stack(ref) if len(ref) > 1 else ref[0][None])
+        if tests:  # (none with --taps none)
+            self._add(tuple(rows), fused_diff_sums(tests, refs))
 
-    def _add(self, rows: tuple[int, ...], n: int, sums: torch.Tensor) -> None:
-        """Merge one group's [taps, 7] sums into the totals: sums add, maxima take the max (as DiffStats.merge)."""
+    def _add(self, rows: tuple[int, ...], sums: torch.Tensor) -> None:
+        """Merge a prompt's [taps, 7] sums into the totals: sums add, maxima take the max (as DiffStats.merge)."""
         if self._totals is None:
             self._totals = sums.new_zeros(len(self.expected), sums.shape[1])
             self._is_max = torch.tensor(DIFF_SUM_IS_MAX, device=sums.device)
@@ -95,5 +103,3 @@ class TapPairing:
             index = self._row_indices[rows] = torch.tensor(rows, device=sums.device)
         current = self._totals.index_select(0, index)
         self._totals.index_copy_(0, index, torch.where(self._is_max, torch.maximum(current, sums), current + sums))
-        for row in rows:
-            self._counts[row] += n

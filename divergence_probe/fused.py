@@ -3,11 +3,13 @@
 Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven reductions), which made the
 reduction the largest cost of a tapped compare. torch.compile fuses it into one read of both tensors
 (C++/OpenMP on CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
-shapes: one kernel per dtype (and per row length that is or is not a multiple of 64), whatever the sizes.
+shapes: one graph per pattern of a prompt's groups (how many, their dtypes, whether rows are multiples of 64),
+whatever the sizes; a compare has one pattern. Past torch's limit of patterns per function (8) dynamo runs the
+function eagerly.
 
-The float sums' last bits depend on the kernel's summation order: eager vs compiled, and, on a GPU, on how
-many taps one call reduces together (capture.py groups a prompt's taps by shape), so they are reproducible
-for the same inputs and options, not across tap selections. Counts and maxima are exact either way.
+The float sums' last bits depend on the kernel's summation order (eager vs compiled, and the kernel inductor
+generates for a pattern), so they are reproducible for the same inputs and options, not across tap selections.
+Counts and maxima are exact either way.
 Where compiling fails (no C compiler, an unsupported backend) the same function runs eagerly, with one warning;
 `backend()` names the path for the manifest. DIVERGENCE_PROBE_EAGER=1 forces the eager path.
 """
@@ -30,22 +32,28 @@ def backend() -> str | None:
     return _backend
 
 
-def fused_diff_sums(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """diff_sums(test, ref), fused where possible; the caller has checked shapes and dtypes."""
+def _diff_sums_of_groups(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([diff_sums(test, ref) for test, ref in zip(tests, refs)])
+
+
+def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
+    """diff_sums of every pair (tests[i], refs[i]), concatenated, fused where possible; the caller has checked
+    shapes and dtypes. One call for all of a prompt's groups: on a GPU each compiled call costs the host
+    ~0.3 ms of guards and bookkeeping, several times what launching its kernels does."""
     global _compiled, _backend
     if _backend is None:
         if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1":
             _backend = "eager (DIVERGENCE_PROBE_EAGER=1)"
         else:
-            _compiled = torch.compile(diff_sums, dynamic=True)
+            _compiled = torch.compile(_diff_sums_of_groups, dynamic=True)
             _backend = "torch.compile (inductor)"
     if _compiled is not None:
         try:
-            return _compiled(test, ref)
+            return _compiled(tests, refs)
         except Exception as e:  # a missing compiler surfaces only at the first call of a dtype
             _compiled = None
             _backend = f"eager (torch.compile failed: {type(e).__name__})"
             first_line = (str(e).splitlines() or [""])[0][:200]
             warnings.warn(f"torch.compile of the tap reduction failed ({type(e).__name__}: {first_line}); "
                           "reducing eagerly: same statistics, about 5x slower", RuntimeWarning, stacklevel=2)
-    return diff_sums(test, ref)
+    return _diff_sums_of_groups(tests, refs)

@@ -153,7 +153,7 @@ def test_reduction_falls_back_to_eager_when_compiling_fails(monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     test, ref = _random_pair(2, 128, torch.bfloat16, seed=0)
     with pytest.warns(RuntimeWarning, match="reducing eagerly"):
-        got = fused.fused_diff_sums(test, ref)
+        got = fused.fused_diff_sums([test], [ref])
     assert torch.equal(got, diff_sums(test, ref))
     assert fused.backend() == "eager (torch.compile failed: RuntimeError)"
 
