@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+from divergence_probe.compare import PendingScores
+from divergence_probe.errors import NumericsError
+from divergence_probe.metrics import token_logprobs
+from divergence_probe.prompts import Prompt
 from divergence_probe.taps import ALL_TAPS, expected_taps
 
 
@@ -95,3 +102,35 @@ def test_batches_do_not_change_results(vllm_probe, prompts_file):
     per_prompt = run_compare(small, CompareOptions(prompts=prompts_file, taps="resid_out,logits"))
     assert list(per_prompt.layers_table["tap"]) == list(one_batch.layers_table["tap"])
     assert len(per_prompt.tokens) == len(one_batch.tokens)
+
+
+class _Tokens:
+    def convert_ids_to_tokens(self, ids):
+        return [f"t{i}" for i in ids]
+
+
+def _pending(infer_logits, train_logits):
+    prompt = Prompt(7, "p.txt#0", "", (3, 1, 4, 1))
+    targets = torch.tensor(prompt.token_ids[1:])
+    return PendingScores(SimpleNamespace(tokenizer=_Tokens()), prompt, infer_logits,
+                         token_logprobs(infer_logits, targets), train_logits, token_logprobs(train_logits, targets))
+
+
+def test_pending_scores_carry_the_float32_logprobs_exactly():
+    """Scores travel to the host as one float64 tensor: each logprob must come out as its float32 value."""
+    g = torch.Generator().manual_seed(0)
+    infer, train = torch.randn(3, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g).bfloat16()
+    scores = _pending(infer, train).read()
+    targets = torch.tensor([1, 4, 1])
+    want_infer = torch.log_softmax(infer.float(), -1).gather(-1, targets[:, None])[:, 0].tolist()
+    assert [s.logprob_infer for s in scores] == want_infer
+    assert [s.position for s in scores] == [1, 2, 3] and [s.token for s in scores] == ["t1", "t4", "t1"]
+    assert all(s.kl > 0 for s in scores)
+
+
+def test_pending_scores_refuse_non_finite_logits_naming_the_side():
+    good = torch.zeros(3, 8)
+    bad = good.clone()
+    bad[1, 2] = float("inf")
+    with pytest.raises(NumericsError, match="the training stack produced NaN/Inf logits on prompt 7"):
+        _pending(good, bad).read()
