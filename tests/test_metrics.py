@@ -167,3 +167,15 @@ def test_dot_from_three_sums_is_accurate_for_nearly_equal_tensors():
     exact = 1 - (t @ r / (t.norm() * r.norm())).item()
     assert exact > 0
     assert 1 - DiffStats.of(test, ref).cosine == pytest.approx(exact, rel=1e-6)
+
+
+def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
+    """Inductor's deterministic mode: kernel configs are not chosen by timing, so sums repeat across runs."""
+    from divergence_probe import fused
+
+    monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
+    test, ref = _random_pair(2, 128, torch.bfloat16, seed=0)
+    assert torch.equal(fused.fused_diff_sums([test], [ref])[:, [0, 2, 6]], diff_sums(test, ref)[:, [0, 2, 6]])
+    assert fused.backend() == "torch.compile (inductor, deterministic)"
