@@ -20,47 +20,27 @@ from pathlib import Path
 
 import torch
 
-from divergence_probe.metrics import ulp_distance
+from divergence_probe.metrics import _blocks_first, _row_diff_sums, merge_row_sums
 
 # one prompt of Qwen2.5-1.5B at 1024 tokens: taps per group, features
 GROUPS = {"hidden": (170, 1536), "k_rope": (28, 256), "swiglu": (28, 8960), "logits": (1, 151936)}
 TOKENS = 1024
 
 
-def _stats(t, r, first_sum):
-    """[rows, n] pairs -> [rows, 7] (metrics.DIFF_SUM_FIELDS), the four sums by first_sum."""
-    tf, rf = t.float(), r.float()
-    d = tf - rf
-    a = d.abs()
-    return torch.stack([(d == 0).sum(1).double(), first_sum(a), a.amax(1).double(), first_sum(d * d),
-                        first_sum(rf * rf), first_sum(tf * tf), ulp_distance(t, r).amax(1).double()], 1)
-
-
-def _merge(per, taps):
-    per = per.view(taps, -1, 7)
-    s, m = per.sum(1), per.amax(1)
-    return torch.stack([m[:, i] if i in (2, 6) else s[:, i] for i in range(7)], 1)
-
-
 def whole_rows(t, r):
-    return _stats(t.reshape(len(t), -1), r.reshape(len(r), -1),
-                  lambda x: x.view(len(x), -1, 64).sum(2).double().sum(1))
+    return _row_diff_sums(t.reshape(len(t), -1), r.reshape(len(r), -1))  # the CPU path of metrics.diff_sums
 
 
 def token_rows_f64(t, r):
-    return _merge(_stats(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.double().sum(1)), len(t))
+    return merge_row_sums(_row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.double().sum(1)), len(t))
 
 
 def token_rows_f32(t, r):
-    return _merge(_stats(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.sum(1).double()), len(t))
-
-
-def blocks_of_64(t, r):
-    return _merge(_stats(t.reshape(-1, 64), r.reshape(-1, 64), lambda x: x.sum(1).double()), len(t))
+    return merge_row_sums(_row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.sum(1).double()), len(t))
 
 
 LAYOUTS = {"whole rows": whole_rows, "token rows f64": token_rows_f64, "token rows f32": token_rows_f32,
-           "blocks of 64": blocks_of_64}
+           "blocks of 64": _blocks_first}  # the GPU path of metrics.diff_sums
 
 
 def main() -> None:

@@ -83,10 +83,11 @@ class TapPairing:
         rows, tests, refs = [], [], []
         for group in groups.values():
             keys, test, ref = zip(*group)
+            n = test[0].numel()
             for key in keys:
                 row = self._index[key]
                 rows.append(row)
-                self._counts[row] += test[0].numel()
+                self._counts[row] += n
             tests.append(torch.stack(test) if len(test) > 1 else test[0][None])
             refs.append(torch.stack(ref) if len(ref) > 1 else ref[0][None])
         if tests:  # (none with --taps none)

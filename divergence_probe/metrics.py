@@ -101,8 +101,13 @@ def _blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     one row per token.
     """
     per_block = _row_diff_sums(test.reshape(-1, _BLOCK), ref.reshape(-1, _BLOCK), lambda x: x.sum(1).double())
-    per_block = per_block.view(len(test), -1, len(DIFF_SUM_FIELDS))
-    sums, maxima = per_block.sum(1), per_block.amax(1)
+    return merge_row_sums(per_block, len(test))
+
+
+def merge_row_sums(per_row: torch.Tensor, pairs: int) -> torch.Tensor:
+    """[pairs * k, 7] diff_sums of k consecutive pieces per pair -> [pairs, 7]: sums add, maxima take the max."""
+    per_row = per_row.view(pairs, -1, len(DIFF_SUM_FIELDS))
+    sums, maxima = per_row.sum(1), per_row.amax(1)
     return torch.stack([maxima[:, i] if is_max else sums[:, i] for i, is_max in enumerate(DIFF_SUM_IS_MAX)], dim=1)
 
 
