@@ -1,6 +1,7 @@
 """Where the cost of taps goes: the compare loop run with its parts switched on one at a time.
 
-Configurations (each the loop of `compare.run_compare`, token scoring included, timed to a device sync):
+Configurations (each `compare.score_both`, the loop of `compare.run_compare`, token scoring included, timed to a
+device sync):
   none            no taps
   infer hooks     the inference stack captures every tap into a sink that drops it; no training taps
   train hooks     the same on the training stack only
@@ -19,7 +20,7 @@ import torch
 
 import divergence_probe.capture as capture
 from divergence_probe.capture import TapPairing
-from divergence_probe.compare import PendingScores, batches
+from divergence_probe.compare import PendingScores, score_both
 from divergence_probe.taps import expected_taps, parse_tap_selection
 
 CONFIGS = ("none", "infer hooks", "train hooks", "both hooks", "pairing", "all")
@@ -42,25 +43,23 @@ def _no_reduction():
         capture.fused_diff_sums = real
 
 
+class _Dropped:
+    """Taps go nowhere: the hooks and copies run, filing and reducing do not."""
+
+    def park(self, *_) -> None: ...
+
+    def pair(self, *_) -> None: ...
+
+    def finish_prompt(self, *_) -> None: ...
+
+
 def _loop(probe, prompts, config: str) -> None:
     everything = parse_tap_selection("all")
     infer_taps = everything if config in ("infer hooks", "both hooks", "pairing", "all") else frozenset()
     train_taps = everything if config in ("train hooks", "both hooks", "pairing", "all") else frozenset()
-    pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.has_qk_norm))
     pairs = config in ("pairing", "all")
-    drop = lambda *_: None  # noqa: E731
-    pending = None
-    for group in batches(prompts, probe.settings.batch_tokens):
-        infer_scores = probe.infer.score(group, infer_taps, pairing.park if pairs else drop)
-        for prompt, infer in zip(group, infer_scores):
-            [train] = probe.train.score([prompt], train_taps, pairing.pair if pairs else drop)
-            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
-            if pairs:
-                pairing.finish_prompt(prompt.prompt_id)
-            if pending is not None:
-                pending.read()
-            pending = scores
-    pending.read()
+    pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.has_qk_norm))
+    score_both(probe, prompts, infer_taps, train_taps, pairing if pairs else _Dropped(), PendingScores.read)
     if pairs:
         pairing.stats  # the read-back
 

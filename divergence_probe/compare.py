@@ -1,7 +1,7 @@
 """compare: feed both stacks the same token ids and diff every tap and every token's logprob.
 
-The loop: an inference batch runs first and parks its taps; then each of its prompts runs on the training
-stack, whose taps are paired and reduced on arrival (capture.py), and whose logits are scored against the
+The loop: an inference batch runs first and parks its taps; then the training stack runs the batch's prompts one
+by one, and as each is done its taps are paired and reduced (capture.py) and its logits scored against the
 inference logits at every prompt position. Nothing per-layer outlives its prompt.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
 from .prompts import Prompt, file_hashes, load_prompts, default_prompts_path
 from .reports.tables import layers_frame, summary_row, tokens_frame
+from .stacks.base import PromptScores
 from .taps import TapKey, expected_taps, parse_tap_selection
 
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
@@ -173,6 +174,45 @@ def noise_floor_columns(floor) -> dict:
     return {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
 
 
+class TapCapture(Protocol):
+    """Where the compare loop files taps: capture.TapPairing, or a benchmark's stand-in that drops them."""
+
+    def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None: ...
+
+    def pair(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None: ...
+
+    def finish_prompt(self, prompt_id: int) -> None: ...
+
+
+def score_both(probe, prompts: Sequence[Prompt], infer_taps: frozenset[str], train_taps: frozenset[str],
+               capture: TapCapture, collect: Callable[[PendingScores], None]) -> None:
+    """The compare loop: each inference batch, then its prompts one by one on the training stack; as each is
+    done, its taps are finished and its scores queued. `collect` gets every prompt's scores one prompt late
+    (PendingScores says why)."""
+    pending: PendingScores | None = None
+    for group in batches(prompts, probe.settings.batch_tokens):
+        infer_scores = probe.infer.score(group, infer_taps, capture.park)
+        trained = 0
+
+        def finish(train: PromptScores) -> None:  # each prompt, as soon as the training stack has run it
+            nonlocal pending, trained
+            prompt, infer = group[trained], infer_scores[trained]
+            if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
+                raise StackError("a stack returned scores out of prompt order")
+            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
+            capture.finish_prompt(prompt.prompt_id)
+            if pending is not None:
+                collect(pending)
+            pending, trained = scores, trained + 1
+
+        probe.train.score(group, train_taps, capture.pair, on_scored=finish)
+        if not len(infer_scores) == trained == len(group):
+            raise StackError(f"of {len(group)} prompts, the inference stack scored {len(infer_scores)} and the "
+                             f"training stack {trained}")
+    if pending is not None:
+        collect(pending)
+
+
 def run_compare(probe, options: CompareOptions) -> CompareRun:
     prompts_path = Path(options.prompts) if options.prompts is not None else default_prompts_path()
     prompts = load_prompts(
@@ -194,20 +234,7 @@ def run_compare(probe, options: CompareOptions) -> CompareRun:
         if options.progress:
             options.progress(done, len(prompts))
 
-    pending: PendingScores | None = None  # the previous prompt's scores: read once the next prompt is queued
-    for group in batches(prompts, probe.settings.batch_tokens):
-        infer_scores = probe.infer.score(group, taps, pairing.park)
-        for prompt, infer in zip(group, infer_scores):
-            [train] = probe.train.score([prompt], taps, pairing.pair)
-            if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
-                raise StackError("a stack returned scores out of prompt order")
-            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
-            pairing.finish_prompt(prompt.prompt_id)
-            if pending is not None:
-                collect(pending)
-            pending = scores
-    if pending is not None:
-        collect(pending)
+    score_both(probe, prompts, taps, taps, pairing, collect)
     manifest = run_manifest(probe, "prefill", prompts_path, prompts, options, taps)
     floor = measure_batch_invariance(probe, prompts) if options.batch_invariance else None
     return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor)

@@ -104,6 +104,31 @@ def test_batches_do_not_change_results(vllm_probe, prompts_file):
     assert len(per_prompt.tokens) == len(one_batch.tokens)
 
 
+def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompts_file, monkeypatch):
+    """Hooks are installed once per score call, every tap is filed under the prompt that made it, each prompt's
+    scores arrive (in order) before the next prompt runs, and no hook outlives the call."""
+    from divergence_probe.prompts import load_prompts
+    from divergence_probe.stacks.hooks import HookSet
+    from divergence_probe.taps import parse_tap_selection
+
+    prompts = load_prompts(prompts_file, hf_probe.tokenizer, max_model_len=hf_probe.settings.max_model_len)
+    stack, installs = hf_probe.train, []
+    real_after = HookSet.after
+    monkeypatch.setattr(HookSet, "after", lambda self, m, fn: (installs.append(m), real_after(self, m, fn)))
+    events = []
+    sink = lambda pid, key, x: events.append(("tap", pid, key.name, x.shape[0]))  # noqa: E731
+    returned = stack.score(prompts, parse_tap_selection("resid_out"), sink,
+                           on_scored=lambda s: events.append(("scored", s.prompt_id, s.logits.shape[0])))
+    assert returned == [] and len(installs) == stack.model.config.num_hidden_layers
+    layers = stack.model.config.num_hidden_layers
+    want = []
+    for p in prompts:
+        want += [("tap", p.prompt_id, "resid_out", len(p.token_ids))] * layers
+        want.append(("scored", p.prompt_id, len(p.token_ids) - 1))
+    assert events == want
+    assert not any(layer._forward_hooks for layer in stack.layers)
+
+
 class _Tokens:
     def convert_ids_to_tokens(self, ids):
         return [f"t{i}" for i in ids]

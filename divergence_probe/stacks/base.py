@@ -21,6 +21,9 @@ it as it is: vLLM clones the buffers it reuses in place (once per engine step), 
 activation in place and hands over views."""
 
 
+ScoresSink = Callable[["PromptScores"], None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class StackSettings:
     """How both stacks are loaded. One object, so the two sides provably get the same dtype and device."""
@@ -62,8 +65,14 @@ class Stack(Protocol):
 
     def load(self, settings: StackSettings) -> None: ...
 
-    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
-        """Run the prompts (as one batch where the stack batches) and return their scores in prompt order."""
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
+              on_scored: "ScoresSink | None" = None) -> list[PromptScores]:
+        """Run the prompts (as one batch where the stack batches) and return their scores in prompt order.
+
+        With `on_scored`, each prompt's scores go to it as soon as they are final, in prompt order, while the
+        capture is still installed, and the returned list is empty: the caller can finish a prompt (pair and reduce
+        its taps, drop its logits) before the next one runs, and the stack installs its hooks once per call rather
+        than once per prompt."""
         ...
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:

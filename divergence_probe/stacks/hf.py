@@ -23,7 +23,7 @@ from ..errors import ModelError, NumericsError
 from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
-from .base import PromptScores, SamplingSpec, SequenceScores, StackInfo, StackSettings, TapSink
+from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 
 
@@ -56,15 +56,23 @@ class HFStack:
     def layers(self):
         return self.model.model.layers
 
-    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
-        results = []
-        for prompt in prompts:
-            ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
-            positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            with torch.inference_mode(), self._capture(taps, lambda key, x: sink(prompt.prompt_id, key, x)):
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
+              on_scored: ScoresSink | None = None) -> list[PromptScores]:
+        """One forward per prompt under one capture: installing ~300 hooks costs the host about as much as
+        running them, so they are installed once per call, not once per prompt."""
+        results: list[PromptScores] = []
+        deliver = on_scored or results.append
+        prompt = None  # the prompt running now: the hooks file its taps under its id
+
+        def emit(key: TapKey, x: torch.Tensor) -> None:
+            sink(prompt.prompt_id, key, x)
+
+        with torch.inference_mode(), self._capture(taps, emit):
+            for prompt in prompts:
+                ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
+                positions = torch.arange(ids.shape[1], device=ids.device)[None]
                 logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
-            logprobs = token_logprobs(logits, ids[0, 1:])
-            results.append(PromptScores(prompt.prompt_id, logits, logprobs))
+                deliver(PromptScores(prompt.prompt_id, logits, token_logprobs(logits, ids[0, 1:])))
         return results
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:

@@ -30,7 +30,7 @@ import torch
 from ..errors import StackError
 from ..prompts import Prompt
 from ..taps import TapKey
-from .base import PromptScores, SamplingSpec, SequenceScores, StackInfo, StackSettings, TapSink
+from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
 
@@ -178,7 +178,8 @@ class VLLMStack:
     def layers(self):
         return self.model.model.layers
 
-    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink) -> list[PromptScores]:
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
+              on_scored: ScoresSink | None = None) -> list[PromptScores]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -187,7 +188,8 @@ class VLLMStack:
         requests = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
         with torch.inference_mode(), self._capture(prompts, taps, sink, step):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        results = []
+        results: list[PromptScores] = []
+        deliver = on_scored or results.append
         for prompt, output in zip(prompts, outputs):
             reported = [entry[tok].logprob for entry, tok in zip(output.prompt_logprobs[1:], prompt.token_ids[1:])]
             logits = step.logits(prompt.prompt_id, len(prompt.token_ids))
@@ -195,7 +197,7 @@ class VLLMStack:
                 sink(prompt.prompt_id, TapKey.of("logits", len(self.layers)), logits)
             reported = torch.tensor(reported, dtype=torch.float32)
             self._check_logits(logits, prompt.token_ids, reported, f"prompt {prompt.prompt_id}")
-            results.append(PromptScores(prompt.prompt_id, logits, reported))
+            deliver(PromptScores(prompt.prompt_id, logits, reported))
         return results
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
