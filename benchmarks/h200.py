@@ -162,7 +162,10 @@ def perf(probe, args, timings, prompts: Path) -> None:
         run, seconds, seen = diagnostics.measure(lambda: probe.compare(taps=taps, **opts))
         timings.setdefault(f"compare_{taps}_s", []).append(seconds)
         timings.setdefault("compare_diagnostics", []).append({"taps": taps, **seen})
+    save = lambda: (args.out / "perf.json").write_text(json.dumps(timings, indent=2) + "\n")  # noqa: E731
+    save()  # (so far: a run cut short by the device's time limit still returns what it measured)
     _, timings["ablate_both_s"] = timed(lambda: probe.ablate(side="both", bootstrap=args.bootstrap, taps="all", **opts))
+    save()
     tokenized = load_prompts(prompts, probe.tokenizer, max_prompt_tokens=args.max_prompt_tokens,
                              max_model_len=probe.settings.max_model_len)
     timings["anatomy_s"] = anatomy(probe, tokenized, rounds=2)
@@ -182,7 +185,7 @@ def perf(probe, args, timings, prompts: Path) -> None:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "versions": probe.manifest()["environment"]["versions"],
     }
-    (args.out / "perf.json").write_text(json.dumps(timings, indent=2) + "\n")
+    save()
     print(json.dumps(timings, indent=2))
 
 
@@ -212,6 +215,7 @@ def main() -> None:
                                args.max_prompt_tokens, args.out / "perf-prompts.jsonl")
         timings["cold_cli_compare"] = cold_cli_compare(model_dir, prompts, args.max_prompt_tokens, args.device,
                                                        args.out / "cli-compare")
+        print(json.dumps(timings), flush=True)
     probe, timings["load_s"] = timed(lambda: dp.load(str(model_dir), infer="vllm", dtype="bfloat16", device=args.device))
     opts = dict(prompts=args.prompts, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
 
