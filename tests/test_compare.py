@@ -73,6 +73,19 @@ def test_taps_do_not_change_logprobs(vllm_probe, prompts_file):
     assert tapped.equals(untapped)
 
 
+def test_taps_kept_without_a_clone_are_never_written_again(vllm_probe, prompts_file, monkeypatch):
+    """vLLM's taps are cloned only where vLLM may overwrite the buffer later (vllm.REWRITTEN): with every tap
+    cloned, every statistic is the same. A tap wrongly left out of REWRITTEN is paired after vLLM overwrote it
+    (on this CPU build: q_norm and k_norm, which RoPE rotates in place; its fused add+norm is out of place)."""
+    from divergence_probe.stacks import vllm as vllm_stack
+    from divergence_probe.taps import ALL_TAPS
+
+    selective = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table
+    monkeypatch.setattr(vllm_stack, "REWRITTEN", frozenset(ALL_TAPS))
+    cloned = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table
+    assert selective.equals(cloned)
+
+
 def test_same_inputs_same_bytes(vllm_probe, prompts_file, tmp_path):
     for name in ("a", "b"):
         vllm_probe.compare(prompts=prompts_file, taps="all").write(tmp_path / name)

@@ -13,9 +13,10 @@ vLLM's CPU backend cannot host two engines in one process (the second one crashe
 instruction on these machines), so one engine is kept per process and reused for identical settings.
 
 Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; ../shared/NUMERICS.md has the map): norms return
-`(normed, residual)` when fused with the residual add, and write in place, so every tap is cloned at
-capture (once per engine step); `q_rope`/`k_rope` are the query/key arguments of the `Attention` module; `resid_out` is formed as
-R(float(mlp_out) + float(residual)), which is exactly what the next layer's fused add+norm computes.
+`(normed, residual)` when fused with the residual add, and write both in place, so a tap whose buffer a later
+op overwrites is cloned at capture (once per engine step, `REWRITTEN`); `q_rope`/`k_rope` are the query/key
+arguments of the `Attention` module; `resid_out` is formed as R(float(mlp_out) + float(residual)), which is
+exactly what the next layer's fused add+norm computes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Taps whose buffer vLLM may write again later in the same forward, so they are cloned when captured (on CUDA the
+# fused add+norm is vLLM's C kernel, registered `inplace=True`: it overwrites both its input and the residual):
+#   embed           becomes layer 0's residual, which the fused add of post_attention_layernorm overwrites
+#   q_norm, k_norm  rotated in place by RoPE right after (Qwen3)
+#   attn_out        o_proj's output, normalized in place by post_attention_layernorm
+#   resid_mid       the residual, overwritten by the next fused add (next input_layernorm or the final norm)
+#   mlp_out         down_proj's output, normalized in place by the next input_layernorm or the final norm
+# Every other tap is a buffer no op writes after the hook sees it (a norm's output read by the next projection,
+# RoPE's output read by attention, attention's and SiluAndMul's fresh outputs, our own resid_out) and is kept
+# as it is: cloning those too was about 70% of the capture's copy traffic. tests/test_compare.py checks the list
+# against cloning every tap on the CPU build, whose fused add+norm is out of place (so there it catches q_norm and
+# k_norm); on the H200 the list was checked by layers.csv identical to a run that clones every tap
+# (docs/results/h200/README.md).
+REWRITTEN = frozenset({"embed", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": settings, "llm": LLM}
 
 
@@ -123,9 +139,11 @@ class _Step:
         return self.logits_rows[prompt_id]
 
     def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
-        """x: [rows, ...] for the whole step -> one [T, features] view per prompt, of one clone for the step
-        (vLLM reuses its buffers in place; one clone per step is one copy kernel, not one per prompt)."""
-        flat = x.reshape(x.shape[0], -1).clone()
+        """x: [rows, ...] for the whole step -> one [T, features] view per prompt, of one clone for the step if
+        vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt)."""
+        flat = x.reshape(x.shape[0], -1)
+        if key.name in REWRITTEN:
+            flat = flat.clone()
         for prompt_id, (start, length) in self.spans.items():
             emit(prompt_id, key, flat[start : start + length])
 
