@@ -4,8 +4,8 @@ Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven re
 reduction the largest cost of a tapped compare. torch.compile fuses it into one read of both tensors
 (C++/OpenMP on CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
 shapes: one graph per pattern of a prompt's groups (how many, their dtypes, whether rows are multiples of 64),
-whatever the sizes; a compare has one pattern. Past torch's limit of patterns per function (8) dynamo runs the
-function eagerly.
+whatever the sizes; a compare has one pattern. Up to PATTERN_LIMIT patterns per process are compiled; a pattern
+past that runs eagerly, and `backend()` says so (torch's own limit, 8, would switch to eager silently).
 
 The float sums' last bits depend on the kernel's summation order (eager vs compiled, and the kernel inductor
 generates for a pattern), so they are reproducible for the same inputs and options, not across tap selections.
@@ -25,6 +25,8 @@ from .metrics import diff_sums
 
 _compiled = None  # the compiled diff_sums, while compiling works
 _backend: str | None = None  # None until the first pair is reduced
+PATTERN_LIMIT = 64  # compiled graphs of the reduction per process (a notebook may try many tap selections)
+_PAST_LIMIT = f"; patterns past {PATTERN_LIMIT} per process ran eagerly"
 
 
 def backend() -> str | None:
@@ -42,14 +44,34 @@ def _compile():
     Inductor picks among several configurations of a reduction kernel by timing them on the device at the first
     launch; two configurations sum in different orders, so the float sums' last bits could differ from process
     to process. Its deterministic mode (torch >= 2.9 or so) takes the choice without timing: same inputs, same
-    sums, in every run. On the CPU it changes nothing (measured: bitwise equal sums, same speed)."""
+    sums, in every run. On the CPU it changes nothing (measured: bitwise equal sums, same speed); on an H200 it
+    costs 0.2 ms per prompt (docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json).
+
+    The returned function gives None for a pattern past PATTERN_LIMIT, where dynamo would otherwise fall back to
+    eager without a word (torch >= 2.7 names these settings; older ones keep torch's silent limit of 8)."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "deterministic"):
-        return torch.compile(_diff_sums_of_groups, dynamic=True, options={"deterministic": True}), \
-            "torch.compile (inductor, deterministic)"
-    return torch.compile(_diff_sums_of_groups, dynamic=True), \
-        "torch.compile (inductor; kernel configs timed per process: GPU sums may differ in the last bits between runs)"
+        compiled = torch.compile(_diff_sums_of_groups, dynamic=True, options={"deterministic": True})
+        description = "torch.compile (inductor, deterministic)"
+    else:
+        compiled = torch.compile(_diff_sums_of_groups, dynamic=True)
+        description = ("torch.compile (inductor; kernel configs timed per process: GPU sums may differ in the "
+                       "last bits between runs)")
+    dynamo = torch._dynamo.config
+    # suppress_errors (set globally by some libraries) may not be on together with fail_on_recompile_limit_hit
+    limits = ({"recompile_limit": PATTERN_LIMIT, "fail_on_recompile_limit_hit": True, "suppress_errors": False}
+              if hasattr(dynamo, "fail_on_recompile_limit_hit") else {})
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+    def reduce(tests, refs):
+        try:
+            with dynamo.patch(**limits):
+                return compiled(tests, refs)
+        except limit_hit:
+            return None
+
+    return reduce, description
 
 
 def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
@@ -65,7 +87,14 @@ def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torc
             _compiled, _backend = _compile()
     if _compiled is not None:
         try:
-            return _compiled(tests, refs)
+            sums = _compiled(tests, refs)
+            if sums is not None:
+                return sums
+            if not _backend.endswith(_PAST_LIMIT):  # this pattern only: the compiled ones stay compiled
+                _backend += _PAST_LIMIT
+                warnings.warn(f"more than {PATTERN_LIMIT} tap-group patterns in this process: new ones are reduced "
+                              "eagerly (same statistics; float sums may differ in the last bits)", RuntimeWarning,
+                              stacklevel=2)
         except RuntimeError as e:  # compiling fails at a call: dynamo, inductor and a missing C compiler raise these
             _compiled = None
             _backend = f"eager (torch.compile failed: {type(e).__name__})"

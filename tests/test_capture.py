@@ -57,6 +57,18 @@ def test_vllm_step_taps_are_cloned_once_and_survive_buffer_reuse():
     assert emitted[0].untyped_storage().data_ptr() == emitted[1].untyped_storage().data_ptr()  # one clone
 
 
+def test_vllm_step_taps_nothing_overwrites_are_kept_without_a_copy():
+    from divergence_probe.stacks.vllm import REWRITTEN, _Step
+
+    swiglu = next(key for key in KEYS if key.name == "swiglu")
+    assert swiglu.name not in REWRITTEN
+    live = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    emitted = {}
+    _Step(spans={0: (0, 2), 1: (2, 3)}).split(live, lambda pid, key, x: emitted.__setitem__(pid, x), swiglu)
+    assert emitted[1].tolist() == [[4, 5], [6, 7], [8, 9]]
+    assert emitted[0].untyped_storage().data_ptr() == live.untyped_storage().data_ptr()  # a view, no copy
+
+
 def _parked(keys=KEYS):
     pairing = TapPairing(keys)
     for key, (test, _) in _taps(0, tokens=5).items():

@@ -179,3 +179,23 @@ def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
     test, ref = _random_pair(2, 128, torch.bfloat16, seed=0)
     assert torch.equal(fused.fused_diff_sums([test], [ref])[:, [0, 2, 6]], diff_sums(test, ref)[:, [0, 2, 6]])
     assert fused.backend() == "torch.compile (inductor, deterministic)"
+
+
+def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
+    """Past fused.PATTERN_LIMIT compiled graphs a new pattern of groups is reduced eagerly, and the manifest's
+    backend says so (torch alone would switch to eager silently)."""
+    from divergence_probe import fused
+
+    monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
+    monkeypatch.setattr(fused, "PATTERN_LIMIT", 1)
+    pairs = [_random_pair(2, 128, dtype, seed=0) for dtype in (torch.bfloat16, torch.float16, torch.float32)]
+    with pytest.warns(RuntimeWarning, match="reduced eagerly"):
+        for groups in (pairs[:1], pairs[:2], pairs):  # three patterns: one, two, three groups
+            tests, refs = zip(*groups)
+            got = fused.fused_diff_sums(list(tests), list(refs))
+            want = torch.cat([diff_sums(t, r) for t, r in groups])
+            assert torch.equal(got[:, [0, 2, 6]], want[:, [0, 2, 6]])  # counts and maxima: exact on any path
+    assert fused.backend().startswith("torch.compile (inductor") and fused.backend().endswith("ran eagerly")
+
