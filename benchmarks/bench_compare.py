@@ -304,7 +304,8 @@ def render(data: dict) -> str:
         p = o["profile"]
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
                 "profiler; nested rows overlap: `park` and `pair` file the taps, `finish_prompt` stacks a prompt's pairs by "
-                "shape and reduces all the stacks with one `fused_diff_sums` call):", "",
+                "shape and reduces all the stacks with one `fused_diff_sums` call; `hf.py:score` includes each prompt's "
+                "finishing, which the compare loop runs from inside it through `on_scored`):", "",
                 "| function | s | share |", "|---|---:|---:|"]
         ranked = sorted(p["cumulative_s"].items(), key=lambda kv: -kv[1])  # the JSON file stores them by name
         out += [f"| `{k}` | {t:.2f} | {t / p['wall_s']:.0%} |" for k, t in ranked]

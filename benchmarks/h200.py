@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=8, help="perf: timed compares per side (even)")
     args = ap.parse_args()
+    if args.reps < 2 or args.reps % 2:
+        ap.error("--reps must be an even number >= 2 (compares run in interleaved pairs)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.models_dir / args.preset

@@ -2,7 +2,8 @@
 
     python3 benchmarks/reduction_modes.py --out docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json
 
-One prompt's taps of the Qwen2.5-1.5B shape at 1024 tokens, grouped as capture.py groups them, reduced the way compare reduces them
+One prompt's taps of the Qwen2.5-1.5B shape at 1024 tokens, grouped as capture.py groups them
+(reduction_variants.GROUPS), reduced the way compare reduces them
 (`fused._diff_sums_of_groups`: every group in one compiled call), compiled in inductor's default mode (kernel
 configurations timed at the first launch, the fastest kept) and in its deterministic mode (chosen without timing).
 Each mode runs in two fresh processes, each with its own empty inductor cache, so each process compiles and
@@ -23,46 +24,23 @@ import tempfile
 from pathlib import Path
 
 MODES = ("default", "deterministic")
-# taps per shape group, features: 8 per layer and embed, final_norm at the hidden size (q_rope and attn_core are
-# 12 heads x 128 = 1536 too), k_rope (2 KV heads x 128), swiglu, the logits of 1023 scored positions
-GROUPS = {"hidden": (8 * 28 + 2, 1536), "k_rope": (28, 256), "swiglu": (28, 8960), "logits": (1, 151936)}
-TOKENS = 1024
-
-
-def _time_ms(fn, iters: int) -> float:
-    import torch
-
-    fn()  # warm-up: compiles
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) / iters, 3)
 
 
 def child(mode: str, iters: int) -> dict:
     import torch
 
     from divergence_probe.fused import _diff_sums_of_groups
+    from reduction_variants import GROUPS, TOKENS, prompt_pairs, time_ms
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    tests, refs = [], []
-    for name, (taps, features) in GROUPS.items():
-        ref = torch.randn(taps, TOKENS - 1 if name == "logits" else TOKENS, features, device="cuda", generator=g)
-        ref = ref.bfloat16()
-        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device="cuda", generator=g))).bfloat16()
-        tests.append(test)
-        refs.append(ref)
+    tests, refs = map(list, zip(*prompt_pairs(GROUPS, TOKENS).values()))
     options = {"deterministic": True} if mode == "deterministic" else {}
     together = torch.compile(_diff_sums_of_groups, dynamic=True, options=options)
     sums = together(tests, refs)
-    result = {"mode": mode, "ms_per_prompt": _time_ms(lambda: together(tests, refs), iters),
+    result = {"mode": mode, "ms_per_prompt": time_ms(lambda: together(tests, refs), iters),
               "sums_sha256": hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16], "ms_per_group_alone": {}}
     for name, test, ref in zip(GROUPS, tests, refs):
         alone = torch.compile(_diff_sums_of_groups, dynamic=True, options=options)
-        result["ms_per_group_alone"][name] = _time_ms(lambda: alone([test], [ref]), iters)
+        result["ms_per_group_alone"][name] = time_ms(lambda: alone([test], [ref]), iters)
     return result
 
 
@@ -75,6 +53,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.iters)))
         return
+    if args.out is None:
+        ap.error("--out is required")
     runs = []
     for mode in MODES:
         for _ in range(2):

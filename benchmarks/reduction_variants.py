@@ -22,8 +22,10 @@ import torch
 
 from divergence_probe.metrics import _blocks_first, _row_diff_sums, merge_row_sums
 
-# one prompt of Qwen2.5-1.5B at 1024 tokens: taps per group, features
-GROUPS = {"hidden": (170, 1536), "k_rope": (28, 256), "swiglu": (28, 8960), "logits": (1, 151936)}
+# one prompt of Qwen2.5-1.5B at 1024 tokens, grouped by shape: taps per group, features. 8 taps per layer and
+# embed, final_norm at the hidden size (q_rope and attn_core are 12 heads x 128 = 1536 too), k_rope (2 KV heads x
+# 128), swiglu, the logits of the 1023 scored positions
+GROUPS = {"hidden": (8 * 28 + 2, 1536), "k_rope": (28, 256), "swiglu": (28, 8960), "logits": (1, 151936)}
 TOKENS = 1024
 
 
@@ -43,18 +45,37 @@ LAYOUTS = {"whole rows": whole_rows, "token rows f64": token_rows_f64, "token ro
            "blocks of 64": _blocks_first}  # the GPU path of metrics.diff_sums
 
 
+def prompt_pairs(groups: dict[str, tuple[int, int]], tokens: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's tap pairs on the GPU, per group: [taps, tokens, features] BF16, test = ref with ~1% noise (the
+    logits group has one row less: the scored positions)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pairs = {}
+    for name, (taps, features) in groups.items():
+        rows = tokens - 1 if name == "logits" else tokens
+        ref = torch.randn(taps, rows, features, device="cuda", generator=g).bfloat16()
+        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device="cuda", generator=g))).bfloat16()
+        pairs[name] = (test, ref)
+    return pairs
+
+
+def time_ms(fn, iters: int) -> float:
+    """Milliseconds per call of fn, by CUDA events over `iters` calls after one warm-up call (which compiles)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / iters, 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    pairs = {}
-    for name, (taps, features) in GROUPS.items():
-        rows = TOKENS - 1 if name == "logits" else TOKENS
-        ref = torch.randn(taps, rows, features, device="cuda", generator=g).bfloat16()
-        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device="cuda", generator=g))).bfloat16()
-        pairs[name] = (test, ref)
+    pairs = prompt_pairs(GROUPS, TOKENS)
     exact = {}
     for name, (t, r) in pairs.items():
         td, rd = t.double().flatten(1), r.double().flatten(1)
@@ -67,15 +88,9 @@ def main() -> None:
         compiled = torch.compile(fn, dynamic=True)
         per_group, worst = {}, 0.0
         for name, (t, r) in pairs.items():
-            got = compiled(t, r)  # warm-up (compiles)
+            got = compiled(t, r)
             worst = max(worst, ((got[:, [1, 3, 4, 5]] - exact[name]).abs() / exact[name].abs()).max().item())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                compiled(t, r)
-            end.record()
-            end.synchronize()
-            per_group[name] = round(start.elapsed_time(end) / args.iters, 3)
+            per_group[name] = time_ms(lambda: compiled(t, r), args.iters)
         result["layouts"][layout] = {"ms_per_group": per_group, "ms_per_prompt": round(sum(per_group.values()), 3),
                                      "max_rel_error_of_sums": worst}
         print(layout, result["layouts"][layout], flush=True)
