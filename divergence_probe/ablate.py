@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from .ablation import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
+from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from .compare import CompareOptions, CompareRun
 from .errors import ProbeError
 from .regions import aligned, parse_regions
 
 SIDES = ("both", "train", "infer")
-REMAINING = "(remaining)"  # attribution.csv row: what is left with every region aligned
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,7 +69,7 @@ def _progress() -> Progress:
 
 
 def _print_summary(run, out_dir: Path) -> None:
-    from .reports.tables import worst_layer
+    from .tables import worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)

@@ -20,7 +20,7 @@ from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
 from .prompts import Prompt, file_hashes, load_prompts, default_prompts_path
-from .reports.tables import layers_frame, summary_row, tokens_frame
+from .tables import layers_frame, summary_row, tokens_frame
 from .stacks.base import PromptScores
 from .taps import TapKey, expected_taps, parse_tap_selection
 

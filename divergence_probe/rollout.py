@@ -20,7 +20,7 @@ from .compare import (CompareOptions, CompareRun, TokenScore, batches, noise_flo
                       score_prompt)
 from .errors import ProbeError
 from .prompts import Prompt, default_prompts_path, load_prompts
-from .reports.tables import summary_row
+from .tables import summary_row
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
 from .stacks import SamplingSpec
 from .taps import expected_taps, parse_tap_selection

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from divergence_probe.ablate import REMAINING
-from divergence_probe.ablation import Combo, attribution, bootstrap_intervals, shapley, subsets
+from divergence_probe.shapley import REMAINING
+from divergence_probe.shapley import Combo, attribution, bootstrap_intervals, shapley, subsets
 from divergence_probe.cli import app
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.reports.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
+from divergence_probe.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
 from divergence_probe.taps import ALL_TAPS, expected_taps
 
 REPO = Path(__file__).resolve().parents[1]

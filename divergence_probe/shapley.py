@@ -1,4 +1,4 @@
-"""Attribution math for ablations: subsets, exact Shapley values, and bootstrap intervals over prompts.
+"""Shapley attribution for ablations: subsets, exact Shapley values, and bootstrap intervals over prompts.
 
 No model code here. The value of a set S of aligned regions is the *reduction* of the mismatch metric:
 v(S) = m(∅) - m(S). Shapley values split v(all) exactly among regions (efficiency), crediting
@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 
 Combo = frozenset
+SHIPPED = "none"  # the combination with no region aligned
+REMAINING = "(remaining)"  # attribution row: what is left with every region aligned (not a region)
 
 # Metrics that can be recomputed from per-prompt sums, so bootstrap resampling of prompts is exact.
 METRICS: dict[str, Callable[[pd.DataFrame, np.ndarray], float]] = {
@@ -31,7 +33,7 @@ def subsets(regions: Sequence[str]) -> list[Combo]:
 
 
 def combo_name(combo: Combo, order: Sequence[str]) -> str:
-    return "+".join(r for r in order if r in combo) or "none"
+    return "+".join(r for r in order if r in combo) or SHIPPED
 
 
 def per_prompt(tokens: pd.DataFrame) -> pd.DataFrame:
