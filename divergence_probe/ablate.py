@@ -1,8 +1,8 @@
 """ablate: rerun compare with every subset of regions aligned and attribute the mismatch to regions.
 
-Each model is loaded once; between runs only the region patches are toggled (they are reversible and
-never touch weights). Prompts, taps and every other option are the same in every run, so the runs
-differ in the aligned regions alone.
+Each model is loaded once; between runs only the region patches are toggled (they are reversible and never
+touch weights). Prompts, taps and every other option are the same in every run, so the runs differ in the
+aligned regions alone.
 """
 
 from __future__ import annotations
@@ -12,35 +12,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from .compare import CompareRun, Progress, run_compare
+from .regions import aligned
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from .compare import CompareOptions, CompareRun
-from .errors import ProbeError
-from .regions import aligned, parse_regions
-
-SIDES = ("both", "train", "infer")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AblateOptions:
-    regions: str | tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
-    """Regions to ablate; every subset of them is run (2^k runs)."""
-    side: str = "both"
-    """both: patch both stacks; train: only transformers (the engine as shipped); infer: only the engine."""
-    metric: str = "mean_kl"
-    """What attribution explains: mean_kl, mean_abs_dlogp, max_kl or max_abs_dlogp."""
-    bootstrap: int = 1000
-    """Bootstrap resamples of prompts for the confidence intervals (0 = no intervals)."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.side not in SIDES:
-            raise ProbeError(f"--side {self.side!r}; choose one of: {', '.join(SIDES)}")
-        if self.metric not in METRICS:
-            raise ProbeError(f"--metric {self.metric!r}; choose one of: {', '.join(METRICS)}")
-        if self.bootstrap < 0:
-            raise ProbeError("--bootstrap must be >= 0")
-        if not parse_regions(self.regions):
-            raise ProbeError("--regions is empty; name at least one region")
+from .spec import AlignSpec, RunSpec
 
 
 def stacks_for(probe, side: str) -> list:
@@ -49,12 +24,15 @@ def stacks_for(probe, side: str) -> list:
 
 @dataclass
 class AblationRun:
-    regions: tuple[str, ...]
-    options: AblateOptions
+    spec: RunSpec
     runs: dict  # Combo -> CompareRun, in subsets() order
     manifest: dict = field(default_factory=dict)
 
-    def _named(self):
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return self.spec.ablate.regions
+
+    def _named(self) -> list[tuple[str, CompareRun]]:
         return [(combo_name(c, self.regions), run) for c, run in self.runs.items()]
 
     def _stacked(self, table: str) -> pd.DataFrame:
@@ -86,7 +64,7 @@ class AblationRun:
         return pd.DataFrame(rows)
 
     def metric_of(self) -> dict:
-        fn = METRICS[self.options.metric]
+        fn = METRICS[self.spec.ablate.metric]
         return {c: fn(p, [1] * len(p)) for c, p in self._per_prompt().items()}
 
     def _per_prompt(self) -> dict:
@@ -94,6 +72,7 @@ class AblationRun:
 
     @property
     def attribution_table(self) -> pd.DataFrame:
+        options = self.spec.ablate
         metric_of = self.metric_of()
         table = attribution(metric_of, self.regions)
         everything, nothing = frozenset(self.regions), frozenset()
@@ -101,48 +80,47 @@ class AblationRun:
                      "share": metric_of[everything] / metric_of[nothing] if metric_of[nothing] else float("nan"),
                      "main_effect": float("nan"), "leave_one_out": float("nan")}
         table = pd.concat([table, pd.DataFrame([remaining])], ignore_index=True)
-        if self.options.bootstrap:
-            ci = bootstrap_intervals(self._per_prompt(), self.regions, self.options.metric,
-                                     self.options.bootstrap, self.options.seed)
+        if options.bootstrap:
+            ci = bootstrap_intervals(self._per_prompt(), self.regions, options.metric, options.bootstrap,
+                                     self.spec.load.seed, options.ci_level)
             table["ci_low"] = [ci[r if r != REMAINING else "remaining"][0] for r in table["region"]]
             table["ci_high"] = [ci[r if r != REMAINING else "remaining"][1] for r in table["region"]]
         else:
             table["ci_low"] = table["ci_high"] = float("nan")
         return table
 
+    def files(self) -> dict[str, pd.DataFrame]:
+        return {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table, "summary.csv": self.summary_table,
+                "ablation.csv": self.ablation_table, "attribution.csv": self.attribution_table}
+
     def write(self, out_dir: str | Path) -> Path:
-        from .reports.writer import write_ablation_run
+        from .rundir import write_run
 
-        return write_ablation_run(self, Path(out_dir))
+        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
 
 
-def run_ablation(probe, run_one, compare: CompareOptions, options: AblateOptions) -> AblationRun:
-    """run_one(probe, compare_options) is one compare or generate-mode run; it is repeated per combination."""
-    regions = parse_regions(options.regions)
-    combos = subsets(regions)
-    stacks = stacks_for(probe, options.side)
+def combo_spec(spec: RunSpec, combo) -> RunSpec:
+    """The compare that one combination of an ablation runs."""
+    regions = tuple(r for r in spec.ablate.regions if r in combo)
+    return replace(spec, kind="compare", ablate=None, align=AlignSpec(regions=regions, side=spec.align.side))
+
+
+def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:
+    combos = subsets(spec.ablate.regions)
+    stacks = stacks_for(probe, spec.align.side)
     runs: dict = {}
     done_before = 0
     for combo in combos:
-        progress = compare.progress
-        step = replace(compare, progress=(lambda d, t, base=done_before: progress(base + d, t * len(combos)))
-                       if progress else None)
-        with aligned(stacks, [r for r in regions if r in combo]):
-            runs[combo] = run_one(probe, step)
+        step = combo_spec(spec, combo)
+        with aligned(stacks, step.align.regions):
+            runs[combo] = run_compare(probe, step, progress, done_before=done_before, total_scale=len(combos))
         done_before += len(runs[combo].prompts)
     manifest = dict(next(iter(runs.values())).manifest)
-    manifest["ablate"] = {"regions": list(regions), "side": options.side, "metric": options.metric,
-                          "bootstrap": options.bootstrap, "seed": options.seed,
-                          "combos": [combo_name(c, regions) for c in combos]}
-    return AblationRun(regions, options, runs, manifest)
-
-
-def run_aligned_compare(probe, run_one, compare: CompareOptions, regions, side: str) -> CompareRun:
-    """compare --align: one run with the given regions aligned on the given side(s) (none: as shipped)."""
-    names = parse_regions(regions)
-    AblateOptions(regions=names or ("rope",), side=side)  # validates side
-    with aligned(stacks_for(probe, side), names):
-        run = run_one(probe, compare)
-    if names:
-        run.manifest["align"] = {"regions": list(names), "side": side}
-    return run
+    manifest.pop("align", None)
+    manifest["kind"] = "ablate"
+    manifest["spec"] = spec.to_dict()
+    a = spec.ablate
+    manifest["ablate"] = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric,
+                          "bootstrap": a.bootstrap, "ci_level": a.ci_level, "seed": spec.load.seed,
+                          "combos": [combo_name(c, a.regions) for c in combos]}
+    return AblationRun(spec, runs, manifest)

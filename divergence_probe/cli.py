@@ -6,8 +6,11 @@ its traceback. Set DP_RAISE_ERRORS=1 to get tracebacks for ProbeErrors too.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import sys
+import typing
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -18,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import ProbeError
+from .spec import COMPONENTS, RunSpec, flag_of, flat_fields, spec_from_flat
 
 app = typer.Typer(
     add_completion=False,
@@ -27,30 +31,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint folder or hub id (e.g. Qwen/Qwen2.5-1.5B). Default: the built-in tiny Qwen3 model.")
-PromptsOpt = typer.Option(None, "--prompts", "-p", help=".txt (blank-line or --- separated), .jsonl (prompt or chat messages), or a folder of them. Default: sample_prompts/.")
-NumPromptsOpt = typer.Option(None, "--num-prompts", "-n", help="Use only the first N prompts.")
-MaxTokOpt = typer.Option(None, "--max-prompt-tokens", help="Truncate prompts to N tokens (otherwise a prompt longer than the context is an error).")
-DtypeOpt = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32; both stacks use it.")
-InferOpt = typer.Option("vllm", "--infer", help="Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
-AttnOpt = typer.Option("sdpa", "--train-attn", help="transformers attention on the training side: sdpa, eager or flash_attention_2.")
-TapsOpt = typer.Option("all", "--taps", help="all, none, or a comma list of tap names (embed, input_norm, q_norm, k_norm, q_rope, k_rope, attn_core, attn_out, resid_mid, post_norm, swiglu, mlp_out, resid_out, final_norm, logits).")
-DeviceOpt = typer.Option("auto", "--device", help="auto (cuda when present), cpu or cuda.")
-SeedOpt = typer.Option(0, "--seed", help="Seed for every random choice (recorded in the manifest).")
-ThresholdOpt = typer.Option(1e-3, "--threshold", help="rel_l2 above which a tap counts as diverged (first_over_threshold).")
-BatchOpt = typer.Option(8192, "--batch-tokens", help="Most prompt tokens per inference batch; bounds the memory held while pairing taps.")
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
-ModeOpt = typer.Option("prefill", "--mode", help="prefill: score the prompts (vLLM's prompt logprobs); generate: sample responses through vLLM's decode path and compare what RL sees.")
-NewTokOpt = typer.Option(64, "--max-new-tokens", help="generate mode: most tokens sampled per response.")
-SamplesOpt = typer.Option(1, "--samples-per-prompt", help="generate mode: responses sampled per prompt.")
-TempOpt = typer.Option(1.0, "--temperature", help="generate mode: sampling temperature (0 = greedy). Compared logprobs stay raw (untempered).")
-TopPOpt = typer.Option(1.0, "--top-p", help="generate mode: nucleus sampling.")
-ClipOpt = typer.Option(0.2, "--clip-eps", help="generate mode: PPO clip band [1-eps, 1+eps] for the ratio metrics.")
-TisOpt = typer.Option(2.0, "--tis-cap", help="generate mode: TIS truncation cap C (token MIS band [1/C, C]).")
-BatchInvOpt = typer.Option(False, "--batch-invariance", help="Also measure each stack alone vs batched on the same sequences (the noise floor; batch_invariance.csv).")
-AlignOpt = typer.Option("", "--align", help="Regions to align (FP32 until the output, one rounding): comma list of rope, swiglu, rmsnorm.")
-SideOpt = typer.Option("both", "--side", help="Where regions are aligned: both, train (transformers only; the engine as shipped) or infer.")
-ReportOpt = typer.Option(False, "--report", help="After the run is written, render OUT/report (report.md and figures; see the report command).")
 
 
 def _default_out() -> Path:
@@ -95,97 +76,71 @@ def _print_summary(run, out_dir: Path) -> None:
     out.print(f"run: {out_dir}")
 
 
-@app.command()
-def compare(
-    model: Optional[str] = ModelOpt,
-    prompts: Optional[Path] = PromptsOpt,
-    num_prompts: Optional[int] = NumPromptsOpt,
-    max_prompt_tokens: Optional[int] = MaxTokOpt,
-    dtype: str = DtypeOpt,
-    infer: str = InferOpt,
-    train_attn: str = AttnOpt,
-    taps: str = TapsOpt,
-    device: str = DeviceOpt,
-    seed: int = SeedOpt,
-    threshold: float = ThresholdOpt,
-    batch_tokens: int = BatchOpt,
-    out_dir: Optional[Path] = OutOpt,
-    align: str = AlignOpt,
-    side: str = SideOpt,
-    mode: str = ModeOpt,
-    max_new_tokens: int = NewTokOpt,
-    samples_per_prompt: int = SamplesOpt,
-    temperature: float = TempOpt,
-    top_p: float = TopPOpt,
-    clip_eps: float = ClipOpt,
-    tis_cap: float = TisOpt,
-    batch_invariance: bool = BatchInvOpt,
-    report: bool = ReportOpt,
-) -> None:
-    """Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
-    every decoder layer and every token's logprob.
-
-    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
-    """
-    from .ablate import AblateOptions
-    from .regions import parse_regions
-
-    generate = _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap)
-
-    def work(probe, progress):
-        return probe.compare(align=parse_regions(align), side=side, generate=generate, prompts=prompts,
-                             num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, taps=taps,
-                             threshold=threshold, batch_invariance=batch_invariance, progress=progress)
-
-    def validate():
-        AblateOptions(regions=parse_regions(align) or ("rope",), side=side)
-        _check_generate(generate)
-
-    run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
-                        dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
-                             batch_tokens=batch_tokens))
-    _print_summary(run, out_dir)
-    if report:
-        _write_report(out_dir)
+def _cli_type(hint, default):
+    """The typer type and default of a spec field: lists and objects are typed as text and parsed by the spec."""
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin in (tuple, list):
+        return str, ",".join(default)
+    if hint is dict:
+        return Optional[str], None
+    if args and type(None) in typing.get_args(hint):  # X | None
+        return Optional[args[0]], default
+    return hint, default
 
 
-def _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap):
-    """None for prefill mode, else the GenerateOptions fields (validated in _check_generate)."""
-    if mode not in ("prefill", "generate"):
-        return {"mode": mode}
-    if mode == "prefill":
-        return None
-    return dict(max_new_tokens=max_new_tokens, samples_per_prompt=samples_per_prompt, temperature=temperature,
-                top_p=top_p, clip_eps=clip_eps, tis_cap=tis_cap)
+def _options(kind: str) -> list[inspect.Parameter]:
+    """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec.py."""
+    params = []
+    for component, f, name in flat_fields(kind):
+        owner = COMPONENTS[component] if component else RunSpec
+        hint = typing.get_type_hints(owner)[f.name]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        cli_type, cli_default = _cli_type(hint, default)
+        decls = [flag_of(f) if component else "--report"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
+                                        default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""))))
+    params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=OutOpt))
+    return params
 
 
-def _check_generate(generate) -> None:
-    from .rollout import GenerateOptions
+def _spec_command(kind: str, doc: str, after):
+    """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
-    if generate and "mode" in generate:
-        raise ProbeError(f"--mode {generate['mode']!r}; choose prefill or generate")
-    if generate:
-        GenerateOptions(**generate)
+    def command(out_dir: Optional[Path] = None, **flags) -> None:
+        run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
+        after(run, out_dir)
+        if run.spec.report:
+            _write_report(out_dir)
+
+    params = _options(kind)
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = doc
+    command.__name__ = kind
+    return command
 
 
-def _run(work, validate, model, out_dir, taps, threshold, load_kwargs):
-    """Shared by compare and ablate: validate every flag, check --out, load once, run with a progress bar,
-    write atomically. Any ProbeError on the way is one line and exit code 2, and nothing is written."""
+def _run(make_spec, out_dir: Optional[Path], check=None):
+    """Shared by compare, ablate and rerun: build (and so validate) the spec and check --out before anything
+    loads, load once, run with a progress bar, write atomically. Any ProbeError on the way is one line and exit
+    code 2, and nothing is written."""
     import divergence_probe as dp
-    from .compare import CompareOptions
-    from .reports.writer import check_out_dir
+    from .prompts import read_prompt_sources, default_prompts_path
+    from .rundir import check_out_dir
 
     try:
+        spec = make_spec()
         out_dir = out_dir or _default_out()
-        dp.LoadConfig(model=model, **load_kwargs)  # validate flags before the slow load
-        CompareOptions(threshold=threshold, taps=taps)
-        validate()
         check_out_dir(out_dir)
+        read_prompt_sources(Path(spec.prompts.prompts) if spec.prompts.prompts else default_prompts_path())
         with console.status("loading the model in transformers and the inference stack…"):
-            probe = dp.load(model, **load_kwargs)
+            probe = dp.load(spec=spec.load)
+        if check is not None:
+            check(probe)
         with _progress() as bar:
             task = bar.add_task("scoring prompts", total=None)
-            run = work(probe, lambda done, total: bar.update(task, completed=done, total=total))
+            run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
         run.manifest["command"] = sys.argv
         run.write(out_dir)
     except ProbeError as e:
@@ -193,73 +148,71 @@ def _run(work, validate, model, out_dir, taps, threshold, load_kwargs):
     return run, out_dir
 
 
-@app.command()
-def ablate(
-    model: Optional[str] = ModelOpt,
-    prompts: Optional[Path] = PromptsOpt,
-    num_prompts: Optional[int] = NumPromptsOpt,
-    max_prompt_tokens: Optional[int] = MaxTokOpt,
-    dtype: str = DtypeOpt,
-    infer: str = InferOpt,
-    train_attn: str = AttnOpt,
-    taps: str = TapsOpt,
-    device: str = DeviceOpt,
-    seed: int = SeedOpt,
-    threshold: float = ThresholdOpt,
-    batch_tokens: int = BatchOpt,
-    out_dir: Optional[Path] = OutOpt,
-    mode: str = ModeOpt,
-    max_new_tokens: int = NewTokOpt,
-    samples_per_prompt: int = SamplesOpt,
-    temperature: float = TempOpt,
-    top_p: float = TopPOpt,
-    clip_eps: float = ClipOpt,
-    tis_cap: float = TisOpt,
-    regions: str = typer.Option("rope,swiglu,rmsnorm", "--regions", help="Regions to ablate; all 2^k subsets run."),
-    side: str = SideOpt,
-    metric: str = typer.Option("mean_kl", "--metric", help="What attribution explains: mean_kl, mean_abs_dlogp, max_kl or max_abs_dlogp."),
-    bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap resamples of prompts for confidence intervals (0 = none)."),
-    report: bool = ReportOpt,
-) -> None:
-    """Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
+compare = app.command("compare")(_spec_command("compare", """Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
+    every decoder layer and every token's logprob.
+
+    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
+    """, lambda run, out_dir: _print_summary(run, out_dir)))
+
+ablate = app.command("ablate")(_spec_command("ablate", """Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
 
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
     attribution.csv (one row per region, and what remains with all aligned).
+    """, lambda run, out_dir: _print_ablation(run, out_dir)))
+
+
+@app.command()
+def rerun(
+    run_dir: Path = typer.Argument(..., help="A run folder written by compare or ablate (its manifest.json)."),
+    out_dir: Optional[Path] = OutOpt,
+    report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
+) -> None:
+    """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
+
+    The prompt files and the model's config must be the ones the run used (their sha256 are checked).
     """
-    from .ablate import AblateOptions
-    from .regions import parse_regions
+    from .rundir import read_manifest
 
-    generate = _generate_options(mode, max_new_tokens, samples_per_prompt, temperature, top_p, clip_eps, tis_cap)
+    def make_spec():
+        manifest = read_manifest(run_dir)
+        if "spec" not in manifest:
+            raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
+                             "from manifest.json instead")
+        recorded[:] = [manifest]
+        spec = RunSpec.from_dict(manifest["spec"])
+        return dataclasses.replace(spec, report=report)
 
-    def work(probe, progress):
-        return probe.ablate(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap,
-                            generate=generate, prompts=prompts, num_prompts=num_prompts,
-                            max_prompt_tokens=max_prompt_tokens, taps=taps, threshold=threshold, progress=progress)
+    def check(probe):
+        manifest = recorded[0]
+        want, have = manifest["model"]["config_sha256"], probe.source.config_sha256
+        if want != have:
+            raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
+                             f"vs {want[:12]}…); point --model of a new compare at the original checkpoint")
+        from .prompts import file_hashes
 
-    def validate():
-        AblateOptions(regions=parse_regions(regions), side=side, metric=metric, bootstrap=bootstrap)
-        _check_generate(generate)
+        prompts = Path(manifest["compare"]["prompts"])
+        if file_hashes(prompts) != manifest["compare"]["prompt_files_sha256"]:
+            raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
-    run, out_dir = _run(work, validate, model, out_dir, taps, threshold,
-                        dict(infer=infer, dtype=dtype, device=device, train_attn=train_attn, seed=seed,
-                             batch_tokens=batch_tokens))
-    _print_ablation(run, out_dir)
+    recorded: list = []
+    run, out_dir = _run(make_spec, out_dir, check)
+    (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
     if report:
         _write_report(out_dir)
 
 
 def _print_ablation(run, out_dir: Path) -> None:
-    metric = run.options.metric
+    metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
-    table = Table(title=f"ablation ({run.options.side}), sorted by {metric}")
+    table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
     for col in ("combo", metric, "mean_abs_dlogp", "first_inexact"):
         table.add_column(col, justify="left" if col in ("combo", "first_inexact") else "right")
     for row in combos.itertuples():
         table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}", row.first_inexact)
     out.print(table)
     attr = Table(title=f"attribution of the reduction in {metric}")
-    for col in ("region", "shapley", "share", "95% CI", "main effect", "leave-one-out"):
+    for col in ("region", "shapley", "share", f"{run.spec.ablate.ci_level:.0%} CI", "main effect", "leave-one-out"):
         attr.add_column(col, justify="left" if col == "region" else "right")
     for row in run.attribution_table.itertuples():
         attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",

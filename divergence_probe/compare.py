@@ -1,16 +1,19 @@
-"""compare: feed both stacks the same token ids and diff every tap and every token's logprob.
+"""compare: the one run loop. Feed both stacks the same token sequences and diff every tap and token logprob.
 
-The loop: an inference batch runs first and parks its taps; then the training stack runs the batch's prompts one
-by one, and as each is done its taps are paired and reduced (capture.py) and its logits scored against the
-inference logits at every prompt position. Nothing per-layer outlives its prompt.
+Prefill and generate mode differ only in where the sequences come from (`SequenceSource`): the prompts
+themselves, scored by the inference stack's prefill, or prompt+response sequences the inference stack sampled
+through its decode path. Either way an inference batch runs first and parks its taps; then the training stack
+runs the batch's sequences, and as each is done its taps are paired and reduced (capture.py) and its logits
+scored against the inference logits at every position. Nothing per-layer outlives its sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
+import pandas as pd
 import torch
 
 from .batch_invariance import measure as measure_batch_invariance
@@ -19,40 +22,20 @@ from .environment import to_device
 from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
-from .prompts import Prompt, file_hashes, load_prompts, default_prompts_path
+from .prompts import Prompt, default_prompts_path, file_hashes, load_prompts
+from .rl_metrics import bucket_table, sequence_metrics, token_metrics
+from .spec import RunSpec
+from .stacks.base import PromptScores, TapSink
 from .tables import layers_frame, summary_row, tokens_frame
-from .stacks.base import PromptScores
-from .taps import TapKey, expected_taps, parse_tap_selection
+from .taps import TapKey, expected_taps
 
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
 
 
-@dataclass(frozen=True, kw_only=True)
-class CompareOptions:
-    """Which prompts to score and what to capture."""
-
-    prompts: str | Path | None = None
-    """A .txt/.jsonl file or a folder of them; None = the shipped sample_prompts/."""
-    num_prompts: int | None = None
-    max_prompt_tokens: int | None = None
-    """Truncate longer prompts to this many tokens (otherwise a prompt beyond the context is an error)."""
-    taps: str = "all"
-    """all, none, or a comma list of canonical tap names."""
-    threshold: float = 1e-3
-    """rel_l2 above which a tap counts as diverged (first_over_threshold)."""
-    batch_invariance: bool = False
-    """Also measure each stack's own batch-1-vs-batched difference (batch_invariance.csv)."""
-    progress: Progress | None = None
-
-    def __post_init__(self) -> None:
-        if not self.threshold >= 0:
-            raise ProbeError("--threshold must be a non-negative number")
-        parse_tap_selection(self.taps)  # fail on a typo before anything is loaded
-
-
 @dataclass
 class TokenScore:
-    """One scored prompt token: both logprobs of the actual token and the full-vocabulary KL."""
+    """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
+    also belongs to a sample, and is either part of the prompt or of the sampled response."""
 
     prompt_id: int
     position: int
@@ -61,35 +44,107 @@ class TokenScore:
     logprob_infer: float
     logprob_train: float
     kl: float
+    sample_id: int | None = None
+    is_response: bool | None = None
 
 
 @dataclass
-class CompareRun:
-    """The result of one comparison; `write` puts it on disk as CSVs and a manifest."""
+class ScoredSequence:
+    """One token sequence the inference stack ran, and what the training stack must run and score for it.
 
-    prompts: list[Prompt]
-    tokens: list[TokenScore]
-    tap_stats: dict[TapKey, DiffStats]
-    threshold: float
-    manifest: dict = field(default_factory=dict)
-    batch_invariance: "pd.DataFrame | None" = None
+    `key` files its taps and scores (unique within a run); `fed` is how many of its rows the engine actually
+    computed: all of them for a prompt, all but the last for a sampled sequence (the engine never feeds its last
+    sample back, so that row has no inference-side taps)."""
 
-    @property
-    def tokens_table(self):
-        return tokens_frame(self.tokens)
+    key: int
+    prompt: Prompt
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+    prompt_id: int
+    fed: int
+    sample_id: int | None = None
+    n_prompt: int | None = None
 
-    @property
-    def layers_table(self):
-        return layers_frame(self.tap_stats)
 
-    @property
-    def summary(self) -> dict:
-        return summary_row(self.tokens, self.tap_stats, self.threshold) | noise_floor_columns(self.batch_invariance)
+class SequenceSource:
+    """Where a mode's sequences come from: the inference stack runs a group of prompts and returns sequences."""
 
-    def write(self, out_dir: str | Path) -> Path:
-        from .reports.writer import write_compare_run
+    mode = "prefill"
 
-        return write_compare_run(self, Path(out_dir))
+    def batch_tokens(self, probe) -> int:
+        return probe.settings.batch_tokens
+
+    def run(self, probe, group: list[Prompt], taps: frozenset[str], park: TapSink, first_key: int) -> list[ScoredSequence]:
+        scores = probe.infer.score(group, taps, park)
+        if [s.prompt_id for s in scores] != [p.prompt_id for p in group]:
+            raise StackError("the inference stack returned scores out of prompt order")
+        return [ScoredSequence(p.prompt_id, p, s.logits, s.logprobs, p.prompt_id, len(p.token_ids))
+                for p, s in zip(group, scores)]
+
+
+class SampledSource(SequenceSource):
+    """generate mode: the inference stack samples responses (decode path, KV cache) and reports raw logprobs."""
+
+    mode = "generate"
+
+    def __init__(self, sampling) -> None:
+        self.sampling = sampling
+
+    def batch_tokens(self, probe) -> int:
+        return max(1, probe.settings.batch_tokens // self.sampling.samples_per_prompt)
+
+    def run(self, probe, group, taps, park, first_key):
+        def park_keyed(seq_id, key, x):  # the stack numbers a call's sequences from 0; a run numbers them once
+            park(first_key + seq_id, key, x)
+
+        sequences = probe.infer.sample(group, self.sampling, taps, park_keyed)
+        return [ScoredSequence(first_key + s.seq_id,
+                          Prompt(first_key + s.seq_id, f"prompt {s.prompt_id} sample {s.sample_id}", "", s.token_ids),
+                          s.logits, s.logprobs, s.prompt_id, len(s.token_ids) - 1, s.sample_id, s.n_prompt)
+                for s in sequences]
+
+
+class PendingScores:
+    """One sequence's token scores, computed on the device and on their way to the host; `read()` waits for them.
+
+    On a GPU every read-back waits for all the work queued before it. Reading a sequence's scores only after the
+    next one's forward has been queued lets the device finish this one (and its tap reductions) while the host is
+    busy queueing the next, instead of the host idling at every sequence.
+    """
+
+    def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
+        self.seq, self.tokenizer = seq, tokenizer
+        device = seq.logits.device
+        finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
+        kl = token_kl(seq.logits, train_logits.to(device))
+        # float64 holds the float32 logprobs exactly, so one transfer carries everything
+        values = torch.cat([finite.double(), kl, to_device(seq.logprobs, device).double(),
+                            to_device(train_logprobs, device).double()])
+        self._host = values.to("cpu", non_blocking=True)  # pinned and asynchronous from a GPU
+        self._ready = None
+        if values.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self) -> list[TokenScore]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        seq = self.seq
+        for side, ok in zip(("inference", "training"), values[:2]):
+            if not ok:
+                raise NumericsError(
+                    f"the {side} stack produced NaN/Inf logits on {seq.prompt.source or f'prompt {seq.prompt_id}'}; "
+                    "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
+                )
+        ids = seq.prompt.token_ids
+        n = len(ids) - 1
+        kl, infer, train = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids[1:]))
+        sampled = seq.sample_id is not None
+        return [TokenScore(seq.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos],
+                           seq.sample_id if sampled else None, pos + 1 >= seq.n_prompt if sampled else None)
+                for pos in range(n)]
 
 
 def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
@@ -105,66 +160,118 @@ def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]
         yield group
 
 
-class PendingScores:
-    """One prompt's token scores, computed on the device and on their way to the host; `read()` waits for them.
+def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_taps: frozenset[str],
+               train_taps: frozenset[str], capture, collect: Callable[[PendingScores], None]) -> list[Prompt]:
+    """The run loop: each inference batch, then its sequences on the training stack under one capture; as each is
+    done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
+    (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
+    park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them."""
+    pending: PendingScores | None = None
+    ran: list[Prompt] = []
+    for group in batches(prompts, source.batch_tokens(probe)):
+        sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
+        fed = {seq.key: seq.fed for seq in sequences}
+        trained = 0
 
-    On a GPU every read-back waits for all the work queued before it. Reading a prompt's scores only after the
-    next prompt's forward has been queued lets the device finish this prompt (and its tap reductions) while the
-    host is busy queueing the next one, instead of the host idling at every prompt.
-    """
+        def pair(key: int, tap: TapKey, x: torch.Tensor) -> None:
+            capture.pair(key, tap, x[: fed[key]])
 
-    def __init__(self, probe, prompt: Prompt, infer_logits, infer_logprobs, train_logits, train_logprobs) -> None:
-        self.prompt, self.tokenizer = prompt, probe.tokenizer
-        device = infer_logits.device
-        finite = torch.stack([torch.isfinite(infer_logits).all(), torch.isfinite(train_logits).all()])
-        kl = token_kl(infer_logits, train_logits.to(device))
-        # float64 holds the float32 logprobs exactly, so one transfer carries everything
-        values = torch.cat([finite.double(), kl, to_device(infer_logprobs, device).double(),
-                            to_device(train_logprobs, device).double()])
-        self._host = values.to("cpu", non_blocking=True)  # pinned and asynchronous from a GPU
-        self._ready = None
-        if values.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        def finish(train: PromptScores) -> None:  # each sequence, as soon as the training stack has run it
+            nonlocal pending, trained
+            seq = sequences[trained]
+            if train.prompt_id != seq.key:
+                raise StackError("a stack returned scores out of order")
+            scores = PendingScores(probe.tokenizer, seq, train.logits, train.logprobs)
+            capture.finish_prompt(seq.key)
+            if pending is not None:
+                collect(pending)
+            pending, trained = scores, trained + 1
 
-    def read(self) -> list[TokenScore]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        values = self._host.tolist()
-        for side, ok in zip(("inference", "training"), values[:2]):
-            if not ok:
-                raise NumericsError(
-                    f"the {side} stack produced NaN/Inf logits on prompt {self.prompt.prompt_id} ({self.prompt.source}); "
-                    "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
-                )
-        ids = self.prompt.token_ids
-        n = len(ids) - 1
-        kl, infer, train = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
-        tokens = self.tokenizer.convert_ids_to_tokens(list(ids[1:]))
-        return [TokenScore(self.prompt.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos])
-                for pos in range(n)]
+        probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
+        if trained != len(sequences):
+            raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")
+        ran += [seq.prompt for seq in sequences]
+    if pending is not None:
+        collect(pending)
+    return ran
 
 
-def score_prompt(probe, prompt: Prompt, infer_logits, infer_logprobs, train_logits, train_logprobs) -> list[TokenScore]:
-    """Both logprobs of every scored token and the full-vocabulary KL, on the host (waits for the device)."""
-    return PendingScores(probe, prompt, infer_logits, infer_logprobs, train_logits, train_logprobs).read()
+@dataclass
+class CompareRun:
+    """The result of one comparison (prefill or generate mode); `write` puts it on disk as CSVs and a manifest."""
 
+    spec: RunSpec
+    prompts: list[Prompt]
+    tokens: list[TokenScore]
+    tap_stats: dict[TapKey, DiffStats]
+    manifest: dict = field(default_factory=dict)
+    batch_invariance: pd.DataFrame | None = None
 
-def run_manifest(probe, mode: str, prompts_path: Path, prompts, options: CompareOptions, taps) -> dict:
-    """The probe's manifest plus what this run scored and captured."""
-    manifest = probe.manifest()
-    manifest["compare"] = {
-        "mode": mode,
-        "prompts": str(prompts_path),
-        "prompt_files_sha256": file_hashes(prompts_path),
-        "num_prompts": len(prompts),
-        "max_prompt_tokens": options.max_prompt_tokens,
-        "taps": sorted(taps),
-        "threshold": options.threshold,
-        "batch_invariance": options.batch_invariance,
-        "tap_reduction": fused_backend() if taps else None,
-    }
-    return manifest
+    @property
+    def mode(self) -> str:
+        return self.spec.generate.mode
+
+    @property
+    def threshold(self) -> float:
+        return self.spec.capture.threshold
+
+    @property
+    def tokens_table(self) -> pd.DataFrame:
+        return tokens_frame(self.tokens, sampled=self.mode == "generate")
+
+    @property
+    def layers_table(self) -> pd.DataFrame:
+        return layers_frame(self.tap_stats)
+
+    @property
+    def responses_table(self) -> pd.DataFrame:
+        """generate mode: the response tokens, with their position in the response."""
+        df = self.tokens_table
+        df = df[df["is_response"]].copy()
+        df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
+        return df
+
+    @property
+    def summary(self) -> dict:
+        if self.mode != "generate":
+            return summary_row(self.tokens, self.tap_stats, self.threshold) | noise_floor_columns(self.batch_invariance)
+        response = [t for t in self.tokens if t.is_response]
+        prompt = [t for t in self.tokens if not t.is_response]
+        if not response:
+            raise ProbeError("no response tokens were sampled (every sample ended at once); raise --max-new-tokens")
+        row = summary_row(response, self.tap_stats, self.threshold)
+        prompt_row = summary_row(prompt, {}, self.threshold) if prompt else {}
+        row["prompt_mean_abs_dlogp"] = prompt_row.get("mean_abs_dlogp", float("nan"))
+        row["prompt_mean_kl"] = prompt_row.get("mean_kl", float("nan"))
+        g = self.spec.generate
+        responses = self.responses_table
+        row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
+                             g.clip_eps, g.tis_cap)
+        row |= sequence_metrics(responses, g.clip_eps)
+        return row | noise_floor_columns(self.batch_invariance)
+
+    @property
+    def buckets_table(self) -> pd.DataFrame | None:
+        """generate mode: the token metrics per bucket of inference-side probability and of response position."""
+        if self.mode != "generate":
+            return None
+        g = self.spec.generate
+        return bucket_table(self.responses_table, g.clip_eps, g.tis_cap)
+
+    def files(self) -> dict[str, pd.DataFrame]:
+        """The run folder's tables, by file name, in the order they are written."""
+        tables = {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table,
+                  "summary.csv": pd.DataFrame([self.summary])}
+        if self.buckets_table is not None:
+            tables["buckets.csv"] = self.buckets_table
+        if self.batch_invariance is not None:
+            tables["batch_invariance.csv"] = self.batch_invariance
+        return tables
+
+    def write(self, out_dir: str | Path) -> Path:
+        from .rundir import write_run
+
+        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
 
 
 def noise_floor_columns(floor) -> dict:
@@ -174,67 +281,69 @@ def noise_floor_columns(floor) -> dict:
     return {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
 
 
-class TapCapture(Protocol):
-    """Where the compare loop files taps: capture.TapPairing, or a benchmark's stand-in that drops them."""
-
-    def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None: ...
-
-    def pair(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None: ...
-
-    def finish_prompt(self, prompt_id: int) -> None: ...
+def source_for(spec: RunSpec) -> SequenceSource:
+    return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
 
 
-def score_both(probe, prompts: Sequence[Prompt], infer_taps: frozenset[str], train_taps: frozenset[str],
-               capture: TapCapture, collect: Callable[[PendingScores], None]) -> None:
-    """The compare loop: each inference batch, then its prompts one by one on the training stack; as each is
-    done, its taps are finished and its scores queued. `collect` gets every prompt's scores one prompt late
-    (PendingScores says why)."""
-    pending: PendingScores | None = None
-    for group in batches(prompts, probe.settings.batch_tokens):
-        infer_scores = probe.infer.score(group, infer_taps, capture.park)
-        trained = 0
-
-        def finish(train: PromptScores) -> None:  # each prompt, as soon as the training stack has run it
-            nonlocal pending, trained
-            prompt, infer = group[trained], infer_scores[trained]
-            if infer.prompt_id != prompt.prompt_id or train.prompt_id != prompt.prompt_id:
-                raise StackError("a stack returned scores out of prompt order")
-            scores = PendingScores(probe, prompt, infer.logits, infer.logprobs, train.logits, train.logprobs)
-            capture.finish_prompt(prompt.prompt_id)
-            if pending is not None:
-                collect(pending)
-            pending, trained = scores, trained + 1
-
-        probe.train.score(group, train_taps, capture.pair, on_scored=finish)
-        if not len(infer_scores) == trained == len(group):
-            raise StackError(f"of {len(group)} prompts, the inference stack scored {len(infer_scores)} and the "
-                             f"training stack {trained}")
-    if pending is not None:
-        collect(pending)
+def load_run_prompts(probe, spec: RunSpec) -> tuple[Path, list[Prompt]]:
+    """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
+    path = Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
+    context = probe.settings.max_model_len
+    if spec.generate.generates:
+        if spec.generate.max_new_tokens >= context - 1:
+            raise ProbeError(f"--max-new-tokens {spec.generate.max_new_tokens} leaves no room for a prompt in the "
+                             f"context of {context} tokens")
+        context -= spec.generate.max_new_tokens
+    prompts = load_prompts(path, probe.tokenizer, num_prompts=spec.prompts.num_prompts,
+                           max_prompt_tokens=spec.prompts.max_prompt_tokens, max_model_len=context)
+    return path, prompts
 
 
-def run_compare(probe, options: CompareOptions) -> CompareRun:
-    prompts_path = Path(options.prompts) if options.prompts is not None else default_prompts_path()
-    prompts = load_prompts(
-        prompts_path,
-        probe.tokenizer,
-        num_prompts=options.num_prompts,
-        max_prompt_tokens=options.max_prompt_tokens,
-        max_model_len=probe.settings.max_model_len,
-    )
-    taps = parse_tap_selection(options.taps)
+def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dict:
+    """The probe's manifest plus what this run scored and captured, and the spec that re-makes it."""
+    manifest = probe.manifest()
+    manifest["kind"] = spec.kind
+    manifest["spec"] = spec.to_dict()
+    manifest["compare"] = {
+        "mode": spec.generate.mode,
+        "prompts": str(prompts_path),
+        "prompt_files_sha256": file_hashes(prompts_path),
+        "num_prompts": len(prompts),
+        "max_prompt_tokens": spec.prompts.max_prompt_tokens,
+        "taps": sorted(taps),
+        "threshold": spec.capture.threshold,
+        "batch_invariance": spec.capture.batch_invariance,
+        "tap_reduction": fused_backend() if taps else None,
+    }
+    if spec.generate.generates:
+        g = spec.generate
+        manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
+                                "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
+                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)"}
+    if spec.align.regions:
+        manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
+    return manifest
+
+
+def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
+                total_scale: int = 1) -> CompareRun:
+    """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate)."""
+    prompts_path, prompts = load_run_prompts(probe, spec)
+    taps = spec.capture.tap_names
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
+    source = source_for(spec)
     tokens: list[TokenScore] = []
+    per_prompt = spec.generate.samples_per_prompt if source.mode == "generate" else 1
     done = 0
 
     def collect(scores: PendingScores) -> None:
         nonlocal done
         tokens.extend(scores.read())
         done += 1
-        if options.progress:
-            options.progress(done, len(prompts))
+        if progress and done % per_prompt == 0:
+            progress(done_before + done // per_prompt, len(prompts) * total_scale)
 
-    score_both(probe, prompts, taps, taps, pairing, collect)
-    manifest = run_manifest(probe, "prefill", prompts_path, prompts, options, taps)
-    floor = measure_batch_invariance(probe, prompts) if options.batch_invariance else None
-    return CompareRun(prompts, tokens, pairing.stats, options.threshold, manifest, floor)
+    ran = score_both(probe, prompts, source, taps, taps, pairing, collect)
+    manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
+    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor)

@@ -13,51 +13,25 @@ comparison and ablation on that model.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .compare import Progress, run_compare
 from .environment import environment, resolve_device
 from .errors import ProbeError
-from .compare import CompareOptions, run_compare
 from .model_source import ModelSource, resolve_model
-from .stacks import INFER_STACKS, TRAIN_STACK, Stack, StackSettings, get_stack
+from .regions import aligned
+from .spec import LoadSpec, RunSpec, spec_from_flat
+from .stacks import Stack, StackSettings, get_stack
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoadConfig:
-    """What is loaded, and how. Both stacks get the same model files, dtype, device and seed."""
-
-    model: str | None = None
-    """Local checkpoint folder or hub id; None = the built-in default model."""
-    infer: str = "vllm"
-    """Inference side: vllm, or hf for a second, independent transformers instance (a zero baseline)."""
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    """auto (cuda when present), cpu or cuda."""
-    train_attn: str = "sdpa"
-    """transformers attention implementation on the training side."""
-    seed: int = 0
-    batch_tokens: int = 8192
-    """Most prompt tokens per inference batch; bounds the memory held for tap pairing."""
-
-    def __post_init__(self) -> None:
-        if self.infer not in INFER_STACKS:
-            raise ProbeError(f"--infer {self.infer!r} is not a stack; choose one of: {', '.join(INFER_STACKS)}")
-        if self.dtype not in DTYPES:
-            raise ProbeError(f"--dtype {self.dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
-        if self.train_attn not in TRAIN_ATTN:
-            raise ProbeError(f"--train-attn {self.train_attn!r}; choose one of: {', '.join(TRAIN_ATTN)}")
-        if self.batch_tokens < 1:
-            raise ProbeError("--batch-tokens must be positive")
+LoadConfig = LoadSpec  # the name of earlier releases
 
 
 @dataclass
 class Probe:
-    config: LoadConfig
+    config: LoadSpec
     source: ModelSource
     settings: StackSettings
     infer: Stack
@@ -65,31 +39,35 @@ class Probe:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
 
-    def compare(self, *, align: str | tuple[str, ...] = (), side: str = "both", generate: dict | None = None,
-                **options):
-        """Diff the two stacks on prompts (options: `divergence_probe.compare.CompareOptions`), optionally
-        with `align` regions aligned on `side` ("both", "train" or "infer"). `generate` (a dict of
-        `divergence_probe.rollout.GenerateOptions`) switches to generate mode: sampled responses, decode path."""
-        from .ablate import run_aligned_compare
+    def run(self, spec: RunSpec, progress: Progress | None = None):
+        """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with."""
+        if spec.load != self.config:
+            raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
+                             "load a probe for them (divergence_probe.run(spec) does both)")
+        if spec.kind == "ablate":
+            from .ablate import run_ablation
 
-        return run_aligned_compare(self, self._runner(generate), CompareOptions(**options), align, side)
+            return run_ablation(self, spec, progress)
+        from .ablate import stacks_for
 
-    def _runner(self, generate: dict | None):
-        """The single-run function for prefill (compare) or generate mode."""
-        if generate is None:
-            return run_compare
-        from .rollout import GenerateOptions, run_generate
+        with aligned(stacks_for(self, spec.align.side), spec.align.regions):
+            return run_compare(self, spec, progress)
 
-        gen = GenerateOptions(**generate)
-        return lambda probe, options: run_generate(probe, options, gen)
+    def compare(self, *, progress: Progress | None = None, generate: dict | None = None, **options):
+        """Diff the two stacks on prompts. `options` are compare's flags by their Python names (prompts, taps,
+        align, side, mode, max_new_tokens, ...: `divergence_probe.spec.flat_fields("compare")`); `generate`, a
+        dict of generate-mode options, is shorthand for mode="generate" plus those options."""
+        return self.run(self._spec("compare", generate, options), progress)
 
-    def ablate(self, *, regions=("rope", "swiglu", "rmsnorm"), side: str = "both", metric: str = "mean_kl",
-               bootstrap: int = 1000, generate: dict | None = None, **options):
+    def ablate(self, *, progress: Progress | None = None, generate: dict | None = None, **options):
         """Every subset of `regions` aligned, one compare (or generate-mode run) each, and the attribution."""
-        from .ablate import AblateOptions, run_ablation
+        return self.run(self._spec("ablate", generate, options), progress)
 
-        ablate = AblateOptions(regions=regions, side=side, metric=metric, bootstrap=bootstrap, seed=self.config.seed)
-        return run_ablation(self, self._runner(generate), CompareOptions(**options), ablate)
+    def _spec(self, kind: str, generate: dict | None, options: dict) -> RunSpec:
+        if generate is not None:
+            options = options | {"mode": "generate"} | generate
+        spec = spec_from_flat(kind, **options)
+        return replace(spec, load=self.config)
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
@@ -103,7 +81,7 @@ class Probe:
             },
             "load": {
                 "infer": self.config.infer,
-                "train": TRAIN_STACK,
+                "train": self.config.train,
                 "dtype": self.config.dtype,
                 "device": self.settings.device,
                 "train_attn": self.config.train_attn,
@@ -126,11 +104,12 @@ class Probe:
         self.close()
 
 
-def load(model: str | None = None, **config) -> Probe:
-    """Resolve the model, load it into the training stack (checking weights) and the inference stack."""
+def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) -> Probe:
+    """Resolve the model, load it into the training stack (checking weights) and the inference stack.
+    `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...)."""
     from transformers import AutoTokenizer
 
-    cfg = LoadConfig(model=model, **config)
+    cfg = spec or LoadSpec(model=model, **config)
     source = resolve_model(cfg.model)
     settings = StackSettings(
         model_path=str(source.path),
@@ -144,8 +123,14 @@ def load(model: str | None = None, **config) -> Probe:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
-    train = get_stack(TRAIN_STACK)
+    train = get_stack(cfg.train)
     train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
     infer = get_stack(cfg.infer)
     infer.load(settings)
     return Probe(cfg, source, settings, infer, train, tokenizer, environment(settings.device))
+
+
+def run(spec: RunSpec, progress: Progress | None = None):
+    """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun)."""
+    probe = load(spec=spec.load)
+    return probe.run(spec, progress)

@@ -24,9 +24,10 @@ ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "toke
                          "logprob_infer", "logprob_train", "delta_logprob", "kl"]
 
 
-def tokens_frame(tokens) -> pd.DataFrame:
+def tokens_frame(tokens, sampled: bool = False) -> pd.DataFrame:
+    """tokens.csv; `sampled` (generate mode) adds which sample a token belongs to and whether it was sampled."""
     rows = [asdict(t) for t in tokens]
-    columns = ROLLOUT_TOKEN_COLUMNS if rows and "sample_id" in rows[0] else TOKEN_COLUMNS
+    columns = ROLLOUT_TOKEN_COLUMNS if sampled else TOKEN_COLUMNS
     df = pd.DataFrame(rows, columns=[c for c in columns if c != "delta_logprob"])
     # delta = train - infer: positive when the trainer finds the sampled token more likely than the engine did
     df.insert(columns.index("delta_logprob"), "delta_logprob", df["logprob_train"] - df["logprob_infer"])

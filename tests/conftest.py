@@ -60,3 +60,20 @@ def hf_probe(qwen3_tiny):
     probe = dp.load(str(qwen3_tiny), infer="hf", dtype="bfloat16", device="cpu")
     yield probe
     probe.close()
+
+
+@pytest.fixture
+def toy():
+    """The toy stacks (`toy`, `toy-fused`) and region (`toy-align`) of tests/toy_stack.py, registered through the
+    same registries as the shipped ones for the duration of a test."""
+    from divergence_probe.regions import REGIONS
+    from divergence_probe.stacks import register_stack
+
+    removers = [register_stack("toy", "toy_stack:ToyStack"), register_stack("toy-fused", "toy_stack:FusedToyStack")]
+    REGIONS["toy-align"] = "toy_stack:TOY_ALIGN"
+    try:
+        yield
+    finally:
+        REGIONS.pop("toy-align")
+        for remove in removers:
+            remove()

@@ -14,8 +14,24 @@ STACKS: dict[str, str] = {
     "vllm": "divergence_probe.stacks.vllm:VLLMStack",
     "hf": "divergence_probe.stacks.hf:HFStack",
 }
-INFER_STACKS = ("vllm", "hf")  # may sit on the inference side of a comparison
-TRAIN_STACK = "hf"  # the training side is always transformers
+INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison
+TRAIN_STACKS = ["hf"]  # may sit on the training side (a trainer's forward: transformers)
+
+
+def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "train")):
+    """Add a stack ("module:Class") on the given sides; returns a function that removes it again (tests use this
+    for a toy stack; a stack that ships with the tool is a line in STACKS instead)."""
+    STACKS[name] = target
+    lists = [lst for side, lst in (("infer", INFER_STACKS), ("train", TRAIN_STACKS)) if side in sides]
+    for lst in lists:
+        lst.append(name)
+
+    def unregister() -> None:
+        STACKS.pop(name, None)
+        for lst in lists:
+            lst.remove(name)
+
+    return unregister
 
 
 def get_stack(name: str) -> Stack:
@@ -26,5 +42,5 @@ def get_stack(name: str) -> Stack:
     return getattr(import_module(module), cls)()
 
 
-__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACK", "get_stack", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
+__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACKS", "get_stack", "register_stack", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
            "StackSettings", "TapSink"]

@@ -12,6 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..options import option
 from ..prompts import Prompt
 from ..taps import TapKey
 
@@ -92,11 +93,12 @@ class Stack(Protocol):
 class SamplingSpec:
     """How the inference stack samples rollouts (generate mode)."""
 
-    max_new_tokens: int = 64
-    samples_per_prompt: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
+    max_new_tokens: int = option(64, "generate mode: most tokens sampled per response.")
+    samples_per_prompt: int = option(1, "generate mode: responses sampled per prompt.")
+    temperature: float = option(1.0, "generate mode: sampling temperature (0 = greedy). Compared logprobs stay raw "
+                                     "(untempered).")
+    top_p: float = option(1.0, "generate mode: nucleus sampling.")
+    seed: int = option(0, "the run's seed (--seed)", cli=False)
 
     def request_seed(self, prompt_id: int, sample: int) -> int:
         """One seed per (prompt, sample): reproducible, and independent of how requests are batched."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..errors import OutputError
+from .errors import OutputError
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -60,29 +60,18 @@ def write_prompts(prompts, path: Path) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def _write_common(run, tmp: Path) -> None:
-    """What every run folder has: manifest, prompts, tokens and layers."""
-    write_json(run.manifest, tmp / "manifest.json")
-    write_prompts(run.prompts, tmp / "prompts.jsonl")
-    write_csv(run.tokens_table, tmp / "tokens.csv")
-    write_csv(run.layers_table, tmp / "layers.csv")
-
-
-def write_compare_run(run, out_dir: Path) -> Path:
+def write_run(out_dir: Path, manifest: dict, prompts, tables: dict) -> Path:
     with atomic_dir(out_dir) as tmp:
-        _write_common(run, tmp)
-        write_csv(pd.DataFrame([run.summary]), tmp / "summary.csv")
-        if hasattr(run, "buckets_table"):
-            write_csv(run.buckets_table, tmp / "buckets.csv")
-        if run.batch_invariance is not None:
-            write_csv(run.batch_invariance, tmp / "batch_invariance.csv")
+        write_json(manifest, tmp / "manifest.json")
+        write_prompts(prompts, tmp / "prompts.jsonl")
+        for name, frame in tables.items():
+            write_csv(frame, tmp / name)
     return out_dir
 
 
-def write_ablation_run(run, out_dir: Path) -> Path:
-    with atomic_dir(out_dir) as tmp:
-        _write_common(run, tmp)
-        write_csv(run.summary_table, tmp / "summary.csv")
-        write_csv(run.ablation_table, tmp / "ablation.csv")
-        write_csv(run.attribution_table, tmp / "attribution.csv")
-    return out_dir
+def read_manifest(run_dir: Path) -> dict:
+    path = Path(run_dir) / "manifest.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OutputError(f"cannot read {path} ({e}); point at a run folder written by compare or ablate") from e

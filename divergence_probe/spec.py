@@ -1,0 +1,296 @@
+"""RunSpec: one frozen tree that says everything a run does; the CLI's flags and the manifest come from it.
+
+    spec = RunSpec(kind="compare", load=LoadSpec(model="ckpt/"), capture=CaptureSpec(taps="none"))
+    run = divergence_probe.run(spec)          # or: divergence-probe rerun RUN_DIR
+
+Each component owns its fields, defaults and checks (`__post_init__`), so a bad flag fails before anything
+loads, and every default lives in exactly one place: here. Fields are declared with `options.option`, which
+also carries the flag's help text; `cli.py` generates each command's options from these fields. The manifest
+stores `spec.to_dict()`, and `RunSpec.from_dict` turns it back into the same spec, which is what `rerun` runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import Field, asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+from .errors import ProbeError
+from .options import option
+from .regions import REGIONS, parse_regions
+from .shapley import METRICS
+from .stacks import INFER_STACKS, TRAIN_STACKS
+from .stacks.base import SamplingSpec
+from .taps import ALL_TAPS, parse_tap_selection
+
+DTYPES = ("bfloat16", "float16", "float32")
+TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
+TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
+ENGINES = ("eager", "compiled")
+DEVICES = ("auto", "cpu", "cuda")
+SIDES = ("both", "train", "infer")
+MODES = ("prefill", "generate")
+KINDS = ("compare", "ablate")
+
+
+def _choice(value, allowed, flag: str) -> None:
+    if value not in allowed:
+        raise ProbeError(f"{flag} {value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
+
+
+def parse_engine_args(text: str | Mapping | None) -> dict:
+    """--engine-args: a JSON object of `vllm.LLM` keyword arguments (as given; the stack checks the keys)."""
+    if text is None or text == "":
+        return {}
+    if isinstance(text, Mapping):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProbeError(f"--engine-args is not valid JSON ({e.msg} at column {e.colno}); "
+                         "pass an object such as '{\"max_num_seqs\": 64}'") from e
+    if not isinstance(value, dict):
+        raise ProbeError("--engine-args must be a JSON object of vllm.LLM keyword arguments, "
+                         "such as '{\"max_num_seqs\": 64}'")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSpec:
+    """What is loaded, and how. Both stacks get the same model files, dtype, device and seed."""
+
+    model: str | None = option(None, "Checkpoint folder or hub id (e.g. Qwen/Qwen2.5-1.5B). Default: the built-in "
+                                     "tiny trained Qwen3.", short="-m")
+    infer: str = option("vllm", "Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
+    train: str = option("hf", "Training side: hf (transformers).")
+    dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
+    device: str = option("auto", "auto (cuda when present), cpu or cuda.")
+    engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
+                                  "(vLLM's own defaults, as RL frameworks run it; logprobs and KL only). See README "
+                                  "'Engine modes'.")
+    engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
+                               "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",
+                               )
+    train_attn: str = option("sdpa", "transformers attention on the training side: sdpa, eager or flash_attention_2.")
+    train_sdpa: str = option("auto", "SDPA kernel of the training side: auto (torch picks, as in a trainer process), "
+                                     "math, flash, efficient or cudnn.")
+    seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
+    batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
+                                     "taps.")
+
+    def __post_init__(self) -> None:
+        _choice(self.infer, INFER_STACKS, "--infer")
+        _choice(self.train, TRAIN_STACKS, "--train")
+        _choice(self.dtype, DTYPES, "--dtype")
+        _choice(self.device, DEVICES, "--device")
+        _choice(self.engine, ENGINES, "--engine")
+        _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
+        _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
+        object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.batch_tokens < 1:
+            raise ProbeError("--batch-tokens must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptSpec:
+    """Which prompts are scored."""
+
+    prompts: str | None = option(None, ".txt (blank-line or --- separated), .jsonl (prompt or chat messages), or a "
+                                       "folder of them. Default: the shipped sample_prompts/.", short="-p")
+    num_prompts: int | None = option(None, "Use only the first N prompts.", short="-n")
+    max_prompt_tokens: int | None = option(None, "Truncate prompts to N tokens (otherwise a prompt longer than the "
+                                                 "context is an error).")
+
+    def __post_init__(self) -> None:
+        if self.prompts is not None:
+            object.__setattr__(self, "prompts", str(self.prompts))
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ProbeError(f"--num-prompts must be at least 1, got {self.num_prompts}.")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 2:
+            raise ProbeError(f"--max-prompt-tokens must be at least 2 (every token after the first is scored), "
+                             f"got {self.max_prompt_tokens}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureSpec:
+    """What is captured and how divergence is judged."""
+
+    taps: str = option("all", "all, none, or a comma list of tap names (" + ", ".join(ALL_TAPS) + ").")
+    threshold: float = option(1e-3, "rel_l2 above which a tap counts as diverged (first_over_threshold).")
+    batch_invariance: bool = option(False, "Also measure each stack alone vs batched on the same sequences (the "
+                                           "noise floor; batch_invariance.csv).")
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ProbeError("--threshold must be a non-negative number")
+        parse_tap_selection(self.taps)
+
+    @property
+    def tap_names(self) -> frozenset[str]:
+        return parse_tap_selection(self.taps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSpec(SamplingSpec):
+    """prefill scores the prompts; generate samples responses through the engine's decode path, as RL does."""
+
+    mode: str = option("prefill", "prefill: score the prompts (vLLM's prompt logprobs); generate: sample responses "
+                                  "through vLLM's decode path and compare what RL sees.")
+    clip_eps: float = option(0.2, "generate mode: PPO clip band [1-eps, 1+eps] for the ratio metrics.")
+    tis_cap: float = option(2.0, "generate mode: TIS truncation cap C (token MIS band [1/C, C]).")
+
+    def __post_init__(self) -> None:
+        _choice(self.mode, MODES, "--mode")
+        checks = [
+            (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
+            (self.samples_per_prompt >= 1, "--samples-per-prompt must be at least 1"),
+            (self.temperature >= 0, "--temperature must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
+            (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+            (self.tis_cap > 1, "--tis-cap must be > 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ProbeError(message)
+
+    @property
+    def generates(self) -> bool:
+        return self.mode == "generate"
+
+
+def _regions(value) -> tuple[str, ...]:
+    return parse_regions(value if value is not None else ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlignSpec:
+    """Regions computed in FP32 until one rounding at their output, and on which stacks."""
+
+    regions: tuple[str, ...] = option((), "Regions to align (FP32 until the output, one rounding): comma list of "
+                                          + ", ".join(REGIONS) + ".", flag="--align")
+    side: str = option("both", "Where regions are aligned: both, train (transformers only; the engine as shipped) "
+                               "or infer.")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", _regions(self.regions))
+        _choice(self.side, SIDES, "--side")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblateSpec:
+    """Every subset of `regions` aligned (on the AlignSpec's side), and the attribution of the mismatch."""
+
+    regions: tuple[str, ...] = option(tuple(REGIONS), "Regions to ablate; all 2^k subsets run.")
+    metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
+    bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
+    ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", _regions(self.regions))
+        if not self.regions:
+            raise ProbeError("--regions is empty; name at least one region")
+        _choice(self.metric, tuple(METRICS), "--metric")
+        if self.bootstrap < 0:
+            raise ProbeError("--bootstrap must be >= 0")
+        if not 0 < self.ci_level < 1:
+            raise ProbeError("--ci-level must be in (0, 1), e.g. 0.95")
+
+
+COMPONENTS = {"load": LoadSpec, "prompts": PromptSpec, "capture": CaptureSpec, "generate": GenerateSpec,
+              "align": AlignSpec, "ablate": AblateSpec}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One run: a compare (one alignment setting) or an ablate (every subset of regions)."""
+
+    kind: str = "compare"
+    load: LoadSpec = option(default_factory=LoadSpec)
+    prompts: PromptSpec = option(default_factory=PromptSpec)
+    capture: CaptureSpec = option(default_factory=CaptureSpec)
+    generate: GenerateSpec = option(default_factory=GenerateSpec)
+    align: AlignSpec = option(default_factory=AlignSpec)
+    ablate: AblateSpec | None = None
+    """None for a compare."""
+    report: bool = option(False, "After the run is written, render OUT/report (report.md and figures; see the "
+                                 "report command).")
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, KINDS, "kind")
+        if self.kind == "ablate" and self.ablate is None:
+            object.__setattr__(self, "ablate", AblateSpec())
+        if self.kind == "compare" and self.ablate is not None:
+            raise ProbeError("a compare run has no ablation; use kind 'ablate'")
+        if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
+            object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
+        if self.kind == "ablate" and self.align.regions:
+            raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
+
+    def to_dict(self) -> dict:
+        """The spec as plain JSON data (the manifest's `spec`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunSpec":
+        """The spec a manifest recorded; unknown keys (a newer or edited manifest) are an error, not ignored."""
+        try:
+            parts = {}
+            for name, value in data.items():
+                if name in COMPONENTS and value is not None:
+                    parts[name] = _build(COMPONENTS[name], value)
+                else:
+                    parts[name] = value
+            return cls(**parts)
+        except TypeError as e:
+            raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); "
+                             "re-run the command from the manifest's `command` instead") from e
+
+
+def _build(cls, values: Mapping[str, Any]):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def flat_fields(kind: str) -> list[tuple[str | None, Field, str]]:
+    """(component, field, flat name) of every option a command of `kind` takes, in declaration order.
+
+    The flat name is the flag without dashes (`--max-new-tokens` -> max_new_tokens); it is what the CLI's
+    parameters and the keyword arguments of `Probe.compare`/`Probe.ablate` are called. Unique per kind."""
+    out = []
+    for component, cls in COMPONENTS.items():
+        if component == "ablate" and kind != "ablate":
+            continue
+        for f in fields(cls):
+            if not f.metadata.get("cli", True) or (kind == "ablate" and component == "align" and f.name == "regions"):
+                continue
+            out.append((component, f, flag_of(f)[2:].replace("-", "_")))
+    report = next(f for f in fields(RunSpec) if f.name == "report")
+    out.append((None, report, "report"))
+    return out
+
+
+def flag_of(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def spec_from_flat(kind: str, **flat) -> RunSpec:
+    """A RunSpec from flat option names (the CLI's, and the Python API's keyword arguments)."""
+    table = {name: (component, f) for component, f, name in flat_fields(kind)}
+    unknown = sorted(set(flat) - set(table))
+    if unknown:
+        raise ProbeError(f"unknown option(s) for {kind}: {', '.join(unknown)}; known: {', '.join(table)}")
+    parts: dict[str, dict] = {}
+    top = {}
+    for name, value in flat.items():
+        component, f = table[name]
+        if component is None:
+            top[f.name] = value
+        else:
+            parts.setdefault(component, {})[f.name] = value
+    built = {component: COMPONENTS[component](**values) for component, values in parts.items()}
+    if kind == "ablate":
+        built.setdefault("ablate", AblateSpec())
+    return RunSpec(kind=kind, **built, **top)

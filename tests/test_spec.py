@@ -1,0 +1,66 @@
+"""RunSpec: one frozen tree, validated once, turned into CLI options and manifest data and back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.errors import ProbeError
+from divergence_probe.spec import (AblateSpec, AlignSpec, CaptureSpec, GenerateSpec, LoadSpec, PromptSpec, RunSpec,
+                                   flat_fields, spec_from_flat)
+
+
+def test_round_trip_through_json():
+    spec = RunSpec(kind="ablate", load=LoadSpec(model="m", dtype="float32", engine_args='{"max_num_seqs": 4}'),
+                   prompts=PromptSpec(prompts="p.txt", num_prompts=3), capture=CaptureSpec(taps="logits"),
+                   generate=GenerateSpec(mode="generate", temperature=0.5), align=AlignSpec(side="train"),
+                   ablate=AblateSpec(regions="rope,rmsnorm", bootstrap=10))
+    again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
+    assert again.load.engine_args == {"max_num_seqs": 4}
+    assert again.ablate.regions == ("rope", "rmsnorm")
+
+
+def test_generate_seed_is_the_run_seed():
+    assert RunSpec(load=LoadSpec(seed=7)).generate.seed == 7
+
+
+@pytest.mark.parametrize("kind", ["compare", "ablate"])
+def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
+    names = [name for _, _, name in flat_fields(kind)]
+    assert len(names) == len(set(names))
+    result = CliRunner().invoke(app, [kind, "--help"], terminal_width=400)
+    assert result.exit_code == 0
+    for name in names:
+        assert "--" + name.replace("_", "-") in result.output
+
+
+@pytest.mark.parametrize("flat, message", [
+    ({"dtype": "int8"}, "--dtype"), ({"side": "left"}, "--side"), ({"mode": "decode"}, "--mode"),
+    ({"taps": "nope"}, "unknown tap"), ({"engine_args": "[1]"}, "--engine-args"), ({"engine_args": "{"}, "JSON"),
+    ({"align": "rope,bogus"}, "unknown region"), ({"top_p": 0.0}, "--top-p"), ({"threshold": -1.0}, "--threshold"),
+    ({"engine": "fast"}, "--engine"), ({"train_sdpa": "x"}, "--train-sdpa"), ({"num_prompts": 0}, "--num-prompts"),
+    ({"nonsense": 1}, "unknown option"),
+])
+def test_bad_values_fail_when_the_spec_is_built(flat, message):
+    with pytest.raises(ProbeError, match=message):
+        spec_from_flat("compare", **flat)
+
+
+def test_ablate_rejects_align_and_empty_regions():
+    with pytest.raises(ProbeError, match="unknown option"):
+        spec_from_flat("ablate", align="rope")
+    with pytest.raises(ProbeError, match="--regions is empty"):
+        spec_from_flat("ablate", regions="")
+    with pytest.raises(ProbeError, match="--ci-level"):
+        spec_from_flat("ablate", ci_level=1.5)
+
+
+def test_a_manifest_spec_from_another_version_is_refused():
+    data = RunSpec().to_dict()
+    data["load"]["warp_drive"] = True
+    with pytest.raises(ProbeError, match="warp_drive"):
+        RunSpec.from_dict(data)
