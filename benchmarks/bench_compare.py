@@ -135,7 +135,7 @@ def measure_overhead(probe, spec: dict) -> dict:
 def measure_memory(probe, spec: dict) -> dict:
     import torch
 
-    from divergence_probe.compare import batches
+    from divergence_probe.prompts import batches
 
     rss_loaded = _status_kib("VmRSS")
     probe.compare(prompts=spec["warmup_prompts"], taps="all")  # one full batch: see the module docstring
@@ -206,7 +206,7 @@ def write_prompt_sets(model: Path, out: Path, copies: tuple[int, ...]) -> dict[s
     from transformers import AutoTokenizer
 
     from divergence_probe import LoadConfig
-    from divergence_probe.compare import batches
+    from divergence_probe.prompts import batches
     from divergence_probe.modelzoo import PRESETS
     from divergence_probe.prompts import default_prompts_path, load_prompts, read_prompt_sources
 

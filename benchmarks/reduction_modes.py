@@ -4,7 +4,7 @@
 
 One prompt's taps of the Qwen2.5-1.5B shape at 1024 tokens, grouped as capture.py groups them
 (reduction_variants.GROUPS), reduced the way compare reduces them
-(`fused._diff_sums_of_groups`: every group in one compiled call), compiled in inductor's default mode (kernel
+(`fused.diff_sums_of_groups`: every group in one compiled call), compiled in inductor's default mode (kernel
 configurations timed at the first launch, the fastest kept) and in its deterministic mode (chosen without timing).
 Each mode runs in two fresh processes, each with its own empty inductor cache, so each process compiles and
 (default mode) times configurations on its own, as two runs of the tool on two fresh machines would. Reported per
@@ -29,17 +29,17 @@ MODES = ("default", "deterministic")
 def child(mode: str, iters: int) -> dict:
     import torch
 
-    from divergence_probe.fused import _diff_sums_of_groups
+    from divergence_probe.fused import diff_sums_of_groups
     from reduction_variants import GROUPS, TOKENS, prompt_pairs, time_ms
 
     tests, refs = map(list, zip(*prompt_pairs(GROUPS, TOKENS).values()))
     options = {"deterministic": True} if mode == "deterministic" else {}
-    together = torch.compile(_diff_sums_of_groups, dynamic=True, options=options)
+    together = torch.compile(diff_sums_of_groups, dynamic=True, options=options)
     sums = together(tests, refs)
     result = {"mode": mode, "ms_per_prompt": time_ms(lambda: together(tests, refs), iters),
               "sums_sha256": hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16], "ms_per_group_alone": {}}
     for name, test, ref in zip(GROUPS, tests, refs):
-        alone = torch.compile(_diff_sums_of_groups, dynamic=True, options=options)
+        alone = torch.compile(diff_sums_of_groups, dynamic=True, options=options)
         result["ms_per_group_alone"][name] = time_ms(lambda: alone([test], [ref]), iters)
     return result
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from divergence_probe.metrics import _blocks_first, _row_diff_sums, merge_row_sums
+from divergence_probe.metrics import blocks_first, row_diff_sums, merge_row_sums
 
 # one prompt of Qwen2.5-1.5B at 1024 tokens, grouped by shape: taps per group, features. 8 taps per layer and
 # embed, final_norm at the hidden size (q_rope and attn_core are 12 heads x 128 = 1536 too), k_rope (2 KV heads x
@@ -30,19 +30,19 @@ TOKENS = 1024
 
 
 def whole_rows(t, r):
-    return _row_diff_sums(t.reshape(len(t), -1), r.reshape(len(r), -1))  # the CPU path of metrics.diff_sums
+    return row_diff_sums(t.reshape(len(t), -1), r.reshape(len(r), -1))  # the CPU path of metrics.diff_sums
 
 
 def token_rows_f64(t, r):
-    return merge_row_sums(_row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.double().sum(1)), len(t))
+    return merge_row_sums(row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.double().sum(1)), len(t))
 
 
 def token_rows_f32(t, r):
-    return merge_row_sums(_row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.sum(1).double()), len(t))
+    return merge_row_sums(row_diff_sums(t.flatten(0, 1), r.flatten(0, 1), lambda x: x.sum(1).double()), len(t))
 
 
 LAYOUTS = {"whole rows": whole_rows, "token rows f64": token_rows_f64, "token rows f32": token_rows_f32,
-           "blocks of 64": _blocks_first}  # the GPU path of metrics.diff_sums
+           "blocks of 64": blocks_first}  # the GPU path of metrics.diff_sums
 
 
 def prompt_pairs(groups: dict[str, tuple[int, int]], tokens: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 
 import divergence_probe.capture as capture
 from divergence_probe.capture import TapPairing
-from divergence_probe.compare import PendingScores, score_both
+from divergence_probe.compare import PendingScores, SequenceSource, score_both
 from divergence_probe.taps import expected_taps, parse_tap_selection
 
 CONFIGS = ("none", "infer hooks", "train hooks", "both hooks", "pairing", "all")
@@ -59,7 +59,8 @@ def _loop(probe, prompts, config: str) -> None:
     train_taps = everything if config in ("train hooks", "both hooks", "pairing", "all") else frozenset()
     pairs = config in ("pairing", "all")
     pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.has_qk_norm))
-    score_both(probe, prompts, infer_taps, train_taps, pairing if pairs else _Dropped(), PendingScores.read)
+    score_both(probe, prompts, SequenceSource(), infer_taps, train_taps, pairing if pairs else _Dropped(),
+               PendingScores.read)
     if pairs:
         pairing.stats  # the read-back
 

@@ -1,7 +1,7 @@
 """The noise floor: how much one stack moves its own logprobs when the same sequences run alone vs batched.
 
-On an H200, transformers moved its own logprobs by a mean |Δ| of 8e-3 between batch 1 and batch 8 — as much
-as the vLLM-vs-transformers gap — so a mismatch number means little without this floor beside it.
+A stack's own batch composition can move its logprobs as much as the vLLM-vs-transformers gap
+(docs/results/h200/README.md), so a mismatch number means little without this floor beside it.
 Each stack scores the same token sequences twice, with no taps: one sequence per call, then all in one
 batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask).
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -22,7 +22,7 @@ from .environment import to_device
 from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
 from .metrics import DiffStats, token_kl
-from .prompts import Prompt, default_prompts_path, file_hashes, load_prompts
+from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_prompts
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
@@ -134,7 +134,7 @@ class PendingScores:
         for side, ok in zip(("inference", "training"), values[:2]):
             if not ok:
                 raise NumericsError(
-                    f"the {side} stack produced NaN/Inf logits on {seq.prompt.source or f'prompt {seq.prompt_id}'}; "
+                    f"the {side} stack produced NaN/Inf logits on prompt {seq.prompt_id} ({seq.prompt.source}); "
                     "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
                 )
         ids = seq.prompt.token_ids
@@ -145,19 +145,6 @@ class PendingScores:
         return [TokenScore(seq.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos],
                            seq.sample_id if sampled else None, pos + 1 >= seq.n_prompt if sampled else None)
                 for pos in range(n)]
-
-
-def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
-    """Consecutive groups whose total length fits max_tokens (a longer prompt goes alone)."""
-    group, size = [], 0
-    for prompt in prompts:
-        if group and size + len(prompt.token_ids) > max_tokens:
-            yield group
-            group, size = [], 0
-        group.append(prompt)
-        size += len(prompt.token_ids)
-    if group:
-        yield group
 
 
 def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_taps: frozenset[str],

@@ -2,7 +2,7 @@
 
 Run eagerly, diff_sums makes ~20 passes over each tap (casts, products, seven reductions), which made the
 reduction the largest cost of a tapped compare. torch.compile fuses it into one read of both tensors
-(C++/OpenMP on CPU, Triton on CUDA), 5-6x faster per element on the CPU build. It is compiled once per process with dynamic
+(C++/OpenMP on CPU, Triton on CUDA; docs/benchmarks.md has the speed-up). It is compiled once per process with dynamic
 shapes: one graph per pattern of a prompt's groups (how many, their dtypes, whether rows are multiples of 64),
 whatever the sizes; a compare has one pattern. Up to PATTERN_LIMIT patterns per process are compiled; a pattern
 past that runs eagerly, and `backend()` says so (torch's own limit, 8, would switch to eager silently).
@@ -34,7 +34,7 @@ def backend() -> str | None:
     return _backend
 
 
-def _diff_sums_of_groups(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
+def diff_sums_of_groups(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([diff_sums(test, ref) for test, ref in zip(tests, refs)])
 
 
@@ -44,18 +44,17 @@ def _compile():
     Inductor picks among several configurations of a reduction kernel by timing them on the device at the first
     launch; two configurations sum in different orders, so the float sums' last bits could differ from process
     to process. Its deterministic mode (torch >= 2.9 or so) takes the choice without timing: same inputs, same
-    sums, in every run. On the CPU it changes nothing (measured: bitwise equal sums, same speed); on an H200 it
-    costs 0.2 ms per prompt (docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json).
+    sums, in every run, at a small cost (docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json).
 
     The returned function gives None for a pattern past PATTERN_LIMIT, where dynamo would otherwise fall back to
     eager without a word (torch >= 2.7 names these settings; older ones keep torch's silent limit of 8)."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "deterministic"):
-        compiled = torch.compile(_diff_sums_of_groups, dynamic=True, options={"deterministic": True})
+        compiled = torch.compile(diff_sums_of_groups, dynamic=True, options={"deterministic": True})
         description = "torch.compile (inductor, deterministic)"
     else:
-        compiled = torch.compile(_diff_sums_of_groups, dynamic=True)
+        compiled = torch.compile(diff_sums_of_groups, dynamic=True)
         description = ("torch.compile (inductor; kernel configs timed per process: GPU sums may differ in the "
                        "last bits between runs)")
     dynamo = torch._dynamo.config
@@ -77,8 +76,8 @@ def _compile():
 def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
     """diff_sums of every pair (tests[i], refs[i]), concatenated, fused where possible; the caller has checked
     shapes and dtypes. One call for all of a prompt's groups: each compiled call costs the host its guards and
-    bookkeeping, and on an H200 one call per prompt instead of one per group cut the reduction's cost in a
-    tapped compare of 64 prompts from +0.30 s to +0.04 s (benchmarks/tap_anatomy.py)."""
+    bookkeeping, which dominated the reduction's cost on a GPU when it was made once per group
+    (benchmarks/tap_anatomy.py measures it)."""
     global _compiled, _backend
     if _backend is None:
         if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1":
@@ -100,5 +99,5 @@ def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torc
             _backend = f"eager (torch.compile failed: {type(e).__name__})"
             first_line = (str(e).splitlines() or [""])[0][:200]
             warnings.warn(f"torch.compile of the tap reduction failed ({type(e).__name__}: {first_line}); "
-                          "reducing eagerly: same statistics, about 5x slower", RuntimeWarning, stacklevel=2)
-    return _diff_sums_of_groups(tests, refs)
+                          "reducing eagerly: same statistics, several times slower", RuntimeWarning, stacklevel=2)
+    return diff_sums_of_groups(tests, refs)

@@ -26,7 +26,7 @@ def _signed_bits(x: torch.Tensor) -> torch.Tensor:
     """x's bit pattern as a sign-extended integer, wide enough to add two magnitudes without overflow."""
     if x.dtype == torch.bfloat16:
         # A bf16 is the top half of its exact FP32 upcast. Taken this way the bits vectorize under
-        # torch.compile on CPU; an int16 view does not (it made the whole fused reduction scalar, 2x slower).
+        # torch.compile on CPU; an int16 view does not (it made the whole fused reduction scalar).
         return x.float().view(torch.int32) >> 16
     int_dtype, wide = _BITS[x.dtype]
     return x.view(int_dtype).to(wide)
@@ -56,22 +56,22 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
 
     For 16-bit taps the terms are FP32 and each is exact or one rounding away (products of two 16-bit values
     are exact in FP32), so a block sum carries at most 63 roundings, 4e-6 relative in the worst case and ~1e-7
-    typically; every sum DiffStats reports is then this accurate. Vectorized FP32 blocks run about 2x faster on
-    CPU than FP64 throughout. A length that is no multiple of 64 is summed in FP64 directly.
+    typically; every sum DiffStats reports is then this accurate. Vectorized FP32 blocks run faster on CPU than
+    FP64 throughout. A length that is no multiple of 64 is summed in FP64 directly.
     """
     if x.shape[1] % _BLOCK:
         return x.double().sum(1)
     return x.view(x.shape[0], -1, _BLOCK).sum(2).double().sum(1)
 
 
-def _row_diff_sums(test: torch.Tensor, ref: torch.Tensor, row_sums=_row_sums) -> torch.Tensor:
+def row_diff_sums(test: torch.Tensor, ref: torch.Tensor, row_sums=_row_sums) -> torch.Tensor:
     """diff_sums of [rows, n] pairs, each row reduced on its own; row_sums([rows, n]) -> FP64 [rows]."""
     work = torch.float64 if test.dtype == torch.float32 else torch.float32
     t, r = test.to(work), ref.to(work)
     d = t - r
     abs_d = d.abs()
     # No t*r sum: the dot product follows from the other three (DiffStats.dot), and inductor's CPU kernel ran
-    # 2x slower with it.
+    # slower with it.
     return torch.stack([
         (d == 0).sum(1).double(), row_sums(abs_d), abs_d.amax(1).double(), row_sums(d * d), row_sums(r * r),
         row_sums(t * t), ulp_distance(test, ref).amax(1).double(),
@@ -84,23 +84,21 @@ def diff_sums(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
     Written as expressions over the same elements so that torch.compile fuses them into one read of both
     tensors (fused.py). Counts and maxima are exact in float64 (below 2**53). A GPU reduces in blocks first
-    (`_blocks_first`), the CPU one row per pair (one thread per row is what its kernel parallelizes over anyway).
+    (`blocks_first`), the CPU one row per pair (one thread per row is what its kernel parallelizes over anyway).
     """
     if test.is_cuda and test.shape[-1] % _BLOCK == 0:
-        return _blocks_first(test, ref)
-    return _row_diff_sums(test.reshape(len(test), -1), ref.reshape(len(ref), -1))
+        return blocks_first(test, ref)
+    return row_diff_sums(test.reshape(len(test), -1), ref.reshape(len(ref), -1))
 
 
-def _blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """diff_sums with every statistic taken per block of 64 elements first (counts and maxima exact, the sums
     those of `_row_sums`), then each pair's blocks merged in FP64 (sums add, maxima take the max).
 
     A GPU reduction runs one thread block per output row: with one row per pair (a logits tap is one row of
-    150M elements) most of the device sat idle. Measured on an H200 for one 1024-token prompt of
-    Qwen2.5-1.5B taps (benchmarks/reduction_variants.py): 1.9 ms in blocks, 5.7 ms one row per pair, 3.0-5.4 ms
-    one row per token.
+    150M elements) most of the device sat idle; benchmarks/reduction_variants.py compares the layouts.
     """
-    per_block = _row_diff_sums(test.reshape(-1, _BLOCK), ref.reshape(-1, _BLOCK), lambda x: x.sum(1).double())
+    per_block = row_diff_sums(test.reshape(-1, _BLOCK), ref.reshape(-1, _BLOCK), lambda x: x.sum(1).double())
     return merge_row_sums(per_block, len(test))
 
 

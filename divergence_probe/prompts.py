@@ -30,6 +30,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 from divergence_probe.errors import PromptError
 
@@ -263,3 +264,16 @@ def load_prompts(path: Path | None, tokenizer, *, num_prompts: int | None = None
     if not prompts:
         raise PromptError(f"No prompts found in {path}; pass --prompts with {ACCEPTED}.")
     return prompts
+
+
+def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
+    """Consecutive groups whose total length fits max_tokens (a longer prompt goes alone)."""
+    group, size = [], 0
+    for prompt in prompts:
+        if group and size + len(prompt.token_ids) > max_tokens:
+            yield group
+            group, size = [], 0
+        group.append(prompt)
+        size += len(prompt.token_ids)
+    if group:
+        yield group

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from divergence_probe.compare import PendingScores
+from divergence_probe.compare import PendingScores, ScoredSequence
 from divergence_probe.errors import NumericsError
 from divergence_probe.metrics import token_logprobs
 from divergence_probe.prompts import Prompt
@@ -108,11 +107,12 @@ def test_batches_do_not_change_results(vllm_probe, prompts_file):
     """Pairing taps across inference batches of different sizes gives the same per-tap aggregates."""
     import dataclasses
 
-    from divergence_probe.compare import CompareOptions, run_compare
+    from divergence_probe.compare import run_compare
 
-    one_batch = run_compare(vllm_probe, CompareOptions(prompts=prompts_file, taps="resid_out,logits"))
+    spec = vllm_probe._spec("compare", None, dict(prompts=prompts_file, taps="resid_out,logits"))
+    one_batch = run_compare(vllm_probe, spec)
     small = dataclasses.replace(vllm_probe, settings=dataclasses.replace(vllm_probe.settings, batch_tokens=1))
-    per_prompt = run_compare(small, CompareOptions(prompts=prompts_file, taps="resid_out,logits"))
+    per_prompt = run_compare(small, spec)
     assert list(per_prompt.layers_table["tap"]) == list(one_batch.layers_table["tap"])
     assert len(per_prompt.tokens) == len(one_batch.tokens)
 
@@ -150,8 +150,9 @@ class _Tokens:
 def _pending(infer_logits, train_logits):
     prompt = Prompt(7, "p.txt#0", "", (3, 1, 4, 1))
     targets = torch.tensor(prompt.token_ids[1:])
-    return PendingScores(SimpleNamespace(tokenizer=_Tokens()), prompt, infer_logits,
-                         token_logprobs(infer_logits, targets), train_logits, token_logprobs(train_logits, targets))
+    seq = ScoredSequence(prompt.prompt_id, prompt, infer_logits, token_logprobs(infer_logits, targets),
+                         prompt.prompt_id, len(prompt.token_ids))
+    return PendingScores(_Tokens(), seq, train_logits, token_logprobs(train_logits, targets))
 
 
 def test_pending_scores_carry_the_float32_logprobs_exactly():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.metrics import DiffStats, _blocks_first, diff_sums, token_kl, token_logprobs, ulp_distance
+from divergence_probe.metrics import DiffStats, blocks_first, diff_sums, token_kl, token_logprobs, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -114,8 +114,8 @@ _REDUCTIONS = {
     "eager": diff_sums,
     "compiled": torch.compile(diff_sums, dynamic=True),
     # the GPU's layout (blocks of 64 first, then pairs), run here on the CPU: same function, other device
-    "blocks first": _blocks_first,
-    "blocks first, compiled": torch.compile(_blocks_first, dynamic=True),
+    "blocks first": blocks_first,
+    "blocks first, compiled": torch.compile(blocks_first, dynamic=True),
 }
 
 

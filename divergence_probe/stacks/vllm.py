@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..errors import StackError
-from ..prompts import Prompt
+from ..prompts import Prompt, batches
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
@@ -220,8 +220,6 @@ class VLLMStack:
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
         """Prompts batched into engine steps of at most --batch-tokens (as compare runs them), no taps."""
-        from ..compare import batches
-
         return [s for group in batches(prompts, self.settings.batch_tokens)
                 for s in self.score(group, frozenset(), lambda *_: None)]
 
