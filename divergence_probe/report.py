@@ -793,7 +793,7 @@ def _report_dir(out_dir: Path):
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir} is a file; choose another --out")
     if not out_dir.exists() or not any(out_dir.iterdir()):
-        from .reports.writer import atomic_dir
+        from .rundir import atomic_dir
 
         with atomic_dir(out_dir) as tmp:
             yield tmp
