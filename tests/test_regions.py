@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from divergence_probe import align
-from divergence_probe.regions import ALL_REGIONS, aligned, rmsnorm
-from divergence_probe.stacks.hooks import HookSet, arg, first_tensor
+from divergence_probe.errors import StackError
+from divergence_probe.regions import ALL_REGIONS, REGIONS, Region, aligned, patch, plan, rmsnorm
+from divergence_probe.regions.base import decoder_layers
+from divergence_probe.stacks.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
 
 SHAPES = [1, 7, 64]  # tokens
 DTYPES = [torch.bfloat16, torch.float16]
@@ -365,3 +367,188 @@ def test_patched_decoder_layers_compute_the_formula(hf_tiny, one_thread, arch, t
             assert outside == 0 and worst_ulp <= 1, (regions, region, errors[region])
     shipped = region_errors(model, run_capturing(model, ids, positions), positions)
     assert all(outside > 0 for outside, _ in shipped.values()), shipped
+
+
+def test_patched_vllm_modules_equal_patched_transformers(vllm_probe, hf_tiny, one_thread):
+    """The loaded engine's patched modules (rotary_emb, SiluAndMul, RMSNorm incl. the fused residual add, the
+    final norm and q_norm/k_norm), fed what the patched transformers layers saw, give their outputs bitwise."""
+    hf, vm = hf_tiny["qwen3"], vllm_probe.infer.model  # the same checkpoint
+    config, d = hf.config, head_dim(hf.config)
+    ids = torch.randint(0, config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(1000, 1048)
+    with align.apply(hf, ALL_REGIONS):
+        seen = run_capturing(hf, ids, positions)
+    n = config.num_hidden_layers
+    with torch.inference_mode(), aligned([vllm_probe.infer], ALL_REGIONS):
+        for i, layer in enumerate(vm.model.layers[:n]):
+            t, attn = seen[i], layer.self_attn
+            if i == 0:
+                assert torch.equal(layer.input_layernorm(seen["model"]["embed"].clone()), t["input_norm"])
+            else:
+                out, stream = layer.input_layernorm(seen[i - 1]["mlp_out"].clone(), seen[i - 1]["stream"].clone())
+                assert torch.equal(out, t["input_norm"]) and torch.equal(stream, t["x_in"])
+            q = attn.q_norm(t["q_proj"].view(-1, config.num_attention_heads, d).clone())
+            k = attn.k_norm(t["k_proj"].view(-1, config.num_key_value_heads, d).clone())
+            assert torch.equal(q, t["q_norm"]) and torch.equal(k, t["k_norm"])
+            q_rope, k_rope = attn.rotary_emb(positions, q.reshape(len(positions), -1).clone(),
+                                             k.reshape(len(positions), -1).clone())
+            assert torch.equal(q_rope.view_as(t["q_rope"]), t["q_rope"])
+            assert torch.equal(k_rope.view_as(t["k_rope"]), t["k_rope"])
+            out, stream = layer.post_attention_layernorm(t["o_proj"].clone(), t["x_in"].clone())
+            assert torch.equal(out, t["post_norm"]) and torch.equal(stream, t["stream"])
+            assert torch.equal(layer.mlp.act_fn(torch.cat([t["gate"], t["up"]], -1)), t["down_in"])
+        final, _ = vm.model.norm(seen[n - 1]["mlp_out"].clone(), seen[n - 1]["stream"].clone())
+        assert torch.equal(final, seen["model"]["final_norm"])
+
+
+# -----------------------------------------------------------------------------
+# The patch contract: every target found before anything changes; real counts; overlaps raise.
+# -----------------------------------------------------------------------------
+
+
+def snapshot(model):
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    return [(m, dict(vars(m))) for m in model.modules()], modeling, modeling.apply_rotary_pos_emb
+
+
+def assert_unchanged(snap) -> None:
+    """No module gained, lost or swapped an attribute (a replaced forward shows here) and the modeling
+    module's apply_rotary_pos_emb is the shipped one."""
+    modules, modeling, shipped = snap
+    assert modeling.apply_rotary_pos_emb is shipped
+    for m, before in modules:
+        assert vars(m).keys() == before.keys() and all(vars(m)[k] is before[k] for k in before), type(m).__name__
+
+
+@pytest.fixture
+def fresh_qwen3(qwen3_tiny):
+    """A transformers model this test may break."""
+    return load_hf(qwen3_tiny)
+
+
+BREAKS = {  # region -> (remove one of its targets, what the error must name)
+    "rope": (lambda m: delattr(m.model, "rotary_emb"), "no rotary embedding module"),
+    "swiglu": (lambda m: delattr(m.model.layers[2].mlp, "gate_proj"), "no gate_proj in model.model.layers[2].mlp"),
+    "rmsnorm": (lambda m: delattr(m.model.layers[3], "post_attention_layernorm"),
+                "no post_attention_layernorm in model.model.layers[3]"),
+}
+
+
+@pytest.mark.parametrize("region", ALL_REGIONS)
+def test_missing_target_names_stack_version_region_and_changes_nothing(fresh_qwen3, region):
+    import transformers
+
+    model = fresh_qwen3
+    remove, what = BREAKS[region]
+    remove(model)
+    snap = snapshot(model)
+    with pytest.raises(StackError) as e:
+        align.apply(model, ALL_REGIONS)
+    message = str(e.value)
+    assert f"region {region} cannot be aligned on the hf stack (transformers {transformers.__version__}): {what}" in message
+    assert "\n" not in message and "leave" in message  # one line, with the fix
+    assert_unchanged(snap)  # the regions found before and after the missing one were not patched either
+    with align.apply(model, [r for r in ALL_REGIONS if r != region]):  # and nothing stayed claimed
+        pass
+    assert_unchanged(snap)
+
+
+def test_missing_vllm_target_leaves_both_stacks_unpatched(vllm_probe):
+    import vllm
+
+    hf, vm = vllm_probe.train.model, vllm_probe.infer.model
+    mlp = vm.model.layers[1].mlp
+    modules = dict(mlp._modules)
+    hf_snap = snapshot(hf)
+    methods = {id(m): m._forward_method for m in vm.modules() if hasattr(m, "_forward_method")}
+    del mlp._modules["act_fn"]
+    try:
+        with pytest.raises(StackError) as e, aligned([vllm_probe.train, vllm_probe.infer], ALL_REGIONS):
+            pass
+    finally:
+        mlp._modules.clear()
+        mlp._modules.update(modules)  # in its place, so the engine's module order is untouched
+    assert f"region swiglu cannot be aligned on the vllm stack (vllm {vllm.__version__}): no act_fn in " \
+           "model.model.layers[1].mlp" in str(e.value)
+    assert_unchanged(hf_snap)  # transformers was planned first but never patched
+    assert methods == {id(m): m._forward_method for m in vm.modules() if hasattr(m, "_forward_method")}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_counts_are_the_targets_found(hf_tiny, arch):
+    model = hf_tiny[arch]
+    layers = model.model.layers
+
+    def counts(regions=ALL_REGIONS):
+        with HookSet() as hooks:
+            return patch("hf", model, regions, hooks)
+
+    def expected(n):  # rope: the rotary module and the modeling file's apply_rotary_pos_emb; rmsnorm: each norm
+        norms = n * (4 if arch == "qwen3" else 2) + 1  # input/post norms (+ Qwen3's q/k norms) and the final norm
+        return {"rope": 2, "swiglu": n, "rmsnorm": norms + n}  # ... and each decoder layer's forward
+
+    assert counts() == expected(model.config.num_hidden_layers)
+    try:
+        model.model.layers = torch.nn.ModuleList(layers[:1])
+        assert counts() == expected(1)
+        model.model.layers = torch.nn.ModuleList()
+        with pytest.raises(StackError, match="region swiglu cannot be aligned on the hf stack .*: it found nothing"):
+            counts(("swiglu",))
+    finally:
+        model.model.layers = layers
+
+
+def test_vllm_counts_are_the_targets_found(vllm_probe):
+    vm = vllm_probe.infer.model
+    n = len(vm.model.layers)
+    assert len({id(layer.self_attn.rotary_emb) for layer in vm.model.layers}) == 1  # vLLM shares one instance
+    found = {region: len(r) for region, r in plan("vllm", vm, ALL_REGIONS).items()}
+    assert found == {"rope": 1, "swiglu": n, "rmsnorm": 4 * n + 1}  # Qwen3: 4 norms a layer and the final norm
+
+
+TWIN = Region("twin", "a test region that replaces what swiglu replaces", patchers={
+    "hf": lambda model: [Replacement(layer.mlp, "forward", lambda x: x) for layer in decoder_layers(model)]})
+
+
+def test_overlapping_patches_raise_and_change_nothing(fresh_qwen3, monkeypatch):
+    model = fresh_qwen3
+    monkeypatch.setitem(REGIONS, "twin", f"{__name__}:TWIN")
+    snap = snapshot(model)
+    with pytest.raises(PatchConflict, match=r"Qwen3MLP\.forward is replaced twice \(region swiglu on hf and "
+                                            r"region twin on hf\)"):
+        align.apply(model, ("rope", "swiglu", "twin"))
+    assert_unchanged(snap)
+    with align.apply(model, "swiglu"):
+        inside = snapshot(model)
+        with pytest.raises(PatchConflict, match="region swiglu on hf and region swiglu on hf"):
+            align.apply(model, ("rmsnorm", "swiglu"))  # aligned twice: the second finds swiglu taken
+        assert_unchanged(inside)  # rmsnorm was not patched either
+    assert_unchanged(snap)
+
+
+def test_attention_swap_conflicts_are_visible(vllm_probe):
+    """The transformers capture's attention swap goes through the same conflict check as every replacement."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from divergence_probe.prompts import Prompt
+
+    stack, registry = vllm_probe.train, ALL_ATTENTION_FUNCTIONS._local_mapping
+    impl = stack.model.config._attn_implementation
+    prompt = Prompt(0, "test", "", tuple(range(1, 9)))
+    norm = stack.model.model.layers[0].input_layernorm
+    before = dict(registry)
+
+    def sink(*args):
+        pass
+
+    with HookSet() as hooks:
+        hooks.replace_item(registry, impl, registry.get(impl), owner="an attention region")
+        with pytest.raises(PatchConflict, match=rf"ALL_ATTENTION_FUNCTIONS\['{impl}'\] is replaced twice "
+                                                r"\(an attention region and the attention taps"):
+            stack.score([prompt], frozenset({"input_norm", "q_rope"}), sink)
+        assert not norm._forward_hooks  # the capture's other hooks were undone too
+    with pytest.raises(PatchConflict, match="the attention taps of a transformers capture and the attention taps"):
+        stack.score([prompt], frozenset({"attn_core"}), sink,  # a capture started inside another
+                    on_scored=lambda scores: stack.score([prompt], frozenset({"k_rope"}), sink))
+    assert dict(registry) == before and not norm._forward_hooks
+    assert len(stack.score([prompt], frozenset({"q_rope"}), sink)) == 1  # and captures work again

@@ -24,7 +24,7 @@ from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from .hooks import HookSet, arg, first_tensor
+from .hooks import HookSet, PatchConflict, arg, first_tensor
 
 
 class HFStack:
@@ -197,8 +197,12 @@ class HFStack:
 
         # registry[impl] = ... writes the registry's local mapping; replacing that entry through the HookSet makes
         # a second swap (another capture, a region that replaces attention) a PatchConflict, not a silent wrap.
-        hooks.replace_item(registry._local_mapping, impl, tapped, owner="the attention taps of a transformers capture",
-                           label="ALL_ATTENTION_FUNCTIONS")
+        try:
+            hooks.replace_item(registry._local_mapping, impl, tapped, owner="the attention taps of a transformers capture",
+                               label="ALL_ATTENTION_FUNCTIONS")
+        except PatchConflict:
+            hooks.remove()  # the capture's hooks installed so far: the caller never gets the HookSet to undo them
+            raise
 
     def info(self) -> StackInfo:
         import transformers

@@ -80,8 +80,9 @@ class HookSet(AbstractContextManager):
         for r in replacements:
             held = planned.get(r.key) or _LIVE.get(r.key)
             if held is not None and not (r.key in planned and held.shared and r.shared):
+                target = (r if r.label or not held.label else held).describe()  # whichever names it better
                 raise PatchConflict(
-                    f"{r.describe()} is replaced twice ({_who(held)} and {_who(r)}); two patches overlap: "
+                    f"{target} is replaced twice ({_who(held)} and {_who(r)}); two patches overlap: "
                     "undo the first (leave its `with` block or call its handle's remove()) before applying the second"
                 )
             planned.setdefault(r.key, r)
