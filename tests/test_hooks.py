@@ -76,7 +76,8 @@ def test_apply_changes_nothing_when_any_replacement_conflicts():
 def test_shared_replacements_planned_twice_apply_once():
     module = SimpleNamespace(fn="shipped")
     with HookSet() as hooks:
-        hooks.apply([Replacement(module, "fn", "aligned", shared=True), Replacement(module, "fn", "again", shared=True)])
+        hooks.apply([Replacement(module, "fn", "aligned", shared=True),
+                     Replacement(module, "fn", "again", shared=True)])
         assert module.fn == "aligned"
     assert module.fn == "shipped"
     with pytest.raises(PatchConflict):  # shared or not, a live one is never replaced again

@@ -1,5 +1,6 @@
-"""Each aligned region, patched on both real stacks (tiny Qwen3: transformers and vLLM's in-process model),
-maps bitwise-equal inputs to bitwise-equal outputs; unpatching restores the shipped behaviour bitwise."""
+"""Aligned regions: each computes the README's formula rounded once (float64 references, through the patched
+transformers decoder layers), maps bitwise-equal inputs to bitwise-equal outputs on both real stacks, and is
+undone bitwise; and the patch contract (find every target first, real counts, overlaps raise)."""
 
 from __future__ import annotations
 
@@ -303,7 +304,10 @@ def region_errors(model, seen: dict, positions: torch.Tensor) -> dict[str, tuple
     for i in range(n):
         t, layer = seen[i], layers[i]
         # rmsnorm: the norms see the FP32 sum of the BF16 residual stream and the sublayer output
-        s_in = seen["model"]["embed"].double() if i == 0 else seen[i - 1]["mlp_out"].double() + seen[i - 1]["stream"].double()
+        if i == 0:
+            s_in = seen["model"]["embed"].double()
+        else:  # the previous layer's output before its rounding: its mlp output plus its residual stream
+            s_in = seen[i - 1]["mlp_out"].double() + seen[i - 1]["stream"].double()
         s_mid = t["o_proj"].double() + t["x_in"].double()
         for got, s, norm in ((t["input_norm"], s_in, layer.input_layernorm),
                              (t["post_norm"], s_mid, layer.post_attention_layernorm)):
@@ -445,7 +449,8 @@ def test_missing_target_names_stack_version_region_and_changes_nothing(fresh_qwe
     with pytest.raises(StackError) as e:
         align.apply(model, ALL_REGIONS)
     message = str(e.value)
-    assert f"region {region} cannot be aligned on the hf stack (transformers {transformers.__version__}): {what}" in message
+    stack = f"the hf stack (transformers {transformers.__version__})"
+    assert f"region {region} cannot be aligned on {stack}: {what}" in message
     assert "\n" not in message and "leave" in message  # one line, with the fix
     assert_unchanged(snap)  # the regions found before and after the missing one were not patched either
     with align.apply(model, [r for r in ALL_REGIONS if r != region]):  # and nothing stayed claimed

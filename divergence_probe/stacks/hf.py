@@ -198,8 +198,8 @@ class HFStack:
         # registry[impl] = ... writes the registry's local mapping; replacing that entry through the HookSet makes
         # a second swap (another capture, a region that replaces attention) a PatchConflict, not a silent wrap.
         try:
-            hooks.replace_item(registry._local_mapping, impl, tapped, owner="the attention taps of a transformers capture",
-                               label="ALL_ATTENTION_FUNCTIONS")
+            hooks.replace_item(registry._local_mapping, impl, tapped, label="ALL_ATTENTION_FUNCTIONS",
+                               owner="the attention taps of a transformers capture")
         except PatchConflict:
             hooks.remove()  # the capture's hooks installed so far: the caller never gets the HookSet to undo them
             raise
