@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .regions import parse_regions, patch
+from .regions import ALL_REGIONS, parse_regions, patch
 from .stacks.hooks import HookSet
 
 
-def apply(model, regions: Sequence[str] | str = ("rope", "swiglu", "rmsnorm")) -> HookSet:
+def apply(model, regions: Sequence[str] | str = ALL_REGIONS) -> HookSet:
+    """Align `regions` on a transformers model until the returned handle is removed. Every target is found
+    before anything changes: a missing one raises StackError, overlapping patches PatchConflict."""
     hooks = HookSet()
     try:
         patch("hf", model, parse_regions(regions), hooks)

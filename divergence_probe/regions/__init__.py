@@ -1,23 +1,29 @@
-"""Region registry and the context manager that aligns regions on loaded stacks.
+"""Region registry, and the patch step that aligns regions on loaded stacks once every target was found.
 
 A new region (say `lm_head` in FP32) is one module defining a `Region` plus one line in REGIONS.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from importlib import import_module
 from typing import Iterator, Sequence
 
 from ..errors import ProbeError, StackError
-from ..stacks.hooks import HookSet
-from .base import Region
+from ..stacks.hooks import HookSet, Replacement
+from .base import Region, SeamMissing
+
+log = logging.getLogger(__name__)
 
 REGIONS: dict[str, str] = {
     "rope": "divergence_probe.regions.rope:ROPE",
     "swiglu": "divergence_probe.regions.swiglu:SWIGLU",
     "rmsnorm": "divergence_probe.regions.rmsnorm:RMSNORM",
 }
+ALL_REGIONS: tuple[str, ...] = tuple(REGIONS)  # the default wherever "every region" is meant
 
 
 def get_region(name: str) -> Region:
@@ -36,26 +42,51 @@ def parse_regions(spec: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in REGIONS if n in names)
 
 
-def patch(stack_name: str, model, regions: Sequence[str], hooks: HookSet) -> None:
-    """Patch `regions` into one loaded model; every target is found before anything is changed."""
-    patchers = []
+def library(model) -> str:
+    """'transformers 5.19.0': the library whose modeling code built `model` (whose seams the patchers find)."""
+    top = type(model).__module__.split(".")[0]
+    return f"{top} {getattr(sys.modules.get(top), '__version__', 'of unknown version')}"
+
+
+def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Replacement]]:
+    """Find every target of every region on one model, changing nothing: region -> its replacements."""
+    plans = {}
     for name in regions:
         region = get_region(name)
         if stack_name not in region.patchers:
-            raise StackError(f"region {name} has no patch for the {stack_name} stack")
-        patchers.append((name, region.patchers[stack_name]))
-    for name, patcher in patchers:
-        if patcher(model, hooks) == 0:
-            raise StackError(f"region {name} found nothing to patch in the {stack_name} model; the seam moved")
+            raise StackError(f"region {name} has no patch for the {stack_name} stack; leave {name} out of the "
+                             "aligned regions")
+        where = f"region {name} cannot be aligned on the {stack_name} stack ({library(model)})"
+        fix = f"this version's modeling code moved the seam: leave {name} out of the aligned regions or use a " \
+              "transformers/vLLM version the README lists"
+        try:
+            found = region.patchers[stack_name](model)
+        except SeamMissing as e:
+            raise StackError(f"{where}: no {e.what}; {fix}") from None
+        if not found:
+            raise StackError(f"{where}: it found nothing to patch; {fix}")
+        plans[name] = [replace(r, owner=f"region {name} on {stack_name}") for r in found]
+    return plans
+
+
+def patch(stack_name: str, model, regions: Sequence[str], hooks: HookSet) -> dict[str, int]:
+    """Patch `regions` into one loaded model once all their targets were found; returns region -> how many
+    targets it replaced. A missing target or an overlap raises before anything changed."""
+    plans = plan(stack_name, model, regions)
+    hooks.apply([r for found in plans.values() for r in found])
+    for name, found in plans.items():
+        log.debug("aligned %s on %s: %d targets", name, stack_name, len(found))
+    return {name: len(found) for name, found in plans.items()}
 
 
 @contextmanager
 def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
-    """Align `regions` on every given loaded stack for the duration of the block; undone on exit."""
+    """Align `regions` on every given loaded stack for the duration of the block; undone on exit. Every
+    target on every stack is found before any is changed."""
     with HookSet() as hooks:
-        for stack in stacks:
-            patch(stack.name, stack.model, regions, hooks)
+        plans = [plan(stack.name, stack.model, regions) for stack in stacks]
+        hooks.apply([r for p in plans for found in p.values() for r in found])
         yield
 
 
-__all__ = ["REGIONS", "Region", "aligned", "get_region", "parse_regions", "patch"]
+__all__ = ["ALL_REGIONS", "REGIONS", "Region", "aligned", "get_region", "library", "parse_regions", "patch", "plan"]

@@ -1,11 +1,13 @@
-"""The Region type: an aligned reference implementation plus one reversible patcher per stack.
+"""The Region type: an aligned reference implementation plus one planning patcher per stack.
 
 "Aligned" (../shared/NUMERICS.md) means: keep the region's intermediates in FP32 and round once, to
 nearest even, at the region's output. The same aligned function runs on both stacks, so a region patched
 on both sides maps bitwise-equal inputs to bitwise-equal outputs, whatever each stack shipped.
 
-A patcher takes a stack's loaded model and a HookSet, replaces what it must through `hooks.replace`
-(undone when the HookSet exits) and returns how many modules it patched; zero means the seam moved.
+A patcher only *finds*: it takes a stack's loaded model and returns the replacements it needs (one per
+matched target, changing nothing), or raises SeamMissing when a target it needs is not where this stack
+version keeps it. `regions.patch` applies the plans of every requested region only once all were found,
+through a HookSet, so a half-patched model cannot exist and every change is undone on exit.
 """
 
 from __future__ import annotations
@@ -15,9 +17,26 @@ from typing import Callable
 
 import torch
 
-from ..stacks.hooks import HookSet
+from ..stacks.hooks import Replacement
 
-Patcher = Callable[[torch.nn.Module, HookSet], int]
+Patcher = Callable[[torch.nn.Module], list[Replacement]]
+
+
+class SeamMissing(Exception):
+    """Raised by a patcher: `what` it needs is absent from the model (regions.patch names stack, version and
+    region around it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def child(obj, name: str, where: str):
+    """obj.name, or SeamMissing naming `where` it was looked for."""
+    value = getattr(obj, name, None)
+    if value is None:
+        raise SeamMissing(f"{name} in {where}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -25,3 +44,8 @@ class Region:
     name: str
     summary: str  # one line for --help and the README: what changes and where it rounds
     patchers: dict[str, Patcher] = field(default_factory=dict)  # stack name -> patcher
+
+
+def decoder_layers(model) -> list:
+    """model.model.layers, the decoder stack of every causal LM both stacks load (Qwen2/Qwen3 and kin)."""
+    return list(child(child(model, "model", "the model"), "layers", "model.model"))

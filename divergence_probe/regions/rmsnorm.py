@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
-from ..stacks.hooks import HookSet
-from .base import Region
+from ..stacks.hooks import Replacement
+from .base import Region, SeamMissing, child, decoder_layers
 
 _FP32_SUM = "_divergence_probe_fp32_sum"
 
@@ -71,23 +71,34 @@ def _hf_layer_forward(layer):
     return forward
 
 
-def patch_hf(model: torch.nn.Module, hooks: HookSet) -> int:
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    for norm in norms:
-        hooks.replace(norm, "forward", _hf_norm_forward(norm))
-    for layer in model.model.layers:
-        hooks.replace(layer, "forward", _hf_layer_forward(layer))
-    return len(norms)
+def patch_hf(model: torch.nn.Module) -> list[Replacement]:
+    """Every RMSNorm (layer norms, q_norm/k_norm, the final norm) and every decoder layer's forward."""
+    found = []
+    for name, norm in model.named_modules():
+        if type(norm).__name__.endswith("RMSNorm"):
+            child(norm, "weight", name)
+            child(norm, "variance_epsilon", name)
+            found.append(Replacement(norm, "forward", _hf_norm_forward(norm)))
+    if not found:
+        raise SeamMissing("RMSNorm module (a *RMSNorm) anywhere in the model")
+    for i, layer in enumerate(decoder_layers(model)):
+        for part in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            child(layer, part, f"model.model.layers[{i}]")
+        found.append(Replacement(layer, "forward", _hf_layer_forward(layer)))
+    return found
 
 
-def patch_vllm(model: torch.nn.Module, hooks: HookSet) -> int:
-    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
-    for norm in norms:
+def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
+    found = []
+    for norm in model.modules():
+        if type(norm).__name__ != "RMSNorm":
+            continue
         if getattr(norm, "variance_size_override", None) is not None or not getattr(norm, "has_weight", True):
-            raise ProbeError("aligned RMSNorm supports full-width weighted norms only")
-        hooks.replace(norm, "_forward_method",
-                      lambda x, residual=None, norm=norm: rms_norm(x, norm.weight.data, norm.variance_epsilon, residual))
-    return len(norms)
+            raise ProbeError("aligned RMSNorm supports full-width weighted norms only: leave rmsnorm out of the "
+                             "aligned regions")
+        found.append(Replacement(norm, "_forward_method", lambda x, residual=None, norm=norm:
+                                 rms_norm(x, norm.weight.data, norm.variance_epsilon, residual)))
+    return found
 
 
 RMSNORM = Region(

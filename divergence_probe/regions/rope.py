@@ -14,8 +14,8 @@ import sys
 import torch
 
 from ..errors import ProbeError
-from ..stacks.hooks import HookSet
-from .base import Region
+from ..stacks.hooks import Replacement
+from .base import Region, SeamMissing, child, decoder_layers
 
 
 def inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
@@ -34,21 +34,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def patch_hf(model: torch.nn.Module, hooks: HookSet) -> int:
+def patch_hf(model: torch.nn.Module) -> list[Replacement]:
     """The rotary module returns FP32 half-width cos/sin; the modeling file's apply_rotary_pos_emb rotates
     with them in FP32. The half width is the marker, so any other model in the process is unaffected."""
-    rotary = model.model.rotary_emb
-    if getattr(rotary, "rope_type", "default") != "default" or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise ProbeError(f"aligned RoPE supports default RoPE only; this model uses {rotary.rope_type!r}")
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if not rotaries:
+        raise SeamMissing("rotary embedding module (a *RotaryEmbedding) anywhere in the model")
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     freqs = inv_freq(config.rope_parameters["rope_theta"], head_dim, device=model.device)
-    hooks.replace(rotary, "forward", lambda x, position_ids: cos_sin(position_ids, freqs))
-
-    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    if not getattr(modeling.apply_rotary_pos_emb, "_aligned", False):  # a second model of the class shares it
-        hooks.replace(modeling, "apply_rotary_pos_emb", _dispatching(modeling.apply_rotary_pos_emb))
-    return 1
+    found = []
+    for rotary in rotaries:
+        if getattr(rotary, "rope_type", "default") != "default" or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+            raise ProbeError(f"aligned RoPE supports default RoPE only; this model uses {rotary.rope_type!r}: "
+                             "leave rope out of the aligned regions")
+        found.append(Replacement(rotary, "forward", lambda x, position_ids: cos_sin(position_ids, freqs)))
+    modelings = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        modeling = sys.modules[type(child(layer, "self_attn", f"model.model.layers[{i}]")).__module__]
+        modelings[modeling.__name__] = modeling
+    for modeling in modelings.values():
+        shipped = child(modeling, "apply_rotary_pos_emb", modeling.__name__)
+        if not getattr(shipped, "_aligned", False):  # else a live patch of another model of the class did it
+            found.append(Replacement(modeling, "apply_rotary_pos_emb", _dispatching(shipped), shared=True))
+    return found
 
 
 def _dispatching(shipped):
@@ -64,15 +73,17 @@ def _dispatching(shipped):
     return apply_rotary_pos_emb
 
 
-def patch_vllm(model: torch.nn.Module, hooks: HookSet) -> int:
+def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     """vLLM shares one RotaryEmbedding instance between layers; its dispatched forward is replaced."""
-    patched = set()
-    for layer in model.model.layers:
-        rope = layer.self_attn.rotary_emb
-        if id(rope) in patched:
+    found = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        where = f"model.model.layers[{i}]"
+        rope = child(child(layer, "self_attn", where), "rotary_emb", f"{where}.self_attn")
+        if id(rope) in found:
             continue
         if type(rope).__name__ != "RotaryEmbedding" or not rope.is_neox_style or rope.rotary_dim != rope.head_size:
-            raise ProbeError(f"aligned RoPE supports default neox RoPE over the full head; vLLM built {rope!r}")
+            raise ProbeError(f"aligned RoPE supports default neox RoPE over the full head; vLLM built {rope!r}: "
+                             "leave rope out of the aligned regions")
         freqs = inv_freq(rope.base, rope.head_size, device=rope.cos_sin_cache.device)
 
         def forward(positions, query, key=None, *args, _rope=rope, _freqs=freqs):
@@ -83,9 +94,8 @@ def patch_vllm(model: torch.nn.Module, hooks: HookSet) -> int:
             k = None if key is None else rotate(key.view(key.shape[0], -1, d), cos, sin).view(key.shape)
             return q, k
 
-        hooks.replace(rope, "_forward_method", forward)
-        patched.add(id(rope))
-    return len(patched)
+        found[id(rope)] = Replacement(rope, "_forward_method", forward)
+    return list(found.values())
 
 
 ROPE = Region(

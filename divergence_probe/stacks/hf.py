@@ -24,7 +24,7 @@ from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from .hooks import HookSet, arg, first_tensor
+from .hooks import HookSet, PatchConflict, arg, first_tensor
 
 
 class HFStack:
@@ -173,8 +173,6 @@ class HFStack:
 
         impl = self.model.config._attn_implementation
         registry = ALL_ATTENTION_FUNCTIONS
-        had_local = impl in registry._local_mapping
-        previous = registry._local_mapping.get(impl)
         if impl == "eager":
             from importlib import import_module
 
@@ -197,15 +195,14 @@ class HFStack:
                     emit(keys["attn_core"], core[0].reshape(core.shape[1], -1))
             return result
 
-        registry[impl] = tapped
-
-        def restore() -> None:
-            if had_local:
-                registry[impl] = previous
-            else:
-                del registry[impl]
-
-        hooks.on_exit(restore)
+        # registry[impl] = ... writes the registry's local mapping; replacing that entry through the HookSet makes
+        # a second swap (another capture, a region that replaces attention) a PatchConflict, not a silent wrap.
+        try:
+            hooks.replace_item(registry._local_mapping, impl, tapped, label="ALL_ATTENTION_FUNCTIONS",
+                               owner="the attention taps of a transformers capture")
+        except PatchConflict:
+            hooks.remove()  # the capture's hooks installed so far: the caller never gets the HookSet to undo them
+            raise
 
     def info(self) -> StackInfo:
         import transformers

@@ -1,18 +1,60 @@
-"""Hooks and attribute patches that are always undone: a capture or a region patch never outlives its run."""
+"""Hooks and replacements that are always undone: a capture or a region patch never outlives its run."""
 
 from __future__ import annotations
 
+import types
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
+from ..errors import StackError
+
+
+class PatchConflict(StackError):
+    """Two live patches replace the same attribute or registry entry: the second would silently undo or wrap
+    the first (and the first's restore would then clobber the second), so neither may proceed."""
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One planned change: `target.name = value`, or `target[name] = value` for a dict entry (`item`).
+
+    `owner` names who asks (a region, a capture) for conflict messages. `shared` marks a replacement that
+    several models of one class plan identically (a modeling module's function): planned twice in one
+    `HookSet.apply`, it is applied once instead of being a conflict."""
+
+    target: object
+    name: str
+    value: object
+    item: bool = False
+    owner: str = ""
+    shared: bool = False
+    label: str = ""  # how to name the target in messages, when its type's name says too little
+
+    @property
+    def key(self) -> tuple:
+        return ("item" if self.item else "attr", id(self.target), self.name)
+
+    def describe(self) -> str:
+        if self.item:
+            return f"{self.label or type(self.target).__name__}[{self.name!r}]"
+        if isinstance(self.target, types.ModuleType):
+            return f"{self.target.__name__}.{self.name}"
+        return f"{self.label or type(self.target).__name__}.{self.name}"
+
+
+# Every replacement live in this process, whichever HookSet made it: the capture and the region patches use
+# separate HookSets, and a conflict between them must be as visible as one within a set.
+_LIVE: dict[tuple, Replacement] = {}
+
 
 class HookSet(AbstractContextManager):
-    """Collects hook handles and attribute patches and undoes them all, in reverse order, on exit (even on error)."""
+    """Collects hook handles and replacements and undoes them all, in reverse order, on exit (even on error)."""
 
     def __init__(self) -> None:
         self._undo: list = []
-        self._replaced: set[tuple[int, str]] = set()
 
     def after(self, module: torch.nn.Module, fn) -> None:
         """fn(module, args, kwargs, output) after module's forward."""
@@ -22,25 +64,50 @@ class HookSet(AbstractContextManager):
         """fn(module, args, kwargs) before module's forward; returns None so inputs are untouched."""
         self._undo.append(module.register_forward_pre_hook(fn, with_kwargs=True).remove)
 
-    def on_exit(self, undo) -> None:
-        self._undo.append(undo)
+    def replace(self, obj, name: str, value, owner: str = "") -> None:
+        """Set obj.name = value until exit; raises PatchConflict if another live patch holds obj.name."""
+        self.apply([Replacement(obj, name, value, owner=owner)])
 
-    def replace(self, obj, name: str, value) -> None:
-        """Set obj.name = value until exit. Patching one attribute twice is a conflict between patches: raise."""
-        key = (id(obj), name)
-        if key in self._replaced:
-            raise RuntimeError(f"{type(obj).__name__}.{name} is patched twice; two region patches overlap")
-        self._replaced.add(key)
-        had_own = name in vars(obj)
-        previous = vars(obj).get(name)
-        setattr(obj, name, value)
+    def replace_item(self, mapping: dict, key, value, owner: str = "", label: str = "") -> None:
+        """Set mapping[key] = value until exit (a registry entry, e.g. transformers' attention functions);
+        raises PatchConflict if another live patch holds that entry."""
+        self.apply([Replacement(mapping, key, value, item=True, owner=owner, label=label)])
+
+    def apply(self, replacements: Iterable[Replacement]) -> None:
+        """Check every replacement against the others and against every live one, then make them all: a
+        conflict raises before anything has changed."""
+        planned: dict[tuple, Replacement] = {}
+        for r in replacements:
+            held = planned.get(r.key) or _LIVE.get(r.key)
+            if held is not None and not (r.key in planned and held.shared and r.shared):
+                target = (r if r.label or not held.label else held).describe()  # whichever names it better
+                raise PatchConflict(
+                    f"{target} is replaced twice ({_who(held)} and {_who(r)}); two patches overlap: "
+                    "undo the first (leave its `with` block or call its handle's remove()) before applying the second"
+                )
+            planned.setdefault(r.key, r)
+        for r in planned.values():
+            self._set(r)
+
+    def _set(self, r: Replacement) -> None:
+        if r.item:
+            had_own, previous = r.name in r.target, r.target.get(r.name)
+            r.target[r.name] = r.value
+        else:
+            had_own, previous = r.name in vars(r.target), vars(r.target).get(r.name)
+            setattr(r.target, r.name, r.value)
+        _LIVE[r.key] = r
 
         def restore() -> None:
-            if had_own:
-                setattr(obj, name, previous)
+            if r.item and had_own:
+                r.target[r.name] = previous
+            elif r.item:
+                del r.target[r.name]
+            elif had_own:
+                setattr(r.target, r.name, previous)
             else:
-                delattr(obj, name)  # back to the class attribute (e.g. the class's forward)
-            self._replaced.discard(key)
+                delattr(r.target, r.name)  # back to the class attribute (e.g. the class's forward)
+            del _LIVE[r.key]
 
         self._undo.append(restore)
 
@@ -51,6 +118,10 @@ class HookSet(AbstractContextManager):
     def __exit__(self, *exc) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+def _who(r: Replacement) -> str:
+    return r.owner or "an unnamed patch"
 
 
 def first_tensor(output) -> torch.Tensor:
