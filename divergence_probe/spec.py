@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .errors import ProbeError
 from .options import option
-from .regions import REGIONS, parse_regions
+from .regions import ALL_REGIONS, REGIONS, parse_regions
 from .shapley import METRICS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
@@ -180,7 +180,7 @@ class AlignSpec:
 class AblateSpec:
     """Every subset of `regions` aligned (on the AlignSpec's side), and the attribution of the mismatch."""
 
-    regions: tuple[str, ...] = option(tuple(REGIONS), "Regions to ablate; all 2^k subsets run.")
+    regions: tuple[str, ...] = option(ALL_REGIONS, "Regions to ablate; all 2^k subsets run.")
     metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
     bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
     ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")

@@ -17,6 +17,7 @@ import torch
 
 from divergence_probe.regions.base import Region
 from divergence_probe.stacks.base import PromptScores, SequenceScores, StackInfo
+from divergence_probe.stacks.hooks import Replacement
 from divergence_probe.taps import LAYER_TAPS, QK_NORM_TAPS, TapKey
 
 WIDTH = 16
@@ -114,10 +115,8 @@ class FusedToyStack(ToyStack):
     fused = True
 
 
-def _align_toy(model: torch.nn.Module, hooks) -> int:
-    for layer in model.layers:
-        hooks.replace(layer, "fused", True)
-    return len(model.layers)
+def _align_toy(model: torch.nn.Module) -> list[Replacement]:
+    return [Replacement(layer, "fused", True) for layer in model.layers]
 
 
 TOY_ALIGN = Region(name="toy-align", summary="toy layer: FP32, one rounding",
