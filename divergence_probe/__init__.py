@@ -11,7 +11,7 @@ Python API (the CLI is a thin shell over it):
 
 from .errors import ProbeError
 from .probe import LoadConfig, Probe, load
-from .report import write_report
+from .reports import write_report
 
 __version__ = "0.1.0"
 __all__ = ["load", "Probe", "LoadConfig", "ProbeError", "write_report", "__version__"]

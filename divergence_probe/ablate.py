@@ -111,7 +111,7 @@ class AblationRun:
         return table
 
     def write(self, out_dir: str | Path) -> Path:
-        from .reports.writer import write_ablation_run
+        from .rundir import write_ablation_run
 
         return write_ablation_run(self, Path(out_dir))
 

@@ -173,7 +173,7 @@ def _run(work, validate, model, out_dir, taps, threshold, load_kwargs):
     write atomically. Any ProbeError on the way is one line and exit code 2, and nothing is written."""
     import divergence_probe as dp
     from .compare import CompareOptions
-    from .reports.writer import check_out_dir
+    from .rundir import check_out_dir
 
     try:
         out_dir = out_dir or _default_out()
@@ -281,7 +281,7 @@ def report_command(
 
 
 def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md") -> None:
-    from .report import write_report
+    from .reports import write_report
 
     try:
         with console.status("rendering the report…"):

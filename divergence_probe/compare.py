@@ -87,7 +87,7 @@ class CompareRun:
         return summary_row(self.tokens, self.tap_stats, self.threshold) | noise_floor_columns(self.batch_invariance)
 
     def write(self, out_dir: str | Path) -> Path:
-        from .reports.writer import write_compare_run
+        from .rundir import write_compare_run
 
         return write_compare_run(self, Path(out_dir))
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import OutputError, ProbeError
-from divergence_probe.report import MARKER, ReportError, write_report
+from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
 

@@ -21,6 +21,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..shapley import REMAINING
+
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 150  # PNG: 1200 x 675 pixels
 PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
@@ -253,7 +255,7 @@ def kl_by_position(panels: list[tuple[str, str, list[tuple[str, pd.DataFrame]]]]
 
 # ---------------------------------------------------------------------------------------------- (5) attribution
 @_styled
-def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(remaining)") -> Figure:
+def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = REMAINING) -> Figure:
     """Shapley value per region with its bootstrap interval, and the metric left with every region aligned."""
     fig, (ax,) = _new_figure()
     labels = list(attribution["region"])
