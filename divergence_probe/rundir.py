@@ -57,8 +57,8 @@ def _make_parent(out_dir: Path) -> Path:
     parent = out_dir.absolute().parent
     existing = _nearest_existing(parent)
     if existing.exists() and not existing.is_dir():
-        raise OutputError(f"{existing} is a file, not a folder, so --out {out_dir} cannot be made under it; "
-                          "choose another --out")
+        raise OutputError(f"cannot write --out {out_dir}: {existing} is a file, not a folder; choose another "
+                          "--out (or move that file away)")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

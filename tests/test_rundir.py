@@ -186,9 +186,10 @@ def test_full_disk_everywhere_says_so(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- --out
 def test_out_dir_messages_say_the_real_problem(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(OutputError, match=r"file is a file, not a folder, so --out .*file/run cannot be made"):
+    with pytest.raises(OutputError, match=rf"cannot write --out {tmp_path}/file/run: {tmp_path}/file is a file, "
+                                          "not a folder; choose another --out"):
         check_out_dir(tmp_path / "file" / "run")
-    with pytest.raises(OutputError, match=r"file is a file, not a folder, so"):
+    with pytest.raises(OutputError, match=rf": {tmp_path}/file is a file, not a folder"):
         check_out_dir(tmp_path / "file" / "deeper" / "run")
     with pytest.raises(OutputError, match="is a file, not a folder; choose another --out or remove the file"):
         check_out_dir(tmp_path / "file")

@@ -113,7 +113,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
             f"Bars: each region's Shapley value, its average reduction of `{run.metric}` when aligned; whiskers: "
             f"{run.ci_level} bootstrap interval over prompts. Labels: share of the total reduction. The dotted grey "
             "bar is the metric left with every region aligned, labelled with its fraction of the shipped metric.",
-            lambda: F.attribution_bars(run.attribution, run.metric, REMAINING)))
+            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level, REMAINING)))
     rho = response_rho(run)
     if rho is not None:
         eps = run.clip_eps
