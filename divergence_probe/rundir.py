@@ -1,5 +1,4 @@
-"""The run folder format: check and claim `--out`, write a run atomically with each file's rows and sha256 in
-the manifest, and read a run folder back, refusing cut or changed files."""
+"""The run folder format: --out checks and lock, atomic write_run (rows + sha256 per file), checked read_run."""
 
 from __future__ import annotations
 

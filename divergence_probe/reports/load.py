@@ -1,5 +1,4 @@
-"""A run folder as the report sees it: RunData (read through rundir.read_run, so cut files never get here)
-and the selections of it that prose and figures share."""
+"""A run folder as the report sees it (RunData, via rundir.read_run) and selections prose and figures share."""
 
 from __future__ import annotations
 

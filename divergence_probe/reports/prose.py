@@ -1,5 +1,4 @@
-"""The report's text: setup, headline numbers, first divergence, tables and how to read them, as document
-blocks (document.py renders them); every sentence is computed from the run folder's files."""
+"""The report's text: setup, headline numbers, first divergence, tables and how to read them, as blocks."""
 
 from __future__ import annotations
 
