@@ -12,7 +12,7 @@ Python API (the CLI is a thin shell over it):
 from .errors import ProbeError
 from .probe import LoadConfig, Probe, load, run
 from .spec import AblateSpec, AlignSpec, CaptureSpec, GenerateSpec, LoadSpec, PromptSpec, RunSpec
-from .report import write_report
+from .reports import write_report
 
 __version__ = "0.1.0"
 __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "RunSpec", "LoadSpec", "PromptSpec",

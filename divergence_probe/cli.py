@@ -11,7 +11,6 @@ import inspect
 import os
 import sys
 import typing
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -32,10 +31,6 @@ console = Console(stderr=True)
 out = Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
-
-
-def _default_out() -> Path:
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def _fail(error: ProbeError) -> None:
@@ -126,23 +121,23 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
     loads, load once, run with a progress bar, write atomically. Any ProbeError on the way is one line and exit
     code 2, and nothing is written."""
     import divergence_probe as dp
-    from .prompts import read_prompt_sources, default_prompts_path
-    from .rundir import check_out_dir
+    from .prompts import default_prompts_path, read_prompt_sources
+    from .rundir import claim_out_dir, default_out_dir
 
     try:
         spec = make_spec()
-        out_dir = out_dir or _default_out()
-        check_out_dir(out_dir)
-        read_prompt_sources(Path(spec.prompts.prompts) if spec.prompts.prompts else default_prompts_path())
-        with console.status("loading the model in transformers and the inference stack…"):
-            probe = dp.load(spec=spec.load)
-        if check is not None:
-            check(probe)
-        with _progress() as bar:
-            task = bar.add_task("scoring prompts", total=None)
-            run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
-        run.manifest["command"] = sys.argv
-        run.write(out_dir)
+        out_dir = out_dir or default_out_dir()
+        with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
+            read_prompt_sources(Path(spec.prompts.prompts) if spec.prompts.prompts else default_prompts_path())
+            with console.status("loading the model in transformers and the inference stack…"):
+                probe = dp.load(spec=spec.load)
+            if check is not None:
+                check(probe)
+            with _progress() as bar:
+                task = bar.add_task("scoring prompts", total=None)
+                run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
+            run.manifest["command"] = sys.argv
+            run.write(out_dir)
     except ProbeError as e:
         _fail(e)
     return run, out_dir
@@ -172,10 +167,10 @@ def rerun(
 
     The prompt files and the model's config must be the ones the run used (their sha256 are checked).
     """
-    from .rundir import read_manifest
+    from .rundir import read_run
 
     def make_spec():
-        manifest = read_manifest(run_dir)
+        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder
         if "spec" not in manifest:
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
@@ -234,7 +229,7 @@ def report_command(
 
 
 def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md") -> None:
-    from .report import write_report
+    from .reports import write_report
 
     try:
         with console.status("rendering the report…"):

@@ -1,51 +1,213 @@
-"""Write a run folder atomically: everything goes to a hidden sibling folder that is renamed into place
-only when complete, so a failed or interrupted run leaves nothing half-written behind."""
+"""The run folder format: --out checks and lock, atomic write_run (rows + sha256 per file), checked read_run."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import gzip
+import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import pandas as pd
 
-from .errors import OutputError
+from .errors import OutputError, ProbeError
+
+MANIFEST = "manifest.json"
+PROMPTS = "prompts.jsonl"
+KINDS = ("compare", "ablate")
+# Files a run folder may hold, with the columns a reader relies on. tokens.csv may be gzipped (tokens.csv.gz)
+# or deleted to save space; every other file listed in the manifest must be there.
+COLUMNS = {
+    "summary.csv": (),
+    "layers.csv": ("layer", "tap", "rel_l2"),
+    "tokens.csv": ("prompt_id", "position", "logprob_infer", "delta_logprob", "kl"),
+    "ablation.csv": ("combo",),
+    "attribution.csv": ("region", "shapley", "share"),
+    "buckets.csv": (),
+    "batch_invariance.csv": (),
+}
+OPTIONAL = ("tokens.csv",)
+RERUN = "rerun the command that made the run folder"
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Fail before any expensive work if out_dir can't be created: it must be new or empty, its parent writable."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise OutputError(f"output directory {out_dir} already exists and is not empty; choose another --out")
+class RunFolderError(ProbeError):
+    """A run folder to read is missing, is not a run folder, or has cut, changed or unreadable files."""
+
+
+# ---------------------------------------------------------------------------------------------- --out
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _make_parent(out_dir: Path) -> Path:
+    """Create out_dir's parent folders; OutputError naming the real obstacle when that is impossible."""
     parent = out_dir.absolute().parent
+    existing = _nearest_existing(parent)
+    if existing.exists() and not existing.is_dir():
+        raise OutputError(f"cannot write --out {out_dir}: {existing} is a file, not a folder; choose another "
+                          "--out (or move that file away)")
     try:
         parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {parent} ({e.strerror}); choose a writable --out") from e
+    return parent
+
+
+def check_out_dir(out_dir: Path, replace: Callable[[Path], bool] | None = None) -> None:
+    """Fail before any expensive work if out_dir cannot become the output folder: it must be new or empty
+    (or, with `replace`, a folder that replace(out_dir) accepts), and its parent writable."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise OutputError(f"--out {out_dir} is a link to nothing; remove the link or choose another --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"--out {out_dir} is a file, not a folder; choose another --out or remove the file")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (replace and replace(out_dir)):
+        raise OutputError(f"--out {out_dir} already exists and is not empty; choose another --out or remove it")
+    parent = _make_parent(out_dir)
+    try:
         probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.check-", dir=parent)
         os.rmdir(probe)
     except OSError as e:
         raise OutputError(f"cannot write to {parent} ({e.strerror}); choose a writable --out") from e
 
 
+def default_out_dir(base: Path = Path("runs")) -> Path:
+    """runs/<date>-<time>-<microseconds>: two runs started in the same second get different folders; a name
+    that is taken (or claimed by a running run) gets a -2, -3, ... suffix."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    candidate, n = base / stamp, 1
+    while candidate.exists() or candidate.is_symlink() or _lock_path(candidate).exists():
+        n += 1
+        candidate = base / f"{stamp}-{n}"
+    return candidate
+
+
+# ---------------------------------------------------------------------------------------------- lock
+_HELD: dict[Path, int] = {}  # lock file -> descriptor, for the claims this process holds
+
+
+def _lock_path(out_dir: Path) -> Path:
+    out_dir = Path(out_dir).absolute()
+    return Path(os.path.realpath(out_dir.parent)) / f".{out_dir.name}.lock"  # one key however it is spelled
+
+
 @contextmanager
-def atomic_dir(out_dir: Path):
-    """Yield a temporary folder; on success it becomes out_dir, on failure it is removed."""
-    check_out_dir(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.absolute().parent))
+def locked(out_dir: Path) -> Iterator[Path]:
+    """Hold an exclusive lock on out_dir (a hidden sibling `.NAME.lock`) until the block ends; a second
+    process aiming at the same folder gets an OutputError at once. Re-entrant within one process."""
+    out_dir = Path(out_dir)
+    lock = _lock_path(out_dir)
+    if lock in _HELD:
+        yield out_dir
+        return
+    _make_parent(out_dir)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot create the lock file {lock} ({e.strerror}); choose a writable --out") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputError(f"cannot lock {lock} ({e.strerror}); choose another --out") from e
+            try:
+                holder = lock.read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise OutputError(f"--out {out_dir} is being written by another run (process {holder}, lock {lock}); "
+                              "wait for it to finish or choose another --out") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed this lock file as we opened it: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass  # the pid is only for the message of a competing run
+    _HELD[lock] = fd
+    try:
+        yield out_dir
+    finally:
+        del _HELD[lock]
+        try:
+            lock.unlink()  # while still locked, so no one can hold a lock on a file that is gone
+        except OSError:
+            pass
+        os.close(fd)
+
+
+@contextmanager
+def claim_out_dir(out_dir: Path) -> Iterator[Path]:
+    """Take --out for this run at its start: lock it, then check it is new or empty and writable. Hold the
+    claim until the run is written (write_run inside the block reuses it)."""
+    with locked(out_dir):
+        check_out_dir(Path(out_dir))
+        yield Path(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------- atomic folder
+@contextmanager
+def atomic_dir(out_dir: Path, replace: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Yield a hidden temporary sibling folder; when the block succeeds it becomes out_dir, when it fails
+    (any exception, KeyboardInterrupt and SystemExit included) it is removed. With `replace`, an existing
+    folder that replace(out_dir) accepts is swapped out only after the new one is complete."""
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, replace)
+    parent = out_dir.absolute().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
     try:
         yield tmp
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        tmp.rename(out_dir)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            holder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
+            os.rename(out_dir, holder / out_dir.name)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:
+                os.rename(holder / out_dir.name, out_dir)  # put the previous folder back
+                shutil.rmtree(holder, ignore_errors=True)
+                raise
+            shutil.rmtree(holder, ignore_errors=True)
+        else:
+            if out_dir.exists():
+                out_dir.rmdir()  # empty, checked above
+            tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+# ---------------------------------------------------------------------------------------------- writing
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_csv(df: pd.DataFrame, path: Path) -> None:
     # Shortest round-trip float repr and "\n" line ends: same numbers, same bytes, on every platform.
-    df.to_csv(path, index=False, lineterminator="\n")
+    # A .gz name is gzipped without a timestamp, so the bytes stay reproducible.
+    compression = {"method": "gzip", "mtime": 0} if path.name.endswith(".gz") else None
+    df.to_csv(path, index=False, lineterminator="\n", compression=compression)
 
 
 def write_json(obj, path: Path) -> None:
@@ -60,18 +222,186 @@ def write_prompts(prompts, path: Path) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def write_run(out_dir: Path, manifest: dict, prompts, tables: dict) -> Path:
-    with atomic_dir(out_dir) as tmp:
-        write_json(manifest, tmp / "manifest.json")
-        write_prompts(prompts, tmp / "prompts.jsonl")
-        for name, frame in tables.items():
-            write_csv(frame, tmp / name)
+def _write_files(folder: Path, manifest: dict, prompts, tables: dict[str, pd.DataFrame]) -> None:
+    """Every file of a run, the manifest last (it records the others). An OSError leaves with `run_file`, the
+    name of the file being written, so the message can name it under --out rather than the temporary folder."""
+    steps = [(PROMPTS, lambda path: write_prompts(prompts, path), len(prompts))]
+    steps += [(name, lambda path, df=df: write_csv(df, path), len(df)) for name, df in tables.items()]
+    files = {}
+    for name, write, rows in steps + [(MANIFEST, None, None)]:
+        try:
+            if write is None:
+                write_json({**manifest, "files": files}, folder / MANIFEST)
+            else:
+                write(folder / name)
+                files[name] = {"rows": rows, "sha256": _sha256(folder / name)}
+        except OSError as e:
+            e.run_file = name
+            raise
+
+
+def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
+    """Write the run into the temp folder instead; (where, None) or (None, why not)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    where = Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{out_dir.name}-{stamp}-{os.getpid()}"
+    try:
+        with atomic_dir(where) as tmp:
+            _write_files(tmp, manifest, prompts, tables)
+    except (OSError, ProbeError) as e:
+        return None, getattr(e, "strerror", None) or str(e)
+    return where, None
+
+
+def write_run(out_dir: str | Path, manifest: dict, prompts, tables: dict[str, pd.DataFrame]) -> Path:
+    """Write a run folder: manifest.json (with a `files` section: rows and sha256 of every data file),
+    prompts.jsonl and each table (file name -> frame). All or nothing: the folder appears only when complete.
+    A write error (a full disk) is an OutputError naming the file and the OS error; the results are then
+    written to a rescue folder in the temp folder if possible, and the message says where."""
+    if manifest.get("kind") not in KINDS:
+        raise ValueError(f"manifest['kind'] is {manifest.get('kind')!r}; the caller must set one of {KINDS}")
+    unknown = [n for n in tables if n.removesuffix(".gz") not in COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown run files {unknown}; add them to rundir.COLUMNS")
+    out_dir = Path(out_dir)
+    with locked(out_dir):
+        try:
+            with atomic_dir(out_dir) as tmp:
+                _write_files(tmp, manifest, prompts, tables)
+        except OSError as e:
+            where = out_dir / e.run_file if getattr(e, "run_file", None) else out_dir
+            problem = e.strerror or str(e)
+            rescue, why = _rescue(out_dir, manifest, prompts, tables)
+            saved = (f"the results were saved to {rescue} instead (move that folder where you want it)" if rescue
+                     else f"the results could not be saved elsewhere either ({why})")
+            raise OutputError(f"cannot write {where} ({problem}); {saved}; free space there or choose another "
+                              "--out and rerun") from e
     return out_dir
 
 
-def read_manifest(run_dir: Path) -> dict:
-    path = Path(run_dir) / "manifest.json"
+# ---------------------------------------------------------------------------------------------- reading
+@dataclass
+class RunFolder:
+    """A run folder as read back: the manifest, the prompt records and every table by file name."""
+
+    path: Path
+    manifest: dict
+    prompts: list[dict] | None = None
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+    def table(self, name: str) -> pd.DataFrame | None:
+        """The table of `name` (e.g. "tokens.csv"), read from NAME or NAME.gz; None if neither is there."""
+        return self.tables.get(name, self.tables.get(f"{name}.gz"))
+
+    def file_of(self, name: str) -> str | None:
+        return next((n for n in (name, f"{name}.gz") if n in self.tables), None)
+
+
+def _cut(path: Path, detail: str) -> RunFolderError:
+    return RunFolderError(f"{path} {detail}: the run folder is incomplete or was changed; restore the file or {RERUN}")
+
+
+def _raw(path: Path) -> bytes:
+    """A file's content, gunzipped for .gz; RunFolderError when it cannot be read."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise OutputError(f"cannot read {path} ({e}); point at a run folder written by compare or ablate") from e
+        data = path.read_bytes()
+        return gzip.decompress(data) if path.name.endswith(".gz") else data
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise RunFolderError(f"cannot read {path} ({e}); it is not a file divergence-probe wrote, or it was "
+                             f"cut short: {RERUN}") from e
+
+
+def _parse_csv(path: Path, data: bytes, name: str, drop: Iterable[str]) -> pd.DataFrame:
+    # Only empty fields are missing values: tap labels like `none` and combo names stay strings.
+    drop = set(drop)
+    try:
+        df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""], usecols=lambda c: c not in drop)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
+        raise RunFolderError(f"cannot read {path} ({e}); it is not a file divergence-probe wrote, or it was "
+                             f"cut short: {RERUN}") from e
+    missing = [c for c in COLUMNS[name] if c not in df.columns]
+    if missing:
+        raise RunFolderError(f"{path} lacks the column(s) {', '.join(missing)}; was it written by this version "
+                             f"of divergence-probe? {RERUN[0].upper() + RERUN[1:]}")
+    return df
+
+
+def _parse_prompts(path: Path, data: bytes) -> list[dict]:
+    records = []
+    try:
+        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            if line.strip():
+                records.append(json.loads(line))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _cut(path, f"has a line that is not JSON (line {n}: {e})") from e
+    return records
+
+
+def _check_listed(path: Path, name: str, hashed: bytes, record: dict, rows: Callable[[], int]) -> None:
+    """Refuse a file whose bytes differ from what the manifest records for it, saying whether it was cut."""
+    if hashlib.sha256(hashed).hexdigest() == record.get("sha256"):
+        return
+    expected = record.get("rows")
+    try:
+        found = rows()
+    except RunFolderError:
+        found = None
+    if isinstance(expected, int) and found is not None and found < expected:
+        raise _cut(path, f"is cut short ({found} of the {expected} rows the manifest lists)")
+    raise _cut(path, f"does not match the sha256 the manifest records for {name}")
+
+
+def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
+    """Read a run folder, checked: every file the manifest's `files` section lists must have its recorded
+    sha256 (a file gzipped afterwards, NAME.gz, is checked by its content; tokens.csv may be deleted). Folders
+    written before that section existed are checked for what can be: each file ends with a line break and
+    parses with its columns, every prompts.jsonl line is JSON. `drop` names columns not to read (e.g. the
+    token strings). RunFolderError on any failure."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise RunFolderError(f"run folder {path} does not exist; pass the --out folder of a compare or ablate run")
+    if not path.is_dir():
+        raise RunFolderError(f"{path} is a file, not a run folder; pass the --out folder of a compare or ablate run")
+    lacking = [f for f in (MANIFEST, "summary.csv") if not (path / f).is_file()]
+    if lacking:
+        raise RunFolderError(f"{path} is not a divergence-probe run folder (no {' or '.join(lacking)}); pass the "
+                             "--out folder of a compare or ablate run")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunFolderError(f"cannot read {path / MANIFEST} ({e}); {RERUN}") from e
+    if not isinstance(manifest, dict):
+        raise RunFolderError(f"{path / MANIFEST} is not a JSON object; {RERUN}")
+    listed = manifest.get("files", {})
+    if not isinstance(listed, dict) or not all(isinstance(r, dict) for r in listed.values()):
+        raise RunFolderError(f"{path / MANIFEST} has a `files` entry that is not a map of file records; {RERUN}")
+
+    run = RunFolder(path=path, manifest=manifest)
+    known = (PROMPTS, *COLUMNS)
+    bases = list(known) + list(dict.fromkeys(n.removesuffix(".gz") for n in listed
+                                             if n.removesuffix(".gz") not in known))
+    for base in bases:
+        stored = next((path / n for n in (base, f"{base}.gz") if (path / n).is_file()), None)
+        if stored is None:
+            if (base in listed or f"{base}.gz" in listed) and base not in OPTIONAL:
+                raise _cut(path / base, "is listed in the manifest but missing")
+            continue
+        data = _raw(stored)
+        if stored.name in listed:
+            record, hashed = listed[stored.name], stored.read_bytes()
+        elif base in listed:  # gzipped after the run: its content is what the manifest hashed
+            record, hashed = listed[base], data
+        else:
+            record, hashed = None, data
+        if record is None and data and not data.endswith(b"\n"):
+            raise _cut(stored, "does not end with a line break, so it was cut short")
+        if base == PROMPTS:
+            if record is not None:
+                _check_listed(stored, stored.name, hashed, record, lambda: len(_parse_prompts(stored, data)))
+            run.prompts = _parse_prompts(stored, data)
+        elif base in COLUMNS:
+            if record is not None:  # hash first: a cut file may still parse, and must never be used
+                _check_listed(stored, stored.name, hashed, record, lambda: len(_parse_csv(stored, data, base, ())))
+            run.tables[stored.name] = _parse_csv(stored, data, base, drop)
+        elif record is not None:
+            _check_listed(stored, stored.name, hashed, record, lambda: data.count(b"\n"))
+    return run

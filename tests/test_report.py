@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import OutputError, ProbeError
-from divergence_probe.report import MARKER, ReportError, write_report
+from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
 
@@ -287,6 +287,19 @@ def test_generate_without_clip_eps_uses_default(tmp_path):
     del manifest["generate"]["clip_eps"]
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert "[0.8, 1.2] (ε = 0.2)" in write_report(run).read_text()
+
+
+def test_bootstrap_level_comes_from_the_manifest(rendered, tmp_path):
+    assert "95% bootstrap interval" in rendered("ablate").read_text()  # manifests without ci_level: 0.95
+    run = make_ablate(tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["ablate"]["ci_level"] = 0.9
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    text = write_report(run).read_text()
+    assert text.count("90% bootstrap interval") == 2 and "90% percentile bootstrap interval" in text
+    assert "95%" not in text
+    bars = figures.attribution_bars(pd.read_csv(run / "attribution.csv"), "mean_kl", "90%")
+    assert bars.axes[0].get_title().endswith("(whiskers: 90% bootstrap interval)")
 
 
 # ---------------------------------------------------------------------------------------------- LaTeX numbers

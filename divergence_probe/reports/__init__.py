@@ -1,1 +1,6 @@
-"""Tables and files a run produces: pure DataFrame builders (tables.py) and atomic writers (writer.py)."""
+"""Reports of run folders: load, prose, figure_specs, figures, document (md/html/LaTeX), render (write_report)."""
+
+from .load import ReportError
+from .render import FORMATS, MARKER, write_report
+
+__all__ = ["write_report", "ReportError", "FORMATS", "MARKER"]

@@ -21,6 +21,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..shapley import REMAINING
+
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 150  # PNG: 1200 x 675 pixels
 PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
@@ -253,8 +255,9 @@ def kl_by_position(panels: list[tuple[str, str, list[tuple[str, pd.DataFrame]]]]
 
 # ---------------------------------------------------------------------------------------------- (5) attribution
 @_styled
-def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(remaining)") -> Figure:
-    """Shapley value per region with its bootstrap interval, and the metric left with every region aligned."""
+def attribution_bars(attribution: pd.DataFrame, metric: str, level: str, remaining: str = REMAINING) -> Figure:
+    """Shapley value per region with its bootstrap interval (`level`, e.g. "95%"), and the metric left with
+    every region aligned."""
     fig, (ax,) = _new_figure()
     labels = list(attribution["region"])
     values = attribution["shapley"].to_numpy(dtype=np.float64)
@@ -280,7 +283,8 @@ def attribution_bars(attribution: pd.DataFrame, metric: str, remaining: str = "(
     if is_rest.any() and (~is_rest).any():
         ax.axvline(x[is_rest][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
     ax.set_xticks(x, [("remaining\n(with all aligned)" if r else lab) for lab, r in zip(labels, is_rest)])
-    ax.set_title(f"attribution of the reduction in {metric}" + (" (whiskers: 95% bootstrap interval)" if ok.any() else ""))
+    ax.set_title(f"attribution of the reduction in {metric}"
+                 + (f" (whiskers: {level} bootstrap interval)" if ok.any() else ""))
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
     ax.set_xlabel("region (aligned: FP32 until its output)")
     ax.set_ylabel(f"Shapley value: reduction in {metric} (nats)")

@@ -1,0 +1,129 @@
+"""Which figures a run gets, with their captions, and why any is left out; figures.py draws them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from ..shapley import REMAINING, SHIPPED
+from .load import RunData, layers_of, response_rho
+
+KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
+
+
+def _token_series(run: RunData) -> list[tuple[str, pd.DataFrame]]:
+    t = run.tokens
+    if run.is_ablate and "combo" in t:
+        names = [SHIPPED] + ([run.all_aligned] if run.all_aligned and run.all_aligned != SHIPPED else [])
+        tags = {SHIPPED: "as shipped", run.all_aligned: "all aligned"}
+        return [(f"{tags[n]} ({n})", t[t["combo"] == n]) for n in names if (t["combo"] == n).any()]
+    if "is_response" in t:
+        parts = [("prompt tokens", t[~t["is_response"]]), ("response tokens", t[t["is_response"]])]
+        return [(label, part) for label, part in parts if len(part)]
+    return [("all scored tokens", t)]
+
+
+def _kl_panels(run: RunData, series: list[tuple[str, pd.DataFrame]]) -> list:
+    """Panels of the KL-by-position figure. Generate mode: prompt tokens by position, response tokens by
+    position in the response (their absolute positions depend on each prompt's length)."""
+    def frame(df: pd.DataFrame, x: pd.Series) -> pd.DataFrame:
+        seq = df["prompt_id"].astype(str) + ("/" + df["sample_id"].astype(str) if "sample_id" in df else "")
+        return pd.DataFrame({"x": x.to_numpy(), "kl": df["kl"].to_numpy(), "seq": seq.to_numpy()})
+
+    t = run.tokens
+    if "is_response" not in t:
+        return [("per-token KL along the sequence", "token position in the prompt (index)",
+                 [(label, frame(df, df["position"])) for label, df in series])]
+    if "combo" in t:
+        t = t[t["combo"] == SHIPPED]
+    keys = ["prompt_id", "sample_id"] if "sample_id" in t else ["prompt_id"]
+    prompt, response = t[~t["is_response"]], t[t["is_response"]]
+    start = response.groupby(keys)["position"].transform("min")
+    return [("prompt tokens", "token position in the prompt (index)", [("prompt", frame(prompt, prompt["position"]))]),
+            ("response tokens", "token position in the response (index)",
+             [("response", frame(response, response["position"] - start))])]
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    stem: str
+    title: str
+    caption: str
+    draw: object  # () -> matplotlib Figure
+
+
+def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
+    """The figures that apply to this run, and sentences about those that were skipped."""
+    from . import figures as F
+    from ..taps import LAYER_TAPS
+
+    specs: list[FigureSpec] = []
+    skipped: list[str] = []
+    n_layers = run.num_layers
+    layers = run.layers
+    if n_layers is not None and len(layers):
+        layers = layers[(layers["layer"] >= 0) & (layers["layer"] < n_layers) & layers["tap"].isin(LAYER_TAPS)]
+    base = layers_of(run, SHIPPED if run.is_ablate else None)
+    present = set(base["tap"]) & set(layers["tap"])
+    taps = tuple(t for t in KEY_TAPS if t in present) or tuple(t for t in LAYER_TAPS if t in present)[:5]
+    if taps:
+        combos = (tuple(c for c in run.combos if (layers["combo"] == c).any())
+                  if run.is_ablate and "combo" in layers else ())
+        caption = ("Relative L2 error ‖a − b‖/‖b‖ between the inference (a) and training (b) tensors at each "
+                   "decoder layer, over all prompts and tokens, on a log scale (a gap: bitwise equal there). "
+                   "A curve that climbs with depth means rounding differences compound through the residual stream.")
+        if combos:
+            caption += (" Left: key taps as shipped. Right: the decoder-layer output `resid_out` for every "
+                        "combination of aligned regions; lower is closer.")
+        specs.append(FigureSpec("layers", "Error growth across layers", caption,
+                                lambda: F.layer_growth(layers, taps, combos=combos, shipped=SHIPPED)))
+    else:
+        skipped.append("No decoder-layer taps were captured, so the error-growth figure is not drawn.")
+
+    if run.tokens is None:
+        skipped.append("This run folder has no tokens.csv (nor tokens.csv.gz), so the token-level figures "
+                       "(Δlogprob histogram, |Δlogprob| against probability, KL along the position) are not drawn.")
+    else:
+        series = _token_series(run)
+        specs.append(FigureSpec(
+            "delta_hist", "Distribution of Δlogprob",
+            "Δlogprob = logprob_train − logprob_infer of every scored token, in nats. A narrow peak "
+            "symmetric about 0 means the stacks differ by rounding noise; a shifted peak means one stack "
+            "systematically gives the scored tokens more probability.",
+            lambda: F.delta_histogram([(label, df["delta_logprob"].to_numpy()) for label, df in series])))
+        specs.append(FigureSpec(
+            "delta_vs_prob", "|Δlogprob| against token probability",
+            "Each point is one scored token (at most 20000 per series, sampled with a fixed seed): its probability "
+            "under the inference stack against |Δlogprob|, log-log. Lines: the median |Δlogprob| per probability "
+            "bin. Tokens with exactly equal logprobs cannot be drawn on a log axis; the legend counts them.",
+            lambda: F.delta_vs_probability([(label, df["logprob_infer"].to_numpy(), df["delta_logprob"].to_numpy())
+                                            for label, df in series])))
+        specs.append(FigureSpec(
+            "kl_by_position", "Per-token KL along the position",
+            "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
+            "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
+            "is noisier; a rising trend means the mismatch accumulates with context length."
+            + (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
+               "response (0 = first sampled token)." if "is_response" in run.tokens else ""),
+            lambda: F.kl_by_position(_kl_panels(run, series))))
+    if run.attribution is not None:
+        specs.append(FigureSpec(
+            "attribution", "Attribution to regions",
+            f"Bars: each region's Shapley value, its average reduction of `{run.metric}` when aligned; whiskers: "
+            f"{run.ci_level} bootstrap interval over prompts. Labels: share of the total reduction. The dotted grey "
+            "bar is the metric left with every region aligned, labelled with its fraction of the shipped metric.",
+            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level, REMAINING)))
+    rho = response_rho(run)
+    if rho is not None:
+        eps = run.clip_eps
+        specs.append(FigureSpec(
+            "ratio_hist", "Importance ratio on response tokens",
+            f"Histogram of ρ = exp(Δlogprob) over response tokens, with the clip band "
+            f"[1 − ε, 1 + ε], ε = {eps:g}, hatched. Any token outside the band is clipped by a PPO-style "
+            "objective only because the two stacks round differently: the policy is the same.",
+            lambda: F.ratio_histogram(rho, eps)))
+    elif run.is_generate:
+        skipped.append("No response tokens (tokens with is_response) are available, so the importance-ratio "
+                       "figure is not drawn.")
+    return specs, skipped

@@ -1,0 +1,159 @@
+"""A run folder as the report sees it (RunData, via rundir.read_run) and selections prose and figures share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..rundir import RunFolderError, read_run
+from ..shapley import SHIPPED
+
+ReportError = RunFolderError  # what `report` raises for a run folder it cannot use (and a bad --format)
+DEFAULT_CLIP_EPS = 0.2
+DEFAULT_CI_LEVEL = 0.95  # ablate's bootstrap interval before the manifest recorded its level
+
+
+@dataclass
+class RunData:
+    """Everything a report reads from one run folder."""
+
+    path: Path
+    manifest: dict
+    summary: pd.DataFrame
+    layers: pd.DataFrame
+    tokens: pd.DataFrame | None = None
+    tokens_file: str | None = None
+    ablation: pd.DataFrame | None = None
+    attribution: pd.DataFrame | None = None
+    extra: dict = field(default_factory=dict)  # optional tables by file stem: buckets, batch_invariance
+    n_prompts: int | None = None
+    n_truncated: int = 0
+
+    @property
+    def is_ablate(self) -> bool:
+        return self.ablation is not None
+
+    @property
+    def is_generate(self) -> bool:
+        return "generate" in self.manifest or (self.tokens is not None and "is_response" in self.tokens)
+
+    @property
+    def kind(self) -> str:
+        return "generate" if self.is_generate else "ablate" if self.is_ablate else "compare"
+
+    @property
+    def regions(self) -> list[str]:
+        listed = self.manifest.get("ablate", {}).get("regions")
+        if listed:
+            return [r for r in listed if r in self.ablation.columns]
+        return [c for c in self.ablation.columns if self.ablation[c].dtype == bool]
+
+    @property
+    def metric(self) -> str:
+        return self.manifest.get("ablate", {}).get("metric", "mean_kl")
+
+    @property
+    def combos(self) -> list[str]:
+        return list(self.ablation["combo"]) if self.is_ablate else []
+
+    @property
+    def all_aligned(self) -> str | None:
+        if not self.is_ablate or not self.regions:
+            return None
+        full = self.ablation[self.ablation[self.regions].astype(bool).all(axis=1)]
+        return str(full["combo"].iloc[0]) if len(full) else None
+
+    @property
+    def num_layers(self) -> int | None:
+        n = self.manifest.get("model", {}).get("num_layers")
+        if isinstance(n, int):
+            return n
+        from ..taps import LAYER_TAPS
+
+        decoder = self.layers[self.layers["tap"].isin(LAYER_TAPS)]
+        return int(decoder["layer"].max()) + 1 if len(decoder) else None
+
+    @property
+    def clip_eps(self) -> float:
+        return float(self.manifest.get("generate", {}).get("clip_eps", DEFAULT_CLIP_EPS))
+
+    @property
+    def ci_level(self) -> str:
+        """The bootstrap interval's level as the captions say it, e.g. "95%"."""
+        level = self.manifest.get("ablate", {}).get("ci_level", DEFAULT_CI_LEVEL)
+        return f"{100 * float(level):g}%"
+
+
+def _as_bool(series: pd.Series) -> pd.Series:
+    if series.dtype == bool:
+        return series
+    return series.astype(str).str.strip().str.lower().isin(("true", "1", "yes"))
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run folder; ReportError when it is missing, is not one, or has a cut or changed file."""
+    # The token strings are not needed and can be anything; they are not read.
+    folder = read_run(run_dir, drop=("token",))
+    path, tables = folder.path, folder.tables
+    summary = tables["summary.csv"]
+    if summary.empty:
+        raise ReportError(f"{path / 'summary.csv'} has no rows; rerun the command that made the run folder")
+    layers = tables.get("layers.csv", pd.DataFrame(columns=["layer", "tap", "rel_l2"]))
+    run = RunData(path=path, manifest=folder.manifest, summary=summary, layers=layers)
+
+    if "ablation.csv" in tables:
+        run.ablation = tables["ablation.csv"]
+        for region in run.regions:
+            run.ablation[region] = _as_bool(run.ablation[region])
+        if run.metric not in run.ablation.columns:
+            raise ReportError(f"{path / 'ablation.csv'} has no column {run.metric!r} (the manifest's ablate "
+                              "metric); rerun the ablation")
+    if "attribution.csv" in tables:
+        run.attribution = tables["attribution.csv"]
+        for col in ("main_effect", "leave_one_out", "ci_low", "ci_high"):
+            if col not in run.attribution:
+                run.attribution[col] = np.nan
+
+    run.tokens_file = folder.file_of("tokens.csv")
+    if run.tokens_file is not None:
+        run.tokens = tables[run.tokens_file]
+        if "is_response" in run.tokens:
+            run.tokens["is_response"] = _as_bool(run.tokens["is_response"])
+
+    for stem in ("buckets", "batch_invariance"):
+        if f"{stem}.csv" in tables:
+            run.extra[stem] = tables[f"{stem}.csv"]
+
+    if folder.prompts is not None:
+        run.n_prompts = len(folder.prompts)
+        run.n_truncated = sum(bool(r.get("truncated")) for r in folder.prompts)
+    elif run.tokens is not None:
+        run.n_prompts = int(run.tokens["prompt_id"].nunique())
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- selections
+def row_of(frame: pd.DataFrame, combo: str | None) -> pd.Series:
+    if combo is not None and "combo" in frame:
+        match = frame[frame["combo"] == combo]
+        if len(match):
+            return match.iloc[0]
+    return frame.iloc[0]
+
+
+def layers_of(run: RunData, combo: str | None) -> pd.DataFrame:
+    if "combo" in run.layers and combo is not None:
+        return run.layers[run.layers["combo"] == combo]
+    return run.layers
+
+
+def response_rho(run: RunData) -> np.ndarray | None:
+    if run.tokens is None or "is_response" not in run.tokens:
+        return None
+    t = run.tokens
+    if "combo" in t:
+        t = t[t["combo"] == SHIPPED]
+    return np.exp(t.loc[t["is_response"], "delta_logprob"].to_numpy(dtype=np.float64))

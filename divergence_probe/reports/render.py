@@ -1,0 +1,92 @@
+"""write_report: render a run folder (compare, ablate or generate) into a report folder, atomically.
+
+    from divergence_probe.reports import write_report
+    write_report("runs/qwen")                         # runs/qwen/report/report.md + figures/*.png|pdf
+    write_report("runs/qwen", fmt="html")             # one self-contained report.html (PNGs inlined)
+    write_report("runs/qwen", "paper/", fmt="latex")  # report.tex, summary.tex, ablation.tex, ... + PDFs
+
+The run type is read from the files present: ablation.csv makes an ablate run; a `generate` manifest section
+or tokens with `is_response` make a generate run; otherwise a compare run. tokens.csv may also be
+tokens.csv.gz, or absent (then the token figures are skipped and the report says so). A cut or changed file
+is refused before anything is written (rundir.read_run).
+
+Output is written like every other output of the tool (rundir.atomic_dir): into a hidden sibling folder
+renamed into place when complete, removed on any failure or interrupt. A folder that holds exactly a previous
+report (its file list is recorded in `.divergence-probe-report`) is replaced on re-render; any other
+non-empty folder is an OutputError. Identical inputs give byte-identical output: nothing in it depends on the
+time, the machine or the out path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import OutputError
+from ..rundir import atomic_dir, locked
+from . import document as doc
+from .figure_specs import figure_specs
+from .load import ReportError, RunData, load_run
+from .prose import build_document, title
+
+FORMATS = {"md": "report.md", "html": "report.html", "latex": "report.tex"}
+MARKER = ".divergence-probe-report"  # lists the files of a report folder, so a re-render may replace it
+
+
+def _render(run: RunData, out: Path, fmt: str) -> None:
+    from . import figures as F
+
+    specs, skipped = figure_specs(run)
+    for spec in specs:
+        fig = spec.draw()
+        F.save(fig, out / doc.FIGURE_DIR, spec.stem)
+    blocks = build_document(run, specs, skipped)
+    heading = title(run)
+    if fmt == "md":
+        (out / FORMATS["md"]).write_text(doc.to_markdown(blocks), encoding="utf-8")
+    elif fmt == "html":
+        images = {s.stem: (out / doc.FIGURE_DIR / f"{s.stem}.png").read_bytes() for s in specs}
+        (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
+    else:
+        main, tables = doc.to_latex(blocks, heading)
+        for name, source in tables.items():
+            (out / f"{name}.tex").write_text(source, encoding="utf-8")
+        (out / FORMATS["latex"]).write_text(main, encoding="utf-8")
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+
+
+def _is_previous_report(out_dir: Path) -> bool:
+    marker = out_dir / MARKER
+    if not marker.is_file():
+        return False
+    listed = set(marker.read_text(encoding="utf-8").splitlines()) | {MARKER}
+    return all(f in listed for f in _files(out_dir)) and all(
+        p.is_dir() or p.is_file() for p in out_dir.rglob("*"))  # no links or special files
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -> Path:
+    """Render the run folder `run_dir` into `out_dir` (default: run_dir/report); return the main file
+    (report.md, report.html or report.tex). Raises ReportError for a bad run folder and OutputError for an
+    out_dir that is neither new, empty nor a previous report."""
+    if fmt not in FORMATS:
+        raise ReportError(f"--format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    run = load_run(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    if out_dir.resolve() == run.path.resolve():
+        raise OutputError(f"--out {out_dir} is the run folder itself; choose another --out (default: RUN_DIR/report)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"--out {out_dir} is a file, not a folder; choose another --out or remove the file")
+    with locked(out_dir):
+        if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_previous_report(out_dir):
+            raise OutputError(f"{out_dir} already exists and holds files other than a previous report; "
+                              "choose another --out or remove it")
+        with atomic_dir(out_dir, replace=_is_previous_report) as tmp:
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report is meant to be shared
+            _render(run, tmp, fmt)
+            (tmp / MARKER).write_text("\n".join(_files(tmp)) + "\n", encoding="utf-8")
+    return out_dir / FORMATS[fmt]
