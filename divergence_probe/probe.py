@@ -69,6 +69,18 @@ class Probe:
         spec = spec_from_flat(kind, **options)
         return replace(spec, load=self.config)
 
+    def with_trainer(self, **changes) -> "Probe":
+        """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
+        the engine is not reloaded, so two training configurations are compared against the very same engine."""
+        allowed = {"train", "train_attn", "train_sdpa", "train_state"}
+        if set(changes) - allowed:
+            raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
+        config = replace(self.config, **changes)
+        settings = stack_settings(config, self.source)
+        train = get_stack(config.train)
+        train.load(settings)
+        return replace(self, config=config, settings=settings, train=train)
+
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
         return {
@@ -104,14 +116,9 @@ class Probe:
         self.close()
 
 
-def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) -> Probe:
-    """Resolve the model, load it into the training stack (checking weights) and the inference stack.
-    `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...)."""
-    from transformers import AutoTokenizer
-
-    cfg = spec or LoadSpec(model=model, **config)
-    source = resolve_model(cfg.model)
-    settings = StackSettings(
+def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
+    """What both stacks are loaded with: one object, so the two sides provably get the same dtype and device."""
+    return StackSettings(
         model_path=str(source.path),
         dtype=DTYPES[cfg.dtype],
         device=resolve_device(cfg.device),
@@ -120,6 +127,16 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) ->
         train_attn=cfg.train_attn,
         batch_tokens=cfg.batch_tokens,
     )
+
+
+def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) -> Probe:
+    """Resolve the model, load it into the training stack (checking weights) and the inference stack.
+    `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...)."""
+    from transformers import AutoTokenizer
+
+    cfg = spec or LoadSpec(model=model, **config)
+    source = resolve_model(cfg.model)
+    settings = stack_settings(cfg, source)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)

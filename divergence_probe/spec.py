@@ -26,6 +26,7 @@ from .taps import ALL_TAPS, parse_tap_selection
 DTYPES = ("bfloat16", "float16", "float32")
 TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
 TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
+TRAIN_STATES = ("isolated", "inherited")
 ENGINES = ("eager", "compiled")
 DEVICES = ("auto", "cpu", "cuda")
 SIDES = ("both", "train", "infer")
@@ -74,6 +75,9 @@ class LoadSpec:
     train_attn: str = option("sdpa", "transformers attention on the training side: sdpa, eager or flash_attention_2.")
     train_sdpa: str = option("auto", "SDPA kernel of the training side: auto (torch picks, as in a trainer process), "
                                      "math, flash, efficient or cudnn.")
+    train_state: str = option("isolated", "Torch numerics state of the training side: isolated (the global flags as "
+                                          "before vLLM was imported: what a trainer process has) or inherited (what "
+                                          "vLLM left in this process; for measuring the difference).")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -86,6 +90,7 @@ class LoadSpec:
         _choice(self.engine, ENGINES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
+        _choice(self.train_state, TRAIN_STATES, "--train-state")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
