@@ -79,7 +79,8 @@ def resolve_model(spec: str | None) -> ModelSource:
         raw = config_file.read_bytes()
         config = json.loads(raw)
     except (OSError, json.JSONDecodeError) as e:
-        raise ModelError(f"cannot read {config_file}: {e}; is {path} a Hugging Face checkpoint folder?") from e
+        raise ModelError(f"cannot read {config_file}: {e}; is {path} a Hugging Face checkpoint folder? If so, "
+                         "re-copy its config.json") from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"{config_file} has no 'model_type'; add the checkpoint's, e.g. \"model_type\": \"qwen3\"")
     arch = config.get("model_type")

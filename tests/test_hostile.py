@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.errors import ModelError, StackError
 from divergence_probe.model_source import resolve_model
+from divergence_probe.signals import Stopped, stop_on_signals
 from divergence_probe.stacks.base import StackSettings
 from divergence_probe.stacks.hf import HFStack
 
@@ -123,6 +124,10 @@ BROKEN = [
     ("required_field_removed", "qwen3", _pop("hidden_size"), None, None, ("hidden_size", "config.json")),
     ("rope_theta_removed", "qwen3", _pop("rope_parameters"), None, None, ("rope_theta", "config.json")),
     ("model_type_removed", "qwen3", _pop("model_type"), None, None, ("model_type", "config.json")),
+    ("config_cut", "qwen3", None, None,
+     lambda f: (f / "config.json").write_text((f / "config.json").read_text()[:200]), ("config.json",)),
+    ("config_wrong_type", "qwen3", _set(num_attention_heads="four"), None, None,
+     ("config.json", "transformers cannot build a model")),
     ("layer_count_contradicts_weights", "qwen3",
      lambda d: d.update(num_hidden_layers=3, layer_types=d["layer_types"][:3]), None, None,
      ("num_hidden_layers=3", "model.safetensors", "0..3")),
@@ -204,6 +209,22 @@ def test_markup_in_a_message_is_printed_as_is(tmp_path):
     assert_one_error_line(result, "[red]model")
 
 
+def test_signal_arriving_inside_a_finalizer_is_not_lost():
+    """Python ignores an exception raised in __del__ ("Exception ignored"), so a signal that lands in a finalizer
+    is raised again once it has returned, instead of being swallowed while the command runs on."""
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # bytecodes after the kill: the handler runs here, inside __del__
+                pass
+
+    with pytest.raises(Stopped) as stopped, stop_on_signals():
+        Finalizer()  # collected at once
+        time.sleep(5)  # the re-raised signal interrupts this
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
+
+
 # ------------------------------------------------------------------------------------------------ subprocesses
 
 
@@ -261,14 +282,15 @@ def run_folder(tmp_path_factory, qwen3_tiny):
     return out
 
 
-def test_sigterm_during_report_leaves_nothing(run_folder, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_report_leaves_nothing(signum, run_folder, tmp_path):
     before = {p.name for p in run_folder.iterdir()}
     proc = cli("report", run_folder, tmpdir=tmp_path)
     wait_for(lambda: any(p.name.startswith(".report.") for p in run_folder.iterdir()), proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert error_lines(err) == ["stopped: SIGTERM received; nothing was left half-written"], err
+    assert proc.returncode == 128 + signum, err
+    assert error_lines(err) == [f"stopped: {signum.name} received; nothing was left half-written"], err
     assert {p.name for p in run_folder.iterdir()} == before
 
 
