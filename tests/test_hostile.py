@@ -121,7 +121,7 @@ BROKEN = [
      ("model.layers.0.mlp.extra.weight", "model.safetensors", "remove it")),
     ("shape_contradicts_config", "qwen3", _set(intermediate_size=512), None, None,
      ("model.layers.0.mlp.gate_proj.weight", "intermediate_size=512", "[384, 128]")),
-    ("required_field_removed", "qwen3", _pop("hidden_size"), None, None, ("hidden_size", "config.json")),
+    ("required_field_removed", "qwen3", _pop("hidden_size"), None, None, ("has no 'hidden_size'", "config.json")),
     ("rope_theta_removed", "qwen3", _pop("rope_parameters"), None, None, ("rope_theta", "config.json")),
     ("model_type_removed", "qwen3", _pop("model_type"), None, None, ("model_type", "config.json")),
     ("config_cut", "qwen3", None, None,
