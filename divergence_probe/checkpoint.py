@@ -113,6 +113,9 @@ def checkpoint_tensors(folder: Path) -> dict[str, Tensor]:
         raise ModelError(f"cannot read the shard index {index_path} ({type(e).__name__}: {_one_line(e)}); re-copy or re-export "
                          "the checkpoint") from None
     shards = sorted(set(weight_map.values()))
+    if (folder / SINGLE_FILE).is_file() and SINGLE_FILE not in shards:
+        raise ModelError(f"{folder} has both {SINGLE_FILE} and {INDEX_FILE}, which does not list it: transformers would "
+                         f"load {SINGLE_FILE} and vLLM the indexed shards; remove whichever is stale")
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
         raise ModelError(f"{folder} lacks shard {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
