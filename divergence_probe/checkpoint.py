@@ -1,7 +1,7 @@
 """Check, before either stack loads it, that a checkpoint folder holds exactly the model its config describes.
 
 transformers and vLLM disagree on what to do with a checkpoint that does not fully describe its model: a tensor
-the config needs but the files lack is random in transformers and zero in vLLM, a tensor the config does not
+the config needs but the files lack is random in transformers and never loaded in vLLM, a tensor the config does not
 know is skipped by one and may break the other, a second *.safetensors file is read by vLLM only. Loaded
 anyway, such a checkpoint makes the two stacks run different models, and the tool would report the difference
 as rounding. So the files are checked against the model transformers builds from config.json (on the meta
@@ -213,8 +213,8 @@ def check_weights(folder: Path, config: dict) -> None:
         fix = ("set tie_word_embeddings to true if the output layer shares the embedding, or add lm_head.weight"
                if name == "lm_head.weight" else "re-export the checkpoint with all its weights")
         tie = f" while config.json says tie_word_embeddings={cfg.tie_word_embeddings}" if name == "lm_head.weight" else ""
-        raise ModelError(f"{where} in {folder} lacks tensor {name}{more}{tie}: transformers would fill it with random "
-                         f"values and vLLM with zeros; {fix}")
+        raise ModelError(f"{where} in {folder} lacks tensor {name}{more}{tie}: transformers would initialise it at random "
+                         f"and vLLM would not load it at all; {fix}")
     if unexpected:
         name, more = unexpected[0], f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ModelError(f"{found[name].file} in {folder} has tensor {name}{more}, which {SUPPORTED_ARCHS[arch]} from "
