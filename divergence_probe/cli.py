@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -27,7 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Find where vLLM and the transformers training stack round differently, layer by layer and token by token.",
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one line in a pipe or CI log (no 80-column wrap)
 out = Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
@@ -36,8 +37,13 @@ OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Def
 def _fail(error: ProbeError) -> None:
     if os.environ.get("DP_RAISE_ERRORS"):
         raise error
-    console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
+    console.print(f"[bold red]error:[/] {escape(_one_line(error))}", highlight=False, markup=True)
     raise typer.Exit(error.exit_code)
+
+
+def _one_line(error: BaseException) -> str:
+    """Messages that quote a library's text can hold newlines; a log line must not."""
+    return " ".join(str(error).split())
 
 
 def _progress() -> Progress:
@@ -262,4 +268,12 @@ def make_model(
 
 
 def main() -> None:
-    app()
+    """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N."""
+    from .signals import Stopped, stop_on_signals
+
+    try:
+        with stop_on_signals():
+            app()
+    except Stopped as e:
+        console.print(f"[bold red]stopped:[/] {e.name} received; nothing was left half-written", highlight=False)
+        raise SystemExit(e.code) from None

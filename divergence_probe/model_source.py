@@ -1,4 +1,5 @@
-"""Resolve `--model` to one local checkpoint folder that both stacks load, and check it is one we understand.
+"""Resolve `--model` to one local checkpoint folder that both stacks load, and check it is one we understand
+(the file-level checks are in checkpoint.py).
 
 A hub id is downloaded once, here, so vLLM and transformers read the very same files; both stacks are
 then given the local path and never touch the network.
@@ -11,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import check_config, check_tokenizer, check_weights
 from .errors import ModelError
 
 SUPPORTED_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -77,7 +79,10 @@ def resolve_model(spec: str | None) -> ModelSource:
         raw = config_file.read_bytes()
         config = json.loads(raw)
     except (OSError, json.JSONDecodeError) as e:
-        raise ModelError(f"cannot read {config_file}: {e}; is {path} a Hugging Face checkpoint folder?") from e
+        raise ModelError(f"cannot read {config_file}: {e}; is {path} a Hugging Face checkpoint folder? If so, "
+                         "re-copy its config.json") from e
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelError(f"{config_file} has no 'model_type'; add the checkpoint's, e.g. \"model_type\": \"qwen3\"")
     arch = config.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise ModelError(
@@ -86,4 +91,8 @@ def resolve_model(spec: str | None) -> ModelSource:
         )
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization=True")
+    # Before either stack loads: what the two would load differently, or fail on with a traceback.
+    check_config(path, config, SUPPORTED_ARCHS[arch])
+    check_weights(path, config)
+    check_tokenizer(path, int(config["vocab_size"]))
     return ModelSource(spec=spec, path=path.resolve(), config=config, config_sha256=hashlib.sha256(raw).hexdigest())

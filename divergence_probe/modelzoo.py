@@ -17,6 +17,7 @@ library by scripts/train_default_model.py and shipped in data/default_model/ (mo
 """
 
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -285,9 +286,16 @@ def make_model(
     except OSError as e:
         raise OutputError(f"cannot write in {out_dir.parent}: {e.strerror}; choose another path") from None
 
+    old = None
     try:
-        _write_model(tmp, arch, preset, seed, num_layers)
-        old = None
+        try:
+            _write_model(tmp, arch, preset, seed, num_layers)
+        except Exception as e:
+            reason = _os_error(e)
+            if reason is None:
+                raise
+            raise OutputError(f"cannot write the model to {out_dir}: {reason}; free space on that disk or choose "
+                              "another path") from e
         if overwrite and out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             out_dir.rename(old)
@@ -296,15 +304,27 @@ def make_model(
         except OSError:
             if old is not None:
                 old.rename(out_dir)
+                old = None
             raise OutputError(
                 f"{out_dir} was written by someone else during the build; pass --overwrite or choose another path"
             ) from None
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:  # BaseException: Ctrl-C must not leave a half-written directory either
+    except BaseException:  # BaseException: Ctrl-C or SIGTERM (signals.py) must not leave a half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out_dir.exists():  # stopped between the two renames: put the old model back
+            old.rename(out_dir)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _os_error(e: BaseException) -> str | None:
+    """The OS error behind a failed write, or None if it was not one: an OSError, or the `os error N` that the
+    Rust writers of safetensors and tokenizers put in their own exception's message."""
+    if isinstance(e, OSError):
+        return f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
+    match = re.search(r"os error (\d+)", str(e))
+    return f"{os.strerror(int(match.group(1)))} (errno {match.group(1)})" if match else None
 
 
 def default_model_path() -> Path:

@@ -5,6 +5,7 @@ No vLLM here: starting an engine takes a minute, and the vLLM stack's tests do i
 """
 
 import unicodedata
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,41 @@ def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, exc):
     with pytest.raises(type(exc)):
         make_model(tmp_path / "m")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("exc", [
+    OSError(28, "No space left on device", "model.safetensors"),
+    Exception("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors' Rust
+], ids=["OSError", "rust-writer"])
+def test_full_disk_is_an_output_error_naming_the_folder(tmp_path, monkeypatch, exc):
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(modelzoo, "_random_model", fail)
+    with pytest.raises(OutputError, match=f"cannot write the model to {tmp_path / 'm'}: No space left on device"):
+        make_model(tmp_path / "m")
+    assert not any(tmp_path.iterdir())
+
+
+def test_stop_between_the_renames_puts_the_old_model_back(tmp_path, monkeypatch):
+    """--overwrite moves the old model aside, then renames the new one in: a signal between the two must not
+    leave the user with neither."""
+    model = make_model(tmp_path / "m", seed=0)
+    before = (model / "model.safetensors").read_bytes()
+    rename, calls = Path.rename, []
+
+    def stopped_second(self, target):
+        calls.append(self)
+        if len(calls) == 2:  # the old model is aside, the new one not yet in place
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped_second)
+    with pytest.raises(KeyboardInterrupt):
+        make_model(model, seed=1, overwrite=True)
+    monkeypatch.undo()
+    assert (model / "model.safetensors").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 def test_default_model_is_the_shipped_trained_model(tmp_path, monkeypatch):

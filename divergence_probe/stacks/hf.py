@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..environment import to_device
-from ..errors import ModelError, NumericsError
+from ..errors import ModelError, NumericsError, StackError
 from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
@@ -38,12 +38,28 @@ class HFStack:
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
+        if settings.train_attn == "flash_attention_2":  # say what is missing before a slow load fails on it
+            from importlib.util import find_spec
+
+            if settings.device != "cuda":
+                raise StackError(f"--train-attn flash_attention_2 needs a CUDA device (this run uses "
+                                 f"{settings.device}); use --train-attn sdpa or eager")
+            if find_spec("flash_attn") is None:
+                raise StackError("--train-attn flash_attention_2 needs the flash-attn package, which is not installed; "
+                                 "`pip install flash-attn --no-build-isolation` on the CUDA machine, or use --train-attn sdpa")
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                settings.model_path, dtype=settings.dtype, attn_implementation=settings.train_attn
+            model, info = AutoModelForCausalLM.from_pretrained(
+                settings.model_path, dtype=settings.dtype, attn_implementation=settings.train_attn,
+                output_loading_info=True,
             )
-        except (OSError, ValueError, ImportError) as e:
-            raise ModelError(f"transformers could not load {settings.model_path}: {e}") from e
+        except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: shape mismatches
+            raise ModelError(f"transformers could not load {settings.model_path}: {' '.join(str(e).split())}") from e
+        # Second line of defence behind model_source's checks: transformers' own report of what it did not load.
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            if info.get(kind):
+                first = sorted(info[kind], key=str)[0]
+                raise ModelError(f"transformers reports {kind.replace('_', ' ')} loading {settings.model_path} (first: "
+                                 f"{first}); the checkpoint does not match its config.json: re-export it")
         self.model = model.to(settings.device).eval()
         bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:

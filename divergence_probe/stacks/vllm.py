@@ -21,6 +21,8 @@ exactly what the next layer's fused add+norm computes.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -83,6 +85,38 @@ def _disable_flashinfer_sampler_if_missing() -> None:
             return
         if hasattr(topk_topp_sampler, "flashinfer_sampler_supported"):
             topk_topp_sampler.flashinfer_sampler_supported = lambda: False
+
+
+_DIST_FILES: list[str] = []  # the rendezvous files this process's engine start created
+
+
+def _track_dist_files() -> None:
+    """Record the path of the rendezvous file vLLM 0.32's single-process executor creates in the temp folder
+    (vllm_dist_<uuid>, utils/network_utils.get_file_store_init_method), so that it can be removed: torch's
+    FileStore deletes it only when the store is destroyed, which a failed engine start or a process killed by a
+    signal never does. Only this process's own files are touched; other processes' engines keep theirs."""
+    try:
+        from vllm.v1.executor import uniproc_executor
+    except ImportError:
+        return
+    make = getattr(uniproc_executor, "get_file_store_init_method", None)
+    if make is None or getattr(make, "tracked", False):  # vLLM 0.24 rendezvous over TCP: no file
+        return
+
+    def tracked() -> str:
+        method = make()
+        _DIST_FILES.append(method.removeprefix("file://"))
+        return method
+
+    tracked.tracked = True
+    uniproc_executor.get_file_store_init_method = tracked
+    atexit.register(_remove_dist_files)  # after a signal or at exit; FileStore tolerates its file being gone
+
+
+def _remove_dist_files() -> None:
+    while _DIST_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_DIST_FILES.pop())
 
 
 def _find_runner(llm):
@@ -167,6 +201,7 @@ class VLLMStack:
         if not _ENGINE:
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
+            _track_dist_files()
             dtype = str(settings.dtype).removeprefix("torch.")
             try:
                 with warnings.catch_warnings():
@@ -184,7 +219,9 @@ class VLLMStack:
                         gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
                     )
             except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
-                raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: {e}") from e
+                _remove_dist_files()
+                raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
+                                 f"{' '.join(str(e).split())}") from e
             _ENGINE.update(key=settings, llm=llm)
         self.llm = _ENGINE["llm"]
         self.runner = _find_runner(self.llm)
