@@ -77,3 +77,79 @@ def toy():
         REGIONS.pop("toy-align")
         for remove in removers:
             remove()
+
+
+_DRIVER = """
+import json, sys
+from divergence_probe.cli import app
+for name, args in json.loads(sys.argv[1]):
+    sys.argv = ["divergence-probe", *args]  # what the manifest records as the command line
+    code = app(args, standalone_mode=False)
+    if code:
+        sys.exit(f"{name} exited with {code}")
+"""
+
+
+@pytest.fixture(scope="session")
+def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[str, Path]]:
+    """CLI runs that need engines of their own, in three new processes started together (vLLM's CPU backend hosts
+    one engine per process; one engine serves every run of its process):
+    "a" and "b" run the same Qwen2 compare (every tap) and generate-mode compare, and "a" ablates Qwen2; "a" with
+    an empty torch.compile cache of its own, so that its tap reduction is compiled anew;
+    "builtin" ablates the built-in trained model. Returns {process: {run: run dir}}."""
+    import json
+    import subprocess
+    import sys
+
+    model = ["--model", str(qwen2_tiny), "--prompts", str(prompts_file), "--device", "cpu"]
+    commands = {
+        "prefill": ["compare", *model, "--taps", "all"],
+        "generate": ["compare", *model, "--num-prompts", "2", "--taps", "none", "--mode", "generate",
+                     "--max-new-tokens", "8", "--samples-per-prompt", "2", "--temperature", "0.7", "--top-p", "0.9"],
+        "ablate": ["ablate", *model, "--num-prompts", "1", "--bootstrap", "50"],
+        "builtin-ablate": ["ablate", "--device", "cpu", "--num-prompts", "2", "--max-prompt-tokens", "64",
+                           "--taps", "none", "--bootstrap", "0"],
+    }
+    root = tmp_path_factory.mktemp("processes")
+    procs, runs = {}, {}
+    for name, plan in (("a", ["prefill", "generate", "ablate"]), ("b", ["prefill", "generate"]),
+                       ("builtin", ["builtin-ablate"])):
+        runs[name] = {run: root / name / run for run in plan}
+        argv = [(run, [*commands[run], "--out", str(runs[name][run])]) for run in plan]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        if name == "a":  # compiles the reduction anew; "b" finds it in the user's cache, or compiles it there
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "empty-inductor-cache")
+        procs[name] = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(argv)], cwd=root, env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, f"process {name} failed:\n{err[-3000:]}"
+    return runs
+
+
+@pytest.fixture
+def nan_on_forward(monkeypatch):
+    """nan_on_forward(n): from now on, the n-th forward of a transformers model loaded by a stack returns NaN
+    logits (counted over both stacks): a run that fails midway, after some prompts were scored and reduced."""
+    from divergence_probe.stacks.hf import HFStack
+
+    calls = {"n": 0, "fail_at": None}
+    real_load = HFStack.load
+
+    def poison(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            output.logits.fill_(float("nan"))
+        return output
+
+    def load(self, settings):
+        real_load(self, settings)
+        self.model.register_forward_hook(poison)
+
+    monkeypatch.setattr(HFStack, "load", load)
+
+    def arm(n: int) -> dict:
+        calls["fail_at"] = n
+        return calls
+
+    return arm

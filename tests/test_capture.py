@@ -115,3 +115,51 @@ def test_training_only_and_duplicate_taps_are_errors():
     pairing.pair(0, key, _taps(0, tokens=5)[key][1])
     with pytest.raises(StackError, match="twice"):
         pairing.pair(0, key, _taps(0, tokens=5)[key][1])
+
+
+def test_capture_holds_one_prompt_of_taps_whatever_the_number_of_prompts(vllm_probe, tmp_path, monkeypatch):
+    """What the capture holds, not how long it takes: with one prompt per inference batch (--batch-tokens below a
+    prompt's length), when a prompt's taps are reduced the only tap tensors still alive are that prompt's; the
+    most tap memory alive is the same for 4 prompts as for 2; and no tap outlives the run. The taps: one vLLM
+    clones (q_norm), one it hands over as a view (swiglu), one the tool forms (resid_out), and the logits."""
+    import dataclasses
+    import gc
+    import weakref
+
+    handed: list[tuple[int, weakref.ref]] = []  # every tap tensor either stack handed to the capture
+    at_finish: list[tuple[int, set[int], int]] = []  # (prompt reduced, prompts with taps alive, bytes alive)
+    park, pair, finish = TapPairing.park, TapPairing.pair, TapPairing.finish_prompt
+
+    def watch(real):
+        def wrapped(self, prompt_id, key, tensor):
+            handed.append((prompt_id, weakref.ref(tensor)))
+            real(self, prompt_id, key, tensor)
+        return wrapped
+
+    def finish_watched(self, prompt_id):
+        gc.collect()
+        alive = [(pid, ref()) for pid, ref in handed]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, t in alive if t is not None}
+        at_finish.append((prompt_id, {pid for pid, t in alive if t is not None}, sum(storages.values())))
+        del alive
+        finish(self, prompt_id)
+
+    monkeypatch.setattr(TapPairing, "park", watch(park))
+    monkeypatch.setattr(TapPairing, "pair", watch(pair))
+    monkeypatch.setattr(TapPairing, "finish_prompt", finish_watched)
+    probe = dataclasses.replace(vllm_probe, settings=dataclasses.replace(vllm_probe.settings, batch_tokens=1))
+    most = {}
+    for n in (2, 4):
+        prompts = tmp_path / f"{n}.txt"
+        prompts.write_text("\n\n".join(["The same prompt, again: memory must not grow with their number."] * n))
+        handed.clear()
+        at_finish.clear()
+        run = probe.compare(prompts=prompts, taps="q_norm,swiglu,resid_out,logits")
+        assert len(run.prompts) == n and [pid for pid, _, _ in at_finish] == list(range(n))
+        for prompt_id, alive, _ in at_finish:
+            assert alive == {prompt_id}, (prompt_id, alive)
+        most[n] = max(nbytes for _, _, nbytes in at_finish)
+        del run
+        gc.collect()
+        assert all(ref() is None for _, ref in handed)
+    assert most[4] == most[2] > 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from divergence_probe.compare import PendingScores, ScoredSequence
-from divergence_probe.errors import NumericsError
+from divergence_probe.errors import NumericsError, StackError
 from divergence_probe.metrics import token_logprobs
 from divergence_probe.prompts import Prompt
 from divergence_probe.taps import ALL_TAPS, expected_taps
@@ -66,6 +69,38 @@ def test_captured_logits_reproduce_vllm_logprobs_exactly_on_cpu(vllm_probe, prom
     assert run.manifest["stacks"]["infer"]["settings"]["captured_logits_vs_reported_logprobs_max_gap"] == 0.0
 
 
+def _nudged(reported: torch.Tensor, position: int, steps: int, spacing: float) -> torch.Tensor:
+    out = reported.clone()
+    out[position] = float(reported[position]) - steps * spacing  # exact: a multiple of the value's own spacing
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_captured_logits_must_reproduce_reported_logprobs_within_the_documented_bound(device):
+    """stacks/vllm.py checks the captured logits against vLLM's reported logprobs: on the CPU not one ULP may differ;
+    on a GPU up to 4 float32 ULPs of the larger of |logit| and |logsumexp| (the bound justified there), no more."""
+
+    from divergence_probe.stacks.vllm import VLLMStack
+
+    stack = VLLMStack()
+    stack.settings = SimpleNamespace(device=device)  # the check reads only the device (tensors stay on the CPU)
+    g = torch.Generator().manual_seed(0)
+    logits = (20 + 2 * torch.randn(6, 500, generator=g)).bfloat16()  # logit and logsumexp > 0: |logprob| is smaller
+    tokens = [0, 7, 42, 99, 3, 250, 499]
+    exact = logits.log_softmax(-1, dtype=torch.float32)[torch.arange(6), torch.tensor(tokens[1:])]
+    lse = torch.logsumexp(logits.double(), -1)
+    spacing = float(np.spacing(np.float32(lse[3].item())))  # float32 ULP of the larger term (logsumexp) at row 3
+
+    stack._check_logits(logits, tokens, exact, "prompt 0")
+    assert stack.recompute_gap == 0.0
+    allowed = 0 if device == "cpu" else 4
+    if allowed:
+        stack._check_logits(logits, tokens, _nudged(exact, 3, allowed, spacing), "prompt 0")
+        assert stack.recompute_gap == allowed * spacing  # recorded for the manifest
+    with pytest.raises(StackError, match="prompt 0 do not reproduce vLLM's own logprobs .* at position 4"):
+        stack._check_logits(logits, tokens, _nudged(exact, 3, allowed + 1, spacing), "prompt 0")
+
+
 def test_taps_do_not_change_logprobs(vllm_probe, prompts_file):
     tapped = vllm_probe.compare(prompts=prompts_file, taps="all").tokens_table
     untapped = vllm_probe.compare(prompts=prompts_file, taps="none").tokens_table
@@ -104,17 +139,14 @@ def test_first_divergence_is_reported_in_forward_order(vllm_probe, prompts_file)
 
 
 def test_batches_do_not_change_results(vllm_probe, prompts_file):
-    """Pairing taps across inference batches of different sizes gives the same per-tap aggregates."""
-    import dataclasses
-
-    from divergence_probe.compare import run_compare
-
-    spec = vllm_probe._spec("compare", None, dict(prompts=prompts_file, taps="resid_out,logits"))
-    one_batch = run_compare(vllm_probe, spec)
+    """Pairing taps across inference batches of different sizes (all prompts in one engine step, or one prompt
+    per step) gives the same per-tap aggregates and token scores, bit for bit."""
+    one_batch = vllm_probe.compare(prompts=prompts_file, taps="resid_out,logits")
     small = dataclasses.replace(vllm_probe, settings=dataclasses.replace(vllm_probe.settings, batch_tokens=1))
-    per_prompt = run_compare(small, spec)
-    assert list(per_prompt.layers_table["tap"]) == list(one_batch.layers_table["tap"])
-    assert len(per_prompt.tokens) == len(one_batch.tokens)
+    per_prompt = small.compare(prompts=prompts_file, taps="resid_out,logits")
+    assert len(one_batch.layers_table) == vllm_probe.source.num_layers + 1
+    assert per_prompt.layers_table.equals(one_batch.layers_table)
+    assert per_prompt.tokens_table.equals(one_batch.tokens_table)
 
 
 def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompts_file, monkeypatch):
@@ -173,3 +205,70 @@ def test_pending_scores_refuse_non_finite_logits_naming_the_side():
     bad[1, 2] = float("inf")
     with pytest.raises(NumericsError, match="the training stack produced NaN/Inf logits on prompt 7"):
         _pending(good, bad).read()
+
+
+def test_side_infer_and_side_train_align_only_that_stack(vllm_probe, prompts_file):
+    """--side infer patches the engine alone (the trainer's logprobs stay those of the shipped run, bit for bit),
+    --side train the trainer alone."""
+    shipped = vllm_probe.compare(prompts=prompts_file, taps="none").tokens_table
+    for side, kept, moved in (("infer", "logprob_train", "logprob_infer"), ("train", "logprob_infer", "logprob_train")):
+        run = vllm_probe.compare(prompts=prompts_file, taps="none", align="rope,swiglu,rmsnorm", side=side)
+        assert run.manifest["align"] == {"regions": ["rope", "swiglu", "rmsnorm"], "side": side}
+        assert run.tokens_table[kept].equals(shipped[kept]), side
+        assert not run.tokens_table[moved].equals(shipped[moved]), side
+
+
+def _abs_deltas(alone: list[list[float]], together: list[list[float]]) -> np.ndarray:
+    return np.concatenate([np.abs(np.array(b, dtype=np.float64) - np.array(a, dtype=np.float64))
+                           for a, b in zip(alone, together)])
+
+
+def test_batch_invariance_values_equal_an_independent_recomputation(vllm_probe, qwen3_tiny, prompts_file):
+    """The noise-floor rows hold what each stack does alone vs batched, recomputed here without the tool: vLLM's own
+    prompt logprobs from one request per call and from all requests in one call; a fresh transformers model run on
+    each prompt alone and on all of them right-padded in one forward with an attention mask."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    run = vllm_probe.compare(prompts=prompts_file, taps="none", batch_invariance=True)
+    rows = run.batch_invariance.set_index("side")
+    ids = [list(p.token_ids) for p in run.prompts]
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    llm = vllm_probe.infer.llm
+
+    def vllm_logprobs(group):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in group], params, use_tqdm=False)
+        return [[e[tok].logprob for e, tok in zip(o.prompt_logprobs[1:], t[1:])] for o, t in zip(outs, group)]
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_tiny, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+
+    def hf_logprobs(logits, t):
+        return torch.log_softmax(logits[: len(t) - 1].float(), -1).gather(-1, torch.tensor(t[1:])[:, None])[:, 0].tolist()
+
+    with torch.inference_mode():
+        hf_alone = [hf_logprobs(model(input_ids=torch.tensor([t])).logits[0], t) for t in ids]
+        longest = max(map(len, ids))
+        padded = torch.tensor([t + [0] * (longest - len(t)) for t in ids])
+        mask = torch.tensor([[1] * len(t) + [0] * (longest - len(t)) for t in ids])
+        batch_logits = model(input_ids=padded, attention_mask=mask).logits
+        hf_together = [hf_logprobs(batch_logits[i], t) for i, t in enumerate(ids)]
+
+    for side, alone, together in (("infer", [vllm_logprobs([t])[0] for t in ids], vllm_logprobs(ids)),
+                                  ("train", hf_alone, hf_together)):
+        d = _abs_deltas(alone, together)
+        row = rows.loc[side]
+        assert (row.n_tokens, row.batch_size) == (len(d), len(ids)), side
+        assert row.mean_abs_dlogp == d.mean() and row.max_abs_dlogp == d.max(), (side, row.mean_abs_dlogp, d.mean())
+    assert run.summary["noise_infer_mean_abs_dlogp"] == rows.loc["infer", "mean_abs_dlogp"]
+    assert run.summary["noise_train_mean_abs_dlogp"] == rows.loc["train", "mean_abs_dlogp"]
+
+
+def test_hf_noise_floor_rows_with_infer_hf_are_the_same_transformers_numbers(hf_probe, prompts_file):
+    """With --infer hf both rows are transformers instances of the same checkpoint: the same alone-vs-batched
+    difference on both sides, to the bit (not 0: a right-padded batch changes transformers' numbers on the CPU)."""
+    floor = hf_probe.compare(prompts=prompts_file, taps="none", batch_invariance=True).batch_invariance
+    infer, train = (floor[floor.side == s].drop(columns="side").reset_index(drop=True) for s in ("infer", "train"))
+    assert infer.equals(train)
+    assert infer.mean_abs_dlogp[0] > 0  # padding a batch does move transformers' logprobs: not an empty check

@@ -9,15 +9,24 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.errors import StackError
 from divergence_probe.taps import ALL_TAPS, expected_taps
+from test_compare_cli import assert_one_line_error
 
 GEN = dict(max_new_tokens=12, samples_per_prompt=2, temperature=1.0)
 
 
-def test_generate_is_reproducible_byte_for_byte(vllm_probe, prompts_file, tmp_path):
-    for name in ("a", "b"):
-        vllm_probe.compare(prompts=prompts_file, generate=GEN).write(tmp_path / name)
+def test_generate_is_reproducible_and_taps_change_nothing(vllm_probe, prompts_file, tmp_path):
+    """The same run twice gives the same bytes; without taps (no hook on any decode step), the same samples,
+    logprobs and RL metrics, bit for bit."""
+    for name, taps in (("a", "all"), ("b", "all"), ("untapped", "none")):
+        vllm_probe.compare(prompts=prompts_file, taps=taps, generate=GEN).write(tmp_path / name)
     for csv in ("tokens.csv", "layers.csv", "summary.csv", "buckets.csv"):
         assert (tmp_path / "a" / csv).read_bytes() == (tmp_path / "b" / csv).read_bytes(), csv
+    for csv in ("tokens.csv", "buckets.csv"):
+        assert (tmp_path / "a" / csv).read_bytes() == (tmp_path / "untapped" / csv).read_bytes(), csv
+    tapped, untapped = (pd.read_csv(tmp_path / name / "summary.csv").iloc[0] for name in ("a", "untapped"))
+    assert untapped.first_inexact == "not captured" != tapped.first_inexact
+    assert tapped.drop(["first_inexact", "first_over_threshold"]).equals(
+        untapped.drop(["first_inexact", "first_over_threshold"]))
 
 
 def test_decode_path_taps_cover_every_layer_and_response_token(vllm_probe, prompts_file):
@@ -71,7 +80,7 @@ def test_bad_generate_flags(qwen3_tiny, tmp_path):
     for flags, message in [(["--mode", "decode"], "--mode"), (["--mode", "generate", "--top-p", "0"], "--top-p"),
                            (["--mode", "generate", "--max-new-tokens", "0"], "--max-new-tokens")]:
         result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), *flags, "--out", str(tmp_path / "x")])
-        assert result.exit_code == 2 and message in result.output, result.output
+        assert_one_line_error(result, message)
 
 
 def test_step_layout_reads_both_vllm_runner_kinds():
@@ -107,3 +116,39 @@ def test_step_layout_reads_both_vllm_runner_kinds():
 
     with HookSet() as hooks, pytest.raises(StackError, match="no step layout"):
         step_layout(SimpleNamespace(), hooks)
+
+
+def test_compared_logprobs_are_raw_whatever_the_sampling_settings(vllm_probe, qwen3_tiny, prompts_file):
+    """At temperature 0.5 and top-p 0.5, vLLM's logprob of each sampled token is the plain log-softmax of the
+    logits its decode step computed (hooked here, apart from the tool's own capture), not the tempered one; the
+    training side's is the log-softmax of a fresh transformers forward over prompt+response."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    steps = []
+
+    def keep(module, args, output):  # one request: each sampling step computes one row of logits
+        if output.shape[0] == 1:
+            steps.append(output.clone().float()[0])  # a copy: the sampler divides by the temperature in place
+
+    handle = vllm_probe.infer.model.logits_processor.register_forward_hook(keep)
+    try:
+        run = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none",
+                                 generate=dict(max_new_tokens=8, temperature=0.5, top_p=0.5))
+    finally:
+        handle.remove()
+    tokens = run.tokens_table
+    response = tokens[tokens.is_response]
+    assert run.manifest["generate"]["temperature"] == 0.5 and len(steps) == len(response) > 1
+    targets = torch.tensor(response.token_id.tolist())
+    raw = torch.stack([torch.log_softmax(row, -1) for row in steps]).gather(-1, targets[:, None])[:, 0]
+    tempered = torch.stack([torch.log_softmax(row / 0.5, -1) for row in steps]).gather(-1, targets[:, None])[:, 0]
+    assert response.logprob_infer.tolist() == raw.tolist()
+    assert (tempered != raw).all()  # so a tempered logprob could not pass for a raw one
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_tiny, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    ids = [run.prompts[0].token_ids[0], *tokens.token_id]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    fresh = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert tokens.logprob_train.tolist() == fresh.tolist()

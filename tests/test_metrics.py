@@ -1,5 +1,8 @@
+"""metrics: ULP distance, diff statistics and their reductions, token logprobs and KL, against independent references."""
+
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -199,3 +202,72 @@ def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
             assert torch.equal(got[:, [0, 2, 6]], want[:, [0, 2, 6]])  # counts and maxima: exact on any path
     assert fused.backend().startswith("torch.compile (inductor") and fused.backend().endswith("ran eagerly")
 
+
+
+# ----------------------------------------------------------------------------- KL against independent references
+
+
+def _kl_bound(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """What token_kl's float64 may be off by: log_softmax rounds x - logsumexp(x) to float64, so each log-prob
+    carries an error of a couple of ULPs of the larger of |x| and |logsumexp|, and KL weighs their difference
+    by p (sum 1). 8 ULPs of the largest such term; a float32 slip anywhere is off by 1e-7 relative or more."""
+    scale = max(p_logits.double().abs().max().item(), q_logits.double().abs().max().item(),
+                torch.logsumexp(p_logits.double(), -1).abs().max().item(),
+                torch.logsumexp(q_logits.double(), -1).abs().max().item())
+    return 8 * math.ulp(scale)
+
+
+def test_token_kl_equals_mpmath_on_a_tiny_vocabulary():
+    """50-digit mpmath straight from the definition, Σ p (log p - log q), on BF16 logits (exact in any precision):
+    unrelated rows, rows one BF16 step apart in one logit, identical rows, and a peaked row."""
+    import mpmath
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.randn(6, 9, generator=g).mul(3).bfloat16()
+    q = (p.float() + 0.3 * torch.randn(6, 9, generator=g)).bfloat16()
+    q[1] = p[1]
+    q[1, 4:5] = (p[1, 4:5].view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value
+    q[2] = p[2]  # identical: exactly 0
+    p[3], q[3] = torch.tensor([30.0] + [-30.0] * 8).bfloat16(), torch.tensor([29.875] + [-30.0] * 8).bfloat16()
+    mpmath.mp.dps = 50
+
+    def log_softmax(row):
+        xs = [mpmath.mpf(x) for x in row]
+        lse = mpmath.log(mpmath.fsum(mpmath.exp(x) for x in xs))
+        return [x - lse for x in xs]
+
+    want = []
+    for a, b in zip(p.double().tolist(), q.double().tolist()):
+        la, lb = log_softmax(a), log_softmax(b)
+        want.append(float(mpmath.fsum(mpmath.exp(x) * (x - y) for x, y in zip(la, lb))))
+    got = token_kl(p, q, rows_per_chunk=4).tolist()
+    assert got[2] == 0.0 and want[2] == 0.0 and min(want[:2] + want[3:]) > 0
+    bound = _kl_bound(p, q)
+    assert all(abs(g_ - w) <= bound for g_, w in zip(got, want)), [(g_ - w) / bound for g_, w in zip(got, want)]
+
+
+def test_token_kl_at_full_vocabulary_with_large_logits_equals_an_extended_precision_reference():
+    """Qwen's 151936-token vocabulary, logits spread over ±30 or peaked at +30 over a floor at -30 (where
+    exp over- and underflows bite), against another formulation in 80-bit extended precision (numpy longdouble):
+    KL = Σ p (x - y) - logsumexp(x) + logsumexp(y), with x - y exact."""
+    assert np.finfo(np.longdouble).eps < 1e-18, "this platform has no extended precision for the reference"
+    g = torch.Generator().manual_seed(6)
+    vocab = 151936
+    spread = torch.rand(vocab, generator=g) * 60 - 30
+    peaked = torch.full((vocab,), -30.0) + torch.rand(vocab, generator=g)
+    peaked[torch.randint(vocab, (8,), generator=g)] = torch.linspace(26, 30, 8)
+    p = torch.stack([spread, peaked]).bfloat16()
+    q = (p.float() + 0.05 * torch.randn(p.shape, generator=g)).bfloat16()
+    got = token_kl(p, q).numpy()
+
+    def lse(x):
+        top = x.max()
+        return top + np.log(np.exp(x - top).sum())
+
+    want = []
+    for a, b in zip(p.double().numpy().astype(np.longdouble), q.double().numpy().astype(np.longdouble)):
+        la, lb = lse(a), lse(b)
+        want.append((np.exp(a - la) * (a - b)).sum() - la + lb)
+    want = np.array(want)
+    assert (want > 0).all()
+    assert (np.abs(got - want) <= _kl_bound(p, q)).all(), (got - want) / _kl_bound(p, q)
