@@ -22,6 +22,7 @@ from .errors import ProbeError
 from .compare import CompareOptions, run_compare
 from .model_source import ModelSource, resolve_model
 from .stacks import INFER_STACKS, TRAIN_STACK, Stack, StackSettings, get_stack
+from .stacks.base import freeze_engine_args
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
@@ -43,6 +44,9 @@ class LoadConfig:
     seed: int = 0
     batch_tokens: int = 8192
     """Most prompt tokens per inference batch; bounds the memory held for tap pairing."""
+    engine: str = "eager"  # minimal pass-through to StackSettings until the run spec owns these three
+    engine_args: dict | None = None
+    train_sdpa: str = "auto"
 
     def __post_init__(self) -> None:
         if self.infer not in INFER_STACKS:
@@ -140,6 +144,9 @@ def load(model: str | None = None, **config) -> Probe:
         max_model_len=source.max_model_len,
         train_attn=cfg.train_attn,
         batch_tokens=cfg.batch_tokens,
+        engine=cfg.engine,
+        engine_args=freeze_engine_args(cfg.engine_args or {}),
+        train_sdpa=cfg.train_sdpa,
     )
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

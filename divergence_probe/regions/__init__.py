@@ -54,6 +54,8 @@ def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
     """Align `regions` on every given loaded stack for the duration of the block; undone on exit."""
     with HookSet() as hooks:
         for stack in stacks:
+            if regions and hasattr(stack, "check_patchable"):  # a compiled engine cannot take a patch after loading
+                stack.check_patchable()
             patch(stack.name, stack.model, regions, hooks)
         yield
 
