@@ -21,13 +21,16 @@ from divergence_probe.errors import StackError
 from divergence_probe.stacks.base import StackSettings, freeze_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_ARGS = {"max_num_seqs": 16, "compilation_config": {"mode": 2}}
+# the tokenizer loaded (RL frameworks load it), prefix caching left at vLLM's default (on): the same prompts are
+# scored several times below, so a prompt token served from the cache would break the capture
+ENGINE_ARGS = {"max_num_seqs": 16, "compilation_config": {"mode": 2}, "skip_tokenizer_init": False}
 
 # In the compiled engine's process: every check that needs the engine, results to a JSON file. The trainer column is
 # computed after the process's torch state was perturbed as vLLM perturbs it on CUDA (cuDNN SDPA off there; here the
 # CPU's flash SDPA off, and one thread), so it can only match a fresh process if the trainer really is isolated.
 IN_ENGINE = r'''
 import json, sys, torch
+from pathlib import Path
 import divergence_probe as dp
 from divergence_probe import torch_state
 from divergence_probe.prompts import load_prompts
@@ -48,6 +51,10 @@ for taps in ("none", "logits", "final_norm,logits"):
     run = probe.compare(prompts=prompts_file, taps=taps)
     result[f"prefill_{taps}"] = {"n_tokens": len(run.tokens_table), "layers": sorted(set(run.layers_table.tap)),
                                  "max_abs_dlogp": float(run.tokens_table.delta_logprob.abs().max())}
+long = Path(out).with_name("long.txt")  # several KV blocks long, so a second pass could be served from the cache
+long.write_text(" ".join(f"Sentence {i} of a prompt long enough to fill whole cache blocks." for i in range(30)))
+result["prefix_cached_rows"] = [len(probe.compare(prompts=long, taps="logits", max_prompt_tokens=1500).tokens_table) for _ in range(2)]
+result["block_size"] = probe.infer.llm.llm_engine.vllm_config.cache_config.block_size
 result["all_taps_error"] = error_of(lambda: probe.compare(prompts=prompts_file, taps="all"))
 gen = probe.compare(prompts=prompts_file, taps="logits", generate=dict(max_new_tokens=6, samples_per_prompt=2))
 result["generate"] = {"n_response": int(gen.tokens_table.is_response.sum()), "n_tokens": len(gen.tokens_table)}
@@ -55,6 +62,10 @@ result["align_both_error"] = error_of(lambda: probe.compare(prompts=prompts_file
 result["align_train_rows"] = len(probe.compare(prompts=prompts_file, taps="none", align="rope", side="train").tokens_table)
 manifest = probe.compare(prompts=prompts_file, taps="none").manifest
 result["infer_settings"] = manifest["stacks"]["infer"]["settings"]
+from dataclasses import replace
+from divergence_probe.stacks.vllm import VLLMStack
+result["other_engine_error"] = error_of(lambda: VLLMStack().load(replace(probe.settings, engine="eager")))
+VLLMStack().load(replace(probe.settings, train_sdpa="math", train_attn="eager"))  # the same engine: reused
 
 prompts = load_prompts(prompts_file, probe.tokenizer, max_model_len=probe.settings.max_model_len)
 torch.backends.cuda.enable_flash_sdp(False)  # what vLLM's import does to cuDNN SDPA on CUDA, on the CPU's kernel
@@ -125,6 +136,18 @@ def test_engine_args_round_trip_into_manifest(compiled_run):
     assert settings["engine"] == "compiled"
     assert settings["engine_args"] == ENGINE_ARGS  # verbatim
     assert settings["max_num_seqs"] == ENGINE_ARGS["max_num_seqs"]  # and in effect, read back from the engine
+    assert settings["enable_prefix_caching"] is True  # vLLM's default
+
+
+def test_prefix_caching_never_serves_a_scored_prompt(compiled_run):
+    """With prefix caching on, the same long prompt scored twice: the second pass computes every token again."""
+    first, second = compiled_run["prefix_cached_rows"]
+    assert first == second > 2 * compiled_run["block_size"]
+
+
+def test_one_engine_per_process_keyed_by_engine_mode(compiled_run):
+    message = compiled_run["other_engine_error"]
+    assert message and "engine mode" in message and "\n" not in message
 
 
 def test_region_patch_on_compiled_engine_refused(compiled_run):
