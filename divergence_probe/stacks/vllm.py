@@ -292,7 +292,7 @@ class VLLMStack:
         """vllm.LLM keywords: what the tool needs, the mode's settings, then the user's engine args verbatim."""
         kwargs = dict(
             model=settings.model_path,
-            skip_tokenizer_init=True,  # we send token ids; both stacks must see the very same ids
+            skip_tokenizer_init=True,  # we send token ids (an engine arg may load the tokenizer: it changes no id we send)
             dtype=str(settings.dtype).removeprefix("torch."),
             seed=settings.seed,
             max_model_len=settings.max_model_len,
