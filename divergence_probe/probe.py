@@ -24,6 +24,7 @@ from .model_source import ModelSource, resolve_model
 from .regions import aligned
 from .spec import LoadSpec, RunSpec, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
+from .stacks.base import freeze_engine_args
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
@@ -126,6 +127,10 @@ def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
         max_model_len=source.max_model_len,
         train_attn=cfg.train_attn,
         batch_tokens=cfg.batch_tokens,
+        engine=cfg.engine,
+        engine_args=freeze_engine_args(cfg.engine_args),
+        train_sdpa=cfg.train_sdpa,
+        train_state=cfg.train_state,
     )
 
 

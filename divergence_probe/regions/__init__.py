@@ -84,6 +84,9 @@ def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
     """Align `regions` on every given loaded stack for the duration of the block; undone on exit. Every
     target on every stack is found before any is changed."""
     with HookSet() as hooks:
+        for stack in stacks:
+            if regions and hasattr(stack, "check_patchable"):  # a compiled engine cannot take a patch after loading
+                stack.check_patchable()
         plans = [plan(stack.name, stack.model, regions) for stack in stacks]
         hooks.apply([r for p in plans for found in p.values() for r in found])
         yield

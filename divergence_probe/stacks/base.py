@@ -36,6 +36,40 @@ class StackSettings:
     max_model_len: int = 2048
     train_attn: str = "sdpa"  # transformers attention implementation (training side)
     batch_tokens: int = 8192  # most prompt tokens one vLLM step holds; bounds capture memory
+    engine: str = "eager"  # vLLM: "eager" (enforce_eager, every module hook fires) or "compiled" (vLLM's defaults)
+    engine_args: tuple[tuple[str, object], ...] = ()  # extra vllm.LLM keywords, frozen (`freeze_engine_args`)
+    train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
+    train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """The engine args as the user gave them (JSON values), for vllm.LLM and the manifest."""
+        return {key: _thaw(value) for key, value in self.engine_args}
+
+
+class _JSONObject(tuple):
+    """A JSON object frozen as sorted (key, value) pairs: hashable, and thawed back into a dict, not a list."""
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return _JSONObject(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, _JSONObject):
+        return {k: _thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def freeze_engine_args(args: dict[str, object]) -> tuple[tuple[str, object], ...]:
+    """{"compilation_config": {"mode": 3}, ...} -> sorted, hashable pairs for StackSettings.engine_args (settings
+    are compared and hashed: one engine per process is kept per settings)."""
+    return tuple(sorted((str(k), _freeze(v)) for k, v in args.items()))
 
 
 @dataclass

@@ -9,15 +9,20 @@ projections and the decoder layer; `resid_mid` is the input of post_attention_la
 input of down_proj. `q_rope`, `k_rope` and `attn_core` have no module boundary, so while a capture runs the
 model's attention function is wrapped through transformers' own AttentionInterface registry (and restored
 after): the wrapper sees query/key after RoPE and the attention output before o_proj.
+
+Every forward runs under the torch numerics state of a trainer process (`torch_state.trainer_numerics`: the global
+flags as they were before vLLM was imported, the engine's restored after), and under `--train-sdpa`'s kernel.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from .. import torch_state
 from ..environment import to_device
 from ..errors import ModelError, NumericsError, StackError
 from ..metrics import token_logprobs
@@ -33,6 +38,20 @@ class HFStack:
     def __init__(self) -> None:
         self.model = None
         self.settings: StackSettings | None = None
+        self.sdpa_chosen: dict[str, list[str]] = {}  # forward kind -> SDPA kernels torch's dispatcher chose
+
+    @contextmanager
+    def _numerics(self, kind: str) -> Iterator[None]:
+        """The trainer's torch state for a forward of this kind; the first one also records the SDPA kernel chosen
+        (a function mode that observes the dispatcher's choice and runs the same call)."""
+        torch_state.check_sdpa(self.settings.train_sdpa, self.settings.device, self.model.config._attn_implementation)
+        with ExitStack() as stack:
+            stack.enter_context(torch_state.trainer_numerics(self.settings.train_sdpa,
+                                                             isolated=self.settings.train_state == "isolated"))
+            if kind not in self.sdpa_chosen:
+                choice = stack.enter_context(torch_state.SdpaChoice())
+                stack.callback(lambda: self.sdpa_chosen.setdefault(kind, sorted(choice.chosen)))
+            yield
 
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM
@@ -83,7 +102,7 @@ class HFStack:
         def emit(key: TapKey, x: torch.Tensor) -> None:
             sink(prompt.prompt_id, key, x)
 
-        with torch.inference_mode(), self._capture(taps, emit):
+        with torch.inference_mode(), self._numerics("score"), self._capture(taps, emit):
             for prompt in prompts:
                 ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
@@ -102,7 +121,7 @@ class HFStack:
             ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
             mask[row, : len(p.token_ids)] = 1
         positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._numerics("score_batched"):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         results = []
         for row, p in enumerate(prompts):
@@ -117,7 +136,7 @@ class HFStack:
         for prompt in prompts:
             for k in range(spec.samples_per_prompt):
                 ids = torch.tensor([prompt.token_ids], device=self.settings.device)
-                with torch.random.fork_rng(devices=[]), torch.inference_mode():
+                with torch.random.fork_rng(devices=[]), torch.inference_mode(), self._numerics("generate"):
                     torch.manual_seed(spec.request_seed(prompt.prompt_id, k))
                     out = self.model.generate(
                         ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec.max_new_tokens,
@@ -234,7 +253,18 @@ class HFStack:
                 "swiglu": f"{type(layer.mlp).__qualname__}.forward (act_fn={type(layer.mlp.act_fn).__name__})",
                 "attention": self.model.config._attn_implementation,
             },
-            settings={"batch": "one prompt per forward, no padding"},
+            settings={
+                "batch": "one prompt per forward, no padding",
+                "train_sdpa": self.settings.train_sdpa,
+                # as torch._fused_sdp_choice reports for the first forward of each kind; "flash_attention" on the CPU
+                # is torch's own CPU flash kernel; empty: no SDPA call (another attention implementation)
+                "sdpa_kernel_chosen": dict(self.sdpa_chosen),
+                "train_state": self.settings.train_state,
+                "torch_numerics": torch_state.describe(torch_state.trainer_state() if self.settings.train_state ==
+                                                       "isolated" else torch_state.capture()),
+                "torch_numerics_snapshot": torch_state.origin() if self.settings.train_state == "isolated" else
+                "inherited: the state vLLM left in this process",
+            },
         )
 
     def close(self) -> None:

@@ -2,9 +2,18 @@
 
 Engine settings and why:
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine core lives in this process, so hooks can reach the model.
-- `enforce_eager=True`: no CUDA graphs / torch.compile, so module hooks fire on every step.
-- prefix caching off: a cached prefix is never recomputed, so its taps would silently be missing.
-- chunked prefill off and one step per batch: every prompt is prefilled whole, so the step's flattened token
+- Two engine modes. `eager` (`enforce_eager=True`, prefix caching and chunked prefill off): no torch.compile and no
+  CUDA graphs, so a module hook fires on every op and every layer can be tapped. `compiled`: vLLM's own defaults for
+  `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
+  one compiled graph in which no module hook fires, so only what crosses the graph's boundary can be captured: its
+  input ids, its output (the final norm) and the logits, computed after it. `--engine-args` go to `LLM(...)` as
+  given; the few that would make capture wrong are refused up front (`check_engine_args`).
+- The step layout (input ids) and the final hidden states are read at the runner's call of the model
+  (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
+- prefix caching: a cached prefix is never recomputed, so its logits and taps would silently be missing. Every
+  request asks for prompt logprobs and sets `skip_reading_prefix_cache`, which vLLM sets itself for such requests:
+  prompt tokens are always computed, whatever the engine's prefix caching setting.
+- one step per batch: every prompt is prefilled whole, so the step's flattened token
   rows map back to (prompt, position) by matching the token ids (the GPU runner reorders requests).
 - `prompt_logprobs=0`: vLLM reports the logprob of every actual prompt token itself (the raw, untempered
   log_softmax over FP32 logits); we also capture the logits it computed them from, for the full-vocab KL.
@@ -24,15 +33,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from .. import torch_state
 from ..errors import StackError
 from ..prompts import Prompt, batches
-from ..taps import TapKey
+from ..taps import ALL_TAPS, TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
@@ -53,10 +64,103 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # catches q_norm and k_norm); on the H200, CSVs byte-identical to a run that cloned every tap checked it
 # (docs/results/h200/README.md).
 REWRITTEN = frozenset({"embed", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
-_ENGINE: dict = {}  # the one live engine of this process: {"key": settings, "llm": LLM}
+_ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
+ENGINES = ("eager", "compiled")
+COMPILED_TAPS = frozenset({"final_norm", "logits"})  # what crosses the compiled graph's boundary
+NOT_CAPTURED_COMPILED = "not captured: inside vLLM's compiled graph (--engine compiled); use --engine eager to tap it"
+
+# Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
+_OWNED = {
+    "model": "the checkpoint is the run's model; pass it as the model argument",
+    "dtype": "--dtype sets it for both stacks",
+    "seed": "--seed sets it for both stacks",
+    "max_model_len": "it is set from the checkpoint's config for both stacks",
+    "max_num_batched_tokens": "--batch-tokens sets it (one engine step holds one whole batch of prompts)",
+    "enforce_eager": "--engine eager|compiled chooses it",
+    "revision": "both stacks must load the same weights; point the model argument at that revision",
+    "load_format": "both stacks must load the same weights from the checkpoint",
+    "hf_overrides": "both stacks must build the same model; edit the checkpoint's config instead",
+}
+
+
+def _engine_key(settings: StackSettings) -> tuple:
+    """What makes an engine: the training-side fields (train_attn, train_sdpa) may differ between probes."""
+    return (settings.model_path, settings.dtype, settings.device, settings.seed, settings.max_model_len,
+            settings.batch_tokens, settings.engine, settings.engine_args)
+
+
+def _llm_keywords(vllm) -> set[str]:
+    """Every keyword `vllm.LLM(...)` accepts: its own parameters and the EngineArgs fields its **kwargs feed."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    names |= {n for n, p in inspect.signature(vllm.LLM.__init__).parameters.items()
+              if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def _skips_prefix_cache(vllm) -> bool:
+    """Whether this vLLM lets a request skip reading the prefix cache (SamplingParams.skip_reading_prefix_cache)."""
+    params = vllm.SamplingParams
+    return "skip_reading_prefix_cache" in (getattr(params, "__struct_fields__", None) or getattr(params, "__dataclass_fields__", {}))
+
+
+def check_engine_args(args: dict, engine: str = "compiled") -> None:
+    """Refuse, in one line, an engine arg that is not a `vllm.LLM` keyword or that capture cannot live with; starts
+    no engine (imports vLLM only), so the CLI can fail before loading anything."""
+    if engine not in ENGINES:
+        raise StackError(f"--engine {engine!r} is not an engine mode; choose one of: {', '.join(ENGINES)}")
+    vllm = _import_vllm()
+    known = _llm_keywords(vllm)
+    for key, value in args.items():
+        if key not in known:
+            import difflib
+
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else "see `vllm serve --help` for the engine arguments"
+            raise StackError(f"--engine-args key {key!r} is not a vllm.LLM / EngineArgs keyword; {hint}")
+        if key in _OWNED:
+            raise StackError(f"--engine-args key {key!r} is set by divergence-probe: {_OWNED[key]}")
+        if key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size") and value not in (None, 1):
+            raise StackError(f"--engine-args {key}={value}: capture reaches one in-process model; use 1")
+        if key == "distributed_executor_backend" and value not in (None, "uni"):
+            raise StackError(f"--engine-args {key}={value!r}: the model must run in this process for capture; use 'uni'")
+        if key in ("speculative_config", "spec_method", "spec_model", "spec_tokens") and value not in (None, {}, 0):
+            raise StackError(f"--engine-args {key}: speculative decoding feeds draft tokens that capture cannot map to "
+                             "prompt positions; drop it")
+        if key == "logprobs_mode" and value not in (None, "raw_logprobs"):
+            raise StackError(f"--engine-args logprobs_mode={value!r}: the comparison needs vLLM's raw logprobs; drop it")
+        if key == "enable_prefix_caching" and value and not _skips_prefix_cache(vllm):
+            raise StackError("--engine-args enable_prefix_caching=true: this vLLM cannot make a request skip the "
+                             "prefix cache, so cached prompt tokens would have no logits; set it to false")
+        if key == "compilation_config":
+            if engine == "eager":
+                raise StackError("--engine-args compilation_config needs --engine compiled (eager mode compiles nothing)")
+            _check_compilation_config(value)
+
+
+def _check_compilation_config(value) -> None:
+    """vLLM's own config class validates the value (unknown fields, bad modes) without building an engine."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    try:
+        if isinstance(value, int):
+            CompilationMode(value)
+        elif isinstance(value, dict):
+            CompilationConfig(**value)
+        else:
+            raise TypeError(f"expected a JSON object or a mode number, got {type(value).__name__}")
+    except Exception as e:  # pydantic's ValidationError, ValueError, TypeError: all mean "not a compilation config"
+        first = str(e).strip().splitlines()
+        raise StackError(f"--engine-args compilation_config={value!r} is not a vLLM compilation config "
+                         f"({type(e).__name__}: {' '.join(first[:3])})") from e
 
 
 def _import_vllm():
+    torch_state.snapshot_before_engine()  # the trainer's torch state, before vLLM touches any of it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for a few thousand tokens of a small model
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter drowns our output
@@ -129,7 +233,7 @@ def _find_runner(llm):
         obj = llm.llm_engine
         for name in path:
             obj = getattr(obj, name, None)
-        if isinstance(getattr(obj, "model", None), torch.nn.Module):
+        if isinstance(getattr(obj, "model", None), torch.nn.Module) or callable(getattr(obj, "get_model", None)):
             return obj
     raise StackError(
         "cannot reach vLLM's model in-process (is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM "
@@ -193,41 +297,100 @@ class VLLMStack:
     def load(self, settings: StackSettings) -> None:
         vllm = _import_vllm()
         self.settings = settings
-        if _ENGINE and _ENGINE["key"] != settings:
+        key = _engine_key(settings)
+        if _ENGINE and _ENGINE["key"] != key:
             raise StackError(
                 "a vLLM engine with other settings is already running in this process, and vLLM's CPU backend "
-                "cannot host a second one; run the other model or dtype in a new process"
+                "cannot host a second one; run the other model, dtype or engine mode in a new process"
             )
         if not _ENGINE:
+            check_engine_args(settings.engine_kwargs(), settings.engine)
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
             _track_dist_files()
-            dtype = str(settings.dtype).removeprefix("torch.")
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
-                    llm = vllm.LLM(
-                        model=settings.model_path,
-                        skip_tokenizer_init=True,  # we send token ids; both stacks must see the very same ids
-                        dtype=dtype,
-                        seed=settings.seed,
-                        enforce_eager=True,
-                        enable_prefix_caching=False,
-                        enable_chunked_prefill=False,
-                        max_model_len=settings.max_model_len,
-                        max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
-                        gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
-                    )
+                    llm = vllm.LLM(**self._engine_kwargs(settings))
             except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
                 _remove_dist_files()
                 raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
                                  f"{' '.join(str(e).split())}") from e
-            _ENGINE.update(key=settings, llm=llm)
+            _ENGINE.update(key=key, llm=llm)
         self.llm = _ENGINE["llm"]
         self.runner = _find_runner(self.llm)
-        self.model = self.runner.model
+        # the nn.Module itself: with CUDA graphs the runner holds it inside a wrapper that is no module
+        self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
+
+    @staticmethod
+    def _engine_kwargs(settings: StackSettings) -> dict:
+        """vllm.LLM keywords: what the tool needs, the mode's settings, then the user's engine args verbatim."""
+        kwargs = dict(
+            model=settings.model_path,
+            skip_tokenizer_init=True,  # we send token ids (an engine arg may load the tokenizer: it changes no id we send)
+            dtype=str(settings.dtype).removeprefix("torch."),
+            seed=settings.seed,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
+            gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
+        )
+        if settings.engine == "eager":  # today's laboratory engine: every module runs in Python, one whole step
+            kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False)
+        kwargs.update(settings.engine_kwargs())
+        return kwargs
+
+    @property
+    def compiled(self) -> bool:
+        return self.settings.engine == "compiled"
+
+    def can_patch(self) -> bool:
+        """Whether a region patch of the loaded engine takes effect: only in eager mode, where modules run as Python.
+        A compiled engine has traced its modules already; patching them would change nothing, or only part."""
+        return not self.compiled
+
+    def check_patchable(self) -> None:
+        if not self.can_patch():
+            raise StackError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
+                             "divergence-probe does not do yet; use --engine eager or --side train")
+
+    def tap_status(self) -> dict[str, str]:
+        """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
+        return {name: "captured" if not self.compiled or name in COMPILED_TAPS else NOT_CAPTURED_COMPILED
+                for name in ALL_TAPS}
+
+    def _check_taps(self, taps: frozenset[str]) -> None:
+        missing = sorted(n for n in taps if self.tap_status().get(n, "captured") != "captured")
+        if missing:
+            raise StackError(
+                f"taps {', '.join(missing)} are inside vLLM's compiled graph, where no hook fires; with --engine "
+                f"compiled use --taps {','.join(sorted(COMPILED_TAPS))} (or none), or use --engine eager")
+
+    def _on_model_call(self, hooks: HookSet, before, after) -> None:
+        """before(input_ids) and after(hidden_states) around each engine step's model call, outside any compiled
+        graph: the runner's `_model_forward` (vLLM's v1 runner; with full CUDA graphs the model's own forward does not
+        run on replay), else hooks on the model module (runners without that method)."""
+        runner = self.runner
+        original = getattr(runner, "_model_forward", None)
+        if callable(original):
+            def model_forward(*args, **kwargs):
+                before(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+                output = original(*args, **kwargs)
+                after(first_tensor(output))  # a tuple only with EAGLE-3 aux hidden states
+                return output
+
+            hooks.replace(runner, "_model_forward", model_forward)
+        else:
+            hooks.before(self.model, lambda m, a, k: before(arg(a, k, 0, "input_ids")))
+            hooks.after(self.model, lambda m, a, k, o: after(first_tensor(o)))
+
+    def _params(self, **kwargs):
+        from vllm import SamplingParams
+
+        if _skips_prefix_cache(sys.modules["vllm"]):
+            kwargs["skip_reading_prefix_cache"] = True  # every prompt token computed, prefix caching or not
+        return SamplingParams(**kwargs)
 
     @property
     def layers(self):
@@ -235,11 +398,11 @@ class VLLMStack:
 
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_taps(taps)
         step = _Step()
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=self.settings.seed)
+        params = self._params(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=self.settings.seed)
         requests = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
         with torch.inference_mode(), self._capture(prompts, taps, sink, step):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -263,22 +426,26 @@ class VLLMStack:
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;
         report raw logprobs of every sampled token and vLLM's prompt logprobs, and capture every step's taps."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_taps(taps)
         keys, requests, params = [], [], []
         for prompt in prompts:
             for k in range(spec.samples_per_prompt):
                 keys.append((prompt, k))
                 requests.append(TokensPrompt(prompt_token_ids=list(prompt.token_ids)))
-                params.append(SamplingParams(
+                params.append(self._params(
                     max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
                     seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False))
-        model = self.model.model
         with torch.inference_mode(), HookSet() as hooks:
             recorder = RolloutRecorder(self.runner, hooks)
-            hooks.before(model.embed_tokens, lambda m, a, k: recorder.begin_step(arg(a, k, 0, "input_")))
-            hooks.after(model.norm, lambda m, a, k, o: setattr(recorder, "final_hidden", first_tensor(o)))
+
+            def after_model(hidden):
+                recorder.final_hidden = hidden
+                if "final_norm" in taps:
+                    recorder.add_tap(TapKey.of("final_norm", len(self.layers)), hidden)
+
+            self._on_model_call(hooks, recorder.begin_step, after_model)
             hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
             self._tap_hooks(hooks, taps, recorder.add_tap)
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -336,12 +503,12 @@ class VLLMStack:
 
     def _capture(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, step: _Step) -> HookSet:
         hooks = HookSet()
-        model = self.model.model
+        final_norm = TapKey.of("final_norm", len(self.layers))
 
-        def layout(m, a, k):  # input_ids of the step -> spans, matched id for id (the runner may reorder)
+        def layout(input_ids):  # input_ids of the step -> spans, matched id for id (the runner may reorder)
             if step.spans:
                 raise StackError("vLLM split the batch over several steps; lower --batch-tokens")
-            ids = arg(a, k, 0, "input_").tolist()
+            ids = input_ids.tolist()
             unplaced = sorted(prompts, key=lambda p: -len(p.token_ids))  # longest first: a prefix never wins
             row = 0
             while unplaced and row < len(ids):
@@ -354,8 +521,10 @@ class VLLMStack:
             if unplaced:
                 raise StackError(f"vLLM did not schedule prompt {unplaced[0].prompt_id} in this step")
 
-        def keep_final_hidden(m, a, k, o):
-            step.final_hidden = first_tensor(o)
+        def keep_final_hidden(hidden):  # the model's output is its final norm's output
+            step.final_hidden = hidden
+            if "final_norm" in taps:
+                step.split(hidden, sink, final_norm)
 
         def keep_logits(m, a, k, o):  # prompt-logprob calls slice the final hidden states: locate the rows
             hidden, base = arg(a, k, 1, "hidden_states"), step.final_hidden
@@ -364,15 +533,15 @@ class VLLMStack:
             row = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
             step.add_logits(row, o)
 
-        hooks.before(model.embed_tokens, layout)
-        hooks.after(model.norm, keep_final_hidden)
+        self._on_model_call(hooks, layout, keep_final_hidden)
         hooks.after(self.model.logits_processor, keep_logits)
         self._tap_hooks(hooks, taps, lambda key, x: step.split(x, sink, key))
         return hooks
 
     def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
-        """Hooks that hand each selected tap of a step, as `[step rows, ...]`, to on_tap(key, tensor)."""
-        model, n_layers = self.model.model, len(self.layers)
+        """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor)
+        (`final_norm` and `logits` are captured outside the model, in both engine modes)."""
+        model = self.model.model
 
         def out(name: str, layer: int, pick=first_tensor):
             key = TapKey.of(name, layer)
@@ -415,8 +584,6 @@ class VLLMStack:
                 hooks.before(attn.attn, inp("k_rope", i, 1, "key"))
             if "swiglu" in taps:
                 hooks.before(mlp.down_proj, inp("swiglu", i, 0, "input_"))
-        if "final_norm" in taps:
-            hooks.after(model.norm, out("final_norm", n_layers))
 
     def info(self) -> StackInfo:
         import vllm
@@ -446,15 +613,48 @@ class VLLMStack:
             versions={"vllm": vllm.__version__, "torch": torch.__version__},
             implementations=impls,
             settings={
-                "enforce_eager": True,
-                "enable_prefix_caching": False,
-                "enable_chunked_prefill": False,
-                "max_num_batched_tokens": max(self.settings.batch_tokens, self.settings.max_model_len),
+                "engine": self.settings.engine,
+                "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
+                **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
-                "torch_threads": torch.get_num_threads(),
+                "taps": self.tap_status(),
+                "torch_numerics": torch_state.describe(torch_state.capture()),  # the engine's: the process's now
                 "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
             },
         )
+
+    def _effective_config(self) -> dict[str, object]:
+        """The engine's settings as vLLM resolved them (read back from the live engine, not from what was asked)."""
+        config = self.llm.llm_engine.vllm_config
+        comp, sched, cache = config.compilation_config, config.scheduler_config, config.cache_config
+
+        def plain(value):
+            return getattr(value, "name", None) or (value if isinstance(value, (bool, int, float, str, type(None))) else str(value))
+
+        effective = {
+            "enforce_eager": config.model_config.enforce_eager,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs,
+            "kv_cache_dtype": cache.cache_dtype,
+            "compilation": {
+                "mode": plain(comp.mode),
+                "backend": comp.backend,
+                "custom_ops": list(comp.custom_ops),
+                "enabled_custom_ops": sorted(getattr(comp, "enabled_custom_ops", {}) or {}),
+                "disabled_custom_ops": sorted(getattr(comp, "disabled_custom_ops", {}) or {}),
+                "cudagraph_mode": plain(comp.cudagraph_mode),
+                "cudagraph_capture_sizes": list(comp.cudagraph_capture_sizes or []),
+                "splitting_ops": list(comp.splitting_ops or []),
+                "inductor_compile_config": {k: plain(v) for k, v in sorted(comp.inductor_compile_config.items())},
+                "pass_config": str(comp.pass_config),
+            },
+        }
+        kernel = getattr(config, "kernel_config", None)
+        if kernel is not None and hasattr(kernel, "ir_op_priority"):
+            effective["compilation"]["ir_op_priority"] = str(kernel.ir_op_priority)
+        return effective
 
     def close(self) -> None:
         """The engine stays alive for reuse in this process (see module docstring); drop our references."""
