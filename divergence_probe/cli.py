@@ -135,6 +135,10 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
             read_prompt_sources(Path(spec.prompts.prompts) if spec.prompts.prompts else default_prompts_path())
+            if spec.load.infer == "vllm" and spec.load.engine_args:
+                from .stacks.vllm import check_engine_args
+
+                check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
             with console.status("loading the model in transformers and the inference stack…"):
                 probe = dp.load(spec=spec.load)
             if check is not None:

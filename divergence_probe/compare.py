@@ -312,11 +312,24 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
     return manifest
 
 
+def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str]]:
+    """The taps this run captures, and why the others of `--taps all` are not (e.g. inside a compiled graph): `all`
+    means every tap both stacks can capture; a list that names one a stack cannot capture is that stack's error."""
+    taps = spec.capture.tap_names
+    if spec.capture.taps.strip() != "all":
+        return taps, {}
+    status = {}
+    for stack in (probe.infer, probe.train):
+        if hasattr(stack, "tap_status"):
+            status |= {name: why for name, why in stack.tap_status().items() if why != "captured"}
+    return frozenset(taps - set(status)), dict(sorted(status.items()))
+
+
 def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
                 total_scale: int = 1) -> CompareRun:
     """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate)."""
     prompts_path, prompts = load_run_prompts(probe, spec)
-    taps = spec.capture.tap_names
+    taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
     source = source_for(spec)
     tokens: list[TokenScore] = []
@@ -332,5 +345,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
 
     ran = score_both(probe, prompts, source, taps, taps, pairing, collect)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    if not_captured:
+        manifest["compare"]["taps_not_captured"] = not_captured
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor)

@@ -228,6 +228,11 @@ class RunSpec:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
+        patches_engine = self.align.side != "train" and (self.kind == "ablate" or self.align.regions)
+        if self.load.engine == "compiled" and self.load.infer == "vllm" and patches_engine:
+            raise ProbeError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
+                             "divergence-probe does not do yet; use --side train (the engine as deployed) or "
+                             "--engine eager")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
 
