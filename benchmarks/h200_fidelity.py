@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b")
+PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
 
 
 def timed(fn):

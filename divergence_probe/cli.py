@@ -47,7 +47,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    # transient: the bar is for a person watching; it leaves no lines in a log, where an error stays one line
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
 
 
 def _print_summary(run, out_dir: Path) -> None:
@@ -130,6 +132,9 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
     from .prompts import default_prompts_path, read_prompt_sources
     from .rundir import claim_out_dir, default_out_dir
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
     try:
         spec = make_spec()
         out_dir = out_dir or default_out_dir()

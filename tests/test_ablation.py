@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from divergence_probe.shapley import REMAINING
 from divergence_probe.shapley import Combo, attribution, bootstrap_intervals, shapley, subsets
 from divergence_probe.cli import app
-from test_compare_cli import AFTER_BARS, WRAPS, assert_nothing_written, assert_one_line_error
+from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 REGIONS = ("rope", "swiglu", "rmsnorm")
 
@@ -137,7 +137,6 @@ def test_ablate_cli_writes_its_tables(qwen3_tiny, prompts_file, tmp_path):
     assert json.loads((out_dir / "manifest.json").read_text())["ablate"]["combos"] == list(ablation.combo)
 
 
-@AFTER_BARS
 def test_ablate_failing_midway_writes_nothing(qwen3_tiny, prompts_file, tmp_path, nan_on_forward):
     """Four combinations of six transformers forwards each (--infer hf: three prompts per side); the fifteenth,
     prompt 2 on the inference side of the third combination, returns NaN logits: two whole combinations were
@@ -152,7 +151,6 @@ def test_ablate_failing_midway_writes_nothing(qwen3_tiny, prompts_file, tmp_path
     assert_one_line_error(result, "the inference stack produced NaN/Inf logits on prompt 2")
 
 
-@WRAPS
 def test_ablate_rejects_bad_options(qwen3_tiny, tmp_path):
     results = [(message, CliRunner().invoke(app, ["ablate", "--model", str(qwen3_tiny), *flags, "--out", str(tmp_path / "x")]))
                for flags, message in [(["--regions", "attention"], "unknown region"), (["--side", "engine"], "--side"),

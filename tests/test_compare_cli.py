@@ -19,14 +19,6 @@ from divergence_probe.taps import ALL_TAPS, expected_taps
 
 runner = CliRunner()
 
-# The one-line promise fails today for reasons outside these tests: rich wraps errors at 80 columns, and
-# transformers' "Loading weights" bar and the "scoring prompts" bar print before an error raised after loading.
-# strict: once the console fix lands these pass, and the marks must go.
-WRAPS = pytest.mark.xfail(strict=True, reason="errors wrap at 80 columns until the console fix lands")
-AFTER_BARS = pytest.mark.xfail(strict=True, reason="errors wrap at 80 columns, after transformers' 'Loading "
-                               "weights' and the 'scoring prompts' progress bars, until the console fix lands")
-
-
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
@@ -89,7 +81,6 @@ def test_qwen2_through_vllm_has_every_tap(cli_processes):
 # ----------------------------------------------------------------------------- errors users will hit
 
 
-@WRAPS
 def test_missing_model_path(tmp_path, prompts_file):
     out_dir = tmp_path / "run"
     result = invoke("compare", "--model", tmp_path / "nope", "--prompts", prompts_file, "--out", out_dir)
@@ -97,7 +88,6 @@ def test_missing_model_path(tmp_path, prompts_file):
     assert_one_line_error(result, "does not exist", "hub id")
 
 
-@WRAPS
 def test_hub_id_without_network_suggests_make_model(tmp_path, prompts_file, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out_dir = tmp_path / "run"
@@ -106,7 +96,6 @@ def test_hub_id_without_network_suggests_make_model(tmp_path, prompts_file, monk
     assert_one_line_error(result, "make-model", "Qwen/Qwen2.5-1.5B")
 
 
-@WRAPS
 def test_unsupported_architecture_names_supported_ones(tmp_path, prompts_file):
     model = tmp_path / "llama"
     model.mkdir()
@@ -115,7 +104,6 @@ def test_unsupported_architecture_names_supported_ones(tmp_path, prompts_file):
     assert_one_line_error(result, "llama", "qwen2", "qwen3")
 
 
-@AFTER_BARS
 def test_nan_weights_are_refused(qwen3_tiny, prompts_file, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(qwen3_tiny, broken)
@@ -130,7 +118,6 @@ def test_nan_weights_are_refused(qwen3_tiny, prompts_file, tmp_path):
     assert_one_line_error(result, "NaN", name)
 
 
-@AFTER_BARS
 @pytest.mark.parametrize(
     "content, message",
     [("", "no prompts"), ("   \n\n  \n", "no prompts"), ("word " * 5000, "--max-prompt-tokens")],
@@ -156,7 +143,6 @@ def test_max_prompt_tokens_truncates(qwen3_tiny, tmp_path):
     assert len(pd.read_csv(out_dir / "tokens.csv")) == 63
 
 
-@WRAPS
 def test_unwritable_and_nonempty_output_dirs(qwen3_tiny, prompts_file, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -171,7 +157,6 @@ def test_unwritable_and_nonempty_output_dirs(qwen3_tiny, prompts_file, tmp_path)
     assert_one_line_error(nonempty, "not empty")
 
 
-@WRAPS
 def test_bad_flags_fail_before_loading(tmp_path, prompts_file):
     results = [(message, invoke("compare", "--model", tmp_path / "nope", "--prompts", prompts_file, *flags,
                                 "--out", tmp_path / "run"))
@@ -182,7 +167,6 @@ def test_bad_flags_fail_before_loading(tmp_path, prompts_file):
         assert_one_line_error(result, message)
 
 
-@AFTER_BARS
 def test_missing_vllm_is_a_clear_error(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     result = invoke("compare", "--model", qwen3_tiny, "--prompts", prompts_file, "--out", tmp_path / "run")
@@ -213,7 +197,6 @@ def test_dp_raise_errors_shows_the_traceback(tmp_path, prompts_file, monkeypatch
     assert result.exit_code == 2 and not isinstance(result.exception, ModelError)
 
 
-@AFTER_BARS
 def test_nan_logits_are_refused_and_nothing_is_written(qwen3_tiny, prompts_file, tmp_path):
     """Finite weights (so the weight check passes) whose final norm overflows BF16: the logits hold Inf/NaN."""
     broken = tmp_path / "overflow"
@@ -228,7 +211,6 @@ def test_nan_logits_are_refused_and_nothing_is_written(qwen3_tiny, prompts_file,
     assert_one_line_error(result, "NaN/Inf logits", "prompt 0")
 
 
-@AFTER_BARS
 def test_compare_failing_midway_writes_nothing(qwen3_tiny, prompts_file, tmp_path, nan_on_forward):
     """With --infer hf both stacks are transformers: three inference forwards, then the training forwards of
     prompts 0, 1, 2; the fifth (prompt 1) returns NaN logits, after prompt 0 was scored and its taps reduced."""
