@@ -128,26 +128,29 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
     """Shared by compare, ablate and rerun: build (and so validate) the spec and check --out before anything
     loads, load once, run with a progress bar, write atomically. Any ProbeError on the way is one line and exit
     code 2, and nothing is written."""
-    import divergence_probe as dp
-    from .prompts import default_prompts_path, read_prompt_sources
-    from .rundir import claim_out_dir, default_out_dir
-
     from transformers.utils import logging as hf_logging
+
+    import divergence_probe as dp
+    from .compare import load_run_prompts
+    from .rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
     try:
         spec = make_spec()
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
-            read_prompt_sources(Path(spec.prompts.prompts) if spec.prompts.prompts else default_prompts_path())
             if spec.load.infer == "vllm" and spec.load.engine_args:
                 from .stacks.vllm import check_engine_args
 
                 check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
+
+            def before_stacks(source, tokenizer):  # seconds in: everything a bad input can break, before the loads
+                if check is not None:
+                    check(source)
+                load_run_prompts(spec, tokenizer, source.max_model_len)
+
             with console.status("loading the model in transformers and the inference stack…"):
-                probe = dp.load(spec=spec.load)
-            if check is not None:
-                check(probe)
+                probe = dp.load(spec=spec.load, before_stacks=before_stacks)
             with _progress() as bar:
                 task = bar.add_task("scoring prompts", total=None)
                 run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
@@ -193,9 +196,9 @@ def rerun(
         spec = RunSpec.from_dict(manifest["spec"])
         return dataclasses.replace(spec, report=report)
 
-    def check(probe):
+    def check(source):
         manifest = recorded[0]
-        want, have = manifest["model"]["config_sha256"], probe.source.config_sha256
+        want, have = manifest["model"]["config_sha256"], source.config_sha256
         if want != have:
             raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
                              f"vs {want[:12]}…); point --model of a new compare at the original checkpoint")

@@ -272,16 +272,16 @@ def source_for(spec: RunSpec) -> SequenceSource:
     return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
 
 
-def load_run_prompts(probe, spec: RunSpec) -> tuple[Path, list[Prompt]]:
+def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
     """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
     path = Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
-    context = probe.settings.max_model_len
+    context = max_model_len
     if spec.generate.generates:
         if spec.generate.max_new_tokens >= context - 1:
             raise ProbeError(f"--max-new-tokens {spec.generate.max_new_tokens} leaves no room for a prompt in the "
                              f"context of {context} tokens")
         context -= spec.generate.max_new_tokens
-    prompts = load_prompts(path, probe.tokenizer, num_prompts=spec.prompts.num_prompts,
+    prompts = load_prompts(path, tokenizer, num_prompts=spec.prompts.num_prompts,
                            max_prompt_tokens=spec.prompts.max_prompt_tokens, max_model_len=context)
     return path, prompts
 
@@ -328,7 +328,7 @@ def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str
 def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
                 total_scale: int = 1) -> CompareRun:
     """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate)."""
-    prompts_path, prompts = load_run_prompts(probe, spec)
+    prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
     source = source_for(spec)

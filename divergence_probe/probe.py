@@ -138,9 +138,11 @@ def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
     )
 
 
-def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) -> Probe:
+def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, **config) -> Probe:
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
-    `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...)."""
+    `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
+    `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
+    the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start."""
     from transformers import AutoTokenizer
 
     cfg = spec or LoadSpec(model=model, **config)
@@ -149,6 +151,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, **config) ->
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
+    if before_stacks is not None:
+        before_stacks(source, tokenizer)
     train = get_stack(cfg.train)
     train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
     infer = get_stack(cfg.infer)
