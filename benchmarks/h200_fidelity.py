@@ -23,31 +23,12 @@ import argparse
 import gzip
 import io
 import json
-import shutil
-import time
 from pathlib import Path
 
 import pandas as pd
+from h200 import gzip_tokens, timed  # the GPU lane's timer (synchronizes the device) and tokens.csv packer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
-
-
-def timed(fn):
-    import torch
-
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    start = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    return result, time.perf_counter() - start
-
-
-def gzip_tokens(run_dir: Path) -> None:
-    tokens_csv = run_dir / "tokens.csv"
-    with open(tokens_csv, "rb") as src, open(tokens_csv.with_suffix(".csv.gz"), "wb") as raw:
-        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:  # mtime=0: same data, same bytes
-            shutil.copyfileobj(src, dst)
-    tokens_csv.unlink()
 
 
 def run_engine(args) -> None:
