@@ -9,7 +9,7 @@ scored against the inference logits at every position. Nothing per-layer outlive
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -113,7 +113,8 @@ class PendingScores:
     """
 
     def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
-        self.seq, self.tokenizer = seq, tokenizer
+        # keep what names the tokens, not the logits: a sequence's tensors must not outlive its own turn
+        self.seq, self.tokenizer = replace(seq, logits=None, logprobs=None), tokenizer
         device = seq.logits.device
         finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
         kl = token_kl(seq.logits, train_logits.to(device))
