@@ -205,14 +205,14 @@ def write_prompt_sets(model: Path, out: Path, copies: tuple[int, ...]) -> dict[s
     """{"xK": a .jsonl of the prompts of sample_prompts/' first inference batch, K times over; "all": None}."""
     from transformers import AutoTokenizer
 
-    from divergence_probe import LoadConfig
+    from divergence_probe import LoadSpec
     from divergence_probe.prompts import batches
     from divergence_probe.modelzoo import PRESETS
     from divergence_probe.prompts import default_prompts_path, load_prompts, read_prompt_sources
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = load_prompts(None, tokenizer, max_model_len=PRESETS["tiny"].max_position_embeddings)
-    first = next(batches(prompts, LoadConfig().batch_tokens))
+    first = next(batches(prompts, LoadSpec().batch_tokens))
     lines = [json.dumps({"prompt": s.text} if s.messages is None else {"messages": s.messages})
              for s in read_prompt_sources(default_prompts_path())[: len(first)]]
     sets: dict[str, str | None] = {"all": None}  # None: compare's default, sample_prompts/

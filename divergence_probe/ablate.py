@@ -8,6 +8,7 @@ aligned regions alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
@@ -70,8 +71,8 @@ class AblationRun:
     def _per_prompt(self) -> dict:
         return {c: per_prompt(run.tokens_table) for c, run in self.runs.items()}
 
-    @property
-    def attribution_table(self) -> pd.DataFrame:
+    @cached_property
+    def attribution_table(self) -> pd.DataFrame:  # cached: its bootstrap is the slow part of writing a run
         options = self.spec.ablate
         metric_of = self.metric_of()
         table = attribution(metric_of, self.regions)
@@ -90,8 +91,14 @@ class AblationRun:
         return table
 
     def files(self) -> dict[str, pd.DataFrame]:
-        return {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table, "summary.csv": self.summary_table,
-                "ablation.csv": self.ablation_table, "attribution.csv": self.attribution_table}
+        tables = {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table, "summary.csv": self.summary_table,
+                  "ablation.csv": self.ablation_table, "attribution.csv": self.attribution_table}
+        first = next(iter(self.runs.values()))
+        if first.mode == "generate":
+            tables["buckets.csv"] = self._stacked("buckets_table")
+        if first.batch_invariance is not None:
+            tables["batch_invariance.csv"] = self._stacked("batch_invariance")
+        return tables
 
     def write(self, out_dir: str | Path) -> Path:
         from .rundir import write_run
@@ -115,7 +122,7 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         with aligned(stacks, step.align.regions):
             runs[combo] = run_compare(probe, step, progress, done_before=done_before, total_scale=len(combos))
         done_before += len(runs[combo].prompts)
-    manifest = dict(next(iter(runs.values())).manifest)
+    manifest = dict(runs[combo].manifest)  # the last one: its stack settings hold what every combination ran
     manifest.pop("align", None)
     manifest["kind"] = "ablate"
     manifest["spec"] = spec.to_dict()

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelError
+from .errors import ModelError, one_line
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,7 +81,7 @@ def read_header(path: Path) -> dict[str, Tensor]:
             tensors[key] = Tensor(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), name)
             end = max(end, int(entry["data_offsets"][1]))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ModelError(f"{path} has a corrupt safetensors header ({type(e).__name__}: {_one_line(e)}); {redo}") from None
+        raise ModelError(f"{path} has a corrupt safetensors header ({type(e).__name__}: {one_line(e, 200)}); {redo}") from None
     if 8 + n + end > size:
         raise ModelError(f"{path} is truncated: its header describes {8 + n + end} bytes but the file has {size}; {redo}")
     return tensors
@@ -110,7 +110,7 @@ def checkpoint_tensors(folder: Path) -> dict[str, Tensor]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map is not a mapping from tensor name to file name")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"cannot read the shard index {index_path} ({type(e).__name__}: {_one_line(e)}); re-copy or re-export "
+        raise ModelError(f"cannot read the shard index {index_path} ({type(e).__name__}: {one_line(e, 200)}); re-copy or re-export "
                          "the checkpoint") from None
     shards = sorted(set(weight_map.values()))
     if (folder / SINGLE_FILE).is_file() and SINGLE_FILE not in shards:
@@ -168,14 +168,10 @@ def expected_tensors(folder: Path) -> tuple[dict[str, tuple[int, ...]], set[str]
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # a config transformers rejects (bad types, heads not dividing hidden_size, ...)
         raise ModelError(f"transformers cannot build a model from {folder / 'config.json'} ({type(e).__name__}: "
-                         f"{_one_line(e)}); fix config.json") from None
+                         f"{one_line(e, 200)}); fix config.json") from None
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     return shapes, set(model.get_expanded_tied_weights_keys()), config
 
-
-def _one_line(e: Exception, limit: int = 200) -> str:
-    """An exception's text on one line: library messages span several, and ours must not."""
-    return " ".join(str(e).split())[:limit]
 
 
 def _shape_fields(name: str, config) -> str:
@@ -281,7 +277,7 @@ def check_tokenizer(folder: Path, vocab_size: int) -> None:
         ids = [int(i) for i in (vocab.values() if isinstance(vocab, dict) else range(len(vocab)))]
         ids += [int(t["id"]) for t in data.get("added_tokens") or []]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ModelError(f"{path} is not a readable tokenizer ({type(e).__name__}: {_one_line(e)}); re-copy it from "
+        raise ModelError(f"{path} is not a readable tokenizer ({type(e).__name__}: {one_line(e, 200)}); re-copy it from "
                          "the model the weights come from") from None
     if ids and max(ids) >= vocab_size:
         raise ModelError(f"{path} has token ids up to {max(ids)} but config.json says vocab_size={vocab_size}: the "

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .errors import ProbeError
+from .errors import ProbeError, one_line
 from .spec import COMPONENTS, RunSpec, flag_of, flat_fields, spec_from_flat
 
 app = typer.Typer(
@@ -37,13 +37,8 @@ OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Def
 def _fail(error: ProbeError) -> None:
     if os.environ.get("DP_RAISE_ERRORS"):
         raise error
-    console.print(f"[bold red]error:[/] {escape(_one_line(error))}", highlight=False, markup=True)
+    console.print(f"[bold red]error:[/] {escape(one_line(error))}", highlight=False, markup=True)
     raise typer.Exit(error.exit_code)
-
-
-def _one_line(error: BaseException) -> str:
-    """Messages that quote a library's text can hold newlines; a log line must not."""
-    return " ".join(str(error).split())
 
 
 def _progress() -> Progress:
@@ -193,22 +188,30 @@ def rerun(
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
         recorded[:] = [manifest]
-        spec = RunSpec.from_dict(manifest["spec"])
-        return dataclasses.replace(spec, report=report)
+        spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
+        recorded_spec[:] = [spec]
+        return spec
 
     def check(source):
         manifest = recorded[0]
-        want, have = manifest["model"]["config_sha256"], source.config_sha256
+        want = manifest.get("model", {}).get("config_sha256")
+        recorded_prompts = manifest.get("compare", {}).get("prompt_files_sha256")
+        if want is None or recorded_prompts is None:
+            raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
+                             "`command` instead")
+        have = source.config_sha256
         if want != have:
             raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
                              f"vs {want[:12]}…); point --model of a new compare at the original checkpoint")
+        from .compare import prompts_path
         from .prompts import file_hashes
 
-        prompts = Path(manifest["compare"]["prompts"])
-        if file_hashes(prompts) != manifest["compare"]["prompt_files_sha256"]:
+        prompts = prompts_path(recorded_spec[0])  # the files this rerun reads, found as the run found them
+        if file_hashes(prompts) != recorded_prompts:
             raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
     recorded: list = []
+    recorded_spec: list = []
     run, out_dir = _run(make_spec, out_dir, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
     if report:
@@ -272,7 +275,7 @@ def make_model(
     from .modelzoo import make_model as build
 
     try:
-        with console.status(f"building {arch} {preset}…"):
+        with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):
             path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite)
     except ProbeError as e:
         _fail(e)

@@ -74,6 +74,10 @@ class SequenceSource:
     def batch_tokens(self, probe) -> int:
         return probe.settings.batch_tokens
 
+    def batch_count(self, probe) -> int | None:
+        """At most so many sequences per inference batch: what the engine schedules in one step."""
+        return getattr(probe.infer, "max_sequences_per_step", None)
+
     def run(self, probe, group: list[Prompt], taps: frozenset[str], park: TapSink, first_key: int) -> list[ScoredSequence]:
         scores = probe.infer.score(group, taps, park)
         if [s.prompt_id for s in scores] != [p.prompt_id for p in group]:
@@ -92,6 +96,10 @@ class SampledSource(SequenceSource):
 
     def batch_tokens(self, probe) -> int:
         return max(1, probe.settings.batch_tokens // self.sampling.samples_per_prompt)
+
+    def batch_count(self, probe) -> int | None:
+        most = super().batch_count(probe)
+        return None if most is None else max(1, most // self.sampling.samples_per_prompt)
 
     def run(self, probe, group, taps, park, first_key):
         def park_keyed(seq_id, key, x):  # the stack numbers a call's sequences from 0; a run numbers them once
@@ -156,7 +164,7 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
     park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them."""
     pending: PendingScores | None = None
     ran: list[Prompt] = []
-    for group in batches(prompts, source.batch_tokens(probe)):
+    for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
         sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
         fed = {seq.key: seq.fed for seq in sequences}
         trained = 0
@@ -250,7 +258,7 @@ class CompareRun:
         """The run folder's tables, by file name, in the order they are written."""
         tables = {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table,
                   "summary.csv": pd.DataFrame([self.summary])}
-        if self.buckets_table is not None:
+        if self.mode == "generate":
             tables["buckets.csv"] = self.buckets_table
         if self.batch_invariance is not None:
             tables["batch_invariance.csv"] = self.batch_invariance
@@ -273,9 +281,13 @@ def source_for(spec: RunSpec) -> SequenceSource:
     return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
 
 
+def prompts_path(spec: RunSpec) -> Path:
+    return Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
+
+
 def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
     """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
-    path = Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
+    path = prompts_path(spec)
     context = max_model_len
     if spec.generate.generates:
         if spec.generate.max_new_tokens >= context - 1:

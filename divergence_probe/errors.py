@@ -4,6 +4,12 @@ Anything that is not a ProbeError is a bug in divergence-probe and keeps its tra
 """
 
 
+def one_line(text: object, limit: int | None = None) -> str:
+    """A message that quotes a library's text can hold newlines; a log line must not."""
+    flat = " ".join(str(text).split())
+    return flat[:limit] if limit else flat
+
+
 class ProbeError(Exception):
     """A problem with the user's input or environment, with a message that says how to fix it."""
 

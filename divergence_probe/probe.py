@@ -22,11 +22,11 @@ from .environment import environment, resolve_device
 from .errors import ProbeError
 from .model_source import ModelSource, resolve_model
 from .regions import aligned
-from .spec import LoadSpec, RunSpec, spec_from_flat
+from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
 
 
@@ -39,12 +39,15 @@ class Probe:
     train: Stack
     tokenizer: object
     _environment: dict = field(default_factory=dict)
+    owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
 
     def run(self, spec: RunSpec, progress: Progress | None = None):
         """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with."""
         if spec.load != self.config:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
+        if hasattr(self.infer, "recompute_gap"):  # the manifest's captured-logits gap describes this run alone
+            self.infer.recompute_gap = 0.0
         if spec.kind == "ablate":
             from .ablate import run_ablation
 
@@ -67,8 +70,11 @@ class Probe:
     def _spec(self, kind: str, generate: dict | None, options: dict) -> RunSpec:
         if generate is not None:
             options = options | {"mode": "generate"} | generate
-        spec = spec_from_flat(kind, **options)
-        return replace(spec, load=self.config)
+        load_options = sorted(set(options) & {name for component, _, name in flat_fields(kind) if component == "load"})
+        if load_options:
+            raise ProbeError(f"{', '.join(load_options)}: load settings are fixed when a probe is loaded; pass them to "
+                             "divergence_probe.load(...) (or use probe.with_trainer(...) for the training side)")
+        return replace(spec_from_flat(kind, **options), load=self.config)
 
     def with_trainer(self, **changes) -> "Probe":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
@@ -80,7 +86,7 @@ class Probe:
         settings = stack_settings(config, self.source)
         train = get_stack(config.train)
         train.load(settings)
-        return replace(self, config=config, settings=settings, train=train)
+        return replace(self, config=config, settings=settings, train=train, owns_infer=False)
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
@@ -111,7 +117,8 @@ class Probe:
         }
 
     def close(self) -> None:
-        self.infer.close()
+        if self.owns_infer:
+            self.infer.close()
         self.train.close()
 
     def __enter__(self) -> "Probe":
@@ -125,7 +132,7 @@ def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
     """What both stacks are loaded with: one object, so the two sides provably get the same dtype and device."""
     return StackSettings(
         model_path=str(source.path),
-        dtype=DTYPES[cfg.dtype],
+        dtype=TORCH_DTYPES[cfg.dtype],
         device=resolve_device(cfg.device),
         seed=cfg.seed,
         max_model_len=source.max_model_len,
@@ -145,6 +152,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start."""
     from transformers import AutoTokenizer
 
+    if spec is not None and (model is not None or config):
+        raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
     cfg = spec or LoadSpec(model=model, **config)
     source = resolve_model(cfg.model)
     settings = stack_settings(cfg, source)
@@ -156,7 +165,11 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     train = get_stack(cfg.train)
     train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
     infer = get_stack(cfg.infer)
-    infer.load(settings)
+    try:
+        infer.load(settings)
+    except BaseException:
+        train.close()
+        raise
     return Probe(cfg, source, settings, infer, train, tokenizer, environment(settings.device))
 
 

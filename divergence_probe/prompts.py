@@ -266,11 +266,12 @@ def load_prompts(path: Path | None, tokenizer, *, num_prompts: int | None = None
     return prompts
 
 
-def batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
-    """Consecutive groups whose total length fits max_tokens (a longer prompt goes alone)."""
+def batches(prompts: Sequence[Prompt], max_tokens: int, max_count: int | None = None) -> Iterator[list[Prompt]]:
+    """Consecutive groups whose total length fits max_tokens (a longer prompt goes alone), of at most max_count
+    prompts (an engine schedules at most so many requests in one step)."""
     group, size = [], 0
     for prompt in prompts:
-        if group and size + len(prompt.token_ids) > max_tokens:
+        if group and (size + len(prompt.token_ids) > max_tokens or len(group) == max_count):
             yield group
             group, size = [], 0
         group.append(prompt)

@@ -19,19 +19,19 @@ from .errors import ProbeError
 from .options import option
 from .regions import ALL_REGIONS, REGIONS, parse_regions
 from .shapley import METRICS
+from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
+from .stacks.vllm import COMPILED_TAPS, ENGINES
 from .taps import ALL_TAPS, parse_tap_selection
 
 DTYPES = ("bfloat16", "float16", "float32")
 TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
 TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
-ENGINES = ("eager", "compiled")
 DEVICES = ("auto", "cpu", "cuda")
 SIDES = ("both", "train", "infer")
 MODES = ("prefill", "generate")
-KINDS = ("compare", "ablate")
 
 
 def _choice(value, allowed, flag: str) -> None:
@@ -45,6 +45,8 @@ def parse_engine_args(text: str | Mapping | None) -> dict:
         return {}
     if isinstance(text, Mapping):
         return dict(text)
+    if not isinstance(text, str):
+        raise ProbeError("--engine-args must be a JSON object (text) or a dict of vllm.LLM keyword arguments")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -94,6 +96,14 @@ class LoadSpec:
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
+        if not 0 <= self.seed < 2**32:
+            raise ProbeError(f"--seed {self.seed} is out of range; use a number from 0 to {2**32 - 1}")
+        if self.train_sdpa != "auto" and self.train_attn != "sdpa":
+            raise ProbeError(f"--train-sdpa {self.train_sdpa} needs --train-attn sdpa (got {self.train_attn}); "
+                             "drop --train-sdpa or use --train-attn sdpa")
+        if self.infer != "vllm" and (self.engine != "eager" or self.engine_args):
+            raise ProbeError(f"--engine and --engine-args configure vLLM, but --infer is {self.infer}; "
+                             "drop them or use --infer vllm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +236,17 @@ class RunSpec:
             object.__setattr__(self, "ablate", AblateSpec())
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
+        compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
+        inside = sorted(self.capture.tap_names - COMPILED_TAPS) if self.capture.taps.strip() != "all" else []
+        if compiled and inside:
+            raise ProbeError(f"taps {', '.join(inside)} are inside vLLM's compiled graph, where no hook fires; with "
+                             f"--engine compiled use --taps {','.join(sorted(COMPILED_TAPS))}, all or none, or use "
+                             "--engine eager")
+        if not self.generate.generates:
+            changed = [flag_of(f) for f in fields(GenerateSpec) if f.metadata.get("cli", True) and f.name != "mode"
+                       and getattr(self.generate, f.name) != f.default]
+            if changed:
+                raise ProbeError(f"{', '.join(changed)} only apply with --mode generate; add it or drop them")
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
         patches_engine = self.align.side != "train" and (self.kind == "ablate" or self.align.regions)
@@ -251,7 +272,7 @@ class RunSpec:
                 else:
                     parts[name] = value
             return cls(**parts)
-        except TypeError as e:
+        except (TypeError, AttributeError, ValueError) as e:
             raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); "
                              "re-run the command from the manifest's `command` instead") from e
 

@@ -85,8 +85,15 @@ _ORIGIN = ""
 
 
 def capture() -> dict[str, object]:
-    """The process's numerics state now."""
-    state = {name: get() for name, (get, _) in _FLAGS.items()}
+    """The process's numerics state now. A switch torch refuses to read is left out: after a caller used torch's
+    new fp32-precision API, reading the legacy TF32 flags raises, and the `fp32_precision.*` entries hold the same
+    state anyway."""
+    state = {}
+    for name, (get, _) in _FLAGS.items():
+        try:
+            state[name] = get()
+        except RuntimeError:
+            continue
     state.update({name: get() for name, get in _READ_ONLY.items()})
     return state
 
@@ -139,9 +146,9 @@ def trainer_numerics(sdpa: str = "auto", isolated: bool = True) -> Iterator[None
     entry (the engine's) is back on exit, even on error. `isolated=False` keeps the state the process has (what
     vLLM left behind): the setting that measures what isolation changes."""
     engine = capture()
-    if isolated:
-        apply(trainer_state())
     try:
+        if isolated:
+            apply(trainer_state())
         with ExitStack() as stack:
             if sdpa != "auto":
                 from torch.nn.attention import SDPBackend, sdpa_kernel

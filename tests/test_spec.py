@@ -43,7 +43,12 @@ def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
     ({"taps": "nope"}, "unknown tap"), ({"engine_args": "[1]"}, "--engine-args"), ({"engine_args": "{"}, "JSON"),
     ({"align": "rope,bogus"}, "unknown region"), ({"top_p": 0.0}, "--top-p"), ({"threshold": -1.0}, "--threshold"),
     ({"engine": "fast"}, "--engine"), ({"train_sdpa": "x"}, "--train-sdpa"), ({"num_prompts": 0}, "--num-prompts"),
-    ({"nonsense": 1}, "unknown option"),
+    ({"nonsense": 1}, "unknown option"), ({"seed": -1}, "--seed"),
+    ({"train_sdpa": "math", "train_attn": "eager"}, "needs --train-attn sdpa"),
+    ({"infer": "hf", "engine": "compiled"}, "configure vLLM"),
+    ({"engine": "compiled", "taps": "resid_out,logits"}, "inside vLLM's compiled graph"),
+    ({"engine": "compiled", "align": "rope"}, "compiled mode"),
+    ({"temperature": 0.5}, "only apply with --mode generate"),
 ])
 def test_bad_values_fail_when_the_spec_is_built(flat, message):
     with pytest.raises(ProbeError, match=message):
@@ -59,8 +64,18 @@ def test_ablate_rejects_align_and_empty_regions():
         spec_from_flat("ablate", ci_level=1.5)
 
 
+def test_compiled_engine_takes_the_taps_that_cross_its_graph_and_train_side_alignment():
+    spec_from_flat("compare", engine="compiled", taps="logits,final_norm", align="rope", side="train")
+    spec_from_flat("ablate", engine="compiled", side="train")
+    with pytest.raises(ProbeError, match="compiled mode"):
+        spec_from_flat("ablate", engine="compiled")  # side both by default
+
+
 def test_a_manifest_spec_from_another_version_is_refused():
     data = RunSpec().to_dict()
     data["load"]["warp_drive"] = True
     with pytest.raises(ProbeError, match="warp_drive"):
         RunSpec.from_dict(data)
+    for broken in ([1, 2], {"capture": {"taps": 5}}):
+        with pytest.raises(ProbeError, match="does not fit"):
+            RunSpec.from_dict(broken)

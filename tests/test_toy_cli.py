@@ -90,3 +90,16 @@ def test_bad_prompts_fail_before_any_stack_loads(qwen3_tiny, tmp_path, monkeypat
                                       "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_probe_methods_refuse_load_settings(toy, qwen3_tiny, prompts_file):
+    import divergence_probe as dp
+    from divergence_probe.errors import ProbeError
+
+    probe = dp.load(str(qwen3_tiny), infer="toy-fused", train="toy")
+    with pytest.raises(ProbeError, match="dtype: load settings"):
+        probe.compare(prompts=prompts_file, dtype="float32")
+    variant = probe.with_trainer(train="toy-fused")
+    assert variant.compare(prompts=prompts_file, taps="none").summary["mean_abs_dlogp"] == 0  # the same roundings
+    variant.close()
+    assert probe.compare(prompts=prompts_file, taps="none").summary["mean_abs_dlogp"] > 0  # its engine still open

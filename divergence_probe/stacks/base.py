@@ -120,6 +120,11 @@ class Stack(Protocol):
 
     def info(self) -> StackInfo: ...
 
+    # Optional, for stacks that need them (the run loop and the region patcher look for them):
+    #   max_sequences_per_step: int   the most sequences one batch may hold (an engine's scheduler limit)
+    #   tap_status() -> {tap: "captured" or why not}   taps this stack cannot capture (e.g. inside a compiled graph)
+    #   check_patchable() -> None     raise when a region patch would not take effect (a compiled engine)
+
     def close(self) -> None: ...
 
 

@@ -24,7 +24,7 @@ import torch
 
 from .. import torch_state
 from ..environment import to_device
-from ..errors import ModelError, NumericsError, StackError
+from ..errors import ModelError, NumericsError, StackError, one_line
 from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
@@ -72,7 +72,7 @@ class HFStack:
                 output_loading_info=True,
             )
         except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: shape mismatches
-            raise ModelError(f"transformers could not load {settings.model_path}: {' '.join(str(e).split())}") from e
+            raise ModelError(f"transformers could not load {settings.model_path}: {one_line(e)}") from e
         # Second line of defence behind model_source's checks: transformers' own report of what it did not load.
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             if info.get(kind):

@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 
 from .. import torch_state
-from ..errors import StackError
+from ..errors import StackError, one_line
 from ..prompts import Prompt, batches
 from ..taps import ALL_TAPS, TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
@@ -315,7 +315,7 @@ class VLLMStack:
             except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
                 _remove_dist_files()
                 raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
-                                 f"{' '.join(str(e).split())}") from e
+                                 f"{one_line(e)}") from e
             _ENGINE.update(key=key, llm=llm)
         self.llm = _ENGINE["llm"]
         self.runner = _find_runner(self.llm)
@@ -393,6 +393,11 @@ class VLLMStack:
         return SamplingParams(**kwargs)
 
     @property
+    def max_sequences_per_step(self) -> int:
+        """The most requests vLLM schedules in one step (`max_num_seqs`): a larger batch would be split."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    @property
     def layers(self):
         return self.model.model.layers
 
@@ -420,7 +425,7 @@ class VLLMStack:
 
     def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
         """Prompts batched into engine steps of at most --batch-tokens (as compare runs them), no taps."""
-        return [s for group in batches(prompts, self.settings.batch_tokens)
+        return [s for group in batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step)
                 for s in self.score(group, frozenset(), lambda *_: None)]
 
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
