@@ -50,12 +50,16 @@ def error_of(fn):
 for taps in ("none", "logits", "final_norm,logits"):
     run = probe.compare(prompts=prompts_file, taps=taps)
     result[f"prefill_{taps}"] = {"n_tokens": len(run.tokens_table), "layers": sorted(set(run.layers_table.tap)),
-                                 "max_abs_dlogp": float(run.tokens_table.delta_logprob.abs().max())}
+                                 "max_abs_dlogp": float(run.tokens_table.delta_logprob.abs().max()),
+                                 "logprobs": run.tokens_table[["logprob_infer", "logprob_train", "kl"]].values.tolist()}
 long = Path(out).with_name("long.txt")  # several KV blocks long, so a second pass could be served from the cache
 long.write_text(" ".join(f"Sentence {i} of a prompt long enough to fill whole cache blocks." for i in range(30)))
 result["prefix_cached_rows"] = [len(probe.compare(prompts=long, taps="logits", max_prompt_tokens=1500).tokens_table) for _ in range(2)]
 result["block_size"] = probe.infer.llm.llm_engine.vllm_config.cache_config.block_size
-result["all_taps_error"] = error_of(lambda: probe.compare(prompts=prompts_file, taps="all"))
+result["layer_tap_error"] = error_of(lambda: probe.compare(prompts=prompts_file, taps="resid_out"))
+every = probe.compare(prompts=prompts_file, taps="all")
+result["all_taps"] = {"layers": sorted(set(every.layers_table.tap)),
+                      "not_captured": sorted(every.manifest["compare"].get("taps_not_captured", {}))}
 gen = probe.compare(prompts=prompts_file, taps="logits", generate=dict(max_new_tokens=6, samples_per_prompt=2))
 result["generate"] = {"n_response": int(gen.tokens_table.is_response.sum()), "n_tokens": len(gen.tokens_table)}
 result["align_both_error"] = error_of(lambda: probe.compare(prompts=prompts_file, taps="none", align="rope", side="both"))
@@ -119,9 +123,17 @@ def test_compiled_prefill_scores_with_logits_and_final_norm(compiled_run):
     assert settings["compilation"]["mode"] != "NONE" and settings["enforce_eager"] is False
 
 
+def test_compiled_taps_on_or_off_leave_the_logprobs_bitwise_equal(compiled_run):
+    none = compiled_run["prefill_none"]["logprobs"]
+    assert none == compiled_run["prefill_logits"]["logprobs"] == compiled_run["prefill_final_norm,logits"]["logprobs"]
+
+
 def test_compiled_layer_taps_refused_and_reported(compiled_run):
-    message = compiled_run["all_taps_error"]
+    message = compiled_run["layer_tap_error"]  # named explicitly: an error
     assert message and "\n" not in message and "--engine eager" in message
+    every = compiled_run["all_taps"]  # --taps all: every tap that crosses the graph, the rest listed as not captured
+    assert every["layers"] == ["final_norm", "logits"]
+    assert "resid_out" in every["not_captured"] and "logits" not in every["not_captured"]
     taps = compiled_run["infer_settings"]["taps"]
     assert taps["logits"] == taps["final_norm"] == "captured"
     assert all(v.startswith("not captured") for k, v in taps.items() if k not in ("logits", "final_norm"))
