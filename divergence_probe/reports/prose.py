@@ -96,6 +96,27 @@ def _where(label: str, num_layers: int | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- document
+ENGINE_CONFIG = ("mode", "backend", "cudagraph_mode", "custom_ops")  # of the compiled engine's configuration
+TRAINER_SETTINGS = ("train_sdpa", "train_state", "sdpa_kernel_chosen", "torch_numerics_snapshot")
+
+
+def _settings(settings: dict) -> str:
+    """A stack's settings on one line: plain values as they are; of the nested ones (the engine's compilation
+    configuration, per-tap status, torch's numerics state) only what a reader compares runs by, the rest is in
+    manifest.json."""
+    parts, nested = [], []
+    for key, value in sorted(settings.items()):
+        if not isinstance(value, dict):
+            parts.append(f"{key}={_code(value)}")
+        elif key == "compilation":
+            parts.append("compilation=" + _code({k: value[k] for k in ENGINE_CONFIG if k in value}))
+        elif key in ("sdpa_kernel_chosen", "engine_args"):
+            parts.append(f"{key}={_code(value)}")
+        else:
+            nested.append(f"`{key}`")
+    return ", ".join(parts) + (f" ({', '.join(nested)} in manifest.json)" if nested else "")
+
+
 def _setup(run: RunData) -> list:
     m = run.manifest
     model, load, env = m.get("model", {}), m.get("load", {}), m.get("environment", {})
@@ -111,7 +132,10 @@ def _setup(run: RunData) -> list:
         + (f", attention `{load['train_attn']}`" if load.get("train_attn") else ""),
     ]
     if infer.get("settings"):
-        items.append("Inference settings: " + ", ".join(f"{k}={_code(v)}" for k, v in sorted(infer["settings"].items())))
+        items.append("Inference settings: " + _settings(infer["settings"]))
+    trainer = {k: v for k, v in train.get("settings", {}).items() if k in TRAINER_SETTINGS}
+    if trainer:
+        items.append("Training settings: " + _settings(trainer))
     prompts = f"{run.n_prompts} prompts" if run.n_prompts is not None else "unknown number of prompts"
     if run.n_truncated:
         prompts += f" ({run.n_truncated} truncated to {_get(m, 'compare', 'max_prompt_tokens')} tokens)"
