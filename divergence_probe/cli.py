@@ -70,6 +70,8 @@ def _print_summary(run, out_dir: Path) -> None:
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:
             table.add_row(label, f"{s[key]:.3e}")
+    if "noise_train_mean_abs_dlogp" not in s:  # a mismatch means little without it; say how to get it
+        table.add_row("noise floor", "not measured (--batch-invariance)")
     out.print(table)
     out.print(f"run: {out_dir}")
 

@@ -246,7 +246,9 @@ def _noise_floor(run: RunData, shipped: pd.Series) -> list:
     """The batch-composition noise of each stack, set against the vLLM-vs-transformers mismatch."""
     infer, train = shipped.get("noise_infer_mean_abs_dlogp"), shipped.get("noise_train_mean_abs_dlogp")
     if infer is None or train is None or pd.isna(infer) or pd.isna(train):
-        return []
+        return [Paragraph("No noise floor was measured for this run: how much each stack moves its own logprobs "
+                          "under a batch change can be as large as the mismatch itself, so read the numbers above "
+                          "against a run with `--batch-invariance`.")]
     mismatch = float(shipped.get("mean_abs_dlogp", float("nan")))
     text = (f"Noise floor: scoring the same sequences one at a time and then in one batch changes the inference "
             f"stack's logprobs by {_num(infer)} nats on average and the training stack's by {_num(train)} nats "
