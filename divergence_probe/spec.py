@@ -246,7 +246,9 @@ class RunSpec:
             changed = [flag_of(f) for f in fields(GenerateSpec) if f.metadata.get("cli", True) and f.name != "mode"
                        and getattr(self.generate, f.name) != f.default]
             if changed:
-                raise ProbeError(f"{', '.join(changed)} only apply with --mode generate; add it or drop them")
+                these = "they only apply" if len(changed) > 1 else "it only applies"
+                raise ProbeError(f"{', '.join(changed)}: {these} with --mode generate; add --mode generate or drop "
+                                 + ("them" if len(changed) > 1 else "it"))
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
         patches_engine = self.align.side != "train" and (self.kind == "ablate" or self.align.regions)
