@@ -48,7 +48,7 @@ def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
     ({"infer": "hf", "engine": "compiled"}, "configure vLLM"),
     ({"engine": "compiled", "taps": "resid_out,logits"}, "inside vLLM's compiled graph"),
     ({"engine": "compiled", "align": "rope"}, "compiled mode"),
-    ({"temperature": 0.5}, "only apply with --mode generate"),
+    ({"temperature": 0.5}, "only applies with --mode generate"),
 ])
 def test_bad_values_fail_when_the_spec_is_built(flat, message):
     with pytest.raises(ProbeError, match=message):
