@@ -7,6 +7,7 @@ aligned regions alone.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,9 @@ from .compare import CompareRun, Progress, run_compare
 from .regions import aligned
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from .spec import AlignSpec, RunSpec
+
+
+GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
 
 
 def stacks_for(probe, side: str) -> list:
@@ -122,7 +126,14 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         with aligned(stacks, step.align.regions):
             runs[combo] = run_compare(probe, step, progress, done_before=done_before, total_scale=len(combos))
         done_before += len(runs[combo].prompts)
-    manifest = dict(runs[combo].manifest)  # the last one: its stack settings hold what every combination ran
+    # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the
+    # reduction's compile state, the largest captured-logits gap) is taken from all of them.
+    manifests = [run.manifest for run in runs.values()]
+    manifest = copy.deepcopy(manifests[0])
+    manifest["compare"]["tap_reduction"] = manifests[-1]["compare"]["tap_reduction"]
+    infer = manifest["stacks"]["infer"]["settings"]
+    if GAP in infer:
+        infer[GAP] = max(m["stacks"]["infer"]["settings"][GAP] for m in manifests)
     manifest.pop("align", None)
     manifest["kind"] = "ablate"
     manifest["spec"] = spec.to_dict()
