@@ -50,6 +50,8 @@ def test_ablate_with_a_toy_region_removes_the_mismatch(toy_args, tmp_path):
     assert ablation.loc["toy-align", "mean_kl"] == 0 and ablation.loc["toy-align", "first_inexact"] == "none"
     attribution = pd.read_csv(tmp_path / "a" / "attribution.csv").set_index("region")
     assert attribution.loc["toy-align", "share"] == 1.0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["stacks"]["train"]["implementations"]["layer"] == "2 R"  # what it ships, not what was aligned
 
 
 @pytest.mark.parametrize("kind, extra", [

@@ -104,7 +104,7 @@ class ToyStack:
 
     def info(self) -> StackInfo:
         return StackInfo(name=self.name, versions={"torch": torch.__version__},
-                         implementations={"layer": "FP32, one rounding" if self.fused else "2 R"})
+                         implementations={"layer": "FP32, one rounding" if self.model.layers[0].fused else "2 R"})
 
     def close(self) -> None:
         self.model = None
