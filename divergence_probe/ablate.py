@@ -102,6 +102,8 @@ class AblationRun:
             tables["buckets.csv"] = self._stacked("buckets_table")
         if first.batch_invariance is not None:
             tables["batch_invariance.csv"] = self._stacked("batch_invariance")
+        if first.kernel_noise is not None:
+            tables["kernel_noise.csv"] = self._stacked("kernel_noise")
         return tables
 
     def write(self, out_dir: str | Path) -> Path:

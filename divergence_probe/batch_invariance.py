@@ -1,9 +1,12 @@
-"""The noise floor: how much one stack moves its own logprobs when the same sequences run alone vs batched.
+"""The noise floor: how much one stack moves its own logprobs when the same sequences run alone vs batched, and
+how much the training stack moves them under another attention kernel.
 
 A stack's own batch composition can move its logprobs as much as the vLLM-vs-transformers gap
 (docs/results/h200/README.md), so a mismatch number means little without this floor beside it.
 Each stack scores the same token sequences twice, with no taps: one sequence per call, then all in one
-batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask).
+batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask). A trainer's
+attention kernel is a choice torch makes per process and machine (cuDNN, flash, efficient, math), so the training
+stack also scores the sequences under another SDPA kernel (`kernel_noise`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .metrics import token_kl
 from .prompts import Prompt
 
 COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
+KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
 
 
 def _ignore(*_) -> None:
@@ -38,3 +42,26 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
                      "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
                      "n_tokens": int(d.size), "batch_size": len(sequences)})
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def kernel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:
+    """The training stack against itself with another SDPA kernel (math, or torch's own choice when math is the
+    configured one), each sequence alone; None when the training side has no SDPA kernel to switch."""
+    config = probe.config
+    if config.train != "hf" or config.train_attn != "sdpa":
+        return None
+    other = "math" if config.train_sdpa != "math" else "auto"
+    variant = probe.with_trainer(train_sdpa=other)
+    deltas, kls = [], []
+    try:
+        for seq in sequences:
+            [mine] = probe.train.score([seq], frozenset(), _ignore)
+            [theirs] = variant.train.score([seq], frozenset(), _ignore)
+            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
+            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
+    finally:
+        variant.close()
+    d, k = np.concatenate(deltas), np.concatenate(kls)
+    return pd.DataFrame([{"stack": probe.train.name, "side": "train", "change": f"sdpa {other} vs {config.train_sdpa}",
+                          "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()),
+                          "max_kl": float(k.max()), "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)

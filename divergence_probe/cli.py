@@ -66,6 +66,7 @@ def _print_summary(run, out_dir: Path) -> None:
     table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})" if worst else "not captured")
     for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
                        ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
+                       ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:

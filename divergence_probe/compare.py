@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
+from .batch_invariance import kernel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -202,6 +203,7 @@ class CompareRun:
     tap_stats: dict[TapKey, DiffStats]
     manifest: dict = field(default_factory=dict)
     batch_invariance: pd.DataFrame | None = None
+    kernel_noise: pd.DataFrame | None = None
 
     @property
     def mode(self) -> str:
@@ -230,7 +232,8 @@ class CompareRun:
     @property
     def summary(self) -> dict:
         if self.mode != "generate":
-            return summary_row(self.tokens, self.tap_stats, self.threshold) | noise_floor_columns(self.batch_invariance)
+            return (summary_row(self.tokens, self.tap_stats, self.threshold)
+                    | noise_floor_columns(self.batch_invariance, self.kernel_noise))
         response = [t for t in self.tokens if t.is_response]
         prompt = [t for t in self.tokens if not t.is_response]
         if not response:
@@ -244,7 +247,7 @@ class CompareRun:
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              g.clip_eps, g.tis_cap)
         row |= sequence_metrics(responses, g.clip_eps)
-        return row | noise_floor_columns(self.batch_invariance)
+        return row | noise_floor_columns(self.batch_invariance, self.kernel_noise)
 
     @property
     def buckets_table(self) -> pd.DataFrame | None:
@@ -262,6 +265,8 @@ class CompareRun:
             tables["buckets.csv"] = self.buckets_table
         if self.batch_invariance is not None:
             tables["batch_invariance.csv"] = self.batch_invariance
+        if self.kernel_noise is not None:
+            tables["kernel_noise.csv"] = self.kernel_noise
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -270,11 +275,13 @@ class CompareRun:
         return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
 
 
-def noise_floor_columns(floor) -> dict:
-    """Each stack's own batch-1-vs-batched mean |Δlogp|, for the summary beside the mismatch (if measured)."""
-    if floor is None:
-        return {}
-    return {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
+def noise_floor_columns(floor, kernel=None) -> dict:
+    """Each stack's own batch-1-vs-batched mean |Δlogp|, and the training stack's under another attention kernel,
+    for the summary beside the mismatch (if measured)."""
+    columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
+    if kernel is not None:
+        columns["noise_train_kernel_mean_abs_dlogp"] = float(kernel.mean_abs_dlogp.iloc[0])
+    return columns
 
 
 def source_for(spec: RunSpec) -> SequenceSource:
@@ -361,4 +368,5 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     if not_captured:
         manifest["compare"]["taps_not_captured"] = not_captured
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
-    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor)
+    kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
+    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel)

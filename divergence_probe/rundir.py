@@ -34,6 +34,7 @@ COLUMNS = {
     "attribution.csv": ("region", "shapley", "share"),
     "buckets.csv": (),
     "batch_invariance.csv": (),
+    "kernel_noise.csv": (),
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"

@@ -272,3 +272,21 @@ def test_hf_noise_floor_rows_with_infer_hf_are_the_same_transformers_numbers(hf_
     infer, train = (floor[floor.side == s].drop(columns="side").reset_index(drop=True) for s in ("infer", "train"))
     assert infer.equals(train)
     assert infer.mean_abs_dlogp[0] > 0  # padding a batch does move transformers' logprobs: not an empty check
+
+
+def test_kernel_noise_is_the_trainer_against_itself_under_another_sdpa_kernel(hf_probe, prompts_file):
+    """--batch-invariance also scores the training side with the math SDPA kernel: the row holds exactly what a
+    second transformers instance pinned to math gives against the first, and it is a real (nonzero) floor."""
+    run = hf_probe.compare(prompts=prompts_file, taps="none", batch_invariance=True)
+    row = run.kernel_noise.iloc[0]
+    assert (row.side, row.change) == ("train", "sdpa math vs auto")
+    math_probe = hf_probe.with_trainer(train_sdpa="math")
+    try:
+        d = np.concatenate([(math_probe.train.score([p], frozenset(), lambda *_: None)[0].logprobs.double()
+                             - hf_probe.train.score([p], frozenset(), lambda *_: None)[0].logprobs.double()).abs().numpy()
+                            for p in run.prompts])
+    finally:
+        math_probe.close()
+    assert row.mean_abs_dlogp == d.mean() and row.max_abs_dlogp == d.max() and row.n_tokens == d.size
+    assert row.mean_abs_dlogp > 0  # on this CPU torch picks its flash kernel for auto, which rounds differently
+    assert run.summary["noise_train_kernel_mean_abs_dlogp"] == row.mean_abs_dlogp

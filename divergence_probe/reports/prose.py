@@ -253,6 +253,10 @@ def _noise_floor(run: RunData, shipped: pd.Series) -> list:
     text = (f"Noise floor: scoring the same sequences one at a time and then in one batch changes the inference "
             f"stack's logprobs by {_num(infer)} nats on average and the training stack's by {_num(train)} nats "
             "(batch_invariance.csv).")
+    kernel = shipped.get("noise_train_kernel_mean_abs_dlogp")
+    if kernel is not None and not pd.isna(kernel):
+        text += (f" Running the training stack's attention on another SDPA kernel moves its logprobs by {_num(kernel)} "
+                 "nats (kernel_noise.csv).")
     if float(train) > 0 and not math.isnan(mismatch):
         ratio = mismatch / float(train)
         text += (f" The mismatch between the stacks, {_num(mismatch)}, is {_num(ratio)}× the training stack's own "
@@ -421,6 +425,10 @@ def _tables(run: RunData) -> list:
         blocks.append(_generic_table(
             "batch_invariance", "Noise floor (batch_invariance.csv): each stack scores the same sequences one per "
             "call and then all in one batch; the columns compare the two.", run.extra["batch_invariance"]))
+    if "kernel_noise" in run.extra:
+        blocks.append(_generic_table(
+            "kernel_noise", "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another "
+            "SDPA attention kernel; the columns compare the two.", run.extra["kernel_noise"]))
     return blocks
 
 
