@@ -31,7 +31,7 @@ app = typer.Typer(
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one line in a pipe or CI log (no 80-column wrap)
 out = Console()
 
-OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<timestamp>.")
+OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<date>-<time>-<microseconds>.")
 
 
 def _fail(error: ProbeError) -> None:
@@ -117,7 +117,7 @@ def _spec_command(kind: str, doc: str, after):
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
-    command.__doc__ = doc
+    command.__doc__ = inspect.cleandoc(doc)
     command.__name__ = kind
     return command
 
