@@ -117,7 +117,8 @@ def _spec_command(kind: str, doc: str, after):
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
-    command.__doc__ = inspect.cleandoc(doc)
+    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
+    command.__doc__ = " ".join(summary.split()) + "\n\n" + details  # the summary is one paragraph in --help
     command.__name__ = kind
     return command
 
