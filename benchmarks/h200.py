@@ -189,9 +189,8 @@ def perf(probe, args, timings, prompts: Path) -> None:
     print(json.dumps(timings, indent=2))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", required=True)
+def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every GPU-lane script shares: where results go, which prompts, which model and device."""
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
@@ -199,6 +198,12 @@ def main() -> None:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/dp-models"))
     ap.add_argument("--device", default="cuda")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", required=True)
+    add_workload_arguments(ap)
     ap.add_argument("--part", choices=("prefill", "rollout", "perf"), default="prefill")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=8, help="perf: timed compares per side (even)")

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from h200 import gzip_tokens, timed  # the GPU lane's timer (synchronizes the device) and tokens.csv packer
+from h200 import add_workload_arguments, gzip_tokens, timed  # the GPU lane's shared options, timer and packer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
 
@@ -115,13 +115,7 @@ def main() -> None:
     ap.add_argument("--preset", choices=PRESETS, required=True)
     ap.add_argument("--engine", choices=("eager", "compiled"))
     ap.add_argument("--summarize", action="store_true")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--prompts", default=None)
-    ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--models-dir", type=Path, default=Path("/tmp/dp-models"))
-    ap.add_argument("--device", default="cuda")
+    add_workload_arguments(ap)
     args = ap.parse_args()
     if args.summarize:
         return summarize(args)
