@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .metrics import token_kl
-from .prompts import Prompt
+from .prompts import Prompt, batches
 
 COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
 KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
@@ -38,9 +38,13 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
             deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
             kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
         d, k = np.concatenate(deltas), np.concatenate(kls)
+        # an engine batches at most --batch-tokens tokens and max_num_seqs sequences per step: the largest step
+        limit = getattr(stack, "max_sequences_per_step", None)
+        size = (max(map(len, batches(sequences, probe.settings.batch_tokens, limit)))
+                if limit is not None else len(sequences))
         rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),
                      "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
-                     "n_tokens": int(d.size), "batch_size": len(sequences)})
+                     "n_tokens": int(d.size), "batch_size": size})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
