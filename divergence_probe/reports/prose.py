@@ -275,7 +275,7 @@ def _first_divergence(run: RunData) -> list:
     first, over = str(shipped.get("first_inexact", "not captured")), str(shipped.get("first_over_threshold", ""))
     scope = " (stacks as shipped)" if run.is_ablate else ""
     if first == "not captured":
-        blocks.append(Paragraph(f"No taps were captured in this run (`--taps none`), so only the "
+        blocks.append(Paragraph("No taps were captured in this run (`--taps none`), so only the "
                                 "token-level numbers are available."))
         return blocks
     if first == "none":
