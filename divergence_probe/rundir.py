@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gzip
@@ -50,6 +51,15 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and not path.is_symlink() and path != path.parent:
         path = path.parent
     return path
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """folder and those of its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _make_parent(out_dir: Path) -> Path:
@@ -113,6 +123,7 @@ def locked(out_dir: Path) -> Iterator[Path]:
     if lock in _HELD:
         yield out_dir
         return
+    created = _missing_folders(out_dir.absolute().parent)  # made for this run: removed again if it writes nothing
     _make_parent(out_dir)
     while True:
         try:
@@ -153,6 +164,10 @@ def locked(out_dir: Path) -> Iterator[Path]:
         except OSError:
             pass
         os.close(fd)
+        if not out_dir.exists():
+            for folder in created:  # deepest first; a folder something else wrote into meanwhile stays
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
 
 @contextmanager

@@ -369,3 +369,17 @@ def test_interrupted_render_leaves_nothing(interrupt, tmp_path, monkeypatch):
     with pytest.raises(interrupt):
         write_report(run, tmp_path / "elsewhere", fmt="html")
     assert not (tmp_path / "elsewhere").exists() and not leftovers(tmp_path)
+
+
+def test_a_failed_claim_leaves_no_parent_folders_behind(tmp_path):
+    """--out a/b/run of a run that fails before writing: the folders a and b made for it are removed again; a
+    parent that existed before, or that the run's output now lives in, stays."""
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):
+        with claim_out_dir(tmp_path / "kept" / "a" / "b" / "run"):
+            assert (tmp_path / "kept" / "a" / "b").is_dir()
+            raise RuntimeError("the run failed")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
+    with claim_out_dir(tmp_path / "kept" / "a" / "b" / "run") as out:
+        out.mkdir()
+    assert (tmp_path / "kept" / "a" / "b" / "run").is_dir()
