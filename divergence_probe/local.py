@@ -124,11 +124,12 @@ class GraftCapture:
 
     def _depth_points(self, taps: Mapping[TapKey, torch.Tensor], seq) -> None:
         embed = taps[TapKey.of("embed", -1)]
-        fed = seq.fed
-        # the taps have the `fed` rows the engine computed (generate mode: not the last sample), so fed-1 scored rows
-        targets = torch.tensor(seq.prompt.token_ids[1:fed], device=embed.device)
-        infer_logits = seq.logits[: fed - 1]
-        infer_lp = seq.logprobs[: fed - 1].double().cpu()
+        # scored rows: a prompt's all but the last; a sampled sequence's every fed row (the engine never feeds its
+        # last sample back, so its taps have one row fewer than the sequence, and each of those rows is scored)
+        n = min(seq.fed, seq.logits.shape[0])
+        targets = torch.tensor(seq.prompt.token_ids[1:n + 1], device=embed.device)
+        infer_logits = seq.logits[:n]
+        infer_lp = seq.logprobs[:n].double().cpu()
         L = self.num_layers
         for point in range(L + 2):  # 0..L: the residual stream entering layer l; L+1: the final norm's output
             if point == L + 1:
@@ -136,7 +137,7 @@ class GraftCapture:
             else:
                 hidden = embed if point == 0 else taps[TapKey.of("resid_out", point - 1)]
                 logits = self.train.forward_from(point, hidden, embed)
-            logits = logits[: fed - 1]
+            logits = logits[:n]
             train_lp = token_logprobs(logits, targets).double().cpu()
             kl = token_kl(infer_logits, logits.to(infer_logits.device)).double().cpu()
             self._depth[point].append(((train_lp - infer_lp).abs().numpy(), kl.numpy()))

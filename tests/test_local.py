@@ -18,6 +18,7 @@ import divergence_probe as dp
 from divergence_probe.cli import app
 from divergence_probe.local import REGION_SEAMS, SEAM_FAMILY, seam_inputs
 from divergence_probe.prompts import load_prompts
+from divergence_probe.reports import write_report
 from divergence_probe.rundir import read_run
 from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps
 
@@ -134,8 +135,8 @@ def test_aligned_regions_have_zero_local_error(vllm_probe, prompts_file):
     assert (local[local.aligned].local_frac_equal == 1).all(), local[local.aligned & (local.local_frac_equal < 1)]
 
 
-def test_qwen2_through_vllm_and_fp32_roundoff(qwen2_vllm_runs, qwen2_tiny):
-    """Qwen2 (no q/k norm) through the CLI: every seam, the depth curve, a run folder `report` can read; and an FP32
+def test_qwen2_through_vllm_and_fp32_roundoff(qwen2_vllm_runs, qwen2_tiny, tmp_path):
+    """Qwen2 (no q/k norm) through the CLI: every seam, the depth curve, a run folder `report` draws and tabulates; an FP32
     run's local errors at FP32 roundoff: below the worst-case bound of one op's rounding error, K·eps for a sum of
     K products (K: the longest reduction in the model), which the BF16 run's local errors exceed."""
     config = json.loads((qwen2_tiny / "config.json").read_text())
@@ -145,6 +146,9 @@ def test_qwen2_through_vllm_and_fp32_roundoff(qwen2_vllm_runs, qwen2_tiny):
     assert rows(local) == seams(n, has_qk_norm=False)
     depth = bf16.table("depth.csv")
     assert len(depth) == n + 2 and depth.mean_abs_dlogp[0] == bf16.table("summary.csv").mean_abs_dlogp[0]
+    report = write_report(qwen2_vllm_runs["bf16"], tmp_path / "report", fmt="latex").parent
+    assert {"local_vs_propagated.pdf", "depth.pdf"} <= {p.name for p in (report / "figures").iterdir()}
+    assert (report / "local_families.tex").exists() and (report / "depth.tex").exists()
     fp32 = read_run(qwen2_vllm_runs["fp32"]).table("local.csv")
     assert rows(fp32) == rows(local)
     longest = max(config["hidden_size"], config["intermediate_size"])  # (the prompts are shorter: attention's sums)
@@ -163,3 +167,14 @@ def test_graft_refused_where_it_cannot_work(toy, qwen3_tiny, prompts_file, tmp_p
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--engine", "compiled", "--depth",
                                  "--prompts", str(prompts_file), "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "use --engine eager" in result.output, result.output
+
+
+def test_generate_mode_grafts_every_scored_token(hf_probe):
+    """Sampled sequences: the engine's taps stop one row short of the sequence, and every one of those rows is
+    scored; the graft replays and scores exactly those rows (two transformers instances: all zero)."""
+    run = hf_probe.compare(num_prompts=2, graft=True, depth=True,
+                           generate=dict(max_new_tokens=5, samples_per_prompt=2, temperature=0.8))
+    files = run.files()
+    assert (files["local.csv"].local_frac_equal == 1).all()
+    depth = files["depth.csv"]
+    assert (depth.n_tokens == len(run.tokens_table)).all() and (depth.mean_abs_dlogp == 0).all()

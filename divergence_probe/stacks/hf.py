@@ -180,7 +180,7 @@ class HFStack:
             return HFReplay(self.model).forward_from(start, hidden, embeds)
 
     def lm_head(self, final_norm: torch.Tensor) -> torch.Tensor:
-        """This stack's lm_head on another stack's final-norm output: [T-1, V] logits."""
+        """This stack's lm_head on another stack's final-norm output: [T, V] logits."""
         with self._replaying():
             return HFReplay(self.model).lm_head(final_norm)
 

@@ -78,12 +78,13 @@ class HFReplay:
                               position_ids=positions, past_key_values=None, use_cache=False)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[1, T, D] final-norm output -> [T-1, V] logits of the scored rows (as HFStack.score keeps them)."""
-        return self.model.lm_head(normed)[0, :-1]
+        """[1, T, D] final-norm output -> [T, V] logits of every row (the caller keeps the scored ones: all but the
+        last of a prompt, all of a sampled sequence's fed rows)."""
+        return self.model.lm_head(normed)[0]
 
     # ------------------------------------------------------------------------------------------ depth
     def forward_from(self, start: int, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[T, D] residual stream entering layer `start` (start = L: entering the final norm) -> [T-1, V] logits
+        """[T, D] residual stream entering layer `start` (start = L: entering the final norm) -> [T, V] logits
         of this stack's forward from there on. `embeds` ([T, D], any stack's) sets the dtype/device of RoPE."""
         masks, positions, rope = self._context(embeds[None])
         h = hidden[None]
@@ -92,7 +93,7 @@ class HFReplay:
         return self._logits(self.inner.norm(h))
 
     def lm_head(self, final_norm: torch.Tensor) -> torch.Tensor:
-        """[T, D] final-norm output -> [T-1, V]: the lm_head alone."""
+        """[T, D] final-norm output -> [T, V]: the lm_head alone."""
         return self._logits(final_norm[None])
 
     # ------------------------------------------------------------------------------------------ local
@@ -165,7 +166,8 @@ class HFReplay:
             put("swiglu", i, got["swiglu"])
             put("mlp_out", i, mlp.down_proj(t("swiglu", i)))
         put("final_norm", n, self.inner.norm(norm_input))
-        out[TapKey.of("logits", n)] = self._logits(t("final_norm", n))
+        logits = TapKey.of("logits", n)  # the rows the other stack scored: a prompt's all but last, a sample's all
+        out[logits] = self._logits(t("final_norm", n))[: taps[logits].shape[0]]
         return out
 
     def _attention(self, attn, i: int, q, k, v, masks) -> torch.Tensor:
