@@ -135,6 +135,19 @@ def test_aligned_regions_have_zero_local_error(vllm_probe, prompts_file):
     assert (local[local.aligned].local_frac_equal == 1).all(), local[local.aligned & (local.local_frac_equal < 1)]
 
 
+def test_ablate_graft_shows_each_combination(vllm_probe, prompts_file):
+    """ablate --graft: every combination's local error, the aligned region's seams marked and at zero local error
+    in the combinations that align it, and the shipped combination's rows beside them."""
+    run = vllm_probe.ablate(prompts=str(prompts_file), num_prompts=1, regions=("rope",), side="both", graft=True,
+                            bootstrap=0, taps="none")
+    local = run.files()["local.csv"]
+    assert list(local.columns[:2]) == ["combo", "layer"] and set(local.combo) == {"none", "rope"}
+    assert set(local[local.aligned].tap) == set(REGION_SEAMS["rope"]) and set(local[local.aligned].combo) == {"rope"}
+    assert (local[local.aligned].local_frac_equal == 1).all()
+    assert len(local[local.combo == "none"]) == len(local[local.combo == "rope"])
+    assert set(run.files()["local_families.csv"].combo) == {"none", "rope"}
+
+
 def test_qwen2_through_vllm_and_fp32_roundoff(qwen2_vllm_runs, qwen2_tiny, tmp_path):
     """Qwen2 (no q/k norm) through the CLI: every seam, the depth curve, a run folder `report` draws and tabulates; an FP32
     run's local errors at FP32 roundoff: below the worst-case bound of one op's rounding error, K·eps for a sum of
