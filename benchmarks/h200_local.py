@@ -29,7 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=PRESETS, required=True)
     add_workload_arguments(ap)
-    ap.add_argument("--depth-prompts", type=int, default=16, help="prompts of the depth run (it costs ~L/2 forwards)")
+    ap.set_defaults(num_prompts=16, bootstrap=200)  # graft and ablate --graft on 16 prompts fit one lent slot
+    ap.add_argument("--depth-prompts", type=int, default=8, help="prompts of the depth run (it costs ~L/2 forwards)")
     ap.add_argument("--reps", type=int, default=4, help="timed compares per setting in the cost check")
     args = ap.parse_args()
 
