@@ -104,6 +104,9 @@ class AblationRun:
             tables["batch_invariance.csv"] = self._stacked("batch_invariance")
         if first.kernel_noise is not None:
             tables["kernel_noise.csv"] = self._stacked("kernel_noise")
+        for name in first.graft_tables:  # --graft/--depth: each combination's local error beside the shipped one
+            tables[name] = pd.concat([run.graft_tables[name].assign(combo=combo) for combo, run in self._named()],
+                                     ignore_index=True)[["combo", *first.graft_tables[name].columns]]
         return tables
 
     def write(self, out_dir: str | Path) -> Path:

@@ -74,7 +74,21 @@ def _print_summary(run, out_dir: Path) -> None:
     if "noise_train_mean_abs_dlogp" not in s:  # a mismatch means little without it; say how to get it
         table.add_row("noise floor", "not measured (--batch-invariance)")
     out.print(table)
+    _print_graft(getattr(run, "graft_tables", {}))
     out.print(f"run: {out_dir}")
+
+
+def _print_graft(tables: dict) -> None:
+    """compare --graft: the local error per op family beside the propagated one (local_families.csv)."""
+    families = tables.get("local_families.csv")
+    if families is None:
+        return
+    table = Table(title="local error per op family (local_families.csv)")
+    for column in ("family", "local rel_l2", "propagated rel_l2", "amplification"):
+        table.add_column(column, justify="left" if column == "family" else "right")
+    for row in families.itertuples():
+        table.add_row(row.family, f"{row.local_rel_l2:.3e}", f"{row.propagated_rel_l2:.3e}", f"{row.amplification:.3g}")
+    out.print(table)
 
 
 def _cli_type(hint, default):

@@ -167,6 +167,8 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
     ran: list[Prompt] = []
     for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
         sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
+        if hasattr(capture, "add_sequences"):  # a grafting capture (local.py) scores against the inference logits
+            capture.add_sequences(sequences)
         fed = {seq.key: seq.fed for seq in sequences}
         trained = 0
 
@@ -204,6 +206,7 @@ class CompareRun:
     manifest: dict = field(default_factory=dict)
     batch_invariance: pd.DataFrame | None = None
     kernel_noise: pd.DataFrame | None = None
+    graft_tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # local.csv, ... (--graft, --depth)
 
     @property
     def mode(self) -> str:
@@ -267,6 +270,7 @@ class CompareRun:
             tables["batch_invariance.csv"] = self.batch_invariance
         if self.kernel_noise is not None:
             tables["kernel_noise.csv"] = self.kernel_noise
+        tables |= self.graft_tables
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -351,6 +355,15 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
+    capture = pairing
+    if spec.capture.graft or spec.capture.depth:
+        from .local import GRAFT_TAPS, GraftCapture, check_graftable
+
+        check_graftable(probe.train)
+        taps = taps | GRAFT_TAPS
+        pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
+        capture = GraftCapture(pairing, probe.train, probe.source.num_layers, probe.source.has_qk_norm,
+                               spec.capture.depth)
     source = source_for(spec)
     tokens: list[TokenScore] = []
     per_prompt = spec.generate.samples_per_prompt if source.mode == "generate" else 1
@@ -363,10 +376,15 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         if progress and done % per_prompt == 0:
             progress(done_before + done // per_prompt, len(prompts) * total_scale)
 
-    ran = score_both(probe, prompts, source, taps, taps, pairing, collect)
+    ran = score_both(probe, prompts, source, taps, taps, capture, collect)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    graft_tables = capture.tables(spec.align.regions) \
+        if capture is not pairing else {}
+    if graft_tables:
+        manifest["compare"]["graft"] = {"local": "the training stack's op on the inference stack's input of each seam",
+                                        "depth": spec.capture.depth}
     if not_captured:
         manifest["compare"]["taps_not_captured"] = not_captured
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
-    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel)
+    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables)

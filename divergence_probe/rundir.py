@@ -36,6 +36,9 @@ COLUMNS = {
     "buckets.csv": (),
     "batch_invariance.csv": (),
     "kernel_noise.csv": (),
+    "local.csv": ("layer", "tap", "family", "local_rel_l2", "propagated_rel_l2"),
+    "local_families.csv": ("family", "local_rel_l2"),
+    "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"

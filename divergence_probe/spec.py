@@ -134,6 +134,12 @@ class CaptureSpec:
     threshold: float = option(1e-3, "rel_l2 above which a tap counts as diverged (first_over_threshold).")
     batch_invariance: bool = option(False, "Also measure each stack alone vs batched on the same sequences (the "
                                            "noise floor; batch_invariance.csv).")
+    graft: bool = option(False, "Also measure each op's local error: the training stack's op on the inference "
+                                "stack's captured input of that op, against the inference output (local.csv, "
+                                "local_families.csv). Captures every tap; needs --engine eager.")
+    depth: bool = option(False, "Also continue the training forward from the inference residual stream entering each "
+                                "layer and score it against the inference logits (depth.csv; implies --graft; costs "
+                                "about L/2 extra forwards per prompt).")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -256,6 +262,9 @@ class RunSpec:
             raise ProbeError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
                              "divergence-probe does not do yet; use --side train (the engine as deployed) or "
                              "--engine eager")
+        if compiled and (self.capture.graft or self.capture.depth):
+            raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
+                             "expose; use --engine eager")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
 

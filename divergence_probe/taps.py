@@ -17,6 +17,9 @@ from .errors import ProbeError
 MODEL_TAPS_BEFORE = ("embed",)
 LAYER_TAPS = (
     "input_norm",
+    "q_proj",  # q/k/v projection outputs (vLLM: split from its fused qkv_proj); Qwen3: before q_norm/k_norm
+    "k_proj",
+    "v_proj",
     "q_norm",  # Qwen3 only: per-head RMSNorm of the query projection
     "k_norm",  # Qwen3 only
     "q_rope",
@@ -25,6 +28,8 @@ LAYER_TAPS = (
     "attn_out",  # after o_proj
     "resid_mid",  # residual stream after the attention add
     "post_norm",
+    "gate_proj",  # gate/up projection outputs (vLLM: split from its fused gate_up_proj)
+    "up_proj",
     "swiglu",  # input of down_proj: silu(gate) * up
     "mlp_out",
     "resid_out",  # residual stream after the MLP add

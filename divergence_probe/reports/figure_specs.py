@@ -114,6 +114,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
             f"{run.ci_level} bootstrap interval over prompts. Labels: share of the total reduction. The dotted grey "
             "bar is the metric left with every region aligned, labelled with its fraction of the shipped metric.",
             lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level, REMAINING)))
+    specs += _graft_specs(run)
     rho = response_rho(run)
     if rho is not None:
         eps = run.clip_eps
@@ -127,3 +128,38 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         skipped.append("No response tokens (tokens with is_response) are available, so the importance-ratio "
                        "figure is not drawn.")
     return specs, skipped
+
+
+def _shipped(df: pd.DataFrame) -> pd.DataFrame:
+    """An ablation's graft tables hold every combination: the figures show the shipped one."""
+    return df[df["combo"] == SHIPPED] if "combo" in df else df
+
+
+def _graft_specs(run: RunData) -> list[FigureSpec]:
+    """compare --graft / --depth: local vs propagated error by family and layer, and the depth curve."""
+    from . import figures as F
+    from ..local import FAMILIES
+
+    specs = []
+    if "local" in run.extra:
+        local = _shipped(run.extra["local"])
+        specs.append(FigureSpec(
+            "local_vs_propagated", "Local vs propagated error by op family",
+            "Solid: the local error of each op family per layer, the training stack's op run on the inference "
+            "stack's own input of that op, against the inference output (identical inputs: the op's own rounding). "
+            "Dashed: the propagated error, the same tap's diff in an ordinary compare, which also carries everything "
+            "upstream. Each point is the mean relative L2 error over the family's seams in that layer (log scale; "
+            "a gap: bitwise equal). A family whose solid line sits near its dashed line originates the mismatch; "
+            "one whose solid line is absent only passes it on.",
+            lambda: F.local_vs_propagated(local, FAMILIES)))
+    if "depth" in run.extra and run.num_layers is not None:
+        depth = _shipped(run.extra["depth"])
+        specs.append(FigureSpec(
+            "depth", "Depth attribution",
+            "The training forward continued from the inference stack's residual stream entering layer x (x = 0: "
+            "the embedding, the ordinary comparison; x = L: entering the final norm; x = L+1: from the inference "
+            "final-norm output, the lm_head alone), scored against the inference logits. A point is the gap the "
+            "layers from x on make when everything before x is the inference stack's: the drop between two "
+            "points is what the layers between them add.",
+            lambda: F.depth_curve(depth, run.num_layers)))
+    return specs

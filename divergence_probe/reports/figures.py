@@ -320,3 +320,54 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
     ax.set_xlabel("importance ratio ρ = exp(logprob_train − logprob_infer) (dimensionless)")
     ax.legend(loc="upper right")
     return fig
+
+
+# ---------------------------------------------------------------------------------------------- (7) grafting
+@_styled
+def local_vs_propagated(local: pd.DataFrame, families: tuple[str, ...]) -> Figure:
+    """Per op family and decoder layer: the local error (solid; the training op on the inference inputs) and the
+    propagated error (dashed; today's per-tap diff), each the mean rel_l2 over the family's seams in that layer."""
+    fig, [ax] = _new_figure()
+    drawn = 0
+    for i, family in enumerate(families):
+        rows = local[local["family"] == family]
+        if rows.empty:
+            continue
+        by_layer = rows.groupby("layer")[["local_rel_l2", "propagated_rel_l2"]].mean().sort_index()
+        s = style(i)
+        for column, linestyle, kind in (("local_rel_l2", "-", "local"), ("propagated_rel_l2", "--", "propagated")):
+            y = _positive(by_layer[column])
+            label = f"{family} {kind}" + (" (all 0)" if np.isnan(y).all() else "")
+            ax.plot(by_layer.index.to_numpy(), y, label=label, linewidth=1.4, markersize=4.5, color=s["color"],
+                    linestyle=linestyle, marker=s["marker"], markerfacecolor="none" if kind == "local" else s["color"])
+            drawn += int(not np.isnan(y).all())
+    ax.set_xlabel("layer (index; the last is the final norm and lm_head)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("relative L2 error ‖a−b‖/‖b‖ (dimensionless)")
+    ax.set_title("local (solid) vs propagated (dashed) error by op family")
+    if drawn:
+        ax.set_yscale("log")
+    else:
+        _note(ax, "every seam is bitwise equal (rel_l2 = 0)")
+    ax.legend(loc="best", ncol=2)
+    return fig
+
+
+@_styled
+def depth_curve(depth: pd.DataFrame, num_layers: int) -> Figure:
+    """Mean |Δlogprob| and mean KL of the training forward continued from the inference stack's residual stream
+    entering each layer (x = L: entering the final norm; x = L+1: the final norm's output, lm_head alone)."""
+    fig, axes = _new_figure(2)
+    x = depth["layer"].to_numpy()
+    for ax, column, ylabel in ((axes[0], "mean_abs_dlogp", "mean |Δlogprob| (nats)"),
+                               (axes[1], "mean_kl", "mean KL(π_infer ‖ π_train) (nats)")):
+        y = depth[column].to_numpy(dtype=np.float64)
+        ax.plot(x, y, linewidth=1.4, markersize=5, markerfacecolor="none", **style(0))
+        ax.set_xlabel("graft point: training forward from layer (index)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.axvline(num_layers - 0.5, color="#999999", linewidth=0.8)  # decoder layers | final norm, lm_head
+        ax.set_ylim(bottom=0)
+    axes[0].set_title("gap made by the layers from x on")
+    axes[1].set_title(f"x = {num_layers}: final norm + lm_head; {num_layers + 1}: lm_head")
+    return fig

@@ -429,6 +429,17 @@ def _tables(run: RunData) -> list:
         blocks.append(_generic_table(
             "kernel_noise", "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another "
             "SDPA attention kernel; the columns compare the two.", run.extra["kernel_noise"]))
+    if "local_families" in run.extra:
+        blocks.append(_generic_table(
+            "local_families", "Local error per op family (local_families.csv, from compare --graft): the training "
+            "stack's op on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
+            "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 (inf: "
+            "the family makes no error of its own). local.csv has every seam and layer.",
+            run.extra["local_families"]))
+    if "depth" in run.extra:
+        blocks.append(_generic_table(
+            "depth", "Depth attribution (depth.csv, from compare --depth): the training forward continued from the "
+            "inference stack's `graft` tensor, scored against the inference logits.", run.extra["depth"]))
     return blocks
 
 

@@ -29,6 +29,7 @@ from ..metrics import token_logprobs
 from ..prompts import Prompt
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from .hf_replay import HFReplay
 from .hooks import HookSet, PatchConflict, arg, first_tensor
 
 
@@ -39,6 +40,7 @@ class HFStack:
         self.model = None
         self.settings: StackSettings | None = None
         self.sdpa_chosen: dict[str, list[str]] = {}  # forward kind -> SDPA kernels torch's dispatcher chose
+        self._muted = False  # True while a replay runs inside a capture: its ops are not the forward's taps
 
     @contextmanager
     def _numerics(self, kind: str) -> Iterator[None]:
@@ -100,7 +102,8 @@ class HFStack:
         prompt = None  # the prompt running now: the hooks file its taps under its id
 
         def emit(key: TapKey, x: torch.Tensor) -> None:
-            sink(prompt.prompt_id, key, x)
+            if not self._muted:
+                sink(prompt.prompt_id, key, x)
 
         with torch.inference_mode(), self._numerics("score"), self._capture(taps, emit):
             for prompt in prompts:
@@ -155,6 +158,32 @@ class HFStack:
                                               scored.logits, scored.logprobs))
         return results
 
+    @contextmanager
+    def _replaying(self) -> Iterator[None]:
+        """A graft's ops: under the trainer's numerics, and silent to a capture that may be installed (a replay runs
+        while compare's training forward is still capturing, between two sequences)."""
+        muted, self._muted = self._muted, True
+        try:
+            with torch.inference_mode(), self._numerics("replay"):
+                yield
+        finally:
+            self._muted = muted
+
+    def replay(self, taps: dict[TapKey, torch.Tensor]) -> dict[TapKey, torch.Tensor]:
+        """This stack's op at every seam, run on another stack's captured inputs (one sequence): hf_replay.py."""
+        with self._replaying():
+            return HFReplay(self.model).replay(taps)
+
+    def forward_from(self, start: int, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The rest of this stack's forward from another stack's residual stream entering layer `start`: logits."""
+        with self._replaying():
+            return HFReplay(self.model).forward_from(start, hidden, embeds)
+
+    def lm_head(self, final_norm: torch.Tensor) -> torch.Tensor:
+        """This stack's lm_head on another stack's final-norm output: [T, V] logits."""
+        with self._replaying():
+            return HFReplay(self.model).lm_head(final_norm)
+
     def _capture(self, taps: frozenset[str], emit) -> HookSet:
         """Install hooks for the selected taps; each hook hands a [tokens, features] view to emit (no copy:
         transformers' Qwen2/Qwen3 and our region patches never write an activation in place)."""
@@ -181,10 +210,15 @@ class HFStack:
             attn, mlp = layer.self_attn, layer.mlp
             table = [
                 ("input_norm", layer.input_layernorm, out("input_norm", i)),
+                ("q_proj", attn.q_proj, out("q_proj", i)),
+                ("k_proj", attn.k_proj, out("k_proj", i)),
+                ("v_proj", attn.v_proj, out("v_proj", i)),
                 ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i, heads)),
                 ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i, heads)),
                 ("attn_out", attn.o_proj, out("attn_out", i)),
                 ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
+                ("gate_proj", mlp.gate_proj, out("gate_proj", i)),
+                ("up_proj", mlp.up_proj, out("up_proj", i)),
                 ("mlp_out", mlp.down_proj, out("mlp_out", i)),
                 ("resid_out", layer, out("resid_out", i)),
             ]

@@ -63,7 +63,8 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # checks the list against cloning every tap on the CPU build, whose fused add+norm is out of place (so there it
 # catches q_norm and k_norm); on the H200, CSVs byte-identical to a run that cloned every tap checked it
 # (docs/results/h200/README.md).
-REWRITTEN = frozenset({"embed", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
+#   q_proj, k_proj  views of qkv_proj's output, which the CPU RoPE kernel rotates in place (Qwen2)
+REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
 ENGINES = ("eager", "compiled")
 COMPILED_TAPS = frozenset({"final_norm", "logits"})  # what crosses the compiled graph's boundary
@@ -589,6 +590,35 @@ class VLLMStack:
                 hooks.before(attn.attn, inp("k_rope", i, 1, "key"))
             if "swiglu" in taps:
                 hooks.before(mlp.down_proj, inp("swiglu", i, 0, "input_"))
+            self._fused_tap_hooks(hooks, taps, on_tap, i, attn, mlp)
+
+    @staticmethod
+    def _fused_tap_hooks(hooks: HookSet, taps: frozenset[str], on_tap, i: int, attn, mlp) -> None:
+        """q/k/v and gate/up projections: vLLM runs each group as one GEMM (qkv_proj, gate_up_proj, in this order
+        along the features, as its packed_modules_mapping says); its output is split into the canonical taps."""
+        qkv = [name for name in ("q_proj", "k_proj", "v_proj") if name in taps]
+        if qkv:
+            keys = {name: TapKey.of(name, i) for name in qkv}
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+
+            def split_qkv(m, a, k, o):
+                parts = dict(zip(("q_proj", "k_proj", "v_proj"), first_tensor(o).split(sizes, dim=-1)))
+                for name, key in keys.items():
+                    on_tap(key, parts[name])
+
+            hooks.after(attn.qkv_proj, split_qkv)
+        gate_up = [name for name in ("gate_proj", "up_proj") if name in taps]
+        if gate_up:
+            keys_gu = {name: TapKey.of(name, i) for name in gate_up}
+
+            def split_gate_up(m, a, k, o):
+                x = first_tensor(o)
+                d = x.shape[-1] // 2
+                parts = {"gate_proj": x[..., :d], "up_proj": x[..., d:]}
+                for name, key in keys_gu.items():
+                    on_tap(key, parts[name])
+
+            hooks.after(mlp.gate_up_proj, split_gate_up)
 
     def info(self) -> StackInfo:
         import vllm
