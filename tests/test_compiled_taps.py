@@ -168,12 +168,15 @@ def test_effectful_op_survives_compile():
 
     compiled = torch.compile(f, backend="inductor", fullgraph=True)
     x = torch.randn(4, 8)
-    compiled(x)  # no capture active: ignored
-    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}))
-    try:
-        compiled(x)
-    finally:
-        compiled_taps._ACTIVE = None
+    # Inductor's and AOTAutograd's caches key the graph, not the op's effect registration: a graph compiled once
+    # without the effect (op dropped) would be served again, so this compile must not read them
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled(x)  # no capture active: ignored
+        compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}))
+        try:
+            compiled(x)
+        finally:
+            compiled_taps._ACTIVE = None
     assert len(seen) == 1 and seen[0][0] == TapKey.of("swiglu", 0)
     assert torch.equal(seen[0][1], torch.nn.functional.silu(x) * 2)
 
