@@ -70,8 +70,8 @@ class LoadSpec:
     dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
-                                  "(vLLM's own defaults, as RL frameworks run it; logprobs and KL only). See README "
-                                  "'Engine modes'.")
+                                  "(vLLM's own defaults, as RL frameworks run it; every layer tap but the residual stream "
+                                  "and q/k norms). See README 'Engine modes'.")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
                                "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",
                                )

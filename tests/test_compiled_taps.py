@@ -205,3 +205,21 @@ def test_spec_refuses_only_the_perturbing_taps_under_compile():
         with pytest.raises(ProbeError) as e:
             RunSpec(load=compiled, capture=CaptureSpec(taps=f"swiglu,{name}"))
         assert name in str(e.value) and "--engine eager" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tap_points_are_part_of_the_engine_key():
+    """One engine per process: an engine with tap points is another engine than vLLM as deployed, never reused for it
+    (nor the reverse); eager engines need no tap points, whatever was asked."""
+    from dataclasses import replace
+
+    from divergence_probe.stacks.base import StackSettings
+    from divergence_probe.stacks.compiled_taps import wants_tap_points
+    from divergence_probe.stacks.vllm import _engine_key
+    from divergence_probe.taps import parse_tap_selection
+
+    compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
+    assert _engine_key(compiled) != _engine_key(replace(compiled, engine_taps=True))
+    eager = replace(compiled, engine="eager")
+    assert _engine_key(eager) == _engine_key(replace(eager, engine_taps=True))
+    assert wants_tap_points(parse_tap_selection("all")) and wants_tap_points(parse_tap_selection("swiglu"))
+    assert not wants_tap_points(parse_tap_selection("final_norm,logits"))

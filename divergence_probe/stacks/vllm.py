@@ -5,8 +5,9 @@ Engine settings and why:
 - Two engine modes. `eager` (`enforce_eager=True`, prefix caching and chunked prefill off): no torch.compile and no
   CUDA graphs, so a module hook fires on every op and every layer can be tapped. `compiled`: vLLM's own defaults for
   `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
-  one compiled graph in which no module hook fires, so only what crosses the graph's boundary can be captured: its
-  input ids, its output (the final norm) and the logits, computed after it. `--engine-args` go to `LLM(...)` as
+  one compiled graph in which no module hook fires, so without tap points only what crosses the graph's boundary is
+  captured: its input ids, its output (the final norm) and the logits, computed after it. With tap points (asked for
+  at load, part of the engine key) the graph itself hands out the layer taps it materialises (compiled_taps.py). `--engine-args` go to `LLM(...)` as
   given; the few that would make capture wrong are refused up front (`check_engine_args`).
 - The step layout (input ids) and the final hidden states are read at the runner's call of the model
   (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
@@ -663,6 +664,7 @@ class VLLMStack:
             settings={
                 "engine": self.settings.engine,
                 "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
+                "engine_tap_points": _tap_points(self.settings),  # compiled with the dp::tap hooks (another graph)
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
                 "taps": self.tap_status(),
