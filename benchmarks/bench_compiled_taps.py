@@ -60,6 +60,7 @@ def child(kind: str, reps: int) -> dict:
             if taps == "all":
                 result["taps_captured"] = sorted(set(run.layers_table.tap))
     result["times_s"] = times
+    result["load_average_1min_after"] = os.getloadavg()[0]  # other processes on the machine: how noisy the run was
     return result
 
 
@@ -87,7 +88,9 @@ def section(results: dict) -> str:
         f"`benchmarks/bench_compiled_taps.py` on this shared 2-core machine (noisy): the built-in model, BF16, the first "
         f"{NUM_PROMPTS} shipped prompts truncated to {MAX_PROMPT_TOKENS} tokens ({tapped['scored_tokens']} scored tokens), "
         f"median of {len(plain['times_s']['none'])} calls after a warm-up. Each engine in its own process with cold "
-        "caches; taps all = " + ", ".join(tapped["taps_captured"]) + ".",
+        "caches; taps all = " + ", ".join(tapped["taps_captured"]) + ". 1-minute load average after the plain / "
+        f"tapped child: {plain.get('load_average_1min_after', float('nan')):.1f} / "
+        f"{tapped.get('load_average_1min_after', float('nan')):.1f} (2 cores; above 2, other work shared them).",
         "",
         "| engine | build (s) | compare --taps none (s) | compare --taps all (s) |",
         "|---|---|---|---|",
