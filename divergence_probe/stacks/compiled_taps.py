@@ -1,7 +1,7 @@
-"""Layer taps inside a compiled vLLM engine: an effectful custom op `dp::tap`, called from forward hooks installed on the
-model before torch.compile traces it, so Dynamo inlines the hooks and Inductor emits the op as an extern call.
+"""Layer taps inside a compiled vLLM engine: the `dp::tap` op and the hooks that call it from within the graph.
 
-Why this shape (docs/design/taps_under_compile.md has the measurements):
+An effectful custom op `dp::tap`, called from forward hooks installed on the model before torch.compile traces it, so
+Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this shape (docs/design/taps_under_compile.md has the measurements):
 - Module hooks registered after the compile never fire: the compiled graph runs instead of the modules. Hooks present
   when Dynamo first traces the model are inlined into the one graph like any other Python, so they go in while
   `vllm.LLM(...)` builds the model (`building`), before its warm-up run compiles it.
