@@ -163,7 +163,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                 load_run_prompts(spec, tokenizer, source.max_model_len)
 
             with console.status("loading the model in transformers and the inference stack…"):
-                probe = dp.load(spec=spec.load, before_stacks=before_stacks)
+                probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps)
             with _progress() as bar:
                 task = bar.add_task("scoring prompts", total=None)
                 run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))

@@ -25,6 +25,8 @@ from .regions import aligned
 from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
+from .stacks.compiled_taps import wants_tap_points
+from .taps import parse_tap_selection
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
@@ -83,7 +85,7 @@ class Probe:
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)
-        settings = stack_settings(config, self.source)
+        settings = stack_settings(config, self.source, engine_taps=self.settings.engine_taps)
         train = get_stack(config.train)
         train.load(settings)
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
@@ -128,7 +130,7 @@ class Probe:
         self.close()
 
 
-def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
+def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: bool = False) -> StackSettings:
     """What both stacks are loaded with: one object, so the two sides provably get the same dtype and device."""
     return StackSettings(
         model_path=str(source.path),
@@ -142,12 +144,16 @@ def stack_settings(cfg: LoadSpec, source: ModelSource) -> StackSettings:
         engine_args=freeze_engine_args(cfg.engine_args),
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
+        engine_taps=engine_taps,
     )
 
 
-def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, **config) -> Probe:
+def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
+         **config) -> Probe:
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
+    `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
+    tap points, which is another compiled graph than vLLM as deployed (stacks/compiled_taps.py).
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start."""
     from transformers import AutoTokenizer
@@ -156,7 +162,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
         raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
     cfg = spec or LoadSpec(model=model, **config)
     source = resolve_model(cfg.model)
-    settings = stack_settings(cfg, source)
+    settings = stack_settings(cfg, source, engine_taps=wants_tap_points(parse_tap_selection(taps or "none")))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -175,5 +181,5 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
 
 def run(spec: RunSpec, progress: Progress | None = None):
     """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun)."""
-    probe = load(spec=spec.load)
+    probe = load(spec=spec.load, taps=spec.capture.taps)
     return probe.run(spec, progress)

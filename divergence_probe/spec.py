@@ -22,7 +22,8 @@ from .shapley import METRICS
 from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
-from .stacks.vllm import COMPILED_TAPS, ENGINES
+from .stacks.compiled_taps import REFUSED as REFUSED_COMPILED
+from .stacks.vllm import ENGINES
 from .taps import ALL_TAPS, parse_tap_selection
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -69,8 +70,8 @@ class LoadSpec:
     dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
-                                  "(vLLM's own defaults, as RL frameworks run it; logprobs and KL only). See README "
-                                  "'Engine modes'.")
+                                  "(vLLM's own defaults, as RL frameworks run it; every layer tap but the residual stream "
+                                  "and q/k norms). See README 'Engine modes'.")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
                                "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",
                                )
@@ -243,11 +244,11 @@ class RunSpec:
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
         compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
-        inside = sorted(self.capture.tap_names - COMPILED_TAPS) if self.capture.taps.strip() != "all" else []
-        if compiled and inside:
-            raise ProbeError(f"taps {', '.join(inside)} are inside vLLM's compiled graph, where no hook fires; with "
-                             f"--engine compiled use --taps {','.join(sorted(COMPILED_TAPS))}, all or none, or use "
-                             "--engine eager")
+        refused = sorted(self.capture.tap_names & set(REFUSED_COMPILED)) if self.capture.taps.strip() != "all" else []
+        if compiled and refused:  # `all` captures what a compiled engine can and lists the rest in the manifest
+            why = REFUSED_COMPILED[refused[0]].removeprefix("not captured under --engine compiled")
+            raise ProbeError(f"taps {', '.join(refused)} cannot be captured under --engine compiled{why}; or drop "
+                             "them from --taps")
         if not self.generate.generates:
             changed = [flag_of(f) for f in fields(GenerateSpec) if f.metadata.get("cli", True) and f.name != "mode"
                        and getattr(self.generate, f.name) != f.default]

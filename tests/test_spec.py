@@ -46,7 +46,7 @@ def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
     ({"nonsense": 1}, "unknown option"), ({"seed": -1}, "--seed"),
     ({"train_sdpa": "math", "train_attn": "eager"}, "needs --train-attn sdpa"),
     ({"infer": "hf", "engine": "compiled"}, "configure vLLM"),
-    ({"engine": "compiled", "taps": "resid_out,logits"}, "inside vLLM's compiled graph"),
+    ({"engine": "compiled", "taps": "resid_out,logits"}, "cannot be captured under --engine compiled"),
     ({"engine": "compiled", "align": "rope"}, "compiled mode"),
     ({"temperature": 0.5}, "only applies with --mode generate"),
 ])

@@ -5,8 +5,9 @@ Engine settings and why:
 - Two engine modes. `eager` (`enforce_eager=True`, prefix caching and chunked prefill off): no torch.compile and no
   CUDA graphs, so a module hook fires on every op and every layer can be tapped. `compiled`: vLLM's own defaults for
   `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
-  one compiled graph in which no module hook fires, so only what crosses the graph's boundary can be captured: its
-  input ids, its output (the final norm) and the logits, computed after it. `--engine-args` go to `LLM(...)` as
+  one compiled graph in which no module hook fires, so without tap points only what crosses the graph's boundary is
+  captured: its input ids, its output (the final norm) and the logits, computed after it. With tap points (asked for
+  at load, part of the engine key) the graph itself hands out the layer taps it materialises (compiled_taps.py). `--engine-args` go to `LLM(...)` as
   given; the few that would make capture wrong are refused up front (`check_engine_args`).
 - The step layout (input ids) and the final hidden states are read at the runner's call of the model
   (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
@@ -44,6 +45,7 @@ from .. import torch_state
 from ..errors import StackError, one_line
 from ..prompts import Prompt, batches
 from ..taps import ALL_TAPS, TapKey
+from . import compiled_taps
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
@@ -67,8 +69,7 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
 ENGINES = ("eager", "compiled")
-COMPILED_TAPS = frozenset({"final_norm", "logits"})  # what crosses the compiled graph's boundary
-NOT_CAPTURED_COMPILED = "not captured: inside vLLM's compiled graph (--engine compiled); use --engine eager to tap it"
+COMPILED_TAPS = frozenset({"final_norm", "logits"})  # what crosses the compiled graph's boundary (no tap points needed)
 
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
 _OWNED = {
@@ -87,7 +88,13 @@ _OWNED = {
 def _engine_key(settings: StackSettings) -> tuple:
     """What makes an engine: the training-side fields (train_attn, train_sdpa) may differ between probes."""
     return (settings.model_path, settings.dtype, settings.device, settings.seed, settings.max_model_len,
-            settings.batch_tokens, settings.engine, settings.engine_args)
+            settings.batch_tokens, settings.engine, settings.engine_args, _tap_points(settings))
+
+
+def _tap_points(settings: StackSettings) -> bool:
+    """Whether the engine is built with layer tap points (compiled mode only: eager taps are plain hooks). An engine
+    without them is vLLM exactly as deployed; one with them is another engine (another compiled graph)."""
+    return settings.engine == "compiled" and settings.engine_taps
 
 
 def _llm_keywords(vllm) -> set[str]:
@@ -277,11 +284,12 @@ class _Step:
             raise StackError(f"vLLM computed no complete prompt logits for prompt {prompt_id}; capture seam moved")
         return self.logits_rows[prompt_id]
 
-    def split(self, x: torch.Tensor, emit, key: TapKey) -> None:
+    def split(self, x: torch.Tensor, emit, key: TapKey, fresh: bool = False) -> None:
         """x: [rows, ...] for the whole step -> one [T, features] view per prompt, of one clone for the step if
-        vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt)."""
+        vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt).
+        `fresh`: x is already a copy of its own (the compiled tap op clones every tap)."""
         flat = x.reshape(x.shape[0], -1)
-        if key.name in REWRITTEN:
+        if key.name in REWRITTEN and not fresh:
             flat = flat.clone()
         for prompt_id, (start, length) in self.spans.items():
             emit(prompt_id, key, flat[start : start + length])
@@ -302,15 +310,17 @@ class VLLMStack:
         if _ENGINE and _ENGINE["key"] != key:
             raise StackError(
                 "a vLLM engine with other settings is already running in this process, and vLLM's CPU backend "
-                "cannot host a second one; run the other model, dtype or engine mode in a new process"
+                "cannot host a second one; run the other model, dtype, engine mode or tap points in a new process"
             )
         if not _ENGINE:
             check_engine_args(settings.engine_kwargs(), settings.engine)
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
+            if _tap_points(settings):
+                compiled_taps.check_cudagraphs(settings.engine_kwargs(), settings.device)
             _track_dist_files()
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), self._building(settings):
                     warnings.simplefilter("ignore", FutureWarning)
                     llm = vllm.LLM(**self._engine_kwargs(settings))
             except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
@@ -324,6 +334,33 @@ class VLLMStack:
         self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _building(settings: StackSettings):
+        """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
+        compiles it, and vLLM's compile cache is off for this build. Its keys (the AOT artifact's: config and the
+        model's forward; the backend's: config and the traced files) cannot be trusted to tell a tapped graph from
+        an untapped one, so a tapped build neither loads an artifact (it could be untapped: no taps, or taps from
+        another graph) nor saves one (an untapped run could load it: not vLLM as deployed). Inductor's own FX graph
+        cache stays on: it is keyed by the graph itself. VLLM_DISABLE_COMPILE_CACHE is read while the engine starts,
+        before vLLM freezes its environment cache, and restored afterwards."""
+        if not _tap_points(settings):
+            yield
+            return
+        from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+        before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        try:
+            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM]):
+                yield
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+            else:
+                os.environ["VLLM_DISABLE_COMPILE_CACHE"] = before
 
     @staticmethod
     def _engine_kwargs(settings: StackSettings) -> dict:
@@ -358,15 +395,18 @@ class VLLMStack:
 
     def tap_status(self) -> dict[str, str]:
         """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
-        return {name: "captured" if not self.compiled or name in COMPILED_TAPS else NOT_CAPTURED_COMPILED
-                for name in ALL_TAPS}
+        if not self.compiled:
+            return {name: "captured" for name in ALL_TAPS}
+        cudagraphs = self.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", False),
+                                    cuda_graphs=getattr(cudagraphs, "name", str(cudagraphs)) != "NONE")
 
     def _check_taps(self, taps: frozenset[str]) -> None:
-        missing = sorted(n for n in taps if self.tap_status().get(n, "captured") != "captured")
+        status = self.tap_status()
+        missing = sorted(n for n in taps if status.get(n, "captured") != "captured")
         if missing:
-            raise StackError(
-                f"taps {', '.join(missing)} are inside vLLM's compiled graph, where no hook fires; with --engine "
-                f"compiled use --taps {','.join(sorted(COMPILED_TAPS))} (or none), or use --engine eager")
+            why = status[missing[0]].removeprefix("not captured")
+            raise StackError(f"taps {', '.join(missing)} cannot be captured{why}")
 
     def _on_model_call(self, hooks: HookSet, before, after) -> None:
         """before(input_ids) and after(hidden_states) around each engine step's model call, outside any compiled
@@ -541,7 +581,7 @@ class VLLMStack:
 
         self._on_model_call(hooks, layout, keep_final_hidden)
         hooks.after(self.model.logits_processor, keep_logits)
-        self._tap_hooks(hooks, taps, lambda key, x: step.split(x, sink, key))
+        self._tap_hooks(hooks, taps, lambda key, x: step.split(x, sink, key, fresh=self.compiled))
         return hooks
 
     def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
@@ -566,6 +606,10 @@ class VLLMStack:
 
             return hook
 
+        if self.compiled:  # the compiled graph calls the tap op; the hooks that call it were compiled in
+            fresh = compiled_taps.router(on_tap, taps)
+            hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
+            return
         if "embed" in taps:
             hooks.after(model.embed_tokens, out("embed", -1))
         for i, layer in enumerate(self.layers):
@@ -650,6 +694,7 @@ class VLLMStack:
             settings={
                 "engine": self.settings.engine,
                 "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
+                "engine_tap_points": _tap_points(self.settings),  # compiled with the dp::tap hooks (another graph)
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
                 "taps": self.tap_status(),
