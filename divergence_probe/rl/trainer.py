@@ -25,7 +25,11 @@ class Trainer:
         self.params = [p for _, p in self.model.named_parameters()]
         for p in self.params:
             p.requires_grad_(True)
-        self.initial = [p.detach().clone() for p in self.params]  # the checkpoint, for resets between runs
+        # the checkpoint, for resets between runs: kept on the stack by its first trainer, so that a later trainer
+        # on the same loaded stack (whose model an earlier run trained) starts from the checkpoint too
+        if getattr(stack, "rl_checkpoint", None) is None:
+            stack.rl_checkpoint = [p.detach().clone() for p in self.params]
+        self.initial = stack.rl_checkpoint
         self.lr, self.grad_clip, self.weight_decay = lr, grad_clip, weight_decay
         self.reset()
 
