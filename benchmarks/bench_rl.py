@@ -53,7 +53,7 @@ def main() -> None:
             t0 = time.perf_counter()
             loop.sync.verify(weights)
             t1 = time.perf_counter()
-            loop.cache_probe.check(weights_changed=False)
+            loop.cache_probe.check()
             checksums.append(t1 - t0)
             probes.append(time.perf_counter() - t1)
     rows = result.rows.iloc[1:]

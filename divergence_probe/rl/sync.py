@@ -18,8 +18,8 @@ SyncError naming the tensor: a wrong weight is a broken run, not a metric.
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
 reset. A fixed prompt longer than two KV blocks is scored with the cache (greedy next token, top-k logprobs) and
 without reading it (`skip_reading_prefix_cache`: every token computed with the engine's current weights, what a fresh
-engine with these weights computes); after a push they must be equal, and must differ from the score before the push
-when the push changed any tensor.
+engine with these weights computes); after a push they must be equal. Whether the score moved from before the push
+is reported, not required (BF16 activations can absorb a small update).
 """
 
 from __future__ import annotations
@@ -176,9 +176,10 @@ class StaleCacheProbe:
         """Score with the cache before a push: its blocks are now cached with the current weights."""
         self.before = self.score(read_cache=True)
 
-    def check(self, weights_changed: bool) -> bool:
-        """After a push: cached == fresh, else StaleCacheError; returns whether the score moved from before the push.
-        A push that changed weights but not the score is a SyncError (the engine kept computing with old weights)."""
+    def check(self) -> bool:
+        """After a push: cached == fresh, else StaleCacheError. Returns whether the score moved from before the push
+        (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
+        unchanged; that the engine computes with the new weights is what the checksums prove)."""
         cached = self.score(read_cache=True)
         fresh = self.score(read_cache=False)
         if cached != fresh:
@@ -186,8 +187,5 @@ class StaleCacheProbe:
                                   "differs from the same prompt computed afresh; call llm.reset_prefix_cache() after "
                                   "every push")
         moved = self.before is not None and cached != self.before
-        if weights_changed and self.before is not None and not moved:
-            raise SyncError("weight sync: the push changed the engine's weights but not its output on a probe prompt; "
-                            "the engine computes with copies the push did not reach")
         self.before = cached  # the blocks now cached hold the current weights: the next check's "before"
         return moved
