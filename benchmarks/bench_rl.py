@@ -57,8 +57,9 @@ def main() -> None:
             checksums.append(t1 - t0)
             probes.append(time.perf_counter() - t1)
     rows = result.rows.iloc[1:]
-    median = {c: statistics.median(rows[c]) for c in (*WORK, *OVERHEAD)}
-    work, overhead = sum(median[c] for c in WORK), sum(median[c] for c in OVERHEAD)
+    median = {c: statistics.median(rows[c]) for c in (*WORK, *OVERHEAD, "t_checksums", "t_probe")}
+    work = sum(statistics.median(rows[c]) for c in WORK)
+    overhead = sum(statistics.median(rows[c]) for c in OVERHEAD)
     report = {
         "spec": spec.to_dict(), "steps_measured": len(rows), "cpu_count": os.cpu_count(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

@@ -89,11 +89,26 @@ def test_expected_tensors_stack_like_vllms_loader():
     (["--align", "nope"], "unknown region"),
     (["--setting", "rope", "--align", "rope"], "--align and --setting"),
     (["--correction", "clip"], "--correction"),
+    (["--reward", "no_such_reward_module:score"], "cannot import"),
+    (["--prompts", "no/such/prompts.txt"], "no/such/prompts.txt"),
 ])
 def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
     result = CliRunner().invoke(app, ["rl", *flags, "--out", str(tmp_path / "x")])
     assert_one_line_error(result, message)
     assert not (tmp_path / "x").exists()
+
+
+def test_every_rl_option_is_a_flag():
+    from dataclasses import fields
+
+    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec import flag_of
+
+    result = CliRunner().invoke(app, ["rl", "--help"], terminal_width=400)
+    assert result.exit_code == 0
+    for f in fields(RLSpec):
+        assert flag_of(f) in result.output, f.name
+    assert RLSpec(setting=("none", "rope,swiglu")).settings == ("none", "rope,swiglu")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from typing import Callable
 
 import pandas as pd
 
+from ..prompts import read_prompt_sources
 from .loop import Loop, load
+from .reward import load_reward
 from .spec import RLSpec
 from .sync import StaleCacheError, SyncError
 from .table import rl_folder, summarize
@@ -37,6 +39,9 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
     """Every (setting, seed) run of `spec` on one engine; rows go to OUT/rl.csv as they are made.
     `probe`: an already loaded rl probe (`rl.loop.load(spec)`); default: load one."""
     out_dir = Path(out_dir)
+    load_reward(spec.reward)  # a bad plug-in or prompt file fails in seconds, before the engine starts
+    if spec.prompts is not None:
+        read_prompt_sources(Path(spec.prompts))
     with rl_folder(out_dir) as writer:
         probe = probe or load(spec)
         loop = Loop(probe, spec)

@@ -49,15 +49,14 @@ def load(spec: RLSpec):
                                  engine_args=dict(ENGINE_ARGS), seed=spec.seed))
 
 
-def prompt_pool(spec: RLSpec, tokenizer) -> list[tuple[str, tuple[int, ...]]]:
-    """(text, token ids) of every prompt a step may draw."""
-    if spec.prompts is None:
-        texts = list(PROMPTS)
-    else:
-        from ..prompts import read_prompt_sources
+def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(text, token ids) of every prompt a step may draw; each leaves room for --max-new-tokens."""
+    if spec.prompts is not None:  # the compare command's prompt files: .txt, .jsonl (chat rendered), or a folder
+        from ..prompts import load_prompts
 
-        texts = [s.text for s in read_prompt_sources(Path(spec.prompts))]
-    pool = [(t, tuple(tokenizer(t)["input_ids"])) for t in texts]
+        prompts = load_prompts(Path(spec.prompts), tokenizer, max_model_len=max_model_len - spec.max_new_tokens + 1)
+        return [(p.text, p.token_ids) for p in prompts]
+    pool = [(t, tuple(tokenizer(t)["input_ids"])) for t in PROMPTS]
     empty = [t for t, ids in pool if not ids]
     if empty:
         raise ProbeError(f"--prompts: prompt {empty[0]!r} has no tokens; remove it")
@@ -83,7 +82,7 @@ class Loop:
         self.sync = WeightSync(self.llm, engine.model, bool(getattr(config, "tie_word_embeddings", False)))
         self.cache_probe = StaleCacheProbe(self.llm, min(config.vocab_size, len(self.tokenizer)))
         self.reward = load_reward(self.spec.reward)
-        self.pool = prompt_pool(self.spec, self.tokenizer)
+        self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
         self.eos = self.probe.train.model.generation_config.eos_token_id
 
     def reset(self) -> None:
@@ -99,10 +98,11 @@ class Loop:
         self.sync.reset_cache()
         t1 = time.perf_counter()
         check = self.sync.verify(weights)
-        moved = self.cache_probe.check()
         t2 = time.perf_counter()
+        moved = self.cache_probe.check()
+        t3 = time.perf_counter()
         return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
-                "t_sync": t1 - t0, "t_check": t2 - t1}
+                "t_sync": t1 - t0, "t_check": t3 - t1, "t_checksums": t2 - t1, "t_probe": t3 - t2}
 
     def rollout(self, prompts, seed: int, step: int):
         from vllm import SamplingParams
