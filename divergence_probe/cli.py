@@ -261,7 +261,7 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
             if (Path(run_dir) / "rl.csv").is_file():  # an rl run: its own report (figures of reward and mismatch)
                 from .reports.rl import write_rl_report
 
-                path = write_rl_report(run_dir, out_dir)
+                path = write_rl_report(run_dir, out_dir, fmt=fmt)
             else:
                 path = write_report(run_dir, out_dir, fmt=fmt)
     except ProbeError as e:

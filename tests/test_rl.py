@@ -164,3 +164,17 @@ def test_stale_prefix_cache_fails_the_probe_and_keeps_the_rows(rl_process):
     _, seen = rl_process
     assert seen["stale_cache"].startswith("StaleCacheError")
     assert seen["stale_rows"] == 1 and not seen["stale_manifest"]
+
+
+def test_rl_report_refuses_a_changed_rl_csv_and_other_formats(rl_process, tmp_path):
+    import shutil
+
+    root, _ = rl_process
+    run = tmp_path / "run"
+    shutil.copytree(root / "cli", run, ignore=shutil.ignore_patterns("report"))
+    runner = CliRunner()
+    assert_one_line_error(runner.invoke(app, ["report", str(run), "--format", "html"]), "markdown")
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    with (run / "rl.csv").open("a") as f:
+        f.write("none,0,3\n")
+    assert_one_line_error(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r2")]), "sha256")

@@ -67,8 +67,11 @@ def _markdown(table: pd.DataFrame) -> str:
     return head + "".join("\n| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False))
 
 
-def write_rl_report(run_dir: str | Path, out_dir: str | Path | None = None, check: bool = True) -> Path:
+def write_rl_report(run_dir: str | Path, out_dir: str | Path | None = None, check: bool = True,
+                    fmt: str = "md") -> Path:
     """report.md with rl_summary.csv as a table and figures/rl.png|pdf, into out_dir (default run_dir/report)."""
+    if fmt != "md":
+        raise ReportError(f"--format {fmt}: an rl run's report is markdown (report.md + PNG/PDF figures); drop --format")
     run_dir = Path(run_dir)
     rows = read_rows(run_dir, check)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"

@@ -83,13 +83,13 @@ class Loop:
         self.cache_probe = StaleCacheProbe(self.llm, min(config.vocab_size, len(self.tokenizer)))
         self.reward = load_reward(self.spec.reward)
         self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
-        self.eos = self.probe.train.model.generation_config.eos_token_id
+        eos = self.probe.train.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
 
     def reset(self) -> None:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
         self.trainer.reset()
-        self.push_and_check()
-        self.cache_probe.prime()
+        self.push_and_check()  # its probe leaves the probe prompt cached: the next push's "before"
 
     def push_and_check(self) -> dict:
         t0 = time.perf_counter()
@@ -156,7 +156,7 @@ class Loop:
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
             "response_len_mean": float(np.mean([len(r) for r in responses])),
-            "eos_frac": float(np.mean([bool(r) and r[-1] == self.eos for r in responses])),
+            "eos_frac": float(np.mean([bool(r) and r[-1] in self.eos for r in responses])),
             "entropy": float(entropy[on].mean()), "loss": float(loss.detach()), **loss_stats, "grad_norm": grad_norm,
             **token_metrics(infer_np, train_np, spec.clip_eps, spec.tis_cap),
             **sequence_metrics(responses_df, spec.clip_eps),

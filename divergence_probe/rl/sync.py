@@ -163,25 +163,24 @@ class StaleCacheProbe:
         self.top_k = top_k
         self.before: tuple | None = None
 
-    def score(self, read_cache: bool) -> tuple:
+    def score(self) -> tuple[tuple, tuple]:
+        """(through the cache, computed afresh): the probe prompt's greedy next token and top-k logprobs, both requests
+        in one engine call (one step: the per-call cost is most of the probe's). In one step nothing computed by one
+        request is cached for the other, so the first reads only blocks cached before the call."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False,
-                                skip_reading_prefix_cache=not read_cache)
-        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=self.token_ids)], params, use_tqdm=False)
-        return tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items()))
-
-    def prime(self) -> None:
-        """Score with the cache before a push: its blocks are now cached with the current weights."""
-        self.before = self.score(read_cache=True)
+        params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False,
+                                 skip_reading_prefix_cache=skip) for skip in (False, True)]
+        prompt = TokensPrompt(prompt_token_ids=self.token_ids)
+        outs = self.llm.generate([prompt, prompt], params, use_tqdm=False)
+        return tuple(tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items())) for out in outs)
 
     def check(self) -> bool:
         """After a push: cached == fresh, else StaleCacheError. Returns whether the score moved from before the push
         (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
         unchanged; that the engine computes with the new weights is what the checksums prove)."""
-        cached = self.score(read_cache=True)
-        fresh = self.score(read_cache=False)
+        cached, fresh = self.score()
         if cached != fresh:
             raise StaleCacheError("stale prefix cache: after the weight push, a prompt scored through the prefix cache "
                                   "differs from the same prompt computed afresh; call llm.reset_prefix_cache() after "
