@@ -44,7 +44,8 @@ class RLSpec:
     reward: str | None = option(None, "module:function(prompt_text, response_text) -> float; default: the built-in "
                                       "task (1 when every bracket is closed).")
     max_new_tokens: int = option(24, "Most tokens per response.")
-    temperature: float = option(1.0, "Sampling temperature of the rollouts. Keep 1.0 for an unbiased ratio: the engine reports raw (untempered) logprobs and the trainer computes the same.")
+    temperature: float = option(1.0, "Sampling temperature of the rollouts. Keep 1.0 for an unbiased ratio: the "
+                                     "engine reports raw (untempered) logprobs and the trainer computes the same.")
     clip_eps: float = option(0.2, "PPO clip band [1-eps, 1+eps].")
     tis_cap: float = option(2.0, "TIS truncation cap C (MIS keeps weights in [1/C, C]).")
     grad_clip: float = option(1.0, "Gradient norm clip.")

@@ -1,4 +1,4 @@
-"""Weight sync: push the trainer's weights into the running vLLM engine, then prove the engine now computes with them.
+"""Weight sync: push the trainer's weights into the running vLLM engine, then prove it computes with them.
 
 Push: vLLM's own in-place reload (`LLM.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)`,
 the worker's `reload_weights`): it puts every layer back into its checkpoint layout, runs the model's own
