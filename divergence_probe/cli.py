@@ -312,14 +312,13 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
             result = rl.run(spec, out_dir, progress)
     except ProbeError as e:
         _fail(e)
-    table = Table(title="rl: reward and mismatch (first and last steps)")
-    for col in ("setting", "seed", "reward_start", "reward_end", "mean_abs_dlogp_start", "mean_abs_dlogp_end",
-                "s_per_step", "overhead_frac"):
+    table = Table(title="rl: first -> last steps (rl_summary.csv)")
+    for col in ("setting", "seed", "reward", "mean |Δlogp|", "s/step", "overhead"):
         table.add_column(col, justify="left" if col == "setting" else "right")
     for row in result.summary.itertuples():
-        table.add_row(row.setting, str(row.seed), f"{row.reward_start:.3f}", f"{row.reward_end:.3f}",
-                      f"{row.mean_abs_dlogp_start:.3e}", f"{row.mean_abs_dlogp_end:.3e}", f"{row.s_per_step:.2f}",
-                      f"{row.overhead_frac:.1%}")
+        table.add_row(row.setting, str(row.seed), f"{row.reward_start:.2f} -> {row.reward_end:.2f}",
+                      f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
+                      f"{row.overhead_frac:.0%}")
     out.print(table)
     out.print(f"run: {out_dir}")
     if report:
