@@ -272,10 +272,81 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
 
     try:
         with console.status("rendering the report…"):
-            path = write_report(run_dir, out_dir, fmt=fmt)
+            if (Path(run_dir) / "rl.csv").is_file():  # an rl run: its own report (figures of reward and mismatch)
+                from .reports.rl import write_rl_report
+
+                path = write_rl_report(run_dir, out_dir, fmt=fmt)
+            else:
+                path = write_report(run_dir, out_dir, fmt=fmt)
     except ProbeError as e:
         _fail(e)
     out.print(f"report: {path}")
+
+
+def _rl_options() -> list[inspect.Parameter]:
+    """One typer option per RLSpec field (declared once, in rl/spec.py); a tuple field is a repeatable flag."""
+    from .rl.spec import RLSpec
+
+    hints = typing.get_type_hints(RLSpec)
+    params = []
+    for f in dataclasses.fields(RLSpec):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if typing.get_origin(hints[f.name]) is tuple:
+            cli_type, cli_default = Optional[list[str]], None
+        else:
+            cli_type, cli_default = _cli_type(hints[f.name], default)
+        decls = [flag_of(f)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
+                                        default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""))))
+    params.append(inspect.Parameter("report", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--report", help="After the run, render OUT/report (report.md, reward and mismatch figures).")))
+    params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=OutOpt))
+    return params
+
+
+def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from . import rl
+    from .rundir import default_out_dir
+
+    hf_logging.disable_progress_bar()
+    try:
+        spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
+                            or k in ("model", "prompts", "reward")})
+        out_dir = out_dir or default_out_dir()
+        with _progress() as bar:
+            task = bar.add_task("loading the engine and the trainer…", total=None)
+
+            def progress(row: dict, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, description=(
+                    f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
+                    f"|Δlogp| {row['mean_abs_dlogp']:.2e}"))
+
+            result = rl.run(spec, out_dir, progress)
+    except ProbeError as e:
+        _fail(e)
+    table = Table(title="rl: first -> last steps (rl_summary.csv)")
+    for col in ("setting", "seed", "reward", "mean |Δlogp|", "s/step", "overhead"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for row in result.summary.itertuples():
+        table.add_row(row.setting, str(row.seed), f"{row.reward_start:.2f} -> {row.reward_end:.2f}",
+                      f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
+                      f"{row.overhead_frac:.0%}")
+    out.print(table)
+    out.print(f"run: {out_dir}")
+    if report:
+        _write_report(out_dir)
+
+
+rl_command.__signature__ = inspect.Signature(_rl_options())
+rl_command.__doc__ = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
+    pushed into the running engine and verified every step (per-tensor checksums, stale prefix-cache probe).
+
+    Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
+    --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
+    """
+app.command("rl")(rl_command)
 
 
 @app.command("make-model")

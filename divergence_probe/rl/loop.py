@@ -1,0 +1,181 @@
+"""The GRPO step loop: sample G responses per prompt with vLLM, reward them, update the trainer, push the weights
+into the running engine, verify the push, and report one row per step.
+
+    import divergence_probe.rl as rl
+    run = rl.run(rl.RLSpec(steps=50, setting=("none", "rope")), out_dir="runs/rl")
+
+The engine is vLLM in eager mode with prefix caching on, as production rollouts run (the tool's compare engine turns
+it off, so rl loads its own). Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the
+engine's logprob of each sampled token is what the policy ratio uses. Between runs of an experiment (settings x
+seeds) the trainer goes back to the checkpoint and the checkpoint's weights are pushed through the same sync path,
+so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
+same region patch compare and ablate use, which takes effect only in the eager engine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import align as align_api
+from ..errors import ProbeError
+from ..regions import aligned
+from ..rl_metrics import sequence_metrics, token_metrics
+from .grpo import group_advantages, policy_loss
+from .reward import PROMPTS, load_reward, score
+from .spec import RLSpec, parse_setting
+from .sync import StaleCacheProbe, WeightSync
+from .trainer import Trainer
+
+ENGINE_ARGS = {"enable_prefix_caching": True}
+WORK = ("t_rollout", "t_reward", "t_update")  # what the loop is for
+OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it costs
+
+
+def load(spec: RLSpec):
+    """The Probe (engine + trainer stack) rl runs on: eager vLLM with prefix caching on, BF16 on both sides."""
+    import divergence_probe as dp
+    from ..spec import LoadSpec
+
+    return dp.load(spec=LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
+                                 engine_args=dict(ENGINE_ARGS), seed=spec.seed))
+
+
+def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(text, token ids) of every prompt a step may draw; each leaves room for --max-new-tokens."""
+    if spec.prompts is not None:  # the compare command's prompt files: .txt, .jsonl (chat rendered), or a folder
+        from ..prompts import load_prompts
+
+        prompts = load_prompts(Path(spec.prompts), tokenizer, max_model_len=max_model_len - spec.max_new_tokens + 1)
+        return [(p.text, p.token_ids) for p in prompts]
+    pool = [(t, tuple(tokenizer(t)["input_ids"])) for t in PROMPTS]
+    empty = [t for t, ids in pool if not ids]
+    if empty:
+        raise ProbeError(f"--prompts: prompt {empty[0]!r} has no tokens; remove it")
+    return pool
+
+
+@dataclass
+class Loop:
+    """One engine and one trainer, reused by every run of an experiment."""
+
+    probe: object  # divergence_probe.Probe, loaded with ENGINE_ARGS
+    spec: RLSpec
+    trainer: Trainer = field(init=False)
+
+    def __post_init__(self) -> None:
+        engine = self.probe.infer
+        if not engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+            raise ProbeError("rl needs a vLLM engine with prefix caching on (as production rollouts run); load it "
+                             "with rl.loop.load(spec)")
+        self.llm, self.tokenizer = engine.llm, self.probe.tokenizer
+        config = self.probe.train.model.config
+        self.trainer = Trainer(self.probe.train, self.spec.lr, self.spec.grad_clip)
+        self.sync = WeightSync(self.llm, engine.model, bool(getattr(config, "tie_word_embeddings", False)))
+        self.cache_probe = StaleCacheProbe(self.llm, min(config.vocab_size, len(self.tokenizer)))
+        self.reward = load_reward(self.spec.reward)
+        self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
+        eos = self.probe.train.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+    def reset(self) -> None:
+        """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
+        self.trainer.reset()
+        self.push_and_check()  # its probe leaves the probe prompt cached: the next push's "before"
+
+    def push_and_check(self) -> dict:
+        t0 = time.perf_counter()
+        weights = self.trainer.named_weights()
+        self.sync.push(weights.items())
+        self.sync.reset_cache()
+        t1 = time.perf_counter()
+        check = self.sync.verify(weights)
+        t2 = time.perf_counter()
+        moved = self.cache_probe.check()
+        t3 = time.perf_counter()
+        return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
+                "t_sync": t1 - t0, "t_check": t3 - t1, "t_checksums": t2 - t1, "t_probe": t3 - t2}
+
+    def rollout(self, prompts, seed: int, step: int):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        g, spec = self.spec.group_size, self.spec
+        requests, params = [], []
+        for p, (_, ids) in enumerate(prompts):
+            for k in range(g):
+                requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(SamplingParams(max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0,
+                                             seed=(seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31, logprobs=0,
+                                             detokenize=False))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses, logprobs = [], []
+        for out in outputs:
+            c = out.outputs[0]
+            responses.append(tuple(c.token_ids))
+            logprobs.append([entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)])
+        return responses, logprobs
+
+    def step(self, seed: int, step: int) -> dict:
+        spec, g = self.spec, self.spec.group_size
+        rng = random.Random(seed * 7919 + step)
+        prompts = rng.sample(self.pool, min(spec.prompts_per_step, len(self.pool)))
+        t0 = time.perf_counter()
+        responses, lp_engine = self.rollout(prompts, seed, step)
+        t1 = time.perf_counter()
+        prompt_of = [prompts[i // g] for i in range(len(responses))]
+        rewards = torch.tensor([score(self.reward, text, self.tokenizer.decode(list(r), skip_special_tokens=True))
+                                for (text, _), r in zip(prompt_of, responses)])
+        advantages = group_advantages(rewards, g)
+        t2 = time.perf_counter()
+        sequences = [ids + r for (_, ids), r in zip(prompt_of, responses)]
+        n_prompt = [len(ids) for _, ids in prompt_of]
+        lp_train, entropy, mask = self.trainer.forward(sequences, n_prompt)
+        lp_infer = torch.zeros_like(lp_train)
+        for row, (n, lps) in enumerate(zip(n_prompt, lp_engine)):
+            lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
+        loss, loss_stats = policy_loss(lp_train, lp_infer, advantages, mask, spec.clip_eps, spec.correction,
+                                       spec.tis_cap)
+        grad_norm = self.trainer.step(loss)
+        t3 = time.perf_counter()
+        on = mask.bool()
+        train_np, infer_np = lp_train.detach()[on].numpy(), lp_infer[on].numpy()
+        seq_keys = torch.arange(len(sequences))[:, None].expand_as(mask)[on].numpy()
+        responses_df = pd.DataFrame({"prompt_id": seq_keys // g, "sample_id": seq_keys % g,
+                                     "delta_logprob": train_np.astype(np.float64) - infer_np})
+        groups = rewards.view(-1, g)
+        row = {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
+            "response_len_mean": float(np.mean([len(r) for r in responses])),
+            "eos_frac": float(np.mean([bool(r) and r[-1] in self.eos for r in responses])),
+            "entropy": float(entropy[on].mean()), "loss": float(loss.detach()), **loss_stats, "grad_norm": grad_norm,
+            **token_metrics(infer_np, train_np, spec.clip_eps, spec.tis_cap),
+            **sequence_metrics(responses_df, spec.clip_eps),
+        }
+        t4 = time.perf_counter()
+        row |= self.push_and_check()
+        row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
+        row["overhead_frac"] = sum(row[k] for k in OVERHEAD) / sum(row[k] for k in WORK)
+        return row
+
+    def run(self, setting: str, seed: int, on_row: Callable[[dict], None]) -> None:
+        """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row."""
+        regions = parse_setting(setting)
+        torch.manual_seed(seed)
+        self.reset()
+        with ExitStack() as stack:
+            if regions:
+                stack.enter_context(align_api.apply(self.trainer.model, regions))
+            if regions and self.spec.side == "both":
+                stack.enter_context(aligned([self.probe.infer], regions))
+            for step in range(1, self.spec.steps + 1):
+                on_row({"setting": setting, "seed": seed, "step": step, **self.step(seed, step)})

@@ -1,0 +1,97 @@
+"""The rl command's verifiable task (close every bracket), its prompts, and the `--reward module:function` plug-in.
+
+The task: each prompt is the start of a line of Python that leaves brackets open (`(`, `[`, `{`); a response
+earns 1 when the prompt plus the response, read as text, closes every bracket it opened, in order, and leaves
+none open; 0 otherwise (a wrong closer, e.g. `)` for `[`, is 0 too). Why this task:
+- verifiable by a few lines of code, with no judgement: string literals are not parsed, so a bracket inside a
+  string counts like any other (the rule is the rule; the model can learn it);
+- learnable by the built-in model: it was trained on the standard library's sources, so it closes brackets
+  often but not reliably (it keeps writing past the line, opens new ones, or stops early), and every response
+  is a chance to be right; the group of G responses per prompt usually holds both outcomes, which is what
+  GRPO's group-normalised advantage needs to produce a gradient;
+- not trivially saturated: the prompts nest one to three levels deep, and a response of `--max-new-tokens`
+  tokens that rambles on opens brackets it has no room to close.
+
+A user's reward is `--reward package.module:function`, called as `function(prompt_text, response_text) -> float`
+for each response (importable from the current folder or PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ProbeError
+
+Reward = Callable[[str, str], float]
+
+PAIRS = {")": "(", "]": "[", "}": "{"}
+
+# Python line starts that leave 1-3 brackets open; the model continues them.
+PROMPTS = (
+    "result = compute(values[0], ",
+    "print(sorted(items, key=lambda x: (x[1], ",
+    "data = {'name': [1, 2, ",
+    "if isinstance(obj, (list, ",
+    "return self._cache.get(key, default",
+    "total = sum(len(line) for line in lines[",
+    "parser.add_argument('--path', type=str, help=(",
+    "matrix = [[0] * width for _ in range(",
+    "os.path.join(os.path.dirname(__file__), ",
+    "self.assertEqual(func(args[1:], ",
+    "raise ValueError('bad value: %r' % (value",
+    "for key, value in sorted(mapping.items(",
+    "names = [name.strip() for name in text.split(",
+    "yield from self._walk(node.children[",
+    "logger.info('loaded %d items from %s', len(items",
+    "config = dict(zip(keys, map(int, ",
+)
+
+
+class RewardError(ProbeError):
+    """The --reward plug-in cannot be imported or does not return a number."""
+
+
+def closes_brackets(prompt: str, response: str) -> float:
+    """1.0 when prompt + response closes every bracket it opens, in order, leaving none open; else 0.0."""
+    stack: list[str] = []
+    for ch in prompt + response:
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in PAIRS:
+            if not stack or stack.pop() != PAIRS[ch]:
+                return 0.0
+    return 0.0 if stack else 1.0
+
+
+def load_reward(spec: str | None) -> Reward:
+    """The built-in task's reward for None, else the function that `module:function` names."""
+    if spec is None:
+        return closes_brackets
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardError(f"--reward {spec!r} is not module:function; pass e.g. --reward my_rewards:score")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # a reward module next to the user, as `python -m` would find it
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"--reward {spec}: cannot import {module_name} ({e}); put it on PYTHONPATH or in the "
+                          "current folder") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"--reward {spec}: {module_name} has no function {attr}; name a function that takes "
+                          "(prompt_text, response_text) and returns a number")
+    return fn
+
+
+def score(reward: Reward, prompt: str, response: str) -> float:
+    """reward(prompt, response) as a float; anything else is the plug-in's error, named in one line."""
+    value = reward(prompt, response)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        name = getattr(reward, "__qualname__", repr(reward))
+        raise RewardError(f"the reward function {name} returned {value!r}, not a number; return a float") from None

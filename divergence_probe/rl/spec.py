@@ -1,0 +1,93 @@
+"""RLSpec: every option of the rl command, declared once (the CLI's flags and the manifest come from it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..errors import ProbeError
+from ..options import option
+from ..regions import REGIONS, parse_regions
+from .grpo import CORRECTIONS
+
+SIDES = ("both", "train")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def setting_name(regions: tuple[str, ...]) -> str:
+    return ",".join(regions) if regions else "none"
+
+
+def parse_setting(text: str) -> tuple[str, ...]:
+    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order."""
+    return () if text.strip() in ("", "none") else parse_regions(text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLSpec:
+    """A GRPO run (or an experiment: several settings x seeds) on one checkpoint, one engine."""
+
+    model: str | None = option(None, "Checkpoint folder or hub id. Default: the built-in tiny trained Qwen3.", short="-m")
+    device: str = option("auto", "auto (cuda when present), cpu or cuda.")
+    steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
+    align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
+                                + ", ".join(REGIONS) + ".")
+    setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
+                                          "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
+    side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
+    correction: str = option("none", "Off-policy correction of the engine/trainer mismatch: none (PPO ratio against "
+                                     "the engine's logprobs), tis (truncated importance weights) or mis (masked).")
+    lr: float = option(1e-3, "AdamW learning rate (FP32 master weights).")
+    group_size: int = option(8, "Responses sampled per prompt (GRPO's group).")
+    prompts_per_step: int = option(4, "Prompts per step, drawn from the prompt pool.")
+    prompts: str | None = option(None, "A .txt of prompts (blank-line separated) for --reward; default: the built-in "
+                                       "bracket-closing task's prompts.", short="-p")
+    reward: str | None = option(None, "module:function(prompt_text, response_text) -> float; default: the built-in "
+                                      "task (1 when every bracket is closed).")
+    max_new_tokens: int = option(24, "Most tokens per response.")
+    temperature: float = option(1.0, "Sampling temperature of the rollouts. Keep 1.0 for an unbiased ratio: the "
+                                     "engine reports raw (untempered) logprobs and the trainer computes the same.")
+    clip_eps: float = option(0.2, "PPO clip band [1-eps, 1+eps].")
+    tis_cap: float = option(2.0, "TIS truncation cap C (MIS keeps weights in [1/C, C]).")
+    grad_clip: float = option(1.0, "Gradient norm clip.")
+    seed: int = option(0, "Seed of the first run.")
+    seeds: int = option(1, "Runs per setting, with seeds seed, seed+1, ...")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
+            (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),
+            (self.correction in CORRECTIONS, f"--correction {self.correction!r} is not valid; choose one of: "
+                                             f"{', '.join(CORRECTIONS)}"),
+            (self.steps >= 1, "--steps must be at least 1"),
+            (self.lr > 0, "--lr must be positive"),
+            (self.group_size >= 2, "--group-size must be at least 2 (advantages are relative to the group)"),
+            (self.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
+            (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
+            (self.temperature > 0, "--temperature must be > 0 (a policy gradient needs sampling)"),
+            (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+            (self.tis_cap > 1, "--tis-cap must be > 1"),
+            (self.grad_clip > 0, "--grad-clip must be positive"),
+            (self.seeds >= 1, "--seeds must be at least 1"),
+            (0 <= self.seed < 2**31 - self.seeds, "--seed is out of range; use a number from 0 to 2**31 - 1"),
+            (not (self.setting and self.align != "none"), "--align and --setting both given; use --setting for "
+                                                          "several settings, --align for one"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ProbeError(message)
+        object.__setattr__(self, "setting", tuple(self.setting))
+        for s in self.settings:
+            parse_setting(s)
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The runs' settings as names ('none', 'rope', 'rope,swiglu,rmsnorm'), in the order given."""
+        raw = self.setting or (self.align,)
+        return tuple(setting_name(parse_setting(s)) for s in raw)
+
+    @property
+    def seed_list(self) -> tuple[int, ...]:
+        return tuple(range(self.seed, self.seed + self.seeds))
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,190 @@
+"""Weight sync: push the trainer's weights into the running vLLM engine, then prove it computes with them.
+
+Push: vLLM's own in-place reload (`LLM.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)`,
+the worker's `reload_weights`): it puts every layer back into its checkpoint layout, runs the model's own
+`load_weights` (which stacks q,k,v into qkv_proj and gate,up into gate_up_proj and ties lm_head to the embedding),
+re-runs each layer's post-load processing (on the CPU: packing the GEMM weights and dropping `layer.weight`) and
+copies the result into the tensors the engine already holds. No engine restart. One gap in that path is closed
+here: a tied head is processed only as its embedding (vLLM's `model_loader/reload` docstring, limitation 2), so on
+the CPU the lm_head's packed GEMM copy keeps the old embedding; its own post-load processing is run again.
+
+Check: per-tensor sha256 of what the engine computes with, against the trainer's tensors mapped as vLLM's loader maps
+them (its `packed_modules_mapping`; the tied lm_head is the embedding). "Computes with", not "stores": on the CPU a
+linear layer's `weight` is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read
+back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Both sides are
+hashed as float32 (exact for BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
+SyncError naming the tensor: a wrong weight is a broken run, not a metric.
+
+Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
+reset. A fixed prompt longer than two KV blocks is scored with the cache (greedy next token, top-k logprobs) and
+without reading it (`skip_reading_prefix_cache`: every token computed with the engine's current weights, what a fresh
+engine with these weights computes); after a push they must be equal. Whether the score moved from before the push
+is reported, not required (BF16 activations can absorb a small update).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..errors import ProbeError
+
+
+class SyncError(ProbeError):
+    """The engine does not compute with the trainer's weights after a push."""
+
+
+class StaleCacheError(SyncError):
+    """After a push, the prefix cache served KV computed with the previous weights."""
+
+
+def checksum(t: torch.Tensor) -> str:
+    """sha256 of the tensor's values as float32 bytes (exact for BF16, FP16 and FP32)."""
+    return hashlib.sha256(t.detach().float().contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+
+
+def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] weight the module's GEMM computes with: its GEMM applied to I_K, without bias, is W^T exactly."""
+    k = module.weight.shape[1] if module.weight.numel() else module.input_size
+    device = module.weight.device
+    return module.quant_method.apply(module, torch.eye(k, dtype=dtype, device=device), None).t()
+
+
+def _reads_a_copy(module) -> bool:
+    """Whether the module's GEMM reads another tensor than its `weight` (vLLM's CPU dispatch packs it)."""
+    return hasattr(module, "cpu_linear") or (hasattr(module, "weight") and module.weight.numel() == 0)
+
+
+def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight of the engine's model by vLLM name, as the model computes with it (see the module docstring).
+    A tied lm_head appears as `lm_head.weight` (the logits GEMM) beside `model.embed_tokens.weight` (the lookup)."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for name, module in model.named_modules(remove_duplicate=False):
+            for pname, param in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                lookup = type(module).__name__ == "VocabParallelEmbedding" and not full.startswith("lm_head.")
+                if pname == "weight" and hasattr(module, "quant_method") and _reads_a_copy(module) and not lookup:
+                    out[full] = _gemm_weight(module, dtype)
+                else:
+                    out[full] = param.detach()
+    return out
+
+
+def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[str], packed: dict[str, Sequence[str]],
+                     tied: bool) -> dict[str, tuple[torch.Tensor, str]]:
+    """engine name -> (the trainer's tensor as vLLM's loader would build it, the trainer names it came from)."""
+    out = {}
+    used: set[str] = set()
+    for name in engine_names:
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (concatenated along the output dim, in this order)
+            sources = [f"{parent}.{part}.{leaf}" for part in packed[last]]
+        elif name == "lm_head.weight" and tied and name not in trainer:
+            sources = ["model.embed_tokens.weight"]
+        else:
+            sources = [name]
+        missing = [s for s in sources if s not in trainer]
+        if missing:
+            raise SyncError(f"weight sync: the engine holds {name} but the trainer has no {missing[0]}; the trainer "
+                            "and the engine load different architectures: point both at the same checkpoint")
+        used.update(sources)
+        out[name] = (torch.cat([trainer[s] for s in sources]) if len(sources) > 1 else trainer[sources[0]],
+                     " + ".join(sources))
+    unused = sorted(set(trainer) - used)
+    if unused:
+        raise SyncError(f"weight sync: the trainer's {unused[0]} has no counterpart in the engine; the trainer and the "
+                        "engine load different architectures: point both at the same checkpoint")
+    return out
+
+
+@dataclass
+class SyncCheck:
+    tensors: int  # how many engine tensors were compared
+    changed: int  # how many differ from the previous check's (0 on the first)
+
+
+class WeightSync:
+    """Push + verify for one in-process engine (`llm`: vllm.LLM; `model`: its nn.Module)."""
+
+    def __init__(self, llm, model, tied: bool) -> None:
+        self.llm, self.model, self.tied = llm, model, tied
+        self.dtype = llm.llm_engine.vllm_config.model_config.dtype
+        self.packed = dict(getattr(type(model), "packed_modules_mapping", {}) or {})
+        self.previous: dict[str, str] = {}
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load `named` (HF checkpoint names, the trainer's tensors) into the engine through vLLM's reload path."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named)),
+                                                          "is_checkpoint_format": True})
+        head = getattr(self.model, "lm_head", None)
+        if self.tied and head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
+
+    def reset_cache(self) -> None:
+        """Drop every cached KV block: they were computed with the weights before the push."""
+        if not self.llm.reset_prefix_cache():
+            raise SyncError("vLLM refused to reset its prefix cache (requests still running); finish them before "
+                            "pushing weights")
+
+    def verify(self, trainer: dict[str, torch.Tensor]) -> SyncCheck:
+        """Raise SyncError naming the first engine tensor whose checksum differs from the trainer's; else counts."""
+        held = engine_tensors(self.model, self.dtype)
+        want = expected_tensors(trainer, held, self.packed, self.tied)
+        sums = {}
+        for name, tensor in held.items():
+            expected, sources = want[name]
+            if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
+                tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
+            have, need = checksum(tensor), checksum(expected)
+            if tensor.shape != expected.shape or have != need:
+                raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (sha256 {have[:12]} "
+                                f"vs {need[:12]}, shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}); the push "
+                                "missed, renamed or cast it: push every trainer tensor under its checkpoint name")
+            sums[name] = have
+        changed = sum(sums[n] != self.previous[n] for n in sums) if self.previous else 0
+        self.previous = sums
+        return SyncCheck(tensors=len(sums), changed=changed)
+
+
+class StaleCacheProbe:
+    """Scores a fixed prompt of a little over two KV blocks with and without reading the prefix cache."""
+
+    def __init__(self, llm, vocab_size: int, top_k: int = 20, seed: int = 0) -> None:
+        self.llm = llm
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        g = torch.Generator().manual_seed(seed)
+        # random tokens (not special ids 0-2): a prompt no rollout shares, whose first two blocks get cached
+        self.token_ids = torch.randint(3, vocab_size, (2 * block + 3,), generator=g).tolist()
+        self.top_k = top_k
+        self.before: tuple | None = None
+
+    def score(self, read_cache: bool) -> tuple:
+        """The probe prompt's greedy next token and top-k logprobs, alone in its engine call. Alone, not beside the
+        other request: two copies of one prompt in one step can come out of the CPU kernels with different roundings
+        (seen once in the tests), while two identical single-request calls compute identically."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False,
+                                skip_reading_prefix_cache=not read_cache)
+        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=self.token_ids)], params, use_tqdm=False)
+        return tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items()))
+
+    def check(self) -> bool:
+        """After a push: cached == fresh, else StaleCacheError. Returns whether the score moved from before the push
+        (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
+        unchanged; that the engine computes with the new weights is what the checksums prove)."""
+        cached = self.score(read_cache=True)  # first: after a reset it finds nothing cached and computes every token
+        fresh = self.score(read_cache=False)
+        if cached != fresh:
+            raise StaleCacheError("stale prefix cache: after the weight push, a prompt scored through the prefix cache "
+                                  "differs from the same prompt computed afresh; call llm.reset_prefix_cache() after "
+                                  "every push")
+        moved = self.before is not None and cached != self.before
+        self.before = cached  # the blocks now cached hold the current weights: the next check's "before"
+        return moved

@@ -1,0 +1,98 @@
+"""The rl run folder: rl.csv appended and flushed one row per step (a killed run keeps its rows), then
+rl_summary.csv and manifest.json written last, each atomically (temp file + rename), with rows and sha256 of every file.
+
+A folder without manifest.json is a run that did not finish: its rl.csv holds every completed step.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pandas as pd
+
+from ..rundir import MANIFEST, _sha256, check_out_dir, locked, write_csv, write_json
+
+ROWS = "rl.csv"
+SUMMARY = "rl_summary.csv"
+WINDOW = 10  # steps averaged at the start and the end of a run in rl_summary.csv
+
+
+class RLWriter:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.columns: list[str] | None = None
+        self.rows = 0
+        self._file = None
+        self._csv = None
+
+    def add(self, row: dict) -> None:
+        """Append one step's row and flush it to the OS."""
+        if self._file is None:
+            self.columns = list(row)
+            self._file = (self.out_dir / ROWS).open("w", newline="")
+            self._csv = csv.DictWriter(self._file, self.columns, lineterminator="\n")
+            self._csv.writeheader()
+        self._csv.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+        self._file.flush()
+        self.rows += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def _atomic(self, name: str, write) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.out_dir)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            os.replace(tmp, self.out_dir / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def finish(self, manifest: dict, summary: pd.DataFrame) -> None:
+        """rl_summary.csv, then the manifest that lists every file (rows, sha256): the run is complete."""
+        self.close()
+        self._atomic(SUMMARY, lambda p: write_csv(summary, p))
+        files = {ROWS: {"rows": self.rows, "sha256": _sha256(self.out_dir / ROWS)},
+                 SUMMARY: {"rows": len(summary), "sha256": _sha256(self.out_dir / SUMMARY)}}
+        self._atomic(MANIFEST, lambda p: write_json({**manifest, "files": files}, p))
+
+
+@contextmanager
+def rl_folder(out_dir: Path) -> Iterator[RLWriter]:
+    """Claim --out (lock; new or empty), create it and yield the writer; rows stay on disk if the run fails."""
+    out_dir = Path(out_dir)
+    with locked(out_dir):
+        check_out_dir(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        writer = RLWriter(out_dir)
+        try:
+            yield writer
+        finally:
+            writer.close()
+
+
+def summarize(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per (setting, seed): reward and mismatch at the start and the end, and the loop's cost."""
+    out = []
+    for (setting, seed), run in rows.groupby(["setting", "seed"], sort=False):
+        head, tail = run.head(WINDOW), run.tail(WINDOW)
+        work = run[["t_rollout", "t_reward", "t_update"]].sum(axis=1)
+        loop = run[["t_metrics", "t_sync", "t_check"]].sum(axis=1)
+        out.append({
+            "setting": setting, "seed": seed, "steps": len(run),
+            "reward_start": head.reward_mean.mean(), "reward_end": tail.reward_mean.mean(),
+            "reward_max": run.reward_mean.max(),
+            "mean_abs_dlogp_start": head.mean_abs_dlogp.mean(), "mean_abs_dlogp_end": tail.mean_abs_dlogp.mean(),
+            "k3_end": tail.k3.mean(), "ppo_clip_frac_end": tail.ppo_clip_frac.mean(),
+            "entropy_start": head.entropy.mean(), "entropy_end": tail.entropy.mean(),
+            "grad_norm_max": run.grad_norm.max(),
+            "s_per_step": (work + loop).mean(), "overhead_frac": loop.sum() / work.sum(),
+        })
+    return pd.DataFrame(out)

@@ -1,0 +1,87 @@
+"""The rl command's trainer: FP32 master weights with AdamW, a BF16 compute model for forward and backward.
+
+Why this split (what RL trainers do, e.g. Megatron's and FSDP's mixed precision): an AdamW step moves a weight by about
+lr, and a BF16 weight cannot move by less than half its unit in the last place (|w|·2^-9), so updates made on BF16
+weights round away whenever lr is small against |w|; FP32 masters accumulate them. The forward and backward run on the
+BF16 copy, as trainers do and as the mismatch study needs: the trainer's logprobs come from the same BF16 weights the
+engine receives, so the weights are identical on both sides and the only difference left is how each stack computes.
+After each optimizer step the masters are rounded (to nearest even) into the compute model, whose tensors are pushed.
+
+The compute model is the training stack's transformers model (stacks/hf.py), run under the trainer's torch numerics;
+regions are aligned on it with `align.apply`, exactly as a user's trainer would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+class Trainer:
+    def __init__(self, stack, lr: float, grad_clip: float, weight_decay: float = 0.0) -> None:
+        self.stack = stack  # a loaded HFStack: stack.model is the BF16 compute model
+        self.model = stack.model
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.params = [p for _, p in self.model.named_parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        # the checkpoint, for resets between runs: kept on the stack by its first trainer, so that a later trainer
+        # on the same loaded stack (whose model an earlier run trained) starts from the checkpoint too
+        if getattr(stack, "rl_checkpoint", None) is None:
+            stack.rl_checkpoint = [p.detach().clone() for p in self.params]
+        self.initial = stack.rl_checkpoint
+        self.lr, self.grad_clip, self.weight_decay = lr, grad_clip, weight_decay
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the checkpoint's weights, with new FP32 masters and a fresh optimizer."""
+        with torch.no_grad():
+            for p, w in zip(self.params, self.initial):
+                p.copy_(w)
+        self.master = [w.float().clone().requires_grad_(True) for w in self.initial]
+        self.optimizer = torch.optim.AdamW(self.master, lr=self.lr, betas=(0.9, 0.95), eps=1e-8,
+                                           weight_decay=self.weight_decay)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The compute model's weights by checkpoint name: what is pushed into the engine."""
+        return {n: p.detach() for n, p in zip(self.names, self.params)}
+
+    def forward(self, sequences: list[tuple[int, ...]], n_prompt: list[int]):
+        """One right-padded batch: returns (logprobs [B, L-1] FP32 with grad, entropy [B, L-1], response mask [B, L-1]).
+        Position j scores token j+1; the mask is 1 where that token is a response token."""
+        device = self.params[0].device
+        longest = max(len(s) for s in sequences)
+        pad = self.model.generation_config.pad_token_id or 0
+        ids = torch.full((len(sequences), longest), pad, device=device)
+        attention = torch.zeros_like(ids)
+        mask = torch.zeros(len(sequences), longest - 1, device=device)
+        for row, (seq, n) in enumerate(zip(sequences, n_prompt)):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            attention[row, : len(seq)] = 1
+            mask[row, n - 1 : len(seq) - 1] = 1
+        positions = torch.arange(longest, device=device)[None].expand_as(ids)
+        with self.stack._numerics("train"):
+            logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+        logp = logits[:, :-1].float().log_softmax(dim=-1)  # as trainers do: log_softmax of the FP32-upcast logits
+        chosen = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        return chosen, entropy, mask
+
+    def step(self, loss: torch.Tensor) -> float:
+        """Backward through the BF16 model, the update on the FP32 masters, then round them into the model.
+        Returns the gradient norm before clipping."""
+        for p in self.params:
+            p.grad = None
+        with self.stack._numerics("train"):
+            loss.backward()
+        for m, p in zip(self.master, self.params):
+            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)  # FP32 -> BF16, round to nearest even
+                p.grad = None
+        return float(norm)

@@ -1,0 +1,91 @@
+"""Runs the rl loop in its own process (an engine with prefix caching on cannot share the test session's engine):
+the CLI end to end, then the Python API with deliberate breakages. Prints one JSON object of what it saw."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+import divergence_probe.rl as rl
+from divergence_probe.cli import app
+from divergence_probe.rl.sync import WeightSync
+
+root = Path(sys.argv[1])
+small = ["--steps", "2", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8", "--device", "cpu"]
+seen: dict = {}
+
+# 1. the CLI: an experiment of two settings (one engine, weights reset between runs), then its report
+code = app(["rl", *small, "--steps", "1", "--setting", "none", "--setting", "rope", "--out", str(root / "cli"), "--report"],
+           standalone_mode=False)
+seen["cli_exit"] = code or 0
+
+# 2. the API on the same engine: rows on disk as each step ends; weights change; checksums pass after every push
+spec = rl.RLSpec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu")
+probe = rl.load(spec)
+on_disk = []
+result = rl.run(spec, root / "api", lambda row, done, total: on_disk.append(
+    (done, len((root / "api" / "rl.csv").read_text().splitlines()) - 1)), probe=probe)
+seen["rows_on_disk_after_each_step"] = on_disk
+seen["sync_tensors"] = result.rows.sync_tensors.tolist()
+seen["sync_changed"] = result.rows.sync_changed.tolist()
+loop = rl.Loop(probe, spec)  # a fresh trainer (the checkpoint) on the same engine
+initial = {n: t.clone() for n, t in loop.trainer.named_weights().items()}
+loop.step(seed=0, step=1)  # one update and a verified push
+after = loop.trainer.named_weights()
+seen["weights_changed"] = sorted(n for n in after if not torch.equal(after[n], initial[n]))
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except rl.SyncError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# 3. a push that skips one tensor: the checksums name it
+def skip_up_proj():
+    loop.step(seed=0, step=2)  # the weights move again
+    weights = loop.trainer.named_weights()
+    loop.sync.push((n, t) for n, t in weights.items() if n != "model.layers.1.mlp.up_proj.weight")
+    loop.sync.reset_cache()
+    loop.sync.verify(weights)
+
+
+seen["skipped_tensor"] = error_of(skip_up_proj)
+
+
+# 4. the tied head without its own reprocessing (vLLM's reload alone): the checksums name lm_head
+def push_without_head_fix(self, named):
+    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named)),
+                                                      "is_checkpoint_format": True})
+
+
+def tied_head():  # every tensor pushed again (layer 1's up_proj too), but the head left as vLLM's reload leaves it
+    with mock.patch.object(WeightSync, "push", push_without_head_fix):
+        loop.step(seed=0, step=3)
+
+
+seen["tied_head_unfixed"] = error_of(tied_head)
+
+# 5. the prefix cache not reset after the first step's push: the stale-cache probe fails, the first row is kept
+calls = {"n": 0}
+real_reset = WeightSync.reset_cache
+
+
+def reset_once(self):
+    calls["n"] += 1
+    if calls["n"] <= 2:  # the reset to the checkpoint and step 1's push
+        real_reset(self)
+
+
+with mock.patch.object(WeightSync, "reset_cache", reset_once):
+    seen["stale_cache"] = error_of(lambda: rl.run(spec, root / "stale", probe=probe))
+rows_file = root / "stale" / "rl.csv"
+seen["stale_rows"] = len(rows_file.read_text().splitlines()) - 1 if rows_file.exists() else 0
+seen["stale_manifest"] = (root / "stale" / "manifest.json").exists()
+print("RESULT " + json.dumps(seen))

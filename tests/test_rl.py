@@ -1,0 +1,180 @@
+"""divergence-probe rl: the task, GRPO's loss, the weight-sync mapping, and a few-step loop end to end (CLI and API)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.rl.grpo import group_advantages, policy_loss
+from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
+from divergence_probe.rl.sync import SyncError, expected_tensors
+from test_compare_cli import assert_one_line_error
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bracket_reward():
+    assert closes_brackets("f(a, [1, ", "2])") == 1.0
+    assert closes_brackets("f(a, [1, ", "2)]") == 0.0  # wrong closer
+    assert closes_brackets("f(a, [1, ", "2]") == 0.0  # one left open
+    assert closes_brackets("f(", ") + g(") == 0.0  # a new one left open
+    assert closes_brackets("x = 1", "") == 1.0
+
+
+def test_reward_plugin(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text("def score(p, r):\n    return len(r)\n\ndef bad(p, r):\n    return 'x'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward("my_reward:score")("p", "abc") == 3
+    for spec, message in [("my_reward", "module:function"), ("nope_module:f", "cannot import"),
+                          ("my_reward:missing", "no function")]:
+        with pytest.raises(RewardError, match=message):
+            load_reward(spec)
+    from divergence_probe.rl.reward import score
+
+    with pytest.raises(RewardError, match="not a number"):
+        score(load_reward("my_reward:bad"), "p", "r")
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4)
+    assert torch.all(adv[4:] == 0)  # a group with one outcome carries no signal
+    assert adv[0] > 0 > adv[1] and abs(float(adv[:4].sum())) < 1e-5
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+def test_policy_loss_pushes_logprobs_along_the_advantage(correction):
+    lp_infer = torch.log(torch.tensor([[0.5, 0.2], [0.3, 0.3]]))
+    lp_train = (lp_infer + 0.01).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = policy_loss(lp_train, lp_infer, adv, torch.ones(2, 2), 0.2, correction, 2.0)
+    loss.backward()
+    assert torch.all(lp_train.grad[0] < 0) and torch.all(lp_train.grad[1] > 0)  # descent raises row 0, lowers row 1
+    assert stats["correction_zeroed_frac"] == 0
+
+
+def test_tis_caps_and_mis_masks_the_mismatch_weight():
+    lp_infer = torch.log(torch.tensor([[0.1, 0.5]]))
+    lp_train = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(True)  # token 0: w = 5 > C = 2
+    for correction, zeroed in (("tis", 0.0), ("mis", 0.5)):
+        _, stats = policy_loss(lp_train, lp_infer, torch.tensor([1.0]), torch.ones(1, 2), 0.2, correction, 2.0)
+        assert stats["correction_zeroed_frac"] == zeroed
+    _, tis = policy_loss(lp_train, lp_infer, torch.tensor([1.0]), torch.ones(1, 2), 0.2, "tis", 2.0)
+    assert tis["correction_weight_mean"] == pytest.approx((2.0 + 1.0) / 2)
+
+
+def test_expected_tensors_stack_like_vllms_loader():
+    t = {f"model.layers.0.self_attn.{p}_proj.weight": torch.full((2, 3), float(i)) for i, p in enumerate("qkv")}
+    t["model.embed_tokens.weight"] = torch.randn(5, 3)
+    engine = ["model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    want = expected_tensors(t, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied=True)
+    assert torch.equal(want["model.layers.0.self_attn.qkv_proj.weight"][0][2:4], torch.full((2, 3), 1.0))
+    assert want["lm_head.weight"][0] is t["model.embed_tokens.weight"]
+    with pytest.raises(SyncError, match="model.extra.weight"):
+        expected_tensors({**t, "model.extra.weight": torch.ones(1)}, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+                         tied=True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--group-size", "1"], "--group-size"),
+    (["--align", "nope"], "unknown region"),
+    (["--setting", "rope", "--align", "rope"], "--align and --setting"),
+    (["--correction", "clip"], "--correction"),
+    (["--reward", "no_such_reward_module:score"], "cannot import"),
+    (["--prompts", "no/such/prompts.txt"], "no/such/prompts.txt"),
+])
+def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
+    result = CliRunner().invoke(app, ["rl", *flags, "--out", str(tmp_path / "x")])
+    assert_one_line_error(result, message)
+    assert not (tmp_path / "x").exists()
+
+
+def test_every_rl_option_is_a_flag():
+    from dataclasses import fields
+
+    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec import flag_of
+
+    result = CliRunner().invoke(app, ["rl", "--help"], terminal_width=400)
+    assert result.exit_code == 0
+    for f in fields(RLSpec):
+        assert flag_of(f) in result.output, f.name
+    assert RLSpec(setting=("none", "rope,swiglu")).settings == ("none", "rope,swiglu")
+
+
+@pytest.fixture(scope="module")
+def rl_process(tmp_path_factory):
+    """tests/rl_driver.py in a process of its own: the rl engine has prefix caching on, the session's has not."""
+    root = tmp_path_factory.mktemp("rl")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "rl_driver.py"), str(root)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return root, json.loads(line.removeprefix("RESULT "))
+
+
+def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
+    root, seen = rl_process
+    assert seen["cli_exit"] == 0
+    rows = pd.read_csv(root / "cli" / "rl.csv")
+    assert list(zip(rows.setting, rows.step)) == [("none", 1), ("rope", 1)]
+    for col in ("reward_mean", "reward_std", "entropy", "mean_abs_dlogp", "k3", "ratio_max", "ppo_clip_frac",
+                "tis_truncated_frac", "mis_masked_frac", "ess", "grad_norm", "sync_tensors", "stale_probe_moved"):
+        assert rows[col].notna().all(), col
+    assert (rows.sync_changed > 0).all()
+    summary = pd.read_csv(root / "cli" / "rl_summary.csv")
+    assert list(summary.setting) == ["none", "rope"]
+    manifest = json.loads((root / "cli" / "manifest.json").read_text())
+    assert manifest["kind"] == "rl" and manifest["files"]["rl.csv"]["rows"] == 2
+    assert manifest["stacks"]["infer"]["settings"]["enable_prefix_caching"] is True
+    assert (root / "cli" / "report" / "figures" / "rl.png").is_file()
+
+
+def test_api_rows_on_disk_per_step_and_weights_verified(rl_process):
+    _, seen = rl_process
+    assert seen["rows_on_disk_after_each_step"] == [[1, 1], [2, 2]]
+    assert all(n > 30 for n in seen["sync_tensors"])  # every engine tensor compared after every push
+    assert all(n > 0 for n in seen["sync_changed"])
+    assert "model.layers.0.self_attn.q_proj.weight" in seen["weights_changed"]
+
+
+def test_skipped_tensor_is_caught(rl_process):
+    _, seen = rl_process
+    assert seen["skipped_tensor"].startswith("SyncError") and "model.layers.1.mlp.gate_up_proj.weight" in seen["skipped_tensor"]
+    assert "up_proj" in seen["skipped_tensor"]
+
+
+def test_tied_head_left_to_vllms_reload_is_caught(rl_process):
+    _, seen = rl_process
+    assert seen["tied_head_unfixed"].startswith("SyncError") and "lm_head.weight" in seen["tied_head_unfixed"]
+
+
+def test_stale_prefix_cache_fails_the_probe_and_keeps_the_rows(rl_process):
+    _, seen = rl_process
+    assert seen["stale_cache"].startswith("StaleCacheError")
+    assert seen["stale_rows"] == 1 and not seen["stale_manifest"]
+
+
+def test_rl_report_refuses_a_changed_rl_csv_and_other_formats(rl_process, tmp_path):
+    import shutil
+
+    root, _ = rl_process
+    run = tmp_path / "run"
+    shutil.copytree(root / "cli", run, ignore=shutil.ignore_patterns("report"))
+    runner = CliRunner()
+    assert_one_line_error(runner.invoke(app, ["report", str(run), "--format", "html"]), "markdown")
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    with (run / "rl.csv").open("a") as f:
+        f.write("none,0,3\n")
+    assert_one_line_error(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r2")]), "sha256")
