@@ -54,8 +54,8 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
             if progress is not None:
                 progress(row, len(rows), total)
 
-        for setting in spec.settings:
-            for seed in spec.seed_list:
+        for seed in spec.seed_list:  # seed by seed: a stopped experiment keeps whole comparisons of the settings
+            for setting in spec.settings:
                 loop.run(setting, seed, keep)
         table = pd.DataFrame(rows)
         summary = summarize(table)
