@@ -33,7 +33,8 @@ from .hooks import arg, first_tensor
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
 # outside the graph, as in an untapped compiled engine.
-NEUTRAL = ("embed", "input_norm", "q_rope", "k_rope", "attn_core", "attn_out", "post_norm", "swiglu", "mlp_out")
+NEUTRAL = ("embed", "input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
+           "post_norm", "gate_proj", "up_proj", "swiglu", "mlp_out")
 OUTSIDE = ("final_norm", "logits")
 _FP32_STREAM = ("not captured under --engine compiled: Inductor keeps the residual stream in FP32 inside its fused "
                 "add+norm kernels and never writes this BF16 tensor; tapping it would force one and change the "
@@ -54,6 +55,24 @@ CUDA_GRAPHS = ("not captured: CUDA graphs replay without running the tap op; add
 _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
 _ACTIVE: Callable[[TapKey, torch.Tensor], None] | None = None  # set during one scoring or sampling call
 _LIB: torch.library.Library | None = None
+
+
+class FusedSplit:
+    """How one of vLLM's fused GEMM outputs splits into canonical taps, along the features, in the order of the
+    model's packed_modules_mapping (qkv_proj = q, k, v; gate_up_proj = gate, up)."""
+
+    def __init__(self, names: tuple[str, ...], sizes: list[int] | None = None) -> None:
+        self.names, self.sizes = names, sizes
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        sizes = self.sizes or [x.shape[-1] // len(self.names)] * len(self.names)
+        return dict(zip(self.names, x.split(sizes, dim=-1)))
+
+
+def fused_projections(attn, mlp) -> list[tuple[torch.nn.Module, FusedSplit]]:
+    """A decoder layer's fused projections and how each output splits into the q/k/v and gate/up taps."""
+    return [(attn.qkv_proj, FusedSplit(("q_proj", "k_proj", "v_proj"), [attn.q_size, attn.kv_size, attn.kv_size])),
+            (mlp.gate_up_proj, FusedSplit(("gate_proj", "up_proj")))]
 
 
 def wants_tap_points(taps: frozenset[str]) -> bool:
@@ -123,6 +142,14 @@ def install(model: torch.nn.Module) -> None:
         layer.post_attention_layernorm.register_forward_hook(out("post_norm", i), with_kwargs=True)
         mlp.down_proj.register_forward_pre_hook(inp("swiglu", i, 0, "input_"), with_kwargs=True)
         mlp.down_proj.register_forward_hook(out("mlp_out", i), with_kwargs=True)
+        for module, split in fused_projections(attn, mlp):
+            keys = {name: _key(name, i) for name in split.names}
+
+            def fused(m, a, k, o, keys=keys, split=split):
+                for name, x in split(first_tensor(o)).items():
+                    tap(x, keys[name])
+
+            module.register_forward_hook(fused, with_kwargs=True)
     model._dp_tap_points = True
 
 

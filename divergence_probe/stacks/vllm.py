@@ -638,31 +638,16 @@ class VLLMStack:
 
     @staticmethod
     def _fused_tap_hooks(hooks: HookSet, taps: frozenset[str], on_tap, i: int, attn, mlp) -> None:
-        """q/k/v and gate/up projections: vLLM runs each group as one GEMM (qkv_proj, gate_up_proj, in this order
-        along the features, as its packed_modules_mapping says); its output is split into the canonical taps."""
-        qkv = [name for name in ("q_proj", "k_proj", "v_proj") if name in taps]
-        if qkv:
-            keys = {name: TapKey.of(name, i) for name in qkv}
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        """q/k/v and gate/up projections: vLLM runs each group as one GEMM; its output is split into the canonical taps."""
+        for module, split in compiled_taps.fused_projections(attn, mlp):
+            keys = {name: TapKey.of(name, i) for name in split.names if name in taps}
+            if keys:
+                def hook(m, a, k, o, keys=keys, split=split):
+                    parts = split(first_tensor(o))
+                    for name, key in keys.items():
+                        on_tap(key, parts[name])
 
-            def split_qkv(m, a, k, o):
-                parts = dict(zip(("q_proj", "k_proj", "v_proj"), first_tensor(o).split(sizes, dim=-1)))
-                for name, key in keys.items():
-                    on_tap(key, parts[name])
-
-            hooks.after(attn.qkv_proj, split_qkv)
-        gate_up = [name for name in ("gate_proj", "up_proj") if name in taps]
-        if gate_up:
-            keys_gu = {name: TapKey.of(name, i) for name in gate_up}
-
-            def split_gate_up(m, a, k, o):
-                x = first_tensor(o)
-                d = x.shape[-1] // 2
-                parts = {"gate_proj": x[..., :d], "up_proj": x[..., d:]}
-                for name, key in keys_gu.items():
-                    on_tap(key, parts[name])
-
-            hooks.after(mlp.gate_up_proj, split_gate_up)
+                hooks.after(module, hook)
 
     def info(self) -> StackInfo:
         import vllm
