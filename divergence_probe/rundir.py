@@ -35,6 +35,7 @@ COLUMNS = {
     "buckets.csv": (),
     "batch_invariance.csv": (),
     "kernel_noise.csv": (),
+    "engine_noise.csv": (),
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"

@@ -134,6 +134,10 @@ class CaptureSpec:
     threshold: float = option(1e-3, "rel_l2 above which a tap counts as diverged (first_over_threshold).")
     batch_invariance: bool = option(False, "Also measure each stack alone vs batched on the same sequences (the "
                                            "noise floor; batch_invariance.csv).")
+    engine_noise: bool = option(False, "Also score the sequences on a vLLM engine in the other engine mode (eager if "
+                                       "--engine compiled, else compiled; same regions), built in a worker process, "
+                                       "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
+                                       "engine's own eager-vs-compiled gap. Costs one more engine build per run.")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -251,11 +255,9 @@ class RunSpec:
                                  + ("them" if len(changed) > 1 else "it"))
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
-        patches_engine = self.align.side != "train" and (self.kind == "ablate" or self.align.regions)
-        if self.load.engine == "compiled" and self.load.infer == "vllm" and patches_engine:
-            raise ProbeError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
-                             "divergence-probe does not do yet; use --side train (the engine as deployed) or "
-                             "--engine eager")
+        if self.capture.engine_noise and self.load.infer != "vllm":
+            raise ProbeError(f"--engine-noise measures vLLM's eager-vs-compiled gap, but --infer is {self.load.infer}; "
+                             "drop --engine-noise or use --infer vllm")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
 
