@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,17 @@ def test_a_region_missing_from_the_compiled_graph_is_refused():
     with pytest.raises(StackError) as e:
         _check_compiled(_Stack(), planned, _Recorder(set()))
     assert "rope" in str(e.value) and "--side train" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_engine_noise_builds_the_other_mode_with_the_run_s_engine_args():
+    from divergence_probe.batch_invariance import other_engine_settings
+    from divergence_probe.stacks.base import StackSettings, freeze_engine_args
+
+    args = freeze_engine_args({"max_num_seqs": 8, "compilation_config": {"mode": 2}})
+    compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled", engine_args=args)
+    eager = other_engine_settings(compiled)
+    assert eager.engine == "eager" and eager.engine_kwargs() == {"max_num_seqs": 8}  # eager compiles nothing
+    back = other_engine_settings(eager)
+    assert back.engine == "compiled" and back.engine_kwargs() == {"max_num_seqs": 8}
+    assert other_engine_settings(replace(compiled, engine="eager", engine_args=args)).engine_kwargs() == \
+        compiled.engine_kwargs()  # an eager run's args go to its compiled counterpart as they are
