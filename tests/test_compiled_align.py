@@ -157,3 +157,21 @@ def test_engine_noise_builds_the_other_mode_with_the_run_s_engine_args():
     assert back.engine == "compiled" and back.engine_kwargs() == {"max_num_seqs": 8}
     assert other_engine_settings(replace(compiled, engine="eager", engine_args=args)).engine_kwargs() == \
         compiled.engine_kwargs()  # an eager run's args go to its compiled counterpart as they are
+
+
+def test_report_shows_the_engine_mode_noise_floor(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from divergence_probe.reports import write_report
+    from test_report import _layers, _manifest, _summary, _tokens, _write
+
+    rng = np.random.default_rng(1)
+    tokens = _tokens(rng, 0.01)
+    noise = pd.DataFrame([{"stack": "vllm", "side": "infer", "change": "engine eager vs compiled",
+                           "mean_abs_dlogp": 0.00123, "max_abs_dlogp": 0.01, "mean_kl": 1e-5, "max_kl": 1e-4,
+                           "n_tokens": len(tokens)}])
+    run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "engine_noise": noise,
+                                                 "summary": pd.DataFrame([_summary(tokens, "q_rope@0")])}, tokens)
+    text = write_report(run, fmt="md").read_text()
+    assert "engine_noise.csv" in text and "engine eager vs compiled" in text

@@ -429,6 +429,11 @@ def _tables(run: RunData) -> list:
         blocks.append(_generic_table(
             "kernel_noise", "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another "
             "SDPA attention kernel; the columns compare the two.", run.extra["kernel_noise"]))
+    if "engine_noise" in run.extra:
+        blocks.append(_generic_table(
+            "engine_noise", "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs "
+            "compiled, the same regions aligned) scores the same sequences; the columns compare it with this run's "
+            "engine.", run.extra["engine_noise"]))
     return blocks
 
 
