@@ -15,16 +15,13 @@ from pathlib import Path
 import pandas as pd
 
 from .compare import CompareRun, Progress, run_compare
-from .regions import aligned
+from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from .spec import AlignSpec, RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
-
-
-def stacks_for(probe, side: str) -> list:
-    return {"both": [probe.infer, probe.train], "train": [probe.train], "infer": [probe.infer]}[side]
+PREFETCH_ENGINE_BUILDS = True  # start the next combination's engine build while this one runs (benchmarks toggle it)
 
 
 @dataclass
@@ -107,6 +104,8 @@ class AblationRun:
         for name in first.graft_tables:  # --graft/--depth: each combination's local error beside the shipped one
             tables[name] = pd.concat([run.graft_tables[name].assign(combo=combo) for combo, run in self._named()],
                                      ignore_index=True)[["combo", *first.graft_tables[name].columns]]
+        if first.engine_noise is not None:
+            tables["engine_noise.csv"] = self._stacked("engine_noise")
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -123,14 +122,31 @@ def combo_spec(spec: RunSpec, combo) -> RunSpec:
 
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:
     combos = subsets(spec.ablate.regions)
-    stacks = stacks_for(probe, spec.align.side)
+    side = spec.align.side
     runs: dict = {}
     done_before = 0
-    for combo in combos:
-        step = combo_spec(spec, combo)
-        with aligned(stacks, step.align.regions):
-            runs[combo] = run_compare(probe, step, progress, done_before=done_before, total_scale=len(combos))
-        done_before += len(runs[combo].prompts)
+    # A compiled engine is rebuilt per combination in a worker process; the next combination's engine starts building
+    # while this one runs (on the CPU only: on a GPU two more engines beside the probe's own may not fit).
+    prefetch = PREFETCH_ENGINE_BUILDS and probe.settings.device == "cpu"
+    steps = [combo_spec(spec, combo) for combo in combos]
+    builds = [needs_engine_build(probe, step.align.regions, side) for step in steps]
+    started: dict[int, object] = {}
+
+    def start(i: int) -> None:
+        if i < len(steps) and builds[i] and i not in started:
+            started[i] = engine_worker(probe, steps[i].align.regions)
+
+    try:
+        for i, (combo, step) in enumerate(zip(combos, steps)):
+            start(i)
+            if prefetch:
+                start(i + 1)
+            with aligned_probe(probe, step.align.regions, side, started.pop(i, None)) as view:
+                runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos))
+            done_before += len(runs[combo].prompts)
+    finally:
+        for worker in started.values():
+            worker.close()
     # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the
     # reduction's compile state, the largest captured-logits gap) is taken from all of them.
     manifests = [run.manifest for run in runs.values()]
@@ -146,4 +162,8 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
     manifest["ablate"] = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric,
                           "bootstrap": a.bootstrap, "ci_level": a.ci_level, "seed": spec.load.seed,
                           "combos": [combo_name(c, a.regions) for c in combos]}
+    rebuilt = {combo_name(c, a.regions): run.manifest["stacks"]["infer"]["settings"].get("engine_process")
+               for c, run in runs.items()}
+    if any(rebuilt.values()):  # a compiled engine built per combination: how each build ran its regions
+        manifest["ablate"]["engine_builds"] = {name: build for name, build in rebuilt.items() if build}
     return AblationRun(spec, runs, manifest)

@@ -1,12 +1,16 @@
 """The noise floor: how much one stack moves its own logprobs when the same sequences run alone vs batched, and
-how much the training stack moves them under another attention kernel.
+how much the training stack moves them under another attention kernel, and how much vLLM moves them in its other
+engine mode (eager vs compiled).
 
 A stack's own batch composition can move its logprobs as much as the vLLM-vs-transformers gap
 (docs/results/h200/README.md), so a mismatch number means little without this floor beside it.
 Each stack scores the same token sequences twice, with no taps: one sequence per call, then all in one
 batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask). A trainer's
 attention kernel is a choice torch makes per process and machine (cuDNN, flash, efficient, math), so the training
-stack also scores the sequences under another SDPA kernel (`kernel_noise`).
+stack also scores the sequences under another SDPA kernel (`kernel_noise`). Compiling changes an engine's numerics
+as much as the mismatch being measured (Inductor fuses and keeps intermediates in FP32), so `engine_noise` scores
+the sequences on a second engine in the other mode, with the same regions aligned: every compiled-mode mismatch
+then stands beside the engine's own eager-vs-compiled gap.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .prompts import Prompt, batches
 
 COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
 KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
+ENGINE_MODES = {"eager": "compiled", "compiled": "eager"}  # a run's engine mode -> the one engine_noise compares to
 
 
 def _ignore(*_) -> None:
@@ -67,5 +72,38 @@ def kernel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:
         variant.close()
     d, k = np.concatenate(deltas), np.concatenate(kls)
     return pd.DataFrame([{"stack": probe.train.name, "side": "train", "change": f"sdpa {other} vs {config.train_sdpa}",
+                          "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()),
+                          "max_kl": float(k.max()), "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+
+
+def other_engine_settings(settings):
+    """This run's engine settings in the other engine mode; eager compiles nothing, so a compilation_config the
+    user passed for the compiled engine is left out of it."""
+    from dataclasses import replace
+
+    args = tuple((k, v) for k, v in settings.engine_args if not (k == "compilation_config"
+                                                                and ENGINE_MODES[settings.engine] == "eager"))
+    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args)
+
+
+def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()) -> pd.DataFrame:
+    """vLLM against itself in the other engine mode, built in a worker process with the same engine-side `regions`
+    aligned: both engines score the sequences batched as compare runs them, with no taps."""
+    from .stacks.engine_worker import WorkerStack
+
+    other = other_engine_settings(probe.settings)
+    mine = {s.prompt_id: s for s in probe.infer.score_batched(sequences)}
+    with WorkerStack(other, regions) as worker:
+        worker.load(other)
+        theirs = {s.prompt_id: s for s in worker.score_batched(sequences)}
+    deltas, kls = [], []
+    for seq in sequences:
+        a, b = mine[seq.prompt_id], theirs[seq.prompt_id]
+        deltas.append((b.logprobs.double().cpu() - a.logprobs.double().cpu()).abs().numpy())
+        kls.append(token_kl(a.logits, b.logits.to(a.logits.device)).cpu().numpy())
+    d, k = np.concatenate(deltas), np.concatenate(kls)
+    aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
+    return pd.DataFrame([{"stack": probe.infer.name, "side": "infer",
+                          "change": f"engine {other.engine} vs {probe.settings.engine}{aligned}",
                           "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()),
                           "max_kl": float(k.max()), "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)

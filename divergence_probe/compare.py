@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from .batch_invariance import kernel_noise
+from .batch_invariance import engine_noise, kernel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -207,6 +207,7 @@ class CompareRun:
     batch_invariance: pd.DataFrame | None = None
     kernel_noise: pd.DataFrame | None = None
     graft_tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # local.csv, ... (--graft, --depth)
+    engine_noise: pd.DataFrame | None = None
 
     @property
     def mode(self) -> str:
@@ -236,7 +237,7 @@ class CompareRun:
     def summary(self) -> dict:
         if self.mode != "generate":
             return (summary_row(self.tokens, self.tap_stats, self.threshold)
-                    | noise_floor_columns(self.batch_invariance, self.kernel_noise))
+                    | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise))
         response = [t for t in self.tokens if t.is_response]
         prompt = [t for t in self.tokens if not t.is_response]
         if not response:
@@ -250,7 +251,7 @@ class CompareRun:
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              g.clip_eps, g.tis_cap)
         row |= sequence_metrics(responses, g.clip_eps)
-        return row | noise_floor_columns(self.batch_invariance, self.kernel_noise)
+        return row | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise)
 
     @property
     def buckets_table(self) -> pd.DataFrame | None:
@@ -271,6 +272,8 @@ class CompareRun:
         if self.kernel_noise is not None:
             tables["kernel_noise.csv"] = self.kernel_noise
         tables |= self.graft_tables
+        if self.engine_noise is not None:
+            tables["engine_noise.csv"] = self.engine_noise
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -279,12 +282,14 @@ class CompareRun:
         return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
 
 
-def noise_floor_columns(floor, kernel=None) -> dict:
-    """Each stack's own batch-1-vs-batched mean |Δlogp|, and the training stack's under another attention kernel,
-    for the summary beside the mismatch (if measured)."""
+def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
+    """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel, and the
+    engine's in its other mode (eager vs compiled), for the summary beside the mismatch (if measured)."""
     columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
     if kernel is not None:
         columns["noise_train_kernel_mean_abs_dlogp"] = float(kernel.mean_abs_dlogp.iloc[0])
+    if engine is not None:
+        columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(engine.mean_abs_dlogp.iloc[0])
     return columns
 
 
@@ -324,6 +329,7 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
         "taps": sorted(taps),
         "threshold": spec.capture.threshold,
         "batch_invariance": spec.capture.batch_invariance,
+        "engine_noise": spec.capture.engine_noise,
         "tap_reduction": fused_backend() if taps else None,
     }
     if spec.generate.generates:
@@ -387,4 +393,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         manifest["compare"]["taps_not_captured"] = not_captured
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
-    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables)
+    engine_regions = spec.align.regions if spec.align.side != "train" else ()
+    engine = engine_noise(probe, ran, engine_regions) if spec.capture.engine_noise else None
+    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
+                      engine_noise=engine)

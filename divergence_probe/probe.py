@@ -21,7 +21,6 @@ from .compare import Progress, run_compare
 from .environment import environment, resolve_device
 from .errors import ProbeError
 from .model_source import ModelSource, resolve_model
-from .regions import aligned
 from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
@@ -54,10 +53,10 @@ class Probe:
             from .ablate import run_ablation
 
             return run_ablation(self, spec, progress)
-        from .ablate import stacks_for
+        from .engine_align import aligned_probe
 
-        with aligned(stacks_for(self, spec.align.side), spec.align.regions):
-            return run_compare(self, spec, progress)
+        with aligned_probe(self, spec.align.regions, spec.align.side) as probe:
+            return run_compare(probe, spec, progress)
 
     def compare(self, *, progress: Progress | None = None, generate: dict | None = None, **options):
         """Diff the two stacks on prompts. `options` are compare's flags by their Python names (prompts, taps,

@@ -39,6 +39,7 @@ COLUMNS = {
     "local.csv": ("layer", "tap", "family", "local_rel_l2", "propagated_rel_l2"),
     "local_families.csv": ("family", "local_rel_l2"),
     "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
+    "engine_noise.csv": (),
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"

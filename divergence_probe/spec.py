@@ -141,6 +141,10 @@ class CaptureSpec:
     depth: bool = option(False, "Also continue the training forward from the inference residual stream entering each "
                                 "layer and score it against the inference logits (depth.csv; implies --graft; costs "
                                 "about L/2 extra forwards per prompt).")
+    engine_noise: bool = option(False, "Also score the sequences on a vLLM engine in the other engine mode (eager if "
+                                       "--engine compiled, else compiled; same regions), built in a worker process, "
+                                       "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
+                                       "engine's own eager-vs-compiled gap. Costs one more engine build per run.")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -258,14 +262,12 @@ class RunSpec:
                                  + ("them" if len(changed) > 1 else "it"))
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
-        patches_engine = self.align.side != "train" and (self.kind == "ablate" or self.align.regions)
-        if self.load.engine == "compiled" and self.load.infer == "vllm" and patches_engine:
-            raise ProbeError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
-                             "divergence-probe does not do yet; use --side train (the engine as deployed) or "
-                             "--engine eager")
         if compiled and (self.capture.graft or self.capture.depth):
             raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
                              "expose; use --engine eager")
+        if self.capture.engine_noise and self.load.infer != "vllm":
+            raise ProbeError(f"--engine-noise measures vLLM's eager-vs-compiled gap, but --infer is {self.load.infer}; "
+                             "drop --engine-noise or use --infer vllm")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
 

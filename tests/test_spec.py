@@ -47,7 +47,7 @@ def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
     ({"train_sdpa": "math", "train_attn": "eager"}, "needs --train-attn sdpa"),
     ({"infer": "hf", "engine": "compiled"}, "configure vLLM"),
     ({"engine": "compiled", "taps": "resid_out,logits"}, "cannot be captured under --engine compiled"),
-    ({"engine": "compiled", "align": "rope"}, "compiled mode"),
+    ({"infer": "hf", "engine_noise": True}, "--engine-noise"),
     ({"temperature": 0.5}, "only applies with --mode generate"),
 ])
 def test_bad_values_fail_when_the_spec_is_built(flat, message):
@@ -64,11 +64,11 @@ def test_ablate_rejects_align_and_empty_regions():
         spec_from_flat("ablate", ci_level=1.5)
 
 
-def test_compiled_engine_takes_the_taps_that_cross_its_graph_and_train_side_alignment():
+def test_compiled_engine_takes_the_taps_that_cross_its_graph_and_alignment_on_every_side():
     spec_from_flat("compare", engine="compiled", taps="logits,final_norm", align="rope", side="train")
     spec_from_flat("ablate", engine="compiled", side="train")
-    with pytest.raises(ProbeError, match="compiled mode"):
-        spec_from_flat("ablate", engine="compiled")  # side both by default
+    spec_from_flat("ablate", engine="compiled")  # side both: one engine built per combination
+    spec_from_flat("compare", engine="compiled", align="rope", side="infer", engine_noise=True)
 
 
 def test_a_manifest_spec_from_another_version_is_refused():

@@ -123,7 +123,7 @@ def load_run(run_dir: str | Path) -> RunData:
         if "is_response" in run.tokens:
             run.tokens["is_response"] = _as_bool(run.tokens["is_response"])
 
-    for stem in ("buckets", "batch_invariance", "kernel_noise", "local", "local_families", "depth"):
+    for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth"):
         if f"{stem}.csv" in tables:
             run.extra[stem] = tables[f"{stem}.csv"]
 

@@ -440,6 +440,11 @@ def _tables(run: RunData) -> list:
         blocks.append(_generic_table(
             "depth", "Depth attribution (depth.csv, from compare --depth): the training forward continued from the "
             "inference stack's `graft` tensor, scored against the inference logits.", run.extra["depth"]))
+    if "engine_noise" in run.extra:
+        blocks.append(_generic_table(
+            "engine_noise", "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs "
+            "compiled, the same regions aligned) scores the same sequences; the columns compare it with this run's "
+            "engine.", run.extra["engine_noise"]))
     return blocks
 
 

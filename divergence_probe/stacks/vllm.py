@@ -390,8 +390,9 @@ class VLLMStack:
 
     def check_patchable(self) -> None:
         if not self.can_patch():
-            raise StackError("aligning the engine in compiled mode needs an engine rebuilt with the patch, which "
-                             "divergence-probe does not do yet; use --engine eager or --side train")
+            raise StackError("a compiled engine cannot take a region patch once built; align it through a run "
+                             "(compare --align / ablate build an engine with the patch in a worker process) or use "
+                             "--engine eager")
 
     def tap_status(self) -> dict[str, str]:
         """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""

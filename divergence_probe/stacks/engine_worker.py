@@ -1,0 +1,245 @@
+"""A vLLM engine in a worker process, used as an inference stack: for an engine this process cannot build.
+
+vLLM's CPU backend hosts one engine per process and a compiled engine cannot take a region patch once built, so an
+engine with other regions aligned (`vllm_aligned`), or in the other engine mode (the engine-mode noise floor),
+runs in a child process of its own: `WorkerStack` starts it, proxies the Stack calls the run loop makes (score,
+score_batched, sample, info) and replays the taps and scores it returns, so `compare.score_both` runs unchanged.
+
+Protocol: requests and results are torch.save files in a private temp folder; one line on the child's stdin names a
+request, one JSON line on its protocol channel (its original stdout; vLLM's own output goes to a log) answers it.
+The child is started with the parent's `divergence_probe` on its path, so both run the same code.
+
+    python -m divergence_probe.stacks.engine_worker FOLDER      (FOLDER/init.pt: settings and regions)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..errors import StackError
+from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from .vllm_aligned import cache_namespace
+
+LOG_TAIL = 2000  # characters of the child's log quoted when it dies
+
+
+class WorkerStack:
+    """The `vllm` stack, run by a child process with `regions` aligned in its engine before it was built."""
+
+    name = "vllm"
+
+    def __init__(self, settings: StackSettings, regions: Sequence[str] = (), timeout: float | None = None) -> None:
+        self.settings, self.regions = settings, tuple(regions)
+        self.timeout = timeout
+        self.recompute_gap = 0.0  # the probe resets it per run; the child's own value is in info()
+        self._proc: subprocess.Popen | None = None
+        self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
+        self._calls = 0
+        self.build_seconds = float("nan")
+        self._status: dict = {}
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> "WorkerStack":
+        """Start the child (it builds its engine); `wait_ready` blocks until the engine is built. Split so a caller
+        can start the next engine while this process still works on something else."""
+        torch.save({"settings": self.settings, "regions": self.regions}, self._folder / "init.pt")
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        namespace = cache_namespace(self.regions) if self.settings.engine == "compiled" else None
+        if namespace is not None:
+            env["VLLM_CACHE_ROOT"] = namespace
+        self.cache_root = namespace or env.get("VLLM_CACHE_ROOT")
+        self._log = open(self._folder / "engine.log", "wb")
+        self._started = time.perf_counter()
+        self._proc = subprocess.Popen([sys.executable, "-m", "divergence_probe.stacks.engine_worker", str(self._folder)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                      cwd=self._folder)
+        return self
+
+    def wait_ready(self) -> "WorkerStack":
+        self._status = self._answer("build")
+        self.build_seconds = time.perf_counter() - self._started
+        return self
+
+    def load(self, settings: StackSettings) -> None:
+        """The Stack protocol's load: start the child and wait until its engine is built."""
+        if settings != self.settings:
+            raise StackError("a WorkerStack is loaded with the settings it was made with")
+        if self._proc is None:
+            self.start()
+        self.wait_ready()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                if proc.poll() is None:
+                    proc.stdin.write(b"close\n")
+                    proc.stdin.flush()
+                    proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            self._log.close()
+        if os.environ.get("DP_ENGINE_LOG"):  # keep the child's log (vLLM's own output) where the user asked
+            shutil.copyfile(self._folder / "engine.log", os.environ["DP_ENGINE_LOG"])
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __enter__(self) -> "WorkerStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a run that raised before close(): never leave an engine process behind
+        if getattr(self, "_proc", None) is not None:
+            try:
+                self.close()
+            except Exception:  # at interpreter exit the modules close() needs may be gone; the child sees EOF
+                pass
+
+    # ------------------------------------------------------------------------------------------- calls
+    def _answer(self, what: str) -> dict:
+        """Read the child's answer line; a dead or failed child is a StackError naming what it said."""
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            self._log.flush()
+            tail = (self._folder / "engine.log").read_text(errors="replace")[-LOG_TAIL:].strip().splitlines()
+            last = tail[-1] if tail else "no output"
+            raise StackError(f"the {self._describe()} worker died during {what} (exit code {self._proc.returncode}; "
+                             f"last line: {last}); set DP_ENGINE_LOG=FILE to keep its log, or use --engine eager")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise StackError(f"{self._describe()} worker: {answer['error']}")
+        return answer
+
+    def _describe(self) -> str:
+        aligned = f"{'+'.join(self.regions)} aligned" if self.regions else "shipped"
+        return f"vLLM engine ({self.settings.engine}, {aligned})"
+
+    def _call(self, method: str, *args):
+        if self._proc is None:
+            raise StackError("the engine worker is not running (closed, or never started)")
+        self._calls += 1
+        name = f"call-{self._calls}"
+        torch.save({"method": method, "args": args}, self._folder / f"{name}.pt")
+        self._proc.stdin.write(f"{name}\n".encode())
+        self._proc.stdin.flush()
+        self._answer(method)
+        result = torch.load(self._folder / f"{name}.out.pt", weights_only=False)
+        for suffix in (".pt", ".out.pt"):
+            (self._folder / f"{name}{suffix}").unlink(missing_ok=True)
+        return result
+
+    def score(self, prompts, taps: frozenset[str], sink: TapSink, on_scored: ScoresSink | None = None) -> list[PromptScores]:
+        result = self._call("score", list(prompts), frozenset(taps))
+        for prompt_id, key, x in result["taps"]:
+            sink(prompt_id, key, x)
+        self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
+        if on_scored is None:
+            return result["scores"]
+        for scores in result["scores"]:
+            on_scored(scores)
+        return []
+
+    def score_batched(self, prompts) -> list[PromptScores]:
+        return self._call("score_batched", list(prompts))["scores"]
+
+    def sample(self, prompts, spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
+        result = self._call("sample", list(prompts), spec, frozenset(taps))
+        for seq_id, key, x in result["taps"]:
+            sink(seq_id, key, x)
+        self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
+        return result["scores"]
+
+    def info(self) -> StackInfo:
+        info = self._call("info")
+        info.settings["captured_logits_vs_reported_logprobs_max_gap"] = self.recompute_gap
+        info.settings["engine_process"] = {
+            "worker": "a child process of its own (one engine per process; built with these regions before it compiled)",
+            "regions_aligned": list(self.regions),
+            "regions": self._status.get("regions", {}),
+            "vllm_cache_root": self.cache_root,
+            "build_seconds": self.build_seconds,
+        }
+        return info
+
+    def tap_status(self) -> dict[str, str]:
+        return self._status["tap_status"]
+
+    @property
+    def max_sequences_per_step(self) -> int:
+        return self._status["max_sequences_per_step"]
+
+    def check_patchable(self) -> None:
+        raise StackError("an engine in a worker process has its regions built in; start another worker for others")
+
+
+# ----------------------------------------------------------------------------------------------- the child
+def _serve(folder: Path) -> None:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's and torch's prints go to the log, never into the protocol
+
+    def reply(**answer) -> None:
+        protocol.write(json.dumps(answer) + "\n")
+
+    init = torch.load(folder / "init.pt", weights_only=False)
+    try:
+        from .vllm_aligned import load_aligned
+
+        stack = load_aligned(init["settings"], init["regions"])
+    except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
+        reply(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return
+    reply(ok=True, regions=stack.aligned_in_engine, tap_status=stack.tap_status(),
+          max_sequences_per_step=stack.max_sequences_per_step)
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "close" or not name:
+            break
+        request = torch.load(folder / f"{name}.pt", weights_only=False)
+        try:
+            result = _run(stack, request["method"], request["args"])
+        except Exception as e:
+            reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        torch.save(result, folder / f"{name}.out.pt")
+        reply(ok=True)
+    stack.close()
+
+
+def _run(stack, method: str, args: tuple):
+    taps: list = []
+
+    def sink(key, tap, x):
+        taps.append((key, tap, x))
+
+    stack.recompute_gap = 0.0
+    if method == "score":
+        prompts, wanted = args
+        return {"scores": stack.score(prompts, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
+    if method == "score_batched":
+        return {"scores": stack.score_batched(args[0])}
+    if method == "sample":
+        prompts, spec, wanted = args
+        return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
+    if method == "info":
+        return stack.info()
+    raise StackError(f"unknown engine worker call {method!r}")
+
+
+if __name__ == "__main__":
+    _serve(Path(sys.argv[1]))
