@@ -91,6 +91,8 @@ def test_expected_tensors_stack_like_vllms_loader():
     (["--correction", "clip"], "--correction"),
     (["--reward", "no_such_reward_module:score"], "cannot import"),
     (["--prompts", "no/such/prompts.txt"], "no/such/prompts.txt"),
+    (["--engine-args", '{"enable_prefix_caching": false}'], "prefix caching on"),
+    (["--engine-args", "{oops"], "not valid JSON"),
 ])
 def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
     result = CliRunner().invoke(app, ["rl", *flags, "--out", str(tmp_path / "x")])

@@ -46,7 +46,7 @@ def load(spec: RLSpec):
     from ..spec import LoadSpec
 
     return dp.load(spec=LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
-                                 engine_args=dict(ENGINE_ARGS), seed=spec.seed))
+                                 engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed))
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import option
 from ..regions import REGIONS, parse_regions
+from ..spec import parse_engine_args
 from .grpo import CORRECTIONS
 
 SIDES = ("both", "train")
@@ -49,6 +50,8 @@ class RLSpec:
     clip_eps: float = option(0.2, "PPO clip band [1-eps, 1+eps].")
     tis_cap: float = option(2.0, "TIS truncation cap C (MIS keeps weights in [1/C, C]).")
     grad_clip: float = option(1.0, "Gradient norm clip.")
+    engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments (e.g. "
+                               "'{\"gpu_memory_utilization\": 0.1}'); prefix caching stays on, as in production.")
     seed: int = option(0, "Seed of the first run.")
     seeds: int = option(1, "Runs per setting, with seeds seed, seed+1, ...")
 
@@ -76,6 +79,10 @@ class RLSpec:
             if not ok:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
+        object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.engine_args.get("enable_prefix_caching", True) is not True:
+            raise ProbeError("--engine-args enable_prefix_caching: rl runs with prefix caching on, as production "
+                             "rollouts do (the stale-cache probe checks it after every push); drop the key")
         for s in self.settings:
             parse_setting(s)
 
