@@ -83,7 +83,7 @@ def other_engine_settings(settings):
 
     args = tuple((k, v) for k, v in settings.engine_args if not (k == "compilation_config"
                                                                 and ENGINE_MODES[settings.engine] == "eager"))
-    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args)
+    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args, engine_taps=False)
 
 
 def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()) -> pd.DataFrame:

@@ -384,7 +384,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
 
     ran = score_both(probe, prompts, source, taps, taps, capture, collect)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
-    graft_tables = capture.tables(spec.align.regions) \
+    graft_tables = capture.tables(spec.align.regions if spec.align.side != "infer" else ()) \
         if capture is not pairing else {}
     if graft_tables:
         manifest["compare"]["graft"] = {"local": "the training stack's op on the inference stack's input of each seam",

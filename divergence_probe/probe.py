@@ -24,8 +24,7 @@ from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
-from .stacks.compiled_taps import wants_tap_points
-from .taps import parse_tap_selection
+from .stacks.compiled_taps import tap_points_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
@@ -161,7 +160,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
         raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
     cfg = spec or LoadSpec(model=model, **config)
     source = resolve_model(cfg.model)
-    settings = stack_settings(cfg, source, engine_taps=wants_tap_points(parse_tap_selection(taps or "none")))
+    settings = stack_settings(cfg, source)
+    settings = replace(settings, engine_taps=tap_points_for(taps, settings))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)

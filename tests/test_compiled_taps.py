@@ -223,3 +223,24 @@ def test_tap_points_are_part_of_the_engine_key():
     assert _engine_key(eager) == _engine_key(replace(eager, engine_taps=True))
     assert wants_tap_points(parse_tap_selection("all")) and wants_tap_points(parse_tap_selection("swiglu"))
     assert not wants_tap_points(parse_tap_selection("final_norm,logits"))
+
+
+def test_taps_all_under_cuda_graphs_builds_vllm_as_deployed_and_named_taps_are_refused():
+    """--taps all (the default) takes what the engine can give: under CUDA graphs no tap points (the status then
+    names the reason per tap); a layer tap named on its own must be captured, so CUDA graphs are refused for it."""
+    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.base import StackSettings, freeze_engine_args
+
+    def settings(device, args=None):
+        return StackSettings(model_path="m", dtype=torch.bfloat16, device=device, engine="compiled",
+                             engine_args=freeze_engine_args(args or {}))
+
+    none = {"compilation_config": {"cudagraph_mode": "NONE"}}
+    assert compiled_taps.tap_points_for("all", settings("cuda")) is False
+    assert compiled_taps.tap_points_for("all", settings("cuda", none)) is True
+    assert compiled_taps.tap_points_for("all", settings("cpu")) is True
+    assert compiled_taps.tap_points_for("logits", settings("cuda")) is False
+    assert compiled_taps.tap_points_for(None, settings("cpu")) is False
+    with pytest.raises(ProbeError, match="cudagraph_mode"):
+        compiled_taps.tap_points_for("input_norm,logits", settings("cuda"))
+    assert compiled_taps.status(taps_built=False, cuda_graphs=True)["input_norm"] == compiled_taps.CUDA_GRAPHS

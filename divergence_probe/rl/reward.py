@@ -18,6 +18,8 @@ for each response (importable from the current folder or PYTHONPATH).
 
 from __future__ import annotations
 
+import math
+
 import importlib
 import sys
 from pathlib import Path
@@ -89,9 +91,15 @@ def load_reward(spec: str | None) -> Reward:
 
 def score(reward: Reward, prompt: str, response: str) -> float:
     """reward(prompt, response) as a float; anything else is the plug-in's error, named in one line."""
-    value = reward(prompt, response)
+    name = getattr(reward, "__qualname__", repr(reward))
     try:
-        return float(value)
+        value = reward(prompt, response)
+    except Exception as e:  # the plug-in's own bug: name it in one line, not a traceback from inside the loop
+        raise RewardError(f"the reward function {name} raised {type(e).__name__}: {e}; fix the plug-in") from e
+    try:
+        number = float(value)
     except (TypeError, ValueError):
-        name = getattr(reward, "__qualname__", repr(reward))
         raise RewardError(f"the reward function {name} returned {value!r}, not a number; return a float") from None
+    if not math.isfinite(number):  # NaN advantages would silently corrupt every later update
+        raise RewardError(f"the reward function {name} returned {number}; return a finite number")
+    return number

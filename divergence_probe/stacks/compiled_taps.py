@@ -216,6 +216,21 @@ def requested_cudagraph_mode(engine_args: dict, device: str) -> str:
     return "NONE" if device == "cpu" else "DEFAULT"
 
 
+def tap_points_for(taps: str | None, settings) -> bool:
+    """Whether a compiled engine for these settings is built with tap points for the `taps` a run will ask for.
+    `all` takes what the engine can give: under CUDA graphs (which replay without the op) that is no tap points,
+    and the status lists the layer taps with the reason; taps named one by one must be captured, so CUDA graphs
+    are refused for them before anything loads."""
+    from ..taps import parse_tap_selection
+
+    if not wants_tap_points(parse_tap_selection(taps or "none")):
+        return False
+    replays = settings.device != "cpu" and requested_cudagraph_mode(settings.engine_kwargs(), settings.device) != "NONE"
+    if replays and settings.engine == "compiled" and (taps or "").strip() != "all":
+        check_cudagraphs(settings.engine_kwargs(), settings.device)
+    return not replays
+
+
 def check_cudagraphs(engine_args: dict, device: str) -> None:
     """Refuse layer taps, before any engine starts, where CUDA graphs would replay the graph without the tap op."""
     mode = requested_cudagraph_mode(engine_args, device)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -38,9 +39,13 @@ class WorkerStack:
 
     name = "vllm"
 
-    def __init__(self, settings: StackSettings, regions: Sequence[str] = (), timeout: float | None = None) -> None:
+    def __init__(self, settings: StackSettings, regions: Sequence[str] = ()) -> None:
+        if settings.device == "cuda" and "gpu_memory_utilization" not in settings.engine_kwargs():
+            # each engine reserves its fraction of the whole GPU at start: two at the default do not fit one card
+            raise StackError("a second vLLM engine (a worker for an aligned compiled engine or --engine-noise) must "
+                             "share the GPU with this run's engine; pass --engine-args '{\"gpu_memory_utilization\": "
+                             "0.3}' (both engines get it)")
         self.settings, self.regions = settings, tuple(regions)
-        self.timeout = timeout
         self.recompute_gap = 0.0  # the probe resets it per run; the child's own value is in info()
         self._proc: subprocess.Popen | None = None
         self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
@@ -202,6 +207,7 @@ def _serve(folder: Path) -> None:
 
         stack = load_aligned(init["settings"], init["regions"])
     except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
+        traceback.print_exc()  # into the worker's log (DP_ENGINE_LOG), where a seam bug can be diagnosed
         reply(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
         return
     reply(ok=True, regions=stack.aligned_in_engine, tap_status=stack.tap_status(),
@@ -214,6 +220,7 @@ def _serve(folder: Path) -> None:
         try:
             result = _run(stack, request["method"], request["args"])
         except Exception as e:
+            traceback.print_exc()
             reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             continue
         torch.save(result, folder / f"{name}.out.pt")

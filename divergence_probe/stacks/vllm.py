@@ -69,7 +69,6 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
 ENGINES = ("eager", "compiled")
-COMPILED_TAPS = frozenset({"final_norm", "logits"})  # what crosses the compiled graph's boundary (no tap points needed)
 
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
 _OWNED = {
