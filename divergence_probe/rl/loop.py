@@ -142,13 +142,13 @@ class Loop:
         lp_infer = torch.zeros_like(lp_train)
         for row, (n, lps) in enumerate(zip(n_prompt, lp_engine)):
             lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
-        loss, loss_stats = policy_loss(lp_train, lp_infer, advantages, mask, spec.clip_eps, spec.correction,
+        loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps, spec.correction,
                                        spec.tis_cap)
         grad_norm = self.trainer.step(loss)
         t3 = time.perf_counter()
         on = mask.bool()
-        train_np, infer_np = lp_train.detach()[on].numpy(), lp_infer[on].numpy()
-        seq_keys = torch.arange(len(sequences))[:, None].expand_as(mask)[on].numpy()
+        train_np, infer_np = lp_train.detach()[on].cpu().numpy(), lp_infer[on].cpu().numpy()
+        seq_keys = torch.arange(len(sequences), device=mask.device)[:, None].expand_as(mask)[on].cpu().numpy()
         responses_df = pd.DataFrame({"prompt_id": seq_keys // g, "sample_id": seq_keys % g,
                                      "delta_logprob": train_np.astype(np.float64) - infer_np})
         groups = rewards.view(-1, g)
