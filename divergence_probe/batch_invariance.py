@@ -8,7 +8,7 @@ Each stack scores the same token sequences twice, with no taps: one sequence per
 batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask). A trainer's
 attention kernel is a choice torch makes per process and machine (cuDNN, flash, efficient, math), so the training
 stack also scores the sequences under another SDPA kernel (`kernel_noise`). Compiling changes an engine's numerics
-as much as the mismatch being measured (Inductor fuses and keeps intermediates in FP32), so `engine_noise` scores
+(Inductor fuses and keeps intermediates in FP32; by how much: docs/results/h200/), so `engine_noise` scores
 the sequences on a second engine in the other mode, with the same regions aligned: every compiled-mode mismatch
 then stands beside the engine's own eager-vs-compiled gap.
 """
@@ -70,10 +70,7 @@ def kernel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:
             kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
     finally:
         variant.close()
-    d, k = np.concatenate(deltas), np.concatenate(kls)
-    return pd.DataFrame([{"stack": probe.train.name, "side": "train", "change": f"sdpa {other} vs {config.train_sdpa}",
-                          "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()),
-                          "max_kl": float(k.max()), "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    return _change_row(probe.train.name, "train", f"sdpa {other} vs {config.train_sdpa}", deltas, kls)
 
 
 def other_engine_settings(settings):
@@ -101,9 +98,14 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
         a, b = mine[seq.prompt_id], theirs[seq.prompt_id]
         deltas.append((b.logprobs.double().cpu() - a.logprobs.double().cpu()).abs().numpy())
         kls.append(token_kl(a.logits, b.logits.to(a.logits.device)).cpu().numpy())
-    d, k = np.concatenate(deltas), np.concatenate(kls)
     aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
-    return pd.DataFrame([{"stack": probe.infer.name, "side": "infer",
-                          "change": f"engine {other.engine} vs {probe.settings.engine}{aligned}",
-                          "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()),
-                          "max_kl": float(k.max()), "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    return _change_row(probe.infer.name, "infer", f"engine {other.engine} vs {probe.settings.engine}{aligned}",
+                       deltas, kls)
+
+
+def _change_row(stack: str, side: str, change: str, deltas: list, kls: list) -> pd.DataFrame:
+    """One stack against itself under one change: the row kernel_noise.csv / engine_noise.csv hold."""
+    d, k = np.concatenate(deltas), np.concatenate(kls)
+    return pd.DataFrame([{"stack": stack, "side": side, "change": change, "mean_abs_dlogp": float(d.mean()),
+                          "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
+                          "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)

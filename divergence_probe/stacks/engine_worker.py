@@ -14,6 +14,7 @@ The child is started with the parent's `divergence_probe` on its path, so both r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,6 +63,9 @@ class WorkerStack:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        for name in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME", "DP_ENGINE_LOG"):
+            if env.get(name):  # the child runs in its temp folder: a relative path would point into it
+                env[name] = os.path.abspath(env[name])
         namespace = cache_namespace(self.regions) if self.settings.engine == "compiled" else None
         if namespace is not None:
             env["VLLM_CACHE_ROOT"] = namespace
@@ -98,9 +102,14 @@ class WorkerStack:
                 proc.kill()
                 proc.wait()
             self._log.close()
-        if os.environ.get("DP_ENGINE_LOG"):  # keep the child's log (vLLM's own output) where the user asked
-            shutil.copyfile(self._folder / "engine.log", os.environ["DP_ENGINE_LOG"])
-        shutil.rmtree(self._folder, ignore_errors=True)
+        try:
+            keep = os.environ.get("DP_ENGINE_LOG")
+            if keep and (self._folder / "engine.log").exists():  # the child's log (vLLM's output), one file per engine
+                suffix = "+".join(self.regions) or "shipped"
+                with contextlib.suppress(OSError):  # a log that cannot be kept must not hide the run's own error
+                    shutil.copyfile(self._folder / "engine.log", f"{keep}.{self.settings.engine}-{suffix}")
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
     def __enter__(self) -> "WorkerStack":
         return self
@@ -125,7 +134,7 @@ class WorkerStack:
             tail = (self._folder / "engine.log").read_text(errors="replace")[-LOG_TAIL:].strip().splitlines()
             last = tail[-1] if tail else "no output"
             raise StackError(f"the {self._describe()} worker died during {what} (exit code {self._proc.returncode}; "
-                             f"last line: {last}); set DP_ENGINE_LOG=FILE to keep its log, or use --engine eager")
+                             f"last line: {last}); set DP_ENGINE_LOG=PREFIX to keep each engine's log as PREFIX.<mode>-<regions>, or use --engine eager")
         answer = json.loads(line)
         if "error" in answer:
             raise StackError(f"{self._describe()} worker: {answer['error']}")
