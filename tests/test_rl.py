@@ -93,6 +93,7 @@ def test_expected_tensors_stack_like_vllms_loader():
     (["--prompts", "no/such/prompts.txt"], "no/such/prompts.txt"),
     (["--engine-args", '{"enable_prefix_caching": false}'], "prefix caching on"),
     (["--engine-args", "{oops"], "not valid JSON"),
+    (["--model", "no/such/model"], "no/such/model"),
 ])
 def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
     result = CliRunner().invoke(app, ["rl", *flags, "--out", str(tmp_path / "x")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +49,7 @@ class RLWriter:
     def _atomic(self, name: str, write) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.out_dir)
         os.close(fd)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the run's summary and manifest unreadable to others
         try:
             write(Path(tmp))
             os.replace(tmp, self.out_dir / name)
@@ -74,6 +76,11 @@ def rl_folder(out_dir: Path) -> Iterator[RLWriter]:
         writer = RLWriter(out_dir)
         try:
             yield writer
+        except BaseException:
+            writer.close()
+            if writer.rows == 0:  # failed before its first step: leave nothing behind
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise
         finally:
             writer.close()
 

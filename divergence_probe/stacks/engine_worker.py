@@ -134,7 +134,8 @@ class WorkerStack:
             tail = (self._folder / "engine.log").read_text(errors="replace")[-LOG_TAIL:].strip().splitlines()
             last = tail[-1] if tail else "no output"
             raise StackError(f"the {self._describe()} worker died during {what} (exit code {self._proc.returncode}; "
-                             f"last line: {last}); set DP_ENGINE_LOG=PREFIX to keep each engine's log as PREFIX.<mode>-<regions>, or use --engine eager")
+                             f"last line: {last}); set DP_ENGINE_LOG=PREFIX to keep each engine's log as "
+                             "PREFIX.<mode>-<regions>, or use --engine eager")
         answer = json.loads(line)
         if "error" in answer:
             raise StackError(f"{self._describe()} worker: {answer['error']}")
