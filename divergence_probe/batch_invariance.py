@@ -85,10 +85,29 @@ def other_engine_settings(settings):
 
 def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()) -> pd.DataFrame:
     """vLLM against itself in the other engine mode, built in a worker process with the same engine-side `regions`
-    aligned: both engines score the sequences batched as compare runs them, with no taps."""
+    aligned: both engines score the sequences batched as compare runs them, with no taps. A compiled engine built
+    with tap points is also scored against the same engine built without them (row `tap points vs none`): the tap
+    points are meant to leave the graph's numerics alone, which depends on Inductor's fusions for this model and
+    these shapes, so it is measured here rather than assumed."""
+    aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
+    other = other_engine_settings(probe.settings)
+    rows = [_engine_row(probe, sequences, other, regions, f"engine {other.engine} vs {probe.settings.engine}{aligned}")]
+    if probe.settings.engine == "compiled" and probe.settings.engine_taps:
+        from dataclasses import replace
+
+        rows.append(_engine_row(probe, sequences, replace(probe.settings, engine_taps=False), regions,
+                                f"{TAP_POINTS_CHANGE}{aligned}"))
+    return pd.concat(rows, ignore_index=True)
+
+
+TAP_POINTS_CHANGE = "compiled engine without tap points vs with"
+
+
+def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str], change: str) -> pd.DataFrame:
+    """This run's engine against one built with `other` settings in a worker process: the same sequences, batched as
+    compare runs them, no taps."""
     from .stacks.engine_worker import WorkerStack
 
-    other = other_engine_settings(probe.settings)
     mine = {s.prompt_id: s for s in probe.infer.score_batched(sequences)}
     with WorkerStack(other, regions) as worker:
         worker.load(other)
@@ -98,9 +117,7 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
         a, b = mine[seq.prompt_id], theirs[seq.prompt_id]
         deltas.append((b.logprobs.double().cpu() - a.logprobs.double().cpu()).abs().numpy())
         kls.append(token_kl(a.logits, b.logits.to(a.logits.device)).cpu().numpy())
-    aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
-    return _change_row(probe.infer.name, "infer", f"engine {other.engine} vs {probe.settings.engine}{aligned}",
-                       deltas, kls)
+    return _change_row(probe.infer.name, "infer", change, deltas, kls)
 
 
 def _change_row(stack: str, side: str, change: str, deltas: list, kls: list) -> pd.DataFrame:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from .batch_invariance import engine_noise, kernel_noise
+from .batch_invariance import TAP_POINTS_CHANGE, engine_noise, kernel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -290,6 +290,9 @@ def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
         columns["noise_train_kernel_mean_abs_dlogp"] = float(kernel.mean_abs_dlogp.iloc[0])
     if engine is not None:
         columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(engine.mean_abs_dlogp.iloc[0])
+        tap_points = engine[engine.change.str.startswith(TAP_POINTS_CHANGE)]
+        if len(tap_points):  # 0 when the tap points left the compiled graph's numerics alone, as they should
+            columns["tap_points_mean_abs_dlogp"] = float(tap_points.mean_abs_dlogp.iloc[0])
     return columns
 
 

@@ -144,7 +144,9 @@ class CaptureSpec:
     engine_noise: bool = option(False, "Also score the sequences on a vLLM engine in the other engine mode (eager if "
                                        "--engine compiled, else compiled; same regions), built in a worker process, "
                                        "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
-                                       "engine's own eager-vs-compiled gap. Costs one more engine build per run.")
+                                       "engine's own eager-vs-compiled gap. A compiled engine built with tap points "
+                                       "is also checked against one built without them (tap_points_mean_abs_dlogp: 0 "
+                                       "when the taps left its numerics alone). Costs one or two engine builds.")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:

@@ -244,3 +244,33 @@ def test_taps_all_under_cuda_graphs_builds_vllm_as_deployed_and_named_taps_are_r
     with pytest.raises(ProbeError, match="cudagraph_mode"):
         compiled_taps.tap_points_for("input_norm,logits", settings("cuda"))
     assert compiled_taps.status(taps_built=False, cuda_graphs=True)["input_norm"] == compiled_taps.CUDA_GRAPHS
+
+
+def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypatch):
+    """--engine-noise on a compiled engine with tap points scores a second engine: the same settings without tap
+    points, and the summary carries its gap (0 when the tap points are numerically invisible)."""
+    import types
+
+    import pandas as pd
+
+    from divergence_probe import batch_invariance
+    from divergence_probe.compare import noise_floor_columns
+    from divergence_probe.stacks.base import StackSettings
+
+    built = []
+
+    def fake_row(probe, sequences, other, regions, change):
+        built.append((other.engine, other.engine_taps, change))
+        return pd.DataFrame([{"stack": "vllm", "side": "infer", "change": change, "mean_abs_dlogp": 0.25 * len(built),
+                              "max_abs_dlogp": 1.0, "mean_kl": 0.0, "max_kl": 0.0, "n_tokens": 3}])
+
+    monkeypatch.setattr(batch_invariance, "_engine_row", fake_row)
+    settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled", engine_taps=True)
+    table = batch_invariance.engine_noise(types.SimpleNamespace(settings=settings), [])
+    assert [(engine, taps) for engine, taps, _ in built] == [("eager", False), ("compiled", False)]
+    columns = noise_floor_columns(None, None, table)
+    assert columns == {"noise_infer_engine_mode_mean_abs_dlogp": 0.25, "tap_points_mean_abs_dlogp": 0.5}
+    built.clear()
+    untapped = batch_invariance.engine_noise(types.SimpleNamespace(settings=StackSettings(
+        model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")), [])
+    assert len(untapped) == 1 and "tap_points_mean_abs_dlogp" not in noise_floor_columns(None, None, untapped)
