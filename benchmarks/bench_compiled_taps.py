@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from docs_section import write_section  # the one marked section of docs/benchmarks.md this benchmark owns
+
 ROOT = Path(__file__).resolve().parents[1]
-DOCS_MD = ROOT / "docs" / "benchmarks.md"
-DOCS_JSON = ROOT / "docs" / "bench_compiled_taps.json"
-START, END = "<!-- bench_compiled_taps:start -->", "<!-- bench_compiled_taps:end -->"
 TARGET_RATIO = 1.3
 NUM_PROMPTS, MAX_PROMPT_TOKENS = 24, 256
 CHILD_TIMEOUT_S = 1200
@@ -106,17 +105,6 @@ def section(results: dict) -> str:
     ])
 
 
-def write_docs(results: dict) -> None:
-    DOCS_JSON.write_text(json.dumps(results, indent=2) + "\n")
-    text = DOCS_MD.read_text()
-    block = f"{START}\n{section(results)}\n{END}"
-    if START in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS_MD.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", choices=("plain", "tapped", "tapped_warm"))
@@ -131,7 +119,7 @@ def main() -> None:
             caches = Path(tmp) / ("plain" if kind == "plain" else "tapped")
             results[kind] = run_child(kind, args.reps, caches)
             print(kind, json.dumps(results[kind]), flush=True)
-    write_docs(results)
+    write_section("bench_compiled_taps", section(results), results)
     print(section(results))
 
 

@@ -16,7 +16,6 @@ docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,10 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS_MD = ROOT / "docs" / "benchmarks.md"
-DOCS_JSON = ROOT / "docs" / "bench_graft.json"
-START, END = "<!-- bench_graft:start -->", "<!-- bench_graft:end -->"
+from docs_section import write_section  # the one marked section of docs/benchmarks.md this benchmark owns
+
 TARGET_RATIO = 2.0
 SETTINGS = {"taps all": {}, "graft": {"graft": True}, "graft + depth": {"depth": True}}
 
@@ -105,17 +102,6 @@ def section(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict) -> None:
-    DOCS_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    text = DOCS_MD.read_text() if DOCS_MD.exists() else "# Benchmarks\n"
-    block = f"{START}\n{section(result)}{END}"
-    if START in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS_MD.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (default: modelzoo tiny Qwen3, built here)")
@@ -128,8 +114,8 @@ def main() -> None:
     result = measure(args)
     print(section(result))
     if not args.no_write:
-        write(result)
-        print(f"wrote {DOCS_MD} and {DOCS_JSON}", file=sys.stderr)
+        write_section("bench_graft", section(result), result)
+        print("wrote its section of docs/benchmarks.md and docs/bench_graft.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

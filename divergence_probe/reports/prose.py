@@ -95,6 +95,24 @@ def _where(label: str, num_layers: int | None) -> str:
     return f"{_code(label)} (tap `{tap}` at {place})"
 
 
+# The optional tables a run may carry, in the order the report shows them, with what each one means.
+EXTRA_TABLES = {
+    "batch_invariance": "Noise floor (batch_invariance.csv): each stack scores the same sequences one per call and "
+                        "then all in one batch; the columns compare the two.",
+    "kernel_noise": "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another SDPA "
+                    "attention kernel; the columns compare the two.",
+    "local_families": "Local error per op family (local_families.csv, from compare --graft): the training stack's op "
+                      "on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
+                      "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 "
+                      "(inf: the family makes no error of its own). local.csv has every seam and layer.",
+    "depth": "Depth attribution (depth.csv, from compare --depth): the training forward continued from the inference "
+             "stack's `graft` tensor, scored against the inference logits.",
+    "engine_noise": "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs compiled, "
+                    "the same regions aligned) scores the same sequences, and a compiled engine with tap points is "
+                    "also scored against one built without them; the columns compare each with this run's engine.",
+}
+
+
 # ---------------------------------------------------------------------------------------------- document
 ENGINE_CONFIG = ("mode", "backend", "cudagraph_mode", "custom_ops")  # of the compiled engine's configuration
 TRAINER_SETTINGS = ("train_sdpa", "train_state", "sdpa_kernel_chosen", "torch_numerics_snapshot")
@@ -421,30 +439,9 @@ def _tables(run: RunData) -> list:
             "(`group` p_infer) and per response-position range (`group` response_position), from buckets.csv"
             + (f"; {empty} empty buckets left out" if empty else "") + ". The CSV has every token metric per bucket.",
             shown))
-    if "batch_invariance" in run.extra:
-        blocks.append(_generic_table(
-            "batch_invariance", "Noise floor (batch_invariance.csv): each stack scores the same sequences one per "
-            "call and then all in one batch; the columns compare the two.", run.extra["batch_invariance"]))
-    if "kernel_noise" in run.extra:
-        blocks.append(_generic_table(
-            "kernel_noise", "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another "
-            "SDPA attention kernel; the columns compare the two.", run.extra["kernel_noise"]))
-    if "local_families" in run.extra:
-        blocks.append(_generic_table(
-            "local_families", "Local error per op family (local_families.csv, from compare --graft): the training "
-            "stack's op on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
-            "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 (inf: "
-            "the family makes no error of its own). local.csv has every seam and layer.",
-            run.extra["local_families"]))
-    if "depth" in run.extra:
-        blocks.append(_generic_table(
-            "depth", "Depth attribution (depth.csv, from compare --depth): the training forward continued from the "
-            "inference stack's `graft` tensor, scored against the inference logits.", run.extra["depth"]))
-    if "engine_noise" in run.extra:
-        blocks.append(_generic_table(
-            "engine_noise", "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs "
-            "compiled, the same regions aligned) scores the same sequences; the columns compare it with this run's "
-            "engine.", run.extra["engine_noise"]))
+    for stem, caption in EXTRA_TABLES.items():
+        if stem in run.extra:
+            blocks.append(_generic_table(stem, caption, run.extra[stem]))
     return blocks
 
 
