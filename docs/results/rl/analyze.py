@@ -4,7 +4,9 @@
 
 Prints markdown tables and writes runs.png beside this file (one column per run folder: reward, policy entropy and
 mean |Δlogp| against step, a line per (setting, seed), 10-step rolling means; the report command's figure draws the
-mean over seeds with the seeds' range as a band, which hides which run did what).
+mean over seeds with the seeds' range as a band, which hides which run did what). A folder without manifest.json (a run that did not finish) gets the report
+command's own figure drawn from its rows unchecked (`write_rl_report(folder, check=False)`), as `rl` does for a
+stopped run.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def per_run(rows: pd.DataFrame) -> pd.DataFrame:
             "setting": setting, "seed": seed, "steps": len(run),
             "reward start": head.reward_mean.mean(), "reward end": tail.reward_mean.mean(),
             "reward max": run.reward_mean.max(),
-            "|Δlogp| step 1": run.mean_abs_dlogp.iloc[0],
-            "|Δlogp| start": head.mean_abs_dlogp.mean(), "|Δlogp| end": tail.mean_abs_dlogp.mean(),
+            "dlogp step 1": run.mean_abs_dlogp.iloc[0],
+            "dlogp start": head.mean_abs_dlogp.mean(), "dlogp end": tail.mean_abs_dlogp.mean(),
             "k3 end": tail.k3.mean(),
             "entropy start": head.entropy.mean(), "entropy end": tail.entropy.mean(),
             "s/step (median)": (run[WORK].sum(axis=1) + run[OVERHEAD].sum(axis=1)).median(),
@@ -42,6 +44,31 @@ def per_run(rows: pd.DataFrame) -> pd.DataFrame:
             "reward-0 steps": int((run.reward_mean == 0).sum()),
         })
     return pd.DataFrame(out)
+
+
+def by_entropy(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per-step mismatch against the policy's entropy on the sampled positions, in entropy buckets (medians)."""
+    bucket = pd.cut(rows.entropy, [0, 0.01, 0.03, 0.1, 0.3, 1, 2, 3, 4, 6])
+    table = rows.groupby(bucket, observed=True).agg(
+        steps=("step", "size"), mean_abs_dlogp=("mean_abs_dlogp", "median"), max_abs_dlogp=("max_abs_dlogp", "median"),
+        k3=("k3", "median"), ppo_clip_frac=("ppo_clip_frac", "mean")).reset_index()
+    table.insert(0, "entropy (nats)", table.pop("entropy").astype(str))
+    return table
+
+
+def step_one(rows: pd.DataFrame) -> pd.DataFrame:
+    """Step 1 of each seed: mean |Δlogp| and k3 per setting, and mean |Δlogp| relative to `none` when present."""
+    first = rows[rows.step == 1]
+    out = first.pivot(index="setting", columns="seed", values="mean_abs_dlogp")
+    k3 = first.pivot(index="setting", columns="seed", values="k3")
+    table = pd.DataFrame(index=out.index)
+    for seed in out.columns:
+        table[f"seed {seed}"] = out[seed]
+        if "none" in out.index:
+            table[f"÷ none, seed {seed}"] = out[seed] / out.loc["none", seed]
+        table[f"k3 seed {seed}"] = k3[seed]
+    order = [s for s in rows.setting.drop_duplicates()]
+    return table.loc[order].reset_index()
 
 
 def markdown(table: pd.DataFrame) -> str:
@@ -56,7 +83,7 @@ def markdown(table: pd.DataFrame) -> str:
 def figure(runs: dict[str, pd.DataFrame], path: Path) -> None:
     panels = [("reward_mean", "mean reward", False), ("entropy", "policy entropy (nats)", True),
               ("mean_abs_dlogp", "mean |Δlogp|", True)]
-    fig, axes = plt.subplots(len(panels), len(runs), figsize=(4.2 * len(runs), 7.2), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(panels), len(runs), figsize=(4.2 * len(runs), 7.2), sharex=True, sharey="row", squeeze=False)
     colors = {"none": "black", "rope": "tab:blue", "rope,swiglu,rmsnorm": "tab:orange"}
     styles = ["-", "--", ":"]
     for col, (name, rows) in enumerate(runs.items()):
@@ -69,8 +96,9 @@ def figure(runs: dict[str, pd.DataFrame], path: Path) -> None:
                 ax.set_ylabel(label if col == 0 else "")
         axes[0][col].set_title(name)
         axes[-1][col].set_xlabel("step")
-    axes[0][0].legend(fontsize=6, ncol=1, loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=80)
 
 
@@ -82,6 +110,8 @@ def main() -> None:
               f"sync_changed min {rows.sync_changed.min()} (on zero-gradient steps: "
               f"{rows[rows.grad_norm == 0].sync_changed.min() if (rows.grad_norm == 0).any() else '-'})\n")
         print(markdown(per_run(rows)), "\n")
+        print(markdown(step_one(rows)), "\n")
+        print(markdown(by_entropy(rows)), "\n")
         medians = rows[WORK + OVERHEAD + ["t_checksums", "t_probe"]].median()
         print("per-step medians (s):", ", ".join(f"{k} {v:.3g}" for k, v in medians.items()), "\n")
         peak = rows.loc[rows.ppo_clip_frac.idxmax()]
@@ -89,6 +119,11 @@ def main() -> None:
               f"ratio range {rows.ratio_min.min():.3g}..{rows.ratio_max.max():.3g}; ESS min {rows.ess.min():.4f}; "
               f"spearman(entropy, mean |Δlogp|) {rows[['entropy', 'mean_abs_dlogp']].corr('spearman').iloc[0, 1]:.3f}\n")
     figure(runs, HERE / "runs.png")
+    for folder in FOLDERS.values():  # a run that did not finish has no manifest, so `report` refuses it: the same
+        if (folder / "rl.csv").is_file() and not (folder / "manifest.json").is_file():  # figure, rows unchecked
+            from divergence_probe.reports.rl import write_rl_report
+
+            print("unfinished run drawn:", write_rl_report(folder, check=False))
 
 
 if __name__ == "__main__":
