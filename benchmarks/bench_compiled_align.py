@@ -44,13 +44,11 @@ def main() -> None:
     import torch
 
     import divergence_probe as dp
-    from divergence_probe import ablate
     from divergence_probe.modelzoo import make_model
     from divergence_probe.stacks.engine_worker import WorkerStack
 
     from docs_section import write_section
 
-    ablate.PREFETCH_ENGINE_BUILDS = not args.no_prefetch
     model = make_model(tmp / "m", arch="qwen3", preset="tiny", seed=0)
     opts = dict(num_prompts=args.num_prompts, taps="all")
     load_s, probe = timed(lambda: dp.load(str(model), infer="vllm", device="cpu", engine="compiled"))
@@ -63,7 +61,8 @@ def main() -> None:
         cold_load_s = worker.build_seconds
     os.environ["VLLM_CACHE_ROOT"] = str(tmp / "vllm-cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-cache")
-    ablate_s, run = timed(lambda: probe.ablate(regions="rope,swiglu,rmsnorm", side="both", bootstrap=1000, **opts))
+    ablate_s, run = timed(lambda: probe.ablate(regions="rope,swiglu,rmsnorm", side="both", bootstrap=1000,
+                                                  build_ahead=0 if args.no_prefetch else 1, **opts))
     builds = run.manifest["ablate"]["engine_builds"]
     build_s = {name: b["build_seconds"] for name, b in builds.items()}
     ratio = (load_s + ablate_s) / (8 * cold_load_s + 8 * compare_s)

@@ -21,7 +21,6 @@ from .spec import AlignSpec, RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
-PREFETCH_ENGINE_BUILDS = True  # start the next combination's engine build while this one runs (benchmarks toggle it)
 
 
 @dataclass
@@ -125,9 +124,11 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
     side = spec.align.side
     runs: dict = {}
     done_before = 0
-    # A compiled engine is rebuilt per combination in a worker process; the next combination's engine starts building
-    # while this one runs (on the CPU only: on a GPU two more engines beside the probe's own may not fit).
-    prefetch = PREFETCH_ENGINE_BUILDS and probe.settings.device == "cpu"
+    # A compiled engine is rebuilt per combination in a worker process; the next combinations' engines start building
+    # while this one runs: one ahead on the CPU; on a GPU none unless asked (each engine reserves its share of the GPU).
+    ahead = spec.ablate.build_ahead
+    if ahead is None:
+        ahead = 1 if probe.settings.device == "cpu" else 0
     steps = [combo_spec(spec, combo) for combo in combos]
     builds = [needs_engine_build(probe, step.align.regions, side) for step in steps]
     started: dict[int, object] = {}
@@ -138,9 +139,8 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
 
     try:
         for i, (combo, step) in enumerate(zip(combos, steps)):
-            start(i)
-            if prefetch:
-                start(i + 1)
+            for j in range(i, i + 1 + ahead):
+                start(j)
             with aligned_probe(probe, step.align.regions, side, started.pop(i, None)) as view:
                 runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos))
             done_before += len(runs[combo].prompts)

@@ -212,9 +212,17 @@ class AblateSpec:
     metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
     bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
     ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")
+    build_ahead: int | None = option(None, "With a compiled engine aligned per combination: how many combinations' "
+                                           "engines build in worker processes while the current one runs. Default: 1 "
+                                           "on the CPU, 0 on a GPU (each engine reserves GPU memory; on a GPU, N > 0 "
+                                           "needs --engine-args with a small gpu_memory_utilization and "
+                                           "kv_cache_memory_bytes, since engines starting together would read each "
+                                           "other's allocations as their own in vLLM's memory profiling).")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", _regions(self.regions))
+        if self.build_ahead is not None and self.build_ahead < 0:
+            raise ProbeError("--build-ahead must be >= 0")
         if not self.regions:
             raise ProbeError("--regions is empty; name at least one region")
         _choice(self.metric, tuple(METRICS), "--metric")
@@ -272,6 +280,11 @@ class RunSpec:
                              "drop --engine-noise or use --infer vllm")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
+        if self.kind == "ablate" and self.ablate.build_ahead and "kv_cache_memory_bytes" not in self.load.engine_args \
+                and _resolved_device(self.load.device) != "cpu":
+            raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
+                             "the other engines' allocations as its own; add --engine-args '{\"gpu_memory_utilization\": "
+                             "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
 
     def to_dict(self) -> dict:
         """The spec as plain JSON data (the manifest's `spec`)."""
@@ -291,6 +304,12 @@ class RunSpec:
         except (TypeError, AttributeError, ValueError) as e:
             raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); "
                              "re-run the command from the manifest's `command` instead") from e
+
+
+def _resolved_device(device: str) -> str:
+    from .environment import resolve_device
+
+    return resolve_device(device)
 
 
 def _build(cls, values: Mapping[str, Any]):

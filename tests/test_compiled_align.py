@@ -175,3 +175,62 @@ def test_report_shows_the_engine_mode_noise_floor(tmp_path):
                                                  "summary": pd.DataFrame([_summary(tokens, "q_rope@0")])}, tokens)
     text = write_report(run, fmt="md").read_text()
     assert "engine_noise.csv" in text and "engine eager vs compiled" in text
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch, ahead):
+    """`--build-ahead N`: while combination i runs, the engines of combinations i+1..i+N are building, and no later
+    one (each holds memory); every engine started is closed."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from divergence_probe import ablate
+    from divergence_probe.spec import AblateSpec, RunSpec
+
+    started, closed, seen = [], [], {}
+    monkeypatch.setattr(ablate, "needs_engine_build", lambda probe, regions, side: bool(regions))
+
+    def engine_worker(probe, regions):
+        started.append(tuple(regions))
+        return SimpleNamespace(close=lambda: closed.append(tuple(regions)))
+
+    @contextmanager
+    def aligned_probe(probe, regions, side, worker=None):
+        assert (worker is not None) == bool(regions)  # every aligned combination finds its engine started
+        yield probe
+        if worker is not None:
+            worker.close()
+
+    def run_compare(view, step, progress, **kw):
+        seen[step.align.regions] = list(started)
+        manifest = {"compare": {"tap_reduction": {}}, "stacks": {"infer": {"settings": {}}}}
+        return SimpleNamespace(manifest=manifest, prompts=[])
+
+    monkeypatch.setattr(ablate, "engine_worker", engine_worker)
+    monkeypatch.setattr(ablate, "aligned_probe", aligned_probe)
+    monkeypatch.setattr(ablate, "run_compare", run_compare)
+    spec = RunSpec(kind="ablate", ablate=AblateSpec(regions=("rope", "swiglu", "rmsnorm"), build_ahead=ahead))
+    probe = SimpleNamespace(settings=SimpleNamespace(device="cuda"))
+    ablate.run_ablation(probe, spec)
+    order = [step.align.regions for step in (ablate.combo_spec(spec, c) for c in ablate.subsets(spec.ablate.regions))]
+    builds = [r for r in order if r]
+    for i, regions in enumerate(order):
+        expected = [r for r in order[: i + ahead + 1] if r]  # this combination's engine and the next `ahead` ones
+        assert seen[regions] == expected, (i, regions)
+    assert sorted(closed) == sorted(started) and len(started) == len(builds)
+
+
+def test_build_ahead_on_a_gpu_needs_a_fixed_kv_cache(monkeypatch):
+    from divergence_probe import spec as spec_module
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import AblateSpec, LoadSpec, RunSpec
+
+    monkeypatch.setattr(spec_module, "_resolved_device", lambda device: "cuda")
+    with pytest.raises(ProbeError) as e:
+        RunSpec(kind="ablate", ablate=AblateSpec(build_ahead=2))
+    assert "kv_cache_memory_bytes" in str(e.value) and "\n" not in str(e.value)
+    RunSpec(kind="ablate", ablate=AblateSpec(build_ahead=2),
+            load=LoadSpec(engine_args={"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 * 10**9}))
+    RunSpec(kind="ablate", ablate=AblateSpec(build_ahead=0))  # nothing starts together: no memory needed
+    with pytest.raises(ProbeError):
+        AblateSpec(build_ahead=-1)
