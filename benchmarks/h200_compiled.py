@@ -13,8 +13,9 @@ One engine per process. Parts:
   taps-summary  the tapped engine's logprobs against the plain engine's, token for token (must be bitwise equal), and
                 the cost ratio (median taps all on the tapped engine / median taps none on the plain engine) -> taps.json
   ablate        ablate --side both against vLLM's default compiled engine (CUDA graphs on): one engine build per
-                combination in a worker process, patched before it compiles; --engine-noise (the engine's own
-                eager-vs-compiled gap) -> OUT/ablate-both/
+                combination in a worker process, patched before it compiles (--build-ahead N: N of them building
+                while one runs); --engine-noise (the engine's own eager-vs-compiled gap, one eager engine per
+                combination) unless --no-engine-noise -> OUT/ablate-both[-REGIONS]/
 Every engine gets gpu_memory_utilization 0.3 so an ablation's worker fits beside the main engine.
 """
 
@@ -28,6 +29,9 @@ from h200 import add_workload_arguments, gzip_tokens, timed  # the GPU lane's sh
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
 MEMORY = {"gpu_memory_utilization": 0.3}
+# --build-ahead: engines start together, so each gets a fixed KV cache (vLLM then skips the memory profiling that
+# would count the others' allocations) and a small reservation; 2 GB of KV holds far more than these prompts
+BUILD_AHEAD_MEMORY = {"gpu_memory_utilization": 0.06, "kv_cache_memory_bytes": 2 * 10**9}
 NO_CUDA_GRAPHS = {"compilation_config": {"cudagraph_mode": "NONE"}, **MEMORY}
 
 
@@ -98,17 +102,20 @@ def taps_summary(args) -> None:
 
 
 def ablate_part(args) -> None:
-    out = args.out / "ablate-both"
-    probe, load_s = _probe(args, MEMORY, None)
+    name = "ablate-both" if args.regions == "rope,rmsnorm" else "ablate-both-" + args.regions.replace(",", "-")
+    out = args.out / name
+    probe, load_s = _probe(args, BUILD_AHEAD_MEMORY if args.build_ahead else MEMORY, None)
     opts = dict(prompts=args.prompts, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
-    run, ablate_s = timed(lambda: probe.ablate(side="both", regions=args.regions, taps="none", engine_noise=True,
+    run, ablate_s = timed(lambda: probe.ablate(side="both", regions=args.regions, taps="none",
+                                               engine_noise=not args.no_engine_noise, build_ahead=args.build_ahead,
                                                bootstrap=args.bootstrap, **opts))
     run.manifest["command"] = ["benchmarks/h200_compiled.py", "--preset", args.preset, "--part", "ablate",
-                               "--regions", args.regions]
+                               "--regions", args.regions, "--build-ahead", str(args.build_ahead)] + \
+        (["--no-engine-noise"] if args.no_engine_noise else [])
     run.write(out)
     (out / "tokens.csv").unlink(missing_ok=True)  # every combination's tokens: too large to commit
     timings = {"load_s": load_s, "ablate_s": ablate_s, "engine_builds": run.manifest.get("ablate", {}).get("engine_builds")}
-    (args.out / "ablate-timings.json").write_text(json.dumps(timings, indent=2, default=str) + "\n")
+    (args.out / f"{name}-timings.json").write_text(json.dumps(timings, indent=2, default=str) + "\n")
     print(json.dumps(timings, indent=2, default=str), flush=True)
 
 
@@ -118,6 +125,8 @@ def main() -> None:
     ap.add_argument("--part", choices=("taps-plain", "taps-tapped", "taps-summary", "ablate"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="timed compares per selection")
     ap.add_argument("--regions", default="rope,swiglu,rmsnorm")
+    ap.add_argument("--build-ahead", type=int, default=0, help="ablate: engines building while one runs")
+    ap.add_argument("--no-engine-noise", action="store_true", help="ablate: skip the per-combination eager engines")
     add_workload_arguments(ap)
     ap.set_defaults(num_prompts=16, bootstrap=200)
     args = ap.parse_args()
