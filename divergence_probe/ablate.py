@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .batch_invariance import NoiseEngines
 from .compare import CompareRun, Progress, run_compare
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
@@ -137,14 +138,17 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         if i < len(steps) and builds[i] and i not in started:
             started[i] = engine_worker(probe, steps[i].align.regions)
 
+    noise_engines = NoiseEngines()  # --engine-noise: one eager engine serves every combination
     try:
         for i, (combo, step) in enumerate(zip(combos, steps)):
             for j in range(i, i + 1 + ahead):
                 start(j)
             with aligned_probe(probe, step.align.regions, side, started.pop(i, None)) as view:
-                runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos))
+                runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
+                                          noise_engines=noise_engines)
             done_before += len(runs[combo].prompts)
     finally:
+        noise_engines.close()
         for worker in started.values():
             worker.close()
     # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the

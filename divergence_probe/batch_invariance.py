@@ -83,35 +83,73 @@ def other_engine_settings(settings):
     return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args, engine_taps=False)
 
 
-def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()) -> pd.DataFrame:
-    """vLLM against itself in the other engine mode, built in a worker process with the same engine-side `regions`
-    aligned: both engines score the sequences batched as compare runs them, with no taps. A compiled engine built
+class NoiseEngines:
+    """The engines in the other mode that one run's engine noise floors score on, each built once and closed with
+    the run. An eager engine takes regions in place, call by call, as the tool's own eager engine does, so one eager
+    build serves every combination of an ablation; a compiled engine has its regions built in: one per region set."""
+
+    def __init__(self) -> None:
+        self._workers: dict = {}
+
+    def score(self, settings, regions: Sequence[str], sequences: Sequence[Prompt]) -> list:
+        from .stacks.engine_worker import WorkerStack
+
+        built = () if settings.engine == "eager" else tuple(regions)
+        key = (settings, built)
+        if key not in self._workers:
+            self._workers[key] = worker = WorkerStack(settings, built)  # kept first: close() covers a failed start
+            worker.load(settings)
+        patched = tuple(regions) if not built else ()
+        return self._workers[key].score_batched(sequences, patched)
+
+    def __len__(self) -> int:
+        """How many engines were built."""
+        return len(self._workers)
+
+    def close(self) -> None:
+        workers, self._workers = list(self._workers.values()), {}
+        for worker in workers:
+            worker.close()
+
+    def __enter__(self) -> "NoiseEngines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = (),
+                 engines: NoiseEngines | None = None) -> pd.DataFrame:
+    """vLLM against itself in the other engine mode, with the same engine-side `regions` aligned, in a worker
+    process: both engines score the sequences batched as compare runs them, with no taps. A compiled engine built
     with tap points is also scored against the same engine built without them (row `tap points vs none`): the tap
     points are meant to leave the graph's numerics alone, which depends on Inductor's fusions for this model and
-    these shapes, so it is measured here rather than assumed."""
+    these shapes, so it is measured here rather than assumed. `engines`: shared by the runs of an ablation (closed
+    by its owner); else built for this call alone."""
+    if engines is None:
+        with NoiseEngines() as own:
+            return engine_noise(probe, sequences, regions, own)
     aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
     other = other_engine_settings(probe.settings)
-    rows = [_engine_row(probe, sequences, other, regions, f"engine {other.engine} vs {probe.settings.engine}{aligned}")]
+    rows = [_engine_row(probe, sequences, other, regions, f"engine {other.engine} vs {probe.settings.engine}{aligned}",
+                        engines)]
     if probe.settings.engine == "compiled" and probe.settings.engine_taps:
         from dataclasses import replace
 
         rows.append(_engine_row(probe, sequences, replace(probe.settings, engine_taps=False), regions,
-                                f"{TAP_POINTS_CHANGE}{aligned}"))
+                                f"{TAP_POINTS_CHANGE}{aligned}", engines))
     return pd.concat(rows, ignore_index=True)
 
 
 TAP_POINTS_CHANGE = "compiled engine without tap points vs with"
 
 
-def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str], change: str) -> pd.DataFrame:
-    """This run's engine against one built with `other` settings in a worker process: the same sequences, batched as
+def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str], change: str,
+                engines: NoiseEngines) -> pd.DataFrame:
+    """This run's engine against one with `other` settings in a worker process: the same sequences, batched as
     compare runs them, no taps."""
-    from .stacks.engine_worker import WorkerStack
-
     mine = {s.prompt_id: s for s in probe.infer.score_batched(sequences)}
-    with WorkerStack(other, regions) as worker:
-        worker.load(other)
-        theirs = {s.prompt_id: s for s in worker.score_batched(sequences)}
+    theirs = {s.prompt_id: s for s in engines.score(other, regions, sequences)}
     deltas, kls = [], []
     for seq in sequences:
         a, b = mine[seq.prompt_id], theirs[seq.prompt_id]

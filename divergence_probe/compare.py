@@ -359,8 +359,9 @@ def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str
 
 
 def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
-                total_scale: int = 1) -> CompareRun:
-    """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate)."""
+                total_scale: int = 1, noise_engines=None) -> CompareRun:
+    """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate). `noise_engines`: the
+    other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines)."""
     prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
@@ -397,6 +398,6 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
-    engine = engine_noise(probe, ran, engine_regions) if spec.capture.engine_noise else None
+    engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
                       engine_noise=engine)

@@ -6,8 +6,9 @@ vLLM's CPU backend hosts one engine per process, so everything that needs an eng
 build 1, the probe's own compiled engine (shipped); build 2, an `ablate --regions rope --side both` whose
 rope combination runs on an engine built with the patch (worker process; rope, because under Inductor the shipped
 RMSNorm and SwiGLU already compute what the aligned ones do on this model, docs/benchmarks.md); build 3, the shipped engine once
-more (worker process, same cache root). Then one eager engine for the engine-mode noise floor. Three compiled
-builds in all: the CI cost of this feature.
+more (worker process, same cache root). Then the eager engines of the engine-mode noise floor: one whose regions are
+patched call by call (what an ablation's --engine-noise shares between combinations), one built with rope, one for a
+compare. Three compiled builds in all: the CI cost of this feature.
 """
 
 from __future__ import annotations
@@ -52,12 +53,24 @@ with WorkerStack(probe.settings, ()) as again:                                  
     third = again.score(prompts, frozenset(), lambda *a: None)
     result["third_cache_root"] = again.info().settings["engine_process"]["vllm_cache_root"]
 
+from divergence_probe.batch_invariance import NoiseEngines, other_engine_settings                 # eager
+eager = other_engine_settings(probe.settings)
+with NoiseEngines() as engines:  # one eager engine, regions patched per call
+    patched = engines.score(eager, ("rope",), prompts)
+    plain = engines.score(eager, (), prompts)
+    result["noise_engine_builds"] = len(engines)
+with WorkerStack(eager, ("rope",)) as built:                                                        # eager, rope
+    built.load(eager)
+    prebuilt = built.score_batched(prompts)
+
 noise = probe.compare(prompts=prompts_file, taps="none", engine_noise=True)                         # eager
 result["engine_noise"] = noise.engine_noise.to_dict("records")
 result["summary"] = noise.summary
 result["n_tokens"] = len(noise.tokens_table)
 result["files"] = sorted(noise.files())
-torch.save({"first": [s.logits for s in first], "third": [s.logits for s in third]}, out + ".pt")
+torch.save({"first": [s.logits for s in first], "third": [s.logits for s in third],
+            "patched": [s.logits for s in patched], "plain": [s.logits for s in plain],
+            "prebuilt": [s.logits for s in prebuilt]}, out + ".pt")
 json.dump(result, open(out, "w"), default=str)
 '''
 
@@ -103,6 +116,15 @@ def test_engine_mode_noise_floor_is_measured_in_tool(builds):
     assert row["mean_abs_dlogp"] > 0  # a second engine in the other mode, not this run's engine scored twice
     assert builds["summary"]["noise_infer_engine_mode_mean_abs_dlogp"] == row["mean_abs_dlogp"]
     assert "engine_noise.csv" in builds["files"]
+
+
+def test_one_eager_noise_engine_serves_every_region_set(builds):
+    """--engine-noise in an ablation: the eager engine patched call by call computes what an eager engine built with
+    the regions computes, bit for bit, and the patch takes effect; one build for all combinations."""
+    logits = builds["_logits"]
+    assert builds["noise_engine_builds"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(logits["patched"], logits["prebuilt"]))
+    assert not all(torch.equal(a, b) for a, b in zip(logits["patched"], logits["plain"]))
 
 
 def test_cache_namespace_per_region_set(monkeypatch, tmp_path):

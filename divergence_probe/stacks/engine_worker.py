@@ -170,8 +170,10 @@ class WorkerStack:
             on_scored(scores)
         return []
 
-    def score_batched(self, prompts) -> list[PromptScores]:
-        return self._call("score_batched", list(prompts))["scores"]
+    def score_batched(self, prompts, patched: Sequence[str] = ()) -> list[PromptScores]:
+        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with
+        (an eager engine runs its modules as Python at every step, as the tool's own eager engine takes them)."""
+        return self._call("score_batched", list(prompts), tuple(patched))["scores"]
 
     def sample(self, prompts, spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         result = self._call("sample", list(prompts), spec, frozenset(taps))
@@ -249,7 +251,13 @@ def _run(stack, method: str, args: tuple):
         prompts, wanted = args
         return {"scores": stack.score(prompts, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
     if method == "score_batched":
-        return {"scores": stack.score_batched(args[0])}
+        prompts, patched = args
+        if not patched:
+            return {"scores": stack.score_batched(prompts)}
+        from ..regions import aligned
+
+        with aligned([stack], patched):  # a compiled engine refuses: check_patchable
+            return {"scores": stack.score_batched(prompts)}
     if method == "sample":
         prompts, spec, wanted = args
         return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
