@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On a lent GPU machine, after ../shared/gpu's install.sh: one part of issue 13's compiled-engine runs for both
+# shapes at once, one shape per GPU when there are two (nvidia-h200-x2), else both on the one GPU; each shape's
+# results packed into $OUT/PART-PRESET.tgz even when cut short.
+# usage: bash benchmarks/h200_compiled_job.sh PART [SECONDS]
+#   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise against vLLM's default compiled engine,
+#           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
+#   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py, every part)
+# Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
+set -u
+export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
+part=$1; budget=${2:-560}
+python3 - <<'EOF'
+from pathlib import Path
+from divergence_probe.modelzoo import make_model
+for preset in ("qwen2.5-1.5b", "qwen3-1.7b"):  # made once, before the parallel jobs read them
+    if not (Path("/tmp/dp-models") / preset / "config.json").exists():
+        make_model(Path("/tmp/dp-models") / preset, preset=preset, seed=0)
+EOF
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+i=0
+for preset in qwen2.5-1.5b qwen3-1.7b; do
+  out=/tmp/compiled/$preset; mkdir -p "$out"
+  (
+    export CUDA_VISIBLE_DEVICES=$(( i % gpus ))
+    start=$(date +%s)
+    if [ "$part" = ablate ]; then
+      timeout "$budget" python3 benchmarks/h200_compiled.py --preset "$preset" --part ablate \
+        --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out"
+    else
+      timeout "$budget" python3 benchmarks/h200_cgtaps.py --preset "$preset" --out "$out/cgtaps"
+    fi
+    echo "== $part $preset: exit $? after $(( $(date +%s) - start )) s"
+  ) > "$out/$part.log" 2>&1 &
+  i=$(( i + 1 ))
+done
+wait
+for preset in qwen2.5-1.5b qwen3-1.7b; do
+  grep -v "it/s\]\|dump_input" "/tmp/compiled/$preset/$part.log" | tail -40
+  tar czf "${OUT:-/tmp}/$part-$preset.tgz" -C /tmp/compiled "$preset"
+done
