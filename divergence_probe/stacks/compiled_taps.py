@@ -178,7 +178,8 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
 
 
 def features(model: torch.nn.Module) -> dict[str, int]:
-    """Features per row of each tap in NEUTRAL, from the modules' sizes (tensor parallelism is refused: one partition)."""
+    """Features per row of each tap in NEUTRAL, from the modules' sizes (tensor parallelism is refused: one
+    partition)."""
     inner = model.model
     layer = inner.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
@@ -218,8 +219,8 @@ def step_rows(vllm_config) -> int:
     were larger (vLLM keeps them below it)."""
     comp = vllm_config.compilation_config
     sizes = list(getattr(comp, "cudagraph_capture_sizes", None) or [])
-    return max([vllm_config.scheduler_config.max_num_batched_tokens, getattr(comp, "max_cudagraph_capture_size", 0) or 0,
-                *sizes])
+    largest = getattr(comp, "max_cudagraph_capture_size", 0) or 0
+    return max([vllm_config.scheduler_config.max_num_batched_tokens, largest, *sizes])
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ Engine settings and why:
   `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
   one compiled graph in which no module hook fires, so without tap points only what crosses the graph's boundary is
   captured: its input ids, its output (the final norm) and the logits, computed after it. With tap points (asked for
-  at load, part of the engine key) the graph itself copies the layer taps it materialises into static buffers, which CUDA graphs replay
-  too, and the host reads them after each step (compiled_taps.py). `--engine-args` go to `LLM(...)` as
+  at load, part of the engine key) the graph itself copies the layer taps it materialises into static buffers,
+  which CUDA graphs replay too, and the host reads them after each step (compiled_taps.py). `--engine-args` go to `LLM(...)` as
   given; the few that would make capture wrong are refused up front (`check_engine_args`).
 - The step layout (input ids) and the final hidden states are read at the runner's call of the model
   (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
@@ -690,7 +690,8 @@ class VLLMStack:
             settings={
                 "engine": self.settings.engine,
                 "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
-                "engine_tap_points": sorted(_tap_points(self.settings)),  # compiled with the dp::tap hooks (another graph), buffers for these
+                # built with the dp::tap hooks (another graph than vLLM as deployed) and buffers for these taps
+                "engine_tap_points": sorted(_tap_points(self.settings)),
                 "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
