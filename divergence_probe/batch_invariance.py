@@ -80,7 +80,7 @@ def other_engine_settings(settings):
 
     args = tuple((k, v) for k, v in settings.engine_args if not (k == "compilation_config"
                                                                 and ENGINE_MODES[settings.engine] == "eager"))
-    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args, engine_taps=False)
+    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args, engine_taps=frozenset())
 
 
 class NoiseEngines:
@@ -136,7 +136,7 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
     if probe.settings.engine == "compiled" and probe.settings.engine_taps:
         from dataclasses import replace
 
-        rows.append(_engine_row(probe, sequences, replace(probe.settings, engine_taps=False), regions,
+        rows.append(_engine_row(probe, sequences, replace(probe.settings, engine_taps=frozenset()), regions,
                                 f"{TAP_POINTS_CHANGE}{aligned}", engines))
     return pd.concat(rows, ignore_index=True)
 

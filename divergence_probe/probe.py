@@ -128,7 +128,7 @@ class Probe:
         self.close()
 
 
-def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: bool = False) -> StackSettings:
+def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[str] = frozenset()) -> StackSettings:
     """What both stacks are loaded with: one object, so the two sides provably get the same dtype and device."""
     return StackSettings(
         model_path=str(source.path),
@@ -151,7 +151,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
     `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
-    tap points, which is another compiled graph than vLLM as deployed (stacks/compiled_taps.py).
+    tap points, which is another compiled graph than vLLM as deployed, and device buffers for exactly these taps
+    (stacks/compiled_taps.py): later runs can capture those, not others.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start."""
     from transformers import AutoTokenizer

@@ -35,7 +35,8 @@ probe = dp.load(model, infer="vllm", dtype="bfloat16", device="cpu", engine="com
 run = probe.compare(prompts=prompts_file, taps=taps)
 result = {"logprobs": run.tokens_table[["prompt_id", "position", "logprob_infer"]].values.tolist(),
           "layers": sorted(set(run.layers_table.tap)), "taps": run.manifest["stacks"]["infer"]["settings"]["taps"],
-          "not_captured": run.manifest["compare"].get("taps_not_captured", {}), "op_defined": compiled_taps._LIB is not None}
+          "not_captured": run.manifest["compare"].get("taps_not_captured", {}), "op_defined": compiled_taps._LIB is not None,
+          "tap_buffer_bytes": run.manifest["stacks"]["infer"]["settings"]["tap_buffer_bytes"]}
 if taps != "none":
     prompts = load_prompts(prompts_file, probe.tokenizer, max_model_len=probe.settings.max_model_len)
     captured = {}
@@ -47,6 +48,23 @@ if taps != "none":
     norms[("final_norm", len(model_.layers))] = model_.norm
     torch.save({"taps": captured, "num_layers": len(model_.layers),
                 "norms": {k: (m.weight.detach().clone(), m.variance_epsilon) for k, m in norms.items()}}, out + ".pt")
+    # consecutive steps through the static buffers: P, then Q (P's tokens reversed), then P again, each a scoring call
+    # of its own; and a generate-mode call whose decode steps (one row per sequence) are read one by one
+    import dataclasses
+    from divergence_probe.stacks.base import SamplingSpec
+    wanted = frozenset({"embed", "mlp_out"})
+    def scored(p):
+        got = {}
+        probe.infer.score([p], wanted, lambda pid, key, x: got.__setitem__((key.name, key.layer), x.clone()))
+        return {"ids": list(p.token_ids), "taps": got}
+    p = prompts[0]
+    q = dataclasses.replace(p, token_ids=tuple(reversed(p.token_ids)))
+    steps = [scored(p), scored(q), scored(p)]
+    gen_taps = {}
+    seqs = probe.infer.sample(prompts[:2], SamplingSpec(max_new_tokens=5, temperature=1.0), frozenset({"embed"}),
+                              lambda sid, key, x: gen_taps.__setitem__(sid, x.clone()))
+    torch.save({"steps": steps, "embedding": model_.embed_tokens.weight.detach().clone(),
+                "generated": [(s.seq_id, list(s.token_ids), gen_taps[s.seq_id]) for s in seqs]}, out + ".steps.pt")
     try:
         probe.compare(prompts=prompts_file, taps="resid_out")
     except ProbeError as e:
@@ -75,7 +93,7 @@ def engines(request, prompts_file, tmp_path_factory) -> dict:
     artifacts_after_tapped = sorted(str(p.relative_to(cache_root)) for p in cache_root.rglob("*") if p.is_file())
     plain = _engine(model, prompts_file, folder / "plain.json", "none", cache_root)
     return {"tapped": tapped, "plain": plain, "raw": torch.load(folder / "tapped.json.pt"), "model": request.param,
-            "artifacts_after_tapped": artifacts_after_tapped}
+            "steps": torch.load(folder / "tapped.json.steps.pt"), "artifacts_after_tapped": artifacts_after_tapped}
 
 
 def test_tap_points_leave_the_logprobs_bitwise_equal(engines):
@@ -151,48 +169,132 @@ def test_taps_are_what_the_graph_computed(engines):
     assert checked == len(prompts) * (2 * layers + 1)
 
 
-def test_effectful_op_survives_compile():
-    """Pins the private effect registration: an op that returns nothing, called in a compiled function whose result
-    does not use it, must still run (not be removed as dead code), once per call, with the graph's value."""
+def test_each_step_reads_what_that_step_wrote(engines):
+    """The host reads the static buffers after each step's model call: the embed tap rows are the embedding rows of
+    that step's own token ids, in every scoring call and every decode step of generate mode, and a later layer's tap
+    follows the tokens: P, then Q (another token order), then P again gives P's taps, Q's, then P's again bitwise. A
+    buffer read before its step, or never written, hands over another step's rows."""
+    data = engines["steps"]
+    embedding = data["embedding"]
+    for step in data["steps"]:
+        assert torch.equal(step["taps"][("embed", -1)], embedding[torch.tensor(step["ids"])])
+    (first, other, again), layer = data["steps"], max(layer for name, layer in data["steps"][0]["taps"] if name == "mlp_out")
+    a, b, c = (s["taps"][("mlp_out", layer)] for s in (first, other, again))
+    assert torch.equal(a, c)
+    differs = next(i for i, (x, y) in enumerate(zip(first["ids"], other["ids"])) if x != y)
+    assert all(not torch.equal(a[i], b[i]) for i in range(differs, len(a)))  # causal: from the first other token on
+    assert torch.equal(a[:differs], b[:differs])
+    assert len(data["generated"]) == 2
+    for _, tokens, embed in data["generated"]:
+        fed = tokens[:-1]  # the last sampled token is never fed back
+        assert embed.shape[0] == len(fed) and torch.equal(embed, embedding[torch.tensor(fed)])
+    # every buffer sized for max_num_batched_tokens rows, only for the taps asked for at load
+    assert engines["tapped"]["tap_buffer_bytes"] > 0 and engines["plain"]["tap_buffer_bytes"] == 0
+
+
+@pytest.fixture
+def op_state():
+    """The op with an empty buffer registry; restored afterwards (the registry is per process)."""
     from divergence_probe.stacks import compiled_taps
-    from divergence_probe.taps import TapKey
 
     compiled_taps.register_op()
+    saved = dict(compiled_taps._BUFFERS), compiled_taps._BUFFERED
+    compiled_taps._BUFFERS.clear()
+    yield compiled_taps
+    compiled_taps._BUFFERS.clear()
+    compiled_taps._BUFFERS.update(saved[0])
+    compiled_taps._BUFFERED = saved[1]
+
+
+def test_effectful_op_survives_compile(op_state):
+    """Pins the private effect registration: an op that returns nothing, called in a compiled function whose result
+    does not use it, must still run (not be removed as dead code), once per call, writing the graph's value into its
+    tap's static buffer; the host then reads what the last call wrote, for the selected taps only."""
+    from divergence_probe.taps import TapKey
+
+    compiled_taps = op_state
     key = compiled_taps._key("swiglu", 0)
-    seen = []
+    compiled_taps._BUFFERS[key] = torch.zeros(8, 8)
+    compiled_taps._BUFFERED = frozenset({"swiglu"})
 
     def f(x):
-        y = torch.nn.functional.silu(x) * 2
+        y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
         torch.ops.dp.tap(y, key)
         return x + 1
 
     compiled = torch.compile(f, backend="inductor", fullgraph=True)
-    x = torch.randn(4, 8)
+    seen = []
     # Inductor's and AOTAutograd's caches key the graph, not the op's effect registration: a graph compiled once
     # without the effect (op dropped) would be served again, so this compile must not read them
     with torch._inductor.config.patch(force_disable_caches=True):
-        compiled(x)  # no capture active: ignored
-        compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}))
-        try:
+        for rows in (4, 3):
+            x = torch.randn(rows, 8)
             compiled(x)
-        finally:
-            compiled_taps._ACTIVE = None
-    assert len(seen) == 1 and seen[0][0] == TapKey.of("swiglu", 0)
-    assert torch.equal(seen[0][1], torch.nn.functional.silu(x) * 2)
+            compiled_taps.deliver(rows)  # no call active: nothing read
+            compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}))
+            try:
+                compiled_taps.deliver(rows)
+            finally:
+                compiled_taps._ACTIVE = None
+            assert torch.equal(seen[-1][1], torch.relu(x) * 2)
+    assert [k for k, _ in seen] == [TapKey.of("swiglu", 0)] * 2
+    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}))
+    try:
+        compiled_taps.deliver(3)  # swiglu not selected for this call
+    finally:
+        compiled_taps._ACTIVE = None
+    assert len(seen) == 2
 
 
-@pytest.mark.parametrize("args, device, words", [
-    ({}, "cuda", "cudagraph_mode"),
-    ({"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, "cuda", "--engine eager"),
-])
-def test_cuda_graphs_refuse_layer_taps(args, device, words):
-    from divergence_probe.stacks import compiled_taps
+def test_a_tap_without_a_fitting_buffer_raises(op_state):
+    """A call for a tap the engine has buffers for must find its buffer, large enough, in its dtype: a capture that
+    found none would record nothing (or allocate inside the graph), so it raises instead of (re)allocating. A tap
+    nobody asked for at load has no buffer and its call does nothing."""
+    compiled_taps = op_state
+    key = compiled_taps._key("attn_out", 1)
+    other = compiled_taps._key("up_proj", 1)
+    compiled_taps._BUFFERED = frozenset({"attn_out"})
+    with pytest.raises(ProbeError, match="no buffer"):
+        torch.ops.dp.tap(torch.ones(2, 4), key)
+    torch.ops.dp.tap(torch.ones(2, 4), other)  # not asked for: ignored
+    compiled_taps._BUFFERS[key] = torch.zeros(2, 4)
+    for x in (torch.ones(3, 4), torch.ones(2, 5), torch.ones(2, 4, dtype=torch.bfloat16)):
+        with pytest.raises(ProbeError, match="does not fit"):
+            torch.ops.dp.tap(x, key)
+    assert torch.equal(compiled_taps._BUFFERS[key], torch.zeros(2, 4))
+    torch.ops.dp.tap(torch.ones(1, 2, 2), key)  # [rows, heads, dim] lands as [rows, heads * dim]
+    assert torch.equal(compiled_taps._BUFFERS[key], torch.tensor([[1.0] * 4, [0.0] * 4]))
 
-    with pytest.raises(ProbeError) as e:
-        compiled_taps.check_cudagraphs(args, device)
-    assert words in str(e.value) and "\n" not in str(e.value) and '"NONE"' in str(e.value)
-    compiled_taps.check_cudagraphs({"compilation_config": {"cudagraph_mode": "NONE"}}, "cuda")
-    compiled_taps.check_cudagraphs({}, "cpu")
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has none; benchmarks/h200_cgtaps.py runs it)")
+def test_cuda_graph_replay_repeats_the_copy(op_state):
+    """Under CUDA-graph capture the Python impl runs once; every replay must repeat its copy into the static buffer.
+    As in vLLM: one graph per padded size over a dynamic-shape compile, all writing the first rows of one buffer."""
+    compiled_taps = op_state
+    key = compiled_taps._key("swiglu", 0)
+    compiled_taps._BUFFERS[key] = torch.zeros(16, 8, device="cuda")
+    compiled_taps._BUFFERED = frozenset({"swiglu"})
+
+    def f(x):
+        y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
+        torch.ops.dp.tap(y, key)
+        return x + 1
+
+    compiled = torch.compile(f, backend="inductor", fullgraph=True, dynamic=True)
+    inputs = {rows: torch.randn(rows, 8, device="cuda") for rows in (16, 8)}
+    graphs = {}
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for rows, static in inputs.items():
+            compiled(static)  # compile and warm up outside the capture
+            torch.cuda.synchronize()
+            graphs[rows] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[rows]):
+                compiled(static)
+    buf = compiled_taps._BUFFERS[key]
+    for rows in (16, 8, 8, 16, 8):
+        inputs[rows].copy_(torch.randn(rows, 8, device="cuda"))
+        graphs[rows].replay()
+        assert torch.equal(buf[:rows], torch.relu(inputs[rows]) * 2)
 
 
 def test_spec_refuses_only_the_perturbing_taps_under_compile():
@@ -218,16 +320,21 @@ def test_tap_points_are_part_of_the_engine_key():
     from divergence_probe.taps import parse_tap_selection
 
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
-    assert _engine_key(compiled) != _engine_key(replace(compiled, engine_taps=True))
+    swiglu = frozenset({"swiglu"})
+    assert _engine_key(compiled) != _engine_key(replace(compiled, engine_taps=swiglu))
+    # buffers are made for the taps asked for at load: another selection is another engine
+    assert _engine_key(replace(compiled, engine_taps=swiglu)) != _engine_key(replace(compiled, engine_taps=swiglu | {"embed"}))
     eager = replace(compiled, engine="eager")
-    assert _engine_key(eager) == _engine_key(replace(eager, engine_taps=True))
+    assert _engine_key(eager) == _engine_key(replace(eager, engine_taps=swiglu))
     assert wants_tap_points(parse_tap_selection("all")) and wants_tap_points(parse_tap_selection("swiglu"))
     assert not wants_tap_points(parse_tap_selection("final_norm,logits"))
 
 
-def test_taps_all_under_cuda_graphs_builds_vllm_as_deployed_and_named_taps_are_refused():
-    """--taps all (the default) takes what the engine can give: under CUDA graphs no tap points (the status then
-    names the reason per tap); a layer tap named on its own must be captured, so CUDA graphs are refused for it."""
+def test_tap_points_under_cuda_graphs_and_per_selection():
+    """CUDA graphs replay the buffer copies, so a compiled engine gets tap points in every cudagraph mode; buffers are
+    made for the layer taps asked for at load only (the rest say so in the status); eager engines need none."""
+    from dataclasses import replace
+
     from divergence_probe.stacks import compiled_taps
     from divergence_probe.stacks.base import StackSettings, freeze_engine_args
 
@@ -235,15 +342,18 @@ def test_taps_all_under_cuda_graphs_builds_vllm_as_deployed_and_named_taps_are_r
         return StackSettings(model_path="m", dtype=torch.bfloat16, device=device, engine="compiled",
                              engine_args=freeze_engine_args(args or {}))
 
-    none = {"compilation_config": {"cudagraph_mode": "NONE"}}
-    assert compiled_taps.tap_points_for("all", settings("cuda")) is False
-    assert compiled_taps.tap_points_for("all", settings("cuda", none)) is True
-    assert compiled_taps.tap_points_for("all", settings("cpu")) is True
-    assert compiled_taps.tap_points_for("logits", settings("cuda")) is False
-    assert compiled_taps.tap_points_for(None, settings("cpu")) is False
-    with pytest.raises(ProbeError, match="cudagraph_mode"):
-        compiled_taps.tap_points_for("input_norm,logits", settings("cuda"))
-    assert compiled_taps.status(taps_built=False, cuda_graphs=True)["input_norm"] == compiled_taps.CUDA_GRAPHS
+    graphs = {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}
+    everything = frozenset(compiled_taps.NEUTRAL)
+    for s in (settings("cuda"), settings("cuda", graphs), settings("cpu")):
+        assert compiled_taps.tap_points_for("all", s) == everything
+    assert compiled_taps.tap_points_for("input_norm,logits,resid_out", settings("cuda")) == {"input_norm"}
+    assert compiled_taps.tap_points_for("logits", settings("cuda")) == frozenset()
+    assert compiled_taps.tap_points_for(None, settings("cpu")) == frozenset()
+    assert compiled_taps.tap_points_for("all", replace(settings("cuda"), engine="eager")) == frozenset()
+    status = compiled_taps.status(frozenset({"swiglu"}))
+    assert status["swiglu"] == "captured" and status["embed"] == compiled_taps.NOT_BUFFERED
+    assert status["logits"] == "captured" and status["q_norm"] == compiled_taps.REFUSED["q_norm"]
+    assert compiled_taps.status(frozenset())["swiglu"] == compiled_taps.NO_TAP_POINTS
 
 
 def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypatch):
@@ -265,9 +375,10 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
                               "max_abs_dlogp": 1.0, "mean_kl": 0.0, "max_kl": 0.0, "n_tokens": 3}])
 
     monkeypatch.setattr(batch_invariance, "_engine_row", fake_row)
-    settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled", engine_taps=True)
+    settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled",
+                             engine_taps=frozenset({"swiglu"}))
     table = batch_invariance.engine_noise(types.SimpleNamespace(settings=settings), [])
-    assert [(engine, taps) for engine, taps, _ in built] == [("eager", False), ("compiled", False)]
+    assert [(engine, taps) for engine, taps, _ in built] == [("eager", frozenset()), ("compiled", frozenset())]
     columns = noise_floor_columns(None, None, table)
     assert columns == {"noise_infer_engine_mode_mean_abs_dlogp": 0.25, "tap_points_mean_abs_dlogp": 0.5}
     built.clear()

@@ -40,7 +40,8 @@ class StackSettings:
     engine_args: tuple[tuple[str, object], ...] = ()  # extra vllm.LLM keywords, frozen (`freeze_engine_args`)
     train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
     train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
-    engine_taps: bool = False  # compiled vLLM: build the engine with layer tap points (stacks/compiled_taps.py)
+    engine_taps: frozenset[str] = frozenset()  # compiled vLLM: layer taps the engine gets tap points and buffers for
+    # (stacks/compiled_taps.py); empty: none, vLLM as deployed
 
     def engine_kwargs(self) -> dict[str, object]:
         """The engine args as the user gave them (JSON values), for vllm.LLM and the manifest."""

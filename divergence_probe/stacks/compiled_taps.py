@@ -12,10 +12,17 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   (the projections' matmuls, attention, the embedding). Inductor keeps the residual stream in FP32 inside its
   fusions and never writes the BF16 `resid_mid`/`resid_out`; `q_norm`/`k_norm` are fused into RoPE. Tapping those
   forces a BF16 buffer that later kernels then read: the engine's numbers change. They are not captured (`REFUSED`).
-- The impl clones: Inductor reuses a dead buffer for a later kernel's output within the same forward.
-- Calls outside a capture (vLLM's warm-up and profile runs, untapped scoring) are ignored: nothing is active.
-- CUDA graphs replay recorded kernels only; the Python impl does not run on replay, so taps need cudagraph_mode NONE
-  (`check_cudagraphs`).
+- One path for CPU and CUDA, with or without CUDA graphs: the impl only copies x into a static buffer of its tap
+  (`buf[:rows].copy_(x)`), allocated once when the model is built, sized for the most rows a step can hold. A CUDA-graph
+  capture runs the impl once and records that copy (fixed addresses, no allocation, no host sync); every replay
+  repeats it, while the Python impl itself never runs on replay. Nothing else happens in the graph: the host reads
+  `buf[:rows]` after each engine step's model call (`deliver`, outside any graph) and hands a copy to the splitter,
+  because the next step writes the buffer again (and Inductor reuses x's memory within the forward).
+- Buffers exist only for the taps the engine was asked for at load (they cost rows x features per tap per layer);
+  the graph calls the op for every tap in NEUTRAL whatever was asked, so the compiled code, and the numerics, are the
+  same for every selection; the op returns at once for a tap without a buffer (nothing recorded under capture).
+- Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
+  never read: nothing is active then.
 """
 
 from __future__ import annotations
@@ -49,11 +56,14 @@ REFUSED = {
 }
 NO_TAP_POINTS = ("not captured: this compiled engine was built without tap points (an untapped engine is vLLM exactly "
                  "as deployed); ask for the taps when loading: divergence_probe.load(..., taps='all') (the CLI does)")
-CUDA_GRAPHS = ("not captured: CUDA graphs replay without running the tap op; add --engine-args "
-               "'{\"compilation_config\": {\"cudagraph_mode\": \"NONE\"}}' or use --engine eager")
+NOT_BUFFERED = ("not captured: this compiled engine was built with tap buffers for other taps only (buffers are "
+                "allocated for the taps asked for at load); ask for this one when loading: "
+                "divergence_probe.load(..., taps='all') (the CLI passes --taps)")
 
 _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
-_ACTIVE: Callable[[TapKey, torch.Tensor], None] | None = None  # set during one scoring or sampling call
+_BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
+_BUFFERED: frozenset[str] = frozenset()  # the taps that get buffers: a call for one of these without a buffer is a bug
+_ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
 _LIB: torch.library.Library | None = None
 
 
@@ -88,9 +98,21 @@ def _key(name: str, layer: int) -> int:
 
 
 def _impl(x: torch.Tensor, key: int) -> None:
-    active = _ACTIVE
-    if active is not None:
-        active(_KEYS[key], x.detach().clone())
+    """x's rows into its tap's static buffer, and nothing else: under CUDA-graph capture this copy is what gets
+    recorded and replayed, so it must neither allocate nor sync nor depend on Python state that changes per step.
+    Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here."""
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        if _KEYS[key].name not in _BUFFERED:
+            return  # a tap nobody asked for at load: no buffer, no copy
+        raise StackError(f"the compiled engine called tap {_KEYS[key].label} for which no buffer was allocated; "
+                         "buffers are made when the model is built (compiled_taps.install): report this as a bug")
+    rows = x.shape[0]
+    if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or x.dtype != buf.dtype or x.device != buf.device:
+        raise StackError(f"tap {_KEYS[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} on "
+                         f"{x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} (sized "
+                         "from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a bug")
+    buf[:rows].view(x.shape).copy_(x)
 
 
 def mark_effectful(qualname: str, lib: torch.library.Library) -> None:
@@ -116,9 +138,10 @@ def register_op() -> None:
     _LIB = lib
 
 
-def install(model: torch.nn.Module) -> None:
+def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     """Forward hooks on the decoder's modules (the seams of stacks/vllm.py's eager taps) that call the op for every
-    tap in NEUTRAL. Installed on the freshly built model, before its first forward compiles it."""
+    tap in NEUTRAL, and static buffers of `rows` rows for those in `taps`. Installed on the freshly built model, before
+    its first forward compiles it (and before any CUDA-graph capture)."""
     register_op()
     tap = torch.ops.dp.tap
     inner = model.model
@@ -150,21 +173,75 @@ def install(model: torch.nn.Module) -> None:
                     tap(x, keys[name])
 
             module.register_forward_hook(fused, with_kwargs=True)
-    model._dp_tap_points = True
+    allocate(model, taps, rows)
+    model._dp_tap_points = frozenset(taps) & set(NEUTRAL)
+
+
+def features(model: torch.nn.Module) -> dict[str, int]:
+    """Features per row of each tap in NEUTRAL, from the modules' sizes (tensor parallelism is refused: one
+    partition)."""
+    inner = model.model
+    layer = inner.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = layer.input_layernorm.weight.shape[0]
+    inter = mlp.down_proj.input_size_per_partition
+    q, kv = attn.q_size, attn.kv_size
+    return {"embed": inner.embed_tokens.weight.shape[1], "input_norm": hidden, "q_proj": q, "k_proj": kv,
+            "v_proj": kv, "q_rope": q, "k_rope": kv, "attn_core": q, "attn_out": hidden, "post_norm": hidden,
+            "gate_proj": inter, "up_proj": inter, "swiglu": inter, "mlp_out": hidden}
+
+
+def allocate(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
+    """One zeroed [rows, features] buffer per (tap, layer) of `taps`, in the model's dtype on its device: made once,
+    outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this process's buffers (one engine
+    per process)."""
+    global _BUFFERED
+    weight = model.model.embed_tokens.weight
+    if weight.device.type == "meta":
+        raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
+                         "build the engine without layer taps (--taps none) or use --engine eager")
+    sizes = features(model)
+    selected = frozenset(taps) & set(NEUTRAL)
+    _BUFFERS.clear()
+    for key, tap in enumerate(_KEYS):
+        if tap.name in selected:
+            _BUFFERS[key] = torch.zeros(rows, sizes[tap.name], dtype=weight.dtype, device=weight.device)
+    _BUFFERED = selected
+
+
+def buffer_bytes() -> int:
+    """Device memory the tap buffers hold (the manifest records it)."""
+    return sum(b.numel() * b.element_size() for b in _BUFFERS.values())
+
+
+def step_rows(vllm_config) -> int:
+    """The most rows one forward can hold: the scheduler's token budget, or a padded CUDA-graph capture size if one
+    were larger (vLLM keeps them below it)."""
+    comp = vllm_config.compilation_config
+    sizes = list(getattr(comp, "cudagraph_capture_sizes", None) or [])
+    largest = getattr(comp, "max_cudagraph_capture_size", 0) or 0
+    return max([vllm_config.scheduler_config.max_num_batched_tokens, largest, *sizes])
 
 
 @contextlib.contextmanager
-def building(model_classes: list[type]):
-    """While vLLM builds its engine: every model of these classes gets its tap points as soon as it is constructed
-    (vLLM compiles it at its first forward, still inside `LLM(...)`). The classes are restored afterwards."""
+def building(model_classes: list[type], taps: frozenset[str]):
+    """While vLLM builds its engine: every model of these classes gets its tap points, and buffers for `taps`, as soon
+    as it is constructed (vLLM compiles it at its first forward and captures CUDA graphs later, still inside
+    `LLM(...)`). The buffers' rows come from the vLLM config the model is built with. The classes are restored
+    afterwards."""
     originals = {cls: cls.__init__ for cls in model_classes}
 
     def wrap(cls, init):
         @functools.wraps(init)  # vLLM reads the constructor's signature to decide how to call it
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            if type(self) is cls and not getattr(self, "_dp_tap_points", False):
-                install(self)
+            if type(self) is cls and not hasattr(self, "_dp_tap_points"):
+                config = kwargs.get("vllm_config")
+                if config is None:
+                    from vllm.config import get_current_vllm_config
+
+                    config = get_current_vllm_config()
+                install(self, taps, step_rows(config))
 
         return __init__
 
@@ -179,62 +256,55 @@ def building(model_classes: list[type]):
 
 def router(on_tap: Callable[[TapKey, torch.Tensor], None], taps: frozenset[str]):
     """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm.py sets it through its HookSet, which
-    restores None after the call): the op's calls for the selected taps go to on_tap(key, fresh clone)."""
+    restores None after the call): after a step's model call, `deliver(rows)` hands the selected taps' first `rows`
+    buffer rows to on_tap(key, copy), each a copy of its own (the next step writes the buffer again)."""
     selected = frozenset(taps)
 
-    def route(key: TapKey, x: torch.Tensor) -> None:
-        if key.name in selected:
-            on_tap(key, x)
+    def route(rows: int) -> None:
+        for key, buf in _BUFFERS.items():
+            tap = _KEYS[key]
+            if tap.name in selected:
+                if rows > buf.shape[0]:
+                    raise StackError(f"a step of {rows} rows is larger than tap {tap.label}'s buffer "
+                                     f"({buf.shape[0]} rows); report this as a bug")
+                on_tap(tap, buf[:rows].clone())
 
     return route
 
 
-def status(taps_built: bool, cuda_graphs: bool) -> dict[str, str]:
-    """Per canonical tap under --engine compiled: "captured", or why not."""
+def deliver(rows: int) -> None:
+    """After one engine step's model call, outside any graph: hand its `rows` input rows of every selected tap to the
+    active call (none outside a scoring/sampling call). Reads are queued on the device stream after the step's
+    kernels (or its graph replay), so no sync is needed."""
+    active = _ACTIVE
+    if active is not None:
+        active(rows)
+
+
+def status(taps_built: frozenset[str]) -> dict[str, str]:
+    """Per canonical tap under --engine compiled: "captured", or why not. `taps_built`: the taps the engine has tap
+    buffers for (empty: built without tap points)."""
     result = {}
     for name in ALL_TAPS:
         if name in OUTSIDE:
             result[name] = "captured"
         elif name in REFUSED:
             result[name] = REFUSED[name]
-        elif cuda_graphs:
-            result[name] = CUDA_GRAPHS
         elif not taps_built:
             result[name] = NO_TAP_POINTS
+        elif name not in taps_built:
+            result[name] = NOT_BUFFERED
         else:
             result[name] = "captured"
     return result
 
 
-def requested_cudagraph_mode(engine_args: dict, device: str) -> str:
-    """The cudagraph mode an engine with these args will run (before building it): the user's, else vLLM's default
-    on this device (CPU: none; CUDA with compilation: not NONE)."""
-    config = engine_args.get("compilation_config")
-    mode = config.get("cudagraph_mode") if isinstance(config, dict) else None
-    if mode is not None:
-        return str(getattr(mode, "name", mode)).upper()
-    return "NONE" if device == "cpu" else "DEFAULT"
-
-
-def tap_points_for(taps: str | None, settings) -> bool:
-    """Whether a compiled engine for these settings is built with tap points for the `taps` a run will ask for.
-    `all` takes what the engine can give: under CUDA graphs (which replay without the op) that is no tap points,
-    and the status lists the layer taps with the reason; taps named one by one must be captured, so CUDA graphs
-    are refused for them before anything loads."""
+def tap_points_for(taps: str | None, settings) -> frozenset[str]:
+    """The layer taps a compiled engine for these settings gets tap buffers for, given the `taps` the runs will ask
+    for (empty: no tap points, vLLM as deployed). CUDA graphs replay the buffers' copies, so every cudagraph mode is
+    fine."""
     from ..taps import parse_tap_selection
 
-    if not wants_tap_points(parse_tap_selection(taps or "none")):
-        return False
-    replays = settings.device != "cpu" and requested_cudagraph_mode(settings.engine_kwargs(), settings.device) != "NONE"
-    if replays and settings.engine == "compiled" and (taps or "").strip() != "all":
-        check_cudagraphs(settings.engine_kwargs(), settings.device)
-    return not replays
-
-
-def check_cudagraphs(engine_args: dict, device: str) -> None:
-    """Refuse layer taps, before any engine starts, where CUDA graphs would replay the graph without the tap op."""
-    mode = requested_cudagraph_mode(engine_args, device)
-    if device != "cpu" and mode != "NONE":
-        raise StackError(f"layer taps under --engine compiled need CUDA graphs off (cudagraph_mode {mode}): graph "
-                         "replay skips the tap op; add --engine-args '{\"compilation_config\": {\"cudagraph_mode\": "
-                         "\"NONE\"}}' or use --engine eager")
+    if settings.engine != "compiled":
+        return frozenset()  # eager taps are plain module hooks: no tap points, no buffers
+    return frozenset(parse_tap_selection(taps or "none")) & set(NEUTRAL)

@@ -7,7 +7,8 @@ Engine settings and why:
   `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
   one compiled graph in which no module hook fires, so without tap points only what crosses the graph's boundary is
   captured: its input ids, its output (the final norm) and the logits, computed after it. With tap points (asked for
-  at load, part of the engine key) the graph itself hands out the layer taps it materialises (compiled_taps.py). `--engine-args` go to `LLM(...)` as
+  at load, part of the engine key) the graph itself copies the layer taps it materialises into static buffers,
+  which CUDA graphs replay too, and the host reads them after each step (compiled_taps.py). `--engine-args` go to `LLM(...)` as
   given; the few that would make capture wrong are refused up front (`check_engine_args`).
 - The step layout (input ids) and the final hidden states are read at the runner's call of the model
   (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
@@ -90,10 +91,11 @@ def _engine_key(settings: StackSettings) -> tuple:
             settings.batch_tokens, settings.engine, settings.engine_args, _tap_points(settings))
 
 
-def _tap_points(settings: StackSettings) -> bool:
-    """Whether the engine is built with layer tap points (compiled mode only: eager taps are plain hooks). An engine
-    without them is vLLM exactly as deployed; one with them is another engine (another compiled graph)."""
-    return settings.engine == "compiled" and settings.engine_taps
+def _tap_points(settings: StackSettings) -> frozenset[str]:
+    """The layer taps the engine is built with tap points and buffers for (compiled mode only: eager taps are plain
+    hooks). An engine without them is vLLM exactly as deployed; one with them is another engine (another compiled
+    graph, and buffers for these taps)."""
+    return frozenset(settings.engine_taps) if settings.engine == "compiled" else frozenset()
 
 
 def _llm_keywords(vllm) -> set[str]:
@@ -315,8 +317,6 @@ class VLLMStack:
             check_engine_args(settings.engine_kwargs(), settings.engine)
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
-            if _tap_points(settings):
-                compiled_taps.check_cudagraphs(settings.engine_kwargs(), settings.device)
             _track_dist_files()
             try:
                 with warnings.catch_warnings(), self._building(settings):
@@ -353,7 +353,7 @@ class VLLMStack:
         before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         try:
-            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM]):
+            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM], _tap_points(settings)):
                 yield
         finally:
             if before is None:
@@ -397,9 +397,7 @@ class VLLMStack:
         """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
         if not self.compiled:
             return {name: "captured" for name in ALL_TAPS}
-        cudagraphs = self.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", False),
-                                    cuda_graphs=getattr(cudagraphs, "name", str(cudagraphs)) != "NONE")
+        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()))
 
     def _check_taps(self, taps: frozenset[str]) -> None:
         status = self.tap_status()
@@ -411,20 +409,33 @@ class VLLMStack:
     def _on_model_call(self, hooks: HookSet, before, after) -> None:
         """before(input_ids) and after(hidden_states) around each engine step's model call, outside any compiled
         graph: the runner's `_model_forward` (vLLM's v1 runner; with full CUDA graphs the model's own forward does not
-        run on replay), else hooks on the model module (runners without that method)."""
+        run on replay), else hooks on the model module (runners without that method). A compiled engine's layer taps
+        are read there too, after the model call: the step's input rows of each tap buffer (compiled_taps.deliver;
+        padded rows of a CUDA-graph size come along, as in eager mode, and the layout code drops them)."""
         runner = self.runner
         original = getattr(runner, "_model_forward", None)
+        rows = []
+
+        def begin(input_ids):
+            rows[:] = [input_ids.shape[0]]
+            before(input_ids)
+
+        def end(hidden):
+            after(hidden)
+            if self.compiled:
+                compiled_taps.deliver(rows[0])
+
         if callable(original):
             def model_forward(*args, **kwargs):
-                before(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+                begin(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
                 output = original(*args, **kwargs)
-                after(first_tensor(output))  # a tuple only with EAGLE-3 aux hidden states
+                end(first_tensor(output))  # a tuple only with EAGLE-3 aux hidden states
                 return output
 
             hooks.replace(runner, "_model_forward", model_forward)
         else:
-            hooks.before(self.model, lambda m, a, k: before(arg(a, k, 0, "input_ids")))
-            hooks.after(self.model, lambda m, a, k, o: after(first_tensor(o)))
+            hooks.before(self.model, lambda m, a, k: begin(arg(a, k, 0, "input_ids")))
+            hooks.after(self.model, lambda m, a, k, o: end(first_tensor(o)))
 
     def _params(self, **kwargs):
         from vllm import SamplingParams
@@ -493,7 +504,7 @@ class VLLMStack:
 
             self._on_model_call(hooks, recorder.begin_step, after_model)
             hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
-            self._tap_hooks(hooks, taps, recorder.add_tap)
+            self._tap_hooks(hooks, taps, lambda key, x: recorder.add_tap(key, x, fresh=self.compiled))
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         results = []
         # the runner files requests as "<request_id>-<suffix>" (vLLM 0.24 and 0.32); outputs carry <request_id>
@@ -606,7 +617,7 @@ class VLLMStack:
 
             return hook
 
-        if self.compiled:  # the compiled graph calls the tap op; the hooks that call it were compiled in
+        if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
             fresh = compiled_taps.router(on_tap, taps)
             hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
             return
@@ -679,7 +690,9 @@ class VLLMStack:
             settings={
                 "engine": self.settings.engine,
                 "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
-                "engine_tap_points": _tap_points(self.settings),  # compiled with the dp::tap hooks (another graph)
+                # built with the dp::tap hooks (another graph than vLLM as deployed) and buffers for these taps
+                "engine_tap_points": sorted(_tap_points(self.settings)),
+                "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
                 "taps": self.tap_status(),

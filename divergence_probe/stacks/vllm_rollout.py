@@ -91,8 +91,11 @@ class RolloutRecorder:
         self.steps.append([_Span(r, starts[i], int(computed[i]), starts[i + 1] - starts[i]) for i, r in enumerate(req_ids)])
         self.step_ids.append(input_ids.tolist())
 
-    def add_tap(self, key: TapKey, x: torch.Tensor) -> None:
-        self.taps[key].append(x.reshape(x.shape[0], -1).clone())
+    def add_tap(self, key: TapKey, x: torch.Tensor, fresh: bool = False) -> None:
+        """x: the step's rows of one tap; kept as a copy of its own (vLLM and the tap buffers reuse theirs), unless
+        `fresh` says it already is one."""
+        flat = x.reshape(x.shape[0], -1)
+        self.taps[key].append(flat if fresh else flat.clone())
 
     def add_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         spans, base = self.steps[-1], self.final_hidden
