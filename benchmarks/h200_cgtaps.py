@@ -8,8 +8,8 @@
     python3 benchmarks/h200_cgtaps.py --preset $P --part summary --out $O
 
 `--part model` builds the checkpoint once (make_model, random weights) so the parallel parts do not race to write it.
-One engine per process; the three engine parts run side by side on one GPU (gpu_memory_utilization 0.2 each) and each
-writes OUT/PART.json (and OUT/PART.pt: a few layers' taps for the summary). All use vLLM's compiled engine:
+One engine per process; the three engine parts run side by side on one GPU (gpu_memory_utilization 0.2 and a 4 GB
+KV cache each) and each writes OUT/PART.json (and OUT/PART.pt: a few layers' taps for the summary). All use vLLM's compiled engine:
   plain     no tap points (vLLM as deployed), vLLM's default CUDA graphs (FULL_AND_PIECEWISE on CUDA)
   tapped    tap points and buffers for every capturable tap, the same CUDA graphs
   nographs  the tapped engine with cudagraph_mode NONE (every forward runs the op's Python impl)
@@ -38,10 +38,13 @@ import torch
 from h200 import add_workload_arguments, timed  # the GPU lane's shared options and timer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU dry run of this script
+# The parts start together on one GPU: a fixed KV cache makes vLLM skip the memory profiling that would count the
+# other engines' allocations as its own (README, --build-ahead); 4 GB holds far more than these prompts.
+MEMORY = {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 4 * 10**9}
 ENGINE_ARGS = {
-    "plain": {"gpu_memory_utilization": 0.2},
-    "tapped": {"gpu_memory_utilization": 0.2},
-    "nographs": {"gpu_memory_utilization": 0.2, "compilation_config": {"cudagraph_mode": "NONE"}},
+    "plain": MEMORY,
+    "tapped": MEMORY,
+    "nographs": {**MEMORY, "compilation_config": {"cudagraph_mode": "NONE"}},
 }
 SMALL_BATCH_ROWS = 384  # under vLLM's largest default capture size (512): a piecewise CUDA graph replays the step
 

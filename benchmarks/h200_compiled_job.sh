@@ -5,7 +5,7 @@
 # usage: bash benchmarks/h200_compiled_job.sh PART [SECONDS]
 #   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise against vLLM's default compiled engine,
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
-#   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py, every part)
+#   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
 set -u
 export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
@@ -29,7 +29,13 @@ for preset in qwen2.5-1.5b qwen3-1.7b; do
       timeout "$budget" python3 benchmarks/h200_compiled.py --preset "$preset" --part ablate \
         --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out"
     else
-      timeout "$budget" python3 benchmarks/h200_cgtaps.py --preset "$preset" --out "$out/cgtaps"
+      o=$out/cgtaps; mkdir -p "$o"
+      python3 benchmarks/h200_cgtaps.py --preset "$preset" --part model --out "$o"
+      for p in plain tapped nographs; do
+        timeout "$budget" python3 benchmarks/h200_cgtaps.py --preset "$preset" --part $p --out "$o" > "$o/$p.log" 2>&1 &
+      done
+      wait
+      python3 benchmarks/h200_cgtaps.py --preset "$preset" --part summary --out "$o"
     fi
     echo "== $part $preset: exit $? after $(( $(date +%s) - start )) s"
   ) > "$out/$part.log" 2>&1 &
@@ -38,5 +44,5 @@ done
 wait
 for preset in qwen2.5-1.5b qwen3-1.7b; do
   grep -v "it/s\]\|dump_input" "/tmp/compiled/$preset/$part.log" | tail -40
-  tar czf "${OUT:-/tmp}/$part-$preset.tgz" -C /tmp/compiled "$preset"
+  tar czf "${OUT:-/tmp}/$part-$preset.tgz" --exclude='*.pt' -C /tmp/compiled "$preset"  # .pt: the summary's inputs
 done
