@@ -74,7 +74,7 @@ class Probe:
         if load_options:
             raise ProbeError(f"{', '.join(load_options)}: load settings are fixed when a probe is loaded; pass them to "
                              "divergence_probe.load(...) (or use probe.with_trainer(...) for the training side)")
-        return replace(spec_from_flat(kind, **options), load=self.config)
+        return spec_from_flat(kind, load=self.config, **options)
 
     def with_trainer(self, **changes) -> "Probe":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):

@@ -342,8 +342,9 @@ def flag_of(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def spec_from_flat(kind: str, **flat) -> RunSpec:
-    """A RunSpec from flat option names (the CLI's, and the Python API's keyword arguments)."""
+def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpec:
+    """A RunSpec from flat option names (the CLI's, and the Python API's keyword arguments). `load`: the load settings
+    of an already loaded probe, in place of flat load options (checks that involve the load see the real ones)."""
     table = {name: (component, f) for component, f, name in flat_fields(kind)}
     unknown = sorted(set(flat) - set(table))
     if unknown:
@@ -357,6 +358,10 @@ def spec_from_flat(kind: str, **flat) -> RunSpec:
         else:
             parts.setdefault(component, {})[f.name] = value
     built = {component: COMPONENTS[component](**values) for component, values in parts.items()}
+    if load is not None:
+        if "load" in built:
+            raise ProbeError("load options and a loaded probe's load settings at once; pass one or the other")
+        built["load"] = load
     if kind == "ablate":
         built.setdefault("ablate", AblateSpec())
     return RunSpec(kind=kind, **built, **top)

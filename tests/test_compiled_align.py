@@ -254,5 +254,11 @@ def test_build_ahead_on_a_gpu_needs_a_fixed_kv_cache(monkeypatch):
     RunSpec(kind="ablate", ablate=AblateSpec(build_ahead=2),
             load=LoadSpec(engine_args={"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 * 10**9}))
     RunSpec(kind="ablate", ablate=AblateSpec(build_ahead=0))  # nothing starts together: no memory needed
+    from divergence_probe.spec import spec_from_flat  # the Python API's path: a loaded probe's load settings
+
+    fixed = LoadSpec(engine_args={"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 * 10**9})
+    assert spec_from_flat("ablate", load=fixed, build_ahead=2).load == fixed
+    with pytest.raises(ProbeError):
+        spec_from_flat("ablate", load=LoadSpec(), build_ahead=2)
     with pytest.raises(ProbeError):
         AblateSpec(build_ahead=-1)
