@@ -59,10 +59,12 @@ def _default_vllm_cache_root() -> str:
 
 
 def _runner_classes() -> list[type]:
-    """The v1 model runner classes whose load_model builds the model (CPU and CUDA), where this vLLM has them."""
+    """The model runner classes whose load_model builds the model (CPU, CUDA, and the CUDA model runner V2 vLLM
+    picks for some models), where this vLLM has them."""
     found = []
     for module, name in (("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
-                         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")):
+                         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                         ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):  # model runner V2 (Qwen3, 0.24 CUDA)
         try:
             cls = getattr(__import__(module, fromlist=[name]), name)
         except (ImportError, AttributeError):
