@@ -3,7 +3,7 @@
 # job i on GPU i modulo the GPU count; each job's results packed into $OUT/PART-PRESET.tgz even when cut short.
 # usage: bash benchmarks/h200_compiled_job.sh SECONDS PART:PRESET [PART:PRESET ...]
 #   e.g. bash benchmarks/h200_compiled_job.sh 560 ablate:qwen2.5-1.5b ablate:qwen3-1.7b   (nvidia-h200-x2)
-#   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise against vLLM's default compiled engine,
+#   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise (ABLATE_OPTS=--no-engine-noise: none) against vLLM's default compiled engine,
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
 #   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
@@ -27,7 +27,7 @@ for job in "$@"; do
     start=$(date +%s)
     if [ "$part" = ablate ]; then
       timeout "$budget" python3 benchmarks/h200_compiled.py --preset "$preset" --part ablate \
-        --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out"
+        --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out" ${ABLATE_OPTS:-}
     else
       o=$out/cgtaps; mkdir -p "$o"
       for p in plain tapped nographs; do
