@@ -117,9 +117,11 @@ def load_aligned(settings: StackSettings, regions: Sequence[str]):
     place for the life of the process (the engine keeps running that code; eager mode calls it at every step).
     Raises StackError when a region's aligned code is not in the compiled graph."""
     from .. import regions as registry
-    from .vllm import VLLMStack, _import_vllm
+    from .vllm import VLLMStack, _disable_flashinfer_sampler_if_missing, _import_vllm
 
     _import_vllm()
+    if settings.device == "cuda":  # before _runner_classes imports the runners: model runner V2 binds the sampler then
+        _disable_flashinfer_sampler_if_missing()
     hooks = HookSet()  # never undone: the process exists to run this engine
     planned: dict[str, list] = {}
     recorder = _InlineRecorder(hooks) if settings.engine == "compiled" and regions else None
