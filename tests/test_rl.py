@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
-from divergence_probe.rl.sync import SyncError, expected_tensors
+from divergence_probe.rl.sync import SyncError, digests, expected_tensors
 from test_compare_cli import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +82,17 @@ def test_expected_tensors_stack_like_vllms_loader():
     with pytest.raises(SyncError, match="model.extra.weight"):
         expected_tensors({**t, "model.extra.weight": torch.ones(1)}, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
                          tied=True)
+
+
+def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():
+    w = torch.randn(4, 3).bfloat16()
+    bumped = w.clone()
+    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
+    for engine in (w.clone(), w.float()):  # same dtype (raw bytes), and an engine that keeps it in FP32
+        have, need = digests(engine, w)
+        assert have == need
+        have, need = digests(engine, bumped)
+        assert have != need
 
 
 @pytest.mark.parametrize("flags, message", [

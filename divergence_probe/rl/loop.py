@@ -10,6 +10,17 @@ engine's logprob of each sampled token is what the policy ratio uses. Between ru
 seeds) the trainer goes back to the checkpoint and the checkpoint's weights are pushed through the same sync path,
 so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
 same region patch compare and ablate use, which takes effect only in the eager engine.
+
+A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
+calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
+weight decay, if any). That default is what RL frameworks do: TRL's GRPOTrainer runs on transformers' Trainer, whose
+loop steps the optimizer for every batch (huggingface/trl#3857 shows a GRPO step logged with frac_reward_zero_std 1.0
+and grad_norm 0.0 whose learning rate still advanced); verl avoids such batches only through DAPO's dynamic sampling
+(`algorithm.filter_groups.enable`, off by default), which drops zero-variance groups and samples more prompts instead.
+Skipping is opt-in where it exists (rasbt/reasoning-from-scratch#186 `--skip-zero-advantage-updates`, whose PR notes
+that AdamW moves the weights on such steps through momentum and weight decay; PrimeIntellect-ai/prime-rl#148, an
+option to ignore zero advantages). `--no-signal-step skip` skips the backward and the optimizer step, leaving the
+weights and the optimizer's state as they are; `optimizer_stepped` records which happened.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ the CPU the lm_head's packed GEMM copy keeps the old embedding; its own post-loa
 Check: per-tensor sha256 of what the engine computes with, against the trainer's tensors mapped as vLLM's loader maps
 them (its `packed_modules_mapping`; the tied lm_head is the embedding). "Computes with", not "stores": on the CPU a
 linear layer's `weight` is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read
-back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Both sides are
-hashed as float32 (exact for BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
+back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one
+dtype on both sides are hashed as their raw bytes; where the dtypes differ both are hashed as float32 (exact for
+BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
 SyncError naming the tensor: a wrong weight is a broken run, not a metric.
 
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
@@ -48,9 +49,18 @@ class StaleCacheError(SyncError):
     """After a push, the prefix cache served KV computed with the previous weights."""
 
 
-def checksum(t: torch.Tensor) -> str:
-    """sha256 of the tensor's values as float32 bytes (exact for BF16, FP16 and FP32)."""
-    return hashlib.sha256(t.detach().float().contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+def checksum(t: torch.Tensor, as_float32: bool = False) -> str:
+    """sha256 of the tensor's bytes, or of its values as float32 bytes (exact for BF16, FP16 and FP32: the widening
+    keeps every bit, so two tensors of one dtype hash alike either way; float32 only to compare across dtypes)."""
+    t = t.detach().float() if as_float32 else t.detach()
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+
+
+def digests(have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
+    """Checksums of two tensors that are equal iff their values are: raw bytes when the dtypes match, float32 values
+    when they differ (e.g. a bias the engine keeps in FP32 against the trainer's BF16)."""
+    widen = have.dtype != want.dtype
+    return checksum(have, widen), checksum(want, widen)
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -147,7 +157,7 @@ class WeightSync:
             expected, sources = want[name]
             if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
                 tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
-            have, need = checksum(tensor), checksum(expected)
+            have, need = digests(tensor, expected)
             if tensor.shape != expected.shape or have != need:
                 raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (sha256 {have[:12]} "
                                 f"vs {need[:12]}, shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}); the push "
