@@ -33,6 +33,7 @@ activations can absorb a small update).
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -211,9 +212,15 @@ class StaleCacheProbe:
         except AttributeError as e:
             raise SyncError(f"stale-cache probe: cannot reach vLLM's in-process KV cache manager ({e}); run the engine "
                             "in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)") from None
-        request = Request(request_id="divergence-probe-stale-cache-control", prompt_token_ids=list(self.token_ids),
-                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None, block_hasher=hasher)
-        return int(manager.get_computed_blocks(request)[1])
+        kwargs = dict(request_id="divergence-probe-stale-cache-control", prompt_token_ids=list(self.token_ids),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None, block_hasher=hasher)
+        if "eos_token_id" in inspect.signature(Request).parameters:  # older vLLMs take it (required, may be None)
+            kwargs["eos_token_id"] = None
+        try:
+            return int(manager.get_computed_blocks(Request(**kwargs))[1])
+        except (TypeError, AttributeError) as e:
+            raise SyncError(f"stale-cache probe: this vLLM's prefix-cache lookup differs from the one rl knows ({e}); "
+                            "use vLLM 0.32 (the version rl's positive control is written against)") from None
 
     def expect_cached(self) -> None:
         """Positive control, before a push: the probe's full blocks are in the prefix cache, so that a missing reset
