@@ -66,6 +66,7 @@ def push_without_head_fix(self, named):
 
 
 def tied_head():  # every tensor pushed again (layer 1's up_proj too), but the head left as vLLM's reload leaves it
+    loop.cache_probe.prime()  # 3's reset dropped the probe's blocks: cache them again for the positive control
     with mock.patch.object(WeightSync, "push", push_without_head_fix):
         loop.step(seed=0, step=3)
 
@@ -88,4 +89,29 @@ with mock.patch.object(WeightSync, "reset_cache", reset_once):
 rows_file = root / "stale" / "rl.csv"
 seen["stale_rows"] = len(rows_file.read_text().splitlines()) - 1 if rows_file.exists() else 0
 seen["stale_manifest"] = (root / "stale" / "manifest.json").exists()
+
+# 6. the positive control: the probe's blocks gone from the cache before a push (here: a reset before it), so a
+# missing reset after the push could not be seen; the push is refused before anything is pushed
+loop = rl.Loop(probe, spec)
+loop.reset()
+loop.llm.reset_prefix_cache()
+seen["control_uncached"] = error_of(loop.push_and_check)
+
+# 7. a step where no group has signal (a constant reward), after a step with signal (AdamW has momentum): `step`
+# moves the weights on the momentum, `skip` leaves them bitwise as they are
+from dataclasses import replace
+
+for mode in ("step", "skip"):
+    loop = rl.Loop(probe, replace(spec, no_signal_step=mode))
+    loop.reset()
+    first = loop.step(seed=0, step=1)
+    loop.reward = lambda prompt, response: 1.0
+    before = {n: t.clone() for n, t in loop.trainer.named_weights().items()}
+    second = loop.step(seed=0, step=2)
+    after = loop.trainer.named_weights()
+    seen[f"no_signal_{mode}"] = {
+        "first_signal": first["groups_with_signal"], "first_stepped": first["optimizer_stepped"],
+        "second_signal": second["groups_with_signal"], "second_stepped": second["optimizer_stepped"],
+        "changed": sorted(n for n in after if not torch.equal(after[n], before[n])),
+        "sync_changed": second["sync_changed"]}
 print("RESULT " + json.dumps(seen))

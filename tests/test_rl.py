@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
-from divergence_probe.rl.sync import SyncError, expected_tensors
+from divergence_probe.rl.sync import SyncError, digests, expected_tensors
 from test_compare_cli import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,11 +84,23 @@ def test_expected_tensors_stack_like_vllms_loader():
                          tied=True)
 
 
+def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():
+    w = torch.randn(4, 3).bfloat16()
+    bumped = w.clone()
+    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
+    for engine in (w.clone(), w.float()):  # same dtype (raw bytes), and an engine that keeps it in FP32
+        have, need = digests(engine, w)
+        assert have == need
+        have, need = digests(engine, bumped)
+        assert have != need
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--group-size", "1"], "--group-size"),
     (["--align", "nope"], "unknown region"),
     (["--setting", "rope", "--align", "rope"], "--align and --setting"),
     (["--correction", "clip"], "--correction"),
+    (["--no-signal-step", "maybe"], "--no-signal-step"),
     (["--reward", "no_such_reward_module:score"], "cannot import"),
     (["--prompts", "no/such/prompts.txt"], "no/such/prompts.txt"),
     (["--engine-args", '{"enable_prefix_caching": false}'], "prefix caching on"),
@@ -133,7 +145,8 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     rows = pd.read_csv(root / "cli" / "rl.csv")
     assert list(zip(rows.setting, rows.step)) == [("none", 1), ("rope", 1)]
     for col in ("reward_mean", "reward_std", "entropy", "mean_abs_dlogp", "k3", "ratio_max", "ppo_clip_frac",
-                "tis_truncated_frac", "mis_masked_frac", "ess", "grad_norm", "sync_tensors", "stale_probe_moved"):
+                "tis_truncated_frac", "mis_masked_frac", "ess", "grad_norm", "sync_tensors", "stale_probe_moved",
+                "optimizer_stepped"):
         assert rows[col].notna().all(), col
     assert (rows.sync_changed > 0).all()
     summary = pd.read_csv(root / "cli" / "rl_summary.csv")
@@ -141,6 +154,7 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     manifest = json.loads((root / "cli" / "manifest.json").read_text())
     assert manifest["kind"] == "rl" and manifest["files"]["rl.csv"]["rows"] == 2
     assert manifest["stacks"]["infer"]["settings"]["enable_prefix_caching"] is True
+    assert manifest["spec"]["no_signal_step"] == "step"
     assert (root / "cli" / "report" / "figures" / "rl.png").is_file()
 
 
@@ -167,6 +181,25 @@ def test_stale_prefix_cache_fails_the_probe_and_keeps_the_rows(rl_process):
     _, seen = rl_process
     assert seen["stale_cache"].startswith("StaleCacheError")
     assert seen["stale_rows"] == 1 and not seen["stale_manifest"]
+
+
+def test_probe_refuses_a_push_whose_positive_control_fails(rl_process):
+    """The probe's blocks not cached before the push: a missing reset would go unseen, so the check is an error."""
+    _, seen = rl_process
+    assert seen["control_uncached"].startswith("SyncError") and "prefix cache" in seen["control_uncached"]
+    assert "StaleCacheError" not in seen["control_uncached"]
+
+
+def test_no_signal_step_skip_keeps_weights_and_step_moves_them(rl_process):
+    _, seen = rl_process
+    for mode in ("step", "skip"):
+        run = seen[f"no_signal_{mode}"]
+        assert run["first_signal"] > 0 and run["first_stepped"]  # AdamW has momentum before the no-signal step
+        assert run["second_signal"] == 0
+    assert seen["no_signal_step"]["second_stepped"] and seen["no_signal_step"]["changed"]
+    assert seen["no_signal_step"]["sync_changed"] > 0
+    assert not seen["no_signal_skip"]["second_stepped"]
+    assert seen["no_signal_skip"]["changed"] == [] and seen["no_signal_skip"]["sync_changed"] == 0
 
 
 def test_rl_report_refuses_a_changed_rl_csv_and_other_formats(rl_process, tmp_path):

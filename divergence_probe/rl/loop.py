@@ -10,6 +10,17 @@ engine's logprob of each sampled token is what the policy ratio uses. Between ru
 seeds) the trainer goes back to the checkpoint and the checkpoint's weights are pushed through the same sync path,
 so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
 same region patch compare and ablate use, which takes effect only in the eager engine.
+
+A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
+calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
+weight decay, if any). That default is what RL frameworks do: TRL's GRPOTrainer runs on transformers' Trainer, whose
+loop steps the optimizer for every batch (huggingface/trl#3857 shows a GRPO step logged with frac_reward_zero_std 1.0
+and grad_norm 0.0 whose learning rate still advanced); verl avoids such batches only through DAPO's dynamic sampling
+(`algorithm.filter_groups.enable`, off by default), which drops zero-variance groups and samples more prompts instead.
+Skipping is opt-in where it exists (rasbt/reasoning-from-scratch#186 `--skip-zero-advantage-updates`, whose PR notes
+that AdamW moves the weights on such steps through momentum and weight decay; PrimeIntellect-ai/prime-rl#148, an
+option to ignore zero advantages). `--no-signal-step skip` skips the backward and the optimizer step, leaving the
+weights and the optimizer's state as they are; `optimizer_stepped` records which happened.
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ class Loop:
         self.trainer = Trainer(self.probe.train, self.spec.lr, self.spec.grad_clip)
         self.sync = WeightSync(self.llm, engine.model, bool(getattr(config, "tie_word_embeddings", False)))
         self.cache_probe = StaleCacheProbe(self.llm, min(config.vocab_size, len(self.tokenizer)))
+        self.cache_probe.prime()  # its blocks cached: every push's positive control, the first one's too
         self.reward = load_reward(self.spec.reward)
         self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
         eos = self.probe.train.model.generation_config.eos_token_id
@@ -93,6 +105,9 @@ class Loop:
 
     def push_and_check(self) -> dict:
         t0 = time.perf_counter()
+        self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
+        t_control = time.perf_counter() - t0
+        t0 = time.perf_counter()
         weights = self.trainer.named_weights()
         self.sync.push(weights.items())
         self.sync.reset_cache()
@@ -102,7 +117,8 @@ class Loop:
         moved = self.cache_probe.check()
         t3 = time.perf_counter()
         return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
-                "t_sync": t1 - t0, "t_check": t3 - t1, "t_checksums": t2 - t1, "t_probe": t3 - t2}
+                "t_sync": t1 - t0, "t_check": t3 - t1 + t_control, "t_checksums": t2 - t1,
+                "t_probe": t3 - t2 + t_control}
 
     def rollout(self, prompts, seed: int, step: int):
         from vllm import SamplingParams
@@ -144,20 +160,25 @@ class Loop:
             lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
         loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps, spec.correction,
                                        spec.tis_cap)
-        grad_norm = self.trainer.step(loss)
+        groups = rewards.view(-1, g)
+        signal = bool((groups.std(dim=1) > 0).any())
+        stepped = signal or spec.no_signal_step == "step"
+        # no signal: every advantage is 0, so the gradient is exactly 0; `skip` leaves the optimizer (and its
+        # momentum) untouched, `step` lets AdamW move the weights on its momentum as TRL and verl do (spec's help)
+        grad_norm = self.trainer.step(loss) if stepped else 0.0
         t3 = time.perf_counter()
         on = mask.bool()
         train_np, infer_np = lp_train.detach()[on].cpu().numpy(), lp_infer[on].cpu().numpy()
         seq_keys = torch.arange(len(sequences), device=mask.device)[:, None].expand_as(mask)[on].cpu().numpy()
         responses_df = pd.DataFrame({"prompt_id": seq_keys // g, "sample_id": seq_keys % g,
                                      "delta_logprob": train_np.astype(np.float64) - infer_np})
-        groups = rewards.view(-1, g)
         row = {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
             "response_len_mean": float(np.mean([len(r) for r in responses])),
             "eos_frac": float(np.mean([bool(r) and r[-1] in self.eos for r in responses])),
             "entropy": float(entropy[on].mean()), "loss": float(loss.detach()), **loss_stats, "grad_norm": grad_norm,
+            "optimizer_stepped": stepped,
             **token_metrics(infer_np, train_np, spec.clip_eps, spec.tis_cap),
             **sequence_metrics(responses_df, spec.clip_eps),
         }

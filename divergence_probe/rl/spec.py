@@ -11,6 +11,7 @@ from ..spec import parse_engine_args
 from .grpo import CORRECTIONS
 
 SIDES = ("both", "train")
+NO_SIGNAL_STEPS = ("step", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -50,6 +51,10 @@ class RLSpec:
     clip_eps: float = option(0.2, "PPO clip band [1-eps, 1+eps].")
     tis_cap: float = option(2.0, "TIS truncation cap C (MIS keeps weights in [1/C, C]).")
     grad_clip: float = option(1.0, "Gradient norm clip.")
+    no_signal_step: str = option("step", "A step where no group has signal (every group's rewards equal, so every "
+                                         "advantage is 0): step (call AdamW's step anyway, as TRL and verl do by "
+                                         "default; momentum keeps moving the weights) or skip (no backward, no "
+                                         "optimizer step: the weights stay as they are).")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments (e.g. "
                                "'{\"gpu_memory_utilization\": 0.1}'); prefix caching stays on, as in production.")
     seed: int = option(0, "Seed of the first run.")
@@ -70,6 +75,8 @@ class RLSpec:
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.tis_cap > 1, "--tis-cap must be > 1"),
             (self.grad_clip > 0, "--grad-clip must be positive"),
+            (self.no_signal_step in NO_SIGNAL_STEPS, f"--no-signal-step {self.no_signal_step!r} is not valid; choose "
+                                                     f"one of: {', '.join(NO_SIGNAL_STEPS)}"),
             (self.seeds >= 1, "--seeds must be at least 1"),
             (0 <= self.seed < 2**31 - self.seeds, "--seed is out of range; use a number from 0 to 2**31 - 1"),
             (not (self.setting and self.align != "none"), "--align and --setting both given; use --setting for "

@@ -11,20 +11,29 @@ the CPU the lm_head's packed GEMM copy keeps the old embedding; its own post-loa
 Check: per-tensor sha256 of what the engine computes with, against the trainer's tensors mapped as vLLM's loader maps
 them (its `packed_modules_mapping`; the tied lm_head is the embedding). "Computes with", not "stores": on the CPU a
 linear layer's `weight` is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read
-back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Both sides are
-hashed as float32 (exact for BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
+back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one
+dtype on both sides are hashed as their raw bytes; where the dtypes differ both are hashed as float32 (exact for
+BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
 SyncError naming the tensor: a wrong weight is a broken run, not a metric.
 
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
-reset. A fixed prompt longer than two KV blocks is scored with the cache (greedy next token, top-k logprobs) and
-without reading it (`skip_reading_prefix_cache`: every token computed with the engine's current weights, what a fresh
-engine with these weights computes); after a push they must be equal. Whether the score moved from before the push
-is reported, not required (BF16 activations can absorb a small update).
+reset. A fixed prompt of a little over two KV blocks (random token ids: no rollout shares its prefix) is scored once
+per check, through the prefix cache, and vLLM's own count of the prompt tokens it served from the cache
+(`RequestOutput.num_cached_tokens`) must be 0: then every token was computed with the engine's current weights (the
+checksums prove those are the trainer's), which is what a fresh engine with these weights computes. One engine call,
+and no comparison of logprobs, so it cannot false-alarm on rounding (two copies of one prompt in one engine step can
+come out of the CPU kernels with different roundings). A count that vLLM does not report (None) is an error, not a
+pass. Positive control, without an engine call: before the push, the probe's full blocks must be in the engine's
+prefix cache (the scheduler's KV cache manager looks the prompt's block hashes up in its block pool, as it does for
+an arriving request); else a missing reset would go unseen (rollouts evicted the blocks) and the check would prove
+nothing, so that is an error too. Whether the score moved from the previous check's is reported, not required (BF16
+activations can absorb a small update).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -41,9 +50,18 @@ class StaleCacheError(SyncError):
     """After a push, the prefix cache served KV computed with the previous weights."""
 
 
-def checksum(t: torch.Tensor) -> str:
-    """sha256 of the tensor's values as float32 bytes (exact for BF16, FP16 and FP32)."""
-    return hashlib.sha256(t.detach().float().contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+def checksum(t: torch.Tensor, as_float32: bool = False) -> str:
+    """sha256 of the tensor's bytes, or of its values as float32 bytes (exact for BF16, FP16 and FP32: the widening
+    keeps every bit, so two tensors of one dtype hash alike either way; float32 only to compare across dtypes)."""
+    t = t.detach().float() if as_float32 else t.detach()
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+
+
+def digests(have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
+    """Checksums of two tensors that are equal iff their values are: raw bytes when the dtypes match, float32 values
+    when they differ (e.g. a bias the engine keeps in FP32 against the trainer's BF16)."""
+    widen = have.dtype != want.dtype
+    return checksum(have, widen), checksum(want, widen)
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +158,7 @@ class WeightSync:
             expected, sources = want[name]
             if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
                 tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
-            have, need = checksum(tensor), checksum(expected)
+            have, need = digests(tensor, expected)
             if tensor.shape != expected.shape or have != need:
                 raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (sha256 {have[:12]} "
                                 f"vs {need[:12]}, shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}); the push "
@@ -152,39 +170,81 @@ class WeightSync:
 
 
 class StaleCacheProbe:
-    """Scores a fixed prompt of a little over two KV blocks with and without reading the prefix cache."""
+    """Scores a fixed prompt of a little over two KV blocks through the prefix cache, once per check (module docstring).
+    Call `prime()` once first: the probe prompt must have been scored (its blocks cached) before a check's push."""
 
     def __init__(self, llm, vocab_size: int, top_k: int = 20, seed: int = 0) -> None:
         self.llm = llm
-        block = llm.llm_engine.vllm_config.cache_config.block_size
+        self.block = llm.llm_engine.vllm_config.cache_config.block_size
         g = torch.Generator().manual_seed(seed)
         # random tokens (not special ids 0-2): a prompt no rollout shares, whose first two blocks get cached
-        self.token_ids = torch.randint(3, vocab_size, (2 * block + 3,), generator=g).tolist()
+        self.token_ids = torch.randint(3, vocab_size, (2 * self.block + 3,), generator=g).tolist()
         self.top_k = top_k
         self.before: tuple | None = None
 
-    def score(self, read_cache: bool) -> tuple:
-        """The probe prompt's greedy next token and top-k logprobs, alone in its engine call. Alone, not beside the
-        other request: two copies of one prompt in one step can come out of the CPU kernels with different roundings
-        (seen once in the tests), while two identical single-request calls compute identically."""
+    def score(self) -> tuple[tuple, int]:
+        """The probe prompt's greedy next token and top-k logprobs, and how many of its tokens vLLM served from the
+        prefix cache; the prompt alone in its engine call."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False,
-                                skip_reading_prefix_cache=not read_cache)
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False)
         [out] = self.llm.generate([TokensPrompt(prompt_token_ids=self.token_ids)], params, use_tqdm=False)
-        return tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items()))
+        cached = getattr(out, "num_cached_tokens", None)
+        if cached is None:
+            raise SyncError("stale-cache probe: this vLLM does not report RequestOutput.num_cached_tokens, so a stale "
+                            "prefix cache cannot be detected; use a vLLM whose RequestOutput reports it (0.8 or later)")
+        return tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items())), cached
+
+    def prime(self) -> None:
+        """Score the probe once so that its blocks are cached: the first check's positive control needs them."""
+        self.before, _ = self.score()
+
+    def cached_tokens(self) -> int:
+        """How many of the probe prompt's tokens the prefix cache would serve now, looked up as the scheduler looks up
+        an arriving request (its block hashes in the block pool); no engine call, no state changed."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        try:
+            core = self.llm.llm_engine.engine_core.engine_core
+            manager, hasher = core.scheduler.kv_cache_manager, core.request_block_hasher
+        except AttributeError as e:
+            raise SyncError(f"stale-cache probe: cannot reach vLLM's in-process KV cache manager ({e}); run the engine "
+                            "in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)") from None
+        kwargs = dict(request_id="divergence-probe-stale-cache-control", prompt_token_ids=list(self.token_ids),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None, block_hasher=hasher)
+        if "eos_token_id" in inspect.signature(Request).parameters:  # older vLLMs take it (required, may be None)
+            kwargs["eos_token_id"] = None
+        try:
+            return int(manager.get_computed_blocks(Request(**kwargs))[1])
+        except (TypeError, AttributeError) as e:
+            raise SyncError(f"stale-cache probe: this vLLM's prefix-cache lookup differs from the one rl knows ({e}); "
+                            "use vLLM 0.32 (the version rl's positive control is written against)") from None
+
+    def expect_cached(self) -> None:
+        """Positive control, before a push: the probe's full blocks are in the prefix cache, so that a missing reset
+        after the push would serve them (and the check would see it)."""
+        want = (len(self.token_ids) - 1) // self.block * self.block  # vLLM recomputes the last token: full blocks
+        have = self.cached_tokens()
+        if have != want:
+            raise SyncError(f"stale-cache probe: before the push only {have} of the probe prompt's {want} cacheable "
+                            "tokens are in the prefix cache (evicted by the rollouts), so a missing cache reset could "
+                            "not be seen; give the engine more KV cache memory (--engine-args)")
 
     def check(self) -> bool:
-        """After a push: cached == fresh, else StaleCacheError. Returns whether the score moved from before the push
+        """After a push and a cache reset: the probe prompt scored through the prefix cache must have been served
+        none of its tokens from it, else StaleCacheError. Returns whether the score moved from the previous check's
         (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
         unchanged; that the engine computes with the new weights is what the checksums prove)."""
-        cached = self.score(read_cache=True)  # first: after a reset it finds nothing cached and computes every token
-        fresh = self.score(read_cache=False)
-        if cached != fresh:
-            raise StaleCacheError("stale prefix cache: after the weight push, a prompt scored through the prefix cache "
-                                  "differs from the same prompt computed afresh; call llm.reset_prefix_cache() after "
-                                  "every push")
-        moved = self.before is not None and cached != self.before
-        self.before = cached  # the blocks now cached hold the current weights: the next check's "before"
+        if self.before is None:
+            raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
+                            "probe's blocks cached)")
+        now, cached = self.score()
+        if cached != 0:
+            raise StaleCacheError(f"stale prefix cache: after the weight push, {cached} of the probe prompt's "
+                                  f"{len(self.token_ids)} tokens were served from KV cached with the previous "
+                                  "weights; call llm.reset_prefix_cache() after every push")
+        moved = now != self.before
+        self.before = now  # its blocks, now cached, hold the current weights: the next check's positive control
         return moved
