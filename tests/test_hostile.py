@@ -365,4 +365,3 @@ def test_sigterm_during_the_vllm_engine_start_leaves_nothing(command, tmp_path):
     assert error_lines(err) == ["stopped: SIGTERM received; nothing was left half-written"], err
     assert list(work.iterdir()) == [], "the lock, the run folder or the folders made for it were left"
     assert dist_files(tmpdir) == []
-
