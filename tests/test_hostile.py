@@ -341,3 +341,27 @@ def test_sigterm_with_a_live_vllm_engine_leaves_nothing(qwen3_tiny, tmp_path):
     assert error_lines(err) == ["stopped: SIGTERM received; nothing was left half-written"], err
     assert dist_files(tmp_path) == [] and not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["compare", "rl"])
+def test_sigterm_during_the_vllm_engine_start_leaves_nothing(command, tmp_path):
+    """SIGTERM while `LLM(...)` is still building the engine (tests/engine_start_driver.py holds the start at a known
+    point and says so): the stop unwinds through vLLM's start-up, and the --out lock, the run folder, the folders
+    made for it and vLLM's rendezvous file are all gone."""
+    work, tmpdir, marker = tmp_path / "work", tmp_path / "tmp", tmp_path / "engine-starting"
+    work.mkdir(), tmpdir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1", "COLUMNS": "80", "HOLD_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_start_driver.py"), command, "--device", "cpu",
+                             "--out", work / "new" / "run"], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    wait_for(marker.exists, proc, timeout=600)
+    held = {p.relative_to(work).as_posix() for p in work.rglob("*")}  # what the run holds while the engine starts
+    assert held == {"new", "new/.run.lock"} | ({"new/run"} if command == "rl" else set()), held
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert error_lines(err) == ["stopped: SIGTERM received; nothing was left half-written"], err
+    assert list(work.iterdir()) == [], "the lock, the run folder or the folders made for it were left"
+    assert dist_files(tmpdir) == []
