@@ -262,3 +262,26 @@ def test_build_ahead_on_a_gpu_needs_a_fixed_kv_cache(monkeypatch):
         spec_from_flat("ablate", load=LoadSpec(), build_ahead=2)
     with pytest.raises(ProbeError):
         AblateSpec(build_ahead=-1)
+
+
+def test_a_failed_aligned_build_removes_its_compile_cache(tmp_path, monkeypatch):
+    """A build that failed (e.g. the regions never reached the graph) may have saved a graph without them; the next
+    build of that region set must not load it (seen on the H200: a later run found the unpatched graph, refused)."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    from divergence_probe.stacks.base import StackSettings
+    from divergence_probe.stacks.engine_worker import WorkerStack
+
+    settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
+    worker = WorkerStack(settings, ("rope",))
+    worker._namespace = cache_namespace(("rope",))
+    Path(worker._namespace, "torch_compile_cache").mkdir(parents=True)
+
+    def fails(what):
+        raise StackError("region rope was patched before the engine compiled, but its aligned code is not in vLLM's "
+                         "compiled graph")
+
+    monkeypatch.setattr(worker, "_answer", fails)
+    with pytest.raises(StackError) as e:
+        worker.wait_ready()
+    assert not Path(worker._namespace).exists() and "removed" in str(e.value) and "\n" not in str(e.value)
+    worker.close()

@@ -53,6 +53,7 @@ class WorkerStack:
         self._calls = 0
         self.build_seconds = float("nan")
         self._status: dict = {}
+        self._namespace: str | None = None  # this aligned build's own compile cache root (start() sets it)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> "WorkerStack":
@@ -69,6 +70,7 @@ class WorkerStack:
         namespace = cache_namespace(self.regions) if self.settings.engine == "compiled" else None
         if namespace is not None:
             env["VLLM_CACHE_ROOT"] = namespace
+        self._namespace = namespace
         self.cache_root = namespace or env.get("VLLM_CACHE_ROOT")
         self._log = open(self._folder / "engine.log", "wb")
         self._started = time.perf_counter()
@@ -78,7 +80,16 @@ class WorkerStack:
         return self
 
     def wait_ready(self) -> "WorkerStack":
-        self._status = self._answer("build")
+        try:
+            self._status = self._answer("build")
+        except StackError as e:
+            if self._namespace is None:
+                raise
+            # A failed aligned build may have saved a graph compiled without its regions (a start that never reached
+            # the patch, or a check that found the regions missing): a later build of this region set would load it.
+            shutil.rmtree(self._namespace, ignore_errors=True)
+            raise StackError(f"{e}; the compile cache of this region set ({self._namespace}) was removed, so a rerun "
+                             "compiles afresh") from e
         self.build_seconds = time.perf_counter() - self._started
         return self
 
