@@ -117,6 +117,18 @@ def test_step_layout_reads_both_vllm_runner_kinds():
     with HookSet() as hooks, pytest.raises(StackError, match="no step layout"):
         step_layout(SimpleNamespace(), hooks)
 
+    # under full CUDA graphs V2's decode steps replay without the model call the capture reads (seen on the H200,
+    # Qwen3-1.7B shape, FULL_AND_PIECEWISE): refused before sampling, with the fix; PIECEWISE graphs are followed
+    for mode, refused in (("FULL_AND_PIECEWISE", True), ("FULL_DECODE_ONLY", True), ("PIECEWISE", False)):
+        runner.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode)))
+        with HookSet() as hooks:
+            if refused:
+                with pytest.raises(StackError, match="PIECEWISE") as e:
+                    step_layout(runner, hooks)
+                assert "\n" not in str(e.value)
+            else:
+                step_layout(runner, hooks)
+
 
 def test_compared_logprobs_are_raw_whatever_the_sampling_settings(vllm_probe, qwen3_tiny, prompts_file):
     """At temperature 0.5 and top-p 0.5, vLLM's logprob of each sampled token is the plain log-softmax of the
