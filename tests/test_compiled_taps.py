@@ -369,7 +369,7 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
 
     built = []
 
-    def fake_row(probe, sequences, other, regions, change):
+    def fake_row(probe, sequences, other, regions, change, engines):
         built.append((other.engine, other.engine_taps, change))
         return pd.DataFrame([{"stack": "vllm", "side": "infer", "change": change, "mean_abs_dlogp": 0.25 * len(built),
                               "max_abs_dlogp": 1.0, "mean_kl": 0.0, "max_kl": 0.0, "n_tokens": 3}])
