@@ -198,12 +198,11 @@ def op_state():
     from divergence_probe.stacks import compiled_taps
 
     compiled_taps.register_op()
-    saved = dict(compiled_taps._BUFFERS), compiled_taps._BUFFERED
+    saved = dict(compiled_taps._BUFFERS)
     compiled_taps._BUFFERS.clear()
     yield compiled_taps
     compiled_taps._BUFFERS.clear()
-    compiled_taps._BUFFERS.update(saved[0])
-    compiled_taps._BUFFERED = saved[1]
+    compiled_taps._BUFFERS.update(saved)
 
 
 def test_effectful_op_survives_compile(op_state):
@@ -215,7 +214,6 @@ def test_effectful_op_survives_compile(op_state):
     compiled_taps = op_state
     key = compiled_taps._key("swiglu", 0)
     compiled_taps._BUFFERS[key] = torch.zeros(8, 8)
-    compiled_taps._BUFFERED = frozenset({"swiglu"})
 
     def f(x):
         y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
@@ -248,15 +246,11 @@ def test_effectful_op_survives_compile(op_state):
 
 def test_a_tap_without_a_fitting_buffer_raises(op_state):
     """A call for a tap the engine has buffers for must find its buffer, large enough, in its dtype: a capture that
-    found none would record nothing (or allocate inside the graph), so it raises instead of (re)allocating. A tap
-    nobody asked for at load has no buffer and its call does nothing."""
+    found none would record nothing (or allocate inside the graph), so it raises instead of (re)allocating."""
     compiled_taps = op_state
     key = compiled_taps._key("attn_out", 1)
-    other = compiled_taps._key("up_proj", 1)
-    compiled_taps._BUFFERED = frozenset({"attn_out"})
     with pytest.raises(ProbeError, match="no buffer"):
         torch.ops.dp.tap(torch.ones(2, 4), key)
-    torch.ops.dp.tap(torch.ones(2, 4), other)  # not asked for: ignored
     compiled_taps._BUFFERS[key] = torch.zeros(2, 4)
     for x in (torch.ones(3, 4), torch.ones(2, 5), torch.ones(2, 4, dtype=torch.bfloat16)):
         with pytest.raises(ProbeError, match="does not fit"):
@@ -273,7 +267,6 @@ def test_cuda_graph_replay_repeats_the_copy(op_state):
     compiled_taps = op_state
     key = compiled_taps._key("swiglu", 0)
     compiled_taps._BUFFERS[key] = torch.zeros(16, 8, device="cuda")
-    compiled_taps._BUFFERED = frozenset({"swiglu"})
 
     def f(x):
         y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
@@ -385,3 +378,33 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
     untapped = batch_invariance.engine_noise(types.SimpleNamespace(settings=StackSettings(
         model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")), [])
     assert len(untapped) == 1 and "tap_points_mean_abs_dlogp" not in noise_floor_columns(None, None, untapped)
+
+
+def test_only_the_taps_asked_for_become_tap_points(op_state):
+    """Each tap point hands a tensor out of the graph, a constraint on Inductor's fusion: an engine asked for some
+    taps gets hooks (and buffers) for those alone. Checked on a module tree with vLLM's attribute names."""
+    from torch import nn
+
+    compiled_taps = op_state
+
+    class Linear(nn.Linear):
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out, bias=False)
+            self.input_size_per_partition = n_in
+
+    layer = nn.Module()
+    layer.input_layernorm, layer.post_attention_layernorm = nn.LayerNorm(8), nn.LayerNorm(8)
+    layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+    attn = layer.self_attn
+    attn.attn, attn.o_proj, attn.qkv_proj = nn.Identity(), Linear(8, 8), Linear(8, 16)
+    attn.q_size, attn.kv_size = 8, 4
+    layer.mlp.gate_up_proj, layer.mlp.down_proj = Linear(8, 12), Linear(6, 8)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens, model.model.layers = nn.Embedding(10, 8), nn.ModuleList([layer])
+
+    compiled_taps.install(model, frozenset({"attn_out", "k_proj"}), rows=4)
+    hooked = {name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks}
+    assert hooked == {"model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"}
+    assert model._dp_tap_points == frozenset({"attn_out", "k_proj"})
+    assert sorted(compiled_taps._KEYS[k].name for k in compiled_taps._BUFFERS) == ["attn_out", "k_proj"]

@@ -18,9 +18,10 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   repeats it, while the Python impl itself never runs on replay. Nothing else happens in the graph: the host reads
   `buf[:rows]` after each engine step's model call (`deliver`, outside any graph) and hands a copy to the splitter,
   because the next step writes the buffer again (and Inductor reuses x's memory within the forward).
-- Buffers exist only for the taps the engine was asked for at load (they cost rows x features per tap per layer);
-  the graph calls the op for every tap in NEUTRAL whatever was asked, so the compiled code, and the numerics, are the
-  same for every selection; the op returns at once for a tap without a buffer (nothing recorded under capture).
+- Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
+  layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
+  fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
+  identity (stacks/vllm.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
   never read: nothing is active then.
 """
@@ -56,13 +57,12 @@ REFUSED = {
 }
 NO_TAP_POINTS = ("not captured: this compiled engine was built without tap points (an untapped engine is vLLM exactly "
                  "as deployed); ask for the taps when loading: divergence_probe.load(..., taps='all') (the CLI does)")
-NOT_BUFFERED = ("not captured: this compiled engine was built with tap buffers for other taps only (buffers are "
-                "allocated for the taps asked for at load); ask for this one when loading: "
+NOT_BUFFERED = ("not captured: this compiled engine was built with tap points for other taps only (they are "
+                "built for the taps asked for at load); ask for this one when loading: "
                 "divergence_probe.load(..., taps='all') (the CLI passes --taps)")
 
 _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
 _BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
-_BUFFERED: frozenset[str] = frozenset()  # the taps that get buffers: a call for one of these without a buffer is a bug
 _ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
 _LIB: torch.library.Library | None = None
 
@@ -102,9 +102,7 @@ def _impl(x: torch.Tensor, key: int) -> None:
     recorded and replayed, so it must neither allocate nor sync nor depend on Python state that changes per step.
     Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here."""
     buf = _BUFFERS.get(key)
-    if buf is None:
-        if _KEYS[key].name not in _BUFFERED:
-            return  # a tap nobody asked for at load: no buffer, no copy
+    if buf is None:  # install hooks only the taps it allocates for
         raise StackError(f"the compiled engine called tap {_KEYS[key].label} for which no buffer was allocated; "
                          "buffers are made when the model is built (compiled_taps.install): report this as a bug")
     rows = x.shape[0]
@@ -139,42 +137,47 @@ def register_op() -> None:
 
 
 def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
-    """Forward hooks on the decoder's modules (the seams of stacks/vllm.py's eager taps) that call the op for every
-    tap in NEUTRAL, and static buffers of `rows` rows for those in `taps`. Installed on the freshly built model, before
-    its first forward compiles it (and before any CUDA-graph capture)."""
+    """Forward hooks on the decoder's modules (the seams of stacks/vllm.py's eager taps) that call the op for each tap
+    of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before its
+    first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points: each op
+    call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change."""
     register_op()
     tap = torch.ops.dp.tap
     inner = model.model
+    selected = frozenset(taps) & set(NEUTRAL)
 
-    def out(name: str, layer: int):
-        key = _key(name, layer)
-        return lambda m, a, k, o: tap(first_tensor(o), key)
+    def after(module, name: str, layer: int):
+        if name in selected:
+            key = _key(name, layer)
+            module.register_forward_hook(lambda m, a, k, o: tap(first_tensor(o), key), with_kwargs=True)
 
-    def inp(name: str, layer: int, index: int, arg_name: str):
-        key = _key(name, layer)
-        return lambda m, a, k: tap(arg(a, k, index, arg_name), key)
+    def before(module, name: str, layer: int, index: int, arg_name: str):
+        if name in selected:
+            key = _key(name, layer)
+            module.register_forward_pre_hook(lambda m, a, k: tap(arg(a, k, index, arg_name), key), with_kwargs=True)
 
-    inner.embed_tokens.register_forward_hook(out("embed", -1), with_kwargs=True)
+    after(inner.embed_tokens, "embed", -1)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm.register_forward_hook(out("input_norm", i), with_kwargs=True)
-        attn.attn.register_forward_pre_hook(inp("q_rope", i, 0, "query"), with_kwargs=True)
-        attn.attn.register_forward_pre_hook(inp("k_rope", i, 1, "key"), with_kwargs=True)
-        attn.attn.register_forward_hook(out("attn_core", i), with_kwargs=True)
-        attn.o_proj.register_forward_hook(out("attn_out", i), with_kwargs=True)
-        layer.post_attention_layernorm.register_forward_hook(out("post_norm", i), with_kwargs=True)
-        mlp.down_proj.register_forward_pre_hook(inp("swiglu", i, 0, "input_"), with_kwargs=True)
-        mlp.down_proj.register_forward_hook(out("mlp_out", i), with_kwargs=True)
+        after(layer.input_layernorm, "input_norm", i)
+        before(attn.attn, "q_rope", i, 0, "query")
+        before(attn.attn, "k_rope", i, 1, "key")
+        after(attn.attn, "attn_core", i)
+        after(attn.o_proj, "attn_out", i)
+        after(layer.post_attention_layernorm, "post_norm", i)
+        before(mlp.down_proj, "swiglu", i, 0, "input_")
+        after(mlp.down_proj, "mlp_out", i)
         for module, split in fused_projections(attn, mlp):
-            keys = {name: _key(name, i) for name in split.names}
+            keys = {name: _key(name, i) for name in split.names if name in selected}
+            if keys:
+                def fused(m, a, k, o, keys=keys, split=split):
+                    parts = split(first_tensor(o))
+                    for name, key in keys.items():
+                        tap(parts[name], key)
 
-            def fused(m, a, k, o, keys=keys, split=split):
-                for name, x in split(first_tensor(o)).items():
-                    tap(x, keys[name])
-
-            module.register_forward_hook(fused, with_kwargs=True)
+                module.register_forward_hook(fused, with_kwargs=True)
     allocate(model, taps, rows)
-    model._dp_tap_points = frozenset(taps) & set(NEUTRAL)
+    model._dp_tap_points = selected
 
 
 def features(model: torch.nn.Module) -> dict[str, int]:
@@ -195,7 +198,6 @@ def allocate(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     """One zeroed [rows, features] buffer per (tap, layer) of `taps`, in the model's dtype on its device: made once,
     outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this process's buffers (one engine
     per process)."""
-    global _BUFFERED
     weight = model.model.embed_tokens.weight
     if weight.device.type == "meta":
         raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
@@ -206,7 +208,6 @@ def allocate(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     for key, tap in enumerate(_KEYS):
         if tap.name in selected:
             _BUFFERS[key] = torch.zeros(rows, sizes[tap.name], dtype=weight.dtype, device=weight.device)
-    _BUFFERED = selected
 
 
 def buffer_bytes() -> int:
