@@ -66,7 +66,10 @@ def main() -> None:
     from divergence_probe.modelzoo import make_model
     from divergence_probe.stacks.compiled_taps import NEUTRAL
 
-    model = args.model or str(make_model(Path("/tmp/dp-models/tiny"), preset="tiny", seed=0))
+    tiny = Path("/tmp/dp-models/tiny")
+    if args.model is None and not (tiny / "config.json").exists():
+        make_model(tiny, preset="tiny", seed=0)
+    model = args.model or str(tiny)
     plain, _ = run(model, frozenset())
     steps = []
 
