@@ -170,10 +170,11 @@ def test_taps_are_what_the_graph_computed(engines):
 
 
 def test_each_step_reads_what_that_step_wrote(engines):
-    """The host reads the static buffers after each step's model call: the embed tap rows are the embedding rows of
-    that step's own token ids, in every scoring call and every decode step of generate mode, and a later layer's tap
-    follows the tokens: P, then Q (another token order), then P again gives P's taps, Q's, then P's again bitwise. A
-    buffer read before its step, or never written, hands over another step's rows."""
+    """The host reads the static buffers after each step's model call: a layer's tap follows the tokens: P, then Q
+    (another token order), then P again gives P's taps, Q's, then P's again bitwise (a buffer read before its step,
+    or never written, hands over another step's rows). The embed tap, taken on the host from each step's input ids,
+    is the embedding rows of that step's own token ids in every scoring call and every decode step of generate
+    mode."""
     data = engines["steps"]
     embedding = data["embedding"]
     for step in data["steps"]:
@@ -224,24 +225,28 @@ def test_effectful_op_survives_compile(op_state):
     seen = []
     # Inductor's and AOTAutograd's caches key the graph, not the op's effect registration: a graph compiled once
     # without the effect (op dropped) would be served again, so this compile must not read them
+    embedding = torch.nn.Embedding(10, 8)
     with torch._inductor.config.patch(force_disable_caches=True):
         for rows in (4, 3):
             x = torch.randn(rows, 8)
             compiled(x)
-            compiled_taps.deliver(rows)  # no call active: nothing read
-            compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}))
+            ids = torch.arange(rows)
+            compiled_taps.deliver(ids)  # no call active: nothing read
+            compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}),
+                                                         embedding)
             try:
-                compiled_taps.deliver(rows)
+                compiled_taps.deliver(ids)
             finally:
                 compiled_taps._ACTIVE = None
             assert torch.equal(seen[-1][1], torch.relu(x) * 2)
     assert [k for k, _ in seen] == [TapKey.of("swiglu", 0)] * 2
-    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}))
+    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}), embedding)
     try:
-        compiled_taps.deliver(3)  # swiglu not selected for this call
+        compiled_taps.deliver(torch.tensor([7, 2, 7]))  # swiglu not selected for this call; embed from the ids
     finally:
         compiled_taps._ACTIVE = None
-    assert len(seen) == 2
+    assert [k for k, _ in seen[2:]] == [compiled_taps.EMBED]
+    assert torch.equal(seen[2][1], embedding.weight[[7, 2, 7]])
 
 
 def test_a_tap_without_a_fitting_buffer_raises(op_state):
@@ -316,7 +321,7 @@ def test_tap_points_are_part_of_the_engine_key():
     swiglu = frozenset({"swiglu"})
     assert _engine_key(compiled) != _engine_key(replace(compiled, engine_taps=swiglu))
     # buffers are made for the taps asked for at load: another selection is another engine
-    assert _engine_key(replace(compiled, engine_taps=swiglu)) != _engine_key(replace(compiled, engine_taps=swiglu | {"embed"}))
+    assert _engine_key(replace(compiled, engine_taps=swiglu)) != _engine_key(replace(compiled, engine_taps=swiglu | {"attn_out"}))
     eager = replace(compiled, engine="eager")
     assert _engine_key(eager) == _engine_key(replace(eager, engine_taps=swiglu))
     assert wants_tap_points(parse_tap_selection("all")) and wants_tap_points(parse_tap_selection("swiglu"))
@@ -344,7 +349,8 @@ def test_tap_points_under_cuda_graphs_and_per_selection():
     assert compiled_taps.tap_points_for(None, settings("cpu")) == frozenset()
     assert compiled_taps.tap_points_for("all", replace(settings("cuda"), engine="eager")) == frozenset()
     status = compiled_taps.status(frozenset({"swiglu"}))
-    assert status["swiglu"] == "captured" and status["embed"] == compiled_taps.NOT_BUFFERED
+    assert status["swiglu"] == "captured" and status["attn_out"] == compiled_taps.NOT_BUFFERED
+    assert status["embed"] == "captured" and compiled_taps.status(frozenset())["embed"] == "captured"  # a lookup
     assert status["logits"] == "captured" and status["q_norm"] == compiled_taps.REFUSED["q_norm"]
     assert compiled_taps.status(frozenset())["swiglu"] == compiled_taps.NO_TAP_POINTS
 

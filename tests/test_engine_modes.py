@@ -131,11 +131,11 @@ def test_compiled_layer_taps_refused_and_reported(compiled_run):
     message = compiled_run["layer_tap_error"]  # named explicitly: an error
     assert message and "\n" not in message and "--engine eager" in message
     every = compiled_run["all_taps"]  # --taps all: every tap that crosses the graph, the rest listed as not captured
-    assert every["layers"] == ["final_norm", "logits"]
+    assert every["layers"] == ["embed", "final_norm", "logits"]  # taken outside the graph: no tap points needed
     assert "resid_out" in every["not_captured"] and "logits" not in every["not_captured"]
     taps = compiled_run["infer_settings"]["taps"]
-    assert taps["logits"] == taps["final_norm"] == "captured"
-    assert all(v.startswith("not captured") for k, v in taps.items() if k not in ("logits", "final_norm"))
+    assert taps["logits"] == taps["final_norm"] == taps["embed"] == "captured"
+    assert all(v.startswith("not captured") for k, v in taps.items() if k not in ("logits", "final_norm", "embed"))
 
 
 def test_compiled_generate_mode(compiled_run):

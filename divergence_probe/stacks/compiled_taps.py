@@ -9,7 +9,7 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   it stays, in order, and its Python impl runs on every forward. Its arguments are the graph's own buffers, so a
   tap is what the graph computed, not a re-computation.
 - A tap can only be neutral if the untapped graph materialises that tensor anyway: extern-kernel inputs and outputs
-  (the projections' matmuls, attention, the embedding). Inductor keeps the residual stream in FP32 inside its
+  (the projections' matmuls, attention). Inductor keeps the residual stream in FP32 inside its
   fusions and never writes the BF16 `resid_mid`/`resid_out`; `q_norm`/`k_norm` are fused into RoPE. Tapping those
   forces a BF16 buffer that later kernels then read: the engine's numbers change. They are not captured (`REFUSED`).
 - One path for CPU and CUDA, with or without CUDA graphs: the impl only copies x into a static buffer of its tap
@@ -41,9 +41,13 @@ from .hooks import arg, first_tensor
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
 # outside the graph, as in an untapped compiled engine.
-NEUTRAL = ("embed", "input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
+NEUTRAL = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
            "post_norm", "gate_proj", "up_proj", "swiglu", "mlp_out")
-OUTSIDE = ("final_norm", "logits")
+# Taken outside the graph: final_norm and logits as in an untapped compiled engine; embed is a lookup (no arithmetic),
+# so the embedding rows of the step's input ids are the graph's values bit for bit, and a tap point there changed
+# Inductor's fusion of the first add+norm on the CPU build (benchmarks/tap_points_bisect.py).
+OUTSIDE = ("embed", "final_norm", "logits")
+EMBED = TapKey.of("embed", -1)
 _FP32_STREAM = ("not captured under --engine compiled: Inductor keeps the residual stream in FP32 inside its fused "
                 "add+norm kernels and never writes this BF16 tensor; tapping it would force one and change the "
                 "engine's numerics (the FP32 stream is embed + the attn_out and mlp_out taps); use --engine eager")
@@ -145,18 +149,22 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     tap = torch.ops.dp.tap
     inner = model.model
     selected = frozenset(taps) & set(NEUTRAL)
+    keys: list[int] = []  # every tap point made here: each gets its buffer
+
+    def new_key(name: str, layer: int) -> int:
+        keys.append(_key(name, layer))
+        return keys[-1]
 
     def after(module, name: str, layer: int):
         if name in selected:
-            key = _key(name, layer)
+            key = new_key(name, layer)
             module.register_forward_hook(lambda m, a, k, o: tap(first_tensor(o), key), with_kwargs=True)
 
     def before(module, name: str, layer: int, index: int, arg_name: str):
         if name in selected:
-            key = _key(name, layer)
+            key = new_key(name, layer)
             module.register_forward_pre_hook(lambda m, a, k: tap(arg(a, k, index, arg_name), key), with_kwargs=True)
 
-    after(inner.embed_tokens, "embed", -1)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         after(layer.input_layernorm, "input_norm", i)
@@ -168,15 +176,15 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
         before(mlp.down_proj, "swiglu", i, 0, "input_")
         after(mlp.down_proj, "mlp_out", i)
         for module, split in fused_projections(attn, mlp):
-            keys = {name: _key(name, i) for name in split.names if name in selected}
-            if keys:
-                def fused(m, a, k, o, keys=keys, split=split):
+            fused_keys = {name: new_key(name, i) for name in split.names if name in selected}
+            if fused_keys:
+                def fused(m, a, k, o, fused_keys=fused_keys, split=split):
                     parts = split(first_tensor(o))
-                    for name, key in keys.items():
+                    for name, key in fused_keys.items():
                         tap(parts[name], key)
 
                 module.register_forward_hook(fused, with_kwargs=True)
-    allocate(model, taps, rows)
+    allocate(model, keys, rows)
     model._dp_tap_points = selected
 
 
@@ -189,25 +197,23 @@ def features(model: torch.nn.Module) -> dict[str, int]:
     hidden = layer.input_layernorm.weight.shape[0]
     inter = mlp.down_proj.input_size_per_partition
     q, kv = attn.q_size, attn.kv_size
-    return {"embed": inner.embed_tokens.weight.shape[1], "input_norm": hidden, "q_proj": q, "k_proj": kv,
+    return {"input_norm": hidden, "q_proj": q, "k_proj": kv,
             "v_proj": kv, "q_rope": q, "k_rope": kv, "attn_core": q, "attn_out": hidden, "post_norm": hidden,
             "gate_proj": inter, "up_proj": inter, "swiglu": inter, "mlp_out": hidden}
 
 
-def allocate(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
-    """One zeroed [rows, features] buffer per (tap, layer) of `taps`, in the model's dtype on its device: made once,
-    outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this process's buffers (one engine
-    per process)."""
+def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
+    """One zeroed [rows, features] buffer per tap point (`keys`: the op keys install made), in the model's dtype on
+    its device: made once, outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this
+    process's buffers (one engine per process)."""
     weight = model.model.embed_tokens.weight
     if weight.device.type == "meta":
         raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
                          "build the engine without layer taps (--taps none) or use --engine eager")
     sizes = features(model)
-    selected = frozenset(taps) & set(NEUTRAL)
     _BUFFERS.clear()
-    for key, tap in enumerate(_KEYS):
-        if tap.name in selected:
-            _BUFFERS[key] = torch.zeros(rows, sizes[tap.name], dtype=weight.dtype, device=weight.device)
+    for key in keys:
+        _BUFFERS[key] = torch.zeros(rows, sizes[_KEYS[key].name], dtype=weight.dtype, device=weight.device)
 
 
 def buffer_bytes() -> int:
@@ -255,13 +261,17 @@ def building(model_classes: list[type], taps: frozenset[str]):
             cls.__init__ = init
 
 
-def router(on_tap: Callable[[TapKey, torch.Tensor], None], taps: frozenset[str]):
+def router(on_tap: Callable[[TapKey, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
     """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm.py sets it through its HookSet, which
-    restores None after the call): after a step's model call, `deliver(rows)` hands the selected taps' first `rows`
-    buffer rows to on_tap(key, copy), each a copy of its own (the next step writes the buffer again)."""
+    restores None after the call): after a step's model call, `deliver(input_ids)` hands the selected taps' buffer
+    rows for the step's input rows to on_tap(key, copy), each a copy of its own (the next step writes the buffer
+    again), and `embed` as the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
     selected = frozenset(taps)
 
-    def route(rows: int) -> None:
+    def route(input_ids: torch.Tensor) -> None:
+        rows = input_ids.shape[0]
+        if "embed" in selected:
+            on_tap(EMBED, torch.nn.functional.embedding(input_ids, embedding.weight))
         for key, buf in _BUFFERS.items():
             tap = _KEYS[key]
             if tap.name in selected:
@@ -273,13 +283,13 @@ def router(on_tap: Callable[[TapKey, torch.Tensor], None], taps: frozenset[str])
     return route
 
 
-def deliver(rows: int) -> None:
-    """After one engine step's model call, outside any graph: hand its `rows` input rows of every selected tap to the
-    active call (none outside a scoring/sampling call). Reads are queued on the device stream after the step's
+def deliver(input_ids: torch.Tensor) -> None:
+    """After one engine step's model call, outside any graph: hand the rows of its input ids of every selected tap to
+    the active call (none outside a scoring/sampling call). Reads are queued on the device stream after the step's
     kernels (or its graph replay), so no sync is needed."""
     active = _ACTIVE
     if active is not None:
-        active(rows)
+        active(input_ids)
 
 
 def status(taps_built: frozenset[str]) -> dict[str, str]:

@@ -414,16 +414,16 @@ class VLLMStack:
         padded rows of a CUDA-graph size come along, as in eager mode, and the layout code drops them)."""
         runner = self.runner
         original = getattr(runner, "_model_forward", None)
-        rows = []
+        step_ids = []
 
         def begin(input_ids):
-            rows[:] = [input_ids.shape[0]]
+            step_ids[:] = [input_ids]
             before(input_ids)
 
         def end(hidden):
             after(hidden)
             if self.compiled:
-                compiled_taps.deliver(rows[0])
+                compiled_taps.deliver(step_ids[0])
 
         if callable(original):
             def model_forward(*args, **kwargs):
@@ -618,7 +618,7 @@ class VLLMStack:
             return hook
 
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
-            fresh = compiled_taps.router(on_tap, taps)
+            fresh = compiled_taps.router(on_tap, taps, model.embed_tokens)
             hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
             return
         if "embed" in taps:

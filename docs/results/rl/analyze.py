@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-FOLDERS = {"side train": HERE / "cpu-side-train", "side both": HERE / "cpu-side-both"}
+FOLDERS = {"side train": HERE / "cpu-side-train", "side both": HERE / "cpu-side-both",
+           "side train, no-signal steps skipped": HERE / "cpu-side-train-skip"}
 WINDOW = 10  # as rl_summary.csv: the first and the last 10 steps of a run
 WORK = ["t_rollout", "t_reward", "t_update"]
 OVERHEAD = ["t_metrics", "t_sync", "t_check"]
@@ -42,6 +43,8 @@ def per_run(rows: pd.DataFrame) -> pd.DataFrame:
             "overhead_frac (median)": run.overhead_frac.median(),
             "zero-gradient steps": int((run.grad_norm == 0).sum()),
             "reward-0 steps": int((run.reward_mean == 0).sum()),
+            "optimizer steps skipped": int((~run.optimizer_stepped.astype(bool)).sum())
+            if "optimizer_stepped" in run else "-",
         })
     return pd.DataFrame(out)
 
