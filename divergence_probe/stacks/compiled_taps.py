@@ -36,7 +36,7 @@ import torch
 
 from ..errors import StackError
 from ..taps import ALL_TAPS, TapKey
-from .hooks import arg, first_tensor
+from .vllm_seams import layer_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
@@ -69,24 +69,6 @@ _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python in
 _BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
 _ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
 _LIB: torch.library.Library | None = None
-
-
-class FusedSplit:
-    """How one of vLLM's fused GEMM outputs splits into canonical taps, along the features, in the order of the
-    model's packed_modules_mapping (qkv_proj = q, k, v; gate_up_proj = gate, up)."""
-
-    def __init__(self, names: tuple[str, ...], sizes: list[int] | None = None) -> None:
-        self.names, self.sizes = names, sizes
-
-    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        sizes = self.sizes or [x.shape[-1] // len(self.names)] * len(self.names)
-        return dict(zip(self.names, x.split(sizes, dim=-1)))
-
-
-def fused_projections(attn, mlp) -> list[tuple[torch.nn.Module, FusedSplit]]:
-    """A decoder layer's fused projections and how each output splits into the q/k/v and gate/up taps."""
-    return [(attn.qkv_proj, FusedSplit(("q_proj", "k_proj", "v_proj"), [attn.q_size, attn.kv_size, attn.kv_size])),
-            (mlp.gate_up_proj, FusedSplit(("gate_proj", "up_proj")))]
 
 
 def wants_tap_points(taps: frozenset[str]) -> bool:
@@ -141,49 +123,30 @@ def register_op() -> None:
 
 
 def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
-    """Forward hooks on the decoder's modules (the seams of stacks/vllm.py's eager taps) that call the op for each tap
+    """Forward hooks on the decoder's modules (vllm_seams: the eager taps' seams) that call the op for each tap
     of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before its
     first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points: each op
     call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change."""
     register_op()
     tap = torch.ops.dp.tap
-    inner = model.model
     selected = frozenset(taps) & set(NEUTRAL)
     keys: list[int] = []  # every tap point made here: each gets its buffer
+    for i, layer in enumerate(model.model.layers):
+        for seam in layer_seams(layer):
+            seam_keys = {name: _key(name, i) for name in seam.names if name in selected}
+            if not seam_keys:
+                continue
+            keys.extend(seam_keys.values())
 
-    def new_key(name: str, layer: int) -> int:
-        keys.append(_key(name, layer))
-        return keys[-1]
+            def call(a, k, o, seam=seam, seam_keys=seam_keys):
+                parts = seam.read(a, k, o)
+                for name, key in seam_keys.items():
+                    tap(parts[name], key)
 
-    def after(module, name: str, layer: int):
-        if name in selected:
-            key = new_key(name, layer)
-            module.register_forward_hook(lambda m, a, k, o: tap(first_tensor(o), key), with_kwargs=True)
-
-    def before(module, name: str, layer: int, index: int, arg_name: str):
-        if name in selected:
-            key = new_key(name, layer)
-            module.register_forward_pre_hook(lambda m, a, k: tap(arg(a, k, index, arg_name), key), with_kwargs=True)
-
-    for i, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        after(layer.input_layernorm, "input_norm", i)
-        before(attn.attn, "q_rope", i, 0, "query")
-        before(attn.attn, "k_rope", i, 1, "key")
-        after(attn.attn, "attn_core", i)
-        after(attn.o_proj, "attn_out", i)
-        after(layer.post_attention_layernorm, "post_norm", i)
-        before(mlp.down_proj, "swiglu", i, 0, "input_")
-        after(mlp.down_proj, "mlp_out", i)
-        for module, split in fused_projections(attn, mlp):
-            fused_keys = {name: new_key(name, i) for name in split.names if name in selected}
-            if fused_keys:
-                def fused(m, a, k, o, fused_keys=fused_keys, split=split):
-                    parts = split(first_tensor(o))
-                    for name, key in fused_keys.items():
-                        tap(parts[name], key)
-
-                module.register_forward_hook(fused, with_kwargs=True)
+            if seam.before:
+                seam.module.register_forward_pre_hook(lambda m, a, k, call=call: call(a, k, None), with_kwargs=True)
+            else:
+                seam.module.register_forward_hook(lambda m, a, k, o, call=call: call(a, k, o), with_kwargs=True)
     allocate(model, keys, rows)
     model._dp_tap_points = selected
 

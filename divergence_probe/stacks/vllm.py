@@ -50,6 +50,7 @@ from . import compiled_taps
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
+from .vllm_seams import layer_seams
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -599,66 +600,28 @@ class VLLMStack:
         """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor)
         (`final_norm` and `logits` are captured outside the model, in both engine modes)."""
         model = self.model.model
-
-        def out(name: str, layer: int, pick=first_tensor):
-            key = TapKey.of(name, layer)
-            return lambda m, a, k, o: on_tap(key, pick(o))
-
-        def inp(name: str, layer: int, index: int, arg_name: str):
-            key = TapKey.of(name, layer)
-            return lambda m, a, k: on_tap(key, arg(a, k, index, arg_name))
-
-        def resid_out(layer: int):
-            key = TapKey.of("resid_out", layer)
-
-            def hook(m, a, k, o):  # the layer output exists only inside the next fused add+norm: form it here
-                hidden, residual = o
-                on_tap(key, (hidden.float() + residual.float()).to(hidden.dtype))
-
-            return hook
-
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
             fresh = compiled_taps.router(on_tap, taps, model.embed_tokens)
             hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
             return
         if "embed" in taps:
-            hooks.after(model.embed_tokens, out("embed", -1))
+            embed = TapKey.of("embed", -1)
+            hooks.after(model.embed_tokens, lambda m, a, k, o: on_tap(embed, first_tensor(o)))
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            after = [
-                ("input_norm", layer.input_layernorm, out("input_norm", i)),
-                ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i)),
-                ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i)),
-                ("attn_core", attn.attn, out("attn_core", i)),
-                ("attn_out", attn.o_proj, out("attn_out", i)),
-                ("resid_mid", layer.post_attention_layernorm, out("resid_mid", i, lambda o: o[1])),
-                ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
-                ("mlp_out", mlp.down_proj, out("mlp_out", i)),
-                ("resid_out", layer, resid_out(i)),
-            ]
-            for name, module, hook in after:
-                if name in taps and module is not None:
-                    hooks.after(module, hook)
-            if "q_rope" in taps:
-                hooks.before(attn.attn, inp("q_rope", i, 0, "query"))
-            if "k_rope" in taps:
-                hooks.before(attn.attn, inp("k_rope", i, 1, "key"))
-            if "swiglu" in taps:
-                hooks.before(mlp.down_proj, inp("swiglu", i, 0, "input_"))
-            self._fused_tap_hooks(hooks, taps, on_tap, i, attn, mlp)
+            for seam in layer_seams(layer):
+                keys = {name: TapKey.of(name, i) for name in seam.names if name in taps}
+                if not keys:
+                    continue
 
-    @staticmethod
-    def _fused_tap_hooks(hooks: HookSet, taps: frozenset[str], on_tap, i: int, attn, mlp) -> None:
-        """q/k/v and gate/up projections: vLLM runs each group as one GEMM; its output is split into the canonical taps."""
-        for module, split in compiled_taps.fused_projections(attn, mlp):
-            keys = {name: TapKey.of(name, i) for name in split.names if name in taps}
-            if keys:
-                def hook(m, a, k, o, keys=keys, split=split):
-                    parts = split(first_tensor(o))
+                def emit(a, k, o, seam=seam, keys=keys):
+                    parts = seam.read(a, k, o)
                     for name, key in keys.items():
                         on_tap(key, parts[name])
 
-                hooks.after(module, hook)
+                if seam.before:
+                    hooks.before(seam.module, lambda m, a, k, emit=emit: emit(a, k, None))
+                else:
+                    hooks.after(seam.module, lambda m, a, k, o, emit=emit: emit(a, k, o))
 
     def info(self) -> StackInfo:
         import vllm
