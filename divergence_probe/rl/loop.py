@@ -160,9 +160,8 @@ class Loop:
             lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
         loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps, spec.correction,
                                        spec.tis_cap)
-        groups = rewards.view(-1, g)
-        signal = bool((groups.std(dim=1) > 0).any())
-        stepped = signal or spec.no_signal_step == "step"
+        with_signal = rewards.view(-1, g).std(dim=1) > 0  # per group: not every response scored alike
+        stepped = bool(with_signal.any()) or spec.no_signal_step == "step"
         # no signal: every advantage is 0, so the gradient is exactly 0; `skip` leaves the optimizer (and its
         # momentum) untouched, `step` lets AdamW move the weights on its momentum as TRL and verl do (spec's help)
         grad_norm = self.trainer.step(loss) if stepped else 0.0
@@ -174,7 +173,7 @@ class Loop:
                                      "delta_logprob": train_np.astype(np.float64) - infer_np})
         row = {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
+            "groups_with_signal": float(with_signal.float().mean()),
             "response_len_mean": float(np.mean([len(r) for r in responses])),
             "eos_frac": float(np.mean([bool(r) and r[-1] in self.eos for r in responses])),
             "entropy": float(entropy[on].mean()), "loss": float(loss.detach()), **loss_stats, "grad_norm": grad_norm,
