@@ -63,9 +63,14 @@ def _compile():
               if hasattr(dynamo, "fail_on_recompile_limit_hit") else {})
     limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
+    # Without duck sizing: dynamo would otherwise give two dimensions that happen to be equal in the first call
+    # (a prompt's token count and a head's width, say) one symbol, and compile again for every prompt where they
+    # differ.
+    from torch.fx.experimental import _config as shape_config
+
     def reduce(tests, refs):
         try:
-            with dynamo.patch(**limits):
+            with dynamo.patch(**limits), shape_config.patch(use_duck_shape=False):
                 return compiled(tests, refs)
         except limit_hit:
             return None

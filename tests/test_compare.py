@@ -174,6 +174,22 @@ def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompt
     assert not any(layer._forward_hooks for layer in stack.layers)
 
 
+def test_run_loop_callbacks_run_outside_the_sdpa_observer(hf_probe, prompts_file, monkeypatch):
+    """The first score call records the SDPA kernel through a torch function mode; the run loop's callback (where
+    taps are reduced by a compiled function, guarded on the mode stack) must not run under it, or the reduction
+    compiles again in every later call."""
+    from divergence_probe.prompts import load_prompts
+
+    prompts = load_prompts(prompts_file, hf_probe.tokenizer, max_model_len=hf_probe.settings.max_model_len)[:2]
+    stack = hf_probe.train
+    monkeypatch.setattr(stack, "sdpa_chosen", {})  # as in a fresh process: this call is the observed one
+    modes = []
+    stack.score(prompts, frozenset(), lambda *_: None,
+                on_scored=lambda s: modes.append(len(torch.overrides._get_current_function_mode_stack())))
+    assert modes == [0, 0]
+    assert stack.sdpa_chosen["score"]  # the forwards were observed
+
+
 class _Tokens:
     def convert_ids_to_tokens(self, ids):
         return [f"t{i}" for i in ids]

@@ -1,6 +1,7 @@
 """metrics: ULP distance, diff statistics and their reductions, token logprobs and KL, against independent references."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -201,6 +202,26 @@ def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
             want = torch.cat([diff_sums(t, r) for t, r in groups])
             assert torch.equal(got[:, [0, 2, 6]], want[:, [0, 2, 6]])  # counts and maxima: exact on any path
     assert fused.backend().startswith("torch.compile (inductor") and fused.backend().endswith("ran eagerly")
+
+
+
+def test_reduction_compiles_once_when_a_token_count_equals_a_feature_width(monkeypatch):
+    """A prompt whose token count happens to equal a tap's width must not pin the two together in the compiled
+    graph: the next prompt would compile it again (with one pattern allowed, it would run eagerly and say so)."""
+    from divergence_probe import fused
+
+    monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
+    monkeypatch.setattr(fused, "PATTERN_LIMIT", 1)
+    for tokens in (64, 65, 37):
+        test, ref = _random_pair(2, tokens * 64, torch.bfloat16, seed=tokens)
+        test, ref = test.view(2, tokens, 64), ref.view(2, tokens, 64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = fused.fused_diff_sums([test], [ref])
+        assert torch.equal(got[:, [0, 2, 6]], diff_sums(test, ref)[:, [0, 2, 6]])
+    assert fused.backend() == "torch.compile (inductor, deterministic)"
 
 
 

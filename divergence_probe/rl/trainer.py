@@ -60,7 +60,7 @@ class Trainer:
             attention[row, : len(seq)] = 1
             mask[row, n - 1 : len(seq) - 1] = 1
         positions = torch.arange(longest, device=device)[None].expand_as(ids)
-        with self.stack._numerics("train"):
+        with self.stack._numerics("train") as observed, observed():
             logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
         logp = logits[:, :-1].float().log_softmax(dim=-1)  # as trainers do: log_softmax of the FP32-upcast logits
         chosen = logp.gather(-1, ids[:, 1:, None])[..., 0]
@@ -73,7 +73,7 @@ class Trainer:
         Returns the gradient norm before clipping."""
         for p in self.params:
             p.grad = None
-        with self.stack._numerics("train"):
+        with self.stack._numerics("train") as observed, observed():
             loss.backward()
         for m, p in zip(self.master, self.params):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)

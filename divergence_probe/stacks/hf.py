@@ -16,9 +16,9 @@ flags as they were before vLLM was imported, the engine's restored after), and u
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -43,17 +43,18 @@ class HFStack:
         self._muted = False  # True while a replay runs inside a capture: its ops are not the forward's taps
 
     @contextmanager
-    def _numerics(self, kind: str) -> Iterator[None]:
-        """The trainer's torch state for a forward of this kind; the first one also records the SDPA kernel chosen
-        (a function mode that observes the dispatcher's choice and runs the same call)."""
+    def _numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
+        """The trainer's torch state for a block of forwards of this kind. It yields `observed`, the context for the
+        block's model forwards: in the first block of each kind it records the SDPA kernel chosen (a function mode
+        that observes the dispatcher's choice and runs the same call). Only the forwards: the run loop reduces taps
+        inside the block, between forwards, and torch.compile guards its graphs on the function-mode stack, so a
+        mode there would compile the reduction again once it is gone."""
         torch_state.check_sdpa(self.settings.train_sdpa, self.settings.device, self.model.config._attn_implementation)
-        with ExitStack() as stack:
-            stack.enter_context(torch_state.trainer_numerics(self.settings.train_sdpa,
-                                                             isolated=self.settings.train_state == "isolated"))
-            if kind not in self.sdpa_chosen:
-                choice = stack.enter_context(torch_state.SdpaChoice())
-                stack.callback(lambda: self.sdpa_chosen.setdefault(kind, sorted(choice.chosen)))
-            yield
+        choice = torch_state.SdpaChoice() if kind not in self.sdpa_chosen else None
+        with torch_state.trainer_numerics(self.settings.train_sdpa, isolated=self.settings.train_state == "isolated"):
+            yield (lambda: choice) if choice is not None else nullcontext
+        if choice is not None:
+            self.sdpa_chosen.setdefault(kind, sorted(choice.chosen))
 
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM
@@ -105,11 +106,12 @@ class HFStack:
             if not self._muted:
                 sink(prompt.prompt_id, key, x)
 
-        with torch.inference_mode(), self._numerics("score"), self._capture(taps, emit):
+        with torch.inference_mode(), self._numerics("score") as observed, self._capture(taps, emit):
             for prompt in prompts:
                 ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
+                with observed():
+                    logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
                 deliver(PromptScores(prompt.prompt_id, logits, token_logprobs(logits, ids[0, 1:])))
         return results
 
@@ -124,7 +126,7 @@ class HFStack:
             ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
             mask[row, : len(p.token_ids)] = 1
         positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
-        with torch.inference_mode(), self._numerics("score_batched"):
+        with torch.inference_mode(), self._numerics("score_batched") as observed, observed():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         results = []
         for row, p in enumerate(prompts):
@@ -139,7 +141,8 @@ class HFStack:
         for prompt in prompts:
             for k in range(spec.samples_per_prompt):
                 ids = torch.tensor([prompt.token_ids], device=self.settings.device)
-                with torch.random.fork_rng(devices=[]), torch.inference_mode(), self._numerics("generate"):
+                with torch.random.fork_rng(devices=[]), torch.inference_mode(), self._numerics("generate") as observed, \
+                        observed():
                     torch.manual_seed(spec.request_seed(prompt.prompt_id, k))
                     out = self.model.generate(
                         ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec.max_new_tokens,
@@ -164,7 +167,7 @@ class HFStack:
         while compare's training forward is still capturing, between two sequences)."""
         muted, self._muted = self._muted, True
         try:
-            with torch.inference_mode(), self._numerics("replay"):
+            with torch.inference_mode(), self._numerics("replay") as observed, observed():
                 yield
         finally:
             self._muted = muted
