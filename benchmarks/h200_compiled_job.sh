@@ -6,6 +6,7 @@
 #   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise (ABLATE_OPTS=--no-engine-noise: none) against vLLM's default compiled engine,
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
 #   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
+#   tapcost: what taps cost and where it goes (benchmarks/h200_tap_cost.py: plain, then tapped, then summary)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
 set -u
 export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
@@ -28,6 +29,12 @@ for job in "$@"; do
     if [ "$part" = ablate ]; then
       timeout "$budget" python3 benchmarks/h200_compiled.py --preset "$preset" --part ablate \
         --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out" ${ABLATE_OPTS:-}
+    elif [ "$part" = tapcost ]; then
+      o=$out/tap-cost; mkdir -p "$o"
+      for p in plain tapped summary; do  # one after the other, within the job's budget
+        timeout $(( start + budget - $(date +%s) )) python3 benchmarks/h200_tap_cost.py --preset "$preset" --part $p --out "$o" > "$o/$p.log" 2>&1
+      done
+      tail -c 3000 "$o/summary.log"
     else
       o=$out/cgtaps; mkdir -p "$o"
       for p in plain tapped nographs; do

@@ -20,8 +20,8 @@ import torch
 
 import divergence_probe.capture as capture
 from divergence_probe.capture import TapPairing
-from divergence_probe.compare import PendingScores, SequenceSource, score_both
-from divergence_probe.taps import expected_taps, parse_tap_selection
+from divergence_probe.compare import PendingScores, SequenceSource, capturable_taps, score_both
+from divergence_probe.taps import expected_taps
 
 CONFIGS = ("none", "infer hooks", "train hooks", "both hooks", "pairing", "all")
 
@@ -54,7 +54,7 @@ class _Dropped:
 
 
 def _loop(probe, prompts, config: str) -> None:
-    everything = parse_tap_selection("all")
+    everything, _ = capturable_taps(probe, probe._spec("compare", None, {"taps": "all"}))  # a compiled engine: fewer
     infer_taps = everything if config in ("infer hooks", "both hooks", "pairing", "all") else frozenset()
     train_taps = everything if config in ("train hooks", "both hooks", "pairing", "all") else frozenset()
     pairs = config in ("pairing", "all")

