@@ -172,8 +172,11 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
         fed = {seq.key: seq.fed for seq in sequences}
         trained = 0
 
-        def pair(key: int, tap: TapKey, x: torch.Tensor) -> None:
+        def trimmed(key: int, tap: TapKey, x: torch.Tensor) -> None:  # the rows the engine fed, of a sampled sequence
             capture.pair(key, tap, x[: fed[key]])
+
+        # (a prompt's taps go straight to the capture: this runs for every tap, between two kernels of the forward)
+        pair = trimmed if any(seq.fed < len(seq.prompt.token_ids) for seq in sequences) else capture.pair
 
         def finish(train: PromptScores) -> None:  # each sequence, as soon as the training stack has run it
             nonlocal pending, trained

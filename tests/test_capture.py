@@ -94,27 +94,72 @@ def test_a_tap_missing_on_both_sides_fails_at_finish():
         pairing.finish_prompt(0)
 
 
+def _paired(pairing, change=None, pid=0, tokens=5):
+    """File every training tap of prompt `pid`; `change(key, tensor)` may swap one (None: drop it)."""
+    for key, (_, ref) in _taps(0, tokens=tokens).items():
+        ref = change(key, ref) if change else ref
+        if ref is not None:
+            pairing.pair(pid, key, ref)
+    return pairing
+
+
 @pytest.mark.parametrize("bad, message", [
-    (lambda t: t[:-1], r"\(5, 64\) torch.bfloat16 \(inference\) vs \(4, 64\)"),
-    (lambda t: t.float(), r"torch.bfloat16 \(inference\) vs \(5, 64\) torch.float32"),
+    (lambda t: t[:-1], r"tap input_norm@0 is \(5, 64\) torch.bfloat16 \(inference\) vs \(4, 64\)"),
+    (lambda t: t.float(), r"tap input_norm@0 is \(5, 64\) torch.bfloat16 \(inference\) vs \(5, 64\) torch.float32"),
 ])
-def test_mismatched_partner_is_an_error(bad, message):
-    pairing = _parked()
-    key = KEYS[1]
+def test_mismatched_partner_is_an_error_naming_the_tap(bad, message):
+    """Checked once per group of same-shape taps, at finish; the message still names the tap."""
+    target = KEYS[1]
+    assert target.label == "input_norm@0"
+    pairing = _paired(_parked(), lambda key, t: bad(t) if key == target else t)
     with pytest.raises(StackError, match=message):
-        pairing.pair(0, key, bad(_taps(0, tokens=5)[key][1]))
+        pairing.finish_prompt(0)
+
+
+def test_mismatch_in_a_later_prompt_is_caught_under_a_planned_order():
+    """The second prompt reuses the first one's plan; its own mismatch must still be caught and named."""
+    pairing = TapPairing(KEYS)
+    for pid in (0, 1):
+        for key, (test, _) in _taps(0, tokens=5).items():
+            pairing.park(pid, key, test)
+    _paired(pairing, pid=0).finish_prompt(0)
+    target = KEYS[-1]
+    _paired(pairing, lambda key, t: t[:, :-1] if key == target else t, pid=1)
+    with pytest.raises(StackError, match=f"tap {target.label} is"):
+        pairing.finish_prompt(1)
+
+
+def test_prompts_whose_taps_group_otherwise_are_reduced_by_their_own_grouping():
+    """Two taps of one shape in the first prompt (one stack) but not in the second: the second prompt gets its own
+    grouping, and every tap's statistics still equal its own DiffStats."""
+    keys = expected_taps(frozenset({"input_norm"}), num_layers=2, has_qk_norm=False)
+    pairing = TapPairing(keys)
+    g = torch.Generator().manual_seed(5)
+    pairs = {0: [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in keys],
+             1: [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)),
+                 (torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g))]}
+    for pid, taps in pairs.items():
+        for key, (test, ref) in zip(keys, taps):
+            pairing.park(pid, key, test)
+            pairing.pair(pid, key, ref)
+        pairing.finish_prompt(pid)
+    for i, key in enumerate(keys):
+        want = DiffStats.of(*pairs[0][i]).merge(DiffStats.of(*pairs[1][i]))
+        assert (pairing.stats[key].n, pairing.stats[key].max_abs) == (want.n, want.max_abs)
 
 
 def test_training_only_and_duplicate_taps_are_errors():
     pairing = _parked()
     key = KEYS[1]
+    pairing.pair(1, key, _taps(0, tokens=5)[key][1])
     with pytest.raises(StackError, match="training side only"):
-        pairing.pair(1, key, _taps(0, tokens=5)[key][1])
+        pairing.finish_prompt(1)
     with pytest.raises(StackError, match="twice"):
         pairing.park(0, key, _taps(0, tokens=5)[key][0])
+    pairing = _paired(_parked())
     pairing.pair(0, key, _taps(0, tokens=5)[key][1])
     with pytest.raises(StackError, match="twice"):
-        pairing.pair(0, key, _taps(0, tokens=5)[key][1])
+        pairing.finish_prompt(0)
 
 
 def test_capture_holds_one_prompt_of_taps_whatever_the_number_of_prompts(vllm_probe, tmp_path, monkeypatch):
