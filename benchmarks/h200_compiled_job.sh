@@ -9,7 +9,7 @@
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
 #   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
 #   tapcost: what taps cost and where it goes (benchmarks/h200_tap_cost.py: plain, then tapped, then summary;
-#            TAPCOST_OPTS: more options, e.g. --reps 5)
+#            TAPCOST_OPTS: more options, e.g. --reps 5; TAPCOST_PARTS=tapped: the tapped part alone)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
 set -u
 export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
@@ -23,10 +23,11 @@ pack() {
       && mv "${OUT:-/tmp}/tmp-$part-$preset.tgz" "${OUT:-/tmp}/$part-$preset.tgz"  # .pt: the summary's inputs
   done
 }
-python3 - <<'PY'
+python3 - "$@" <<'PY'
+import sys
 from pathlib import Path
 from divergence_probe.modelzoo import make_model
-for preset in ("qwen2.5-1.5b", "qwen3-1.7b"):  # made once, before the parallel jobs read them
+for preset in sorted({job.split(":", 1)[1] for job in sys.argv[1:]}):  # made once, before the parallel jobs read them
     if not (Path("/tmp/dp-models") / preset / "config.json").exists():
         make_model(Path("/tmp/dp-models") / preset, preset=preset, seed=0)
 PY
@@ -44,7 +45,7 @@ for job in "$@"; do
         --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out" ${ABLATE_OPTS:-}
     elif [ "$part" = tapcost ]; then
       o=$out/tap-cost; mkdir -p "$o"
-      for p in plain tapped summary; do  # one after the other: a neighbour's compile would slow the timed calls
+      for p in ${TAPCOST_PARTS:-plain tapped} summary; do  # one after the other: a neighbour's compile would slow timed calls
         timeout -k 10 $(left) python3 benchmarks/h200_tap_cost.py --preset "$preset" --part $p --out "$o" \
           ${TAPCOST_OPTS:-} > "$o/$p.log" 2>&1
         echo "$p: exit $? at $(( $(date +%s) - start )) s"

@@ -9,9 +9,11 @@ scored against the inference logits at every position. Nothing per-layer outlive
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -163,6 +165,27 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
     done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
     (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
     park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them."""
+    with _collected_per_batch() as batch_done:
+        return _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done)
+
+
+@contextmanager
+def _collected_per_batch() -> Iterator[Callable[[], None]]:
+    """Python's automatic garbage collection paused for the run loop, which collects the young generations itself after
+    each inference batch (as torchtitan's GarbageCollection does between training steps). The loop makes objects by the
+    tens of thousands (views of every tap, vLLM's per-position logprobs), and the collections they trigger would
+    otherwise walk them again and again in the middle of a forward; nothing in the loop relies on cycles being freed
+    sooner."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda: gc.collect(1)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done) -> list[Prompt]:
     pending: PendingScores | None = None
     ran: list[Prompt] = []
     for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
@@ -193,6 +216,7 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
         if trained != len(sequences):
             raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")
         ran += [seq.prompt for seq in sequences]
+        batch_done()
     if pending is not None:
         collect(pending)
     return ran

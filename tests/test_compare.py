@@ -190,6 +190,18 @@ def test_run_loop_callbacks_run_outside_the_sdpa_observer(hf_probe, prompts_file
     assert stack.sdpa_chosen["score"]  # the forwards were observed
 
 
+def test_run_loop_pauses_automatic_garbage_collection_and_restores_it(hf_probe, prompts_file, monkeypatch):
+    import gc
+
+    from divergence_probe import compare
+
+    seen, read = [], compare.PendingScores.read
+    monkeypatch.setattr(compare.PendingScores, "read", lambda self: (seen.append(gc.isenabled()), read(self))[1])
+    assert gc.isenabled()
+    hf_probe.compare(prompts=prompts_file, taps="none", num_prompts=3)
+    assert seen == [False, False, False] and gc.isenabled()
+
+
 class _Tokens:
     def convert_ids_to_tokens(self, ids):
         return [f"t{i}" for i in ids]
