@@ -2,8 +2,8 @@
 
 The inference stack runs a batch first and parks its taps here; the training stack then runs each prompt, and
 every tap it emits is filed under that prompt. When the prompt is finished, its taps meet their parked partners,
-and the pairs are reduced and dropped. Memory is bounded by one inference batch (`--batch-tokens`) plus one prompt, never by the number of
-prompts.
+and the pairs are reduced and dropped. Memory is bounded by one inference batch (`--batch-tokens`) plus one prompt,
+never by the number of prompts.
 
 Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
