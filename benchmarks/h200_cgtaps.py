@@ -60,6 +60,7 @@ def engine_part(args) -> None:
     from divergence_probe.stacks import compiled_taps
     from divergence_probe.stacks.base import SamplingSpec
     from divergence_probe.errors import ProbeError
+    from divergence_probe.taps import each_tap
 
     part, tapped = args.part, args.part != "plain"
     model_dir = args.models_dir / args.preset
@@ -107,9 +108,10 @@ def engine_part(args) -> None:
     saved: dict[tuple, torch.Tensor] = {}
 
     def keep(prefix):
-        def sink(item_id, key, x):
-            if key.layer in kept:
-                saved[(prefix, item_id, key.name, key.layer)] = x.detach().to("cpu", copy=True)
+        def sink(item_id, tap, x):
+            for key, rows in each_tap(tap, x):
+                if key.layer in kept:
+                    saved[(prefix, item_id, key.name, key.layer)] = rows.detach().to("cpu", copy=True)
         return sink
 
     scores = probe.infer.score(small, taps, keep("score"))

@@ -25,7 +25,7 @@ import torch
 from .errors import StackError
 from .fused import fused_diff_sums
 from .metrics import DIFF_SUM_IS_MAX, DiffStats
-from .taps import TapKey
+from .taps import Tap, TapKey
 
 
 class TapPairing:
@@ -36,9 +36,9 @@ class TapPairing:
         self._totals: torch.Tensor | None = None  # [taps, 7] float64 running diff_sums, on the taps' device
         self._is_max: torch.Tensor | None = None  # which of those 7 columns merge by max (the others add)
         self._row_indices: dict[tuple[int, ...], torch.Tensor] = {}  # a plan's rows in _totals, on that device
-        self._parked: dict[tuple[int, TapKey], torch.Tensor] = {}
+        self._parked: dict[int, dict[Tap, torch.Tensor]] = defaultdict(dict)  # by prompt, in arrival order
         self._filed: dict[int, list[tuple[TapKey, torch.Tensor]]] = defaultdict(list)
-        self._plans: dict[tuple[TapKey, ...], _Plan] = {}  # by the order a prompt's training taps arrived in
+        self._plans: dict[tuple, _Plan] = {}  # by the order a prompt's taps arrived in, on each side
 
     @property
     def stats(self) -> dict[TapKey, DiffStats]:
@@ -46,13 +46,16 @@ class TapPairing:
         totals = self._totals.tolist() if self._totals is not None else [[0.0] * 7] * len(self.expected)
         return {key: DiffStats.from_sums(n, sums) for key, n, sums in zip(self.expected, self._counts, totals)}
 
-    def park(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
-        """An inference-side tap, kept until its training-side partner arrives."""
-        if key not in self._index:
-            raise StackError(f"the inference stack produced tap {key.label}, which this model should not have")
-        if (prompt_id, key) in self._parked:
-            raise StackError(f"the inference stack produced tap {key.label} twice for prompt {prompt_id}")
-        self._parked[(prompt_id, key)] = tensor
+    def park(self, prompt_id: int, tap: Tap, tensor: torch.Tensor) -> None:
+        """An inference-side hand-over (one tap, or several stacked: stacks/base.TapSink), kept until the training-side
+        partners arrive."""
+        parked = self._parked[prompt_id]
+        for key in (tap,) if isinstance(tap, TapKey) else tap:
+            if key not in self._index:
+                raise StackError(f"the inference stack produced tap {key.label}, which this model should not have")
+        if tap in parked:
+            raise StackError(f"the inference stack produced tap {_label(tap)} twice for prompt {prompt_id}")
+        parked[tap] = tensor
 
     def pair(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
         """A training-side tap, filed under its prompt. It meets its parked partner, and both are checked, when the
@@ -64,46 +67,62 @@ class TapPairing:
         leftovers are a seam bug.
 
         The taps arrive in the same order for every prompt of a run, so how they pair and group is planned once per
-        order (and checked then: each expected tap once); each prompt then checks shapes, dtypes and devices once per
-        group, and names the tap only when a group does not match."""
+        order (and checked then: each expected tap once on each side); each prompt then checks shapes, dtypes and
+        devices once per group, and names the tap only when a group does not match."""
         filed = self._filed.pop(prompt_id, [])
-        keys = tuple(key for key, _ in filed)
-        try:
-            infer = [self._parked.pop((prompt_id, key)) for key in keys]
-        except KeyError as missing:
-            raise StackError(f"tap {missing.args[0][1].label} of prompt {prompt_id} exists on the training side "
-                             "only (or twice)") from None
-        plan = self._plans.get(keys)
+        parked = self._parked.pop(prompt_id, {})
+        order = (tuple(key for key, _ in filed), tuple(parked))
+        infer, train = list(parked.values()), [t for _, t in filed]
+        plan = self._plans.get(order)
         if plan is None:
-            plan = self._plans[keys] = self._plan(prompt_id, keys, infer)
-        train = [t for _, t in filed]
-        stacks = _stack(plan, keys, infer, train)
+            plan = self._plans[order] = self._plan(prompt_id, *order, infer)
+        stacks = _stack(plan, infer, train)
         if stacks is None:  # this prompt's taps group otherwise than the plan's (shapes that vary between prompts)
-            plan = self._plan(prompt_id, keys, infer)
-            stacks = _stack(plan, keys, infer, train)
+            plan = self._plan(prompt_id, *order, infer)
+            stacks = _stack(plan, infer, train)
         tests, refs = stacks
-        for rows, test in zip(plan.group_rows, tests):
+        for group, test in zip(plan.groups, tests):
             elements = test[0].numel()
-            for row in rows:
+            for row in group.rows:
                 self._counts[row] += elements
         if tests:  # (none with --taps none)
             self._add(plan.rows, fused_diff_sums(tests, refs))
 
-    def _plan(self, prompt_id: int, keys: tuple[TapKey, ...], infer: list[torch.Tensor]) -> "_Plan":
-        if len(keys) != len(self.expected) or len(set(keys)) != len(keys):
-            leftovers = sorted(key.label for pid, key in self._parked if pid == prompt_id)
-            repeated = sorted({key.label for key in keys if keys.count(key) > 1})
+    def _plan(self, prompt_id: int, train_keys: tuple[TapKey, ...], parked: tuple[Tap, ...],
+              infer: list[torch.Tensor]) -> "_Plan":
+        """Check that each expected tap came once from each side, and group the pairs: a stacked hand-over is a group
+        of its own; single taps of the same shape and dtype are stacked into one."""
+        where: dict[TapKey, tuple[int, int | None]] = {}  # inference tap -> (hand-over, its row in a stacked one)
+        for e, tap in enumerate(parked):
+            for j, key in ((None, tap),) if isinstance(tap, TapKey) else enumerate(tap):
+                if key in where:
+                    raise StackError(f"the inference stack produced tap {key.label} twice for prompt {prompt_id}")
+                where[key] = (e, j)
+        position = {}  # training tap -> its position in arrival order
+        for i, key in enumerate(train_keys):
+            if key not in where:
+                raise StackError(f"tap {key.label} of prompt {prompt_id} exists on the training side only")
+            position.setdefault(key, i)
+        if len(train_keys) != len(self.expected) or len(position) != len(train_keys):
+            leftovers = sorted(key.label for key in where if key not in position)
+            repeated = sorted({key.label for key in train_keys if train_keys.count(key) > 1})
             raise StackError(
-                f"prompt {prompt_id}: {len(set(keys))} of {len(self.expected)} taps paired; "
+                f"prompt {prompt_id}: {len(position)} of {len(self.expected)} taps paired; "
                 f"inference-only taps: {', '.join(leftovers[:5]) or 'none'}"
                 + (f"; taps twice on the training side: {', '.join(repeated[:5])}" if repeated else "")
             )
-        groups: dict[tuple, list[int]] = defaultdict(list)  # same shape and dtype: one stack
-        for i, tensor in enumerate(infer):
-            groups[(tensor.shape, tensor.dtype)].append(i)
-        members = tuple(tuple(m) for m in groups.values())
-        group_rows = tuple(tuple(self._index[keys[i]] for i in m) for m in members)
-        return _Plan(members, group_rows, tuple(row for rows in group_rows for row in rows))
+        singles: dict[tuple, list[int]] = defaultdict(list)  # same shape and dtype: one stack
+        members: list[tuple[tuple[int, ...], tuple[TapKey, ...]]] = []
+        for e, tap in enumerate(parked):
+            if isinstance(tap, TapKey):
+                singles[(infer[e].shape, infer[e].dtype)].append(e)
+            else:
+                members.append(((e,), tap))
+        members += [(tuple(es), tuple(parked[e] for e in es)) for es in singles.values()]
+        groups = tuple(_Group(handovers, isinstance(parked[handovers[0]], TapKey), keys,
+                              tuple(position[key] for key in keys), tuple(self._index[key] for key in keys))
+                       for handovers, keys in members)
+        return _Plan(groups, tuple(row for group in groups for row in group.rows))
 
     def _add(self, rows: tuple[int, ...], sums: torch.Tensor) -> None:
         """Merge a prompt's [taps, 7] sums into the totals: sums add, maxima take the max (as DiffStats.merge)."""
@@ -118,42 +137,63 @@ class TapPairing:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """How one order of a prompt's taps pairs into stacks: `groups` are the positions (in arrival order) of the taps
-    reduced together, `group_rows` their rows in the totals, `rows` all of those in the reduction's output order."""
+class _Group:
+    """Taps reduced together: inference hand-overs `handovers` (positions in arrival order; `singles`: single taps to
+    stack, else one stacked hand-over), their `keys` in stack order, those keys' positions among the training taps
+    (`train`) and rows in the totals (`rows`)."""
 
-    groups: tuple[tuple[int, ...], ...]
-    group_rows: tuple[tuple[int, ...], ...]
+    handovers: tuple[int, ...]
+    singles: bool
+    keys: tuple[TapKey, ...]
+    train: tuple[int, ...]
     rows: tuple[int, ...]
 
 
-def _stack(plan: _Plan, keys, infer, train) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+@dataclass(frozen=True)
+class _Plan:
+    """How one arrival order of a prompt's taps pairs into groups; `rows`: every group's rows, in the reduction's
+    output order."""
+
+    groups: tuple[_Group, ...]
+    rows: tuple[int, ...]
+
+
+def _stack(plan: _Plan, infer, train) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """Per group of the plan: the inference taps stacked (the reduction's test) and the training taps (its reference).
     None when the inference taps of a group do not stack (the plan does not fit this prompt); raises naming the tap
     when a training tap does not match its partner."""
     tests, refs = [], []
-    for members in plan.groups:
+    for group in plan.groups:
+        if not group.singles:
+            test = infer[group.handovers[0]]
+        elif len(group.handovers) > 1:
+            try:
+                test = torch.stack([infer[e] for e in group.handovers])
+            except RuntimeError:
+                return None
+        else:
+            test = infer[group.handovers[0]][None]
         try:
-            test = torch.stack([infer[i] for i in members]) if len(members) > 1 else infer[members[0]][None]
-        except RuntimeError:
-            return None
-        try:
-            ref = torch.stack([train[i] for i in members]) if len(members) > 1 else train[members[0]][None]
+            ref = torch.stack([train[i] for i in group.train]) if len(group.train) > 1 else train[group.train[0]][None]
         except RuntimeError:  # shapes or devices differ within the group (stack promotes dtypes)
             ref = None
         if ref is None or ref.shape != test.shape or ref.dtype != test.dtype:
-            _check_pairs(keys, infer, train, members)
+            _check_pairs(group, test, train)
         tests.append(test)
         refs.append(ref if ref.device == test.device else ref.to(test.device))
     return tests, refs
 
 
-def _check_pairs(keys, infer, train, members) -> None:
+def _check_pairs(group: _Group, test: torch.Tensor, train) -> None:
     """Raise naming the first tap of a group whose two sides differ in shape or dtype, or its devices."""
-    for i in members:
-        if infer[i].shape != train[i].shape or infer[i].dtype != train[i].dtype:
-            raise StackError(f"tap {keys[i].label} is {tuple(infer[i].shape)} {infer[i].dtype} (inference) vs "
+    for key, infer, i in zip(group.keys, test, group.train):
+        if infer.shape != train[i].shape or infer.dtype != train[i].dtype:
+            raise StackError(f"tap {key.label} is {tuple(infer.shape)} {infer.dtype} (inference) vs "
                              f"{tuple(train[i].shape)} {train[i].dtype} (training)")
-    devices = sorted({str(train[i].device) for i in members})
-    raise StackError(f"the training stack's taps {keys[members[0]].label} .. {keys[members[-1]].label} are on "
+    devices = sorted({str(train[i].device) for i in group.train})
+    raise StackError(f"the training stack's taps {group.keys[0].label} .. {group.keys[-1].label} are on "
                      f"several devices ({', '.join(devices)}); report this as a bug")
+
+
+def _label(tap: Tap) -> str:
+    return tap.label if isinstance(tap, TapKey) else f"{tap[0].label} .. {tap[-1].label}"

@@ -25,7 +25,7 @@ import torch
 from .capture import TapPairing
 from .errors import ProbeError
 from .metrics import DiffStats, token_kl, token_logprobs
-from .taps import ALL_TAPS, TapKey, expected_taps
+from .taps import ALL_TAPS, Tap, TapKey, each_tap, expected_taps
 
 # seam (the tap its op produces) -> op family. The seam's inputs are the taps its op reads (hf_replay.py).
 SEAM_FAMILY = {
@@ -98,9 +98,9 @@ class GraftCapture:
         # depth point -> per-token |Δlogp| and KL arrays, in sequence order (a mean as summary_row takes it)
         self._depth: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
 
-    def park(self, key: int, tap: TapKey, x: torch.Tensor) -> None:
+    def park(self, key: int, tap: Tap, x: torch.Tensor) -> None:
         self.pairing.park(key, tap, x)
-        self._infer[key][tap] = x
+        self._infer[key].update(each_tap(tap, x))
 
     def pair(self, key: int, tap: TapKey, x: torch.Tensor) -> None:
         self.pairing.pair(key, tap, x)

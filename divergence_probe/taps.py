@@ -5,12 +5,15 @@ taps use layer -1 (`embed`) and L (`final_norm`, `logits`), so sorting by `forwa
 in the order data flows through it, which is what "first divergence" means.
 
 Every captured tensor is handed over in one layout, `[tokens, features]` for one prompt (heads flattened
-into features), so the metrics never need to know which stack produced it.
+into features), so the metrics never need to know which stack produced it; or several taps of one width at once,
+stacked as `[taps, tokens, features]` under a tuple of keys (`Tap`), which saves a stack one hand-over per tap.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterator, NamedTuple, Union
+
+import torch
 
 from .errors import ProbeError
 
@@ -55,6 +58,18 @@ class TapKey(NamedTuple):
     @property
     def label(self) -> str:
         return f"{self.name}@{self.layer}"
+
+
+Tap = Union[TapKey, tuple[TapKey, ...]]
+"""What a hand-over holds: one tap (`[tokens, features]`), or a tuple of taps stacked in that order."""
+
+
+def each_tap(tap: Tap, tensor: torch.Tensor) -> Iterator[tuple[TapKey, torch.Tensor]]:
+    """A hand-over as (key, [tokens, features]) pairs, for consumers that keep taps one by one."""
+    if isinstance(tap, TapKey):
+        yield tap, tensor
+    else:
+        yield from zip(tap, tensor.unbind(0))
 
 
 def parse_tap_selection(spec: str) -> frozenset[str]:

@@ -69,6 +69,77 @@ def test_vllm_step_taps_nothing_overwrites_are_kept_without_a_copy():
     assert emitted[0].untyped_storage().data_ptr() == live.untyped_storage().data_ptr()  # a view, no copy
 
 
+def test_stacked_hand_overs_equal_the_same_taps_handed_over_one_by_one():
+    """A compiled engine hands a prompt's taps of one width as one [taps, tokens, features] tensor: the statistics
+    must be those of the same pairs handed over singly, per tap (the stack's order is its keys' order, not the
+    training side's)."""
+    widths = [key for key in KEYS if WIDTH[key.name] == 64]
+    stacked_keys = tuple(reversed(widths))
+    prompts = {0: _taps(0, tokens=7), 1: _taps(1, tokens=12)}
+    singly, stacked = TapPairing(KEYS), TapPairing(KEYS)
+    for pid, taps in prompts.items():
+        for key, (test, _) in taps.items():
+            singly.park(pid, key, test)
+            if key not in stacked_keys:
+                stacked.park(pid, key, test)
+        stacked.park(pid, stacked_keys, torch.stack([taps[key][0] for key in stacked_keys]))
+    for pid, taps in prompts.items():
+        for pairing in (singly, stacked):
+            for key, (_, ref) in taps.items():
+                pairing.pair(pid, key, ref)
+            pairing.finish_prompt(pid)
+    for key in KEYS:
+        want, got = singly.stats[key], stacked.stats[key]
+        assert (got.n, got.n_equal, got.max_abs, got.max_ulp) == (want.n, want.n_equal, want.max_abs, want.max_ulp)
+        assert got.sum_sq_diff == pytest.approx(want.sum_sq_diff, rel=1e-6), key.label
+        assert got.n == DiffStats.of(*prompts[0][key]).merge(DiffStats.of(*prompts[1][key])).n
+
+
+def test_a_stacked_hand_over_is_checked_per_tap():
+    """A tap both stacked and single, a stacked tap the model lacks, and a training tap that does not match its row
+    of the stack: each an error naming the tap."""
+    widths = tuple(key for key in KEYS if WIDTH[key.name] == 64)
+    taps = _taps(0, tokens=5)
+    pairing = TapPairing(KEYS)
+    pairing.park(0, widths, torch.stack([taps[key][0] for key in widths]))
+    pairing.park(0, widths[1], taps[widths[1]][0])
+    _paired(pairing, lambda key, t: t if key in widths else None)
+    with pytest.raises(StackError, match=f"tap {widths[1].label} twice"):
+        pairing.finish_prompt(0)
+    from divergence_probe.taps import TapKey
+
+    with pytest.raises(StackError, match="up_proj@0, which this model should not have"):
+        TapPairing(KEYS).park(0, (widths[0], TapKey.of("up_proj", 0)), torch.zeros(2, 5, 64))
+    pairing = TapPairing(KEYS)
+    for key, (test, _) in taps.items():
+        if key not in widths:
+            pairing.park(0, key, test)
+    pairing.park(0, widths, torch.stack([taps[key][0] for key in widths]))
+    _paired(pairing, lambda key, t: t[:-1] if key == widths[2] else t)
+    with pytest.raises(StackError, match=rf"tap {widths[2].label} is \(5, 64\) torch.bfloat16 \(inference\) vs \(4, 64\)"):
+        pairing.finish_prompt(0)
+
+
+def test_vllm_stacked_step_taps_are_one_contiguous_copy_per_prompt():
+    """A compiled engine's taps of one width, [taps, rows, features], are its live buffers: each prompt gets a copy of
+    its own rows, contiguous, that the next step's writes leave alone."""
+    from divergence_probe.stacks.vllm import _Step
+
+    live = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    want = {0: live[:, 0:2].clone(), 1: live[:, 2:5].clone()}
+    emitted = {}
+    _Step(spans={0: (0, 2), 1: (2, 3)}).split(live, lambda pid, tap, x: emitted.__setitem__(pid, (tap, x)),
+                                              tuple(KEYS[:2]))
+    live.zero_()
+    for pid, (tap, x) in emitted.items():
+        assert tap == tuple(KEYS[:2]) and x.is_contiguous() and torch.equal(x, want[pid])
+    alone = {}
+    whole = torch.ones(2, 4, 3)
+    _Step(spans={0: (0, 4)}).split(whole, lambda pid, tap, x: alone.__setitem__(pid, x), tuple(KEYS[:2]))
+    whole.zero_()  # a prompt that fills the step is copied too
+    assert torch.equal(alone[0], torch.ones(2, 4, 3))
+
+
 def _parked(keys=KEYS):
     pairing = TapPairing(keys)
     for key, (test, _) in _taps(0, tokens=5).items():

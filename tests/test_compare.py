@@ -174,6 +174,35 @@ def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompt
     assert not any(layer._forward_hooks for layer in stack.layers)
 
 
+def test_training_projection_taps_are_the_projections_in_and_out_and_leave_nothing_behind(hf_probe):
+    """The projections are captured by wrapping their forward (cheaper than module hooks): what they hand over is each
+    projection's input and output; the wrappers are gone after the call, also when one of them could not be
+    installed because another live patch holds that forward."""
+    from divergence_probe.prompts import Prompt
+    from divergence_probe.stacks.hooks import HookSet, PatchConflict
+    from divergence_probe.taps import parse_tap_selection
+
+    stack = hf_probe.train
+    prompt = Prompt(0, "test", "", tuple(range(3, 14)))
+    got = {}
+    stack.score([prompt], parse_tap_selection("input_norm,q_proj,swiglu,mlp_out"),
+                lambda pid, key, x: got.__setitem__((key.name, key.layer), x))
+    layers = stack.layers
+    with torch.inference_mode():
+        for i, layer in enumerate(layers):
+            assert torch.equal(got[("q_proj", i)], layer.self_attn.q_proj(got[("input_norm", i)]))
+            assert torch.equal(got[("mlp_out", i)], layer.mlp.down_proj(got[("swiglu", i)]))
+    modules = list(stack.model.modules())
+    assert not any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in modules)
+    held = layers[-1].mlp.down_proj
+    with HookSet() as hooks:
+        hooks.replace(held, "forward", held.forward, owner="another patch")
+        with pytest.raises(PatchConflict, match="another patch and the projection taps"):
+            stack.score([prompt], parse_tap_selection("all"), lambda *_: None)
+        assert not any(("forward" in vars(m) and m is not held) or m._forward_hooks for m in modules)
+    assert not any("forward" in vars(m) for m in modules)
+
+
 def test_run_loop_callbacks_run_outside_the_sdpa_observer(hf_probe, prompts_file, monkeypatch):
     """The first score call records the SDPA kernel through a torch function mode; the run loop's callback (where
     taps are reduced by a compiled function, guarded on the mode stack) must not run under it, or the reduction

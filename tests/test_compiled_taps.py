@@ -29,6 +29,13 @@ import divergence_probe as dp
 from divergence_probe.errors import ProbeError
 from divergence_probe.prompts import load_prompts
 from divergence_probe.stacks import compiled_taps
+from divergence_probe.taps import each_tap
+
+def keep(into, name=lambda pid, key: (pid, key.name, key.layer)):  # a sink that keeps every tap on its own
+    def sink(pid, tap, x):
+        for key, rows in each_tap(tap, x):
+            into[name(pid, key)] = rows.clone()
+    return sink
 
 model, prompts_file, out, taps = sys.argv[1:5]
 probe = dp.load(model, infer="vllm", dtype="bfloat16", device="cpu", engine="compiled", taps=taps)
@@ -40,8 +47,7 @@ result = {"logprobs": run.tokens_table[["prompt_id", "position", "logprob_infer"
 if taps != "none":
     prompts = load_prompts(prompts_file, probe.tokenizer, max_model_len=probe.settings.max_model_len)
     captured = {}
-    probe.infer.score(prompts, frozenset(compiled_taps.NEUTRAL + compiled_taps.OUTSIDE),
-                      lambda pid, key, x: captured.__setitem__((pid, key.name, key.layer), x.clone()))
+    probe.infer.score(prompts, frozenset(compiled_taps.NEUTRAL + compiled_taps.OUTSIDE), keep(captured))
     model_ = probe.infer.model.model
     norms = {("input_norm", i): layer.input_layernorm for i, layer in enumerate(model_.layers)}
     norms |= {("post_norm", i): layer.post_attention_layernorm for i, layer in enumerate(model_.layers)}
@@ -55,14 +61,14 @@ if taps != "none":
     wanted = frozenset({"embed", "mlp_out"})
     def scored(p):
         got = {}
-        probe.infer.score([p], wanted, lambda pid, key, x: got.__setitem__((key.name, key.layer), x.clone()))
+        probe.infer.score([p], wanted, keep(got, lambda pid, key: (key.name, key.layer)))
         return {"ids": list(p.token_ids), "taps": got}
     p = prompts[0]
     q = dataclasses.replace(p, token_ids=tuple(reversed(p.token_ids)))
     steps = [scored(p), scored(q), scored(p)]
     gen_taps = {}
     seqs = probe.infer.sample(prompts[:2], SamplingSpec(max_new_tokens=5, temperature=1.0), frozenset({"embed"}),
-                              lambda sid, key, x: gen_taps.__setitem__(sid, x.clone()))
+                              keep(gen_taps, lambda sid, key: sid))
     torch.save({"steps": steps, "embedding": model_.embed_tokens.weight.detach().clone(),
                 "generated": [(s.seq_id, list(s.token_ids), gen_taps[s.seq_id]) for s in seqs]}, out + ".steps.pt")
     try:
@@ -199,11 +205,13 @@ def op_state():
     from divergence_probe.stacks import compiled_taps
 
     compiled_taps.register_op()
-    saved = dict(compiled_taps._BUFFERS)
+    saved, saved_groups = dict(compiled_taps._BUFFERS), list(compiled_taps._GROUPS)
     compiled_taps._BUFFERS.clear()
+    compiled_taps._GROUPS.clear()
     yield compiled_taps
     compiled_taps._BUFFERS.clear()
     compiled_taps._BUFFERS.update(saved)
+    compiled_taps._GROUPS[:] = saved_groups
 
 
 def test_effectful_op_survives_compile(op_state):
@@ -214,7 +222,7 @@ def test_effectful_op_survives_compile(op_state):
 
     compiled_taps = op_state
     key = compiled_taps._key("swiglu", 0)
-    compiled_taps._BUFFERS[key] = torch.zeros(8, 8)
+    compiled_taps.make_buffers({key: 8}, rows=8, dtype=torch.float32, device="cpu")
 
     def f(x):
         y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
@@ -238,8 +246,8 @@ def test_effectful_op_survives_compile(op_state):
                 compiled_taps.deliver(ids)
             finally:
                 compiled_taps._ACTIVE = None
-            assert torch.equal(seen[-1][1], torch.relu(x) * 2)
-    assert [k for k, _ in seen] == [TapKey.of("swiglu", 0)] * 2
+            assert torch.equal(seen[-1][1], (torch.relu(x) * 2)[None])
+    assert [k for k, _ in seen] == [(TapKey.of("swiglu", 0),)] * 2
     compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}), embedding)
     try:
         compiled_taps.deliver(torch.tensor([7, 2, 7]))  # swiglu not selected for this call; embed from the ids

@@ -14,12 +14,12 @@ import torch
 
 from ..options import option
 from ..prompts import Prompt
-from ..taps import TapKey
+from ..taps import Tap
 
-TapSink = Callable[[int, TapKey, torch.Tensor], None]
-"""sink(prompt_id, tap, tensor[tokens, features]). The stack never writes to the tensor again, so a sink may keep
-it as it is: vLLM clones the buffers it reuses in place (once per engine step), transformers writes no
-activation in place and hands over views."""
+TapSink = Callable[[int, Tap, torch.Tensor], None]
+"""sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
+(taps.Tap; `taps.each_tap` unstacks). The stack never writes to the tensor again, so a sink may keep it as it is:
+vLLM clones the buffers it reuses in place, transformers writes no activation in place and hands over views."""
 
 
 ScoresSink = Callable[["PromptScores"], None]

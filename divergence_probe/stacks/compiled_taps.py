@@ -16,8 +16,9 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   (`buf[:rows].copy_(x)`), allocated once when the model is built, sized for the most rows a step can hold. A CUDA-graph
   capture runs the impl once and records that copy (fixed addresses, no allocation, no host sync); every replay
   repeats it, while the Python impl itself never runs on replay. Nothing else happens in the graph: the host reads
-  `buf[:rows]` after each engine step's model call (`deliver`, outside any graph) and hands a copy to the splitter,
-  because the next step writes the buffer again (and Inductor reuses x's memory within the forward).
+  the step's rows after each engine step's model call (`deliver`, outside any graph), and the receiver copies them,
+  because the next step writes the buffers again (and Inductor reuses x's memory within the forward). The buffers of
+  one width are rows of one tensor, so the host reads them as one, and a prompt's taps of that width are one copy.
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
@@ -35,7 +36,7 @@ from typing import Callable
 import torch
 
 from ..errors import StackError
-from ..taps import ALL_TAPS, TapKey
+from ..taps import ALL_TAPS, Tap, TapKey
 from .vllm_seams import layer_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
@@ -67,6 +68,7 @@ NOT_BUFFERED = ("not captured: this compiled engine was built with tap points fo
 
 _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
 _BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
+_GROUPS: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width: (op keys, [taps, rows, features]): the buffers
 _ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
 _LIB: torch.library.Library | None = None
 
@@ -166,17 +168,30 @@ def features(model: torch.nn.Module) -> dict[str, int]:
 
 
 def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
-    """One zeroed [rows, features] buffer per tap point (`keys`: the op keys install made), in the model's dtype on
-    its device: made once, outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this
+    """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's dtype
+    on its device: made once, outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this
     process's buffers (one engine per process)."""
     weight = model.model.embed_tokens.weight
     if weight.device.type == "meta":
         raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
                          "build the engine without layer taps (--taps none) or use --engine eager")
     sizes = features(model)
+    make_buffers({key: sizes[_KEYS[key].name] for key in keys}, rows, weight.dtype, weight.device)
+
+
+def make_buffers(widths: dict[int, int], rows: int, dtype: torch.dtype, device) -> None:
+    """One zeroed [taps, rows, features] tensor per width (`widths`: op key -> features); each tap's buffer is its
+    row of that tensor. So the host reads a step's taps of one width as one tensor, one copy per prompt, instead of
+    one per tap (`router`)."""
     _BUFFERS.clear()
-    for key in keys:
-        _BUFFERS[key] = torch.zeros(rows, sizes[_KEYS[key].name], dtype=weight.dtype, device=weight.device)
+    _GROUPS.clear()
+    by_width: dict[int, list[int]] = {}
+    for key, width in widths.items():
+        by_width.setdefault(width, []).append(key)
+    for width, keys in by_width.items():
+        group = torch.zeros(len(keys), rows, width, dtype=dtype, device=device)
+        _GROUPS.append((tuple(keys), group))
+        _BUFFERS.update({key: group[j] for j, key in enumerate(keys)})
 
 
 def buffer_bytes() -> int:
@@ -224,24 +239,30 @@ def building(model_classes: list[type], taps: frozenset[str]):
             cls.__init__ = init
 
 
-def router(on_tap: Callable[[TapKey, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
+def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
     """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm.py sets it through its HookSet, which
-    restores None after the call): after a step's model call, `deliver(input_ids)` hands the selected taps' buffer
-    rows for the step's input rows to on_tap(key, copy), each a copy of its own (the next step writes the buffer
-    again), and `embed` as the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
+    restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
+    selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
+    of the buffers that is valid until the next step writes them (the receiver copies what it keeps); and `embed` as
+    the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
     selected = frozenset(taps)
+    reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)
+    for keys, group in _GROUPS:
+        chosen = [j for j, key in enumerate(keys) if _KEYS[key].name in selected]
+        if chosen:
+            index = None if len(chosen) == len(keys) else torch.tensor(chosen, device=group.device)
+            reads.append((tuple(_KEYS[keys[j]] for j in chosen), group, index))
 
     def route(input_ids: torch.Tensor) -> None:
         rows = input_ids.shape[0]
         if "embed" in selected:
             on_tap(EMBED, torch.nn.functional.embedding(input_ids, embedding.weight))
-        for key, buf in _BUFFERS.items():
-            tap = _KEYS[key]
-            if tap.name in selected:
-                if rows > buf.shape[0]:
-                    raise StackError(f"a step of {rows} rows is larger than tap {tap.label}'s buffer "
-                                     f"({buf.shape[0]} rows); report this as a bug")
-                on_tap(tap, buf[:rows].clone())
+        for keys, group, index in reads:
+            if rows > group.shape[1]:
+                raise StackError(f"a step of {rows} rows is larger than the tap buffers of {keys[0].label} .. "
+                                 f"({group.shape[1]} rows); report this as a bug")
+            step = group[:, :rows]
+            on_tap(keys, step if index is None else step.index_select(0, index))
 
     return route
 

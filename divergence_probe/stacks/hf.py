@@ -188,11 +188,23 @@ class HFStack:
             return HFReplay(self.model).lm_head(final_norm)
 
     def _capture(self, taps: frozenset[str], emit) -> HookSet:
-        """Install hooks for the selected taps; each hook hands a [tokens, features] view to emit (no copy:
-        transformers' Qwen2/Qwen3 and our region patches never write an activation in place)."""
+        """Install the captures for the selected taps; each hands a [tokens, features] view to emit (no copy:
+        transformers' Qwen2/Qwen3 and our region patches never write an activation in place).
+
+        The projections (`_PROJECTIONS`, half of a layer's taps) are captured by a wrapper in place of their forward:
+        a module with hooks takes torch's slow call path, which costs the host several times what the hook itself
+        does, for every tap of every forward. The norms and the layer keep hooks: regions replace their forwards."""
         hooks = HookSet()
         if not taps:
             return hooks
+        try:
+            self._install(hooks, taps, emit)
+        except PatchConflict:
+            hooks.remove()  # what was installed so far: the caller never gets the HookSet to undo it
+            raise
+        return hooks
+
+    def _install(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
         n_layers = len(self.layers)
 
         def out(name: str, layer: int, reshape=lambda x: x[0]):
@@ -213,16 +225,9 @@ class HFStack:
             attn, mlp = layer.self_attn, layer.mlp
             table = [
                 ("input_norm", layer.input_layernorm, out("input_norm", i)),
-                ("q_proj", attn.q_proj, out("q_proj", i)),
-                ("k_proj", attn.k_proj, out("k_proj", i)),
-                ("v_proj", attn.v_proj, out("v_proj", i)),
                 ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i, heads)),
                 ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i, heads)),
-                ("attn_out", attn.o_proj, out("attn_out", i)),
                 ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
-                ("gate_proj", mlp.gate_proj, out("gate_proj", i)),
-                ("up_proj", mlp.up_proj, out("up_proj", i)),
-                ("mlp_out", mlp.down_proj, out("mlp_out", i)),
                 ("resid_out", layer, out("resid_out", i)),
             ]
             for name, module, hook in table:
@@ -230,15 +235,17 @@ class HFStack:
                     hooks.after(module, hook)
             if "resid_mid" in taps:
                 hooks.before(layer.post_attention_layernorm, inp("resid_mid", i, "hidden_states"))
-            if "swiglu" in taps:
-                hooks.before(mlp.down_proj, inp("swiglu", i, "input"))
+            for (parent, attr), (before, after) in _PROJECTIONS.items():
+                wanted_before = TapKey.of(before, i) if before in taps else None
+                wanted_after = TapKey.of(after, i) if after in taps else None
+                if wanted_before or wanted_after:
+                    _wrap_projection(hooks, getattr(getattr(layer, parent), attr), wanted_before, wanted_after, emit)
         if "final_norm" in taps:
             hooks.after(model.norm, out("final_norm", n_layers))
         if "logits" in taps:  # scored rows only: the last position predicts a token that is not in the prompt
             hooks.after(self.model.lm_head, out("logits", n_layers, lambda x: x[0, :-1]))
         if taps & {"q_rope", "k_rope", "attn_core"}:
             self._wrap_attention(hooks, taps, emit)
-        return hooks
 
     def _wrap_attention(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -269,12 +276,8 @@ class HFStack:
 
         # registry[impl] = ... writes the registry's local mapping; replacing that entry through the HookSet makes
         # a second swap (another capture, a region that replaces attention) a PatchConflict, not a silent wrap.
-        try:
-            hooks.replace_item(registry._local_mapping, impl, tapped, label="ALL_ATTENTION_FUNCTIONS",
-                               owner="the attention taps of a transformers capture")
-        except PatchConflict:
-            hooks.remove()  # the capture's hooks installed so far: the caller never gets the HookSet to undo them
-            raise
+        hooks.replace_item(registry._local_mapping, impl, tapped, label="ALL_ATTENTION_FUNCTIONS",
+                           owner="the attention taps of a transformers capture")
 
     def info(self) -> StackInfo:
         import transformers
@@ -306,3 +309,31 @@ class HFStack:
 
     def close(self) -> None:
         self.model = None
+
+
+# (submodule of the decoder layer, projection) -> (tap of its input, tap of its output); None: not a tap
+_PROJECTIONS = {
+    ("self_attn", "q_proj"): (None, "q_proj"),
+    ("self_attn", "k_proj"): (None, "k_proj"),
+    ("self_attn", "v_proj"): (None, "v_proj"),
+    ("self_attn", "o_proj"): (None, "attn_out"),
+    ("mlp", "gate_proj"): (None, "gate_proj"),
+    ("mlp", "up_proj"): (None, "up_proj"),
+    ("mlp", "down_proj"): ("swiglu", "mlp_out"),
+}
+
+
+def _wrap_projection(hooks: HookSet, module: torch.nn.Module, before: TapKey | None, after: TapKey | None, emit) -> None:
+    """`module.forward` replaced, until the HookSet exits, by one that emits its input as `before` and its output as
+    `after` (either may be None): [1, T, F] -> [T, F]."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if before is not None:
+            emit(before, arg(args, kwargs, 0, "input")[0])
+        output = inner(*args, **kwargs)
+        if after is not None:
+            emit(after, output[0])
+        return output
+
+    hooks.replace(module, "forward", forward, owner="the projection taps of a transformers capture")

@@ -45,7 +45,7 @@ import torch
 from .. import torch_state
 from ..errors import StackError, one_line
 from ..prompts import Prompt, batches
-from ..taps import ALL_TAPS, TapKey
+from ..taps import ALL_TAPS, Tap, TapKey
 from . import compiled_taps
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
@@ -286,15 +286,20 @@ class _Step:
             raise StackError(f"vLLM computed no complete prompt logits for prompt {prompt_id}; capture seam moved")
         return self.logits_rows[prompt_id]
 
-    def split(self, x: torch.Tensor, emit, key: TapKey, fresh: bool = False) -> None:
-        """x: [rows, ...] for the whole step -> one [T, features] view per prompt, of one clone for the step if
-        vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt).
-        `fresh`: x is already a copy of its own (the compiled tap op clones every tap)."""
+    def split(self, x: torch.Tensor, emit, tap: Tap) -> None:
+        """One tap's rows of the whole step ([rows, ...]) -> one [T, features] view per prompt, of one clone for the
+        step if vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt).
+        A tuple of taps stacked as [taps, rows, features] (a compiled engine's tap buffers, written again at the next
+        step) -> one contiguous [taps, T, features] copy per prompt."""
+        if not isinstance(tap, TapKey):
+            for prompt_id, (start, length) in self.spans.items():
+                emit(prompt_id, tap, x[:, start : start + length].clone(memory_format=torch.contiguous_format))
+            return
         flat = x.reshape(x.shape[0], -1)
-        if key.name in REWRITTEN and not fresh:
+        if tap.name in REWRITTEN:
             flat = flat.clone()
         for prompt_id, (start, length) in self.spans.items():
-            emit(prompt_id, key, flat[start : start + length])
+            emit(prompt_id, tap, flat[start : start + length])
 
 
 class VLLMStack:
@@ -505,7 +510,7 @@ class VLLMStack:
 
             self._on_model_call(hooks, recorder.begin_step, after_model)
             hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
-            self._tap_hooks(hooks, taps, lambda key, x: recorder.add_tap(key, x, fresh=self.compiled))
+            self._tap_hooks(hooks, taps, recorder.add_tap)
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         results = []
         # the runner files requests as "<request_id>-<suffix>" (vLLM 0.24 and 0.32); outputs carry <request_id>
@@ -593,12 +598,13 @@ class VLLMStack:
 
         self._on_model_call(hooks, layout, keep_final_hidden)
         hooks.after(self.model.logits_processor, keep_logits)
-        self._tap_hooks(hooks, taps, lambda key, x: step.split(x, sink, key, fresh=self.compiled))
+        self._tap_hooks(hooks, taps, lambda tap, x: step.split(x, sink, tap))
         return hooks
 
     def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
-        """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor)
-        (`final_norm` and `logits` are captured outside the model, in both engine modes)."""
+        """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor), or a
+        compiled engine's taps of one width at once (compiled_taps.router; `final_norm` and `logits` are captured
+        outside the model, in both engine modes)."""
         model = self.model.model
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
             fresh = compiled_taps.router(on_tap, taps, model.embed_tokens)

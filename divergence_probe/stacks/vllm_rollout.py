@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..errors import StackError
-from ..taps import TapKey
+from ..taps import Tap, TapKey, each_tap
 from .hooks import HookSet
 
 Layout = tuple[list[str], list[int], list[int]]  # request ids, their first rows (+ the end), tokens computed before
@@ -97,11 +97,11 @@ class RolloutRecorder:
         self.steps.append([_Span(r, starts[i], int(computed[i]), starts[i + 1] - starts[i]) for i, r in enumerate(req_ids)])
         self.step_ids.append(input_ids.tolist())
 
-    def add_tap(self, key: TapKey, x: torch.Tensor, fresh: bool = False) -> None:
-        """x: the step's rows of one tap; kept as a copy of its own (vLLM and the tap buffers reuse theirs), unless
-        `fresh` says it already is one."""
-        flat = x.reshape(x.shape[0], -1)
-        self.taps[key].append(flat if fresh else flat.clone())
+    def add_tap(self, tap: Tap, x: torch.Tensor) -> None:
+        """x: the step's rows of one tap, or of several stacked (taps.Tap); kept as a copy of its own, one per call
+        (vLLM and the tap buffers reuse theirs)."""
+        for key, rows in each_tap(tap, x.clone()):
+            self.taps[key].append(rows.reshape(rows.shape[0], -1))
 
     def add_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         spans, base = self.steps[-1], self.final_hidden
