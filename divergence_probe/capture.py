@@ -8,7 +8,9 @@ never by the number of prompts.
 Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
 taps, say) are stacked into one `[taps, tokens, features]` pair, and all of a prompt's stacks are reduced by one
-call of the fused reduction (fused.py): per call, the fixed cost exceeds the arithmetic of a small tap.
+call of the fused reduction (fused.py): per call, the fixed cost exceeds the arithmetic of a small tap. A stack that
+hands several taps over already stacked (a compiled engine: one tensor per width) is reduced as it is, against the
+training taps stacked in its order.
 
 The per-tap sums are merged into running totals on the taps' device (float64: the same additions, in the same
 prompt order, as merging DiffStats on the host) and read back once, when `stats` is read. So the host never
