@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (first time only) and run `compare` on the built-in default model with the shipped sample prompts.
+# Set up (first time only) and run `compare` on the built-in default model with the shipped sample prompts, with its
+# noise floor (each stack against itself under a batch and a kernel change) beside the mismatch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec .venv/bin/divergence-probe compare --report "$@"
+exec .venv/bin/divergence-probe compare --report --batch-invariance "$@"

@@ -9,7 +9,7 @@ bash scripts/setup.sh
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-.venv/bin/divergence-probe ablate --report --num-prompts 32 --out "$tmp/run" "$@"
+.venv/bin/divergence-probe ablate --report --batch-invariance --num-prompts 32 --out "$tmp/run" "$@"
 .venv/bin/divergence-probe report "$tmp/run" --format html --out "$tmp/html"
 
 rm -rf docs/example_report

@@ -289,6 +289,46 @@ def test_generate_without_clip_eps_uses_default(tmp_path):
     assert "[0.8, 1.2] (ε = 0.2)" in write_report(run).read_text()
 
 
+def _noise_floor_paragraph(tmp_path, **noise) -> str:
+    rng = np.random.default_rng(2)
+    tokens = _tokens(rng, 0.01)
+    summary = {**_summary(tokens, "q_rope@0"), **noise}
+    run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
+                 tokens)
+    text = write_report(run).read_text()
+    return next(line for line in text.splitlines() if line.startswith(("Noise floor", "No noise floor")))
+
+
+def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
+    """The trainer's own kernel change can move its logprobs as much as the whole gap (README "The noise floor"): the
+    report sets the mismatch against the largest floor measured, not against the batch noise alone."""
+    mismatch = _summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0")["mean_abs_dlogp"]
+    kernel = 2 * mismatch
+    text = _noise_floor_paragraph(tmp_path / "a", noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-5,
+                                  noise_train_kernel_mean_abs_dlogp=kernel)
+    assert f"is {sig(mismatch / kernel)}× the largest of these floors (the training stack's own attention-kernel " \
+           "change): no larger than what that change alone does" in text
+    text = _noise_floor_paragraph(tmp_path / "b", noise_infer_engine_mode_mean_abs_dlogp=mismatch / 4,
+                                  tap_points_mean_abs_dlogp=0.0)
+    assert text.startswith("Noise floor: the engine in its other mode") and "tap points left its logprobs" in text
+    assert f"is {sig(4.0)}× the largest of these floors (the engine's own change of mode)." in text
+    assert _noise_floor_paragraph(tmp_path / "c").startswith("No noise floor was measured")
+
+
+def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
+    from divergence_probe.batch_invariance import TAP_POINTS_CHANGE
+    from divergence_probe.compare import noise_floor_columns
+    from divergence_probe.reports.prose import NOISE_FLOORS, SUMMARY_MEANINGS
+
+    floor = pd.DataFrame({"side": ["infer", "train"], "mean_abs_dlogp": [0.0, 1e-4]})
+    kernel = pd.DataFrame({"mean_abs_dlogp": [1e-2]})
+    engine = pd.DataFrame({"change": ["engine eager vs compiled", f"{TAP_POINTS_CHANGE} vs with"],
+                           "mean_abs_dlogp": [1e-2, 0.0]})
+    columns = noise_floor_columns(floor, kernel, engine)
+    assert len(columns) == 5 and set(columns) <= set(SUMMARY_MEANINGS)
+    assert set(columns) - set(NOISE_FLOORS) == {"tap_points_mean_abs_dlogp"}
+
+
 def test_bootstrap_level_comes_from_the_manifest(rendered, tmp_path):
     assert "95% bootstrap interval" in rendered("ablate").read_text()  # manifests without ci_level: 0.95
     run = make_ablate(tmp_path / "run")

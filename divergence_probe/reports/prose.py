@@ -48,6 +48,19 @@ SUMMARY_MEANINGS = {
     "n_sequences": "responses",
     "noise_infer_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the inference stack, one sequence per call vs one batch",
     "noise_train_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the training stack, one sequence per call vs one batch",
+    "noise_train_kernel_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the training stack under another SDPA "
+                                         "attention kernel",
+    "noise_infer_engine_mode_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the engine in its other mode (eager vs "
+                                              "compiled)",
+    "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
+                                 "(0: the tap points left its numerics alone)",
+}
+# The noise floors of summary.csv, each with what changed for it: the mismatch is read against the largest measured.
+NOISE_FLOORS = {
+    "noise_infer_mean_abs_dlogp": "the inference stack's own batch change",
+    "noise_train_mean_abs_dlogp": "the training stack's own batch change",
+    "noise_train_kernel_mean_abs_dlogp": "the training stack's own attention-kernel change",
+    "noise_infer_engine_mode_mean_abs_dlogp": "the engine's own change of mode",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -254,32 +267,47 @@ def _headline(run: RunData) -> list:
     if rl:
         blocks.append(Paragraph("Other RL diagnostics from summary.csv (meanings in the summary table below): "
                                 + ", ".join(rl) + "."))
-    blocks += _noise_floor(run, shipped)
+    blocks += _noise_floor(shipped)
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
 
 
-def _noise_floor(run: RunData, shipped: pd.Series) -> list:
-    """The batch-composition noise of each stack, set against the vLLM-vs-transformers mismatch."""
-    infer, train = shipped.get("noise_infer_mean_abs_dlogp"), shipped.get("noise_train_mean_abs_dlogp")
-    if infer is None or train is None or pd.isna(infer) or pd.isna(train):
-        return [Paragraph("No noise floor was measured for this run: how much each stack moves its own logprobs "
-                          "under a batch change can be as large as the mismatch itself, so read the numbers above "
-                          "against a run with `--batch-invariance`.")]
+def _noise_floor(shipped: pd.Series) -> list:
+    """Each noise floor measured (a stack against itself under a batch, kernel or engine-mode change), and the
+    vLLM-vs-transformers mismatch set against the largest of them: one kernel change can move logprobs as much as
+    the whole gap, so the mismatch alone says little."""
+    floors = {name: float(shipped[name]) for name in NOISE_FLOORS
+              if name in shipped and shipped[name] is not None and not pd.isna(shipped[name])}
+    if not floors:
+        return [Paragraph("No noise floor was measured for this run: a stack's own batch, kernel or engine-mode change "
+                          "can move its logprobs as much as the mismatch itself, so read the numbers above against a "
+                          "run with `--batch-invariance` (and `--engine-noise` for the engine's mode).")]
+    parts = []
+    if "noise_infer_mean_abs_dlogp" in floors and "noise_train_mean_abs_dlogp" in floors:
+        parts.append("scoring the same sequences one at a time and then in one batch changes the inference stack's "
+                     f"logprobs by {_num(floors['noise_infer_mean_abs_dlogp'])} nats on average and the training "
+                     f"stack's by {_num(floors['noise_train_mean_abs_dlogp'])} nats (batch_invariance.csv)")
+    if "noise_train_kernel_mean_abs_dlogp" in floors:
+        parts.append("running the training stack's attention on another SDPA kernel moves its logprobs by "
+                     f"{_num(floors['noise_train_kernel_mean_abs_dlogp'])} nats (kernel_noise.csv)")
+    if "noise_infer_engine_mode_mean_abs_dlogp" in floors:
+        parts.append("the engine in its other mode (eager vs compiled) moves its logprobs by "
+                     f"{_num(floors['noise_infer_engine_mode_mean_abs_dlogp'])} nats (engine_noise.csv)")
+    text = "Noise floor: " + "; ".join(parts) + "."
+    tap_points = shipped.get("tap_points_mean_abs_dlogp")
+    if tap_points is not None and not pd.isna(tap_points):
+        text += (" The engine's tap points left its logprobs bitwise unchanged." if float(tap_points) == 0 else
+                 f" The engine's tap points moved its logprobs by {_num(tap_points)} nats: its taps are not what an "
+                 "untapped engine computes.")
     mismatch = float(shipped.get("mean_abs_dlogp", float("nan")))
-    text = (f"Noise floor: scoring the same sequences one at a time and then in one batch changes the inference "
-            f"stack's logprobs by {_num(infer)} nats on average and the training stack's by {_num(train)} nats "
-            "(batch_invariance.csv).")
-    kernel = shipped.get("noise_train_kernel_mean_abs_dlogp")
-    if kernel is not None and not pd.isna(kernel):
-        text += (f" Running the training stack's attention on another SDPA kernel moves its logprobs by {_num(kernel)} "
-                 "nats (kernel_noise.csv).")
-    if float(train) > 0 and not math.isnan(mismatch):
-        ratio = mismatch / float(train)
-        text += (f" The mismatch between the stacks, {_num(mismatch)}, is {_num(ratio)}× the training stack's own "
-                 "batch noise" + ("; a mismatch no larger than that noise is not a numerics bug in the engine."
-                                  if ratio <= 1 else "."))
+    name = max(floors, key=floors.get)
+    if floors[name] > 0 and not math.isnan(mismatch):
+        ratio = mismatch / floors[name]
+        text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(ratio)}× the largest of these "
+                 f"floors ({NOISE_FLOORS[name]})" +
+                 (": no larger than what that change alone does, so it is no evidence of a numerics bug in either "
+                  "stack." if ratio <= 1 else "."))
     return [Paragraph(text)]
 
 
