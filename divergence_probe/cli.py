@@ -48,7 +48,7 @@ def _progress() -> Progress:
 
 
 def _print_summary(run, out_dir: Path) -> None:
-    from .tables import worst_layer
+    from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -67,12 +67,18 @@ def _print_summary(run, out_dir: Path) -> None:
     for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
                        ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
                        ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
+                       ("noise_infer_engine_mode_mean_abs_dlogp", "noise floor: engine, other mode"),
+                       ("tap_points_mean_abs_dlogp", "engine with vs without tap points"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:
             table.add_row(label, f"{s[key]:.3e}")
-    if "noise_train_mean_abs_dlogp" not in s:  # a mismatch means little without it; say how to get it
-        table.add_row("noise floor", "not measured (--batch-invariance)")
+    largest = largest_noise_floor(s)
+    if largest is None:  # a mismatch means little without it; say how to get it
+        table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")
+    elif largest[1] > 0:
+        table.add_row("mismatch / largest noise floor",
+                      f"{s['mean_abs_dlogp'] / largest[1]:.3g}x ({NOISE_FLOORS[largest[0]]})")
     out.print(table)
     _print_graft(getattr(run, "graft_tables", {}))
     out.print(f"run: {out_dir}")

@@ -20,6 +20,15 @@ NOT_CAPTURED = "not captured"  # no taps were requested (--taps none)
 NO_DIVERGENCE = "none"  # every captured tap was bitwise equal / under the threshold
 
 
+# summary.csv's noise floors (compare.noise_floor_columns), each with the change that made it: one stack against
+# itself. A mismatch is read against the largest one measured: on real shapes one kernel change can move logprobs as
+# much as the whole gap (README "The noise floor").
+NOISE_FLOORS = {
+    "noise_infer_mean_abs_dlogp": "the inference stack's own batch change",
+    "noise_train_mean_abs_dlogp": "the training stack's own batch change",
+    "noise_train_kernel_mean_abs_dlogp": "the training stack's own attention-kernel change",
+    "noise_infer_engine_mode_mean_abs_dlogp": "the engine's own change of mode",
+}
 ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "token", "is_response",
                          "logprob_infer", "logprob_train", "delta_logprob", "kl"]
 
@@ -72,3 +81,20 @@ def worst_layer(tap_stats, tap: str = "resid_out") -> tuple[int, float] | None:
         return None
     rel, layer = max(candidates)
     return layer, rel
+
+
+def noise_floors(summary) -> dict[str, float]:
+    """The noise floors a run measured (summary column -> mean |Δlogp|), in NOISE_FLOORS order."""
+    found = {}
+    for name in NOISE_FLOORS:
+        value = summary.get(name)
+        if value is not None and not pd.isna(value):
+            found[name] = float(value)
+    return found
+
+
+def largest_noise_floor(summary) -> tuple[str, float] | None:
+    """The largest noise floor a run measured, (summary column, mean |Δlogp|), or None when it measured none."""
+    floors = noise_floors(summary)
+    return max(floors.items(), key=lambda item: item[1]) if floors else None
+

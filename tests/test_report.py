@@ -315,10 +315,35 @@ def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
     assert _noise_floor_paragraph(tmp_path / "c").startswith("No noise floor was measured")
 
 
+def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor(monkeypatch, tmp_path):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from divergence_probe import cli
+
+    def printed(**noise) -> str:
+        buffer = io.StringIO()
+        monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
+        summary = {**_summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
+        run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={})
+        cli._print_summary(run, tmp_path)
+        return buffer.getvalue()
+
+    text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,
+                   noise_train_kernel_mean_abs_dlogp=0.01)
+    assert "mismatch / largest noise floor" in text and "1.2x (the training stack's own attention-kernel change)" in text
+    text = printed(noise_infer_engine_mode_mean_abs_dlogp=0.024, tap_points_mean_abs_dlogp=0.0)
+    assert "0.5x (the engine's own change of mode)" in text and "engine with vs without tap points" in text
+    assert "not measured (--batch-invariance, --engine-noise)" in printed()
+
+
 def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
     from divergence_probe.batch_invariance import TAP_POINTS_CHANGE
     from divergence_probe.compare import noise_floor_columns
-    from divergence_probe.reports.prose import NOISE_FLOORS, SUMMARY_MEANINGS
+    from divergence_probe.reports.prose import SUMMARY_MEANINGS
+    from divergence_probe.tables import NOISE_FLOORS
 
     floor = pd.DataFrame({"side": ["infer", "train"], "mean_abs_dlogp": [0.0, 1e-4]})
     kernel = pd.DataFrame({"mean_abs_dlogp": [1e-2]})

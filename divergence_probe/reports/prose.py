@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..shapley import REMAINING, SHIPPED
+from ..tables import NOISE_FLOORS, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
 from .load import RunData, layers_of, response_rho, row_of
 
@@ -54,13 +55,6 @@ SUMMARY_MEANINGS = {
                                               "compiled)",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",
-}
-# The noise floors of summary.csv, each with what changed for it: the mismatch is read against the largest measured.
-NOISE_FLOORS = {
-    "noise_infer_mean_abs_dlogp": "the inference stack's own batch change",
-    "noise_train_mean_abs_dlogp": "the training stack's own batch change",
-    "noise_train_kernel_mean_abs_dlogp": "the training stack's own attention-kernel change",
-    "noise_infer_engine_mode_mean_abs_dlogp": "the engine's own change of mode",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -277,8 +271,7 @@ def _noise_floor(shipped: pd.Series) -> list:
     """Each noise floor measured (a stack against itself under a batch, kernel or engine-mode change), and the
     vLLM-vs-transformers mismatch set against the largest of them: one kernel change can move logprobs as much as
     the whole gap, so the mismatch alone says little."""
-    floors = {name: float(shipped[name]) for name in NOISE_FLOORS
-              if name in shipped and shipped[name] is not None and not pd.isna(shipped[name])}
+    floors = noise_floors(shipped)
     if not floors:
         return [Paragraph("No noise floor was measured for this run: a stack's own batch, kernel or engine-mode change "
                           "can move its logprobs as much as the mismatch itself, so read the numbers above against a "
@@ -301,9 +294,9 @@ def _noise_floor(shipped: pd.Series) -> list:
                  f" The engine's tap points moved its logprobs by {_num(tap_points)} nats: its taps are not what an "
                  "untapped engine computes.")
     mismatch = float(shipped.get("mean_abs_dlogp", float("nan")))
-    name = max(floors, key=floors.get)
-    if floors[name] > 0 and not math.isnan(mismatch):
-        ratio = mismatch / floors[name]
+    name, largest = largest_noise_floor(shipped)
+    if largest > 0 and not math.isnan(mismatch):
+        ratio = mismatch / largest
         text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(ratio)}× the largest of these "
                  f"floors ({NOISE_FLOORS[name]})" +
                  (": no larger than what that change alone does, so it is no evidence of a numerics bug in either "
