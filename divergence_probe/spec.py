@@ -133,8 +133,10 @@ class CaptureSpec:
 
     taps: str = option("all", "all, none, or a comma list of tap names (" + ", ".join(ALL_TAPS) + ").")
     threshold: float = option(1e-3, "rel_l2 above which a tap counts as diverged (first_over_threshold).")
-    batch_invariance: bool = option(False, "Also measure each stack alone vs batched on the same sequences (the "
-                                           "noise floor; batch_invariance.csv).")
+    batch_invariance: bool = option(False, "Also measure the noise floor: each stack alone vs batched on the same "
+                                           "sequences (batch_invariance.csv), and the training stack under another "
+                                           "SDPA kernel (kernel_noise.csv); the summary reads the mismatch against "
+                                           "the largest floor.")
     graft: bool = option(False, "Also measure each op's local error: the training stack's op on the inference "
                                 "stack's captured input of that op, against the inference output (local.csv, "
                                 "local_families.csv). Captures every tap; needs --engine eager.")
