@@ -99,7 +99,6 @@ class _Engine:
         from divergence_probe.prompts import default_prompts_path, load_prompts
 
         self.args, self.tapped = args, args.serve == "tapped"
-        self.out = args.out
         engine_args = {} if args.device == "cpu" else ENGINE_ARGS
         self.probe, load_s = timed(lambda: dp.load(str(args.models_dir / args.preset), device=args.device,
                                                    engine="compiled", engine_args=engine_args,
@@ -148,7 +147,7 @@ class _Engine:
 
             result = {"tap_reduction": backend()}
             if self.tapped and self.args.device == "cuda":
-                result["device_profile_short"] = device_profile(self.probe, self.out / "device-profile-short.txt",
+                result["device_profile_short"] = device_profile(self.probe, self.args.out / "device-profile-short.txt",
                                                                 **self.options["short"])
             return result
         raise ValueError(f"unknown call {op!r}")
@@ -157,10 +156,10 @@ class _Engine:
         found = {}
         if "engine" in self.args.profiles:
             _profile_engine(self.probe, self.prompts[workload],
-                            self.out / f"{self.args.serve}-engine-profile-{workload}.txt")
+                            self.args.out / f"{self.args.serve}-engine-profile-{workload}.txt")
         if self.tapped and workload in self.args.anatomy:
             found["anatomy_s"] = anatomy(self.probe, self.prompts[workload], rounds=2)
-            _profile(self.probe, self.out / f"tapped-profile-{workload}.txt", **self.options[workload])
+            _profile(self.probe, self.args.out / f"tapped-profile-{workload}.txt", **self.options[workload])
         return found
 
 
