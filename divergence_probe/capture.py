@@ -5,7 +5,8 @@ every tap it emits is filed under that prompt. When the prompt is finished, its 
 and the pairs are reduced and dropped. Memory is bounded by one inference batch (`--batch-tokens`) plus one prompt,
 never by the number of prompts.
 
-Taps are kept as the stacks hand them over (a stack never writes to a tap it emitted: stacks/base.TapSink), and
+Taps are kept as the stacks hand them over (valid until the stack's next call, stacks/base.TapSink: every prompt
+of an inference batch is finished before the run loop calls the inference stack again), and
 are reduced in as few calls as possible: all pairs of one prompt with the same shape (every layer's hidden-size
 taps, say) are stacked into one `[taps, tokens, features]` pair, and all of a prompt's stacks are reduced by one
 call of the fused reduction (fused.py): per call, the fixed cost exceeds the arithmetic of a small tap. A stack that

@@ -120,24 +120,46 @@ def test_a_stacked_hand_over_is_checked_per_tap():
         pairing.finish_prompt(0)
 
 
-def test_vllm_stacked_step_taps_are_one_contiguous_copy_per_prompt():
-    """A compiled engine's taps of one width, [taps, rows, features], are its live buffers: each prompt gets a copy of
-    its own rows, contiguous, that the next step's writes leave alone."""
+def test_vllm_stacked_step_taps_are_views_of_the_step_per_prompt():
+    """A compiled engine's taps of one width, [taps, rows, features], are its live buffers, written again only by its
+    next step: each prompt gets a view of its own rows, not a copy (base.TapSink: valid until the stack's next call)."""
     from divergence_probe.stacks.vllm import _Step
 
     live = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
-    want = {0: live[:, 0:2].clone(), 1: live[:, 2:5].clone()}
     emitted = {}
     _Step(spans={0: (0, 2), 1: (2, 3)}).split(live, lambda pid, tap, x: emitted.__setitem__(pid, (tap, x)),
                                               tuple(KEYS[:2]))
-    live.zero_()
-    for pid, (tap, x) in emitted.items():
-        assert tap == tuple(KEYS[:2]) and x.is_contiguous() and torch.equal(x, want[pid])
-    alone = {}
-    whole = torch.ones(2, 4, 3)
-    _Step(spans={0: (0, 4)}).split(whole, lambda pid, tap, x: alone.__setitem__(pid, x), tuple(KEYS[:2]))
-    whole.zero_()  # a prompt that fills the step is copied too
-    assert torch.equal(alone[0], torch.ones(2, 4, 3))
+    for pid, start, length in ((0, 0, 2), (1, 2, 3)):
+        tap, x = emitted[pid]
+        assert tap == tuple(KEYS[:2]) and x.shape == (2, length, 3)
+        assert x.data_ptr() == live[0, start].data_ptr() and torch.equal(x, live[:, start : start + length])
+
+
+def test_a_strided_stacked_hand_over_reduces_as_its_contiguous_copy():
+    """A prompt's rows of a step's buffer (a view with the other prompts' rows between its taps) give the statistics of
+    the same taps copied out, bit for bit, over prompts at several offsets."""
+    from divergence_probe.stacks.vllm import _Step
+
+    widths = tuple(key for key in KEYS if WIDTH[key.name] == 64)
+    prompts = {0: _taps(0, tokens=5), 1: _taps(1, tokens=9), 2: _taps(2, tokens=3)}
+    spans, row = {}, 2  # two rows of padding first: no prompt starts at the buffer's start
+    for pid, taps in prompts.items():
+        spans[pid], row = (row, len(taps[widths[0]][0])), row + len(taps[widths[0]][0])
+    live = torch.zeros(len(widths), row + 4, 64, dtype=torch.bfloat16)
+    for pid, taps in prompts.items():
+        start, length = spans[pid]
+        live[:, start : start + length] = torch.stack([taps[key][0] for key in widths])
+    strided, copied = TapPairing(KEYS), TapPairing(KEYS)
+    for pairing, keep in ((strided, lambda x: x), (copied, lambda x: x.clone(memory_format=torch.contiguous_format))):
+        _Step(spans=spans).split(live, lambda pid, tap, x: pairing.park(pid, tap, keep(x)), widths)
+        for pid, taps in prompts.items():
+            for key, (test, ref) in taps.items():
+                if key not in widths:
+                    pairing.park(pid, key, test)
+                pairing.pair(pid, key, ref)
+            pairing.finish_prompt(pid)
+    assert not next(iter(strided._plans.values())).groups[0].singles  # the stack went in as it was handed over
+    assert strided.stats == copied.stats
 
 
 def _parked(keys=KEYS):

@@ -18,8 +18,10 @@ from ..taps import Tap
 
 TapSink = Callable[[int, Tap, torch.Tensor], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
-(taps.Tap; `taps.each_tap` unstacks). The stack never writes to the tensor again, so a sink may keep it as it is:
-vLLM clones the buffers it reuses in place, transformers writes no activation in place and hands over views."""
+(taps.Tap; `taps.each_tap` unstacks). The tensor stays as handed over until the stack's next call (score, sample,
+score_batched), so a sink may keep it as it is until then; one that keeps it longer copies it. vLLM clones what it
+overwrites within a forward, but a compiled engine hands over views of its tap buffers and of its CUDA graphs' output,
+which its next step writes again; transformers writes no activation in place and hands over views."""
 
 
 ScoresSink = Callable[["PromptScores"], None]

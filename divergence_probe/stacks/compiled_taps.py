@@ -16,9 +16,11 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   (`buf[:rows].copy_(x)`), allocated once when the model is built, sized for the most rows a step can hold. A CUDA-graph
   capture runs the impl once and records that copy (fixed addresses, no allocation, no host sync); every replay
   repeats it, while the Python impl itself never runs on replay. Nothing else happens in the graph: the host reads
-  the step's rows after each engine step's model call (`deliver`, outside any graph), and the receiver copies them,
-  because the next step writes the buffers again (and Inductor reuses x's memory within the forward). The buffers of
-  one width are rows of one tensor, so the host reads them as one, and a prompt's taps of that width are one copy.
+  the step's rows after each engine step's model call (`deliver`, outside any graph) and hands them over as views,
+  valid until the next step writes the buffers again: a scoring call is one step, and the run loop reduces a batch's
+  taps before it calls the engine again, so a compare copies each tap once, in the graph (x itself cannot be handed
+  over: Inductor reuses its memory within the forward). The buffers of one width are rows of one tensor, so the
+  host reads them as one, and a prompt's taps of that width are one view.
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
@@ -243,7 +245,8 @@ def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], em
     """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm.py sets it through its HookSet, which
     restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
     selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
-    of the buffers that is valid until the next step writes them (the receiver copies what it keeps); and `embed` as
+    of the buffers that is valid until the next step writes them (a receiver that keeps it longer copies it:
+    base.TapSink); and `embed` as
     the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
     selected = frozenset(taps)
     reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)

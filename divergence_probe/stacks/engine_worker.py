@@ -254,8 +254,8 @@ def _serve(folder: Path) -> None:
 def _run(stack, method: str, args: tuple):
     taps: list = []
 
-    def sink(key, tap, x):
-        taps.append((key, tap, x))
+    def sink(key, tap, x):  # kept past the call (base.TapSink), and a view would be saved with all of its storage
+        taps.append((key, tap, x.clone(memory_format=torch.contiguous_format)))
 
     stack.recompute_gap = 0.0
     if method == "score":

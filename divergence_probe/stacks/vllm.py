@@ -288,12 +288,14 @@ class _Step:
 
     def split(self, x: torch.Tensor, emit, tap: Tap) -> None:
         """One tap's rows of the whole step ([rows, ...]) -> one [T, features] view per prompt, of one clone for the
-        step if vLLM writes the buffer again (REWRITTEN; one clone per step is one copy kernel, not one per prompt).
-        A tuple of taps stacked as [taps, rows, features] (a compiled engine's tap buffers, written again at the next
-        step) -> one contiguous [taps, T, features] copy per prompt."""
+        step if vLLM writes the buffer again within the forward (REWRITTEN; one clone per step is one copy kernel, not
+        one per prompt). A tuple of taps stacked as [taps, rows, features] (a compiled engine's tap buffers) -> one
+        [taps, T, features] view per prompt, not a copy: the buffers are written again only by the engine's next step,
+        which is a later call of the stack (a scoring call is one step), and a sink keeps a tap no longer than that
+        unless it copies it (base.TapSink)."""
         if not isinstance(tap, TapKey):
             for prompt_id, (start, length) in self.spans.items():
-                emit(prompt_id, tap, x[:, start : start + length].clone(memory_format=torch.contiguous_format))
+                emit(prompt_id, tap, x[:, start : start + length])
             return
         flat = x.reshape(x.shape[0], -1)
         if tap.name in REWRITTEN:
