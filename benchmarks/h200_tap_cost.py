@@ -7,9 +7,10 @@ and where that time goes, on a GPU.
 
 Two engines, each in a process of its own (one engine per process), loaded one after the other and then alive
 together: **plain**, built without tap points (what `--taps none` builds: vLLM as deployed), and **tapped**, built
-with them (`taps="all"`). This process drives both and runs one call at a time, interleaving the engines call by
-call (plain taps none, tapped taps all, tapped taps none, in an order rotated each round). So the machine's drift over
-a run (on the H200 as large as the margin to the target) falls on both engines alike, not on whichever ran second.
+with them (`taps="all"`), each pinned to its own half of this process's CPU cores. This process drives both and runs
+one call at a time, interleaving the engines call by call (plain taps none, tapped taps all, tapped taps none, in an
+order rotated each round). So the machine's drift over a run (on the H200 as large as the margin to the target) falls
+on both engines alike, not on whichever ran second, and each round's ratio of neighbouring calls is reported too.
 Two workloads, each a `compare`:
   short  the first 16 shipped prompts, as they are (all shorter than 1024 tokens): few tokens per prompt, so the taps'
          per-prompt host work weighs the most
@@ -168,7 +169,12 @@ REPLY = "@@tap-cost "  # marks the driver's replies on a child's stdout, where v
 
 def serve(args) -> None:
     """A child: load one engine, then run the driver's calls (one JSON object per stdin line), replying on stdout."""
+    if args.cores:  # before vLLM and torch start their threads
+        cores = [int(c) for c in args.cores.split(",")]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
     engine = _Engine(args)
+    engine.header["cores"] = sorted(os.sched_getaffinity(0))
     print(REPLY + json.dumps(engine.header), flush=True)
     for line in sys.stdin:
         print(REPLY + json.dumps(engine.call(**json.loads(line))), flush=True)
@@ -178,8 +184,8 @@ def serve(args) -> None:
 class _Child:
     """The driver's handle on one engine process."""
 
-    def __init__(self, args, part: str) -> None:
-        command = [sys.executable, __file__, "--serve", part, *sys.argv[1:]]
+    def __init__(self, args, part: str, cores: list[int]) -> None:
+        command = [sys.executable, __file__, "--serve", part, "--cores", ",".join(map(str, cores)), *sys.argv[1:]]
         self.part = part
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         stderr=open(args.out / f"{part}.log", "w"))
@@ -208,7 +214,12 @@ def drive(args) -> None:
 
     if not (args.models_dir / args.preset / "config.json").exists():
         make_model(args.models_dir / args.preset, preset=args.preset, seed=0)
-    children = {part: _Child(args, part) for part in args.parts}
+    # Each engine process on cores of its own: a neighbour's threads then cannot slow the engine whose call is timed
+    # (run G's plain calls were 0.48 s or 0.72 s from one call to the next, both engines on all 16 cores)
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // len(args.parts))
+    children = {part: _Child(args, part, cores[i * share : (i + 1) * share] or cores[-share:])
+                for i, part in enumerate(args.parts)}
     results = {part: {**child.header, "workloads": {}} for part, child in children.items()}
     selections = {"plain": ("none",), "tapped": ("all", "none")}
     calls = [(part, taps) for part in args.parts for taps in selections[part]]
@@ -289,6 +300,7 @@ def main() -> None:
     ap.add_argument("--profiles", default="engine", type=lambda v: set(v.split(",")) - {""},
                     help="'engine': profile the engine's part of a taps-none compare per workload, both engines ('' none)")
     ap.add_argument("--serve", choices=("plain", "tapped"), help=argparse.SUPPRESS)  # a child of the driver
+    ap.add_argument("--cores", help=argparse.SUPPRESS)  # the child's own CPU cores
     add_workload_arguments(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

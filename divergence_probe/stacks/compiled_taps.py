@@ -183,7 +183,7 @@ def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
 
 def make_buffers(widths: dict[int, int], rows: int, dtype: torch.dtype, device) -> None:
     """One zeroed [taps, rows, features] tensor per width (`widths`: op key -> features); each tap's buffer is its
-    row of that tensor. So the host reads a step's taps of one width as one tensor, one copy per prompt, instead of
+    row of that tensor. So the host reads a step's taps of one width as one tensor, one view per prompt, instead of
     one per tap (`router`)."""
     _BUFFERS.clear()
     _GROUPS.clear()
