@@ -20,8 +20,8 @@ TapSink = Callable[[int, Tap, torch.Tensor], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
 (taps.Tap; `taps.each_tap` unstacks). The tensor stays as handed over until the stack's next call (score, sample,
 score_batched), so a sink may keep it as it is until then; one that keeps it longer copies it. vLLM clones what it
-overwrites within a forward, but a compiled engine hands over views of its tap buffers and of its CUDA graphs' output,
-which its next step writes again; transformers writes no activation in place and hands over views."""
+overwrites within a forward, but a compiled engine hands over views of its tap buffers, which its next step writes
+again; transformers writes no activation in place and hands over views."""
 
 
 ScoresSink = Callable[["PromptScores"], None]

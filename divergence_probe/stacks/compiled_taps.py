@@ -246,8 +246,7 @@ def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], em
     restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
     selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
     of the buffers that is valid until the next step writes them (a receiver that keeps it longer copies it:
-    base.TapSink); and `embed` as
-    the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
+    base.TapSink); and `embed` as the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
     selected = frozenset(taps)
     reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)
     for keys, group in _GROUPS:
