@@ -273,6 +273,28 @@ def test_a_tap_without_a_fitting_buffer_raises(op_state):
     assert torch.equal(compiled_taps._BUFFERS[key], torch.tensor([[1.0] * 4, [0.0] * 4]))
 
 
+def test_a_call_copies_only_the_taps_it_reads_unless_a_graph_is_captured(op_state, monkeypatch):
+    """Inside a scoring call, a step run without a graph copies only the taps that call reads: another tap's buffer
+    keeps what it held. Under CUDA-graph capture, and outside any call (where vLLM captures), every tap is copied: a
+    captured graph must serve any later selection."""
+    compiled_taps = op_state
+    read, other = compiled_taps._key("swiglu", 0), compiled_taps._key("up_proj", 0)
+    compiled_taps.make_buffers({read: 4, other: 4}, rows=2, dtype=torch.float32, device="cpu")
+    x = torch.ones(2, 4)
+    monkeypatch.setattr(compiled_taps, "_ACTIVE", lambda input_ids: None)
+    monkeypatch.setattr(compiled_taps, "_WANTED", compiled_taps.wanted(frozenset({"swiglu", "embed"})))
+    for key in (read, other):
+        torch.ops.dp.tap(x, key)
+    assert torch.equal(compiled_taps._BUFFERS[read], x) and torch.equal(compiled_taps._BUFFERS[other], 0 * x)
+    monkeypatch.setattr(compiled_taps, "_capturing", lambda x: True)
+    torch.ops.dp.tap(2 * x, other)
+    assert torch.equal(compiled_taps._BUFFERS[other], 2 * x)
+    monkeypatch.setattr(compiled_taps, "_capturing", lambda x: False)
+    monkeypatch.setattr(compiled_taps, "_ACTIVE", None)
+    torch.ops.dp.tap(3 * x, other)
+    assert torch.equal(compiled_taps._BUFFERS[other], 3 * x)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has none; benchmarks/h200_cgtaps.py runs it)")
 def test_cuda_graph_replay_repeats_the_copy(op_state):
     """Under CUDA-graph capture the Python impl runs once; every replay must repeat its copy into the static buffer.

@@ -26,7 +26,9 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
   identity (stacks/vllm.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
-  never read: nothing is active then.
+  never read: nothing is active then. Inside a call, a step run without a graph skips the taps the call does not read
+  (`_WANTED`), so an engine built with every tap point and asked for a few copies only those; a graph replay copies
+  every tap it was captured with.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python in
 _BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
 _GROUPS: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width: (op keys, [taps, rows, features]): the buffers
 _ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
+_WANTED: frozenset[int] = frozenset()  # set with _ACTIVE: the op keys that call reads
 _LIB: torch.library.Library | None = None
 
 
@@ -90,7 +93,14 @@ def _key(name: str, layer: int) -> int:
 def _impl(x: torch.Tensor, key: int) -> None:
     """x's rows into its tap's static buffer, and nothing else: under CUDA-graph capture this copy is what gets
     recorded and replayed, so it must neither allocate nor sync nor depend on Python state that changes per step.
-    Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here."""
+    Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here.
+
+    A step run without a graph inside a scoring or sampling call skips the taps that call does not read: nothing
+    reads them before the next step writes them again. Everywhere else every tap is copied: vLLM captures its graphs
+    while it builds the engine, outside any call, and a graph must record every tap point's copy to serve any later
+    selection (`_capturing` makes sure of it should a capture ever happen inside a call)."""
+    if _ACTIVE is not None and key not in _WANTED and not _capturing(x):
+        return
     buf = _BUFFERS.get(key)
     if buf is None:  # install hooks only the taps it allocates for
         raise StackError(f"the compiled engine called tap {_KEYS[key].label} for which no buffer was allocated; "
@@ -101,6 +111,11 @@ def _impl(x: torch.Tensor, key: int) -> None:
                          f"{x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} (sized "
                          "from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a bug")
     buf[:rows].view(x.shape).copy_(x)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether this op call is being recorded into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def mark_effectful(qualname: str, lib: torch.library.Library) -> None:
@@ -239,6 +254,11 @@ def building(model_classes: list[type], taps: frozenset[str]):
     finally:
         for cls, init in originals.items():
             cls.__init__ = init
+
+
+def wanted(taps: frozenset[str]) -> frozenset[int]:
+    """The op keys of the tap points a call for these taps reads: what `_WANTED` is set to beside `_ACTIVE`."""
+    return frozenset(key for key in _BUFFERS if _KEYS[key].name in taps)
 
 
 def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):

@@ -611,6 +611,7 @@ class VLLMStack:
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
             fresh = compiled_taps.router(on_tap, taps, model.embed_tokens)
             hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
+            hooks.replace(compiled_taps, "_WANTED", compiled_taps.wanted(taps), owner="compiled taps")
             return
         if "embed" in taps:
             embed = TapKey.of("embed", -1)
