@@ -18,8 +18,9 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   repeats it, while the Python impl itself never runs on replay. Nothing else happens in the graph: the host reads
   the step's rows after each engine step's model call (`deliver`, outside any graph) and hands them over as views,
   valid until the next step writes the buffers again: a scoring call is one step, and the run loop reduces a batch's
-  taps before it calls the engine again, so a compare copies each tap once, in the graph (x itself cannot be handed
-  over: Inductor reuses its memory within the forward). The buffers of one width are rows of one tensor, so the
+  taps before it calls the engine again, on the same device stream (one thread, whose current stream in-process vLLM
+  sets once; nothing here switches streams), so a compare copies each tap once, in the graph (x itself cannot be
+  handed over: Inductor reuses its memory within the forward). The buffers of one width are rows of one tensor, so the
   host reads them as one, and a prompt's taps of that width are one view.
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
