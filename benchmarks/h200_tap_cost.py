@@ -237,7 +237,7 @@ def drive(args) -> None:
                     rows[part][into].setdefault(taps, []).append(reply["seconds"])
                     if "diag" in reply:
                         rows[part]["calls"].append(reply["diag"])
-        for part, child in children.items():  # the timed calls first: a run cut short in the profiles keeps them
+        for part in children:  # the timed calls first: a run cut short in the profiles keeps them
             results[part]["workloads"][name] = rows[part]
             (args.out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
         print(f"{name}: timed calls done", flush=True)
@@ -274,11 +274,11 @@ def summary(args) -> None:
         if plain is not None:  # against the engine without tap points (vLLM as deployed): what a user pays
             p = plain["workloads"][name]["times_s"]["none"]
             row["median_s"]["plain_none"] = med(p)
-            row |= {"taps_all_over_untapped_engine": med(all_s) / med(p),
+            rounds = sorted(a / b for a, b in zip(all_s, p))  # each round's two calls ran next to each other: the
+            row |= {"taps_all_over_untapped_engine": med(all_s) / med(p),  # machine's drift cancels within a round
                     "taps_all_over_untapped_engine_fastest": min(all_s) / min(p),
-                    # each round's two calls ran next to each other: the machine's drift cancels within a round
-                    "taps_all_over_untapped_engine_per_round": sorted(a / b for a, b in zip(all_s, p)),
-                    "taps_all_over_untapped_engine_round_median": med([a / b for a, b in zip(all_s, p)]),
+                    "taps_all_over_untapped_engine_per_round": rounds,
+                    "taps_all_over_untapped_engine_round_median": med(rounds),
                     "idle_tap_points": med(none_s) / med(p)}
             row["first_call_s"]["plain_none"] = plain["workloads"][name]["first_call_s"]
             if "engine_s" in plain["workloads"][name]:
