@@ -82,7 +82,8 @@ def engine_part(args) -> None:
     }
     layers = len(probe.infer.layers)
     kept = _kept_layers(layers)
-    taps = frozenset(compiled_taps.NEUTRAL) if tapped else frozenset()
+    # the layer taps (tap points in the graph) and embed (taken outside it, from the step's input ids)
+    taps = frozenset(compiled_taps.NEUTRAL) | {"embed"} if tapped else frozenset()
     embedding = probe.infer.model.model.embed_tokens.weight.detach()
 
     # (1) compare: one large prefill step per batch (above every capture size: runs without a CUDA graph), timed;
