@@ -52,20 +52,21 @@ _BLOCK = 64
 
 
 def _row_sums(x: torch.Tensor) -> torch.Tensor:
-    """Row sums of [rows, n] into FP64: in blocks of 64 in x's dtype first, then the block sums in FP64.
+    """Row sums of [..., n] into FP64 [...]: in blocks of 64 in x's dtype first, then the block sums in FP64.
 
     For 16-bit taps the terms are FP32 and each is exact or one rounding away (products of two 16-bit values
     are exact in FP32), so a block sum carries at most 63 roundings, 4e-6 relative in the worst case and ~1e-7
     typically; every sum DiffStats reports is then this accurate. Vectorized FP32 blocks run faster on CPU than
     FP64 throughout. A length that is no multiple of 64 is summed in FP64 directly.
     """
-    if x.shape[1] % _BLOCK:
-        return x.double().sum(1)
-    return x.view(x.shape[0], -1, _BLOCK).sum(2).double().sum(1)
+    if x.shape[-1] % _BLOCK:
+        return x.double().sum(-1)
+    return x.unflatten(-1, (-1, _BLOCK)).sum(-1).double().sum(-1)
 
 
 def row_diff_sums(test: torch.Tensor, ref: torch.Tensor, row_sums=_row_sums) -> torch.Tensor:
-    """diff_sums of [rows, n] pairs, each row reduced on its own; row_sums([rows, n]) -> FP64 [rows]."""
+    """diff_sums of [..., n] pairs -> FP64 [..., 7], each row (last dimension) reduced on its own;
+    row_sums([..., n]) -> FP64 [...]."""
     work = torch.float64 if test.dtype == torch.float32 else torch.float32
     t, r = test.to(work), ref.to(work)
     d = t - r
@@ -73,9 +74,9 @@ def row_diff_sums(test: torch.Tensor, ref: torch.Tensor, row_sums=_row_sums) -> 
     # No t*r sum: the dot product follows from the other three (DiffStats.dot), and inductor's CPU kernel ran
     # slower with it.
     return torch.stack([
-        (d == 0).sum(1).double(), row_sums(abs_d), abs_d.amax(1).double(), row_sums(d * d), row_sums(r * r),
-        row_sums(t * t), ulp_distance(test, ref).amax(1).double(),
-    ], dim=1)
+        (d == 0).sum(-1).double(), row_sums(abs_d), abs_d.amax(-1).double(), row_sums(d * d), row_sums(r * r),
+        row_sums(t * t), ulp_distance(test, ref).amax(-1).double(),
+    ], dim=-1)
 
 
 def diff_sums(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -97,13 +98,20 @@ def blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
     A GPU reduction runs one thread block per output row: with one row per pair (a logits tap is one row of
     150M elements) most of the device sat idle; benchmarks/reduction_variants.py compares the layouts.
+
+    The blocks are split off the last dimension only, a view of any pair whose rows are contiguous: a compiled
+    engine hands over its taps as `[taps, tokens, features]` slices of larger buffers, and flattening those
+    across taps (a reshape to [-1, 64]) cannot be a view, so inductor indexed every element through a division by
+    the symbolic token count (benchmarks/strided_reduction.py measures it).
     """
-    per_block = row_diff_sums(test.reshape(-1, _BLOCK), ref.reshape(-1, _BLOCK), lambda x: x.sum(1).double())
+    blocks = (len(test), -1, _BLOCK)
+    per_block = row_diff_sums(test.view(blocks), ref.view(blocks), lambda x: x.sum(-1).double())
     return merge_row_sums(per_block, len(test))
 
 
 def merge_row_sums(per_row: torch.Tensor, pairs: int) -> torch.Tensor:
-    """[pairs * k, 7] diff_sums of k consecutive pieces per pair -> [pairs, 7]: sums add, maxima take the max."""
+    """[pairs, ..., 7] (or [pairs * k, 7]) diff_sums of k consecutive pieces per pair -> [pairs, 7]: sums add,
+    maxima take the max."""
     per_row = per_row.view(pairs, -1, len(DIFF_SUM_FIELDS))
     sums, maxima = per_row.sum(1), per_row.amax(1)
     return torch.stack([maxima[:, i] if is_max else sums[:, i] for i, is_max in enumerate(DIFF_SUM_IS_MAX)], dim=1)

@@ -293,3 +293,17 @@ def test_token_kl_at_full_vocabulary_with_large_logits_equals_an_extended_precis
     want = np.array(want)
     assert (want > 0).all()
     assert (np.abs(got - want) <= _kl_bound(p, q)).all(), (got - want) / _kl_bound(p, q)
+
+
+def test_gpu_layout_reduces_a_strided_hand_over_as_its_contiguous_copy():
+    """A compiled engine hands a prompt's taps over as rows of larger buffers ([taps, tokens, features], the other
+    prompts' rows between its taps). The GPU's layout of the reduction, compiled as fused.py compiles it (run here on
+    the CPU), gives such a view the sums of its contiguous copy, bit for bit, at every offset: the layout of the
+    hand-over must not change a run's numbers."""
+    reduce = torch.compile(blocks_first, dynamic=True, options={"deterministic": True})
+    test, ref = _random_pair(3 * 96, 512, torch.bfloat16, seed=5)
+    test, ref = test.view(3, 96, 512), ref.view(3, 96, 512)
+    for first, tokens in ((0, 40), (40, 33), (73, 23)):
+        view = test[:, first:first + tokens], ref[:, first:first + tokens]
+        assert not view[0].is_contiguous()
+        assert torch.equal(reduce(*view), reduce(*(x.contiguous() for x in view)))

@@ -1,0 +1,134 @@
+"""What the GPU's tap reduction (metrics.blocks_first, compiled as fused.py compiles it) pays for reading a compiled
+engine's hand-over as it is, a view of the step's tap buffers, against the same taps contiguous.
+
+    .venv/bin/python benchmarks/strided_reduction.py                  # CPU, about a minute
+    python3 benchmarks/strided_reduction.py --device cuda --out docs/results/h200/strided-reduction.json
+
+A compiled engine keeps one tap buffer per width, `[taps, buffer rows, features]`, and hands a prompt's taps over as
+the slice `[:, first row : first row + tokens]` (stacks/vllm.py `_Step.split`): rows contiguous, taps a whole buffer
+apart. The training side stacks its taps contiguous. Per round, the same prompt's pairs are reduced once as views
+(at a different first row each round, like the prompts of a step) and once as contiguous copies, in an order
+alternated each round; reported: each one's median, the ratio views / contiguous of the medians and of each round,
+and the bytes read per second. The shape: one prompt of the Qwen2.5-1.5B shape on CUDA (its three widths, 1024
+tokens, buffers of 4096 rows, half of vLLM's default batch: room for the FP32 noise they are made with), a smaller
+one on the CPU. The parent writes its section of docs/benchmarks.md and docs/strided_reduction.json unless --out
+names another file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.fx.experimental import _config as shape_config
+
+from divergence_probe.metrics import blocks_first
+from docs_section import write_section
+
+# width -> (taps, features): per layer 7 taps at the hidden size (input_norm, q_proj, q_rope, attn_core, attn_out,
+# post_norm, mlp_out), 3 at the KV width (k_proj, v_proj, k_rope) and 3 at the MLP's (gate_proj, up_proj, swiglu)
+SHAPES = {
+    "cuda": dict(layers=28, widths=(1536, 256, 8960), tokens=1024, buffer_rows=4096),
+    "cpu": dict(layers=4, widths=(1536, 256, 8960), tokens=128, buffer_rows=512),
+}
+TAPS_PER_LAYER = (7, 3, 3)
+
+
+def _buffers(device: str, layers: int, widths, buffer_rows: int):
+    """Per width, the two stacks' taps of a whole step: BF16 test = ref with ~1% noise, as the stacks' taps differ."""
+    g = torch.Generator(device=device).manual_seed(0)
+    pairs = []
+    for per_layer, features in zip(TAPS_PER_LAYER, widths):
+        ref = torch.randn(per_layer * layers, buffer_rows, features, device=device, generator=g).bfloat16()
+        noise = torch.randn(ref.shape, device=device, generator=g)
+        pairs.append(((ref.float() * (1 + 1e-2 * noise)).bfloat16(), ref))
+    return pairs
+
+
+def measure(device: str, rounds: int) -> dict:
+    shape = SHAPES[device]
+    tokens = shape["tokens"]
+    buffers = _buffers(device, shape["layers"], shape["widths"], shape["buffer_rows"])
+    # as fused.py compiles the reduction: dynamic shapes, deterministic, without duck sizing
+    reduce = torch.compile(lambda tests, refs: torch.cat([blocks_first(t, r) for t, r in zip(tests, refs)]),
+                           dynamic=True, options={"deterministic": True})
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def timed(tests, refs) -> tuple[float, torch.Tensor]:
+        sync()
+        start = time.perf_counter()
+        with shape_config.patch(use_duck_shape=False):
+            sums = reduce(tests, refs)
+        sync()
+        return time.perf_counter() - start, sums
+
+    def pairs_at(first: int, contiguous: bool):
+        views = [(t[:, first:first + tokens], r[:, first:first + tokens]) for t, r in buffers]
+        if contiguous:
+            views = [(t.contiguous(), r.contiguous()) for t, r in views]
+        return [t for t, _ in views], [r for _, r in views]
+
+    starts = [(k * 389) % (shape["buffer_rows"] - tokens) for k in range(rounds + 2)]  # a new first row each round
+    for first in starts[:2]:  # compile both layouts, at two offsets
+        for contiguous in (False, True):
+            timed(*pairs_at(first, contiguous))
+    seconds = {"views": [], "contiguous": []}
+    same_sums = True
+    for k, first in enumerate(starts[2:]):
+        found = {}
+        for contiguous in ((False, True) if k % 2 == 0 else (True, False)):
+            tests, refs = pairs_at(first, contiguous)  # the copies are made before the clock starts
+            s, found[contiguous] = timed(tests, refs)
+            seconds["contiguous" if contiguous else "views"].append(s)
+        same_sums &= torch.equal(found[False], found[True])
+    read = 2 * sum(t[:, :tokens].numel() * t.element_size() for t, _ in buffers)
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "shape": shape, "rounds": rounds, "bytes_read": read, "seconds": seconds, "median_s": median,
+        "views_over_contiguous": median["views"] / median["contiguous"],
+        "views_over_contiguous_round_median": statistics.median(
+            v / c for v, c in zip(seconds["views"], seconds["contiguous"])),
+        "gb_per_s": {name: read / s / 1e9 for name, s in median.items()},
+        "views_sums_equal_contiguous": same_sums,
+    }
+
+
+def section(r: dict) -> str:
+    s = r["shape"]
+    return f"""## The GPU's tap reduction on a compiled engine's hand-over: views against contiguous taps (`benchmarks/strided_reduction.py`)
+`metrics.blocks_first` compiled as fused.py compiles it, on one prompt's taps ({s['layers']} layers of widths
+{', '.join(map(str, s['widths']))}, {s['tokens']} tokens; the views are slices of buffers of {s['buffer_rows']} rows),
+{r['device']}, torch {r['torch']}, {r['rounds']} rounds:
+
+| layout | median | read |
+|---|---|---|
+| views of the tap buffers | {r['median_s']['views'] * 1e3:.1f} ms | {r['gb_per_s']['views']:.1f} GB/s |
+| contiguous | {r['median_s']['contiguous'] * 1e3:.1f} ms | {r['gb_per_s']['contiguous']:.1f} GB/s |
+
+views / contiguous: {r['views_over_contiguous']:.2f}x (per-round median {r['views_over_contiguous_round_median']:.2f}x);
+the sums of both layouts bitwise equal: {r['views_sums_equal_contiguous']}.
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=tuple(SHAPES), default="cpu")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", type=Path, help="write the numbers here instead of docs/ (a GPU run's results)")
+    args = ap.parse_args()
+    results = measure(args.device, args.rounds)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    else:
+        write_section("strided_reduction", section(results), results)
+    print(section(results))
+
+
+if __name__ == "__main__":
+    main()
