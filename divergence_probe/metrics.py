@@ -99,13 +99,13 @@ def blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     A GPU reduction runs one thread block per output row: with one row per pair (a logits tap is one row of
     150M elements) most of the device sat idle; benchmarks/reduction_variants.py compares the layouts.
 
-    The blocks are split off the last dimension only, a view of any pair whose rows are contiguous: a compiled
-    engine hands over its taps as `[taps, tokens, features]` slices of larger buffers, and flattening those
-    across taps (a reshape to [-1, 64]) cannot be a view, so inductor indexed every element through a division by
-    the symbolic token count (benchmarks/strided_reduction.py measures it).
+    Each pair is cut into blocks within itself (`[pairs, -1, 64]`), a view of any pair whose rows are contiguous:
+    a compiled engine hands over its taps as `[taps, tokens, features]` slices of larger buffers, and flattening
+    those across pairs (`[-1, 64]`) cannot be a view, so inductor indexed every element through a division by the
+    symbolic token count (benchmarks/strided_reduction.py measures it).
     """
     blocks = (len(test), -1, _BLOCK)
-    per_block = row_diff_sums(test.view(blocks), ref.view(blocks), lambda x: x.sum(-1).double())
+    per_block = row_diff_sums(test.reshape(blocks), ref.reshape(blocks), lambda x: x.sum(-1).double())
     return merge_row_sums(per_block, len(test))
 
 

@@ -73,6 +73,19 @@ def tied_head():  # every tensor pushed again (layer 1's up_proj too), but the h
 
 seen["tied_head_unfixed"] = error_of(tied_head)
 
+
+def head_is_stale(model) -> bool:
+    """Whether the engine's head GEMM still computes with an old embedding after the unfixed push: its output on a few
+    rows of the identity (one nonzero product per output: exact) against the live, tied embedding's. Platform
+    dependent: a CPU GEMM that packs a private copy of the weight (vLLM's AMX path) keeps the old one; one that reads
+    the weight in place (oneDNN on CPUs without AMX) follows the reload."""
+    head, embedding = model.lm_head, model.model.embed_tokens.weight
+    rows = torch.eye(embedding.shape[1], dtype=embedding.dtype, device=embedding.device)[:8]
+    return not torch.equal(head.quant_method.apply(head, rows, None), torch.nn.functional.linear(rows, embedding))
+
+
+seen["tied_head_stale"] = head_is_stale(loop.sync.model)
+
 # 5. the prefix cache not reset after the first step's push: the stale-cache probe fails, the first row is kept
 calls = {"n": 0}
 real_reset = WeightSync.reset_cache

@@ -307,3 +307,12 @@ def test_gpu_layout_reduces_a_strided_hand_over_as_its_contiguous_copy():
         view = test[:, first:first + tokens], ref[:, first:first + tokens]
         assert not view[0].is_contiguous()
         assert torch.equal(reduce(*view), reduce(*(x.contiguous() for x in view)))
+
+
+def test_gpu_layout_reduces_taps_whose_rows_are_not_contiguous():
+    """A tap whose features are not contiguous in memory (a transposed view, say) is reduced as its copy: the blocks
+    of 64 are a view where they can be and a copy where they cannot, never an error."""
+    test, ref = _random_pair(2 * 128, 40, torch.bfloat16, seed=7)
+    test, ref = test.view(2, 128, 40).transpose(1, 2), ref.view(2, 128, 40).transpose(1, 2)
+    assert not test.is_contiguous()
+    assert torch.equal(blocks_first(test, ref), blocks_first(test.contiguous(), ref.contiguous()))

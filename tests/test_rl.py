@@ -172,9 +172,15 @@ def test_skipped_tensor_is_caught(rl_process):
     assert "up_proj" in seen["skipped_tensor"]
 
 
-def test_tied_head_left_to_vllms_reload_is_caught(rl_process):
+def test_tied_head_left_to_vllms_reload_is_caught_where_it_is_stale(rl_process):
+    """vLLM's reload alone leaves a tied head's own GEMM copy stale on CPUs whose GEMM packs one (AMX), and not on
+    those that read the weight in place (the driver looks at what the head computes): the checksums name lm_head in
+    the first case and must not raise a false alarm in the second."""
     _, seen = rl_process
-    assert seen["tied_head_unfixed"].startswith("SyncError") and "lm_head.weight" in seen["tied_head_unfixed"]
+    if seen["tied_head_stale"]:
+        assert seen["tied_head_unfixed"].startswith("SyncError") and "lm_head.weight" in seen["tied_head_unfixed"]
+    else:
+        assert seen["tied_head_unfixed"] == "no error"
 
 
 def test_stale_prefix_cache_fails_the_probe_and_keeps_the_rows(rl_process):

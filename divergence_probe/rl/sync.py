@@ -6,7 +6,8 @@ the worker's `reload_weights`): it puts every layer back into its checkpoint lay
 re-runs each layer's post-load processing (on the CPU: packing the GEMM weights and dropping `layer.weight`) and
 copies the result into the tensors the engine already holds. No engine restart. One gap in that path is closed
 here: a tied head is processed only as its embedding (vLLM's `model_loader/reload` docstring, limitation 2), so on
-the CPU the lm_head's packed GEMM copy keeps the old embedding; its own post-load processing is run again.
+a CPU whose GEMM packs its own copy of the weight (vLLM's AMX path) the lm_head keeps the old embedding; its own
+post-load processing is run again.
 
 Check: per-tensor sha256 of what the engine computes with, against the trainer's tensors mapped as vLLM's loader maps
 them (its `packed_modules_mapping`; the tied lm_head is the embedding). "Computes with", not "stores": on the CPU a
