@@ -45,15 +45,16 @@ LAYOUTS = {"whole rows": whole_rows, "token rows f64": token_rows_f64, "token ro
            "blocks of 64": blocks_first}  # the GPU path of metrics.diff_sums
 
 
-def prompt_pairs(groups: dict[str, tuple[int, int]], tokens: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """One prompt's tap pairs on the GPU, per group: [taps, tokens, features] BF16, test = ref with ~1% noise (the
+def prompt_pairs(groups: dict[str, tuple[int, int]], tokens: int,
+                 device: str = "cuda") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's tap pairs, per group: [taps, tokens, features] BF16, test = ref with ~1% noise (the
     logits group has one row less: the scored positions)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     pairs = {}
     for name, (taps, features) in groups.items():
         rows = tokens - 1 if name == "logits" else tokens
-        ref = torch.randn(taps, rows, features, device="cuda", generator=g).bfloat16()
-        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device="cuda", generator=g))).bfloat16()
+        ref = torch.randn(taps, rows, features, device=device, generator=g).bfloat16()
+        test = (ref.float() * (1 + 1e-2 * torch.randn(ref.shape, device=device, generator=g))).bfloat16()
         pairs[name] = (test, ref)
     return pairs
 

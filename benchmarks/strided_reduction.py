@@ -28,6 +28,7 @@ from torch.fx.experimental import _config as shape_config
 
 from divergence_probe.metrics import blocks_first
 from docs_section import write_section
+from reduction_variants import prompt_pairs
 
 # width -> (taps, features): per layer 7 taps at the hidden size (input_norm, q_proj, q_rope, attn_core, attn_out,
 # post_norm, mlp_out), 3 at the KV width (k_proj, v_proj, k_rope) and 3 at the MLP's (gate_proj, up_proj, swiglu)
@@ -38,21 +39,13 @@ SHAPES = {
 TAPS_PER_LAYER = (7, 3, 3)
 
 
-def _buffers(device: str, layers: int, widths, buffer_rows: int):
-    """Per width, the two stacks' taps of a whole step: BF16 test = ref with ~1% noise, as the stacks' taps differ."""
-    g = torch.Generator(device=device).manual_seed(0)
-    pairs = []
-    for per_layer, features in zip(TAPS_PER_LAYER, widths):
-        ref = torch.randn(per_layer * layers, buffer_rows, features, device=device, generator=g).bfloat16()
-        noise = torch.randn(ref.shape, device=device, generator=g)
-        pairs.append(((ref.float() * (1 + 1e-2 * noise)).bfloat16(), ref))
-    return pairs
-
-
 def measure(device: str, rounds: int) -> dict:
     shape = SHAPES[device]
     tokens = shape["tokens"]
-    buffers = _buffers(device, shape["layers"], shape["widths"], shape["buffer_rows"])
+    # per width, the two stacks' taps of a whole step (test = ref with ~1% noise, as the stacks' taps differ)
+    groups = {f"width {features}": (per_layer * shape["layers"], features)
+              for per_layer, features in zip(TAPS_PER_LAYER, shape["widths"])}
+    buffers = list(prompt_pairs(groups, shape["buffer_rows"], device).values())
     # as fused.py compiles the reduction: dynamic shapes, deterministic, without duck sizing
     reduce = torch.compile(lambda tests, refs: torch.cat([blocks_first(t, r) for t, r in zip(tests, refs)]),
                            dynamic=True, options={"deterministic": True})
