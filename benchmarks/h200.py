@@ -136,13 +136,13 @@ class CompareDiagnostics:
         }
 
 
-def device_profile(probe, table: Path, **compare_options) -> dict:
-    """torch.profiler over one tapped compare: device-busy time against wall time (host-bound or device-bound?),
+def device_profile(probe, table: Path, taps: str = "all", **compare_options) -> dict:
+    """torch.profiler over one compare: device-busy time against wall time (host-bound or device-bound?),
     and the kernels that took it (full table in `table`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _, wall = timed(lambda: probe.compare(taps="all", **compare_options))
+        _, wall = timed(lambda: probe.compare(taps=taps, **compare_options))
     events = prof.key_averages()
     table.write_text(events.table(sort_by="self_device_time_total", row_limit=40))
     # kernels only: an operator's self device time is the time of the kernels it launched, counted again

@@ -22,10 +22,11 @@ then the same rounds of the engine's part of a compare alone (its batches scored
 own share, where idle tap points cost. Then, one engine at a time: a cProfile and the device's kernel table of the
 engine's part of a taps-none compare (ENGINE-engine-profile-WORKLOAD.txt, both engines), and on the tapped engine the
 anatomy (benchmarks/tap_anatomy.py: the run loop with its parts switched on one at a time) with a cProfile of one
-tapped compare (tapped-profile-WORKLOAD.txt) and a torch.profiler table of one short compare
-(device-profile-short.txt). OUT/plain.json and OUT/tapped.json hold each engine's numbers, OUT/tap-cost.json the
-ratios: taps all on the tapped engine over taps none on the plain engine (what a user pays), and taps none on the
-tapped engine over the plain engine (what idle tap points cost), on medians and on the fastest calls.
+tapped compare (tapped-profile-WORKLOAD.txt), and the torch.profiler kernel tables of one taps-all and one taps-none
+compare (device-profile-WORKLOAD-TAPS.txt: the difference is what taps cost the device). OUT/plain.json and
+OUT/tapped.json hold each engine's numbers, OUT/tap-cost.json the ratios: taps all on the tapped engine over taps none
+on the plain engine (what a user pays), and taps none on the tapped engine over the plain engine (what idle tap points
+cost), on medians and on the fastest calls.
 """
 
 from __future__ import annotations
@@ -146,11 +147,7 @@ class _Engine:
         if op == "finish":
             from divergence_probe.fused import backend
 
-            result = {"tap_reduction": backend()}
-            if self.tapped and self.args.device == "cuda":
-                result["device_profile_short"] = device_profile(self.probe, self.args.out / "device-profile-short.txt",
-                                                                **self.options["short"])
-            return result
+            return {"tap_reduction": backend()}
         raise ValueError(f"unknown call {op!r}")
 
     def _profiles(self, workload: str) -> dict:
@@ -158,6 +155,11 @@ class _Engine:
         if "engine" in self.args.profiles:
             _profile_engine(self.probe, self.prompts[workload],
                             self.args.out / f"{self.args.serve}-engine-profile-{workload}.txt")
+        if self.tapped and "device" in self.args.profiles:
+            found["device_profile"] = {
+                taps: device_profile(self.probe, self.args.out / f"device-profile-{workload}-{taps}.txt", taps=taps,
+                                     **self.options[workload])
+                for taps in ("all", "none")}
         if self.tapped and workload in self.args.anatomy:
             found["anatomy_s"] = anatomy(self.probe, self.prompts[workload], rounds=2)
             _profile(self.probe, self.args.out / f"tapped-profile-{workload}.txt", **self.options[workload])
@@ -297,8 +299,10 @@ def main() -> None:
                     help="the engines to run: plain,tapped (default) or tapped alone (its taps all against taps none)")
     ap.add_argument("--anatomy", default="short,long", type=lambda v: set(v.split(",")) - {""},
                     help="the workloads to run the anatomy and cProfile on, on the tapped engine ('' for none)")
-    ap.add_argument("--profiles", default="engine", type=lambda v: set(v.split(",")) - {""},
-                    help="'engine': profile the engine's part of a taps-none compare per workload, both engines ('' none)")
+    ap.add_argument("--profiles", default="engine,device", type=lambda v: set(v.split(",")) - {""},
+                    help="per workload, 'engine': profile the engine's part of a taps-none compare, both engines; "
+                         "'device': the tapped engine's kernel table of a taps-all and a taps-none compare "
+                         "('' none)")
     ap.add_argument("--serve", choices=("plain", "tapped"), help=argparse.SUPPRESS)  # a child of the driver
     ap.add_argument("--cores", help=argparse.SUPPRESS)  # the child's own CPU cores
     add_workload_arguments(ap)
