@@ -225,7 +225,7 @@ def drive(args) -> None:
     results = {part: {**child.header, "workloads": {}} for part, child in children.items()}
     selections = {"plain": ("none",), "tapped": ("all", "none")}
     calls = [(part, taps) for part in args.parts for taps in selections[part]]
-    for name in ("short", "long"):
+    for name in args.workloads:
         rows = {part: {**child("size", workload=name), "calls": [], "times_s": {}, "engine_s": {}}
                 for part, child in children.items()}
         for part in children:  # the first compare of a process compiles the tap reduction: timed apart
@@ -295,6 +295,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=PRESETS, required=True)
     ap.add_argument("--reps", type=int, default=7, help="rounds of interleaved timed calls per workload")
+    ap.add_argument("--workloads", default="short,long", type=lambda v: tuple(v.split(",")),
+                    help="the workloads to time, in this order: short,long (default), or either alone")
     ap.add_argument("--parts", default="plain,tapped", type=lambda v: tuple(v.split(",")),
                     help="the engines to run: plain,tapped (default) or tapped alone (its taps all against taps none)")
     ap.add_argument("--anatomy", default="short,long", type=lambda v: set(v.split(",")) - {""},
@@ -308,6 +310,8 @@ def main() -> None:
     add_workload_arguments(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if not set(args.workloads) <= {"short", "long"}:
+        ap.error("--workloads: short,long, short or long")
     if not set(args.parts) <= {"plain", "tapped"} or "tapped" not in args.parts:
         ap.error("--parts: plain,tapped or tapped")
     serve(args) if args.serve else drive(args)
