@@ -6,10 +6,10 @@ engine's hand-over as it is, a view of the step's tap buffers, against the same 
 
 A compiled engine keeps one tap buffer per width, `[taps, buffer rows, features]`, and hands a prompt's taps over as
 the slice `[:, first row : first row + tokens]` (stacks/vllm.py `_Step.split`): rows contiguous, taps a whole buffer
-apart. The training side stacks its taps contiguous. Per round, the same prompt's pairs are reduced once as views
-(at a different first row each round, like the prompts of a step) and once as contiguous copies, in an order
-alternated each round; reported: each one's median, the ratio views / contiguous of the medians and of each round,
-and the bytes read per second. The shape: one prompt of the Qwen2.5-1.5B shape on CUDA (its three widths, 1024
+apart. The training side stacks its taps contiguous. Per round, the same prompt's pairs are reduced in three layouts,
+in an order rotated each round: both sides views (at a different first row each round, like the prompts of a step),
+the run loop's pairing (the engine's side a view, the training side contiguous), and both contiguous; reported: each
+one's median, its ratio to contiguous of the medians and of each round, and the bytes read per second. The shape: one prompt of the Qwen2.5-1.5B shape on CUDA (its three widths, 1024
 tokens, buffers of 4096 rows, half of vLLM's default batch: room for the FP32 noise they are made with), a smaller
 one on the CPU. The parent writes its section of docs/benchmarks.md and docs/strided_reduction.json unless --out
 names another file.
@@ -37,6 +37,7 @@ SHAPES = {
     "cpu": dict(layers=4, widths=(1536, 256, 8960), tokens=128, buffer_rows=512),
 }
 TAPS_PER_LAYER = (7, 3, 3)
+LAYOUTS = ["views", "view and copy", "contiguous"]
 
 
 def measure(device: str, rounds: int) -> dict:
@@ -59,35 +60,36 @@ def measure(device: str, rounds: int) -> dict:
         sync()
         return time.perf_counter() - start, sums
 
-    def pairs_at(first: int, contiguous: bool):
+    def pairs_at(first: int, layout: str):
         views = [(t[:, first:first + tokens], r[:, first:first + tokens]) for t, r in buffers]
-        if contiguous:
-            views = [(t.contiguous(), r.contiguous()) for t, r in views]
-        return [t for t, _ in views], [r for _, r in views]
+        tests = [t.contiguous() if layout == "contiguous" else t for t, _ in views]
+        refs = [r if layout == "views" else r.contiguous() for _, r in views]
+        return tests, refs
 
     starts = [(k * 389) % (shape["buffer_rows"] - tokens) for k in range(rounds + 2)]  # a new first row each round
-    for first in starts[:2]:  # compile both layouts, at two offsets
-        for contiguous in (False, True):
-            timed(*pairs_at(first, contiguous))
-    seconds = {"views": [], "contiguous": []}
-    same_sums = True
+    for first in starts[:2]:  # compile every layout, at two offsets
+        for layout in LAYOUTS:
+            timed(*pairs_at(first, layout))
+    seconds = {layout: [] for layout in LAYOUTS}
+    same_sums = {layout: True for layout in LAYOUTS}
     for k, first in enumerate(starts[2:]):
         found = {}
-        for contiguous in ((False, True) if k % 2 == 0 else (True, False)):
-            tests, refs = pairs_at(first, contiguous)  # the copies are made before the clock starts
-            s, found[contiguous] = timed(tests, refs)
-            seconds["contiguous" if contiguous else "views"].append(s)
-        same_sums &= torch.equal(found[False], found[True])
+        for layout in LAYOUTS[k % len(LAYOUTS):] + LAYOUTS[: k % len(LAYOUTS)]:
+            tests, refs = pairs_at(first, layout)  # the copies are made before the clock starts
+            s, found[layout] = timed(tests, refs)
+            seconds[layout].append(s)
+        for layout in LAYOUTS:
+            same_sums[layout] &= torch.equal(found[layout], found["contiguous"])
     read = 2 * sum(t[:, :tokens].numel() * t.element_size() for t, _ in buffers)
     median = {name: statistics.median(s) for name, s in seconds.items()}
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "shape": shape, "rounds": rounds, "bytes_read": read, "seconds": seconds, "median_s": median,
-        "views_over_contiguous": median["views"] / median["contiguous"],
-        "views_over_contiguous_round_median": statistics.median(
-            v / c for v, c in zip(seconds["views"], seconds["contiguous"])),
+        "over_contiguous": {layout: median[layout] / median["contiguous"] for layout in LAYOUTS},
+        "over_contiguous_round_median": {layout: statistics.median(
+            s / c for s, c in zip(seconds[layout], seconds["contiguous"])) for layout in LAYOUTS},
         "gb_per_s": {name: read / s / 1e9 for name, s in median.items()},
-        "views_sums_equal_contiguous": same_sums,
+        "sums_equal_contiguous": same_sums,
     }
 
 
@@ -98,13 +100,13 @@ def section(r: dict) -> str:
 {', '.join(map(str, s['widths']))}, {s['tokens']} tokens; the views are slices of buffers of {s['buffer_rows']} rows),
 {r['device']}, torch {r['torch']}, {r['rounds']} rounds:
 
-| layout | median | read |
-|---|---|---|
-| views of the tap buffers | {r['median_s']['views'] * 1e3:.1f} ms | {r['gb_per_s']['views']:.1f} GB/s |
-| contiguous | {r['median_s']['contiguous'] * 1e3:.1f} ms | {r['gb_per_s']['contiguous']:.1f} GB/s |
-
-views / contiguous: {r['views_over_contiguous']:.2f}x (per-round median {r['views_over_contiguous_round_median']:.2f}x);
-the sums of both layouts bitwise equal: {r['views_sums_equal_contiguous']}.
+| layout | median | read | / contiguous (per-round median) | sums bitwise equal to contiguous |
+|---|---|---|---|---|
+""" + "".join(f"| {layout} | {r['median_s'][layout] * 1e3:.1f} ms | {r['gb_per_s'][layout]:.1f} GB/s | "
+              f"{r['over_contiguous'][layout]:.2f}x ({r['over_contiguous_round_median'][layout]:.2f}x) | "
+              f"{r['sums_equal_contiguous'][layout]} |\n" for layout in LAYOUTS) + """
+Layouts: views, both sides slices of tap buffers; view and copy, the engine's side a slice and the training side
+contiguous (what the run loop reduces); contiguous, both copies.
 """
 
 
