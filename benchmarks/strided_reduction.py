@@ -9,9 +9,9 @@ the slice `[:, first row : first row + tokens]` (stacks/vllm.py `_Step.split`): 
 apart. The training side stacks its taps contiguous. Per round, the same prompt's pairs are reduced in three layouts,
 in an order rotated each round: both sides views (at a different first row each round, like the prompts of a step),
 the run loop's pairing (the engine's side a view, the training side contiguous), and both contiguous; reported: each
-one's median, its ratio to contiguous of the medians and of each round, and the bytes read per second. The shape: one prompt of the Qwen2.5-1.5B shape on CUDA (its three widths, 1024
-tokens, buffers of 4096 rows, half of vLLM's default batch: room for the FP32 noise they are made with), a smaller
-one on the CPU. The parent writes its section of docs/benchmarks.md and docs/strided_reduction.json unless --out
+one's median, its ratio to contiguous of the medians and of each round, and the bytes read per second. The shape:
+one prompt of the Qwen2.5-1.5B shape on CUDA (its three widths, 1024 tokens, buffers of 4096 rows, half of vLLM's
+default batch: room for the FP32 noise they are made with), a smaller one on the CPU. The parent writes its section of docs/benchmarks.md and docs/strided_reduction.json unless --out
 names another file.
 """
 
