@@ -309,11 +309,11 @@ def main() -> None:
     ap.add_argument("--cores", help=argparse.SUPPRESS)  # the child's own CPU cores
     add_workload_arguments(ap)
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     if not set(args.workloads) <= {"short", "long"}:
         ap.error("--workloads: short,long, short or long")
     if not set(args.parts) <= {"plain", "tapped"} or "tapped" not in args.parts:
         ap.error("--parts: plain,tapped or tapped")
+    args.out.mkdir(parents=True, exist_ok=True)  # after the checks: a bad flag leaves no directory behind
     serve(args) if args.serve else drive(args)
 
 
