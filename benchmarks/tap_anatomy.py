@@ -58,7 +58,7 @@ def _loop(probe, prompts, config: str) -> None:
     infer_taps = everything if config in ("infer hooks", "both hooks", "pairing", "all") else frozenset()
     train_taps = everything if config in ("train hooks", "both hooks", "pairing", "all") else frozenset()
     pairs = config in ("pairing", "all")
-    pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.has_qk_norm))
+    pairing = TapPairing(expected_taps(everything, probe.source.num_layers, probe.source.family.layer_taps))
     score_both(probe, prompts, SequenceSource(), infer_taps, train_taps, pairing if pairs else _Dropped(),
                PendingScores.read)
     if pairs:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError, one_line
+from .models import FAMILIES, Family, get_family
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,18 +29,6 @@ _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 # (hidden_size 4096, rope_theta 10000, ...), which is a guess, not this model.
 REQUIRED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings")
-REQUIRED_BY_ARCH = {"qwen3": ("head_dim",)}  # Qwen2 derives head_dim from hidden_size / num_attention_heads
-
-# The config fields that size each kind of tensor, to say which field a wrong shape contradicts.
-_SHAPE_FIELDS = [
-    (r"embed_tokens|lm_head", ("vocab_size", "hidden_size")),
-    (r"q_proj", ("num_attention_heads", "head_dim", "hidden_size")),
-    (r"[kv]_proj", ("num_key_value_heads", "head_dim", "hidden_size")),
-    (r"o_proj", ("num_attention_heads", "head_dim", "hidden_size")),
-    (r"[qk]_norm", ("head_dim",)),
-    (r"mlp\.", ("intermediate_size", "hidden_size")),
-    (r"", ("hidden_size",)),
-]
 
 # Any one of these sets is a tokenizer transformers can load for a Qwen model.
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
@@ -138,11 +127,11 @@ def checkpoint_tensors(folder: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def check_config(folder: Path, config: dict, arch_class: str) -> None:
+def check_config(folder: Path, config: dict, family: Family) -> None:
     """Fields whose absence transformers would paper over with a default, and the two fields that pick the
     model class: transformers builds from model_type and vLLM from architectures, so they must agree."""
-    arch = config["model_type"]
-    for name in REQUIRED_FIELDS + REQUIRED_BY_ARCH.get(arch, ()):
+    arch, arch_class = config["model_type"], family.architecture
+    for name in REQUIRED_FIELDS + family.required_config:
         if name not in config:
             raise ModelError(f"{folder / 'config.json'} has no {name!r}; both stacks would use a default that is not "
                              f"this model's: add the checkpoint's {name} to config.json")
@@ -174,23 +163,22 @@ def expected_tensors(folder: Path) -> tuple[dict[str, tuple[int, ...]], set[str]
 
 
 
-def _shape_fields(name: str, config) -> str:
-    fields = next(f for pattern, f in _SHAPE_FIELDS if re.search(pattern, name))
-    return ", ".join(f"{f}={getattr(config, f, None)}" for f in fields)
+def _shape_fields(name: str, config, family: Family) -> str:
+    return ", ".join(f"{f}={getattr(config, f, None)}" for f in family.shape_fields(name))
 
 
-def _layers(names) -> set[int]:
-    return {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+def _layers(names, family: Family) -> set[int]:
+    pattern = re.escape(family.hf.model["layers"]) + r"\.(\d+)\."
+    return {int(m.group(1)) for n in names if (m := re.match(pattern, n))}
 
 
 def check_weights(folder: Path, config: dict) -> None:
     """The tensors in the files are exactly those of the model config.json builds, with its shapes."""
-    from .model_source import SUPPORTED_ARCHS
-
+    family = get_family(config["model_type"])
     found = checkpoint_tensors(folder)
     expected, tied, cfg = expected_tensors(folder)
     where = INDEX_FILE if (folder / INDEX_FILE).is_file() else SINGLE_FILE
-    in_files = _layers(found)
+    in_files = _layers(found, family)
     if in_files and in_files != set(range(cfg.num_hidden_layers)):
         raise ModelError(f"{folder / 'config.json'} says num_hidden_layers={cfg.num_hidden_layers} but {where} has "
                          f"layers {min(in_files)}..{max(in_files)} ({len(in_files)} layers); set num_hidden_layers to "
@@ -199,11 +187,11 @@ def check_weights(folder: Path, config: dict) -> None:
     missing = [n for n in expected if n not in found and n not in tied]
     unexpected = [n for n in found if n not in expected]
     if missing or unexpected:
-        for other, other_class in SUPPORTED_ARCHS.items():  # the weights of the other architecture?
+        for other in FAMILIES:  # the weights of the other architecture?
             if other != arch and _matches(found, folder, other):
-                raise ModelError(f"{folder / 'config.json'} says {arch} ({SUPPORTED_ARCHS[arch]}) but the weights in "
+                raise ModelError(f"{folder / 'config.json'} says {arch} ({family.architecture}) but the weights in "
                                  f"{where} are a {other} model's; set model_type to {other!r} and architectures to "
-                                 f"[\"{other_class}\"]")
+                                 f"[\"{get_family(other).architecture}\"]")
     if missing:
         name, more = missing[0], f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         fix = ("set tie_word_embeddings to true if the output layer shares the embedding, or add lm_head.weight"
@@ -213,18 +201,18 @@ def check_weights(folder: Path, config: dict) -> None:
                          f"and vLLM would not load it at all; {fix}")
     if unexpected:
         name, more = unexpected[0], f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ModelError(f"{found[name].file} in {folder} has tensor {name}{more}, which {SUPPORTED_ARCHS[arch]} from "
+        raise ModelError(f"{found[name].file} in {folder} has tensor {name}{more}, which {family.architecture} from "
                          "config.json does not have: the stacks would treat it differently; remove it or fix config.json")
     for name, shape in expected.items():
         if name in found and found[name].shape != shape:
             raise ModelError(f"{found[name].file} in {folder}: tensor {name} has shape {list(found[name].shape)} but "
-                             f"config.json ({_shape_fields(name, cfg)}) makes it {list(shape)}; fix those fields in "
+                             f"config.json ({_shape_fields(name, cfg, family)}) makes it {list(shape)}; fix those fields in "
                              "config.json to match the weights, or re-export the checkpoint")
     for name, tensor in found.items():
         if tensor.dtype not in FLOAT_DTYPES:
             raise ModelError(f"{tensor.file} in {folder}: tensor {name} is {tensor.dtype}, not a float type "
                              "(quantized checkpoints are not supported); use the unquantized checkpoint")
-    _check_tied_copy(folder, found, tied, cfg)
+    _check_tied_copy(folder, found, tied, cfg, family)
 
 
 def _matches(found: dict[str, Tensor], folder: Path, arch: str) -> bool:
@@ -243,14 +231,14 @@ def _matches(found: dict[str, Tensor], folder: Path, arch: str) -> bool:
     return set(found) <= names and not (names - set(found) - tied)
 
 
-def _check_tied_copy(folder: Path, found: dict[str, Tensor], tied: set[str], cfg) -> None:
+def _check_tied_copy(folder: Path, found: dict[str, Tensor], tied: set[str], cfg, family: Family) -> None:
     """A tied checkpoint may also ship the tied copy, but only an identical one: for a different lm_head.weight
     vLLM still ties (skips it) while transformers unties (uses it), so the two would run different output layers."""
     for name in tied & set(found):
         from safetensors import safe_open
         import torch
 
-        source = "model.embed_tokens.weight"
+        source = family.tied_head[1]
         if source not in found:
             continue
         with safe_open(folder / found[name].file, "pt") as a, safe_open(folder / found[source].file, "pt") as b:

@@ -16,7 +16,7 @@ per l (about L/2 full forwards per sequence), so it is a flag of its own.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -47,12 +47,13 @@ FAMILY_COLUMNS = ["family", "seams", "local_rel_l2", "local_frac_equal", "local_
 DEPTH_COLUMNS = ["layer", "graft", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
 
 
-def seam_inputs(key: TapKey, num_layers: int, has_qk_norm: bool) -> tuple[TapKey, ...]:
+def seam_inputs(key: TapKey, num_layers: int, layer_taps: Sequence[str]) -> tuple[TapKey, ...]:
     """The inference taps a seam's replay reads (stacks/hf_replay.py): its local error depends on these alone.
     A norm after a residual add is replayed with the add (the inference stack fuses them), from the residual
-    entering the previous half-layer and the outputs added to it."""
+    entering the previous half-layer and the outputs added to it. `layer_taps`: the family's (models/)."""
     name, i = key.name, key.layer
     tap = TapKey.of
+    has_qk_norm = "q_norm" in layer_taps
 
     def resid_in(layer: int) -> TapKey:
         return tap("embed", -1) if layer == 0 else tap("resid_out", layer - 1)
@@ -89,9 +90,9 @@ class GraftCapture:
     finished, the training stack's replay of every seam on that sequence's inference taps (the local error) and,
     with depth, the partial forwards. Holds one inference batch of taps, as TapPairing does."""
 
-    def __init__(self, pairing: TapPairing, train, num_layers: int, has_qk_norm: bool, depth: bool) -> None:
+    def __init__(self, pairing: TapPairing, train, num_layers: int, layer_taps: Sequence[str], depth: bool) -> None:
         self.pairing, self.train, self.num_layers, self.depth = pairing, train, num_layers, depth
-        self.seams = expected_taps(frozenset(SEAM_FAMILY), num_layers, has_qk_norm)
+        self.seams = expected_taps(frozenset(SEAM_FAMILY), num_layers, layer_taps)
         self.local = TapPairing(self.seams)
         self._infer: dict[int, dict[TapKey, torch.Tensor]] = defaultdict(dict)
         self._sequences: dict[int, object] = {}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .checkpoint import check_config, check_tokenizer, check_weights
 from .errors import ModelError
+from .models import FAMILIES, Family, get_family
 
-SUPPORTED_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MAX_CONTEXT = 8192  # longest prompt+1 the engines are sized for; bounds vLLM's KV cache on small machines
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
@@ -36,8 +36,9 @@ class ModelSource:
         return int(self.config["num_hidden_layers"])
 
     @property
-    def has_qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+    def family(self) -> Family:
+        """What the stacks, capture and checks know about this architecture (models/)."""
+        return get_family(self.arch)
 
     @property
     def max_model_len(self) -> int:
@@ -84,15 +85,16 @@ def resolve_model(spec: str | None) -> ModelSource:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"{config_file} has no 'model_type'; add the checkpoint's, e.g. \"model_type\": \"qwen3\"")
     arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in FAMILIES:
+        known = [get_family(name) for name in FAMILIES]
         raise ModelError(
             f"{spec} is a {arch or 'unknown'!s} model; divergence-probe supports "
-            f"{', '.join(SUPPORTED_ARCHS)} ({', '.join(SUPPORTED_ARCHS.values())})"
+            f"{', '.join(FAMILIES)} ({', '.join(f.architecture for f in known)})"
         )
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization=True")
     # Before either stack loads: what the two would load differently, or fail on with a traceback.
-    check_config(path, config, SUPPORTED_ARCHS[arch])
+    check_config(path, config, get_family(arch))
     check_weights(path, config)
     check_tokenizer(path, int(config["vocab_size"]))
     return ModelSource(spec=spec, path=path.resolve(), config=config, config_sha256=hashlib.sha256(raw).hexdigest())

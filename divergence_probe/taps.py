@@ -11,20 +11,21 @@ stacked as `[taps, tokens, features]` under a tuple of keys (`Tap`), which saves
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Union
+from typing import Iterator, NamedTuple, Sequence, Union
 
 import torch
 
 from .errors import ProbeError
 
 MODEL_TAPS_BEFORE = ("embed",)
+# Every family's layer taps, in dataflow order; a family has a subset of them (models/: `Family.layer_taps`).
 LAYER_TAPS = (
     "input_norm",
     "q_proj",  # q/k/v projection outputs (vLLM: split from its fused qkv_proj); Qwen3: before q_norm/k_norm
     "k_proj",
     "v_proj",
-    "q_norm",  # Qwen3 only: per-head RMSNorm of the query projection
-    "k_norm",  # Qwen3 only
+    "q_norm",  # per-head RMSNorm of the query projection, where the family has one (Qwen3)
+    "k_norm",
     "q_rope",
     "k_rope",
     "attn_core",  # attention output before o_proj
@@ -39,7 +40,6 @@ LAYER_TAPS = (
 )
 MODEL_TAPS_AFTER = ("final_norm", "logits")
 ALL_TAPS = MODEL_TAPS_BEFORE + LAYER_TAPS + MODEL_TAPS_AFTER
-QK_NORM_TAPS = ("q_norm", "k_norm")
 
 
 class TapKey(NamedTuple):
@@ -89,11 +89,12 @@ def parse_tap_selection(spec: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def expected_taps(selected: frozenset[str], num_layers: int, has_qk_norm: bool) -> list[TapKey]:
-    """Every (tap, layer) a model must produce for this selection, in forward order."""
+def expected_taps(selected: frozenset[str], num_layers: int, layer_taps: Sequence[str]) -> list[TapKey]:
+    """Every (tap, layer) a model must produce for this selection, in forward order. `layer_taps`: the decoder-layer
+    taps its family has (models/: `family.layer_taps`)."""
     keys = []
     for name in ALL_TAPS:
-        if name not in selected or (name in QK_NORM_TAPS and not has_qk_norm):
+        if name not in selected or (name in LAYER_TAPS and name not in layer_taps):
             continue
         if name in MODEL_TAPS_BEFORE:
             keys.append(TapKey.of(name, -1))

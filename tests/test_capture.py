@@ -8,9 +8,12 @@ import torch
 from divergence_probe.capture import TapPairing
 from divergence_probe.errors import StackError
 from divergence_probe.metrics import DiffStats
+from divergence_probe.models import get_family
 from divergence_probe.taps import expected_taps
 
-KEYS = expected_taps(frozenset({"embed", "input_norm", "swiglu", "logits"}), num_layers=3, has_qk_norm=False)
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
+
+KEYS = expected_taps(frozenset({"embed", "input_norm", "swiglu", "logits"}), num_layers=3, layer_taps=QWEN2_TAPS)
 WIDTH = {"embed": 64, "input_norm": 64, "swiglu": 192, "logits": 100}
 
 
@@ -225,7 +228,7 @@ def test_mismatch_in_a_later_prompt_is_caught_under_a_planned_order():
 def test_prompts_whose_taps_group_otherwise_are_reduced_by_their_own_grouping():
     """Two taps of one shape in the first prompt (one stack) but not in the second: the second prompt gets its own
     grouping, and every tap's statistics still equal its own DiffStats."""
-    keys = expected_taps(frozenset({"input_norm"}), num_layers=2, has_qk_norm=False)
+    keys = expected_taps(frozenset({"input_norm"}), num_layers=2, layer_taps=QWEN2_TAPS)
     pairing = TapPairing(keys)
     g = torch.Generator().manual_seed(5)
     pairs = {0: [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in keys],

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -438,6 +439,9 @@ def test_only_the_taps_asked_for_become_tap_points(op_state):
     model = nn.Module()
     model.model = nn.Module()
     model.model.embed_tokens, model.model.layers = nn.Embedding(10, 8), nn.ModuleList([layer])
+    # the family (models/) is found by model_type, and the buffers' widths come from the config, as on vLLM's model
+    model.config = SimpleNamespace(model_type="qwen2", hidden_size=8, num_attention_heads=2, head_dim=4,
+                                   num_key_value_heads=1, intermediate_size=6, vocab_size=10)
 
     compiled_taps.install(model, frozenset({"attn_out", "k_proj"}), rows=4)
     hooked = {name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks}

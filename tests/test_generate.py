@@ -8,7 +8,10 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import StackError
+from divergence_probe.models import get_family
 from divergence_probe.taps import ALL_TAPS, expected_taps
+
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 from test_compare_cli import assert_one_line_error
 
 GEN = dict(max_new_tokens=12, samples_per_prompt=2, temperature=1.0)
@@ -34,7 +37,7 @@ def test_decode_path_taps_cover_every_layer_and_response_token(vllm_probe, promp
     tokens = run.tokens_table
     assert set(tokens.sample_id) == {0, 1} and tokens.is_response.any() and (~tokens.is_response).any()
     n_layers = vllm_probe.source.num_layers
-    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), n_layers, has_qk_norm=True)}
+    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), n_layers, layer_taps=QWEN3_TAPS)}
     assert set(zip(run.layers_table.tap, run.layers_table.layer)) == want
     response = tokens[tokens.is_response]
     assert (response.delta_logprob != 0).any()  # the decode path disagrees with the trainer too

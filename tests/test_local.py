@@ -17,16 +17,19 @@ from typer.testing import CliRunner
 import divergence_probe as dp
 from divergence_probe.cli import app
 from divergence_probe.local import REGION_SEAMS, SEAM_FAMILY, seam_inputs
+from divergence_probe.models import get_family
 from divergence_probe.prompts import load_prompts
 from divergence_probe.reports import write_report
 from divergence_probe.rundir import read_run
 from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps
 
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def seams(num_layers: int, has_qk_norm: bool) -> set[tuple[str, int]]:
-    return {(k.name, k.layer) for k in expected_taps(frozenset(SEAM_FAMILY), num_layers, has_qk_norm)}
+def seams(num_layers: int, layer_taps) -> set[tuple[str, int]]:
+    return {(k.name, k.layer) for k in expected_taps(frozenset(SEAM_FAMILY), num_layers, layer_taps)}
 
 
 def rows(df: pd.DataFrame) -> set[tuple[str, int]]:
@@ -73,7 +76,7 @@ def test_replay_on_the_same_stack_is_the_forward_bitwise(which, hf_probe, qwen2_
     files = run.files()
     local, depth = files["local.csv"], files["depth.csv"]
     n = probe.source.num_layers
-    assert rows(local) == seams(n, probe.source.has_qk_norm)
+    assert rows(local) == seams(n, probe.source.family.layer_taps)
     assert (local.local_frac_equal == 1).all() and (local.local_rel_l2 == 0).all()
     assert list(depth.layer) == list(range(n + 2))
     assert (depth.mean_abs_dlogp == 0).all() and (depth.mean_kl == 0).all()
@@ -88,12 +91,12 @@ def test_local_error_depends_only_on_the_seam_inputs(hf_probe, prompts_file):
     hf_probe.infer.score([prompt], frozenset(ALL_TAPS), lambda pid, key, x: taps.__setitem__(key, x))
     n = hf_probe.source.num_layers
     clean = hf_probe.train.replay(taps)
-    for key in expected_taps(frozenset(SEAM_FAMILY), n, True):
+    for key in expected_taps(frozenset(SEAM_FAMILY), n, QWEN3_TAPS):
         if key.layer not in (1, n):  # layer 1 has every kind of input (a previous layer); n: final norm, logits
             continue
-        keep = set(seam_inputs(key, n, True)) | {TapKey.of("embed", -1)}  # embed: shape and dtype of the context
+        keep = set(seam_inputs(key, n, QWEN3_TAPS)) | {TapKey.of("embed", -1)}  # embed: shape and dtype of the context
         poisoned = {k: v if k in keep else torch.full_like(v, float("nan")) for k, v in taps.items()}
-        if TapKey.of("embed", -1) not in seam_inputs(key, n, True):
+        if TapKey.of("embed", -1) not in seam_inputs(key, n, QWEN3_TAPS):
             poisoned[TapKey.of("embed", -1)] = torch.full_like(taps[TapKey.of("embed", -1)], float("nan"))
         got = hf_probe.train.replay(poisoned)[key]
         assert torch.equal(got, clean[key]), key.label
@@ -104,7 +107,7 @@ def test_local_error_for_every_seam_qwen3(vllm_graft, vllm_probe):
     files = vllm_graft.files()
     local = files["local.csv"].set_index(["tap", "layer"])
     n = vllm_probe.source.num_layers
-    assert set(local.index) == seams(n, has_qk_norm=True)
+    assert set(local.index) == seams(n, layer_taps=QWEN3_TAPS)
     assert local.local_rel_l2.map(math.isfinite).all()
     layers = vllm_graft.layers_table.set_index(["tap", "layer"])
     assert (local.propagated_rel_l2 == layers.rel_l2.loc[local.index]).all()  # propagated: today's per-tap diff
@@ -156,7 +159,7 @@ def test_qwen2_through_vllm_and_fp32_roundoff(qwen2_vllm_runs, qwen2_tiny, tmp_p
     n = config["num_hidden_layers"]
     bf16 = read_run(qwen2_vllm_runs["bf16"])
     local = bf16.table("local.csv")
-    assert rows(local) == seams(n, has_qk_norm=False)
+    assert rows(local) == seams(n, layer_taps=QWEN2_TAPS)
     depth = bf16.table("depth.csv")
     assert len(depth) == n + 2 and depth.mean_abs_dlogp[0] == bf16.table("summary.csv").mean_abs_dlogp[0]
     report = write_report(qwen2_vllm_runs["bf16"], tmp_path / "report", fmt="latex").parent

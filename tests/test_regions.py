@@ -512,7 +512,7 @@ def test_vllm_counts_are_the_targets_found(vllm_probe):
 
 
 TWIN = Region("twin", "a test region that replaces what swiglu replaces", patchers={
-    "hf": lambda model: [Replacement(layer.mlp, "forward", lambda x: x) for layer in decoder_layers(model)]})
+    "hf": lambda model: [Replacement(layer.mlp, "forward", lambda x: x) for layer in decoder_layers(model, "hf")]})
 
 
 def test_overlapping_patches_raise_and_change_nothing(fresh_qwen3, monkeypatch):

@@ -1,7 +1,10 @@
 import pytest
 
 from divergence_probe.errors import ProbeError
+from divergence_probe.models import get_family
 from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps, parse_tap_selection
+
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
 
 def test_selection_parsing():
@@ -13,13 +16,13 @@ def test_selection_parsing():
 
 
 def test_expected_taps_are_in_forward_order():
-    keys = expected_taps(frozenset(ALL_TAPS), num_layers=2, has_qk_norm=False)
+    keys = expected_taps(frozenset(ALL_TAPS), num_layers=2, layer_taps=QWEN2_TAPS)
     labels = [k.label for k in keys]
     assert labels[0] == "embed@-1" and labels[-2:] == ["final_norm@2", "logits@2"]
     assert labels.index("resid_out@0") < labels.index("input_norm@1")
     assert labels.index("q_rope@0") < labels.index("attn_core@0") < labels.index("swiglu@0")
     assert not any(k.name in ("q_norm", "k_norm") for k in keys)
     assert len([k for k in keys if k.name == "q_norm"]) == 0
-    qwen3 = expected_taps(frozenset(ALL_TAPS), num_layers=2, has_qk_norm=True)
+    qwen3 = expected_taps(frozenset(ALL_TAPS), num_layers=2, layer_taps=QWEN3_TAPS)
     assert len(qwen3) == len(keys) + 4
     assert TapKey.of("q_norm", 0) < TapKey.of("q_rope", 0)

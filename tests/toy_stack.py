@@ -18,7 +18,8 @@ import torch
 from divergence_probe.regions.base import Region
 from divergence_probe.stacks.base import PromptScores, SequenceScores, StackInfo
 from divergence_probe.stacks.hooks import Replacement
-from divergence_probe.taps import LAYER_TAPS, QK_NORM_TAPS, TapKey
+from divergence_probe.models import get_family
+from divergence_probe.taps import TapKey
 
 WIDTH = 16
 
@@ -51,7 +52,7 @@ class ToyStack:
     def load(self, settings) -> None:
         config = json.loads((Path(settings.model_path) / "config.json").read_text())
         self.settings = settings
-        self.qk_norm = config.get("model_type") == "qwen3"
+        self.layer_taps = get_family(config["model_type"]).layer_taps
         self.model = ToyModel(config["num_hidden_layers"], config["vocab_size"], settings.dtype, settings.seed,
                               self.fused)
 
@@ -61,9 +62,8 @@ class ToyStack:
         emit and emit(TapKey.of("embed", -1), h)
         for i, layer in enumerate(self.model.layers):
             h = layer(h)
-            for name in LAYER_TAPS:
-                if self.qk_norm or name not in QK_NORM_TAPS:
-                    emit and emit(TapKey.of(name, i), h)
+            for name in self.layer_taps:
+                emit and emit(TapKey.of(name, i), h)
         n = len(self.model.layers)
         emit and emit(TapKey.of("final_norm", n), h)
         logits = h @ self.model.head

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..models import StackLayout, family_of
 from ..stacks.hooks import Replacement
 
 Patcher = Callable[[torch.nn.Module], list[Replacement]]
@@ -46,6 +47,31 @@ class Region:
     patchers: dict[str, Patcher] = field(default_factory=dict)  # stack name -> patcher
 
 
-def decoder_layers(model) -> list:
-    """model.model.layers, the decoder stack of every causal LM both stacks load (Qwen2/Qwen3 and kin)."""
-    return list(child(child(model, "model", "the model"), "layers", "model.model"))
+def layout(model, stack: str) -> StackLayout:
+    """Where the loaded model's family keeps its modules on `stack` ("hf" or "vllm"): models/."""
+    return getattr(family_of(model), stack)
+
+
+def decoder_layers(model, stack: str) -> list:
+    """The decoder layers of a loaded model of `stack`, where its family keeps them (Qwen2/Qwen3: model.layers)."""
+    obj, where = model, "the model"
+    for name in layout(model, stack).model["layers"].split("."):
+        obj = child(obj, name, where)
+        where = f"model.{name}" if where == "the model" else f"{where}.{name}"
+    return list(obj)
+
+
+def part(layer, where: str, stack_layout: StackLayout, role: str):
+    """The module of a decoder layer with this role in the family's layout ("": the layer), or SeamMissing naming
+    the first part of its path that is absent and where (`where`: the layer, e.g. model.model.layers[2])."""
+    path = stack_layout.layer[role] if role else ""
+    obj = layer
+    for name in path.split(".") if path else ():
+        obj = child(obj, name, where)
+        where = f"{where}.{name}"
+    return obj
+
+
+def layer_name(stack_layout: StackLayout, i: int) -> str:
+    """How messages name decoder layer i: as a path from the loaded model (`model.model.layers[2]`)."""
+    return f"model.{stack_layout.model['layers']}[{i}]"

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
+from ..models import StackLayout, find
 from ..stacks.hooks import Replacement
-from .base import Region, SeamMissing, child, decoder_layers
+from .base import Region, SeamMissing, child, decoder_layers, layer_name, layout, part
 
 _FP32_SUM = "_divergence_probe_fp32_sum"
 
@@ -54,18 +55,20 @@ def _hf_norm_forward(norm):
     return forward
 
 
-def _hf_layer_forward(layer):
-    """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through residual_add."""
+def _hf_layer_forward(layer, hf: StackLayout):
+    """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through residual_add. Its parts are looked up
+    per call, as the layer's own forward does: a replay (stacks/hf_replay.py) stubs them."""
+    paths = {role: hf.layer[role] for role in ("input_norm", "attn", "post_norm", "mlp")}
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         residual = hidden_states
-        x = layer.input_layernorm(hidden_states)
-        x, _ = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=use_cache,
-                               position_embeddings=position_embeddings, **kwargs)
+        x = find(layer, paths["input_norm"])(hidden_states)
+        x, _ = find(layer, paths["attn"])(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                                          past_key_values=past_key_values, use_cache=use_cache,
+                                          position_embeddings=position_embeddings, **kwargs)
         residual = residual_add(x, residual)
-        x = layer.mlp(layer.post_attention_layernorm(residual))
+        x = find(layer, paths["mlp"])(find(layer, paths["post_norm"])(residual))
         return residual_add(x, residual)
 
     return forward
@@ -81,10 +84,11 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
             found.append(Replacement(norm, "forward", _hf_norm_forward(norm)))
     if not found:
         raise SeamMissing("RMSNorm module (a *RMSNorm) anywhere in the model")
-    for i, layer in enumerate(decoder_layers(model)):
-        for part in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
-            child(layer, part, f"model.model.layers[{i}]")
-        found.append(Replacement(layer, "forward", _hf_layer_forward(layer)))
+    hf = layout(model, "hf")
+    for i, layer in enumerate(decoder_layers(model, "hf")):
+        for role in ("input_norm", "attn", "post_norm", "mlp"):
+            part(layer, layer_name(hf, i), hf, role)
+        found.append(Replacement(part(layer, "", hf, hf.regions["rmsnorm"]), "forward", _hf_layer_forward(layer, hf)))
     return found
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ProbeError
 from ..stacks.hooks import Replacement
-from .base import Region, SeamMissing, child, decoder_layers
+from .base import Region, SeamMissing, child, decoder_layers, layer_name, layout, part
 
 
 def inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
@@ -50,8 +50,9 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
                              "leave rope out of the aligned regions")
         found.append(Replacement(rotary, "forward", lambda x, position_ids: cos_sin(position_ids, freqs)))
     modelings = {}
-    for i, layer in enumerate(decoder_layers(model)):
-        modeling = sys.modules[type(child(layer, "self_attn", f"model.model.layers[{i}]")).__module__]
+    hf = layout(model, "hf")
+    for i, layer in enumerate(decoder_layers(model, "hf")):
+        modeling = sys.modules[type(part(layer, layer_name(hf, i), hf, hf.regions["rope"])).__module__]
         modelings[modeling.__name__] = modeling
     for modeling in modelings.values():
         shipped = child(modeling, "apply_rotary_pos_emb", modeling.__name__)
@@ -76,9 +77,9 @@ def _dispatching(shipped):
 def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     """vLLM shares one RotaryEmbedding instance between layers; its dispatched forward is replaced."""
     found = {}
-    for i, layer in enumerate(decoder_layers(model)):
-        where = f"model.model.layers[{i}]"
-        rope = child(child(layer, "self_attn", where), "rotary_emb", f"{where}.self_attn")
+    vllm = layout(model, "vllm")
+    for i, layer in enumerate(decoder_layers(model, "vllm")):
+        rope = part(layer, layer_name(vllm, i), vllm, vllm.regions["rope"])
         if id(rope) in found:
             continue
         if type(rope).__name__ != "RotaryEmbedding" or not rope.is_neox_style or rope.rotary_dim != rope.head_size:

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ProbeError
+from ..models import find
 from ..stacks.hooks import Replacement
-from .base import Region, child, decoder_layers
+from .base import Region, decoder_layers, layer_name, layout, part
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -23,20 +24,27 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
         raise ProbeError(f"aligned SwiGLU needs hidden_act='silu', not {model.config.hidden_act!r}: leave swiglu "
                          "out of the aligned regions")
     found = []
-    for i, layer in enumerate(decoder_layers(model)):
-        mlp = child(layer, "mlp", f"model.model.layers[{i}]")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            child(mlp, proj, f"model.model.layers[{i}].mlp")
-        found.append(Replacement(mlp, "forward",
-                                 lambda x, mlp=mlp: mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))))
+    hf = layout(model, "hf")
+    for i, layer in enumerate(decoder_layers(model, "hf")):
+        where = layer_name(hf, i)
+        mlp = part(layer, where, hf, hf.regions["swiglu"])
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            part(layer, where, hf, role)
+        gate, up, down = (hf.layer[role] for role in ("gate_proj", "up_proj", "down_proj"))
+
+        def forward(x, layer=layer, gate=gate, up=up, down=down):  # looked up per call: a replay stubs them
+            return find(layer, down)(swiglu(find(layer, gate)(x), find(layer, up)(x)))
+
+        found.append(Replacement(mlp, "forward", forward))
     return found
 
 
 def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     """vLLM runs gate and up as one fused GEMM; SiluAndMul gets [..., 2*d] and splits it."""
     found = []
-    for i, layer in enumerate(decoder_layers(model)):
-        act = child(child(layer, "mlp", f"model.model.layers[{i}]"), "act_fn", f"model.model.layers[{i}].mlp")
+    vllm = layout(model, "vllm")
+    for i, layer in enumerate(decoder_layers(model, "vllm")):
+        act = part(layer, layer_name(vllm, i), vllm, vllm.regions["swiglu"])
         if type(act).__name__ != "SiluAndMul":
             raise ProbeError(f"aligned SwiGLU expects vLLM's SiluAndMul, found {type(act).__name__}: leave swiglu "
                              "out of the aligned regions")

@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ProbeError
+from ..models import family_of, find
 
 
 class SyncError(ProbeError):
@@ -79,13 +80,14 @@ def _reads_a_copy(module) -> bool:
 
 def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every weight of the engine's model by vLLM name, as the model computes with it (see the module docstring).
-    A tied lm_head appears as `lm_head.weight` (the logits GEMM) beside `model.embed_tokens.weight` (the lookup)."""
+    A tied head appears under its own name (the logits GEMM) beside the embedding's (the lookup): `Family.tied_head`."""
     out: dict[str, torch.Tensor] = {}
+    head = family_of(model).vllm.model["lm_head"] + "."
     with torch.inference_mode():
         for name, module in model.named_modules(remove_duplicate=False):
             for pname, param in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
-                lookup = type(module).__name__ == "VocabParallelEmbedding" and not full.startswith("lm_head.")
+                lookup = type(module).__name__ == "VocabParallelEmbedding" and not full.startswith(head)
                 if pname == "weight" and hasattr(module, "quant_method") and _reads_a_copy(module) and not lookup:
                     out[full] = _gemm_weight(module, dtype)
                 else:
@@ -94,8 +96,10 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[str], packed: dict[str, Sequence[str]],
-                     tied: bool) -> dict[str, tuple[torch.Tensor, str]]:
-    """engine name -> (the trainer's tensor as vLLM's loader would build it, the trainer names it came from)."""
+                     tied_head: tuple[str, str] | None) -> dict[str, tuple[torch.Tensor, str]]:
+    """engine name -> (the trainer's tensor as vLLM's loader would build it, the trainer names it came from).
+    `packed`: fused module -> the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding)
+    when the head is tied (`Family.tied_head`), else None."""
     out = {}
     used: set[str] = set()
     for name in engine_names:
@@ -103,8 +107,8 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
         parent, _, last = module.rpartition(".")
         if last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (concatenated along the output dim, in this order)
             sources = [f"{parent}.{part}.{leaf}" for part in packed[last]]
-        elif name == "lm_head.weight" and tied and name not in trainer:
-            sources = ["model.embed_tokens.weight"]
+        elif tied_head and name == tied_head[0] and name not in trainer:
+            sources = [tied_head[1]]
         else:
             sources = [name]
         missing = [s for s in sources if s not in trainer]
@@ -133,14 +137,15 @@ class WeightSync:
     def __init__(self, llm, model, tied: bool) -> None:
         self.llm, self.model, self.tied = llm, model, tied
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
-        self.packed = dict(getattr(type(model), "packed_modules_mapping", {}) or {})
+        self.family = family_of(model)
+        self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
         self.previous: dict[str, str] = {}
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load `named` (HF checkpoint names, the trainer's tensors) into the engine through vLLM's reload path."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named)),
                                                           "is_checkpoint_format": True})
-        head = getattr(self.model, "lm_head", None)
+        head = find(self.model, self.family.vllm.model["lm_head"])
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
 
@@ -153,7 +158,7 @@ class WeightSync:
     def verify(self, trainer: dict[str, torch.Tensor]) -> SyncCheck:
         """Raise SyncError naming the first engine tensor whose checksum differs from the trainer's; else counts."""
         held = engine_tensors(self.model, self.dtype)
-        want = expected_tensors(trainer, held, self.packed, self.tied)
+        want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None)
         sums = {}
         for name, tensor in held.items():
             expected, sources = want[name]

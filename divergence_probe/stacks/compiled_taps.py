@@ -42,7 +42,8 @@ import torch
 
 from ..errors import StackError
 from ..taps import ALL_TAPS, Tap, TapKey
-from .vllm_seams import layer_seams
+from ..models import dims, family_of, find
+from .vllm_seams import model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
@@ -151,8 +152,8 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     tap = torch.ops.dp.tap
     selected = frozenset(taps) & set(NEUTRAL)
     keys: list[int] = []  # every tap point made here: each gets its buffer
-    for i, layer in enumerate(model.model.layers):
-        for seam in layer_seams(layer):
+    for i, seams in enumerate(model_seams(model)):
+        for seam in seams:
             seam_keys = {name: _key(name, i) for name in seam.names if name in selected}
             if not seam_keys:
                 continue
@@ -172,24 +173,17 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
 
 
 def features(model: torch.nn.Module) -> dict[str, int]:
-    """Features per row of each tap in NEUTRAL, from the modules' sizes (tensor parallelism is refused: one
-    partition)."""
-    inner = model.model
-    layer = inner.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    hidden = layer.input_layernorm.weight.shape[0]
-    inter = mlp.down_proj.input_size_per_partition
-    q, kv = attn.q_size, attn.kv_size
-    return {"input_norm": hidden, "q_proj": q, "k_proj": kv,
-            "v_proj": kv, "q_rope": q, "k_rope": kv, "attn_core": q, "attn_out": hidden, "post_norm": hidden,
-            "gate_proj": inter, "up_proj": inter, "swiglu": inter, "mlp_out": hidden}
+    """Features per row of each tap in NEUTRAL that the model's family has, from its config (tensor parallelism is
+    refused: one partition)."""
+    family, sizes = family_of(model), dims(model.config)
+    return {name: sizes[family.widths[name]] for name in NEUTRAL if name in family.layer_taps}
 
 
 def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
     """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's dtype
     on its device: made once, outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this
     process's buffers (one engine per process)."""
-    weight = model.model.embed_tokens.weight
+    weight = find(model, family_of(model).vllm.model["embed"]).weight
     if weight.device.type == "meta":
         raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
                          "build the engine without layer taps (--taps none) or use --engine eager")

@@ -4,8 +4,8 @@ Each prompt runs alone (batch 1, no padding), with `AutoModelForCausalLM` in the
 configured attention implementation; logprobs are `log_softmax` of the FP32-upcast logits, the way
 trainers compute the policy they differentiate.
 
-Tap seams (transformers 5.x Qwen2/Qwen3; ../shared/NUMERICS.md has the map): module outputs for norms,
-projections and the decoder layer; `resid_mid` is the input of post_attention_layernorm; `swiglu` the
+Tap seams: the family's (models/, `family.hf.seams`; ../shared/NUMERICS.md has the map): module outputs for
+norms, projections and the decoder layer; `resid_mid` is the input of the post-attention norm; `swiglu` the
 input of down_proj. `q_rope`, `k_rope` and `attn_core` have no module boundary, so while a capture runs the
 model's attention function is wrapped through transformers' own AttentionInterface registry (and restored
 after): the wrapper sees query/key after RoPE and the attention output before o_proj.
@@ -26,6 +26,7 @@ from .. import torch_state
 from ..environment import to_device
 from ..errors import ModelError, NumericsError, StackError, one_line
 from ..metrics import token_logprobs
+from ..models import family_of, find
 from ..prompts import Prompt
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
@@ -92,7 +93,7 @@ class HFStack:
 
     @property
     def layers(self):
-        return self.model.model.layers
+        return self._module("layers")
 
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:
@@ -191,9 +192,10 @@ class HFStack:
         """Install the captures for the selected taps; each hands a [tokens, features] view to emit (no copy:
         transformers' Qwen2/Qwen3 and our region patches never write an activation in place).
 
-        The projections (`_PROJECTIONS`, half of a layer's taps) are captured by a wrapper in place of their forward:
-        a module with hooks takes torch's slow call path, which costs the host several times what the hook itself
-        does, for every tap of every forward. The norms and the layer keep hooks: regions replace their forwards."""
+        The projections (seams read "projection", half of a layer's taps) are captured by a wrapper in place of their
+        forward: a module with hooks takes torch's slow call path, which costs the host several times what the hook
+        itself does, for every tap of every forward. The norms and the layer keep hooks: regions replace their
+        forwards."""
         hooks = HookSet()
         if not taps:
             return hooks
@@ -205,47 +207,56 @@ class HFStack:
         return hooks
 
     def _install(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
+        """The family's transformers seams (models/), each read as its kind says: a module's output or input (hooks),
+        a projection's input or output (its forward wrapped), or the attention function (`_wrap_attention`)."""
         n_layers = len(self.layers)
+        family = family_of(self.model)
 
         def out(name: str, layer: int, reshape=lambda x: x[0]):
             key = TapKey.of(name, layer)
             return lambda m, a, k, o: emit(key, reshape(first_tensor(o)))
 
-        def inp(name: str, layer: int, arg_name: str):
+        def inp(name: str, layer: int, at: tuple[int, str]):
             key = TapKey.of(name, layer)
-            return lambda m, a, k: emit(key, arg(a, k, 0, arg_name)[0])
+            return lambda m, a, k: emit(key, arg(a, k, *at)[0])
 
         def heads(x):  # [1, T, heads, d] -> [T, heads*d]
             return x[0].reshape(x.shape[1], -1)
 
-        model = self.model.model
         if "embed" in taps:
-            hooks.after(model.embed_tokens, out("embed", -1))
+            hooks.after(self._module("embed"), out("embed", -1))
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            table = [
-                ("input_norm", layer.input_layernorm, out("input_norm", i)),
-                ("q_norm", getattr(attn, "q_norm", None), out("q_norm", i, heads)),
-                ("k_norm", getattr(attn, "k_norm", None), out("k_norm", i, heads)),
-                ("post_norm", layer.post_attention_layernorm, out("post_norm", i)),
-                ("resid_out", layer, out("resid_out", i)),
-            ]
-            for name, module, hook in table:
-                if name in taps and module is not None:
-                    hooks.after(module, hook)
-            if "resid_mid" in taps:
-                hooks.before(layer.post_attention_layernorm, inp("resid_mid", i, "hidden_states"))
-            for (parent, attr), (before, after) in _PROJECTIONS.items():
-                wanted_before = TapKey.of(before, i) if before in taps else None
-                wanted_after = TapKey.of(after, i) if after in taps else None
-                if wanted_before or wanted_after:
-                    _wrap_projection(hooks, getattr(getattr(layer, parent), attr), wanted_before, wanted_after, emit)
+            projections: dict[str, list] = {}  # role -> [tap of its input, tap of its output, where its input is]
+            for seam in family.hf.seams:
+                if seam.read == "attention" or not taps & set(seam.taps):
+                    continue
+                [name] = seam.taps
+                module = find(layer, family.hf.layer[seam.module]) if seam.module else layer
+                if seam.read == "output":
+                    hooks.after(module, out(name, i))
+                elif seam.read == "heads":
+                    hooks.after(module, out(name, i, heads))
+                elif seam.read == "input":
+                    hooks.before(module, inp(name, i, seam.arg))
+                elif seam.read in ("projection", "projection_input"):
+                    wrap = projections.setdefault(seam.module, [None, None, (0, "input")])
+                    wrap[seam.read == "projection"] = TapKey.of(name, i)
+                    wrap[2] = seam.arg or wrap[2]
+                else:
+                    raise ValueError(f"{family.model_type}: transformers seam read {seam.read!r} is not one "
+                                     "stacks/hf.py knows")
+            for role, (before, after, at) in projections.items():
+                _wrap_projection(hooks, find(layer, family.hf.layer[role]), before, after, emit, at)
         if "final_norm" in taps:
-            hooks.after(model.norm, out("final_norm", n_layers))
+            hooks.after(self._module("final_norm"), out("final_norm", n_layers))
         if "logits" in taps:  # scored rows only: the last position predicts a token that is not in the prompt
-            hooks.after(self.model.lm_head, out("logits", n_layers, lambda x: x[0, :-1]))
+            hooks.after(self._module("lm_head"), out("logits", n_layers, lambda x: x[0, :-1]))
         if taps & {"q_rope", "k_rope", "attn_core"}:
             self._wrap_attention(hooks, taps, emit)
+
+    def _module(self, role: str):
+        """A model-level module of the family by role (models/: embed, layers, final_norm, lm_head, ...)."""
+        return find(self.model, family_of(self.model).hf.model[role])
 
     def _wrap_attention(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -259,7 +270,8 @@ class HFStack:
         else:
             inner = registry[impl]
         names = [name for name in ("q_rope", "k_rope", "attn_core") if name in taps]
-        keys_of = {id(layer.self_attn): {n: TapKey.of(n, i) for n in names} for i, layer in enumerate(self.layers)}
+        attn = family_of(self.model).hf.layer["attn"]
+        keys_of = {id(find(layer, attn)): {n: TapKey.of(n, i) for n in names} for i, layer in enumerate(self.layers)}
 
         def tapped(module, query, key, value, attention_mask, **kwargs):
             result = inner(module, query, key, value, attention_mask, **kwargs)
@@ -282,15 +294,16 @@ class HFStack:
     def info(self) -> StackInfo:
         import transformers
 
-        layer = self.layers[0]
-        attn_module = type(layer.self_attn).__module__
+        layer, roles = self.layers[0], family_of(self.model).hf.layer
+        attn_module = type(find(layer, roles["attn"])).__module__
+        mlp = find(layer, roles["mlp"])
         return StackInfo(
             name=self.name,
             versions={"transformers": transformers.__version__, "torch": torch.__version__},
             implementations={
-                "rmsnorm": f"{type(layer.input_layernorm).__qualname__}.forward",
+                "rmsnorm": f"{type(find(layer, roles['input_norm'])).__qualname__}.forward",
                 "rope": f"{attn_module}.apply_rotary_pos_emb",
-                "swiglu": f"{type(layer.mlp).__qualname__}.forward (act_fn={type(layer.mlp.act_fn).__name__})",
+                "swiglu": f"{type(mlp).__qualname__}.forward (act_fn={type(find(layer, roles['act'])).__name__})",
                 "attention": self.model.config._attn_implementation,
             },
             settings={
@@ -311,26 +324,15 @@ class HFStack:
         self.model = None
 
 
-# (submodule of the decoder layer, projection) -> (tap of its input, tap of its output); None: not a tap
-_PROJECTIONS = {
-    ("self_attn", "q_proj"): (None, "q_proj"),
-    ("self_attn", "k_proj"): (None, "k_proj"),
-    ("self_attn", "v_proj"): (None, "v_proj"),
-    ("self_attn", "o_proj"): (None, "attn_out"),
-    ("mlp", "gate_proj"): (None, "gate_proj"),
-    ("mlp", "up_proj"): (None, "up_proj"),
-    ("mlp", "down_proj"): ("swiglu", "mlp_out"),
-}
-
-
-def _wrap_projection(hooks: HookSet, module: torch.nn.Module, before: TapKey | None, after: TapKey | None, emit) -> None:
-    """`module.forward` replaced, until the HookSet exits, by one that emits its input as `before` and its output as
-    `after` (either may be None): [1, T, F] -> [T, F]."""
+def _wrap_projection(hooks: HookSet, module: torch.nn.Module, before: TapKey | None, after: TapKey | None, emit,
+                     at: tuple[int, str] = (0, "input")) -> None:
+    """`module.forward` replaced, until the HookSet exits, by one that emits its input (argument `at`: position,
+    keyword) as `before` and its output as `after` (either may be None): [1, T, F] -> [T, F]."""
     inner = module.forward
 
     def forward(*args, **kwargs):
         if before is not None:
-            emit(before, arg(args, kwargs, 0, "input")[0])
+            emit(before, arg(args, kwargs, *at)[0])
         output = inner(*args, **kwargs)
         if after is not None:
             emit(after, output[0])

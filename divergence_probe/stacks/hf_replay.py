@@ -27,6 +27,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from ..models import family_of, find
 from ..taps import TapKey
 
 
@@ -42,22 +43,31 @@ class _Stub(torch.nn.Module):
 
 
 @contextmanager
-def _children(module: torch.nn.Module, **stubs: torch.nn.Module) -> Iterator[None]:
-    """Swap named child modules for the block (the parent's forward finds children by attribute, at call time)."""
-    saved = {name: module._modules[name] for name in stubs}
+def _children(root: torch.nn.Module, stubs: Mapping[str, torch.nn.Module]) -> Iterator[None]:
+    """Swap the modules at these dotted paths from `root` for the block (a parent's forward finds its children by
+    attribute, at call time)."""
+    slots = [(find(root, path.rpartition(".")[0]), path.rpartition(".")[2], stub) for path, stub in stubs.items()]
+    saved = [(parent, name, parent._modules[name]) for parent, name, _ in slots]
     try:
-        module._modules.update(stubs)
+        for parent, name, stub in slots:
+            parent._modules[name] = stub
         yield
     finally:
-        module._modules.update(saved)
+        for parent, name, module in saved:
+            parent._modules[name] = module
 
 
 class HFReplay:
     def __init__(self, model) -> None:
         self.model = model
-        self.inner = model.model
-        self.layers = model.model.layers
+        self.family = family_of(model).hf
+        self.inner = find(model, self.family.model["decoder"])
+        self.layers = find(model, self.family.model["layers"])
         self.config = model.config
+
+    def _role(self, name: str):
+        """A model-level module by role (models/), looked up now: a region patch may have replaced its forward."""
+        return find(self.model, self.family.model[name])
 
     # ------------------------------------------------------------------------------------------ forward context
     def _context(self, embeds: torch.Tensor):
@@ -71,7 +81,7 @@ class HFReplay:
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if getattr(self.inner, "has_sliding_layers", False):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks, positions, self.inner.rotary_emb(embeds, positions)
+        return masks, positions, self._role("rotary")(embeds, positions)
 
     def _layer(self, i: int, hidden: torch.Tensor, masks, positions, rope) -> torch.Tensor:
         return self.layers[i](hidden, attention_mask=masks[self.config.layer_types[i]], position_embeddings=rope,
@@ -80,7 +90,7 @@ class HFReplay:
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[1, T, D] final-norm output -> [T, V] logits of every row (the caller keeps the scored ones: all but the
         last of a prompt, all of a sampled sequence's fed rows)."""
-        return self.model.lm_head(normed)[0]
+        return self._role("lm_head")(normed)[0]
 
     # ------------------------------------------------------------------------------------------ depth
     def forward_from(self, start: int, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -90,7 +100,7 @@ class HFReplay:
         h = hidden[None]
         for i in range(start, len(self.layers)):
             h = self._layer(i, h, masks, positions, rope)
-        return self._logits(self.inner.norm(h))
+        return self._logits(self._role("final_norm")(h))
 
     def lm_head(self, final_norm: torch.Tensor) -> torch.Tensor:
         """[T, D] final-norm output -> [T, V]: the lm_head alone."""
@@ -114,18 +124,22 @@ class HFReplay:
         def put(name: str, i: int, x: torch.Tensor) -> None:
             out[TapKey.of(name, i)] = x.reshape(T, -1)
 
-        norm_input = embed  # what the next input_layernorm sees: the residual add's output, as this stack makes it
+        roles = self.family.layer
+        norm_input = embed  # what the next input norm sees: the residual add's output, as this stack makes it
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            def m(role: str, layer=layer):  # a module of this layer by role (models/), looked up now
+                return find(layer, roles[role])
+
+            attn, mlp = m("attn"), m("mlp")
             d = attn.head_dim
-            put("input_norm", i, layer.input_layernorm(norm_input))
+            put("input_norm", i, m("input_norm")(norm_input))
             x = t("input_norm", i)
             for name in ("q_proj", "k_proj", "v_proj"):
-                put(name, i, getattr(attn, name)(x))
+                put(name, i, m(name)(x))
             q, k = t("q_proj", i).view(1, T, -1, d), t("k_proj", i).view(1, T, -1, d)
-            if getattr(attn, "q_norm", None) is not None:  # Qwen3
-                put("q_norm", i, attn.q_norm(q))
-                put("k_norm", i, attn.k_norm(k))
+            if "q_norm" in roles:  # Qwen3
+                put("q_norm", i, m("q_norm")(q))
+                put("k_norm", i, m("k_norm")(k))
                 q, k = t("q_norm", i).view(1, T, -1, d), t("k_norm", i).view(1, T, -1, d)
             apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # a region patch replaces it there
             q_rope, k_rope = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -133,39 +147,39 @@ class HFReplay:
             put("k_rope", i, k_rope.transpose(1, 2))
             put("attn_core", i, self._attention(attn, i, *(t(n, i).view(1, T, -1, d).transpose(1, 2)
                                                            for n in ("q_rope", "k_rope", "v_proj")), masks))
-            put("attn_out", i, attn.o_proj(t("attn_core", i)))
+            put("attn_out", i, m("o_proj")(t("attn_core", i)))
 
             # the residual adds and post norm through the layer's own forward (module docstring)
             seen = {}
 
-            def post_norm(h, _norm=layer.post_attention_layernorm):
+            def post_norm(h, _norm=m("post_norm")):
                 seen["resid_mid"] = h
                 seen["post_norm"] = _norm(h)
                 return seen["post_norm"]
 
             resid_in = embed if i == 0 else t("resid_out", i - 1)
-            stubs = dict(input_layernorm=_Stub(lambda h: h),
-                         self_attn=_Stub(lambda *a, _x=t("attn_out", i), **k: (_x, None)),
-                         post_attention_layernorm=_Stub(post_norm),
-                         mlp=_Stub(lambda h, _x=t("mlp_out", i): _x))
-            with _children(layer, **stubs):
+            stubs = {roles["input_norm"]: _Stub(lambda h: h),
+                     roles["attn"]: _Stub(lambda *a, _x=t("attn_out", i), **k: (_x, None)),
+                     roles["post_norm"]: _Stub(post_norm),
+                     roles["mlp"]: _Stub(lambda h, _x=t("mlp_out", i): _x)}
+            with _children(layer, stubs):
                 norm_input = self._layer(i, resid_in, masks, positions, rope)
             put("resid_mid", i, seen["resid_mid"])
             put("post_norm", i, seen["post_norm"])
             put("resid_out", i, norm_input)
 
             x = t("post_norm", i)
-            put("gate_proj", i, mlp.gate_proj(x))
-            put("up_proj", i, mlp.up_proj(x))
+            put("gate_proj", i, m("gate_proj")(x))
+            put("up_proj", i, m("up_proj")(x))
             got = {}
-            stubs = dict(gate_proj=_Stub(lambda h, _x=t("gate_proj", i): _x),
-                         up_proj=_Stub(lambda h, _x=t("up_proj", i): _x),
-                         down_proj=_Stub(lambda h: got.setdefault("swiglu", h)))
-            with _children(mlp, **stubs):  # the MLP's own forward: act_fn(gate) * up, or the aligned SwiGLU
+            stubs = {roles["gate_proj"]: _Stub(lambda h, _x=t("gate_proj", i): _x),
+                     roles["up_proj"]: _Stub(lambda h, _x=t("up_proj", i): _x),
+                     roles["down_proj"]: _Stub(lambda h: got.setdefault("swiglu", h))}
+            with _children(layer, stubs):  # the MLP's own forward: act_fn(gate) * up, or the aligned SwiGLU
                 mlp(x)
             put("swiglu", i, got["swiglu"])
-            put("mlp_out", i, mlp.down_proj(t("swiglu", i)))
-        put("final_norm", n, self.inner.norm(norm_input))
+            put("mlp_out", i, m("down_proj")(t("swiglu", i)))
+        put("final_norm", n, self._role("final_norm")(norm_input))
         logits = TapKey.of("logits", n)  # the rows the other stack scored: a prompt's all but last, a sample's all
         out[logits] = self._logits(t("final_norm", n))[: taps[logits].shape[0]]
         return out

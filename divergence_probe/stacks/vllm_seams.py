@@ -1,12 +1,11 @@
-"""Where each canonical layer tap lives in vLLM's Qwen2/Qwen3 decoder layer: one table for the eager engine's hooks
-(stacks/vllm.py) and the compiled engine's tap points (compiled_taps.py), so both read the same tensor at the same
-seam.
+"""Where each canonical layer tap lives in vLLM's decoder layer: one table for the eager engine's hooks (stacks/vllm.py)
+and the compiled engine's tap points (compiled_taps.py), so both read the same tensor at the same seam.
 
-A seam is a module, whether the tensor is one of its inputs (a forward-pre hook) or comes from its output (a forward
-hook), and how to read the taps there. vLLM fuses some modules the canonical taps keep apart: q/k/v are one GEMM
-(`qkv_proj`) and gate/up another (`gate_up_proj`), so their output splits along the features, in the order of the
-model's packed_modules_mapping; the residual stream leaves a layer only inside the next fused add+norm, so
-`resid_out` is formed from the layer's (hidden, residual) output.
+The family (models/) says which module each tap is read at and what of it; this module says how each kind of read is
+done on vLLM's modules. vLLM fuses some modules the canonical taps keep apart (q/k/v are one GEMM, gate/up another),
+so their output splits along the features, in the order of the model's packed_modules_mapping (`Family.fused`); the
+residual stream leaves a layer only inside the next fused add+norm, so `resid_out` is formed from the layer's
+(hidden, residual) output.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import StackError
+from ..models import Family, dims, family_of, find
 from .hooks import arg, first_tensor
 
 Read = Callable[[tuple, dict, object], dict[str, torch.Tensor]]  # (args, kwargs, output or None) -> {tap: tensor}
@@ -31,7 +32,7 @@ class Seam:
 
 class FusedSplit:
     """How one of vLLM's fused GEMM outputs splits into canonical taps, along the features, in the order of the
-    model's packed_modules_mapping (qkv_proj = q, k, v; gate_up_proj = gate, up)."""
+    model's packed_modules_mapping."""
 
     def __init__(self, names: tuple[str, ...], sizes: list[int] | None = None) -> None:
         self.names, self.sizes = names, sizes
@@ -58,26 +59,45 @@ def _layer_output(a, k, o) -> dict[str, torch.Tensor]:
     return {"resid_out": (hidden.float() + residual.float()).to(hidden.dtype)}
 
 
-def layer_seams(layer) -> list[Seam]:
-    """Every layer tap's seam in one decoder layer, in the order its forward reaches them (q_norm/k_norm only where
-    the model has them, Qwen3)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    seams = [
-        Seam(("input_norm",), layer.input_layernorm, False, _output("input_norm")),
-        Seam(("q_proj", "k_proj", "v_proj"), attn.qkv_proj, False,
-             _split(FusedSplit(("q_proj", "k_proj", "v_proj"), [attn.q_size, attn.kv_size, attn.kv_size]))),
-        Seam(("q_rope",), attn.attn, True, _input("q_rope", 0, "query")),
-        Seam(("k_rope",), attn.attn, True, _input("k_rope", 1, "key")),
-        Seam(("attn_core",), attn.attn, False, _output("attn_core")),
-        Seam(("attn_out",), attn.o_proj, False, _output("attn_out")),
-        Seam(("resid_mid",), layer.post_attention_layernorm, False, _output("resid_mid", lambda o: o[1])),
-        Seam(("post_norm",), layer.post_attention_layernorm, False, _output("post_norm")),
-        Seam(("gate_proj", "up_proj"), mlp.gate_up_proj, False, _split(FusedSplit(("gate_proj", "up_proj")))),
-        Seam(("swiglu",), mlp.down_proj, True, _input("swiglu", 0, "input_")),
-        Seam(("mlp_out",), mlp.down_proj, False, _output("mlp_out")),
-        Seam(("resid_out",), layer, False, _layer_output),
-    ]
-    for name in ("q_norm", "k_norm"):
-        if getattr(attn, name, None) is not None:
-            seams.insert(2, Seam((name,), getattr(attn, name), False, _output(name)))
+def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
+    """(before, read) of one of the family's seams: how each read kind is done on vLLM's modules."""
+    [first, *_] = seam.taps
+    if seam.read == "output":
+        return False, _output(first)
+    if seam.read == "residual":  # a fused add+norm returns (normed, residual)
+        return False, _output(first, lambda o: o[1])
+    if seam.read == "input":
+        return True, _input(first, *seam.arg)
+    if seam.read == "split":
+        [fused] = [f for f in family.fused if f.module == seam.module]
+        return False, _split(FusedSplit(seam.taps, [sizes[d] for d in fused.sizes] if fused.sizes else None))
+    if seam.read == "layer_sum":
+        return False, _layer_output
+    raise ValueError(f"{family.model_type}: vLLM seam read {seam.read!r} is not one stacks/vllm_seams.py knows")
+
+
+def layer_seams(layer, family: Family, sizes: dict[str, int]) -> list[Seam]:
+    """Every layer tap's seam in one decoder layer, in the order its forward reaches them. `sizes`: models.dims of
+    the model's config, which size the fused splits."""
+    seams = []
+    for seam in family.vllm.seams:
+        module = find(layer, family.vllm.layer[seam.module]) if seam.module else layer
+        if module is None:
+            raise StackError(f"vLLM's {type(layer).__name__} has no {family.vllm.layer[seam.module]}, where the "
+                             f"{family.model_type} family reads {', '.join(seam.taps)}; use a vLLM version the README "
+                             "lists")
+        before, read = _read(seam, family, sizes)
+        seams.append(Seam(seam.taps, module, before, read))
     return seams
+
+
+def model_seams(model) -> list[list[Seam]]:
+    """Every decoder layer's seams (`layer_seams`), by layer index, for a loaded vLLM model."""
+    family = family_of(model)
+    sizes = dims(model.config)
+    return [layer_seams(layer, family, sizes) for layer in decoder_layers(model)]
+
+
+def decoder_layers(model):
+    """The vLLM model's decoder layers, where its family keeps them."""
+    return find(model, family_of(model).vllm.model["layers"])

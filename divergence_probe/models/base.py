@@ -1,0 +1,114 @@
+"""What a model family is, as data: the decoder layer's taps, where each stack keeps its modules, how vLLM fuses them.
+
+    family = get_family("qwen3")                  # models/__init__.py: registry by config.json's model_type
+    family.layer_taps                             # ("input_norm", "q_proj", ..., "resid_out"): this family's taps
+    family.hf.seams / family.vllm.seams           # which module each tap is read at, and how (the stack says how)
+    find(layer, family.vllm.layer["rotary"])      # a module by its role, looked up when called
+
+A module is named by a *role* (the canonical name of what it does: "input_norm", "attn", "down_proj") and each stack's
+layout maps roles to dotted paths: model-level roles from the causal LM (`model.layers`), layer-level roles from one
+decoder layer (`self_attn.q_proj`). Consumers (stacks, regions, rl's sync check, checkpoint checks) ask for roles and
+never spell a path, so a new family is one module here plus one registry line (torchtitan's model_spec and
+state-dict adapter, vLLM's `packed_modules_mapping`, are the models for this).
+
+Seams say *where* a tap is read; *how* a read kind is done is the stack's code (stacks/hf.py, stacks/vllm_seams.py),
+so this package imports nothing above it: no stacks, no regions, no orchestration.
+
+A mixture-of-experts family (Qwen3-MoE) adds roles for the router (`mlp.gate` on both stacks) and the experts, a
+`router_logits` seam, and its experts' checkpoint tensors. TODO(issue 28): every layer of a family reads the same
+seams today; a family with dense layers among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) needs the
+seams, widths and checkpoint names chosen per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Seam:
+    """Where one stack reads some taps: a module of the decoder layer (a role of the layout; "" is the layer itself)
+    and what of it (`read`: a kind the stack's hook code knows, e.g. "output", "input", "split")."""
+
+    taps: tuple[str, ...]  # the canonical taps read here, in the order the read returns them
+    module: str  # a role of StackLayout.layer, or "" for the decoder layer
+    read: str = "output"
+    arg: tuple[int, str] | None = None  # read of an input: the argument's position and keyword
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One of vLLM's fused GEMMs: the trainer's modules it stacks (in this order along the output features) and the
+    width of each part, as a dimension name of `dims` (None: equal parts). The same order splits its output into
+    the canonical taps and stacks the trainer's weights into it (rl's sync check)."""
+
+    module: str  # vLLM role of the fused module (StackLayout.layer)
+    parts: tuple[str, ...]  # the trainer's module names it packs; also the taps its output splits into
+    sizes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """Where one stack (transformers or vLLM) keeps a family's modules, and where its hooks read each tap."""
+
+    model: Mapping[str, str]  # role -> path from the causal LM: embed, layers, final_norm, lm_head, ...
+    layer: Mapping[str, str]  # role -> path from one decoder layer
+    seams: tuple[Seam, ...]  # the layer's taps, in the order its forward reaches them
+    regions: Mapping[str, str] = field(default_factory=dict)  # region -> the layer role its patch targets
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type (the registry key; transformers builds from it)
+    architecture: str  # config.json's architectures[0] (vLLM builds from it)
+    layer_taps: tuple[str, ...]  # the canonical decoder-layer taps this family has, in dataflow order
+    widths: Mapping[str, str]  # layer tap -> dimension name of `dims` (features of one row)
+    hf: StackLayout
+    vllm: StackLayout
+    fused: tuple[Fused, ...]  # vLLM's packed modules (its packed_modules_mapping)
+    checkpoint: Mapping[str, tuple[str, ...]]  # per-layer tensor (after `model.layers.N.`) -> config fields sizing it
+    model_tensors: Mapping[str, tuple[str, ...]]  # model-level tensor -> config fields sizing it
+    tied_head: tuple[str, str] = ("lm_head.weight", "model.embed_tokens.weight")  # (head, the embedding it ties to)
+    required_config: tuple[str, ...] = ()  # config fields this family needs beyond checkpoint.REQUIRED_FIELDS
+
+    @property
+    def packed(self) -> dict[str, tuple[str, ...]]:
+        """vLLM's packed_modules_mapping: fused module name -> the trainer's modules stacked into it, in order."""
+        return {self.vllm.layer[f.module].rpartition(".")[2]: f.parts for f in self.fused}
+
+    def tensor_names(self, num_layers: int, tied: bool) -> set[str]:
+        """Every tensor name a checkpoint of this family holds (a tied head: none of its own)."""
+        names = {n for n in self.model_tensors if not (tied and n == self.tied_head[0])}
+        prefix = self.hf.model["layers"]
+        return names | {f"{prefix}.{i}.{n}" for i in range(num_layers) for n in self.checkpoint}
+
+    def shape_fields(self, name: str) -> tuple[str, ...]:
+        """The config fields that size checkpoint tensor `name` (to say which field a wrong shape contradicts)."""
+        if name in self.model_tensors:
+            return self.model_tensors[name]
+        prefix = self.hf.model["layers"] + "."
+        local = name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
+        return self.checkpoint.get(local, ("hidden_size",))
+
+
+def dims(config) -> dict[str, int]:
+    """The dimension names `Family.widths` and `Fused.sizes` use, from a transformers config (one partition: tensor
+    parallelism is not supported)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"hidden": config.hidden_size, "q": heads * head_dim, "kv": config.num_key_value_heads * head_dim,
+            "inter": config.intermediate_size, "vocab": config.vocab_size}
+
+
+def find(root: torch.nn.Module, path: str):
+    """The module (or attribute) at a dotted path from `root`, looked up now ("" is root); None where absent. Looked up
+    at call time on purpose: a region patch or a replay's stub swaps children, and callers must see the swap."""
+    obj = root
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

@@ -1,0 +1,125 @@
+"""models/: the family registry, and each family's description against the real modules and checkpoints.
+
+A family is data that every stack reads instead of naming modules, so a wrong path there is a tap, a patch or a
+sync check that silently reads the wrong thing; these tests hold each path to the module it names (transformers
+on the meta device; vLLM through the session's one engine) and the checkpoint names to make-model's files.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from divergence_probe.checkpoint import checkpoint_tensors, expected_tensors
+from divergence_probe.errors import ModelError, StackError
+from divergence_probe.models import FAMILIES, dims, find, get_family
+from divergence_probe.stacks.vllm_seams import layer_seams
+from divergence_probe.taps import LAYER_TAPS
+
+ARCHS = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(qwen2_tiny, qwen3_tiny):
+    return {"qwen2": qwen2_tiny, "qwen3": qwen3_tiny}
+
+
+def meta_model(folder):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
+def test_unknown_model_type_is_one_line_listing_the_known():
+    with pytest.raises(ModelError) as e:
+        get_family("llama")
+    message = str(e.value)
+    assert "\n" not in message and "'llama'" in message
+    assert all(name in message for name in FAMILIES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_family_is_registered_under_its_model_type(arch):
+    family = get_family(arch)
+    assert family.model_type == arch
+    assert family.architecture.endswith("ForCausalLM")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_stack_reads_exactly_the_family_taps(arch):
+    """Each layer tap is read at one seam on each stack, and the taps are a dataflow-ordered subset of the
+    canonical ones (expected_taps and the pairing rely on both)."""
+    family = get_family(arch)
+    assert family.layer_taps == tuple(t for t in LAYER_TAPS if t in family.layer_taps)
+    for layout in (family.hf, family.vllm):
+        read = [t for seam in layout.seams for t in seam.taps]
+        assert sorted(read) == sorted(family.layer_taps), layout
+        assert all(seam.module == "" or seam.module in layout.layer for seam in layout.seams)
+        assert all(role == "" or role in layout.layer for role in layout.regions.values())
+    assert set(family.layer_taps) <= set(family.widths)
+    assert all(f.module in family.vllm.layer for f in family.fused)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_paths_resolve_on_a_model_built_from_its_config(arch, checkpoints):
+    family = get_family(arch)
+    model = meta_model(checkpoints[arch])
+    assert model.config.model_type == arch
+    for role, path in family.hf.model.items():
+        assert find(model, path) is not None, (role, path)
+    layers = find(model, family.hf.model["layers"])
+    assert len(layers) == model.config.num_hidden_layers
+    for layer in layers:
+        for role, path in family.hf.layer.items():
+            assert find(layer, path) is not None, (role, path)
+    # the widths the compiled taps size buffers with are those of the modules
+    layer, sizes = layers[0], dims(model.config)
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert find(layer, family.hf.layer[name]).out_features == sizes[family.widths[name]], name
+    assert find(layer, family.hf.layer["down_proj"]).in_features == sizes[family.widths["swiglu"]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_tensor_names_are_make_models(arch, checkpoints):
+    """The family's per-layer and model tensors are exactly what make-model writes and what transformers builds
+    from the config (less the tied head), and each names config fields that exist."""
+    family, folder = get_family(arch), checkpoints[arch]
+    config = json.loads((folder / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings"))
+    names = family.tensor_names(config["num_hidden_layers"], tied)
+    assert names == set(checkpoint_tensors(folder))
+    shapes, tied_names, cfg = expected_tensors(folder)
+    assert names == set(shapes) - tied_names
+    assert family.tensor_names(config["num_hidden_layers"], tied=False) == set(shapes)
+    for name in names:  # head_dim: Qwen2 derives it from hidden_size / num_attention_heads
+        assert all(hasattr(cfg, f) or f == "head_dim" for f in family.shape_fields(name)), name
+
+
+def test_a_vllm_layer_without_a_named_module_is_a_one_line_error():
+    family = get_family("qwen3")
+    with pytest.raises(StackError) as e:
+        layer_seams(torch.nn.Module(), family, {"q": 1, "kv": 1, "inter": 1, "hidden": 1})
+    assert "\n" not in str(e.value) and family.vllm.layer["input_norm"] in str(e.value)
+
+
+def test_vllm_paths_resolve_on_the_engines_model(vllm_probe):
+    """The one in-process engine (tiny Qwen3): every vLLM path resolves, the packing is the model class's own
+    packed_modules_mapping, and each fused split's sizes add up to the fused module's output."""
+    model = vllm_probe.infer.model
+    family = get_family(model.config.model_type)
+    for role, path in family.vllm.model.items():
+        assert find(model, path) is not None, (role, path)
+    sizes = dims(model.config)
+    for layer in find(model, family.vllm.model["layers"]):
+        for role, path in family.vllm.layer.items():
+            assert find(layer, path) is not None, (role, path)
+        for fused in family.fused:
+            module = find(layer, family.vllm.layer[fused.module])
+            if fused.sizes:
+                assert sum(sizes[d] for d in fused.sizes) == module.output_size_per_partition
+        assert [s.names for s in layer_seams(layer, family, sizes)] == [s.taps for s in family.vllm.seams]
+    mapping = {k: tuple(v) for k, v in type(model).packed_modules_mapping.items()}
+    assert family.packed == mapping
