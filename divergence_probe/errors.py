@@ -34,3 +34,7 @@ class StackError(ProbeError):
 
 class NumericsError(ProbeError):
     """NaN or Inf where a finite number is required (weights, logits)."""
+
+
+class DeviceMemoryError(ProbeError):
+    """The run does not fit in the device's free memory (found before loading), or ran out of it."""

@@ -1,4 +1,5 @@
-"""The run folder format: --out checks and lock, atomic write_run (rows + sha256 per file), checked read_run."""
+"""The run folder format: --out checks and lock, the marker of the tool's own output folders, atomic write_run
+(rows + sha256 per file), checked read_run (a run folder is untrusted data: its files stay inside it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -20,11 +22,12 @@ from typing import Callable, Iterable, Iterator
 
 import pandas as pd
 
-from .errors import OutputError, ProbeError
+from .errors import OutputError, ProbeError, one_line
 
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.jsonl"
 KINDS = ("compare", "ablate")
+WRITTEN_KINDS = (*KINDS, "score")  # run folders write_run makes; score (score.py) has no RunSpec kind
 # Files a run folder may hold, with the columns a reader relies on. tokens.csv may be gzipped (tokens.csv.gz)
 # or deleted to save space; every other file listed in the manifest must be there.
 COLUMNS = {
@@ -43,10 +46,56 @@ COLUMNS = {
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"
+MARK = ".divergence-probe"  # in every output folder the tool makes: which output it is, and the files it wrote
+TOOL = "divergence-probe"
+MANIFEST_LIMIT = 16 * 2**20  # a manifest is a few kB; a larger one is not one the tool wrote, and is not read whole
 
 
 class RunFolderError(ProbeError):
     """A run folder to read is missing, is not a run folder, or has cut, changed or unreadable files."""
+
+
+# ---------------------------------------------------------------------------------------------- marker
+def _files(folder: Path) -> list[str]:
+    """Every file under folder (relative, POSIX), links and special files included, the marker excluded."""
+    found = []
+    for root, dirs, files in os.walk(folder):  # followlinks=False: a linked folder is one entry, not its content
+        for name in dirs + files:
+            path = Path(root) / name
+            if name in files or path.is_symlink():
+                found.append(path.relative_to(folder).as_posix())
+    return sorted(f for f in found if f != MARK)
+
+
+def mark(folder: Path, output: str) -> None:
+    """Record in `folder` that the tool made it as `output` (report, model, rl) and which files it holds, so that
+    a later writer may replace it (`marked`): a folder without the mark, or with files the tool did not write, is
+    never the tool's to delete. The content depends on nothing but the files, so outputs stay byte-identical.
+    compare/ablate run folders carry none: they are never replaced (check_out_dir without `replaces`), and their
+    manifest already lists their files."""
+    record = {"tool": TOOL, "output": output, "files": _files(Path(folder))}
+    (Path(folder) / MARK).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def marked(folder: Path, output: str) -> bool:
+    """Whether folder is an output of kind `output` that the tool made and nobody added to since: its mark says
+    so, and every file in it (no links, no special files) is one the mark lists."""
+    folder = Path(folder)
+    marker = folder / MARK
+    if folder.is_symlink() or marker.is_symlink() or not marker.is_file():
+        return False
+    try:
+        with marker.open("rb") as f:
+            data = f.read(MANIFEST_LIMIT + 1)
+        record = json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return False
+    if len(data) > MANIFEST_LIMIT or not isinstance(record, dict) or record.get("tool") != TOOL \
+            or record.get("output") != output or not isinstance(record.get("files"), list):
+        return False
+    listed = set(record["files"])
+    return all(name in listed and not (folder / name).is_symlink() and (folder / name).is_file()
+               for name in _files(folder))
 
 
 # ---------------------------------------------------------------------------------------------- --out
@@ -80,16 +129,23 @@ def _make_parent(out_dir: Path) -> Path:
     return parent
 
 
-def check_out_dir(out_dir: Path, replace: Callable[[Path], bool] | None = None) -> None:
+def check_out_dir(out_dir: Path, replaces: str | None = None) -> None:
     """Fail before any expensive work if out_dir cannot become the output folder: it must be new or empty
-    (or, with `replace`, a folder that replace(out_dir) accepts), and its parent writable."""
+    (or, with `replaces`, an output of that kind the tool marked and nobody added to, see `marked`), not a
+    mount point (the folder is renamed into place), and its parent writable."""
     out_dir = Path(out_dir)
     if out_dir.is_symlink() and not out_dir.exists():
         raise OutputError(f"--out {out_dir} is a link to nothing; remove the link or choose another --out")
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"--out {out_dir} is a file, not a folder; choose another --out or remove the file")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (replace and replace(out_dir)):
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (replaces and marked(out_dir, replaces)):
+        if replaces:
+            raise OutputError(f"--out {out_dir} already exists and holds files other than a previous {replaces} of "
+                              f"{TOOL}; choose another --out or remove it")
         raise OutputError(f"--out {out_dir} already exists and is not empty; choose another --out or remove it")
+    if out_dir.is_dir() and os.path.ismount(out_dir):
+        raise OutputError(f"--out {out_dir} is a mount point: the output is written beside it and renamed into "
+                          f"place, which a mount point cannot take; choose a folder inside it, e.g. {out_dir / 'run'}")
     parent = _make_parent(out_dir)
     try:
         probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.check-", dir=parent)
@@ -175,6 +231,21 @@ def locked(out_dir: Path) -> Iterator[Path]:
 
 
 @contextmanager
+def output_folder(out_dir: Path, output: str, replaces: str | None = None) -> Iterator[Path]:
+    """Write one output folder of kind `output` (a report): lock --out, write into a hidden sibling (atomic_dir),
+    mark it, rename it into place. An OSError (a full disk, a read-only place) is one OutputError."""
+    out_dir = Path(out_dir)
+    with locked(out_dir):
+        try:
+            with atomic_dir(out_dir, replaces) as tmp:
+                yield tmp
+                mark(tmp, output)
+        except OSError as e:
+            raise OutputError(f"cannot write {out_dir} ({e.strerror or e}); free space there or choose another "
+                              "--out") from e
+
+
+@contextmanager
 def claim_out_dir(out_dir: Path) -> Iterator[Path]:
     """Take --out for this run at its start: lock it, then check it is new or empty and writable. Hold the
     claim until the run is written (write_run inside the block reuses it)."""
@@ -184,18 +255,33 @@ def claim_out_dir(out_dir: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------------------------- atomic folder
+def _new_dir(parent: Path, prefix: str) -> Path:
+    """A new folder with the mode the umask gives (mkdtemp's 0700 would hide a shared output from its readers)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
 @contextmanager
-def atomic_dir(out_dir: Path, replace: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+def atomic_dir(out_dir: Path, replaces: str | None = None) -> Iterator[Path]:
     """Yield a hidden temporary sibling folder; when the block succeeds it becomes out_dir, when it fails
-    (any exception, KeyboardInterrupt and SystemExit included) it is removed. With `replace`, an existing
-    folder that replace(out_dir) accepts is swapped out only after the new one is complete."""
+    (any exception, KeyboardInterrupt and SystemExit included) it is removed. With `replaces`, an existing
+    output of that kind the tool marked is swapped out only after the new one is complete (and only if it is
+    still untouched then)."""
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, replace)
+    check_out_dir(out_dir, replaces)
     parent = out_dir.absolute().parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
+    tmp = _new_dir(parent, f".{out_dir.name}.partial-")
     try:
         yield tmp
         if out_dir.is_dir() and any(out_dir.iterdir()):
+            if not (replaces and marked(out_dir, replaces)):  # files were added while the new one was made
+                raise OutputError(f"{out_dir} changed while the new {replaces or 'output'} was written (it holds files "
+                                  f"{TOOL} did not write); choose another --out or remove it")
             holder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
             os.rename(out_dir, holder / out_dir.name)
             try:
@@ -277,8 +363,8 @@ def write_run(out_dir: str | Path, manifest: dict, prompts, tables: dict[str, pd
     prompts.jsonl and each table (file name -> frame). All or nothing: the folder appears only when complete.
     A write error (a full disk) is an OutputError naming the file and the OS error; the results are then
     written to a rescue folder in the temp folder if possible, and the message says where."""
-    if manifest.get("kind") not in KINDS:
-        raise ValueError(f"manifest['kind'] is {manifest.get('kind')!r}; the caller must set one of {KINDS}")
+    if manifest.get("kind") not in WRITTEN_KINDS:
+        raise ValueError(f"manifest['kind'] is {manifest.get('kind')!r}; the caller must set one of {WRITTEN_KINDS}")
     unknown = [n for n in tables if n.removesuffix(".gz") not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown run files {unknown}; add them to rundir.COLUMNS")
@@ -320,6 +406,64 @@ def _cut(path: Path, detail: str) -> RunFolderError:
     return RunFolderError(f"{path} {detail}: the run folder is incomplete or was changed; restore the file or {RERUN}")
 
 
+def inside(folder: Path, name: str) -> Path:
+    """folder/name for a file name a manifest gives, refused (RunFolderError) unless it is a plain name of a
+    regular file in the folder itself: `../x`, an absolute path or a link out would make a report read (and
+    show) a file that is not part of the run."""
+    where = Path(folder) / MANIFEST
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise RunFolderError(f"{where} lists {name!r} under `files`, which is not a file name in the run folder (a "
+                             f"run folder holds its own files only); {RERUN}")
+    path = Path(folder) / name
+    if path.is_symlink():
+        raise RunFolderError(f"{path} is a link (to {os.readlink(path)}), not a file of the run; a run folder holds "
+                             f"its own files only: put the file itself there or {RERUN}")
+    if path.exists() and not path.is_file():
+        raise RunFolderError(f"{path} is not a regular file; a run folder holds its own files only: {RERUN}")
+    return path
+
+
+def read_manifest(folder: Path) -> dict:
+    """folder/manifest.json as a JSON object, read with a size cap; RunFolderError when it is a link, too large,
+    cut short or not an object."""
+    path = inside(folder, MANIFEST)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MANIFEST_LIMIT + 1)
+        if len(data) > MANIFEST_LIMIT:
+            raise RunFolderError(f"{path} is larger than {MANIFEST_LIMIT // 2**20} MiB, so it is not a manifest "
+                                 f"{TOOL} wrote; {RERUN}")
+        manifest = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or a 5000-digit int
+        raise RunFolderError(f"cannot read {path} ({one_line(e, 200)}); it is cut short or not a manifest {TOOL} "
+                             f"wrote: {RERUN}") from e
+    if not isinstance(manifest, dict):
+        raise RunFolderError(f"{path} is not a JSON object; {RERUN}")
+    return manifest
+
+
+def parse_csv(path: Path, data: bytes, columns: Iterable[str] = (), drop: Iterable[str] = (),
+              numeric: Iterable[str] = ()) -> pd.DataFrame:
+    """A CSV file's bytes as a frame whose `columns` are all there (and `numeric` ones all numbers), or a
+    RunFolderError naming the file. Only empty fields are missing values: tap labels like `none` and combo
+    names stay strings."""
+    drop = set(drop)
+    try:
+        df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""], usecols=lambda c: c not in drop)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
+        raise RunFolderError(f"cannot read {path} ({one_line(e, 200)}); it is not a file {TOOL} wrote, or it was "
+                             f"cut short: {RERUN}") from e
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise RunFolderError(f"{path} lacks the column(s) {', '.join(missing)}; was it written by this version "
+                             f"of {TOOL}? {RERUN[0].upper() + RERUN[1:]}")
+    for column in numeric:
+        if not pd.api.types.is_numeric_dtype(df[column]) or pd.api.types.is_bool_dtype(df[column]):
+            raise RunFolderError(f"{path} has values in column {column} that are not numbers; it is not a file {TOOL} "
+                                 f"wrote: {RERUN}")
+    return df
+
+
 def _raw(path: Path) -> bytes:
     """A file's content, gunzipped for .gz; RunFolderError when it cannot be read."""
     try:
@@ -331,18 +475,7 @@ def _raw(path: Path) -> bytes:
 
 
 def _parse_csv(path: Path, data: bytes, name: str, drop: Iterable[str]) -> pd.DataFrame:
-    # Only empty fields are missing values: tap labels like `none` and combo names stay strings.
-    drop = set(drop)
-    try:
-        df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""], usecols=lambda c: c not in drop)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
-        raise RunFolderError(f"cannot read {path} ({e}); it is not a file divergence-probe wrote, or it was "
-                             f"cut short: {RERUN}") from e
-    missing = [c for c in COLUMNS[name] if c not in df.columns]
-    if missing:
-        raise RunFolderError(f"{path} lacks the column(s) {', '.join(missing)}; was it written by this version "
-                             f"of divergence-probe? {RERUN[0].upper() + RERUN[1:]}")
-    return df
+    return parse_csv(path, data, COLUMNS[name], drop)
 
 
 def _parse_prompts(path: Path, data: bytes) -> list[dict]:
@@ -377,30 +510,30 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
     parses with its columns, every prompts.jsonl line is JSON. `drop` names columns not to read (e.g. the
     token strings). RunFolderError on any failure."""
     path = Path(run_dir)
+    if path.is_symlink() and path.exists():  # a link to a run folder is that folder: its files are checked there
+        path = Path(os.path.realpath(path))
     if not path.exists():
         raise RunFolderError(f"run folder {path} does not exist; pass the --out folder of a compare or ablate run")
     if not path.is_dir():
         raise RunFolderError(f"{path} is a file, not a run folder; pass the --out folder of a compare or ablate run")
-    lacking = [f for f in (MANIFEST, "summary.csv") if not (path / f).is_file()]
+    lacking = [f for f in (MANIFEST, "summary.csv") if not (path / f).is_file() and not (path / f).is_symlink()]
     if lacking:
         raise RunFolderError(f"{path} is not a divergence-probe run folder (no {' or '.join(lacking)}); pass the "
                              "--out folder of a compare or ablate run")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunFolderError(f"cannot read {path / MANIFEST} ({e}); {RERUN}") from e
-    if not isinstance(manifest, dict):
-        raise RunFolderError(f"{path / MANIFEST} is not a JSON object; {RERUN}")
+    manifest = read_manifest(path)
     listed = manifest.get("files", {})
     if not isinstance(listed, dict) or not all(isinstance(r, dict) for r in listed.values()):
         raise RunFolderError(f"{path / MANIFEST} has a `files` entry that is not a map of file records; {RERUN}")
+    for name in listed:
+        inside(path, name)
 
     run = RunFolder(path=path, manifest=manifest)
     known = (PROMPTS, *COLUMNS)
     bases = list(known) + list(dict.fromkeys(n.removesuffix(".gz") for n in listed
                                              if n.removesuffix(".gz") not in known))
     for base in bases:
-        stored = next((path / n for n in (base, f"{base}.gz") if (path / n).is_file()), None)
+        stored = next((inside(path, n) for n in (base, f"{base}.gz") if (path / n).is_file() or (path / n).is_symlink()),
+                      None)
         if stored is None:
             if (base in listed or f"{base}.gz" in listed) and base not in OPTIONAL:
                 raise _cut(path / base, "is listed in the manifest but missing")

@@ -4,12 +4,15 @@ Python turns SIGINT into KeyboardInterrupt, which unwinds the stack through ever
 `except BaseException` cleanup (hidden temporary folders, the vLLM engine's rendezvous file); SIGTERM, what
 schedulers and `timeout` send, kills the process where it stands and leaves all of that behind. While a command
 runs, both raise `Stopped` instead: a SystemExit, so cleanups run, `except Exception` handlers that turn failures
-into messages let it through, and the process exits with the shell's code for the signal (128 + number).
+into messages let it through, and the process exits with the shell's code for the signal (128 + number). Child
+processes registered with `pass_on_to` (vLLM engine workers) get SIGTERM at the same moment, so they stop together
+with the command instead of one by one as its cleanups reach them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -26,6 +29,18 @@ class Stopped(SystemExit):
 
 
 _pending: list[int] = []  # a signal that arrived where raising would lose it, to raise again shortly
+_children: dict[int, object] = {}  # pid -> subprocess.Popen: processes the stop is passed on to
+
+
+def pass_on_to(proc) -> None:
+    """Pass a stop on to the child process `proc` (a subprocess.Popen) as SIGTERM the moment it arrives, until
+    `forget(proc)`: a child busy on its own (a vLLM engine building) reads no request to stop, and stopping each
+    only when the unwinding reaches its close would add their stop times up, one after the other."""
+    _children[proc.pid] = proc
+
+
+def forget(proc) -> None:
+    _children.pop(proc.pid, None)
 
 
 def _lost_if_raised(frame) -> bool:
@@ -47,6 +62,10 @@ def _stop(signum: int, frame) -> None:
     # while a second Ctrl-C still aborts at once, as a user pressing it twice expects.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for pid, proc in list(_children.items()):
+        if proc.returncode is None:  # not reaped yet: the pid is still this child's, so the signal cannot go astray
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
     raise Stopped(signum)
 
 

@@ -227,6 +227,10 @@ class AblateSpec:
             raise ProbeError("--build-ahead must be >= 0")
         if not self.regions:
             raise ProbeError("--regions is empty; name at least one region")
+        builds = 2 ** len(self.regions) - 1  # every combination but the shipped one builds an engine
+        if self.build_ahead is not None and self.build_ahead > builds:  # more would only start nothing, slowly
+            raise ProbeError(f"--build-ahead {self.build_ahead} is more than the {builds} engine builds of "
+                             f"{len(self.regions)} regions; use 0 to {builds}")
         _choice(self.metric, tuple(METRICS), "--metric")
         if self.bootstrap < 0:
             raise ProbeError("--bootstrap must be >= 0")
@@ -294,18 +298,28 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunSpec":
-        """The spec a manifest recorded; unknown keys (a newer or edited manifest) are an error, not ignored."""
+        """The spec a manifest recorded, checked as the CLI checks its flags, before anything loads: a manifest is
+        data anyone may have edited. Every field must be there (a default filled in would rerun another run than
+        the one recorded), none may be unknown, each must have the type its flag parses to (no fractional count,
+        no text for a bool), and then each component's own checks run. One ProbeError naming the field."""
         try:
+            top = {f.name: f for f in fields(cls)}
+            values = _fields_of(data, top, "spec")
+            hints = _hints(cls)
             parts = {}
-            for name, value in data.items():
-                if name in COMPONENTS and value is not None:
-                    parts[name] = _build(COMPONENTS[name], value)
+            for name, value in values.items():
+                where = f"spec.{name}"
+                if name in COMPONENTS:
+                    parts[name] = None if value is None and name == "ablate" else _build(COMPONENTS[name], value, where)
                 else:
-                    parts[name] = value
-            return cls(**parts)
-        except (TypeError, AttributeError, ValueError) as e:
-            raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); "
-                             "re-run the command from the manifest's `command` instead") from e
+                    parts[name] = _typed(value, hints[name], where, "--report" if name == "report" else name)
+            try:
+                return cls(**parts)
+            except ProbeError as e:
+                raise _SpecError(f"spec: {e}") from e
+        except _SpecError as e:
+            raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); fix the "
+                             "manifest or re-run the command from its `command` instead") from None
 
 
 def _resolved_device(device: str) -> str:
@@ -314,12 +328,74 @@ def _resolved_device(device: str) -> str:
     return resolve_device(device)
 
 
-def _build(cls, values: Mapping[str, Any]):
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
+class _SpecError(Exception):
+    """A field of a recorded spec that does not fit (from_dict turns it into one ProbeError)."""
+
+
+_KIND_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text", dict: "a JSON object"}
+_INT_LIMIT = 2**63  # what torch, vLLM and numpy take as a count or a seed; larger is no value the tool wrote
+
+
+def _hints(cls) -> dict:
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def _fields_of(data, known: dict, where: str) -> dict:
+    if not isinstance(data, Mapping):
+        raise _SpecError(f"{where} is {type(data).__name__}, not a JSON object")
+    unknown = sorted(map(str, set(data) - set(known)))
     if unknown:
-        raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        raise _SpecError(f"unknown field(s) {', '.join(f'{where}.{n}' for n in unknown)}")
+    missing = [n for n in known if n not in data]
+    if missing:
+        raise _SpecError(f"{where} lacks the field(s) {', '.join(missing)}")
+    return dict(data)
+
+
+def _typed(value, hint, where: str, flag: str):
+    """value as the CLI would have parsed it for a field of type `hint`, or _SpecError naming the field."""
+    import math
+    import typing
+
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is tuple:  # a comma list on the command line, a JSON list in the manifest
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        ok, kind = False, "a list of names"
+    elif hint is bool:
+        ok, kind = isinstance(value, bool), _KIND_WORDS[bool]
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and -_INT_LIMIT < value < _INT_LIMIT
+        kind = "a whole number (below 2^63)"
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value, kind = float(value) if ok else value, "a finite number"
+    elif hint in (str, dict):
+        ok, kind = isinstance(value, hint), _KIND_WORDS[hint]
+    else:  # a field type this function does not know: a bug here, not in the manifest
+        raise TypeError(f"{where}: no manifest check for fields of type {hint}")
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise _SpecError(f"{where} ({flag}) is {shown}, not {kind}")
+    return value
+
+
+def _build(cls, values, where: str):
+    """One component of a recorded spec, every field checked (see RunSpec.from_dict)."""
+    known = {f.name: f for f in fields(cls)}
+    values = _fields_of(values, known, where)
+    hints = _hints(cls)
+    typed = {name: _typed(value, hints[name], f"{where}.{name}", flag_of(known[name])) for name, value in values.items()}
+    try:
+        return cls(**typed)
+    except ProbeError as e:
+        raise _SpecError(f"{where}: {e}") from e
 
 
 def flat_fields(kind: str) -> list[tuple[str | None, Field, str]]:

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.errors import ModelError, StackError
 from divergence_probe.model_source import resolve_model
+from divergence_probe.rundir import MARK
 from divergence_probe.signals import Stopped, stop_on_signals
 from divergence_probe.stacks.base import StackSettings
 from divergence_probe.stacks.hf import HFStack
@@ -358,7 +359,8 @@ def test_sigterm_during_the_vllm_engine_start_leaves_nothing(command, tmp_path):
                             stderr=subprocess.PIPE)
     wait_for(marker.exists, proc, timeout=600)
     held = {p.relative_to(work).as_posix() for p in work.rglob("*")}  # what the run holds while the engine starts
-    assert held == {"new", "new/.run.lock"} | ({"new/run"} if command == "rl" else set()), held
+    rl_folder = {"new/run", f"new/run/{MARK}"}  # rl claims and marks its folder before the engine starts
+    assert held == {"new", "new/.run.lock"} | (rl_folder if command == "rl" else set()), held
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err

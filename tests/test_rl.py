@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
+from divergence_probe.models import get_family
 from divergence_probe.rl.sync import SyncError, digests, expected_tensors
 from test_compare_cli import assert_one_line_error
 
@@ -76,12 +77,13 @@ def test_expected_tensors_stack_like_vllms_loader():
     t = {f"model.layers.0.self_attn.{p}_proj.weight": torch.full((2, 3), float(i)) for i, p in enumerate("qkv")}
     t["model.embed_tokens.weight"] = torch.randn(5, 3)
     engine = ["model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
-    want = expected_tensors(t, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied=True)
+    head = get_family("qwen2").tied_head
+    want = expected_tensors(t, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied_head=head)
     assert torch.equal(want["model.layers.0.self_attn.qkv_proj.weight"][0][2:4], torch.full((2, 3), 1.0))
     assert want["lm_head.weight"][0] is t["model.embed_tokens.weight"]
     with pytest.raises(SyncError, match="model.extra.weight"):
         expected_tensors({**t, "model.extra.weight": torch.ones(1)}, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
-                         tied=True)
+                         tied_head=head)
 
 
 def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..rundir import RunFolderError, read_run
+from ..rundir import MANIFEST, RERUN, RunFolderError, read_run
 from ..shapley import SHIPPED
 
 ReportError = RunFolderError  # what `report` raises for a run folder it cannot use (and a bad --format)
@@ -93,11 +93,32 @@ def _as_bool(series: pd.Series) -> pd.Series:
     return series.astype(str).str.strip().str.lower().isin(("true", "1", "yes"))
 
 
+# The manifest sections the report reads into, and the objects inside `stacks.<side>`: each must be a JSON object
+# when present (an edited manifest with `"model": 5` is refused here, not met as a traceback while writing prose).
+SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files")
+STACK_SECTIONS = ("settings", "implementations", "versions")
+
+
+def _check_sections(path: Path, manifest: dict) -> None:
+    found = [(key, manifest.get(key)) for key in SECTIONS]
+    stacks = manifest.get("stacks")
+    if isinstance(stacks, dict):
+        for side in ("infer", "train"):
+            found.append((f"stacks.{side}", stacks.get(side)))
+            if isinstance(stacks.get(side), dict):
+                found += [(f"stacks.{side}.{k}", stacks[side].get(k)) for k in STACK_SECTIONS]
+    for key, value in found:
+        if value is not None and not isinstance(value, dict):
+            raise ReportError(f"{path / MANIFEST} has `{key}` = {str(value)[:40]!r}, not an object: it was edited or "
+                              f"damaged; restore it or {RERUN}")
+
+
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run folder; ReportError when it is missing, is not one, or has a cut or changed file."""
     # The token strings are not needed and can be anything; they are not read.
     folder = read_run(run_dir, drop=("token",))
     path, tables = folder.path, folder.tables
+    _check_sections(path, folder.manifest)
     summary = tables["summary.csv"]
     if summary.empty:
         raise ReportError(f"{path / 'summary.csv'} has no rows; rerun the command that made the run folder")

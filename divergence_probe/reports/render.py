@@ -12,25 +12,25 @@ is refused before anything is written (rundir.read_run).
 
 Output is written like every other output of the tool (rundir.atomic_dir): into a hidden sibling folder
 renamed into place when complete, removed on any failure or interrupt. A folder that holds exactly a previous
-report (its file list is recorded in `.divergence-probe-report`) is replaced on re-render; any other
-non-empty folder is an OutputError. Identical inputs give byte-identical output: nothing in it depends on the
+report (the tool's mark, rundir.MARK, says so and lists its files) is replaced on re-render; any other
+non-empty folder is an OutputError and is left untouched. Identical inputs give byte-identical output: nothing in it depends on the
 time, the machine or the out path.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..errors import OutputError
-from ..rundir import atomic_dir, locked
+from ..rundir import MARK, output_folder
 from . import document as doc
 from .figure_specs import figure_specs
 from .load import ReportError, RunData, load_run
 from .prose import build_document, title
 
 FORMATS = {"md": "report.md", "html": "report.html", "latex": "report.tex"}
-MARKER = ".divergence-probe-report"  # lists the files of a report folder, so a re-render may replace it
+MARKER = MARK  # the tool's mark in a report folder (it lists the files), so a re-render may replace it
+REPORT = "report"  # the kind of output a report folder is marked as (rl reports too)
 
 
 def _render(run: RunData, out: Path, fmt: str) -> None:
@@ -54,19 +54,6 @@ def _render(run: RunData, out: Path, fmt: str) -> None:
         (out / FORMATS["latex"]).write_text(main, encoding="utf-8")
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
-
-
-def _is_previous_report(out_dir: Path) -> bool:
-    marker = out_dir / MARKER
-    if not marker.is_file():
-        return False
-    listed = set(marker.read_text(encoding="utf-8").splitlines()) | {MARKER}
-    return all(f in listed for f in _files(out_dir)) and all(
-        p.is_dir() or p.is_file() for p in out_dir.rglob("*"))  # no links or special files
-
-
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -> Path:
     """Render the run folder `run_dir` into `out_dir` (default: run_dir/report); return the main file
     (report.md, report.html or report.tex). Raises ReportError for a bad run folder and OutputError for an
@@ -77,16 +64,6 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: st
     out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     if out_dir.resolve() == run.path.resolve():
         raise OutputError(f"--out {out_dir} is the run folder itself; choose another --out (default: RUN_DIR/report)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputError(f"--out {out_dir} is a file, not a folder; choose another --out or remove the file")
-    with locked(out_dir):
-        if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_previous_report(out_dir):
-            raise OutputError(f"{out_dir} already exists and holds files other than a previous report; "
-                              "choose another --out or remove it")
-        with atomic_dir(out_dir, replace=_is_previous_report) as tmp:
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report is meant to be shared
-            _render(run, tmp, fmt)
-            (tmp / MARKER).write_text("\n".join(_files(tmp)) + "\n", encoding="utf-8")
+    with output_folder(out_dir, REPORT, replaces=REPORT) as tmp:
+        _render(run, tmp, fmt)
     return out_dir / FORMATS[fmt]

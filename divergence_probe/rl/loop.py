@@ -52,12 +52,20 @@ OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it
 
 
 def load(spec: RLSpec):
-    """The Probe (engine + trainer stack) rl runs on: eager vLLM with prefix caching on, BF16 on both sides."""
+    """The Probe (engine + trainer stack) rl runs on: eager vLLM with prefix caching on, BF16 on both sides. The
+    prompt pool is checked against the model's context once the tokenizer is known, before either stack loads."""
     import divergence_probe as dp
+
+    return dp.load(spec=load_spec(spec), before_stacks=lambda source, tokenizer: prompt_pool(
+        spec, tokenizer, source.max_model_len))
+
+
+def load_spec(spec: RLSpec):
+    """The LoadSpec of rl's probe."""
     from ..spec import LoadSpec
 
-    return dp.load(spec=LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
-                                 engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed))
+    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
+                    engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed)
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -65,13 +73,19 @@ def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, 
     if spec.prompts is not None:  # the compare command's prompt files: .txt, .jsonl (chat rendered), or a folder
         from ..prompts import load_prompts
 
-        prompts = load_prompts(Path(spec.prompts), tokenizer, max_model_len=max_model_len - spec.max_new_tokens + 1)
-        return [(p.text, p.token_ids) for p in prompts]
-    pool = [(t, tuple(tokenizer(t)["input_ids"])) for t in PROMPTS]
-    empty = [t for t, ids in pool if not ids]
-    if empty:
-        raise ProbeError(f"--prompts: prompt {empty[0]!r} has no tokens; remove it")
-    return pool
+        # no context limit there: its message would name compare's --max-prompt-tokens; rl's own check is below
+        prompts = load_prompts(Path(spec.prompts), tokenizer, max_model_len=2**62)
+        pool = [(p.source, p.text, p.token_ids) for p in prompts]
+    else:
+        pool = [(repr(t), t, tuple(tokenizer(t)["input_ids"])) for t in PROMPTS]
+    for where, _, ids in pool:
+        if not ids:
+            raise ProbeError(f"--prompts: prompt {where} has no tokens; remove it")
+        if len(ids) + spec.max_new_tokens > max_model_len:
+            raise ProbeError(f"prompt {where} has {len(ids)} tokens, and with --max-new-tokens {spec.max_new_tokens} "
+                             f"a response would run past the model's context of {max_model_len} tokens; lower "
+                             "--max-new-tokens or shorten the prompt")
+    return [(text, ids) for _, text, ids in pool]
 
 
 @dataclass

@@ -18,14 +18,14 @@ for each response (importable from the current folder or PYTHONPATH).
 
 from __future__ import annotations
 
-import math
-
 import importlib
+import math
 import sys
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ProbeError
+from ..errors import ProbeError, one_line
+from ..signals import Stopped
 
 Reward = Callable[[str, str], float]
 
@@ -80,13 +80,34 @@ def load_reward(spec: str | None) -> Reward:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardError(f"--reward {spec}: cannot import {module_name} ({e}); put it on PYTHONPATH or in the "
-                          "current folder") from e
+        missing = getattr(e, "name", None)
+        if missing and not (module_name == missing or module_name.startswith(f"{missing}.")):
+            raise RewardError(f"--reward {spec}: importing {module_name} failed: {_describe(e)}; install what it "
+                              "imports, or fix the module") from e
+        raise RewardError(f"--reward {spec}: cannot import {module_name} ({one_line(e)}); put it on PYTHONPATH or in "
+                          "the current folder") from e
+    except Stopped:
+        raise
+    except BaseException as e:  # the module's own code failed (SyntaxError, an exception, sys.exit at import)
+        raise RewardError(f"--reward {spec}: importing {module_name} failed: {_describe(e)}; fix the module") from e
     fn = getattr(module, attr, None)
-    if not callable(fn):
+    if fn is None:
         raise RewardError(f"--reward {spec}: {module_name} has no function {attr}; name a function that takes "
                           "(prompt_text, response_text) and returns a number")
+    if not callable(fn):
+        raise RewardError(f"--reward {spec}: {module_name}.{attr} is a {type(fn).__name__}, not a function; name a "
+                          "function that takes (prompt_text, response_text) and returns a number")
     return fn
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as one line: its type and message; sys.exit(n) reads as what it is."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError at {Path(e.filename or '?').name} line {e.lineno}: {e.msg}"
+    text = one_line(e, 300)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def score(reward: Reward, prompt: str, response: str) -> float:
@@ -94,12 +115,20 @@ def score(reward: Reward, prompt: str, response: str) -> float:
     name = getattr(reward, "__qualname__", repr(reward))
     try:
         value = reward(prompt, response)
-    except Exception as e:  # the plug-in's own bug: name it in one line, not a traceback from inside the loop
-        raise RewardError(f"the reward function {name} raised {type(e).__name__}: {e}; fix the plug-in") from e
+    except Stopped:  # a signal, not the plug-in: the command stops as it does anywhere
+        raise
+    except BaseException as e:  # the plug-in's own bug, or its sys.exit: one line, not a traceback or a silent exit 0
+        raise RewardError(f"the reward function {name} failed: {_describe(e)}; fix the plug-in") from e
+    if isinstance(value, (str, bytes)):  # float("1") would take a string; a reward returns a number
+        raise RewardError(f"the reward function {name} returned {one_line(repr(value), 80)}, not a number; return a "
+                          "float")
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise RewardError(f"the reward function {name} returned {value!r}, not a number; return a float") from None
+    except Stopped:
+        raise
+    except BaseException:  # a list, a longer array, an object whose __float__ fails
+        raise RewardError(f"the reward function {name} returned {one_line(repr(value), 80)}, not a number; return "
+                          "one float per response") from None
     if not math.isfinite(number):  # NaN advantages would silently corrupt every later update
         raise RewardError(f"the reward function {name} returned {number}; return a finite number")
     return number

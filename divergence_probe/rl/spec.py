@@ -8,11 +8,32 @@ from ..errors import ProbeError
 from ..options import option
 from ..regions import REGIONS, parse_regions
 from ..spec import parse_engine_args
+from ..stacks.vllm import _OWNED as COMPARE_OWNED
 from .grpo import CORRECTIONS
 
 SIDES = ("both", "train")
 NO_SIGNAL_STEPS = ("step", "skip")
 DEVICES = ("auto", "cpu", "cuda")
+# Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
+# or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
+# hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.
+MAX_STEPS = 100_000
+MAX_SEEDS = 100
+MAX_GROUP_SIZE = 256
+MAX_PROMPTS_PER_STEP = 1024
+MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
+MAX_NEW_TOKENS = 32_768
+# vllm.LLM keywords rl sets itself. The reasons compare gives for them (stacks/vllm.py _OWNED) name flags rl does not
+# have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
+# by the generic reason.
+ENGINE_ARGS_OWNED = {
+    "dtype": "rl runs both sides in bfloat16",
+    "seed": "--seed sets it",
+    "enforce_eager": "rl runs the engine eager (region patches take effect only there)",
+    "compilation_config": "rl runs the engine eager, which compiles nothing",
+    "enable_prefix_caching": "rl runs with prefix caching on, as production rollouts do (the stale-cache probe "
+                             "checks it after every push)",
+}
 
 
 def setting_name(regions: tuple[str, ...]) -> str:
@@ -66,18 +87,25 @@ class RLSpec:
             (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),
             (self.correction in CORRECTIONS, f"--correction {self.correction!r} is not valid; choose one of: "
                                              f"{', '.join(CORRECTIONS)}"),
-            (self.steps >= 1, "--steps must be at least 1"),
+            (1 <= self.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}"),
             (self.lr > 0, "--lr must be positive"),
             (self.group_size >= 2, "--group-size must be at least 2 (advantages are relative to the group)"),
-            (self.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
-            (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
+            (self.group_size <= MAX_GROUP_SIZE, f"--group-size must be at most {MAX_GROUP_SIZE} (GRPO recipes "
+                                                "sample 4 to 64 responses per prompt)"),
+            (1 <= self.prompts_per_step <= MAX_PROMPTS_PER_STEP, f"--prompts-per-step must be from 1 to "
+                                                                 f"{MAX_PROMPTS_PER_STEP}"),
+            (self.group_size * self.prompts_per_step <= MAX_RESPONSES_PER_STEP,
+             f"--group-size x --prompts-per-step is {self.group_size * self.prompts_per_step} responses per step; the "
+             f"trainer scores them in one batch, so keep it at most {MAX_RESPONSES_PER_STEP}"),
+            (1 <= self.max_new_tokens <= MAX_NEW_TOKENS, f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS}"),
             (self.temperature > 0, "--temperature must be > 0 (a policy gradient needs sampling)"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.tis_cap > 1, "--tis-cap must be > 1"),
             (self.grad_clip > 0, "--grad-clip must be positive"),
             (self.no_signal_step in NO_SIGNAL_STEPS, f"--no-signal-step {self.no_signal_step!r} is not valid; choose "
                                                      f"one of: {', '.join(NO_SIGNAL_STEPS)}"),
-            (self.seeds >= 1, "--seeds must be at least 1"),
+            (1 <= self.seeds <= MAX_SEEDS, f"--seeds must be from 1 to {MAX_SEEDS} (each seed is a whole run per "
+                                           "setting)"),
             (0 <= self.seed < 2**31 - self.seeds, "--seed is out of range; use a number from 0 to 2**31 - 1"),
             (not (self.setting and self.align != "none"), "--align and --setting both given; use --setting for "
                                                           "several settings, --align for one"),
@@ -87,9 +115,12 @@ class RLSpec:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
-        if self.engine_args.get("enable_prefix_caching", True) is not True:
-            raise ProbeError("--engine-args enable_prefix_caching: rl runs with prefix caching on, as production "
-                             "rollouts do (the stale-cache probe checks it after every push); drop the key")
+        for key, value in self.engine_args.items():
+            if key == "enable_prefix_caching" and value is True:  # what rl sets anyway
+                continue
+            if key in ENGINE_ARGS_OWNED or key in COMPARE_OWNED:
+                why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
+                raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
         for s in self.settings:
             parse_setting(s)
 

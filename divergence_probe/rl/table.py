@@ -1,7 +1,9 @@
 """The rl run folder: rl.csv appended and flushed one row per step (a killed run keeps its rows), then
 rl_summary.csv and manifest.json written last, each atomically (temp file + rename), with rows and sha256 of every file.
 
-A folder without manifest.json is a run that did not finish: its rl.csv holds every completed step.
+A folder without manifest.json is a run that did not finish: its rl.csv holds every completed step. A write that
+fails (a full disk) stops the run; its rows go to a rescue folder in the temp folder instead (`rescue`), as compare's
+results do (rundir.write_run).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
 
-from ..rundir import MANIFEST, _sha256, check_out_dir, locked, write_csv, write_json
+from ..errors import ProbeError
+from ..rundir import MANIFEST, _sha256, atomic_dir, check_out_dir, locked, mark, write_csv, write_json
 
 ROWS = "rl.csv"
 SUMMARY = "rl_summary.csv"
@@ -30,26 +34,45 @@ class RLWriter:
         self.rows = 0
         self._file = None
         self._csv = None
+        self._broken = False  # a write to rl.csv failed: its buffer can never be flushed
 
     def add(self, row: dict) -> None:
         """Append one step's row and flush it to the OS."""
-        if self._file is None:
-            self.columns = list(row)
-            self._file = (self.out_dir / ROWS).open("w", newline="")
-            self._csv = csv.DictWriter(self._file, self.columns, lineterminator="\n")
-            self._csv.writeheader()
-        self._csv.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
-        self._file.flush()
+        try:
+            if self._file is None:
+                self.columns = list(row)
+                self._file = (self.out_dir / ROWS).open("w", newline="")
+                self._csv = csv.DictWriter(self._file, self.columns, lineterminator="\n")
+                self._csv.writeheader()
+            self._csv.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+            self._file.flush()
+        except OSError:
+            self._broken = True
+            raise
         self.rows += 1
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                if not self._broken:  # after a failed write, closing fails on the same buffer: already reported
+                    raise
+
+    def discard(self) -> None:
+        """Remove what was written (the rows went to a rescue folder instead); the claimed folder is then empty."""
+        self._broken = True
+        self.close()
+        for name in (ROWS, SUMMARY):
+            (self.out_dir / name).unlink(missing_ok=True)
+        self.rows = 0
 
     def _atomic(self, name: str, write) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.out_dir)
         os.close(fd)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the run's summary and manifest unreadable to others
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the summary and manifest; rl.csv has this mode
         try:
             write(Path(tmp))
             os.replace(tmp, self.out_dir / name)
@@ -68,13 +91,15 @@ class RLWriter:
 
 @contextmanager
 def rl_folder(out_dir: Path) -> Iterator[RLWriter]:
-    """Claim --out (lock; new or empty), create it and yield the writer; rows stay on disk if the run fails."""
+    """Claim --out (lock; new or empty), create it, mark it as the tool's (rundir.mark) and yield the writer; rows
+    stay on disk if the run fails."""
     out_dir = Path(out_dir)
     with locked(out_dir):
         check_out_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         writer = RLWriter(out_dir)
         try:
+            mark(out_dir, "rl")  # inside the try: a full disk here must not leave the new folder behind
             yield writer
         except BaseException:
             writer.close()
@@ -103,3 +128,22 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
             "s_per_step": (work + loop).mean(), "overhead_frac": loop.sum() / work.sum(),
         })
     return pd.DataFrame(out)
+
+
+def rescue(out_dir: Path, rows: list[dict], finished: tuple[dict, pd.DataFrame] | None) -> tuple[Path | None, str | None]:
+    """The rows (and, for a run that finished, its summary and manifest) written to a new folder in the temp folder,
+    when --out could not take them (a full disk): (where, None), or (None, why not)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    where = Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{Path(out_dir).name}-{stamp}-{os.getpid()}"
+    try:
+        with atomic_dir(where) as tmp:
+            writer = RLWriter(tmp)
+            for row in rows:
+                writer.add(row)
+            writer.close()
+            if finished is not None:
+                writer.finish(*finished)
+            mark(tmp, "rl")
+    except (OSError, ProbeError) as e:
+        return None, getattr(e, "strerror", None) or str(e)
+    return where, None

@@ -29,10 +29,12 @@ from typing import Sequence
 import torch
 
 from ..errors import StackError
+from ..signals import forget, pass_on_to
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .vllm_aligned import cache_namespace
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
+STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
 
 
 class WorkerStack:
@@ -51,6 +53,7 @@ class WorkerStack:
         self._proc: subprocess.Popen | None = None
         self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
         self._calls = 0
+        self._idle = False  # True while the child waits for a request: only then does it read "close"
         self.build_seconds = float("nan")
         self._status: dict = {}
         self._namespace: str | None = None  # this aligned build's own compile cache root (start() sets it)
@@ -77,6 +80,7 @@ class WorkerStack:
         self._proc = subprocess.Popen([sys.executable, "-m", "divergence_probe.stacks.engine_worker", str(self._folder)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                       cwd=self._folder)
+        pass_on_to(self._proc)  # a SIGTERM to this process stops every worker at once, whatever it is doing
         return self
 
     def wait_ready(self) -> "WorkerStack":
@@ -91,6 +95,7 @@ class WorkerStack:
             raise StackError(f"{e}; the compile cache of this region set ({self._namespace}) was removed, so a rerun "
                              "compiles afresh") from e
         self.build_seconds = time.perf_counter() - self._started
+        self._idle = True
         return self
 
     def load(self, settings: StackSettings) -> None:
@@ -106,12 +111,16 @@ class WorkerStack:
         if proc is not None:
             try:
                 if proc.poll() is None:
-                    proc.stdin.write(b"close\n")
-                    proc.stdin.flush()
-                    proc.wait(timeout=60)
+                    if self._idle:
+                        proc.stdin.write(b"close\n")
+                        proc.stdin.flush()
+                    else:  # building its engine or inside a call (a run stopped or failed meanwhile): it would read
+                        proc.terminate()  # "close" only once done; SIGTERM unwinds it now, its cleanups included
+                    proc.wait(timeout=STOP_SECONDS)
             except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+                proc.kill()  # its own cleanups do not run: vLLM's rendezvous file may be left in the temp folder
                 proc.wait()
+            forget(proc)
             self._log.close()
         try:
             keep = os.environ.get("DP_ENGINE_LOG")
@@ -162,9 +171,11 @@ class WorkerStack:
         self._calls += 1
         name = f"call-{self._calls}"
         torch.save({"method": method, "args": args}, self._folder / f"{name}.pt")
+        self._idle = False
         self._proc.stdin.write(f"{name}\n".encode())
         self._proc.stdin.flush()
         self._answer(method)
+        self._idle = True
         result = torch.load(self._folder / f"{name}.out.pt", weights_only=False)
         for suffix in (".pt", ".out.pt"):
             (self._folder / f"{name}{suffix}").unlink(missing_ok=True)
@@ -278,4 +289,9 @@ def _run(stack, method: str, args: tuple):
 
 
 if __name__ == "__main__":
-    _serve(Path(sys.argv[1]))
+    from ..signals import stop_on_signals
+
+    # SIGTERM (the parent's close while this child builds its engine or serves a call) unwinds like Ctrl-C: vLLM's
+    # start-up and the atexit cleanups run, so its rendezvous file (vllm_dist_*) does not outlive it
+    with stop_on_signals():
+        _serve(Path(sys.argv[1]))
