@@ -42,6 +42,10 @@ class TapPairing:
         self._parked: dict[int, dict[Tap, torch.Tensor]] = defaultdict(dict)  # by prompt, in arrival order
         self._filed: dict[int, list[tuple[TapKey, torch.Tensor]]] = defaultdict(list)
         self._plans: dict[tuple, _Plan] = {}  # by the order a prompt's taps arrived in, on each side
+        # Most elements (per side) one reduction call stacks and reduces (memory_plan.py sets it when a prompt's pairs
+        # in one call would not fit); None: all of a prompt's pairs in one call. Each pair is reduced on its own
+        # either way, so the statistics are the same to the bit (tests/test_memory_plan.py).
+        self.chunk_elements: int | None = None
 
     @property
     def stats(self) -> dict[TapKey, DiffStats]:
@@ -79,17 +83,31 @@ class TapPairing:
         plan = self._plans.get(order)
         if plan is None:
             plan = self._plans[order] = self._plan(prompt_id, *order, infer)
-        stacks = _stack(plan, infer, train)
-        if stacks is None:  # this prompt's taps group otherwise than the plan's (shapes that vary between prompts)
+        reduced = self._reduce(plan, infer, train)
+        if reduced is None:  # this prompt's taps group otherwise than the plan's (shapes that vary between prompts)
             plan = self._plan(prompt_id, *order, infer)
-            stacks = _stack(plan, infer, train)
-        tests, refs = stacks
-        for group, test in zip(plan.groups, tests):
-            elements = test[0].numel()
-            for row in group.rows:
-                self._counts[row] += elements
-        if tests:  # (none with --taps none)
-            self._add(plan.rows, fused_diff_sums(tests, refs))
+            reduced = self._reduce(plan, infer, train)
+        sums, counts = reduced
+        for row, elements in counts:
+            self._counts[row] += elements
+        if sums is not None:  # (none with --taps none)
+            self._add(plan.rows, sums)
+
+    def _reduce(self, plan: "_Plan", infer, train) -> tuple[torch.Tensor | None, list[tuple[int, int]]] | None:
+        """The plan's [taps, 7] sums in its row order and the elements each row reduced; None when the inference
+        taps do not stack as the plan says. In one call, or in calls of at most chunk_elements per side."""
+        parts = [plan] if self.chunk_elements is None else _parts(plan, infer, self.chunk_elements)
+        sums, counts = [], []
+        for part in parts:
+            stacks = _stack(part, infer, train)
+            if stacks is None:
+                return None
+            tests, refs = stacks
+            counts += [(row, test[0].numel()) for group, test in zip(part.groups, tests) for row in group.rows]
+            if tests:
+                sums.append(fused_diff_sums(tests, refs))
+            del stacks, tests, refs  # a chunk's stacked copies go before the next chunk is stacked
+        return (torch.cat(sums) if len(sums) > 1 else sums[0] if sums else None), counts
 
     def _plan(self, prompt_id: int, train_keys: tuple[TapKey, ...], parked: tuple[Tap, ...],
               infer: list[torch.Tensor]) -> "_Plan":
@@ -150,6 +168,7 @@ class _Group:
     keys: tuple[TapKey, ...]
     train: tuple[int, ...]
     rows: tuple[int, ...]
+    span: tuple[int, int] | None = None  # a stacked hand-over's taps [start, stop) only (a chunk of it)
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,8 @@ def _stack(plan: _Plan, infer, train) -> tuple[list[torch.Tensor], list[torch.Te
     for group in plan.groups:
         if not group.singles:
             test = infer[group.handovers[0]]
+            if group.span is not None:
+                test = test[group.span[0] : group.span[1]]
         elif len(group.handovers) > 1:
             try:
                 test = torch.stack([infer[e] for e in group.handovers])
@@ -185,6 +206,35 @@ def _stack(plan: _Plan, infer, train) -> tuple[list[torch.Tensor], list[torch.Te
         tests.append(test)
         refs.append(ref if ref.device == test.device else ref.to(test.device))
     return tests, refs
+
+
+def _parts(plan: _Plan, infer, limit: int) -> list[_Plan]:
+    """The plan cut into calls of about `limit` elements per side, in its row order: a group larger than that is
+    split into runs of at least two pairs (a run of one would stack nothing, but reduce a lone row, which a parallel
+    reduction may sum in another order), and consecutive runs share a call while they fit."""
+    runs: list[tuple[_Group, int]] = []
+    for group in plan.groups:
+        first = infer[group.handovers[0]]
+        per_pair = first.numel() if group.singles else first[0].numel()
+        n = len(group.keys)
+        pieces = 1 if n * per_pair <= limit or n < 4 else max(1, n // max(2, limit // max(1, per_pair)))
+        bounds = [n * k // pieces for k in range(pieces + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            if group.singles:
+                part = _Group(group.handovers[a:b], True, group.keys[a:b], group.train[a:b], group.rows[a:b])
+            else:
+                part = _Group(group.handovers, False, group.keys[a:b], group.train[a:b], group.rows[a:b],
+                              (a, b) if pieces > 1 else group.span)
+            runs.append((part, (b - a) * per_pair))
+    calls: list[list[_Group]] = []
+    size = 0
+    for part, elements in runs:
+        if not calls or size + elements > limit:
+            calls.append([])
+            size = 0
+        calls[-1].append(part)
+        size += elements
+    return [_Plan(tuple(groups), tuple(row for g in groups for row in g.rows)) for groups in calls]
 
 
 def _check_pairs(group: _Group, test: torch.Tensor, train) -> None:

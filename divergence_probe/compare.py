@@ -24,6 +24,7 @@ from .capture import TapPairing
 from .environment import to_device
 from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
+from .memory_plan import Peaks, engine_report
 from .metrics import DiffStats, token_kl
 from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_prompts
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
@@ -160,13 +161,16 @@ class PendingScores:
 
 
 def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_taps: frozenset[str],
-               train_taps: frozenset[str], capture, collect: Callable[[PendingScores], None]) -> list[Prompt]:
+               train_taps: frozenset[str], capture, collect: Callable[[PendingScores], None],
+               peaks: Peaks | None = None) -> list[Prompt]:
     """The run loop: each inference batch, then its sequences on the training stack under one capture; as each is
     done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
     (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
-    park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them."""
+    park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them. `peaks` records the
+    device's peak memory of each engine step and of each batch's training and reduction (memory_plan.Peaks)."""
     with _collected_per_batch() as batch_done:
-        return _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done)
+        return _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done,
+                           peaks or Peaks("cpu"))
 
 
 @contextmanager
@@ -185,11 +189,13 @@ def _collected_per_batch() -> Iterator[Callable[[], None]]:
             gc.enable()
 
 
-def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done) -> list[Prompt]:
+def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done, peaks) -> list[Prompt]:
     pending: PendingScores | None = None
     ran: list[Prompt] = []
     for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
+        peaks.start()
         sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
+        peaks.end("engine_step")
         if hasattr(capture, "add_sequences"):  # a grafting capture (local.py) scores against the inference logits
             capture.add_sequences(sequences)
         fed = {seq.key: seq.fed for seq in sequences}
@@ -212,7 +218,9 @@ def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect
                 collect(pending)
             pending, trained = scores, trained + 1
 
+        peaks.start()
         probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
+        peaks.end("train_and_reduce")
         if trained != len(sequences):
             raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")
         ran += [seq.prompt for seq in sequences]
@@ -391,15 +399,16 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines)."""
     prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps, not_captured = capturable_taps(probe, spec)
-    pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
+    pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
     capture = pairing
+    plan = getattr(probe, "memory_plan", None)
     if spec.capture.graft or spec.capture.depth:
         from .local import GRAFT_TAPS, GraftCapture, check_graftable
 
         check_graftable(probe.train)
         taps = taps | GRAFT_TAPS
-        pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.has_qk_norm))
-        capture = GraftCapture(pairing, probe.train, probe.source.num_layers, probe.source.has_qk_norm,
+        pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
+        capture = GraftCapture(pairing, probe.train, probe.source.num_layers, probe.source.family.layer_taps,
                                spec.capture.depth)
     source = source_for(spec)
     tokens: list[TokenScore] = []
@@ -413,8 +422,12 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         if progress and done % per_prompt == 0:
             progress(done_before + done // per_prompt, len(prompts) * total_scale)
 
-    ran = score_both(probe, prompts, source, taps, taps, capture, collect)
+    pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
+    peaks = Peaks(probe.settings.device)
+    ran = score_both(probe, prompts, source, taps, taps, capture, collect, peaks)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    if "memory_plan" in manifest:
+        manifest["memory_plan"]["measured"] = peaks.record() | {"engine": engine_report(probe.infer)}
     graft_tables = capture.tables(spec.align.regions if spec.align.side != "infer" else ()) \
         if capture is not pairing else {}
     if graft_tables:

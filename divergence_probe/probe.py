@@ -12,14 +12,17 @@ comparison and ablation on that model.
 
 from __future__ import annotations
 
+import os
 import random
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .compare import Progress, run_compare
+from . import memory_plan, torch_state
+from .compare import Progress, load_run_prompts, run_compare
 from .environment import environment, resolve_device
-from .errors import ProbeError
+from .errors import DeviceMemoryError, ProbeError
 from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
@@ -40,12 +43,19 @@ class Probe:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
     owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
+    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (memory_plan.py)
+    load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
 
     def run(self, spec: RunSpec, progress: Progress | None = None):
-        """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with."""
+        """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with. An
+        out-of-memory on the way is one DeviceMemoryError naming where it happened and the fix."""
         if spec.load != self.config:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
+        with _memory_errors(self.memory_plan, "run"):
+            return self._run(spec, progress)
+
+    def _run(self, spec: RunSpec, progress: Progress | None):
         if hasattr(self.infer, "recompute_gap"):  # the manifest's captured-logits gap describes this run alone
             self.infer.recompute_gap = 0.0
         if spec.kind == "ablate":
@@ -83,7 +93,8 @@ class Probe:
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)
-        settings = stack_settings(config, self.source, engine_taps=self.settings.engine_taps)
+        settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
+                           batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
         train = get_stack(config.train)
         train.load(settings)
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
@@ -114,6 +125,8 @@ class Probe:
             },
             "stacks": {side: vars(stack.info()) for side, stack in (("infer", self.infer), ("train", self.train))},
             "environment": self._environment,
+            **({"memory_plan": self.memory_plan.record() | {"measured_load_peak_bytes": self.load_peak_bytes}}
+               if self.memory_plan is not None else {}),
         }
 
     def close(self) -> None:
@@ -147,19 +160,25 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
 
 
 def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
-         **config) -> Probe:
+         plan_for: RunSpec | None = None, **config) -> Probe:
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
     `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
     tap points, which is another compiled graph than vLLM as deployed, and device buffers for exactly these taps
     (stacks/compiled_taps.py): later runs can capture those, not others.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
-    the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start."""
+    the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
+    `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (memory_plan.py) sizes
+    vLLM's KV cache, the tap batch and the reduction for its prompts, taps and mode, or fails in one line when nothing
+    fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens."""
     from transformers import AutoTokenizer
 
     if spec is not None and (model is not None or config):
         raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
     cfg = spec or LoadSpec(model=model, **config)
+    # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
+    # after both stacks have loaded
+    torch_state.check_sdpa(cfg.train_sdpa, resolve_device(cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings))
@@ -168,18 +187,78 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     if before_stacks is not None:
         before_stacks(source, tokenizer)
+    plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
     train = get_stack(cfg.train)
-    train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
+    with _memory_errors(plan, "loading the training stack"):
+        train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
     infer = get_stack(cfg.infer)
     try:
-        infer.load(settings)
+        with _memory_errors(plan, "starting the inference stack"):
+            infer.load(settings)
     except BaseException:
         train.close()
         raise
-    return Probe(cfg, source, settings, infer, train, tokenizer, environment(settings.device))
+    load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
+    return Probe(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
+                 load_peak_bytes=load_peak)
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer,
+             plan_for: RunSpec | None) -> tuple[memory_plan.MemoryPlan, StackSettings]:
+    """The memory plan for this load (raises DeviceMemoryError when nothing fits), and the settings it implies: the
+    planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args win)."""
+    from .checkpoint import checkpoint_tensors
+
+    free, total, source_of_free = memory_plan.device_memory(settings.device)
+    size = memory_plan.ModelSize.of(source.config, checkpoint_tensors(source.path))
+    if plan_for is not None:
+        lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
+        tap_names, g = plan_for.capture.tap_names, plan_for.generate
+        new, samples = (g.max_new_tokens, g.samples_per_prompt) if g.generates else (0, 1)
+    else:  # the worst case: every tap, and batches of one prompt of batch_tokens tokens
+        lengths, new, samples = (), 0, 1
+        tap_names = frozenset(size.tap_widths()) | {"logits"}
+    user = cfg.engine_args
+    fixed_kv = user.get("kv_cache_memory_bytes")
+    if cfg.infer == "vllm" and settings.device == "cpu":
+        fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # stacks/vllm.py's default
+    elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
+        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total) - 2 * size.parameters * _DTYPE_BYTES[cfg.dtype])
+    default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")
+    inputs = memory_plan.PlanInputs(
+        model=size,
+        dtype_bytes=_DTYPE_BYTES[cfg.dtype], taps=frozenset(tap_names), prompt_lengths=lengths,
+        batch_tokens=cfg.batch_tokens, batch_tokens_fixed=cfg.batch_tokens != default_batch,
+        max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
+        infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
+        kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
+        reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled")
+    plan = memory_plan.check(memory_plan.plan(inputs))
+    memory_plan.enforce_cap(plan, total)
+    engine = plan.engine_args()
+    if engine and "gpu_memory_utilization" not in user:
+        engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)
+    return plan, replace(settings, batch_tokens=plan.batch_tokens,
+                         engine_args=freeze_engine_args({**engine, **user}))
+
+
+@contextmanager
+def _memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
+    """An out-of-memory in the block (torch's, a CPU allocation, vLLM's start-up checks) as one DeviceMemoryError."""
+    try:
+        yield
+    except DeviceMemoryError:
+        raise
+    except Exception as e:
+        if memory_plan.is_out_of_memory(e):
+            raise memory_plan.out_of_memory_error(e, plan, phase) from e
+        raise
 
 
 def run(spec: RunSpec, progress: Progress | None = None):
     """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun)."""
-    probe = load(spec=spec.load, taps=spec.capture.taps)
+    probe = load(spec=spec.load, taps=spec.capture.taps, plan_for=spec)
     return probe.run(spec, progress)

