@@ -1,7 +1,7 @@
 """Seeded random Qwen checkpoints in Hugging Face format, for tests and demos.
 
 No model hub is reachable where divergence-probe is tested, so we build our own checkpoints: transformers'
-own Qwen2/Qwen3 classes with seeded random weights, saved the way the hub ships them (config.json, one BF16
+own Qwen2/Qwen3/Qwen3-MoE classes with seeded random weights, saved the way the hub ships them (config.json, one BF16
 model.safetensors, tokenizer, generation_config.json) so that transformers and vLLM both load them unchanged.
 The named presets copy the shapes of published Qwen models, so kernels see the same sizes as in production;
 `tiny` is 2 MB and builds in a fraction of a second once torch and transformers are imported.
@@ -20,7 +20,7 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -29,11 +29,24 @@ from divergence_probe.errors import ModelError, OutputError
 # torch, tokenizers and transformers are imported inside the functions that build things, so that
 # default_model_path() on an already built model (every CLI start) does not pay for importing them.
 
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("qwen2", "qwen3")  # the dense archs, which share the `tiny` shape
+MOE_ARCHS = ("qwen3_moe",)  # mixture-of-experts archs: each has its own `tiny` (MOE_TINY)
+MODEL = "model"  # the kind of output a checkpoint folder is marked as (rundir.mark)
 BUILD_VERSION = 1  # bump when the weights or tokenizer recipe changes, so cached default models are rebuilt
 
-# arch -> config class in transformers; AutoModelForCausalLM maps each to Qwen2ForCausalLM / Qwen3ForCausalLM
-_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+# arch -> config class in transformers; AutoModelForCausalLM maps each to Qwen2ForCausalLM / Qwen3ForCausalLM /
+# Qwen3MoeForCausalLM
+_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeShape:
+    """The expert sizes of a mixture-of-experts preset; field names as in Qwen3MoeConfig."""
+
+    num_experts: int  # transformers 5.x saves it as num_local_experts (Qwen3MoeConfig.attribute_map aliases them)
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +65,7 @@ class Shape:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    moe: MoeShape | None = None  # None: a dense model; set exactly for the shapes of MOE_ARCHS
 
 
 # Published shapes from each model's config.json on the Hugging Face hub (Qwen/<name>, base models).
@@ -74,6 +88,17 @@ PRESETS: dict[str, Shape] = {
         head_dim=128, intermediate_size=8960, vocab_size=151936, max_position_embeddings=131072,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    # Qwen2.5-7B and -14B (base models): the shapes RL users train most, for the memory plan and the scale runs.
+    "qwen2.5-7b": Shape(
+        arch="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        head_dim=128, intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "qwen2.5-14b": Shape(
+        arch="qwen2", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, intermediate_size=13824, vocab_size=152064, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
     "qwen3-0.6b": Shape(
         arch="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
@@ -84,7 +109,31 @@ PRESETS: dict[str, Shape] = {
         head_dim=128, intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    # Qwen/Qwen3-30B-A3B config.json (the post-trained model that RL recipes start from; -Base differs only in
+    # max_position_embeddings 32768): hidden_size 2048, num_hidden_layers 48, num_attention_heads 32,
+    # num_key_value_heads 4, head_dim 128, intermediate_size 6144 (the dense MLP width, used only by
+    # mlp_only_layers, which is []), max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6,
+    # tie_word_embeddings false, vocab_size 151936; num_experts 128, num_experts_per_tok 8, moe_intermediate_size
+    # 768, norm_topk_prob true, decoder_sparse_step 1 (every layer is MoE: the Qwen3MoeConfig default we keep).
+    "qwen3-30b-a3b": Shape(
+        arch="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        moe=MoeShape(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    ),
 }
+
+# `--arch qwen3_moe --preset tiny`: not one of the published shapes, but one that keeps what routing depends on
+# (many experts, top-k > 1, renormalised like Qwen3-30B-A3B) at a size that builds and runs on a CPU in seconds
+# (about 8 MB). hidden 256 with 8 heads of 32: head_dim 32 runs on vLLM's CPU attention backend, as for `tiny`.
+# The vocabulary, tokenizer, context and tied embeddings are `tiny`'s, so both tiny models share one tokenizer.
+MOE_TINY = Shape(
+    arch="qwen3_moe", hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=32, intermediate_size=768, vocab_size=None,
+    max_position_embeddings=PRESETS["tiny"].max_position_embeddings, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    moe=MoeShape(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=64, norm_topk_prob=True),
+)
 
 # -----------------------------------------------------------------------------
 # tokenizer
@@ -163,12 +212,17 @@ def _resolve_arch(arch: str | None, preset: str) -> str:
     """The preset's arch; the arch named by the user must agree with it."""
     if preset not in PRESETS:
         raise ModelError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    if arch is not None and arch not in ARCHS:
-        raise ModelError(f"unknown arch {arch!r}; choose one of: {', '.join(ARCHS)}")
+    if arch is not None and arch not in ARCHS + MOE_ARCHS:
+        raise ModelError(f"unknown arch {arch!r}; choose one of: {', '.join(ARCHS + MOE_ARCHS)}")
     implied = PRESETS[preset].arch
     if arch is not None and implied is not None and arch != implied:
         raise ModelError(f"preset {preset!r} is a {implied} model; pass --arch {implied} or leave --arch out")
     return arch or implied or "qwen3"
+
+
+def _shape(arch: str, preset: str) -> Shape:
+    """The sizes of `preset` built as `arch`: `tiny` is MOE_TINY for a mixture-of-experts arch."""
+    return MOE_TINY if preset == "tiny" and arch in MOE_ARCHS else PRESETS[preset]
 
 
 def make_config(*, arch: str | None = None, preset: str = "tiny", num_layers: int | None = None):
@@ -180,10 +234,12 @@ def make_config(*, arch: str | None = None, preset: str = "tiny", num_layers: in
 
     arch = _resolve_arch(arch, preset)
     if num_layers is not None and num_layers < 1:
-        raise ModelError(f"num_layers must be at least 1, got {num_layers}")
-    shape = PRESETS[preset]
+        raise ModelError(f"num_layers (--layers) must be at least 1, got {num_layers}; pass a positive depth")
+    shape = _shape(arch, preset)
     config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
-    extra = {"head_dim": shape.head_dim} if arch == "qwen3" else {}  # qwen2 derives it from hidden_size
+    extra = {"head_dim": shape.head_dim} if arch != "qwen2" else {}  # qwen2 derives it from hidden_size
+    if shape.moe is not None:
+        extra.update(asdict(shape.moe))
     return config_cls(
         vocab_size=shape.vocab_size or -(-TOKENIZER_SIZE // 64) * 64,
         hidden_size=shape.hidden_size,
@@ -261,12 +317,15 @@ def make_model(
 ) -> Path:
     """Build a random-weight checkpoint into out_dir and return out_dir.
 
-    arch None means the preset's own arch (qwen3 for `tiny`, which fits both). The files are written into a
+    arch None means the preset's own arch (qwen3 for `tiny`, which fits both dense archs; `--arch qwen3_moe
+    --preset tiny` is MOE_TINY). The files are written into a
     temporary sibling directory that is renamed to out_dir at the end, so out_dir is either absent or
     complete, even if the build fails or is interrupted.
     num_layers replaces the preset's number of decoder layers (None: the preset's), e.g. to see how a cost
     scales with depth; every other size stays the preset's.
     """
+    from .rundir import mark, marked  # here: rundir imports pandas, which default_model_path() must not pay for
+
     out_dir = Path(out_dir).expanduser().absolute()
     arch = _resolve_arch(arch, preset)
     if out_dir.exists():
@@ -275,9 +334,10 @@ def make_model(
         if any(out_dir.iterdir()):
             if not overwrite:
                 raise OutputError(f"{out_dir} exists and is not empty; pass --overwrite or choose another path")
-            # --overwrite deletes out_dir: only do that to something that looks like a model directory.
-            if not (out_dir / "config.json").is_file():
-                raise OutputError(f"{out_dir} is not a model directory (no config.json); will not overwrite it")
+            # --overwrite deletes out_dir: only a checkpoint make-model wrote (its mark lists every file in it).
+            if not marked(out_dir, MODEL):
+                raise OutputError(f"{out_dir} is not a model directory make-model wrote (no divergence-probe mark, "
+                                  "or files it did not write); will not overwrite it: choose another path")
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -290,6 +350,7 @@ def make_model(
     try:
         try:
             _write_model(tmp, arch, preset, seed, num_layers)
+            mark(tmp, MODEL)
         except Exception as e:
             reason = _os_error(e)
             if reason is None:
@@ -297,6 +358,9 @@ def make_model(
             raise OutputError(f"cannot write the model to {out_dir}: {reason}; free space on that disk or choose "
                               "another path") from e
         if overwrite and out_dir.exists():
+            if any(out_dir.iterdir()) and not marked(out_dir, MODEL):
+                raise OutputError(f"{out_dir} changed during the build (it holds files make-model did not write); "
+                                  "will not overwrite it: choose another path")
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             out_dir.rename(old)
         try:

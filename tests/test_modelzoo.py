@@ -15,17 +15,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from divergence_probe import modelzoo
 from divergence_probe.errors import ModelError, OutputError
 from divergence_probe.modelzoo import ARCHS, PRESETS, make_config, make_model
+from divergence_probe.rundir import MARK
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "chat_template.jinja"}
 
 # Copied by hand from each model's config.json on the hub, independently of modelzoo.PRESETS.
 PUBLISHED = {
-    # name: (arch, hidden, layers, heads, kv heads, head_dim, intermediate, max positions)
-    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, 32768),
-    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 128, 8960, 131072),
-    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 128, 3072, 40960),
-    "qwen3-1.7b": ("qwen3", 2048, 28, 16, 8, 128, 6144, 40960),
+    # name: (arch, hidden, layers, heads, kv heads, head_dim, intermediate, max positions, vocab, rms_norm_eps, tied)
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, 32768, 151936, 1e-6, True),
+    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 128, 8960, 131072, 151936, 1e-6, True),
+    "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 128, 18944, 131072, 152064, 1e-6, False),
+    "qwen2.5-14b": ("qwen2", 5120, 48, 40, 8, 128, 13824, 131072, 152064, 1e-5, False),
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 128, 3072, 40960, 151936, 1e-6, True),
+    "qwen3-1.7b": ("qwen3", 2048, 28, 16, 8, 128, 6144, 40960, 151936, 1e-6, True),
 }
 
 
@@ -41,7 +44,7 @@ def tiny(arch, tmp_path_factory):
 
 
 def test_writes_hub_layout(tiny):
-    assert {p.name for p in tiny.iterdir()} == FILES
+    assert {p.name for p in tiny.iterdir()} == FILES | {MARK}  # the mark: a folder make-model may replace
 
 
 def test_rebuild_is_byte_identical(arch, tiny, tmp_path):
@@ -138,7 +141,7 @@ def test_preset_arch_mismatch(tmp_path):
 
 @pytest.mark.parametrize("name, published", PUBLISHED.items())
 def test_presets_have_published_shapes(name, published):
-    arch, hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos = published
+    arch, hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos, vocab, eps, tied = published
     assert PRESETS[name].arch == arch
     config = make_config(preset=name)  # arch left out: the preset's own
     assert config.model_type == arch
@@ -146,8 +149,8 @@ def test_presets_have_published_shapes(name, published):
            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
            config.intermediate_size, config.max_position_embeddings)
     assert got == (hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos)
-    assert (config.vocab_size, config.rope_parameters["rope_theta"], config.rms_norm_eps) == (151936, 1e6, 1e-6)
-    assert config.tie_word_embeddings is True
+    assert (config.vocab_size, config.rope_parameters["rope_theta"], config.rms_norm_eps) == (vocab, 1e6, eps)
+    assert config.tie_word_embeddings is tied
 
 
 def test_tiny_fits_both_archs():
@@ -178,7 +181,7 @@ def test_overwrite_replaces_a_model(tmp_path):
 
 def test_empty_out_dir_is_used(tmp_path):
     (tmp_path / "m").mkdir()
-    assert {p.name for p in make_model(tmp_path / "m").iterdir()} == FILES
+    assert {p.name for p in make_model(tmp_path / "m").iterdir()} == FILES | {MARK}
 
 
 def test_unwritable_parent(tmp_path):
