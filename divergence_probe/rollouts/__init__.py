@@ -1,0 +1,45 @@
+"""Rollout files RL frameworks record (prompt and response token ids, the engine's logprobs), read into Rollouts.
+
+    batch = read_rollouts("step_12.parquet")            # format detected from the field names
+    batch = read_rollouts("dump.jsonl.gz", fmt="generic", fields="prompt_ids=p,response_ids=r,logprobs=lp")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .adapters import ADAPTERS, FORMATS, choose, parse_fields
+from .read import read_rows, sha256
+from .record import Rollout, RolloutError
+
+__all__ = ["ADAPTERS", "FORMATS", "Rollout", "RolloutBatch", "RolloutError", "read_rollouts"]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    path: Path
+    sha256: str
+    format: str
+    rollouts: list[Rollout]
+
+
+def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None) -> RolloutBatch:
+    """Every row of the file as a Rollout, checked for shape (ragged rows, bad types, non-finite or positive
+    logprobs, empty responses); RolloutError, one line, on the first problem."""
+    path = Path(path)
+    names = parse_fields(fields)
+    rows = read_rows(path)
+    adapter = choose(fmt, names, rows[0])
+    rollouts = [adapter.read(row, at) for at, row in enumerate(rows)]
+    for r in rollouts:
+        if not r.prompt_ids or not r.response_ids:
+            raise RolloutError(f"row {r.row} of {path} has an empty {'prompt' if not r.prompt_ids else 'response'}; "
+                               "every rollout needs at least one token of each")
+    first: dict = {}
+    for r in rollouts:  # a group is one prompt's samples: a row whose prompt differs was grouped wrongly
+        if r.group is not None and first.setdefault(repr(r.group), r).prompt_ids != r.prompt_ids:
+            raise RolloutError(f"row {r.row} of {path} is in group {r.group!r} with row {first[repr(r.group)].row} but "
+                               "has another prompt; the group field does not group samples of one prompt: fix it or "
+                               "leave it out (--fields)")
+    return RolloutBatch(path, sha256(path), adapter.name, rollouts)

@@ -1,0 +1,97 @@
+"""Rows of a rollout file: JSONL (optionally gzipped) or Parquet, each row a JSON object / a table row.
+
+A rollout file is the user's data, possibly cut short or not a rollout file at all: it is read with a size cap,
+and every way it can fail is one RolloutError naming the file, the row and what to do.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from pathlib import Path
+
+from ..errors import one_line
+from .record import RolloutError
+
+# Rollouts of one RL step are megabytes to a few GB; above this the file is not read whole into memory.
+MAX_BYTES = 8 * 2**30
+JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
+PARQUET = (".parquet", ".pq")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Every row of the file, as dicts; RolloutError for a missing, empty, oversized or malformed file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RolloutError(f"rollout file {path} does not exist or is not a file; pass a .jsonl, .jsonl.gz or "
+                           ".parquet file")
+    size = path.stat().st_size
+    if size == 0:
+        raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
+    if size > MAX_BYTES:
+        raise RolloutError(f"rollout file {path} is {size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} GiB this "
+                           "command reads; split it (e.g. one RL step per file)")
+    name = path.name.lower()
+    if name.endswith(PARQUET):
+        rows = _parquet(path)
+    elif name.endswith(JSONL):
+        rows = _jsonl(path, gzipped=name.endswith(".gz"))
+    else:
+        raise RolloutError(f"{path}: unknown rollout file type; name it .jsonl, .jsonl.gz or .parquet")
+    if not rows:
+        raise RolloutError(f"rollout file {path} holds no rows; pass the file your RL run wrote")
+    return rows
+
+
+def _jsonl(path: Path, gzipped: bool) -> list[dict]:
+    rows, total = [], 0
+    opener = gzip.open if gzipped else open
+    line_no = 0
+    try:
+        with opener(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                total += len(line)
+                if total > MAX_BYTES:
+                    raise RolloutError(f"{path} holds over {MAX_BYTES // 2**30} GiB of rows once decompressed; "
+                                       "split it (e.g. one RL step per file)")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as e:
+                    raise RolloutError(f"{path} line {line_no} is not JSON ({one_line(e, 120)}); the file is cut "
+                                       "short or not JSONL: one JSON object per line is needed") from e
+                if not isinstance(row, dict):
+                    raise RolloutError(f"{path} line {line_no} is a JSON {type(row).__name__}, not an object; each "
+                                       "line must be one rollout as a JSON object")
+                rows.append(row)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise RolloutError(f"{path} is not a complete gzip file ({one_line(e, 120)}, after line {line_no}); it was "
+                           "cut short: copy it again") from e
+    except OSError as e:
+        raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
+    return rows
+
+
+def _parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise RolloutError("reading Parquet needs pyarrow, which is not installed: `pip install pyarrow`, or "
+                           "convert the file to JSONL") from e
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for every unreadable file
+        raise RolloutError(f"cannot read {path} as Parquet ({one_line(e, 160)}); it is cut short or not a "
+                           "Parquet file") from e
+    return table.to_pylist()

@@ -1,0 +1,265 @@
+"""score: rollouts the tool samples itself in generate mode, written in each framework's layout, must score to the
+generate run's numbers exactly; hostile rollout files are one line each, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.rollouts import RolloutError, read_rollouts
+from divergence_probe.score import Scorer, score_batch
+from test_compare_cli import assert_one_line_error
+
+GEN = dict(max_new_tokens=8, samples_per_prompt=2, temperature=1.0)
+PAD = 0
+# columns of tokens.csv that score must reproduce byte for byte (generate's logprob_infer is score's logprob_rollout)
+SAME = ["prompt_id", "sample_id", "position", "token_id", "token", "logprob_train", "delta_logprob"]
+SUMMARY_SAME = ["mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "n_tokens", "std_abs_dlogp", "mean_abs_dp",
+                "max_abs_dp", "k1", "k2", "k3", "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "ppo_clip_frac",
+                "tis_truncated_frac", "mis_masked_frac", "ess", "n_response_tokens", "seq_mean_abs_logratio",
+                "seq_max_abs_logratio", "mean_logppl_diff", "ppl_ratio", "seq_geo_ratio_outside_frac", "n_sequences"]
+
+
+@pytest.fixture(scope="module")
+def generated(vllm_probe, prompts_file, tmp_path_factory):
+    """One generate run (vLLM's decode path vs the trainer), written, and its rollouts as plain records."""
+    out = tmp_path_factory.mktemp("score") / "generate"
+    run = vllm_probe.compare(prompts=prompts_file, taps="none", generate=GEN)
+    run.write(out)
+    tokens = run.tokens_table
+    records = []
+    for (pid, sid), rows in tokens[tokens.is_response].groupby(["prompt_id", "sample_id"], sort=True):
+        records.append({"group": int(pid), "prompt": list(run.prompts[pid].token_ids),
+                        "response": rows.token_id.tolist(), "logprobs": rows.logprob_infer.tolist()})
+    return out, records
+
+
+def _layouts(records):
+    """The records in each framework's layout (with the padding their tensors carry, where they pad)."""
+    longest_p = max(len(r["prompt"]) for r in records)
+    longest_r = max(len(r["response"]) for r in records)
+    out = {"generic": [], "verl": [], "openrlhf": [], "slime": [], "trl": []}
+    for r in records:
+        p, resp, lp = r["prompt"], r["response"], r["logprobs"]
+        lpad, rpad = longest_p - len(p), longest_r - len(resp)
+        out["generic"].append({"prompt_ids": p, "response_ids": resp, "logprobs": lp, "group": r["group"]})
+        prompts, responses = [PAD] * lpad + p, resp + [PAD] * rpad
+        out["verl"].append({"prompts": prompts, "responses": responses, "input_ids": prompts + responses,
+                            "attention_mask": [0] * lpad + [1] * (len(p) + len(resp)) + [0] * rpad,
+                            "rollout_log_probs": lp + [0.0] * rpad, "uid": f"uid-{r['group']}"})
+        out["openrlhf"].append({"sequences": prompts + responses,
+                                "attention_mask": [0] * lpad + [1] * (len(p) + len(resp)) + [0] * rpad,
+                                "action_mask": [1] * len(resp) + [0] * rpad,
+                                "rollout_log_probs": lp + [0.0] * rpad, "group": r["group"]})
+        out["slime"].append({"tokens": p + resp, "response_length": len(resp), "rollout_log_probs": lp,
+                             "group_index": r["group"], "index": len(out["slime"])})
+        out["trl"].append({"prompt_ids": prompts, "prompt_mask": [0] * lpad + [1] * len(p), "completion_ids": responses,
+                           "completion_mask": [1] * len(resp) + [0] * rpad,
+                           "sampling_per_token_logps": lp + [0.0] * rpad, "group": r["group"]})
+    return out
+
+
+def _jsonl(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def _str_csv(path):
+    return pd.read_csv(path, dtype=str, keep_default_na=False)
+
+
+def _assert_same_as_generate(gen_dir, score_dir):
+    gen = _str_csv(gen_dir / "tokens.csv")
+    gen = gen[gen.is_response == "True"].reset_index(drop=True)
+    got = _str_csv(score_dir / "tokens.csv")
+    assert len(got) == len(gen) > 0
+    for col in SAME:
+        assert got[col].tolist() == gen[col].tolist(), col
+    assert got.logprob_rollout.tolist() == gen.logprob_infer.tolist()
+    gs, ss = (_str_csv(d / "summary.csv").iloc[0] for d in (gen_dir, score_dir))
+    for col in SUMMARY_SAME:
+        assert ss[col] == gs[col], col
+    gb, sb = (_str_csv(d / "buckets.csv") for d in (gen_dir, score_dir))
+    assert sb.drop(columns="mean_kl").equals(gb.drop(columns="mean_kl"))
+
+
+@pytest.mark.parametrize("layout", ["verl", "openrlhf", "slime", "trl", "generic"])
+@pytest.mark.parametrize("container", ["jsonl", "parquet"])
+def test_score_reproduces_the_generate_run(vllm_probe, generated, tmp_path, layout, container):
+    gen_dir, records = generated
+    rows = _layouts(records)[layout]
+    path = tmp_path / f"rollouts.{container}"
+    if container == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        _jsonl(path, rows)
+    batch = read_rollouts(path)
+    assert batch.format == layout
+    run = score_batch(Scorer.of_probe(vllm_probe), batch)
+    run.write(tmp_path / "scored")
+    _assert_same_as_generate(gen_dir, tmp_path / "scored")
+    manifest = json.loads((tmp_path / "scored" / "manifest.json").read_text())
+    assert manifest["kind"] == "score" and manifest["score"]["format"] == layout
+    assert len(manifest["score"]["rollouts_sha256"]) == 64
+    summary = run.summary
+    assert not summary["recorded_far"] and summary["likely_cause"] == ""
+
+
+def test_prefill_splits_the_gap_in_three(vllm_probe, generated, tmp_path):
+    """--infer vllm: the engine's prefill of the same sequences sits beside both; its gap to the recorded decode
+    logprobs and to the trainer are each reported, and the trainer side is unchanged."""
+    gen_dir, records = generated
+    batch = read_rollouts(_jsonl(tmp_path / "r.jsonl", _layouts(records)["slime"]))
+    run = score_batch(Scorer.of_probe(vllm_probe, prefill=True), batch)
+    run.write(tmp_path / "scored")
+    _assert_same_as_generate(gen_dir, tmp_path / "scored")
+    tokens = pd.read_csv(tmp_path / "scored" / "tokens.csv")
+    assert tokens.logprob_prefill.notna().all() and tokens.kl.notna().all() and (tokens.kl >= 0).all()
+    s = run.summary
+    ref = (tokens.logprob_prefill - tokens.logprob_train).abs().mean()
+    assert s["prefill_vs_train_mean_abs_dlogp"] == pytest.approx(ref, rel=1e-12)
+    ref = (tokens.logprob_rollout - tokens.logprob_prefill).abs().mean()
+    assert s["rollout_vs_prefill_mean_abs_dlogp"] == pytest.approx(ref, rel=1e-12, abs=0)
+    assert s["rollout_vs_train_mean_abs_dlogp"] == s["mean_abs_dlogp"] > 0
+    assert not s["recorded_far"]
+
+
+def _scored_with(vllm_probe, records, tmp_path, change, **options):
+    rows = _layouts(records)["generic"]
+    for row in rows:
+        change(row)
+    return score_batch(Scorer.of_probe(vllm_probe), read_rollouts(_jsonl(tmp_path / "r.jsonl", rows)), **options)
+
+
+def test_far_recordings_name_a_likely_cause(vllm_probe, generated, tmp_path):
+    _, records = generated
+    base = score_batch(Scorer.of_probe(vllm_probe), read_rollouts(_jsonl(tmp_path / "b.jsonl",
+                                                                          _layouts(records)["generic"])))
+    # the recording holds the trainer's own logprobs at temperature 0.5: tempered logprobs beside raw ones
+    lps = iter(score_batch(Scorer.of_probe(vllm_probe), base.batch, temperature=0.5).tempered)
+
+    def set_tempered(row):
+        row["logprobs"] = [next(lps) for _ in row["logprobs"]]
+
+    s = _scored_with(vllm_probe, records, tmp_path, set_tempered, temperature=0.5).summary
+    assert s["recorded_far"] and s["likely_cause"] == "temperature"
+    assert s["tempered_mean_abs_dlogp"] == 0
+    # every recorded logprob lower than the trainer's by a nat, on the very tokens: other weights
+    train = iter(t.logprob_train for t in base.tokens)
+
+    def lowered(row):
+        row["logprobs"] = [next(train) - 1.0 for _ in row["logprobs"]]
+
+    s = _scored_with(vllm_probe, records, tmp_path, lowered).summary
+    assert s["recorded_far"] and s["likely_cause"] == "stale_weights"
+
+
+HOSTILE = {
+    "ragged": ({"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "logprobs": [-1.0, -2.0]}, "ragged"),
+    "nan": ({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [float("nan")]}, "non-finite"),
+    "inf": ({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [float("-inf")]}, "non-finite"),
+    "positive": ({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [0.5]}, "no log-probability"),
+    "not_ids": ({"prompt_ids": [1, 2], "response_ids": ["a"], "logprobs": [-1.0]}, "not a list of token ids"),
+    "not_continuation": ({"prompts": [1, 2], "responses": [3], "input_ids": [1, 2, 4], "rollout_log_probs": [-1.0]},
+                         "continuation"),
+    "empty_response": ({"prompt_ids": [1, 2], "response_ids": [], "logprobs": []}, "empty response"),
+    "group_of_two_prompts": ([{"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-1.0], "group": 7},
+                              {"prompt_ids": [1, 9], "response_ids": [3], "logprobs": [-1.0], "group": 7}],
+                             "has another prompt"),
+    "slime_length": ({"tokens": [1, 2], "response_length": 5, "rollout_log_probs": [-1.0]}, "ragged"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_rows_are_one_line(tmp_path, name):
+    rows, says = HOSTILE[name]
+    with pytest.raises(RolloutError, match=says):
+        read_rollouts(_jsonl(tmp_path / "r.jsonl", rows if isinstance(rows, list) else [rows]))
+
+
+def test_hostile_files_are_one_line(tmp_path):
+    good = {"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-1.0]}
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress((json.dumps(good) + "\n").encode() * 200)[:-30])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    not_object = _jsonl(tmp_path / "list.jsonl", [good])
+    not_object.write_text(not_object.read_text() + "[1, 2]\n")
+    wrong_types = tmp_path / "types.parquet"
+    pq.write_table(pa.table({"prompt_ids": ["1 2"], "response_ids": [[3]], "logprobs": [[-1.0]]}), wrong_types)
+    unknown = _jsonl(tmp_path / "unknown.jsonl", [{"text": "hi"}])
+    verl_too = {"prompts": [1], "responses": [3], "rollout_log_probs": [-1.0]}
+    ambiguous = _jsonl(tmp_path / "both.jsonl", [good | verl_too])
+    for path, says in ((cut, "cut short"), (empty, "empty"), (not_object, "line 2 is a JSON list"),
+                       (wrong_types, "not a list of token ids"), (unknown, "match no known format"),
+                       (ambiguous, "several formats"), (tmp_path / "missing.jsonl", "does not exist")):
+        with pytest.raises(RolloutError, match=says):
+            read_rollouts(path)
+
+
+def test_ids_that_do_not_fit_the_model(vllm_probe, tmp_path):
+    vocab = Scorer.of_probe(vllm_probe).vocab_size
+    for row, says in (({"prompt_ids": [1], "response_ids": [vocab], "logprobs": [-1.0]}, "past the model's vocabulary"),
+                      ({"prompt_ids": [1] * vllm_probe.settings.max_model_len, "response_ids": [3], "logprobs": [-1.0]},
+                       "context")):
+        with pytest.raises(RolloutError, match=says):
+            score_batch(Scorer.of_probe(vllm_probe), read_rollouts(_jsonl(tmp_path / "r.jsonl", [row])))
+
+
+def test_score_cli(qwen3_tiny, generated, tmp_path):
+    """The command end to end on a fresh trainer (transformers only, no engine): the generate run's numbers; a
+    hostile file is one line, exit 2, and no run folder."""
+    gen_dir, records = generated
+    path = _jsonl(tmp_path / "r.jsonl.gz", _layouts(records)["verl"], gz=True)
+    out = tmp_path / "scored"
+    result = CliRunner().invoke(app, ["score", str(path), "--model", str(qwen3_tiny), "--device", "cpu",
+                                      "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    _assert_same_as_generate(gen_dir, out)
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [1], "response_ids": [2], "logprobs": [math.inf]}])
+    result = CliRunner().invoke(app, ["score", str(bad), "--model", str(qwen3_tiny), "--device", "cpu",
+                                      "--out", str(tmp_path / "no")])
+    assert_one_line_error(result, "non-finite")
+    assert not (tmp_path / "no").exists()
+
+
+def test_wrong_tokens_are_named_when_they_carry_the_gap(tmp_path):
+    """The rule on its own (a tiny random model finds every token unlikely, so no model run can show it): recorded
+    logprobs that call likely tokens the model would hardly sample, against a trainer that agrees elsewhere."""
+    from divergence_probe.compare import TokenScore
+    from divergence_probe.score import UNLIKELY_LOGPROB, ScoreRun
+
+    def run(train_lp, rec_lp):
+        tokens = [TokenScore(0, 1 + j, 5, "x", r, t, math.nan, 0, True)
+                  for j, (r, t) in enumerate(zip(rec_lp, train_lp))]
+        return ScoreRun(None, [], tokens, None, None, {}, 0.2, 2.0).diagnosis()
+
+    unlikely = UNLIKELY_LOGPROB - 3
+    s = run([-0.1] * 8 + [unlikely] * 2, [-0.1] * 8 + [-0.2] * 2)
+    assert s["recorded_far"] and s["likely_cause"] == "wrong_tokens" and s["wrong_token_share"] == 1.0
+    s = run([-0.1] * 10, [-0.1] * 10)
+    assert not s["recorded_far"] and s["likely_cause"] == ""
+
+
+def test_fields_name_the_generic_columns(tmp_path):
+    row = {"p": [1, 2], "r": [3, 4], "lp": [-1.0, -2.0], "g": "a"}
+    batch = read_rollouts(_jsonl(tmp_path / "r.jsonl", [row]), fields="prompt_ids=p,response_ids=r,logprobs=lp,group=g")
+    [r] = batch.rollouts
+    assert (r.prompt_ids, r.response_ids, r.logprobs, r.group) == ((1, 2), (3, 4), (-1.0, -2.0), "a")
+    for fields, says in (("prompt_ids", "NAME=COLUMN"), ("tokens=p", "NAME=COLUMN")):
+        with pytest.raises(RolloutError, match=says):
+            read_rollouts(tmp_path / "r.jsonl", fields=fields)
+    with pytest.raises(RolloutError, match="generic format"):
+        read_rollouts(tmp_path / "r.jsonl", "verl", fields="prompt_ids=p")
