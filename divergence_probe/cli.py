@@ -6,6 +6,7 @@ its traceback. Set DP_RAISE_ERRORS=1 to get tracebacks for ProbeErrors too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -32,6 +33,61 @@ console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one 
 out = Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<date>-<time>-<microseconds>.")
+VERBOSE = ("-v", "--verbose")
+
+
+@app.callback()
+def _app_options(verbose: bool = typer.Option(False, *VERBOSE, help="Show the libraries' own output (vLLM, transformers, "
+                                          "torch: start-up logs, progress bars, warnings); by default stderr holds "
+                                          "the tool's lines alone. DP_RAISE_ERRORS=1 implies it.")) -> None:
+    if not (verbose or os.environ.get("DP_RAISE_ERRORS")):
+        _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """The libraries' log levels, set where they read them: environment variables, read when a library is first
+    imported and inherited by the processes it starts (vLLM's engine core, the engine workers), which a logger
+    level set here would not reach. Set only where the user has not."""
+    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TRANSFORMERS_VERBOSITY", "error"),
+                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
+        os.environ.setdefault(name, value)
+    if "transformers" in sys.modules:  # imported already (the API before the CLI): its level is read at import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+
+
+def _wants_verbose(argv: list[str]) -> bool:
+    """-v/--verbose among the app's own options (those before the command), or DP_RAISE_ERRORS."""
+    for arg in argv:
+        if arg in VERBOSE:
+            return True
+        if not arg.startswith("-"):
+            break
+    return bool(os.environ.get("DP_RAISE_ERRORS"))
+
+
+@contextlib.contextmanager
+def _libraries_silenced():
+    """While the command runs, file descriptor 2 points at the null device and the tool's console at the real stderr:
+    what the libraries write there, from Python (tqdm bars such as vLLM's "Loading safetensors checkpoint shards",
+    warnings, loggers) or from C++ (torch reads TORCH_CPP_LOG_LEVEL once, when it is imported, before any command
+    runs), reaches no one, and an error stays the one line the tool prints. A traceback is printed after it ends."""
+    sys.stderr.flush()
+    real = os.fdopen(os.dup(2), "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                     errors="replace")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    console.file = real
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(real.fileno(), 2)
+        console.file = None  # back to whatever sys.stderr is
+        real.close()
 
 
 def _fail(error: ProbeError) -> None:
@@ -42,9 +98,10 @@ def _fail(error: ProbeError) -> None:
 
 
 def _progress() -> Progress:
-    # transient: the bar is for a person watching; it leaves no lines in a log, where an error stays one line
+    # transient: the bar is for a person watching; it leaves no lines in a log, where an error stays one line (off
+    # outside a terminal, where rich would still end it with an empty line)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
+                    console=console, transient=True, disable=not console.is_terminal)
 
 
 def _print_summary(run, out_dir: Path) -> None:
@@ -169,7 +226,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                 load_run_prompts(spec, tokenizer, source.max_model_len)
 
             with console.status("loading the model in transformers and the inference stack…"):
-                probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps)
+                probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
             with _progress() as bar:
                 task = bar.add_task("scoring prompts", total=None)
                 run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
@@ -199,28 +256,49 @@ def rerun(
     run_dir: Path = typer.Argument(..., help="A run folder written by compare or ablate (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
+    allow_engine_arg: Optional[list[str]] = typer.Option(
+        None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
+        "without asking (see README 'rerun'); repeatable. Only for a run folder whose maker you trust."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
-    The prompt files and the model's config must be the ones the run used (their sha256 are checked).
+    The prompt files and the model's config must be the ones the run used (their sha256 are checked). A manifest
+    is untrusted data: every field is checked as the CLI checks its flags, engine args that could load or run code
+    are refused unless --allow-engine-arg names them, and what will run is shown before anything loads.
     """
-    from .rundir import read_run
+    from .replay import check_replayable, describe
+    from .rundir import MANIFEST, default_out_dir, read_run
+
+    where = f"{run_dir}/{MANIFEST}"
 
     def make_spec():
-        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder
+        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
         if "spec" not in manifest:
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
         recorded[:] = [manifest]
-        spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
+        try:
+            spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
+        except ProbeError as e:
+            raise ProbeError(f"{where}: {e}") from None
+        check_replayable(spec, allow_engine_arg or (), where)
+        from .compare import prompts_path
+
+        prompts = prompts_path(spec)
+        if prompts.exists() and not (prompts.is_dir() or prompts.is_file()):
+            raise ProbeError(f"{where}: spec.prompts.prompts {prompts} is not a file or folder (a pipe or device would "
+                             "block or never end); point it at the prompt files the run used")
         recorded_spec[:] = [spec]
+        for line in describe(spec, target):  # before anything loads: what this folder makes the tool run
+            out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec
 
     def check(source):
         manifest = recorded[0]
-        want = manifest.get("model", {}).get("config_sha256")
-        recorded_prompts = manifest.get("compare", {}).get("prompt_files_sha256")
-        if want is None or recorded_prompts is None:
+        model, compared = manifest.get("model"), manifest.get("compare")
+        want = model.get("config_sha256") if isinstance(model, dict) else None
+        recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
+        if not isinstance(want, str) or not isinstance(recorded_prompts, dict):
             raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
                              "`command` instead")
         have = source.config_sha256
@@ -236,7 +314,8 @@ def rerun(
 
     recorded: list = []
     recorded_spec: list = []
-    run, out_dir = _run(make_spec, out_dir, check)
+    target = out_dir or default_out_dir()
+    run, out_dir = _run(make_spec, target, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
     if report:
         _write_report(out_dir)
@@ -355,13 +434,77 @@ rl_command.__doc__ = """A small GRPO loop: vLLM samples, a verifiable reward sco
 app.command("rl")(rl_command)
 
 
+@app.command("score")
+def score_command(
+    rollouts: Path = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or .parquet."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="The checkpoint the rollouts were sampled from "
+                                        "(folder or hub id). Default: the built-in tiny trained Qwen3."),
+    fmt: str = typer.Option("auto", "--format", help="auto (from the field names), verl, openrlhf, slime, trl or "
+                            "generic."),
+    fields: Optional[str] = typer.Option(None, "--fields", help="Generic format's columns: prompt_ids=COL,"
+                                         "response_ids=COL,logprobs=COL[,group=COL]."),
+    infer: Optional[str] = typer.Option(None, "--infer", help="vllm: also re-score every sequence with the engine's "
+                                        "prefill (logprob_prefill; the three-way split)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="The run's sampling temperature: tests "
+                                                "whether the recorded logprobs are tempered ones."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="The trainer's dtype: bfloat16, float16 or float32."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda when present), cpu or cuda."),
+    train_attn: str = typer.Option("sdpa", "--train-attn", help="transformers attention: sdpa, eager or "
+                                   "flash_attention_2."),
+    train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
+    clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
+    tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
+    out_dir: Optional[Path] = OutOpt,
+) -> None:
+    """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
+
+    Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
+    with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
+    """
+    from transformers.utils import logging as hf_logging
+
+    from .rundir import claim_out_dir, default_out_dir
+    from .score import CAUSES, score
+
+    hf_logging.disable_progress_bar()
+    try:
+        out_dir = out_dir or default_out_dir()
+        with claim_out_dir(out_dir):
+            with console.status("reading the rollouts and loading the trainer…"):
+                run = score(rollouts, model, fmt=fmt, fields=fields, infer=infer, temperature=temperature,
+                            clip_eps=clip_eps, tis_cap=tis_cap, dtype=dtype, device=device, train_attn=train_attn,
+                            train_sdpa=train_sdpa)
+            run.manifest["command"] = sys.argv
+            run.write(out_dir)
+    except ProbeError as e:
+        _fail(e)
+    s = run.summary
+    table = Table(title=f"recorded ({run.batch.format}) vs trainer", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("response tokens scored", str(s["n_tokens"]))
+    for key, label in [("mean_abs_dlogp", "mean |Δlogp| recorded vs trainer"),
+                       ("rollout_vs_prefill_mean_abs_dlogp", "mean |Δlogp| recorded vs engine prefill"),
+                       ("prefill_vs_train_mean_abs_dlogp", "mean |Δlogp| engine prefill vs trainer"),
+                       ("max_abs_dlogp", "max |Δlogp|"), ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"),
+                       ("ratio_max", "max importance ratio"), ("ppo_clip_frac", "PPO-clipped fraction")]:
+        if key in s:
+            table.add_row(label, f"{s[key]:.3e}")
+    table.add_row("recorded far from trainer", f"yes (> {s['far_bound']:.3g})" if s["recorded_far"] else "no")
+    out.print(table)
+    if s["likely_cause"]:
+        out.print(f"likely cause ({s['likely_cause']}, a flag, not a verdict): {CAUSES[s['likely_cause']]}")
+    out.print(f"run: {out_dir}")
+
+
 @app.command("make-model")
 def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
-    arch: Optional[str] = typer.Option(None, "--arch", help="qwen2 or qwen3; default: the preset's own (tiny: qwen3)."),
-    preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB), qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b or qwen3-1.7b (real shapes, random weights)."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
+    preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB; with --arch qwen3_moe: 32 experts, top-4), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, qwen3-0.6b, qwen3-1.7b or qwen3-30b-a3b (real shapes, random weights)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; same seed, same bytes."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty folder."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Number of decoder layers; default: the preset's. Cuts a real shape's depth to fit one device."),
 ) -> None:
     """Write a Hugging Face-format Qwen checkpoint with seeded random weights and a real BPE tokenizer.
 
@@ -371,18 +514,20 @@ def make_model(
 
     try:
         with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):
-            path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite)
+            path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite, num_layers=layers)
     except ProbeError as e:
         _fail(e)
     out.print(f"model: {path}")
 
 
 def main() -> None:
-    """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N."""
+    """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N;
+    the libraries' own output is silenced unless -v (`_libraries_silenced`)."""
     from .signals import Stopped, stop_on_signals
 
+    quiet = contextlib.nullcontext() if _wants_verbose(sys.argv[1:]) else _libraries_silenced()
     try:
-        with stop_on_signals():
+        with stop_on_signals(), quiet:
             app()
     except Stopped as e:
         console.print(f"[bold red]stopped:[/] {e.name} received; nothing was left half-written", highlight=False)

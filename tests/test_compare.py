@@ -12,8 +12,11 @@ import torch
 from divergence_probe.compare import PendingScores, ScoredSequence
 from divergence_probe.errors import NumericsError, StackError
 from divergence_probe.metrics import token_logprobs
+from divergence_probe.models import get_family
 from divergence_probe.prompts import Prompt
 from divergence_probe.taps import ALL_TAPS, expected_taps
+
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
 
 def test_hf_vs_hf_is_exactly_zero_everywhere(hf_probe, prompts_file):
@@ -29,7 +32,7 @@ def test_every_canonical_tap_exists_for_every_layer_qwen3(vllm_probe, prompts_fi
     run = vllm_probe.compare(prompts=prompts_file, taps="all")
     n_layers = vllm_probe.source.num_layers
     got = {(row.tap, row.layer) for row in run.layers_table.itertuples()}
-    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), n_layers, has_qk_norm=True)}
+    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), n_layers, layer_taps=QWEN3_TAPS)}
     assert got == want
     assert {"q_norm", "k_norm"} <= {tap for tap, _ in got}
     # every tap saw every token of every prompt (logits: every scored position)

@@ -13,8 +13,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.models import get_family
 from divergence_probe.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
 from divergence_probe.taps import ALL_TAPS, expected_taps
+
+QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
 
 runner = CliRunner()
@@ -73,7 +76,7 @@ def test_qwen2_through_vllm_has_every_tap(cli_processes):
     layers = pd.read_csv(out_dir / "layers.csv")
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["model"]["arch"] == "qwen2"
-    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), manifest["model"]["num_layers"], has_qk_norm=False)}
+    want = {(k.name, k.layer) for k in expected_taps(frozenset(ALL_TAPS), manifest["model"]["num_layers"], layer_taps=QWEN2_TAPS)}
     assert set(zip(layers.tap, layers.layer)) == want
     assert (pd.read_csv(out_dir / "tokens.csv")["delta_logprob"] != 0).any()
 
