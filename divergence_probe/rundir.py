@@ -301,7 +301,8 @@ def atomic_dir(out_dir: Path, replaces: str | None = None) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks (run files and rollout files can be large)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -340,7 +341,7 @@ def _write_files(folder: Path, manifest: dict, prompts, tables: dict[str, pd.Dat
                 write_json({**manifest, "files": files}, folder / MANIFEST)
             else:
                 write(folder / name)
-                files[name] = {"rows": rows, "sha256": _sha256(folder / name)}
+                files[name] = {"rows": rows, "sha256": file_sha256(folder / name)}
         except OSError as e:
             e.run_file = name
             raise

@@ -20,7 +20,7 @@ from typing import Iterator
 import pandas as pd
 
 from ..errors import ProbeError
-from ..rundir import MANIFEST, _sha256, atomic_dir, check_out_dir, locked, mark, write_csv, write_json
+from ..rundir import MANIFEST, file_sha256, atomic_dir, check_out_dir, locked, mark, write_csv, write_json
 
 ROWS = "rl.csv"
 SUMMARY = "rl_summary.csv"
@@ -84,8 +84,8 @@ class RLWriter:
         """rl_summary.csv, then the manifest that lists every file (rows, sha256): the run is complete."""
         self.close()
         self._atomic(SUMMARY, lambda p: write_csv(summary, p))
-        files = {ROWS: {"rows": self.rows, "sha256": _sha256(self.out_dir / ROWS)},
-                 SUMMARY: {"rows": len(summary), "sha256": _sha256(self.out_dir / SUMMARY)}}
+        files = {ROWS: {"rows": self.rows, "sha256": file_sha256(self.out_dir / ROWS)},
+                 SUMMARY: {"rows": len(summary), "sha256": file_sha256(self.out_dir / SUMMARY)}}
         self._atomic(MANIFEST, lambda p: write_json({**manifest, "files": files}, p))
 
 

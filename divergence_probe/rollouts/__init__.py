@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .adapters import ADAPTERS, FORMATS, choose, parse_fields
-from .read import read_rows, sha256
+from ..rundir import file_sha256
+from .read import read_rows
 from .record import Rollout, RolloutError
 
 __all__ = ["ADAPTERS", "FORMATS", "Rollout", "RolloutBatch", "RolloutError", "read_rollouts"]
@@ -42,4 +43,4 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
             raise RolloutError(f"row {r.row} of {path} is in group {r.group!r} with row {first[repr(r.group)].row} but "
                                "has another prompt; the group field does not group samples of one prompt: fix it or "
                                "leave it out (--fields)")
-    return RolloutBatch(path, sha256(path), adapter.name, rollouts)
+    return RolloutBatch(path, file_sha256(path), adapter.name, rollouts)

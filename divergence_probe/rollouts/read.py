@@ -7,7 +7,6 @@ and every way it can fail is one RolloutError naming the file, the row and what 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import zlib
 from pathlib import Path
@@ -19,14 +18,6 @@ from .record import RolloutError
 MAX_BYTES = 8 * 2**30
 JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 PARQUET = (".parquet", ".pq")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_rows(path: Path) -> list[dict]:
