@@ -135,6 +135,15 @@ def check_config(folder: Path, config: dict, family: Family) -> None:
         if name not in config:
             raise ModelError(f"{folder / 'config.json'} has no {name!r}; both stacks would use a default that is not "
                              f"this model's: add the checkpoint's {name} to config.json")
+    for names in family.required_any:
+        if not any(n in config for n in names):
+            raise ModelError(f"{folder / 'config.json'} has none of {', '.join(names)}; add the checkpoint's value "
+                             f"under one of them")
+    for name, value in family.fixed_config.items():
+        if config.get(name, value) != value:
+            raise ModelError(f"{folder / 'config.json'} sets {name}={config[name]!r}: {family.model_type} layers other "
+                             f"than the default ({name}={value!r}) are not supported yet (issue 28); use a checkpoint "
+                             "whose every layer is sparse")
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and not (isinstance(rope, dict) and "rope_theta" in rope):
         raise ModelError(f"{folder / 'config.json'} has no rope_theta (nor rope_parameters.rope_theta); both stacks "
@@ -177,6 +186,7 @@ def check_weights(folder: Path, config: dict) -> None:
     family = get_family(config["model_type"])
     found = checkpoint_tensors(folder)
     expected, tied, cfg = expected_tensors(folder)
+    expected = family.checkpoint_shapes(expected, found)
     where = INDEX_FILE if (folder / INDEX_FILE).is_file() else SINGLE_FILE
     in_files = _layers(found, family)
     if in_files and in_files != set(range(cfg.num_hidden_layers)):

@@ -24,7 +24,7 @@ from .compare import Progress, load_run_prompts, run_compare
 from .environment import environment, resolve_device
 from .errors import DeviceMemoryError, ProbeError
 from .model_source import ModelSource, resolve_model
-from .spec import LoadSpec, RunSpec, flat_fields, spec_from_flat
+from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
 from .stacks.compiled_taps import tap_points_for
@@ -180,6 +180,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     # after both stacks have loaded
     torch_state.check_sdpa(cfg.train_sdpa, resolve_device(cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
+    check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings))
     random.seed(cfg.seed)

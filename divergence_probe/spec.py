@@ -443,3 +443,18 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
     if kind == "ablate":
         built.setdefault("ablate", AblateSpec())
     return RunSpec(kind=kind, **built, **top)
+
+
+def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
+    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`)."""
+    if not family.unsupported:
+        return
+    wanted = []
+    if load.engine == "compiled" and load.infer == "vllm":
+        wanted.append("--engine compiled")
+    if run is not None:
+        wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),
+                                   ("--align", bool(run.align.regions)), ("ablate", run.kind == "ablate")) if on]
+    for feature in wanted:
+        if feature in family.unsupported:
+            raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")

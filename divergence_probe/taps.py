@@ -32,6 +32,7 @@ LAYER_TAPS = (
     "attn_out",  # after o_proj
     "resid_mid",  # residual stream after the attention add
     "post_norm",
+    "router_logits",  # a mixture-of-experts router's logits, [tokens, experts] (Qwen3-MoE); dense layers have none
     "gate_proj",  # gate/up projection outputs (vLLM: split from its fused gate_up_proj)
     "up_proj",
     "swiglu",  # input of down_proj: silu(gate) * up

@@ -35,6 +35,12 @@ def qwen2_tiny(models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_moe_tiny(models_dir) -> Path:
+    """A tiny Qwen3-MoE (32 experts, top-4, 2 layers): the MoE family's tests share it."""
+    return make_model(models_dir / "qwen3-moe-tiny", arch="qwen3_moe", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def prompts_file(tmp_path_factory) -> Path:
     """Three short, varied prompts: enough to exercise batching and mapping, cheap enough for CI."""
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"

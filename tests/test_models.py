@@ -22,8 +22,8 @@ ARCHS = sorted(FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(qwen2_tiny, qwen3_tiny):
-    return {"qwen2": qwen2_tiny, "qwen3": qwen3_tiny}
+def checkpoints(qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
+    return {"qwen2": qwen2_tiny, "qwen3": qwen3_tiny, "qwen3_moe": qwen3_moe_tiny}
 
 
 def meta_model(folder):
@@ -78,8 +78,12 @@ def test_transformers_paths_resolve_on_a_model_built_from_its_config(arch, check
     # the widths the compiled taps size buffers with are those of the modules
     layer, sizes = layers[0], dims(model.config)
     for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-        assert find(layer, family.hf.layer[name]).out_features == sizes[family.widths[name]], name
-    assert find(layer, family.hf.layer["down_proj"]).in_features == sizes[family.widths["swiglu"]]
+        if name in family.layer_taps:  # a sparse MoE layer has no dense gate/up projections
+            assert find(layer, family.hf.layer[name]).out_features == sizes[family.widths[name]], name
+    if "swiglu" in family.layer_taps:
+        assert find(layer, family.hf.layer["down_proj"]).in_features == sizes[family.widths["swiglu"]]
+    if "router_logits" in family.layer_taps:  # the router's weight is [experts, hidden]
+        assert find(layer, family.hf.layer["gate"]).weight.shape[0] == sizes[family.widths["router_logits"]]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -89,11 +93,13 @@ def test_checkpoint_tensor_names_are_make_models(arch, checkpoints):
     family, folder = get_family(arch), checkpoints[arch]
     config = json.loads((folder / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings"))
-    names = family.tensor_names(config["num_hidden_layers"], tied)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    names = family.tensor_names(config["num_hidden_layers"], tied, experts)
     assert names == set(checkpoint_tensors(folder))
     shapes, tied_names, cfg = expected_tensors(folder)
+    shapes = family.checkpoint_shapes(shapes, names)  # transformers' fused experts as the checkpoint stores them
     assert names == set(shapes) - tied_names
-    assert family.tensor_names(config["num_hidden_layers"], tied=False) == set(shapes)
+    assert family.tensor_names(config["num_hidden_layers"], tied=False, num_experts=experts) == set(shapes)
     for name in names:  # head_dim: Qwen2 derives it from hidden_size / num_attention_heads
         assert all(hasattr(cfg, f) or f == "head_dim" for f in family.shape_fields(name)), name
 

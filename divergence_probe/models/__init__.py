@@ -8,11 +8,12 @@ from __future__ import annotations
 from importlib import import_module
 
 from ..errors import ModelError
-from .base import Family, Fused, Seam, StackLayout, dims, find
+from .base import ExpertTensors, Family, Fused, Seam, StackLayout, dims, find
 
 FAMILIES: dict[str, str] = {
     "qwen2": "divergence_probe.models.qwen2:QWEN2",
     "qwen3": "divergence_probe.models.qwen3:QWEN3",
+    "qwen3_moe": "divergence_probe.models.qwen3_moe:QWEN3_MOE",
 }
 
 
@@ -29,4 +30,4 @@ def family_of(model) -> Family:
     return get_family(model.config.model_type)
 
 
-__all__ = ["FAMILIES", "Family", "Fused", "Seam", "StackLayout", "dims", "family_of", "find", "get_family"]
+__all__ = ["FAMILIES", "ExpertTensors", "Family", "Fused", "Seam", "StackLayout", "dims", "family_of", "find", "get_family"]

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import re
+
 import torch
 
 
@@ -73,17 +75,32 @@ class Family:
     model_tensors: Mapping[str, tuple[str, ...]]  # model-level tensor -> config fields sizing it
     tied_head: tuple[str, str] = ("lm_head.weight", "model.embed_tokens.weight")  # (head, the embedding it ties to)
     required_config: tuple[str, ...] = ()  # config fields this family needs beyond checkpoint.REQUIRED_FIELDS
+    # config fields of which config.json must have at least one (aliases: transformers saves one name, the hub another)
+    required_any: tuple[tuple[str, ...], ...] = ()
+    # config fields whose value must be this (absent: transformers' default, which is this): layouts not described yet
+    fixed_config: Mapping[str, object] = field(default_factory=dict)
+    experts: tuple["ExpertTensors", ...] = ()  # transformers' fused expert parameters and their per-expert layout
+    # what this family cannot do yet: feature (spec.py's names: compiled, graft, depth, align, ablate, rl) -> why
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    top_k_field: str | None = None  # config field of the router's top-k (a mixture of experts; None: dense)
 
     @property
     def packed(self) -> dict[str, tuple[str, ...]]:
         """vLLM's packed_modules_mapping: fused module name -> the trainer's modules stacked into it, in order."""
         return {self.vllm.layer[f.module].rpartition(".")[2]: f.parts for f in self.fused}
 
-    def tensor_names(self, num_layers: int, tied: bool) -> set[str]:
-        """Every tensor name a checkpoint of this family holds (a tied head: none of its own)."""
+    def tensor_names(self, num_layers: int, tied: bool, num_experts: int = 0) -> set[str]:
+        """Every tensor name a checkpoint of this family holds (a tied head: none of its own), experts in the
+        per-expert layout that transformers saves by default (`experts.*.` once for each of num_experts)."""
         names = {n for n in self.model_tensors if not (tied and n == self.tied_head[0])}
+        fused = {experts.fused for experts in self.experts}
+        local = set()
+        for name in self.checkpoint:
+            if name in fused:
+                continue
+            local |= {name.replace("*", str(e)) for e in range(num_experts)} if "*" in name else {name}
         prefix = self.hf.model["layers"]
-        return names | {f"{prefix}.{i}.{n}" for i in range(num_layers) for n in self.checkpoint}
+        return names | {f"{prefix}.{i}.{n}" for i in range(num_layers) for n in local}
 
     def shape_fields(self, name: str) -> tuple[str, ...]:
         """The config fields that size checkpoint tensor `name` (to say which field a wrong shape contradicts)."""
@@ -91,7 +108,35 @@ class Family:
             return self.model_tensors[name]
         prefix = self.hf.model["layers"] + "."
         local = name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
+        local = re.sub(r"experts\.\d+\.", "experts.*.", local)  # one expert's tensor: sized like every expert's
         return self.checkpoint.get(local, ("hidden_size",))
+
+    def checkpoint_shapes(self, expected: Mapping[str, tuple[int, ...]], found) -> dict[str, tuple[int, ...]]:
+        """transformers' state-dict shapes (`expected`, from the model built on the meta device) as a checkpoint with
+        the tensor names `found` stores them: a fused expert parameter stays fused where the checkpoint has it, else
+        it is the per-expert tensors transformers loads it from (and saves it as by default), layer by layer."""
+        shapes = dict(expected)
+        for name, shape in expected.items():
+            for experts in self.experts:
+                if not name.endswith("." + experts.fused) or name in found:
+                    continue
+                layer = name[: -len(experts.fused)]
+                del shapes[name]
+                rows = shape[1] // len(experts.parts)
+                for e in range(shape[0]):
+                    for part in experts.parts:
+                        shapes[layer + part.format(e=e)] = (rows, *shape[2:])
+        return shapes
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One of transformers' fused expert parameters ([experts, rows, cols], per layer) and the per-expert tensors a
+    checkpoint may store it as instead, concatenated in this order along the rows (transformers' conversion mapping:
+    gate_up_proj[e] = cat(gate_proj_e, up_proj_e))."""
+
+    fused: str  # per-layer name, e.g. "mlp.experts.gate_up_proj"
+    parts: tuple[str, ...]  # per-layer names with "{e}" for the expert index
 
 
 def dims(config) -> dict[str, int]:
@@ -99,8 +144,12 @@ def dims(config) -> dict[str, int]:
     parallelism is not supported)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return {"hidden": config.hidden_size, "q": heads * head_dim, "kv": config.num_key_value_heads * head_dim,
-            "inter": config.intermediate_size, "vocab": config.vocab_size}
+    sizes = {"hidden": config.hidden_size, "q": heads * head_dim, "kv": config.num_key_value_heads * head_dim,
+             "inter": config.intermediate_size, "vocab": config.vocab_size}
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # a mixture of experts: the router's logits have one feature per expert
+        sizes["experts"] = experts
+    return sizes
 
 
 def find(root: torch.nn.Module, path: str):

@@ -56,8 +56,12 @@ def load(spec: RLSpec):
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads."""
     import divergence_probe as dp
 
-    return dp.load(spec=load_spec(spec), before_stacks=lambda source, tokenizer: prompt_pool(
-        spec, tokenizer, source.max_model_len))
+    def before_stacks(source, tokenizer):
+        if "rl" in source.family.unsupported:  # e.g. Qwen3-MoE: rl's weight sync does not know its experts yet
+            raise ProbeError(f"rl {source.family.unsupported['rl']}; use a dense model")
+        prompt_pool(spec, tokenizer, source.max_model_len)
+
+    return dp.load(spec=load_spec(spec), before_stacks=before_stacks)
 
 
 def load_spec(spec: RLSpec):

@@ -234,6 +234,8 @@ class HFStack:
                 module = find(layer, family.hf.layer[seam.module]) if seam.module else layer
                 if seam.read == "output":
                     hooks.after(module, out(name, i))
+                elif seam.read == "rows":  # already [tokens, features]: a router flattens the batch
+                    hooks.after(module, out(name, i, lambda x: x))
                 elif seam.read == "heads":
                     hooks.after(module, out(name, i, heads))
                 elif seam.read == "input":

@@ -53,7 +53,7 @@ from .hooks import HookSet, arg, first_tensor
 from .vllm_rollout import RolloutRecorder
 from .vllm_seams import decoder_layers, model_seams
 
-SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # MoE: eager only (spec.check_family)
 
 # Taps whose buffer vLLM may write again later in the same forward, so they are cloned when captured (on CUDA the
 # fused add+norm is vLLM's C kernel, registered `inplace=True`: it overwrites both its input and the residual):

@@ -62,7 +62,7 @@ def _layer_output(a, k, o) -> dict[str, torch.Tensor]:
 def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
     """(before, read) of one of the family's seams: how each read kind is done on vLLM's modules."""
     [first, *_] = seam.taps
-    if seam.read == "output":
+    if seam.read in ("output", "rows"):  # vLLM's activations are [tokens, features] already
         return False, _output(first)
     if seam.read == "residual":  # a fused add+norm returns (normed, residual)
         return False, _output(first, lambda o: o[1])
