@@ -132,13 +132,24 @@ def test_tapped_build_leaves_no_compile_artifact(engines):
     assert not [p for p in engines["artifacts_after_tapped"] if "torch_compile_cache" in p]
 
 
-def _inductor_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in the order of Inductor's vectorised CPU reduction: one accumulator vector of the ISA's
-    width added chunk by chunk along the row, then its lanes added as a tree of halves (`vec_reduce_all`). torch's
-    own sum adds in another order, which moves a few last bits (1 element in 92,160 on the tiny Qwen2)."""
+def _inductor_row_sum(x: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+    """Sum over the last dim in the order of Inductor's vectorised CPU reduction, read from its generated C++ (torch
+    2.13, `cpp_fused_..._mean_mul_pow_rsqrt_*` kernels of the tiny Qwen2, AVX-512 machine, hidden size 128): per row,
+    one accumulator of `lanes` floats (`Vectorized<float>` for 16, `VectorizedN<float,2>` for 32), zeroed, then
+    `acc = acc + x[j:j+lanes]` for j = 0, lanes, 2*lanes... (128 is a multiple of both: no tail, no masked load, no
+    split); then `vec_reduce_all<float, N>`: the N 16-float vectors added in order (acc[0] + acc[1]), then the 16
+    lanes by the AVX-512 shuffles (256-, 128-, 64-, 32-bit), i.e. a tree of halves; then `0 + that`. For 32 lanes,
+    acc[0] + acc[1] is the first halving, so the whole is a tree of halves over `lanes` lanes.
+    `lanes` is the kernel's tiling factor (`TilingSelect.select_tiling`): `nelements(bfloat16)` (32 here) when the
+    reduction's loop body holds a BF16 value (it reads a BF16 buffer), `nelements(float)` (16 here, what
+    `pick_vec_isa()` reports for float) when it reads only FP32 (a norm whose kernel also stores the FP32 residual
+    stream, realised by Inductor's read-count threshold, and sums from that buffer: post_norm of layers 1 and 3 of the
+    tiny Qwen2 and Qwen3). It is a property of the kernel, not of `x`; left out, the BF16 width, that of 7 of the 9
+    norm kernels (on these taps the 16-lane order gives the same bits for the other two; the float width everywhere
+    missed input_norm@2). torch's own sum adds in another order, which moves a few last bits."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    width = pick_vec_isa().nelements(torch.float) or 1
+    width = lanes or pick_vec_isa().nelements(torch.bfloat16) or 1
     chunks = x.reshape(*x.shape[:-1], -1, width).unbind(-2)
     total = chunks[0]
     for chunk in chunks[1:]:
