@@ -59,6 +59,8 @@ _FP32_STREAM = ("not captured under --engine compiled: Inductor keeps the residu
                 "add+norm kernels and never writes this BF16 tensor; tapping it would force one and change the "
                 "engine's numerics (the FP32 stream is embed + the attn_out and mlp_out taps); use --engine eager")
 REFUSED = {
+    "router_logits": "not captured under --engine compiled: the compiled engine has no tap points for a mixture-of-"
+                     "experts router yet (issue 28); use --engine eager",
     "resid_mid": _FP32_STREAM,
     "resid_out": _FP32_STREAM,
     "q_norm": "not captured under --engine compiled: Inductor fuses the per-head RMSNorm into RoPE and never writes "
