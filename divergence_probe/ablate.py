@@ -18,7 +18,7 @@ from .batch_invariance import NoiseEngines
 from .compare import CompareRun, Progress, run_compare
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from .spec import AlignSpec, RunSpec
+from .spec import RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
@@ -106,6 +106,10 @@ class AblationRun:
                                      ignore_index=True)[["combo", *first.graft_tables[name].columns]]
         if first.engine_noise is not None:
             tables["engine_noise.csv"] = self._stacked("engine_noise")
+        if first.routing is not None:
+            tables["routing.csv"] = self._stacked("routing_table")
+        if first.routing_noise is not None:
+            tables["routing_noise.csv"] = self._stacked("routing_noise")
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -117,7 +121,7 @@ class AblationRun:
 def combo_spec(spec: RunSpec, combo) -> RunSpec:
     """The compare that one combination of an ablation runs."""
     regions = tuple(r for r in spec.ablate.regions if r in combo)
-    return replace(spec, kind="compare", ablate=None, align=AlignSpec(regions=regions, side=spec.align.side))
+    return replace(spec, kind="compare", ablate=None, align=replace(spec.align, regions=regions))
 
 
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:

@@ -4,8 +4,9 @@ engine mode (eager vs compiled).
 
 A stack's own batch composition can move its logprobs as much as the vLLM-vs-transformers gap
 (docs/results/h200/README.md), so a mismatch number means little without this floor beside it.
-Each stack scores the same token sequences twice, with no taps: one sequence per call, then all in one
-batch (vLLM: one engine step; transformers: one right-padded forward with an attention mask). A trainer's
+Each stack scores the same token sequences twice, with no taps: one sequence per call, then batched (vLLM: engine
+steps of at most --batch-tokens tokens; transformers: right-padded micro-batches of at most --batch-tokens padded
+tokens, with an attention mask). A trainer's
 attention kernel is a choice torch makes per process and machine (cuDNN, flash, efficient, math), so the training
 stack also scores the sequences under another SDPA kernel (`kernel_noise`). Compiling changes an engine's numerics
 (Inductor fuses and keeps intermediates in FP32; by how much: docs/results/h200/), so `engine_noise` scores
@@ -19,9 +20,10 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
+import torch
 
 from .metrics import token_kl
-from .prompts import Prompt, batches
+from .prompts import Prompt
 
 COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
 KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
@@ -43,14 +45,64 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
             deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
             kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
         d, k = np.concatenate(deltas), np.concatenate(kls)
-        # an engine batches at most --batch-tokens tokens and max_num_seqs sequences per step: the largest step
-        limit = getattr(stack, "max_sequences_per_step", None)
-        size = (max(map(len, batches(sequences, probe.settings.batch_tokens, limit)))
-                if limit is not None else len(sequences))
+        # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
+        # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
+        groups = getattr(stack, "batch_groups", None)
+        size = max(map(len, groups(sequences))) if groups is not None else len(sequences)
         rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),
                      "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
                      "n_tokens": int(d.size), "batch_size": size})
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_topk_set_differs",
+                         "frac_topk_order_differs", "frac_flipped_near_tie", "frac_tokens_any_flip"]
+
+
+def routing_noise(probe, sequences: Sequence[Prompt], top_k: int) -> pd.DataFrame:
+    """Each stack's routing against itself (a mixture-of-experts model): the same sequences batched (as `measure`
+    batches them) vs one per call, their router logits compared as the two stacks' are (routing.py, the same tie
+    rule), one row per stack and layer. A batch change moves router logits in the last bits, and near-tied top-k
+    picks flip: the cross-stack flip rate means little without this beside it. frac_tokens_any_flip: the share of
+    positions flipped in at least one layer (the same in every row of a stack)."""
+    from . import routing
+
+    taps = frozenset({"router_logits"})
+    rows = []
+    for side, stack in (("infer", probe.infer), ("train", probe.train)):
+        alone, together = _KeptTaps(), _KeptTaps()
+        for seq in sequences:
+            stack.score([seq], taps, alone)
+        stack.score_batched(sequences, taps, together)
+        layers = sorted(alone.layers())
+        per_layer = [routing.compare_layer(together.rows(layer, sequences), alone.rows(layer, sequences), top_k)
+                     for layer in layers]
+        flips, _ = routing.token_flips(per_layer)
+        any_flip = routing.frac_tokens_any_flip(flips)
+        for layer, r in zip(layers, per_layer):
+            m = routing.layer_metrics(r)
+            rows.append({"stack": stack.name, "side": side, "change": "batched vs alone", "layer": layer,
+                         "tokens": m["tokens"], "frac_topk_set_differs": m["frac_topk_set_differs"],
+                         "frac_topk_order_differs": m["frac_topk_order_differs"],
+                         "frac_flipped_near_tie": m["frac_flipped_near_tie"], "frac_tokens_any_flip": any_flip})
+    return pd.DataFrame(rows, columns=ROUTING_NOISE_COLUMNS)
+
+
+class _KeptTaps:
+    """A tap sink that keeps a copy of each prompt's router logits (a stack's taps are valid only until its next
+    call), on the host."""
+
+    def __init__(self) -> None:
+        self._taps: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, prompt_id: int, key, x: torch.Tensor) -> None:
+        self._taps[(key.layer, prompt_id)] = x.detach().to("cpu", copy=True)
+
+    def layers(self) -> set[int]:
+        return {layer for layer, _ in self._taps}
+
+    def rows(self, layer: int, sequences: Sequence[Prompt]) -> torch.Tensor:
+        return torch.cat([self._taps[(layer, seq.prompt_id)] for seq in sequences])
 
 
 def kernel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:

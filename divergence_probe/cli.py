@@ -22,9 +22,77 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import ProbeError, one_line
-from .spec import COMPONENTS, RunSpec, flag_of, flat_fields, spec_from_flat
+
+# Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
+# command that takes its options from it is run or asked for its own --help (_LazyGroup), and every other import of
+# the library is inside the function that needs it. So `divergence-probe --help` and the --help of rerun, report,
+# score and make-model need no torch from this module (the package's __init__, which runs first, is another matter).
+
+
+class _LazyGroup(typer.core.TyperGroup):
+    """The app's click group. compare, ablate and rl take their options from spec fields, which means importing
+    torch; they are listed (name and summary) from a placeholder, and built only when resolved to run or to show
+    their own --help. Command order is _ORDER's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._listing = False
+        built = dict(self.commands)
+        self.commands = {}
+        for name in _ORDER:
+            if name in _LAZY:
+                self.commands[name] = _placeholder(name, _LAZY[name][0])
+            elif name in built:
+                self.commands[name] = built.pop(name)
+        self.commands.update(built)  # any command not in _ORDER, after the rest
+
+    def get_command(self, ctx, cmd_name: str):
+        command = self.commands.get(cmd_name)
+        if getattr(command, "_placeholder", False) and not self._listing:
+            command = self.commands[cmd_name] = _build_command(cmd_name, _LAZY[cmd_name][1]())
+        return command
+
+    def format_help(self, ctx, formatter) -> None:
+        self._listing = True  # the list of commands reads the placeholders; nothing is built for it
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
+_ORDER = ("compare", "ablate", "rerun", "report", "rl", "score", "make-model")
+_LAZY: dict = {}  # name -> (docstring, function making the command's callback); filled where each command is defined
+
+
+def _lazy_command(name: str, doc: str):
+    """Register `name` with the app as a command whose callback (and so its spec-made options) the decorated function
+    makes on first use; `doc` is the docstring the callback will have (the command list shows its first paragraph)."""
+    def register(make):
+        _LAZY[name] = (doc, make)
+        return make
+    return register
+
+
+def _placeholder(name: str, doc: str):
+    def command() -> None:
+        pass
+
+    command.__doc__ = doc
+    placeholder = _build_command(name, command)
+    placeholder._placeholder = True
+    return placeholder
+
+
+def _build_command(name: str, callback):
+    """The click command typer makes of `callback`, as app.command(name) would."""
+    single = typer.Typer(add_completion=False, rich_markup_mode=app.rich_markup_mode,
+                         pretty_exceptions_short=app.pretty_exceptions_short)
+    single.command(name)(callback)
+    return typer.main.get_command(single)
+
 
 app = typer.Typer(
+    cls=_LazyGroup,
     add_completion=False,
     no_args_is_help=True,
     help="Find where vLLM and the transformers training stack round differently, layer by layer and token by token.",
@@ -136,9 +204,24 @@ def _print_summary(run, out_dir: Path) -> None:
     elif largest[1] > 0:
         table.add_row("mismatch / largest noise floor",
                       f"{s['mean_abs_dlogp'] / largest[1]:.3g}x ({NOISE_FLOORS[largest[0]]})")
+    _routing_rows(table, s)
     out.print(table)
     _print_graft(getattr(run, "graft_tables", {}))
     out.print(f"run: {out_dir}")
+
+
+def _routing_rows(table, s: dict) -> None:
+    """A mixture-of-experts run: how often the stacks route a token differently, beside each stack's own rate under a
+    batch change, and |Δlogp| of the tokens right after a flipped position against the others (routing.csv: per
+    layer)."""
+    if "frac_tokens_any_flip" not in s:
+        return
+    table.add_row("tokens routed differently (any layer)", f"{s['frac_tokens_any_flip']:.2%}")
+    for side in ("infer", "train"):
+        if f"noise_{side}_frac_tokens_any_flip" in s:
+            table.add_row(f"routing noise floor: {side} alone vs batched", f"{s[f'noise_{side}_frac_tokens_any_flip']:.2%}")
+    table.add_row("mean |Δlogp| after a flip / elsewhere",
+                  f"{s['mean_abs_dlogp_after_flip']:.3e} / {s['mean_abs_dlogp_not_after_flip']:.3e}")
 
 
 def _print_graft(tables: dict) -> None:
@@ -167,8 +250,30 @@ def _cli_type(hint, default):
     return hint, default
 
 
+# compare's and ablate's --help panels, from each spec field's component (spec.COMPONENTS); LoadSpec's fields are
+# split by name between the model, the engine (inference side) and the trainer, so a field added to a component
+# lands in its panel without an edit here.
+_PANELS = {"prompts": "Model and prompts", "capture": "Capture", "generate": "Generate mode",
+           "align": "Region alignment", "ablate": "Ablation", None: "Output"}
+
+
+def _panel(kind: str, component: str | None, name: str) -> str:
+    """The --help panel of the option `name` (a flat name, spec.flat_fields) of spec component `component`."""
+    if component == "load":
+        if name.startswith("train"):
+            return "Trainer"
+        if name == "infer" or name.startswith("engine") or name == "batch_tokens":
+            return "Engine"
+        return "Model and prompts"
+    if component == "align" and kind == "ablate":  # ablate's --side: where its combinations are aligned
+        return "Ablation"
+    return _PANELS.get(component, "Options")
+
+
 def _options(kind: str) -> list[inspect.Parameter]:
     """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec.py."""
+    from .spec import COMPONENTS, RunSpec, flag_of, flat_fields
+
     params = []
     for component, f, name in flat_fields(kind):
         owner = COMPONENTS[component] if component else RunSpec
@@ -177,15 +282,24 @@ def _options(kind: str) -> list[inspect.Parameter]:
         cli_type, cli_default = _cli_type(hint, default)
         decls = [flag_of(f) if component else "--report"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
-                                        default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""))))
-    params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=OutOpt))
+                                        default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""),
+                                                             rich_help_panel=_panel(kind, component, name))))
+    out_opt = typer.Option(None, "--out", "-o", help=OutOpt.help, rich_help_panel=_PANELS[None])
+    params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=out_opt))
     return params
+
+
+def _command_doc(doc: str) -> str:
+    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
+    return " ".join(summary.split()) + "\n\n" + details  # the summary is one paragraph in --help
 
 
 def _spec_command(kind: str, doc: str, after):
     """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
     def command(out_dir: Optional[Path] = None, **flags) -> None:
+        from .spec import spec_from_flat
+
         run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
         after(run, out_dir)
         if run.spec.report:
@@ -194,8 +308,7 @@ def _spec_command(kind: str, doc: str, after):
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
-    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
-    command.__doc__ = " ".join(summary.split()) + "\n\n" + details  # the summary is one paragraph in --help
+    command.__doc__ = _command_doc(doc)
     command.__name__ = kind
     return command
 
@@ -237,18 +350,27 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
     return run, out_dir
 
 
-compare = app.command("compare")(_spec_command("compare", """Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
+_COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
     Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
-    """, lambda run, out_dir: _print_summary(run, out_dir)))
-
-ablate = app.command("ablate")(_spec_command("ablate", """Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
+    """)
+_ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
 
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
     attribution.csv (one row per region, and what remains with all aligned).
-    """, lambda run, out_dir: _print_ablation(run, out_dir)))
+    """)
+
+
+@_lazy_command("compare", _COMPARE_DOC)
+def _compare_command():
+    return _spec_command("compare", _COMPARE_DOC, lambda run, out_dir: _print_summary(run, out_dir))
+
+
+@_lazy_command("ablate", _ABLATE_DOC)
+def _ablate_command():
+    return _spec_command("ablate", _ABLATE_DOC, lambda run, out_dir: _print_ablation(run, out_dir))
 
 
 @app.command()
@@ -277,6 +399,8 @@ def rerun(
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
         recorded[:] = [manifest]
+        from .spec import RunSpec
+
         try:
             spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
         except ProbeError as e:
@@ -371,6 +495,7 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
 def _rl_options() -> list[inspect.Parameter]:
     """One typer option per RLSpec field (declared once, in rl/spec.py); a tuple field is a repeatable flag."""
     from .rl.spec import RLSpec
+    from .spec import flag_of
 
     hints = typing.get_type_hints(RLSpec)
     params = []
@@ -424,14 +549,19 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
         _write_report(out_dir)
 
 
-rl_command.__signature__ = inspect.Signature(_rl_options())
-rl_command.__doc__ = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
+_RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
     pushed into the running engine and verified every step (per-tensor checksums, stale prefix-cache probe).
 
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
     """
-app.command("rl")(rl_command)
+rl_command.__doc__ = _RL_DOC
+
+
+@_lazy_command("rl", _RL_DOC)
+def _rl_command():
+    rl_command.__signature__ = inspect.Signature(_rl_options())  # RLSpec's fields: imports rl/ (torch)
+    return rl_command
 
 
 @app.command("score")

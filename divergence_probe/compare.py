@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import pandas as pd
 import torch
 
-from .batch_invariance import TAP_POINTS_CHANGE, engine_noise, kernel_noise
+from .batch_invariance import TAP_POINTS_CHANGE, engine_noise, kernel_noise, routing_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -27,11 +27,13 @@ from .fused import backend as fused_backend
 from .memory_plan import Peaks, engine_report
 from .metrics import DiffStats, token_kl
 from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_prompts
+from .regions import from_engine
+from .route_capture import RouteCapture, RunRouting
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
 from .tables import layers_frame, summary_row, tokens_frame
-from .taps import TapKey, expected_taps
+from .taps import ROUTE_RECORDS, TapKey, expected_taps
 
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
 
@@ -243,6 +245,8 @@ class CompareRun:
     kernel_noise: pd.DataFrame | None = None
     graft_tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # local.csv, ... (--graft, --depth)
     engine_noise: pd.DataFrame | None = None
+    routing: RunRouting | None = None  # a mixture-of-experts model's routing comparison (route_capture.py)
+    routing_noise: pd.DataFrame | None = None  # each stack's own routing under a batch change (--batch-invariance)
 
     @property
     def mode(self) -> str:
@@ -254,11 +258,17 @@ class CompareRun:
 
     @property
     def tokens_table(self) -> pd.DataFrame:
-        return tokens_frame(self.tokens, sampled=self.mode == "generate")
+        df = tokens_frame(self.tokens, sampled=self.mode == "generate")
+        return self.routing.token_columns(df) if self.routing is not None else df
 
     @property
     def layers_table(self) -> pd.DataFrame:
         return layers_frame(self.tap_stats)
+
+    @property
+    def routing_table(self) -> pd.DataFrame | None:
+        """routing.csv (a mixture-of-experts model with router_logits among the taps), else None."""
+        return self.routing.table() if self.routing is not None else None
 
     @property
     def responses_table(self) -> pd.DataFrame:
@@ -270,6 +280,17 @@ class CompareRun:
 
     @property
     def summary(self) -> dict:
+        return self._summary() | self._routing_summary()
+
+    def _routing_summary(self) -> dict:
+        if self.routing is None:
+            return {}
+        tokens = self.tokens_table
+        if self.mode == "generate":
+            tokens = tokens[tokens["is_response"]]
+        return self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+
+    def _summary(self) -> dict:
         if self.mode != "generate":
             return (summary_row(self.tokens, self.tap_stats, self.threshold)
                     | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise))
@@ -309,6 +330,10 @@ class CompareRun:
         tables |= self.graft_tables
         if self.engine_noise is not None:
             tables["engine_noise.csv"] = self.engine_noise
+        if self.routing is not None:
+            tables["routing.csv"] = self.routing_table
+        if self.routing_noise is not None:
+            tables["routing_noise.csv"] = self.routing_noise
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -328,6 +353,18 @@ def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
         tap_points = engine[engine.change.str.startswith(TAP_POINTS_CHANGE)]
         if len(tap_points):  # 0 when the tap points left the compiled graph's numerics alone, as they should
             columns["tap_points_mean_abs_dlogp"] = float(tap_points.mean_abs_dlogp.iloc[0])
+    return columns
+
+
+def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
+    """Each stack's own routing flips under a batch change, beside the cross-stack flip rate: the mean over layers of
+    frac_topk_set_differs, and frac_tokens_any_flip (if measured)."""
+    if floor is None:
+        return {}
+    columns = {}
+    for side, rows in floor.groupby("side", sort=False):
+        columns[f"noise_{side}_frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
+        columns[f"noise_{side}_frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
     return columns
 
 
@@ -400,7 +437,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
-    capture = pairing
+    capture = graft = pairing
     plan = getattr(probe, "memory_plan", None)
     if spec.capture.graft or spec.capture.depth:
         from .local import GRAFT_TAPS, GraftCapture, check_graftable
@@ -408,8 +445,10 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         check_graftable(probe.train)
         taps = taps | GRAFT_TAPS
         pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
-        capture = GraftCapture(pairing, probe.train, probe.source.num_layers, probe.source.family.layer_taps,
-                               spec.capture.depth)
+        capture = graft = GraftCapture(pairing, probe.train, probe.source.num_layers,
+                                       probe.source.family.layer_taps, spec.capture.depth)
+    routes, infer_taps = _route_capture(probe, spec, capture, taps)
+    capture = routes or capture
     source = source_for(spec)
     tokens: list[TokenScore] = []
     per_prompt = spec.generate.samples_per_prompt if source.mode == "generate" else 1
@@ -424,12 +463,16 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
 
     pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
     peaks = Peaks(probe.settings.device)
-    ran = score_both(probe, prompts, source, taps, taps, capture, collect, peaks)
+    with _routes_replayed(probe, spec, routes):
+        ran = score_both(probe, prompts, source, infer_taps, taps, capture, collect, peaks)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
     if "memory_plan" in manifest:
         manifest["memory_plan"]["measured"] = peaks.record() | {"engine": engine_report(probe.infer)}
-    graft_tables = capture.tables(spec.align.regions if spec.align.side != "infer" else ()) \
-        if capture is not pairing else {}
+    run_routing = routes.result() if routes is not None else None
+    if routes is not None:
+        manifest["compare"]["routing"] = _routing_manifest(probe, spec, routes, run_routing)
+    graft_tables = graft.tables(spec.align.regions if spec.align.side != "infer" else ()) \
+        if graft is not pairing else {}
     if graft_tables:
         manifest["compare"]["graft"] = {"local": "the training stack's op on the inference stack's input of each seam",
                                         "depth": spec.capture.depth}
@@ -439,5 +482,48 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
     engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
+    route_floor = routing_noise(probe, ran, routes.top_k) \
+        if spec.capture.batch_invariance and run_routing is not None else None
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
-                      engine_noise=engine)
+                      engine_noise=engine, routing=run_routing, routing_noise=route_floor)
+
+
+def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]) -> tuple[RouteCapture | None, frozenset[str]]:
+    """For a mixture-of-experts model: the routing capture around the run's tap capture, and the inference side's
+    taps with the engine's route records added (checked against its router logits; replayed under the routing
+    region). Routing is compared wherever router_logits is among the taps."""
+    family = probe.source.family
+    replay = "routing" in from_engine(spec.align.regions)
+    if family.top_k_field is None:
+        return None, taps
+    metrics = "router_logits" in taps
+    if not (metrics or replay):
+        return None, taps
+    top_k = int(probe.source.config[family.top_k_field])
+    routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=top_k, metrics=metrics, records=True)
+    return routes, taps | frozenset(ROUTE_RECORDS)
+
+
+@contextmanager
+def _routes_replayed(probe, spec: RunSpec, routes: RouteCapture | None) -> Iterator[None]:
+    """The routing region: the trainer runs every sequence with the engine's experts (and with --routing-replay
+    ids+weights, the engine's gate weights) for it."""
+    if routes is None or "routing" not in spec.align.regions:
+        yield
+        return
+    with_weights = spec.align.routing_replay == "ids+weights"
+
+    def engine_routes(key: int, layer: int):
+        ids, weights = routes.routes(key, layer)
+        return ids, weights if with_weights else None
+
+    with probe.train.routes_replayed(engine_routes):
+        yield
+
+
+def _routing_manifest(probe, spec: RunSpec, routes: RouteCapture, run_routing: RunRouting | None) -> dict:
+    record = {"top_k": routes.top_k, "compared": run_routing is not None,
+              "engine_routes": f"{probe.infer.name}: the ids and weights its router returned (vLLM: "
+                               "router.select_experts, whose ids are what enable_return_routed_experts records)",
+              "replay": spec.align.routing_replay if "routing" in spec.align.regions else None}
+    return record | (run_routing.manifest() if run_routing is not None else {})

@@ -12,7 +12,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from .regions import aligned
+from .regions import aligned, patched
 
 
 def stacks_for(probe, side: str) -> list:
@@ -22,14 +22,14 @@ def stacks_for(probe, side: str) -> list:
 def needs_engine_build(probe, regions: Sequence[str], side: str) -> bool:
     """Whether these regions on this side change the engine and the loaded engine cannot take a patch."""
     can_patch = getattr(probe.infer, "can_patch", None)
-    return bool(regions) and side in ("both", "infer") and callable(can_patch) and not can_patch()
+    return bool(patched(regions)) and side in ("both", "infer") and callable(can_patch) and not can_patch()
 
 
 def engine_worker(probe, regions: Sequence[str]):
     """A started (not yet built) worker engine with the probe's engine settings and `regions` aligned."""
     from .stacks.engine_worker import WorkerStack
 
-    return WorkerStack(probe.settings, regions).start()
+    return WorkerStack(probe.settings, patched(regions)).start()
 
 
 @contextmanager

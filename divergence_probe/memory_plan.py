@@ -169,6 +169,9 @@ class PlanInputs:
     kv_cache_bytes_fixed: int | None = None  # the user's kv_cache_memory_bytes, or vLLM CPU's VLLM_CPU_KVCACHE_SPACE
     kv_dtype_bytes: int | None = None  # None: the run's dtype
     reduction: str = "compiled"  # "compiled" or "eager" (DIVERGENCE_PROBE_EAGER=1)
+    # --batch-invariance: after the run, the trainer's micro-batches of batch_tokens padded tokens and a second trainer
+    # (another SDPA kernel) beside the first
+    noise_floor: bool = False
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -277,6 +280,12 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # log-softmax (token_logprobs), and the KL's float64 chunks of 256 rows (token_kl: both log-softmaxes, exp, product)
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
                               + longest * m.vocab * (b + 8) + min(longest, 256) * m.vocab * 8 * 4)
+    # --batch-invariance: a trainer micro-batch's forward (batch_tokens padded tokens: its widest activation, logits
+    # and their FP32 log-softmax), and kernel_noise's second trainer beside the first
+    if i.noise_floor:
+        terms["noise_floor_train_batch"] = (batch_tokens * (m.intermediate + 2 * m.hidden + m.q_width) * b
+                                            + batch_tokens * m.vocab * (b + 8))
+        terms["noise_floor_second_trainer"] = weights
     stacked = longest * m.stacked_elements_per_token(i.taps)
     pair = longest * m.tap_elements_per_token(i.taps) + (longest * m.vocab if "logits" in i.taps else 0)
     largest_single = max([longest * w for name, (w, _) in m.tap_widths().items() if name in i.taps]
@@ -303,7 +312,8 @@ def _phases(t: dict[str, int]) -> dict[str, int]:
         "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
         "train_and_reduce": fixed + held + t["train_taps"] + t["train_forward"] + t["reduction_stacked_copies"]
         + t["reduction_temporaries"],
-    }
+    } | ({"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+         if "noise_floor_second_trainer" in t else {})
 
 
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:

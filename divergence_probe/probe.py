@@ -52,6 +52,7 @@ class Probe:
         if spec.load != self.config:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
+        check_family(spec, self.config, self.source.family)
         with _memory_errors(self.memory_plan, "run"):
             return self._run(spec, progress)
 
@@ -236,7 +237,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
         infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
         kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
-        reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled")
+        reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
+        noise_floor=plan_for is not None and plan_for.capture.batch_invariance)
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)
     engine = plan.engine_args()

@@ -278,3 +278,18 @@ def batches(prompts: Sequence[Prompt], max_tokens: int, max_count: int | None = 
         size += len(prompt.token_ids)
     if group:
         yield group
+
+
+def padded_batches(prompts: Sequence[Prompt], max_tokens: int) -> Iterator[list[Prompt]]:
+    """Consecutive groups that fit max_tokens once right-padded to their longest prompt (rows x longest; a longer
+    prompt goes alone): a trainer's micro-batches."""
+    group, longest = [], 0
+    for prompt in prompts:
+        n = len(prompt.token_ids)
+        if group and (len(group) + 1) * max(longest, n) > max_tokens:
+            yield group
+            group, longest = [], 0
+        group.append(prompt)
+        longest = max(longest, n)
+    if group:
+        yield group

@@ -43,6 +43,8 @@ COLUMNS = {
     "local_families.csv": ("family", "local_rel_l2"),
     "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
     "engine_noise.csv": (),
+    "routing.csv": ("layer", "frac_topk_set_differs"),
+    "routing_noise.csv": ("side", "layer", "frac_topk_set_differs"),
 }
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"

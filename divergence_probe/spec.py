@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .errors import ProbeError
 from .options import option
-from .regions import ALL_REGIONS, REGIONS, parse_regions
+from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
 from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
@@ -32,6 +32,7 @@ TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
 DEVICES = ("auto", "cpu", "cuda")
 SIDES = ("both", "train", "infer")
+ROUTING_REPLAYS = ("ids", "ids+weights")
 MODES = ("prefill", "generate")
 
 
@@ -200,10 +201,15 @@ class AlignSpec:
                                           + ", ".join(REGIONS) + ".", flag="--align")
     side: str = option("both", "Where regions are aligned: both, train (transformers only; the engine as shipped) "
                                "or infer.")
+    routing_replay: str = option("ids", "With the routing region (MoE): what the trainer takes from the engine. ids: "
+                                        "the engine's experts for every token and layer, the trainer's own gate "
+                                        "weights for them (R3, as verl and Megatron replay routes); ids+weights: the "
+                                        "engine's gate weights too.")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", _regions(self.regions))
         _choice(self.side, SIDES, "--side")
+        _choice(self.routing_replay, ROUTING_REPLAYS, "--routing-replay")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +292,13 @@ class RunSpec:
                              "drop --engine-noise or use --infer vllm")
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
+        regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        if "routing" in regions and self.align.side == "infer":
+            raise ProbeError("routing is replayed from the engine into the trainer, so it has no --side infer; use "
+                             "--side train or both, or leave routing out")
+        if self.align.routing_replay != "ids" and "routing" not in regions:
+            raise ProbeError("--routing-replay applies to the routing region only; add routing to "
+                             + ("--regions" if self.kind == "ablate" else "--align") + " or drop --routing-replay")
         if self.kind == "ablate" and self.ablate.build_ahead and "kv_cache_memory_bytes" not in self.load.engine_args \
                 and _resolved_device(self.load.device) != "cpu":
             raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
@@ -446,9 +459,9 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
 
 
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
-    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`)."""
-    if not family.unsupported:
-        return
+    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), and
+    regions its layers do not have."""
+    check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
     wanted = []
     if load.engine == "compiled" and load.infer == "vllm":
         wanted.append("--engine compiled")

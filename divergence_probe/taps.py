@@ -41,6 +41,12 @@ LAYER_TAPS = (
 )
 MODEL_TAPS_AFTER = ("final_norm", "logits")
 ALL_TAPS = MODEL_TAPS_BEFORE + LAYER_TAPS + MODEL_TAPS_AFTER
+# What an engine hands over beside its taps and that is never diffed against the trainer: the experts each token of a
+# mixture-of-experts layer was sent to and their weights, as the engine's router chose them ([tokens, top_k]). They
+# travel through the same sink as taps (a stack splits its step rows per sequence the same way) and are consumed by
+# the routing capture (route_capture.py), not by the tap pairing.
+ROUTE_RECORDS = ("expert_ids", "expert_weights")
+_ORDER = {name: i for i, name in enumerate(ALL_TAPS + ROUTE_RECORDS)}
 
 
 class TapKey(NamedTuple):
@@ -54,7 +60,7 @@ class TapKey(NamedTuple):
 
     @classmethod
     def of(cls, name: str, layer: int) -> "TapKey":
-        return cls(order=(layer, ALL_TAPS.index(name)), name=name, layer=layer)
+        return cls(order=(layer, _ORDER[name]), name=name, layer=layer)
 
     @property
     def label(self) -> str:

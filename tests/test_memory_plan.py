@@ -97,6 +97,21 @@ def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_
     assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B).tap_elements_per_token(inputs().taps) * 2
 
 
+def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
+    """--batch-invariance runs the trainer in micro-batches of batch_tokens padded tokens and loads a second trainer
+    (kernel_noise): both are planned, and only with it (an H200 OOMed at the 14B shape when they were not)."""
+    without, with_floor = plan(inputs()), plan(inputs(noise_floor=True))
+    assert "noise_floor" not in without.phases and "noise_floor_second_trainer" not in without.terms
+    weights = without.terms["train_weights"]
+    assert with_floor.terms["noise_floor_second_trainer"] == weights
+    assert with_floor.phases["noise_floor"] >= without.phases["engine_start"] - without.terms[
+        "engine_profile_activations"] + weights
+    assert with_floor.terms["noise_floor_train_batch"] >= with_floor.batch_tokens * QWEN25_7B["vocab_size"] * 10
+    untapped, untapped_floor = plan(inputs(taps=frozenset())), plan(inputs(taps=frozenset(), noise_floor=True))
+    assert untapped_floor.needed == untapped_floor.phases["noise_floor"] > untapped.needed  # the second trainer
+    assert not plan(inputs(taps=frozenset(), noise_floor=True, free_bytes=untapped.needed)).fits
+
+
 def test_a_smaller_device_chunks_the_reduction_before_it_lowers_batch_tokens():
     full = plan(inputs())
     chunked = plan(inputs(free_bytes=full.needed - full.terms["reduction_stacked_copies"] // 2))

@@ -16,7 +16,7 @@ from divergence_probe.checkpoint import checkpoint_tensors, expected_tensors
 from divergence_probe.errors import ModelError, StackError
 from divergence_probe.models import FAMILIES, dims, find, get_family
 from divergence_probe.stacks.vllm_seams import layer_seams
-from divergence_probe.taps import LAYER_TAPS
+from divergence_probe.taps import LAYER_TAPS, ROUTE_RECORDS
 
 ARCHS = sorted(FAMILIES)
 
@@ -55,10 +55,12 @@ def test_every_stack_reads_exactly_the_family_taps(arch):
     family = get_family(arch)
     assert family.layer_taps == tuple(t for t in LAYER_TAPS if t in family.layer_taps)
     for layout in (family.hf, family.vllm):
-        read = [t for seam in layout.seams for t in seam.taps]
+        read = [t for seam in layout.seams for t in seam.taps if t not in ROUTE_RECORDS]
         assert sorted(read) == sorted(family.layer_taps), layout
         assert all(seam.module == "" or seam.module in layout.layer for seam in layout.seams)
         assert all(role == "" or role in layout.layer for role in layout.regions.values())
+        records = {t for seam in layout.seams for t in seam.taps if t in ROUTE_RECORDS}
+        assert records == (set(ROUTE_RECORDS) if family.top_k_field else set())  # a MoE stack says where it routed
     assert set(family.layer_taps) <= set(family.widths)
     assert all(f.module in family.vllm.layer for f in family.fused)
 

@@ -28,20 +28,27 @@ WIDTHS = {**{k: v for k, v in QWEN3.widths.items() if k not in _DENSE_MLP}, "rou
 _MOE_ROLES = {"gate": "mlp.gate", "experts": "mlp.experts", "act": "mlp.experts"}
 
 
-def _moe_seams(seams: tuple[Seam, ...]) -> tuple[Seam, ...]:
-    """The dense family's seams up to the MLP, then the router's logits and the MoE block's output."""
+def _moe_seams(seams: tuple[Seam, ...], *routes: Seam) -> tuple[Seam, ...]:
+    """The dense family's seams up to the MLP, then the router's logits (and `routes`, the router's choice) and the
+    MoE block's output."""
     attention = tuple(s for s in seams if not set(s.taps) & set(_DENSE_MLP + ("mlp_out", "resid_out")))
-    return attention + (Seam(("router_logits",), "gate", "rows"), Seam(("mlp_out",), "mlp")) + seams[-1:]
+    return attention + (Seam(("router_logits",), "gate", "rows"), *routes, Seam(("mlp_out",), "mlp")) + seams[-1:]
 
 
 def _layer(roles: dict, dense: tuple[str, ...]) -> dict:
     return {**{k: v for k, v in roles.items() if k not in dense}, **_MOE_ROLES}
 
 
+# transformers' router (`mlp.gate`) returns (logits, weights, ids): its weights and ids are its choice of experts
 HF = replace(QWEN3.hf, layer=_layer(QWEN3.hf.layer, ("gate_proj", "up_proj", "down_proj", "act")),
-             seams=_moe_seams(QWEN3.hf.seams), regions={"rope": "attn", "rmsnorm": ""})
-VLLM = replace(QWEN3.vllm, layer=_layer(QWEN3.vllm.layer, ("gate_up_proj", "down_proj", "act")),
-               seams=_moe_seams(QWEN3.vllm.seams), regions={"rope": "rotary"})
+             seams=_moe_seams(QWEN3.hf.seams, Seam(("expert_weights", "expert_ids"), "gate", "router_choice")),
+             regions={"rope": "attn", "rmsnorm": ""})
+# vLLM's router (`mlp.experts.router`, a BaseRouter, not a module): its select_experts returns (topk_weights, topk_ids),
+# the experts vLLM then runs each row with, and calls the capture callback that fills enable_return_routed_experts.
+VLLM = replace(QWEN3.vllm, layer={**_layer(QWEN3.vllm.layer, ("gate_up_proj", "down_proj", "act")),
+                                  "router": "mlp.experts.router"},
+               seams=_moe_seams(QWEN3.vllm.seams, Seam(("expert_weights", "expert_ids"), "router", "select_experts")),
+               regions={"rope": "rotary"})
 
 _EXPERTS = ("num_experts", "hidden_size")
 CHECKPOINT = {**{k: v for k, v in QWEN3_CHECKPOINT.items() if not k.startswith("mlp.")},
@@ -62,5 +69,5 @@ QWEN3_MOE = replace(
     required_any=(("num_experts", "num_local_experts"),),
     fixed_config={"mlp_only_layers": [], "decoder_sparse_step": 1},
     experts=EXPERTS, top_k_field="num_experts_per_tok",
-    unsupported={f: _WHY for f in ("--engine compiled", "--graft", "--depth", "--align", "ablate", "rl")},
+    unsupported={f: _WHY for f in ("--engine compiled", "--graft", "--depth", "rl")},
 )

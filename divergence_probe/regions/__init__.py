@@ -22,8 +22,10 @@ REGIONS: dict[str, str] = {
     "rope": "divergence_probe.regions.rope:ROPE",
     "swiglu": "divergence_probe.regions.swiglu:SWIGLU",
     "rmsnorm": "divergence_probe.regions.rmsnorm:RMSNORM",
+    "routing": "divergence_probe.regions.routing:ROUTING",
 }
-ALL_REGIONS: tuple[str, ...] = tuple(REGIONS)  # the default wherever "every region" is meant
+# the default wherever "every region" is meant: the numeric ones every family has (routing needs a MoE model)
+ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 
 
 def get_region(name: str) -> Region:
@@ -48,10 +50,31 @@ def library(model) -> str:
     return f"{top} {getattr(sys.modules.get(top), '__version__', 'of unknown version')}"
 
 
-def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Replacement]]:
-    """Find every target of every region on one model, changing nothing: region -> its replacements."""
-    plans = {}
+def patched(regions: Sequence[str]) -> tuple[str, ...]:
+    """The regions that patch a stack's numerics: all but those the run loop takes from the engine (routing)."""
+    return tuple(name for name in regions if not get_region(name).from_engine)
+
+
+def from_engine(regions: Sequence[str]) -> tuple[str, ...]:
+    """The regions the trainer takes from the engine's run (routing replay): wired by the run loop, not patched."""
+    return tuple(name for name in regions if get_region(name).from_engine)
+
+
+def check_regions_exist(family, regions: Sequence[str]) -> None:
+    """A region the family's layers do not have (swiglu in a mixture of experts; routing in a dense model) is one
+    line naming the regions it has."""
+    has = [r for r in REGIONS if get_region(r).exists_in is None or get_region(r).exists_in(family)]
     for name in regions:
+        if name not in has:
+            raise ProbeError(f"region {name} does not exist in {family.model_type} models; leave it out (regions of "
+                             f"this model: {','.join(has)})")
+
+
+def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Replacement]]:
+    """Find every target of every region on one model, changing nothing: region -> its replacements. Regions taken
+    from the engine (`from_engine`) are the run loop's and are left out."""
+    plans = {}
+    for name in patched(regions):
         region = get_region(name)
         if stack_name not in region.patchers:
             raise StackError(f"region {name} has no patch for the {stack_name} stack; leave {name} out of the "
@@ -83,6 +106,7 @@ def patch(stack_name: str, model, regions: Sequence[str], hooks: HookSet) -> dic
 def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
     """Align `regions` on every given loaded stack for the duration of the block; undone on exit. Every
     target on every stack is found before any is changed."""
+    regions = patched(regions)
     with HookSet() as hooks:
         for stack in stacks:
             if regions and hasattr(stack, "check_patchable"):  # a compiled engine cannot take a patch after loading
@@ -92,4 +116,5 @@ def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
         yield
 
 
-__all__ = ["ALL_REGIONS", "REGIONS", "Region", "aligned", "get_region", "library", "parse_regions", "patch", "plan"]
+__all__ = ["ALL_REGIONS", "REGIONS", "Region", "aligned", "check_regions_exist", "from_engine", "get_region", "library", "parse_regions", "patch",
+           "patched", "plan"]

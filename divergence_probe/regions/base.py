@@ -45,6 +45,11 @@ class Region:
     name: str
     summary: str  # one line for --help and the README: what changes and where it rounds
     patchers: dict[str, Patcher] = field(default_factory=dict)  # stack name -> patcher
+    # not a patch: the trainer takes this from the engine's run of the same sequences, which the run loop wires
+    # (routing replay); `aligned`/`plan` leave it to the run loop
+    from_engine: bool = False
+    # whether a model family's layers have this region (None: every family's do); models/ describes the family
+    exists_in: Callable[[object], bool] | None = None
 
 
 def layout(model, stack: str) -> StackLayout:

@@ -61,4 +61,5 @@ SWIGLU = Region(
     name="swiglu",
     summary="SwiGLU: silu(gate)*up in FP32, one rounding at the output (shipped: 2 R on both stacks)",
     patchers={"hf": patch_hf, "vllm": patch_vllm},
+    exists_in=lambda family: "swiglu" in family.hf.regions,  # a dense MLP; a mixture of experts has none
 )

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ProbeError
 from ..options import option
-from ..regions import REGIONS, parse_regions
+from ..regions import REGIONS, from_engine, parse_regions
 from ..spec import parse_engine_args
 from ..stacks.vllm import _OWNED as COMPARE_OWNED
 from .grpo import CORRECTIONS
@@ -41,8 +41,13 @@ def setting_name(regions: tuple[str, ...]) -> str:
 
 
 def parse_setting(text: str) -> tuple[str, ...]:
-    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order."""
-    return () if text.strip() in ("", "none") else parse_regions(text)
+    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order. Regions taken from the engine
+    (routing replay) need the rollout's routes in the trainer, which rl does not wire yet."""
+    regions = () if text.strip() in ("", "none") else parse_regions(text)
+    if from_engine(regions):
+        raise ProbeError(f"rl cannot replay {', '.join(from_engine(regions))} yet (issue 28: rl on MoE models); "
+                         "leave it out of --align/--setting")
+    return regions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +58,7 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(REGIONS) + ".")
+                                + ", ".join(r for r in REGIONS if r not in from_engine(REGIONS)) + ".")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
                                           "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")

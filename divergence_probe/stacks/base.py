@@ -114,8 +114,10 @@ class Stack(Protocol):
         than once per prompt."""
         ...
 
-    def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
-        """The same scores with every prompt in one batch and no taps (the batch-invariance noise floor)."""
+    def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
+                      sink: TapSink | None = None) -> list[PromptScores]:
+        """The same scores with the prompts batched as the stack batches them (the batch-invariance noise floor); a
+        stack may capture some taps there (a router's logits, for the routing floor) or none."""
         ...
 
     def sample(self, prompts: Sequence[Prompt], spec: "SamplingSpec", taps: frozenset[str], sink: TapSink) -> list["SequenceScores"]:

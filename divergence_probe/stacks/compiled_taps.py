@@ -154,7 +154,7 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     tap = torch.ops.dp.tap
     selected = frozenset(taps) & set(NEUTRAL)
     keys: list[int] = []  # every tap point made here: each gets its buffer
-    for i, seams in enumerate(model_seams(model)):
+    for i, seams in enumerate(model_seams(model, selected)):
         for seam in seams:
             seam_keys = {name: _key(name, i) for name in seam.names if name in selected}
             if not seam_keys:

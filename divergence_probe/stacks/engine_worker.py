@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..errors import StackError
+from ..prompts import Prompt, batches
 from ..signals import forget, pass_on_to
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .vllm_aligned import cache_namespace
@@ -222,6 +223,10 @@ class WorkerStack:
     @property
     def max_sequences_per_step(self) -> int:
         return self._status["max_sequences_per_step"]
+
+    def batch_groups(self, prompts) -> list[list[Prompt]]:
+        """How score_batched groups prompts into engine steps (as the worker's engine does)."""
+        return list(batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step))
 
     def check_patchable(self) -> None:
         raise StackError("an engine in a worker process has its regions built in; start another worker for others")

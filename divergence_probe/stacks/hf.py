@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,11 +27,15 @@ from ..environment import to_device
 from ..errors import ModelError, NumericsError, StackError, one_line
 from ..metrics import token_logprobs
 from ..models import family_of, find
-from ..prompts import Prompt
+from ..prompts import Prompt, padded_batches
 from ..taps import TapKey
 from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .hf_replay import HFReplay
 from .hooks import HookSet, PatchConflict, arg, first_tensor
+
+
+# (prompt_id, layer) -> the experts a replay sends that prompt's tokens to in that layer: ids [T, k], weights or None
+RouteSource = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 class HFStack:
@@ -42,6 +46,7 @@ class HFStack:
         self.settings: StackSettings | None = None
         self.sdpa_chosen: dict[str, list[str]] = {}  # forward kind -> SDPA kernels torch's dispatcher chose
         self._muted = False  # True while a replay runs inside a capture: its ops are not the forward's taps
+        self._running: int | None = None  # the prompt id of the forward running now (routes_replayed reads it)
 
     @contextmanager
     def _numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
@@ -111,14 +116,73 @@ class HFStack:
             for prompt in prompts:
                 ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-                with observed():
-                    logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
+                self._running = prompt.prompt_id
+                try:
+                    with observed():
+                        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
+                finally:
+                    self._running = None
                 deliver(PromptScores(prompt.prompt_id, logits, token_logprobs(logits, ids[0, 1:])))
         return results
 
-    def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
-        """All prompts in one right-padded forward (attention mask, positions from 0 per row), no taps:
-        how a trainer batches sequences of different lengths."""
+    @contextmanager
+    def routes_replayed(self, routes: RouteSource) -> Iterator[None]:
+        """Every mixture-of-experts layer's experts run with the experts `routes(prompt_id, layer)` names for the prompt
+        being scored, instead of the trainer's own top-k: routing replay (R3, as verl's router_replay and Megatron's
+        RouterReplay do it in a trainer). `routes` returns (ids [T, k], weights [T, k] or None). Weights None: the
+        trainer's own gate weights for those experts, computed as transformers' router computes them for its own pick
+        (FP32 softmax of its logits over every expert, taken at the ids, renormalised where norm_topk_prob, cast to
+        the logits' dtype), so replaying the trainer's own top-k changes nothing, bit for bit. Given weights: the
+        engine's, cast to that dtype (the replay of ids and weights). The router's logits are left as they are: the
+        router_logits tap and the routing metrics still show the disagreement the replay hides."""
+        family = family_of(self.model)
+        if family.top_k_field is None:
+            raise StackError(f"routing replay needs a mixture-of-experts model; {family.model_type} has no router")
+        hooks = HookSet()
+        for i, layer in enumerate(self.layers):
+            hooks.after(find(layer, family.hf.layer["gate"]), self._replay_hook(i, routes))
+        with hooks:
+            yield
+
+    def _replay_hook(self, layer: int, routes: RouteSource):
+        def hook(module, args, kwargs, output):
+            if self._running is None or self._muted:
+                return None  # a forward outside score(): nothing to replay for it
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise StackError(f"transformers' router of layer {layer} returned {type(output).__name__}, not (logits, "
+                                 "weights, ids): its modeling code changed; routing replay needs a transformers "
+                                 "version the README lists")
+            logits, own_weights, own_ids = output
+            ids, weights = routes(self._running, layer)
+            n = ids.shape[0]
+            if ids.shape[1:] != own_ids.shape[1:] or not own_ids.shape[0] - 1 <= n <= own_ids.shape[0]:
+                raise StackError(f"the replayed routes of layer {layer} are {tuple(ids.shape)} for a router output of "
+                                 f"{tuple(own_ids.shape)} (prompt {self._running}); report this as a bug")
+            ids = ids.to(device=logits.device, dtype=own_ids.dtype)
+            if weights is None:
+                weights = torch.softmax(logits[:n], dim=-1, dtype=torch.float).gather(1, ids)
+                if module.norm_topk_prob:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights.to(device=logits.device, dtype=logits.dtype)
+            if n < own_ids.shape[0]:  # a sampled sequence's last token, which the engine never ran: it scores nothing
+                ids, weights = torch.cat([ids, own_ids[n:]]), torch.cat([weights, own_weights[n:]])
+            return logits, weights, ids
+
+        return hook
+
+    def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
+                      sink: TapSink | None = None) -> list[PromptScores]:
+        """The prompts in right-padded micro-batches of at most --batch-tokens padded tokens (attention mask, positions
+        from 0 per row): how a trainer batches sequences of different lengths, within the memory the plan gave the
+        trainer's forward. `taps`: only those read as rows of the flattened batch (a router's logits), handed to
+        `sink` per prompt without the padding rows."""
+        return [s for group in self.batch_groups(prompts) for s in self._score_padded(group, taps, sink)]
+
+    def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        """How score_batched groups prompts into forwards."""
+        return list(padded_batches(prompts, self.settings.batch_tokens))
+
+    def _score_padded(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink | None):
         pad = self.model.generation_config.pad_token_id or 0
         longest = max(len(p.token_ids) for p in prompts)
         ids = torch.full((len(prompts), longest), pad, device=self.settings.device)
@@ -127,7 +191,17 @@ class HFStack:
             ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
             mask[row, : len(p.token_ids)] = 1
         positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
-        with torch.inference_mode(), self._numerics("score_batched") as observed, observed():
+        rows_read = {t for seam in family_of(self.model).hf.seams if seam.read == "rows" for t in seam.taps}
+        if not taps <= rows_read:
+            raise StackError(f"a batched transformers forward captures only {', '.join(sorted(rows_read)) or 'no'} "
+                             f"taps, not {', '.join(sorted(taps - rows_read))}")
+
+        def emit(key: TapKey, x: torch.Tensor) -> None:  # [batch * longest, features] -> each prompt's own rows
+            for row, p in enumerate(prompts):
+                sink(p.prompt_id, key, x.view(len(prompts), longest, -1)[row, : len(p.token_ids)])
+
+        with torch.inference_mode(), self._numerics("score_batched") as observed, self._capture(taps, emit), \
+                observed():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         results = []
         for row, p in enumerate(prompts):
@@ -230,8 +304,11 @@ class HFStack:
             for seam in family.hf.seams:
                 if seam.read == "attention" or not taps & set(seam.taps):
                     continue
-                [name] = seam.taps
                 module = find(layer, family.hf.layer[seam.module]) if seam.module else layer
+                if seam.read == "router_choice":  # a router's (logits, weights, ids): the experts it picked
+                    hooks.after(module, _router_choice(seam.taps, taps, i, emit))
+                    continue
+                [name] = seam.taps
                 if seam.read == "output":
                     hooks.after(module, out(name, i))
                 elif seam.read == "rows":  # already [tokens, features]: a router flattens the batch
@@ -297,15 +374,18 @@ class HFStack:
         import transformers
 
         layer, roles = self.layers[0], family_of(self.model).hf.layer
+        moe = family_of(self.model).top_k_field is not None  # the experts' implementation, not a dense SwiGLU
         attn_module = type(find(layer, roles["attn"])).__module__
         mlp = find(layer, roles["mlp"])
         return StackInfo(
             name=self.name,
             versions={"transformers": transformers.__version__, "torch": torch.__version__},
             implementations={
+                **({"experts": getattr(self.model.config, "_experts_implementation", None) or "transformers' default"}
+                   if moe else
+                   {"swiglu": f"{type(mlp).__qualname__}.forward (act_fn={type(find(layer, roles['act'])).__name__})"}),
                 "rmsnorm": f"{type(find(layer, roles['input_norm'])).__qualname__}.forward",
                 "rope": f"{attn_module}.apply_rotary_pos_emb",
-                "swiglu": f"{type(mlp).__qualname__}.forward (act_fn={type(find(layer, roles['act'])).__name__})",
                 "attention": self.model.config._attn_implementation,
             },
             settings={
@@ -341,3 +421,14 @@ def _wrap_projection(hooks: HookSet, module: torch.nn.Module, before: TapKey | N
         return output
 
     hooks.replace(module, "forward", forward, owner="the projection taps of a transformers capture")
+
+
+def _router_choice(names: tuple[str, ...], taps: frozenset[str], layer: int, emit):
+    """A hook emitting a router's choice, elements 1.. of its (logits, weights, ids) output, as the named records."""
+    keys = [(i, TapKey.of(name, layer)) for i, name in enumerate(names, start=1) if name in taps]
+
+    def hook(module, args, kwargs, output) -> None:
+        for i, key in keys:
+            emit(key, output[i])
+
+    return hook

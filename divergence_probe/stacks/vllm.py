@@ -487,10 +487,14 @@ class VLLMStack:
             deliver(PromptScores(prompt.prompt_id, logits, reported))
         return results
 
-    def score_batched(self, prompts: Sequence[Prompt]) -> list[PromptScores]:
-        """Prompts batched into engine steps of at most --batch-tokens (as compare runs them), no taps."""
-        return [s for group in batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step)
-                for s in self.score(group, frozenset(), lambda *_: None)]
+    def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
+                      sink: TapSink | None = None) -> list[PromptScores]:
+        """Prompts batched into engine steps of at most --batch-tokens (as compare runs them); taps to `sink`."""
+        return [s for group in self.batch_groups(prompts) for s in self.score(group, taps, sink or (lambda *_: None))]
+
+    def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        """How score_batched groups prompts into engine steps."""
+        return list(batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step))
 
     def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
         """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;
@@ -620,18 +624,18 @@ class VLLMStack:
         if "embed" in taps:
             embed = TapKey.of("embed", -1)
             hooks.after(embedding, lambda m, a, k, o: on_tap(embed, first_tensor(o)))
-        for i, seams in enumerate(model_seams(self.model)):
+        for i, seams in enumerate(model_seams(self.model, taps)):
             for seam in seams:
                 keys = {name: TapKey.of(name, i) for name in seam.names if name in taps}
-                if not keys:
-                    continue
 
                 def emit(a, k, o, seam=seam, keys=keys):
                     parts = seam.read(a, k, o)
                     for name, key in keys.items():
                         on_tap(key, parts[name])
 
-                if seam.before:
+                if seam.method is not None:
+                    _wrap_method(hooks, seam.module, seam.method, emit)
+                elif seam.before:
                     hooks.before(seam.module, lambda m, a, k, emit=emit: emit(a, k, None))
                 else:
                     hooks.after(seam.module, lambda m, a, k, o, emit=emit: emit(a, k, o))
@@ -713,3 +717,16 @@ class VLLMStack:
     def close(self) -> None:
         """The engine stays alive for reuse in this process (see module docstring); drop our references."""
         self.llm = self.runner = self.model = None
+
+
+def _wrap_method(hooks: HookSet, obj, name: str, emit) -> None:
+    """obj.name replaced, until the HookSet exits, by a call that hands (args, kwargs, result) to emit: a seam on an
+    object that is not an nn.Module (a MoE router), which has no forward hooks."""
+    inner = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        result = inner(*args, **kwargs)
+        emit(args, kwargs, result)
+        return result
+
+    hooks.replace(obj, name, wrapped, owner="the route records of a vLLM capture")

@@ -28,6 +28,7 @@ class Seam:
     module: torch.nn.Module
     before: bool  # an input of the module (forward-pre hook), else from its output (forward hook)
     read: Read
+    method: str | None = None  # read around this method of `module` instead (an object that is not an nn.Module)
 
 
 class FusedSplit:
@@ -54,6 +55,12 @@ def _split(split: FusedSplit) -> Read:
     return lambda a, k, o: split(first_tensor(o))
 
 
+def _routes(a, k, o) -> dict[str, torch.Tensor]:
+    """A router's select_experts result (topk_weights, topk_ids): the experts the step's rows were sent to."""
+    weights, ids = o
+    return {"expert_weights": weights, "expert_ids": ids}
+
+
 def _layer_output(a, k, o) -> dict[str, torch.Tensor]:
     hidden, residual = o
     return {"resid_out": (hidden.float() + residual.float()).to(hidden.dtype)}
@@ -73,29 +80,34 @@ def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
         return False, _split(FusedSplit(seam.taps, [sizes[d] for d in fused.sizes] if fused.sizes else None))
     if seam.read == "layer_sum":
         return False, _layer_output
+    if seam.read == "select_experts":  # the router's own choice, which vLLM's experts then run with
+        return False, _routes
     raise ValueError(f"{family.model_type}: vLLM seam read {seam.read!r} is not one stacks/vllm_seams.py knows")
 
 
-def layer_seams(layer, family: Family, sizes: dict[str, int]) -> list[Seam]:
+def layer_seams(layer, family: Family, sizes: dict[str, int], wanted: frozenset[str] | None = None) -> list[Seam]:
     """Every layer tap's seam in one decoder layer, in the order its forward reaches them. `sizes`: models.dims of
-    the model's config, which size the fused splits."""
+    the model's config, which size the fused splits. `wanted`: only the seams reading one of these names (None: all)."""
     seams = []
     for seam in family.vllm.seams:
+        if wanted is not None and not wanted & set(seam.taps):
+            continue
         module = find(layer, family.vllm.layer[seam.module]) if seam.module else layer
         if module is None:
             raise StackError(f"vLLM's {type(layer).__name__} has no {family.vllm.layer[seam.module]}, where the "
                              f"{family.model_type} family reads {', '.join(seam.taps)}; use a vLLM version the README "
                              "lists")
         before, read = _read(seam, family, sizes)
-        seams.append(Seam(seam.taps, module, before, read))
+        seams.append(Seam(seam.taps, module, before, read, "select_experts" if seam.read == "select_experts" else None))
     return seams
 
 
-def model_seams(model) -> list[list[Seam]]:
-    """Every decoder layer's seams (`layer_seams`), by layer index, for a loaded vLLM model."""
+def model_seams(model, wanted: frozenset[str] | None = None) -> list[list[Seam]]:
+    """Every decoder layer's seams (`layer_seams`; `wanted`: only those reading these names), by layer index, for a
+    loaded vLLM model."""
     family = family_of(model)
     sizes = dims(model.config)
-    return [layer_seams(layer, family, sizes) for layer in decoder_layers(model)]
+    return [layer_seams(layer, family, sizes, wanted) for layer in decoder_layers(model)]
 
 
 def decoder_layers(model):

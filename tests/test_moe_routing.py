@@ -1,0 +1,182 @@
+"""Routing on the tiny Qwen3-MoE (issue 28): routing.csv and the token/summary columns against a recomputation from
+router-logit taps captured outside the tool's routing code, the engine's routes checked, routing replay (R3 and
+ids+weights) reaching the trainer's experts for every token and layer while routing.csv still shows the router
+disagreement, generate mode and ablate with the routing region, and what routing refuses in one line.
+
+The vLLM runs happen once, in a subprocess (tests/moe_routing_runs.py: one engine for all of them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import divergence_probe as dp
+from divergence_probe import routing
+from divergence_probe.errors import ProbeError
+from divergence_probe.models import get_family
+from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
+
+TOP_K, LAYERS = 4, 2  # the tiny MoE preset
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def runs(qwen3_moe_tiny, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe-routing")
+    done = subprocess.run([sys.executable, str(HERE / "moe_routing_runs.py"), str(qwen3_moe_tiny), str(out)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _csv(run: Path, name: str) -> pd.DataFrame:
+    return pd.read_csv(run / name)
+
+
+def _recomputed(runs: Path) -> list[routing.LayerRouting]:
+    """Per layer, the routing of every prompt's rows in prompt order, from the script's own tap capture."""
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    taps, prompts = saved["taps"], sorted(saved["lengths"])
+    return [routing.compare_layer(torch.cat([taps[("infer", p, layer)] for p in prompts]),
+                                  torch.cat([taps[("train", p, layer)] for p in prompts]), TOP_K)
+            for layer in range(LAYERS)]
+
+
+def test_routing_csv_equals_a_recomputation_from_the_taps(runs):
+    table = _csv(runs / "shipped", "routing.csv")
+    assert list(table.layer) == list(range(LAYERS))
+    for layer, r in enumerate(_recomputed(runs)):
+        expected = routing.layer_metrics(r)
+        row = table.iloc[layer]
+        for column, value in expected.items():
+            assert (math.isnan(value) and math.isnan(row[column])) or row[column] == pytest.approx(value, rel=1e-12), \
+                (layer, column)
+    assert table.frac_topk_set_differs.max() > 0  # the tiny MoE does flip: the replay tests below mean something
+
+
+def test_token_columns_and_summary_equal_the_recomputation(runs):
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    lengths = saved["lengths"]
+    flips, first = routing.token_flips(_recomputed(runs))
+    tokens = _csv(runs / "shipped", "tokens.csv")
+    start = 0
+    for prompt in sorted(lengths):
+        n = lengths[prompt]
+        rows = tokens[tokens.prompt_id == prompt].sort_values("position")
+        assert list(rows.position) == list(range(1, n))
+        assert list(rows.routing_flips) == flips[start + 1 : start + n].tolist()  # at the token's own position
+        assert list(rows.first_flip_layer) == first[start + 1 : start + n].tolist()
+        upstream = (torch.cumsum((flips[start : start + n - 1] > 0).long(), 0) > 0).tolist()
+        assert list(rows.upstream_flip) == upstream
+        start += n
+    summary = _csv(runs / "shipped", "summary.csv").iloc[0]
+    assert summary.frac_tokens_any_flip == pytest.approx(routing.frac_tokens_any_flip(flips), rel=1e-12)
+    assert summary.frac_tokens_upstream_flip == pytest.approx(tokens.upstream_flip.mean(), rel=1e-12)
+    assert summary.mean_abs_dlogp_upstream_flip == pytest.approx(
+        tokens.delta_logprob.abs()[tokens.upstream_flip].mean(), rel=1e-12)
+
+
+def test_engine_routes_checked_for_every_token_and_layer(runs):
+    manifest = json.loads((runs / "shipped" / "manifest.json").read_text())
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    assert manifest["compare"]["routing"]["engine_routes_checked_token_layers"] == \
+        sum(saved["lengths"].values()) * LAYERS
+    assert manifest["stacks"]["train"]["implementations"]["experts"]
+
+
+def test_routing_noise_floors_beside_the_flip_rate(runs):
+    floor = _csv(runs / "shipped", "routing_noise.csv")
+    assert set(floor.side) == {"infer", "train"} and set(floor.layer) == set(range(LAYERS))
+    summary = _csv(runs / "shipped", "summary.csv").iloc[0]
+    for side in ("infer", "train"):
+        assert summary[f"noise_{side}_frac_topk_set_differs"] == pytest.approx(
+            floor[floor.side == side].frac_topk_set_differs.mean())
+
+
+@pytest.mark.parametrize("name", ["r3", "ids_weights"])
+def test_replay_sends_every_token_to_the_engines_experts(runs, name):
+    """The trainer's experts were called, for every sequence and layer, with exactly the ids the engine's router
+    returned for it; those ids are a top-k of the engine's router logits, and where the stacks' routes differ
+    (layer 0, whose router input replay cannot change) they are not a top-k of the trainer's own."""
+    replay = torch.load(runs / name / "replay.pt")
+    handed, calls = replay["handed"], replay["calls"]
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    prompts = sorted(saved["lengths"])
+    overridden = 0
+    for layer in range(LAYERS):
+        assert len(calls[layer]) == len(prompts)  # one trainer forward per prompt, in prompt order
+        for prompt, (ids, weights) in zip(prompts, calls[layer]):
+            engine_ids, engine_weights = handed[(prompt, layer)]
+            assert torch.equal(ids, engine_ids)
+            assert routing.is_admissible_topk(saved["taps"][("infer", prompt, layer)], ids).all()
+            if name == "ids_weights":
+                assert torch.equal(weights, engine_weights.to(weights.dtype))
+            if layer == 0:
+                overridden += int((~routing.is_admissible_topk(saved["taps"][("train", prompt, 0)], ids)).sum())
+    shipped = _csv(runs / "shipped", "routing.csv")
+    # every flip is overridden; a token whose sets differ only by the engine's tie-break may be too
+    assert overridden >= round(shipped.frac_topk_set_differs[0] * shipped.tokens[0]) > 0
+
+
+def test_replay_leaves_the_router_disagreement_visible(runs):
+    """Replay changes which experts run, not the router's logits: layer 0's routing row is the shipped run's."""
+    shipped, r3 = _csv(runs / "shipped", "routing.csv"), _csv(runs / "r3", "routing.csv")
+    pd.testing.assert_series_equal(shipped.iloc[0], r3.iloc[0])
+    manifest = json.loads((runs / "r3" / "manifest.json").read_text())
+    assert manifest["compare"]["routing"]["replay"] == "ids"
+    assert json.loads((runs / "ids_weights" / "manifest.json").read_text())["compare"]["routing"]["replay"] == \
+        "ids+weights"
+
+
+def test_generate_mode_replays_routes(runs):
+    tokens = _csv(runs / "generate_r3", "tokens.csv")
+    last = tokens.groupby(["prompt_id", "sample_id"]).position.transform("max") == tokens.position
+    assert tokens.routing_flips[last].isna().all()  # the engine never ran a sample's last token
+    assert tokens.routing_flips[~last].notna().all()
+    assert "frac_tokens_any_flip" in _csv(runs / "generate_r3", "summary.csv")
+
+
+def test_ablate_attributes_to_routing(runs):
+    attribution = _csv(runs / "ablate", "attribution.csv")
+    assert set(attribution.region) >= {"rope", "routing"}
+    assert len(_csv(runs / "ablate", "ablation.csv")) == 4
+    assert set(_csv(runs / "ablate", "routing.csv").combo) == set(_csv(runs / "ablate", "ablation.csv").combo)
+
+
+def test_replaying_the_trainers_own_routes_changes_nothing(qwen3_moe_tiny, prompts_file):
+    """Two transformers instances: the "engine" side's routes are the trainer's own, so replaying them must give the
+    trainer's logits bit for bit. This pins the replay's gate weights to transformers' own formula."""
+    with dp.load(str(qwen3_moe_tiny), infer="hf", dtype="bfloat16", device="cpu") as probe:
+        plain = probe.compare(prompts=str(prompts_file), taps="router_logits")
+        replayed = probe.compare(prompts=str(prompts_file), taps="router_logits", align="routing")
+    assert replayed.summary["mean_abs_dlogp"] == 0.0
+    pd.testing.assert_frame_equal(plain.tokens_table, replayed.tokens_table)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"align": "routing", "side": "infer"}, "routing is replayed from the engine into the trainer"),
+    ({"routing_replay": "ids+weights"}, "--routing-replay applies to the routing region only"),
+])
+def test_routing_options_refused_in_one_line(options, message):
+    with pytest.raises(ProbeError, match=message):
+        spec_from_flat("compare", load=LoadSpec(model="m"), **options)
+
+
+@pytest.mark.parametrize("arch, kind, options, message", [
+    ("qwen3", "compare", {"align": "routing"}, "region routing does not exist in qwen3 models"),
+    ("qwen3_moe", "ablate", {}, "region swiglu does not exist in qwen3_moe models"),
+])
+def test_regions_a_family_lacks_refused_before_loading(arch, kind, options, message):
+    spec = spec_from_flat(kind, load=LoadSpec(model="m"), **options)
+    with pytest.raises(ProbeError, match=message) as e:
+        check_family(spec, spec.load, get_family(arch))
+    assert "\n" not in str(e.value)
