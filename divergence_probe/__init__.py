@@ -9,11 +9,28 @@ Python API (the CLI is a thin shell over it):
     dp.write_report("runs/my-run")                                       # figures + report.md
 """
 
+from importlib import import_module
+
 from .errors import ProbeError
-from .probe import LoadConfig, Probe, load, run
-from .spec import AblateSpec, AlignSpec, CaptureSpec, GenerateSpec, LoadSpec, PromptSpec, RunSpec
-from .reports import write_report
 
 __version__ = "0.1.0"
 __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "RunSpec", "LoadSpec", "PromptSpec",
            "CaptureSpec", "GenerateSpec", "AlignSpec", "AblateSpec", "__version__"]
+
+# The API's names are imported on first use (PEP 562), so importing the package, or the CLI for its --help, does
+# not import torch.
+_LAZY = {"load": ".probe", "run": ".probe", "Probe": ".probe", "LoadConfig": ".probe", "write_report": ".reports",
+         **{name: ".spec" for name in ("RunSpec", "LoadSpec", "PromptSpec", "CaptureSpec", "GenerateSpec",
+                                       "AlignSpec", "AblateSpec")}}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
