@@ -68,17 +68,34 @@ class ModelSize:
     vocab: int
     qk_norm: bool
     parameters: int
+    # the family's decoder-layer taps and their features per token (models/: Family.layer_taps, widths)
+    layer_tap_widths: tuple[tuple[str, int], ...] = ()
+    experts: int = 0  # a mixture of experts: experts per layer (0: a dense MLP)
+    expert_intermediate: int = 0  # one expert's intermediate size
 
     @classmethod
     def of(cls, config: dict, tensors: dict | None = None) -> "ModelSize":
         """`tensors`: checkpoint.checkpoint_tensors(folder) (name -> Tensor with a shape); None: counted from the
-        config (a shape without files, for the benchmark's larger shapes)."""
+        config (a shape without files, for the benchmark's larger shapes). The taps and the MLP's width come from the
+        model's family: a mixture of experts' per-token MLP is its top-k experts (`intermediate` = top_k x one
+        expert's width), its router_logits tap one feature per expert."""
+        from types import SimpleNamespace
+
+        from .models import dims, get_family
+
+        family = get_family(config.get("model_type", "qwen2"))
+        sizes = dims(SimpleNamespace(**config))
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        size = cls(hidden=hidden, intermediate=int(config["intermediate_size"]),
+        experts = sizes.get("experts", 0) if family.top_k_field else 0
+        expert_width = int(config["moe_intermediate_size"]) if experts else 0
+        intermediate = int(config[family.top_k_field]) * expert_width if experts else int(config["intermediate_size"])
+        size = cls(hidden=hidden, intermediate=intermediate,
                    layers=int(config["num_hidden_layers"]), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-                   vocab=int(config["vocab_size"]), qk_norm=config.get("model_type") == "qwen3", parameters=0)
+                   vocab=int(config["vocab_size"]), qk_norm="q_norm" in family.layer_taps, parameters=0,
+                   layer_tap_widths=tuple((t, sizes[family.widths[t]]) for t in family.layer_taps),
+                   experts=experts, expert_intermediate=expert_width)
         if tensors is None:
             count = size.parameters_from_config(bool(config.get("tie_word_embeddings")),
                                                 config.get("model_type") == "qwen2")
@@ -93,7 +110,9 @@ class ModelSize:
 
     def parameters_from_config(self, tied: bool, qkv_bias: bool) -> int:
         q, kv, h = self.q_width, self.kv_width, self.hidden
-        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate + 2 * h
+        mlp = (self.experts * 3 * h * self.expert_intermediate + self.experts * h) if self.experts else \
+            3 * h * self.intermediate  # experts' gate/up/down and the router, or one dense MLP
+        layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
         layer += (q + 2 * kv) if qkv_bias else 0
         layer += 2 * self.head_dim if self.qk_norm else 0
         return self.layers * layer + self.vocab * h * (1 if tied else 2) + h
@@ -108,13 +127,8 @@ class ModelSize:
 
     def tap_widths(self) -> dict[str, tuple[int, int]]:
         """Per canonical tap: (features per token, how many of it a forward makes); `logits` is counted apart."""
-        h, i, q, kv, n = self.hidden, self.intermediate, self.q_width, self.kv_width, self.layers
-        per_layer = {"input_norm": h, "q_proj": q, "k_proj": kv, "v_proj": kv, "q_rope": q, "k_rope": kv,
-                     "attn_core": q, "attn_out": h, "resid_mid": h, "post_norm": h, "gate_proj": i, "up_proj": i,
-                     "swiglu": i, "mlp_out": h, "resid_out": h}
-        if self.qk_norm:
-            per_layer |= {"q_norm": q, "k_norm": kv}
-        return {"embed": (h, 1), **{name: (w, n) for name, w in per_layer.items()}, "final_norm": (h, 1)}
+        h, n = self.hidden, self.layers
+        return {"embed": (h, 1), **{name: (w, n) for name, w in self.layer_tap_widths}, "final_norm": (h, 1)}
 
     def tap_elements_per_token(self, taps: frozenset[str]) -> int:
         """Elements of every selected tap but the logits, per token of one sequence (one side)."""

@@ -81,10 +81,24 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
     assert p.terms["train_weights"] == sum(storages.values())
 
 
-def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny):
-    for path in (qwen2_tiny, qwen3_tiny):
+def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
+    for path in (qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
         config = json.loads((path / "config.json").read_text())
         assert ModelSize.of(config, checkpoint_tensors(path)).parameters == ModelSize.of(config).parameters
+
+
+def test_a_mixture_of_experts_is_planned_with_its_familys_taps(qwen3_moe_tiny):
+    """The taps a MoE layer has (router_logits, one feature per expert; no dense MLP taps) and its per-token MLP
+    (top-k experts), from the family, not a dense layer's."""
+    from divergence_probe.models import get_family
+
+    config = json.loads((qwen3_moe_tiny / "config.json").read_text())
+    size = ModelSize.of(config)
+    widths = size.tap_widths()
+    assert set(widths) == {"embed", "final_norm", *get_family("qwen3_moe").layer_taps}
+    experts = config.get("num_experts") or config["num_local_experts"]
+    assert widths["router_logits"] == (experts, config["num_hidden_layers"])
+    assert size.intermediate == config["num_experts_per_tok"] * config["moe_intermediate_size"]
 
 
 def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_run():
