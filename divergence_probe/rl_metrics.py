@@ -21,6 +21,10 @@ PROB_BUCKETS = (0.0, 1e-3, 1e-2, 1e-1, 0.5, 0.9, 1.0000001)
 POSITION_BUCKETS = (0, 16, 64, 256, 1024, np.inf)
 
 
+K3_CLAMP = 10.0
+LN2 = float(np.log(2.0))
+
+
 def token_metrics(lp_infer: np.ndarray, lp_train: np.ndarray, clip_eps: float, tis_cap: float) -> dict[str, float]:
     """Token-level metrics over any set of response tokens (arrays of equal length)."""
     r = np.asarray(lp_train, dtype=np.float64) - np.asarray(lp_infer, dtype=np.float64)
@@ -37,6 +41,10 @@ def token_metrics(lp_infer: np.ndarray, lp_train: np.ndarray, clip_eps: float, t
         "k1": float((-r).mean()),
         "k2": float((0.5 * r * r).mean()),
         "k3": float((rho - 1.0 - r).mean()),
+        # verl's low_var_kl (core_algos.kl_penalty) clamps each token's k3 to [-K3_CLAMP, K3_CLAMP] before the mean
+        "k3_clamped": float(np.clip(rho - 1.0 - r, -K3_CLAMP, K3_CLAMP).mean()),
+        # the tail: tokens whose two probabilities differ by more than a factor of two (ratio outside [1/2, 2])
+        "frac_abs_dlogp_over_ln2": float((np.abs(r) > LN2).mean()),
         "ratio_mean": float(rho.mean()),
         "ratio_std": float(rho.std()),
         "ratio_min": float(rho.min()),

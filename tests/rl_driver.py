@@ -24,7 +24,7 @@ code = app(["rl", *small, "--steps", "1", "--setting", "none", "--setting", "rop
 seen["cli_exit"] = code or 0
 
 # 2. the API on the same engine: rows on disk as each step ends; weights change; checksums pass after every push
-spec = rl.RLSpec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu")
+spec = rl.RLSpec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu", audit_every=2)
 probe = rl.load(spec)
 on_disk = []
 result = rl.run(spec, root / "api", lambda row, done, total: on_disk.append(
@@ -32,6 +32,7 @@ result = rl.run(spec, root / "api", lambda row, done, total: on_disk.append(
 seen["rows_on_disk_after_each_step"] = on_disk
 seen["sync_tensors"] = result.rows.sync_tensors.tolist()
 seen["sync_changed"] = result.rows.sync_changed.tolist()
+seen["sync_audited"] = result.rows.sync_audited.tolist()
 loop = rl.Loop(probe, spec)  # a fresh trainer (the checkpoint) on the same engine
 initial = {n: t.clone() for n, t in loop.trainer.named_weights().items()}
 loop.step(seed=0, step=1)  # one update and a verified push

@@ -17,7 +17,7 @@ from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
 from divergence_probe.models import get_family
-from divergence_probe.rl.sync import SyncError, digests, expected_tensors
+from divergence_probe.rl.sync import SyncError, digests, expected_tensors, fingerprint, same_values
 from test_compare_cli import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +86,15 @@ def test_expected_tensors_stack_like_vllms_loader():
                          tied_head=head)
 
 
+def test_the_on_device_comparison_matches_equal_values_across_dtypes_and_tells_one_ulp():
+    w = torch.randn(4, 3).bfloat16()
+    bumped = w.clone()
+    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
+    for engine in (w.clone(), w.float()):  # same dtype, and an engine that keeps it in FP32
+        assert same_values(engine, w) and not same_values(engine, bumped)
+    assert not torch.equal(fingerprint(w), fingerprint(bumped))
+
+
 def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():
     w = torch.randn(4, 3).bfloat16()
     bumped = w.clone()
@@ -141,6 +150,19 @@ def rl_process(tmp_path_factory):
     return root, json.loads(line.removeprefix("RESULT "))
 
 
+def test_the_dense_task_learns_from_random_weights(qwen3_tiny, tmp_path):
+    """--reward letters gives every group a signal on a random checkpoint (the bracket task gives none there), and
+    GRPO climbs it within a dozen steps: the reward of the last steps is above that of the first."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "divergence_probe", "rl", "--model", str(qwen3_tiny), "--reward",
+                           "letters", "--lr", "1e-2", "--steps", "12", "--max-new-tokens", "16", "--device", "cpu",
+                           "--out", str(tmp_path / "rl")], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "rl" / "rl.csv")
+    assert (rows.groups_with_signal == 1.0).all()
+    assert rows.reward_mean.tail(3).mean() > rows.reward_mean.head(3).mean() + 0.05
+
+
 def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     root, seen = rl_process
     assert seen["cli_exit"] == 0
@@ -163,6 +185,7 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
 def test_api_rows_on_disk_per_step_and_weights_verified(rl_process):
     _, seen = rl_process
     assert seen["rows_on_disk_after_each_step"] == [[1, 1], [2, 2]]
+    assert seen["sync_audited"] == [False, True]  # --audit-every 2: step 2's push also compared by sha256
     assert all(n > 30 for n in seen["sync_tensors"])  # every engine tensor compared after every push
     assert all(n > 0 for n in seen["sync_changed"])
     assert "model.layers.0.self_attn.q_proj.weight" in seen["weights_changed"]

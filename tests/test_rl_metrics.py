@@ -21,6 +21,8 @@ def test_hand_computed_values():
     assert m["k1"] == pytest.approx(ln2 / 2)
     assert m["k2"] == pytest.approx(ln2**2 / 4)
     assert m["k3"] == pytest.approx(((0.5 - 1 + ln2) + 0) / 2)
+    assert m["k3_clamped"] == m["k3"]  # far inside verl's clamp
+    assert m["frac_abs_dlogp_over_ln2"] == 0  # |r| = ln 2 exactly is not beyond a factor of two
     assert m["ratio_mean"] == pytest.approx(0.75) and m["ratio_min"] == pytest.approx(0.5) and m["ratio_max"] == 1
     assert m["ppo_clip_frac"] == 0.5 and m["tis_truncated_frac"] == 0 and m["mis_masked_frac"] == 0
     assert m["ess"] == pytest.approx(1.5**2 / (2 * 1.25))
@@ -64,3 +66,15 @@ def test_sequence_metrics_and_buckets():
     assert by_prob["[0, 0.001)"] == 1 and by_prob["[0.9, 1]"] == 1 and by_prob["[0.01, 0.1)"] == 1
     by_pos = table[table.group == "response_position"].set_index("bucket")["n_tokens"]
     assert by_pos["[0, 16)"] == 3 and by_pos["[16, 64)"] == 1
+
+
+def test_the_tail_metrics_see_what_the_mean_hides():
+    """One token 20 nats off among many exact ones: the clamped k3 caps its term at verl's 10, the unclamped does not,
+    and the tail share counts it."""
+    lp_infer = np.log(np.full(10, 0.5))
+    lp_train = lp_infer.copy()
+    lp_train[3] = lp_infer[3] + 20.0  # rho = e^20: k3 term e^20 - 1 - 20
+    m = token_metrics(lp_infer, lp_train, clip_eps=0.2, tis_cap=2.0)
+    assert m["k3_clamped"] == pytest.approx(10.0 / 10)
+    assert m["k3"] == pytest.approx((math.exp(20) - 21) / 10)
+    assert m["frac_abs_dlogp_over_ln2"] == pytest.approx(0.1)

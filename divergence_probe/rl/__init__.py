@@ -4,7 +4,7 @@
     result = rl.run(rl.RLSpec(steps=20), out_dir="runs/rl")       # rl.csv, rl_summary.csv, manifest.json
 
 Modules: reward (the task, plug-ins), grpo (advantages, loss), trainer (FP32 masters, BF16 compute), sync (push,
-checksums, stale-cache probe), loop (the steps), table (the run folder), spec (the options).
+the on-device weight comparison, stale-cache probe), loop (the steps), table (the run folder), spec (the options).
 """
 
 from __future__ import annotations

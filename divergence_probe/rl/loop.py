@@ -119,9 +119,11 @@ class Loop:
     def reset(self) -> None:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
         self.trainer.reset()
-        self.push_and_check()  # its probe leaves the probe prompt cached: the next push's "before"
+        self.push_and_check(audit=self.spec.audit_every > 0)  # its probe leaves the probe prompt cached
 
-    def push_and_check(self) -> dict:
+    def push_and_check(self, audit: bool = False) -> dict:
+        """Push the trainer's weights, then prove the engine computes with them (on the device; `audit`: by sha256
+        on the host too) and that its prefix cache serves nothing computed before the push."""
         t0 = time.perf_counter()
         self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
         t_control = time.perf_counter() - t0
@@ -130,12 +132,12 @@ class Loop:
         self.sync.push(weights.items())
         self.sync.reset_cache()
         t1 = time.perf_counter()
-        check = self.sync.verify(weights)
+        check = self.sync.verify(weights, audit=audit)
         t2 = time.perf_counter()
         moved = self.cache_probe.check()
         t3 = time.perf_counter()
         return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
-                "t_sync": t1 - t0, "t_check": t3 - t1 + t_control, "t_checksums": t2 - t1,
+                "sync_audited": audit, "t_sync": t1 - t0, "t_check": t3 - t1 + t_control, "t_verify": t2 - t1,
                 "t_probe": t3 - t2 + t_control}
 
     def rollout(self, prompts, seed: int, step: int):
@@ -200,7 +202,7 @@ class Loop:
             **sequence_metrics(responses_df, spec.clip_eps),
         }
         t4 = time.perf_counter()
-        row |= self.push_and_check()
+        row |= self.push_and_check(audit=spec.audit_every > 0 and step % spec.audit_every == 0)
         row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
         row["overhead_frac"] = sum(row[k] for k in OVERHEAD) / sum(row[k] for k in WORK)
         return row

@@ -12,6 +12,15 @@ none open; 0 otherwise (a wrong closer, e.g. `)` for `[`, is 0 too). Why this ta
 - not trivially saturated: the prompts nest one to three levels deep, and a response of `--max-new-tokens`
   tokens that rambles on opens brackets it has no room to close.
 
+A second built-in task, `--reward letters`, is dense: the share of the response's characters that are lowercase
+ASCII letters. The bracket task gives no signal on weights that never close a bracket (a random checkpoint of a
+real shape scores 0 in every group, so nothing learns). A random policy's samples mix letters with spaces,
+punctuation, digits and other scripts, so the share sits well inside (0, 1) and differs between the samples of a
+group: GRPO has an advantage to follow from the first step, and the policy climbs by sampling letter-only tokens
+more often, at any shape and from any weights. (A rarer class, digits, was tried first: on the tiny random
+checkpoint most samples hold none, and the reward did not rise reliably in 16 steps.) It is verifiable by one line,
+and what it rewards does not matter here: the loop's numerics are under study, not the task.
+
 A user's reward is `--reward package.module:function`, called as `function(prompt_text, response_text) -> float`
 for each response (importable from the current folder or PYTHONPATH).
 """
@@ -68,10 +77,21 @@ def closes_brackets(prompt: str, response: str) -> float:
     return 0.0 if stack else 1.0
 
 
+def letter_share(prompt: str, response: str) -> float:
+    """The share of the response's characters that are lowercase ASCII letters (0.0 for an empty response)."""
+    return sum("a" <= ch <= "z" for ch in response) / len(response) if response else 0.0
+
+
+BUILT_IN: dict[str, Reward] = {"brackets": closes_brackets, "letters": letter_share}
+
+
 def load_reward(spec: str | None) -> Reward:
-    """The built-in task's reward for None, else the function that `module:function` names."""
+    """The built-in bracket task's reward for None, a built-in task by name (BUILT_IN), else the function that
+    `module:function` names."""
     if spec is None:
         return closes_brackets
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(f"--reward {spec!r} is not module:function; pass e.g. --reward my_rewards:score")

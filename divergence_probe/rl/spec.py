@@ -8,7 +8,6 @@ from ..errors import ProbeError
 from ..options import option
 from ..regions import REGIONS, from_engine, parse_regions
 from ..spec import parse_engine_args
-from ..stacks.vllm import _OWNED as COMPARE_OWNED
 from .grpo import CORRECTIONS
 
 SIDES = ("both", "train")
@@ -23,7 +22,7 @@ MAX_GROUP_SIZE = 256
 MAX_PROMPTS_PER_STEP = 1024
 MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
 MAX_NEW_TOKENS = 32_768
-# vllm.LLM keywords rl sets itself. The reasons compare gives for them (stacks/vllm.py _OWNED) name flags rl does not
+# vllm.LLM keywords rl sets itself. The reasons compare gives for them (stacks/vllm.py OWNED_ENGINE_ARGS) name flags rl does not
 # have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
 # by the generic reason.
 ENGINE_ARGS_OWNED = {
@@ -69,8 +68,9 @@ class RLSpec:
     prompts_per_step: int = option(4, "Prompts per step, drawn from the prompt pool.")
     prompts: str | None = option(None, "A .txt of prompts (blank-line separated) for --reward; default: the built-in "
                                        "bracket-closing task's prompts.", short="-p")
-    reward: str | None = option(None, "module:function(prompt_text, response_text) -> float; default: the built-in "
-                                      "task (1 when every bracket is closed).")
+    reward: str | None = option(None, "brackets (default: 1 when every bracket is closed), letters (dense: the share "
+                                      "of the response's characters that are lowercase letters; learns from any "
+                                      "weights), or module:function(prompt_text, response_text) -> float.")
     max_new_tokens: int = option(24, "Most tokens per response.")
     temperature: float = option(1.0, "Sampling temperature of the rollouts. Keep 1.0 for an unbiased ratio: the "
                                      "engine reports raw (untempered) logprobs and the trainer computes the same.")
@@ -83,6 +83,9 @@ class RLSpec:
                                          "optimizer step: the weights stay as they are).")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments (e.g. "
                                "'{\"gpu_memory_utilization\": 0.1}'); prefix caching stays on, as in production.")
+    audit_every: int = option(0, "Every N steps, also compare the engine's weights with the trainer's by sha256 on "
+                                 "the host (0: never): an independent path beside the exact on-device comparison that "
+                                 "every step runs; it copies every weight to the host.")
     seed: int = option(0, "Seed of the first run.")
     seeds: int = option(1, "Runs per setting, with seeds seed, seed+1, ...")
 
@@ -109,6 +112,7 @@ class RLSpec:
             (self.grad_clip > 0, "--grad-clip must be positive"),
             (self.no_signal_step in NO_SIGNAL_STEPS, f"--no-signal-step {self.no_signal_step!r} is not valid; choose "
                                                      f"one of: {', '.join(NO_SIGNAL_STEPS)}"),
+            (self.audit_every >= 0, "--audit-every must be 0 (never) or a number of steps"),
             (1 <= self.seeds <= MAX_SEEDS, f"--seeds must be from 1 to {MAX_SEEDS} (each seed is a whole run per "
                                            "setting)"),
             (0 <= self.seed < 2**31 - self.seeds, "--seed is out of range; use a number from 0 to 2**31 - 1"),
@@ -120,10 +124,12 @@ class RLSpec:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        from ..stacks.vllm import OWNED_ENGINE_ARGS  # here, not at import: rl --help needs no torch
+
         for key, value in self.engine_args.items():
             if key == "enable_prefix_caching" and value is True:  # what rl sets anyway
                 continue
-            if key in ENGINE_ARGS_OWNED or key in COMPARE_OWNED:
+            if key in ENGINE_ARGS_OWNED or key in OWNED_ENGINE_ARGS:
                 why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
                 raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
         for s in self.settings:

@@ -9,19 +9,22 @@ here: a tied head is processed only as its embedding (vLLM's `model_loader/reloa
 a CPU whose GEMM packs its own copy of the weight (vLLM's AMX path) the lm_head keeps the old embedding; its own
 post-load processing is run again.
 
-Check: per-tensor sha256 of what the engine computes with, against the trainer's tensors mapped as vLLM's loader maps
-them (its `packed_modules_mapping`; the tied lm_head is the embedding). "Computes with", not "stores": on the CPU a
-linear layer's `weight` is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read
-back by running the layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one
-dtype on both sides are hashed as their raw bytes; where the dtypes differ both are hashed as float32 (exact for
-BF16/FP16), so an engine that keeps a bias in FP32 still matches. A mismatch raises
-SyncError naming the tensor: a wrong weight is a broken run, not a metric.
+Check: what the engine computes with, tensor by tensor, against the trainer's tensors mapped as vLLM's loader maps
+them (its `packed_modules_mapping`; the tied lm_head is the embedding), compared exactly where both live: on the
+device, in this process (no host round trip). "Computes with", not "stores": on the CPU a linear layer's `weight` is
+an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
+layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one dtype on both sides
+must be equal element for element; where the dtypes differ both are compared as float32 (exact for BF16/FP16), so
+an engine that keeps a bias in FP32 still matches. A mismatch raises SyncError naming the tensor: a wrong weight is a
+broken run, not a metric. An audit (`audit=True`, rl's --audit-every) also compares per-tensor sha256 of the bytes
+on the host, the same comparison through an independent path. Which tensors changed since the previous check is
+read from a float64 sum and norm per tensor (a diagnostic, not a proof: the equality is).
 
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
 reset. A fixed prompt of a little over two KV blocks (random token ids: no rollout shares its prefix) is scored once
 per check, through the prefix cache, and vLLM's own count of the prompt tokens it served from the cache
 (`RequestOutput.num_cached_tokens`) must be 0: then every token was computed with the engine's current weights (the
-checksums prove those are the trainer's), which is what a fresh engine with these weights computes. One engine call,
+comparison proves those are the trainer's), which is what a fresh engine with these weights computes. One engine call,
 and no comparison of logprobs, so it cannot false-alarm on rounding (two copies of one prompt in one engine step can
 come out of the CPU kernels with different roundings). A count that vLLM does not report (None) is an error, not a
 pass. Positive control, without an engine call: before the push, the probe's full blocks must be in the engine's
@@ -64,6 +67,21 @@ def digests(have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
     when they differ (e.g. a bias the engine keeps in FP32 against the trainer's BF16)."""
     widen = have.dtype != want.dtype
     return checksum(have, widen), checksum(want, widen)
+
+
+def same_values(have: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two tensors of one shape hold the same values, on their device: element for element in one dtype,
+    as float32 across dtypes (exact for BF16/FP16)."""
+    if want.device != have.device:
+        want = want.to(have.device)
+    if have.dtype != want.dtype:
+        return torch.equal(have.float(), want.float())
+    return torch.equal(have, want)
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[2] float64 on the tensor's device: its sum and its norm, accumulated in float64 without a widened copy."""
+    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +157,7 @@ class WeightSync:
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
         self.family = family_of(model)
         self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
-        self.previous: dict[str, str] = {}
+        self.previous: list[list[float]] = []  # each tensor's fingerprint at the previous check
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load `named` (HF checkpoint names, the trainer's tensors) into the engine through vLLM's reload path."""
@@ -155,24 +173,31 @@ class WeightSync:
             raise SyncError("vLLM refused to reset its prefix cache (requests still running); finish them before "
                             "pushing weights")
 
-    def verify(self, trainer: dict[str, torch.Tensor]) -> SyncCheck:
-        """Raise SyncError naming the first engine tensor whose checksum differs from the trainer's; else counts."""
+    def verify(self, trainer: dict[str, torch.Tensor], audit: bool = False) -> SyncCheck:
+        """Raise SyncError naming the first engine tensor that is not the trainer's, compared on the device (and with
+        `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
         want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None)
-        sums = {}
+        prints = []
         for name, tensor in held.items():
             expected, sources = want[name]
             if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
                 tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
-            have, need = digests(tensor, expected)
-            if tensor.shape != expected.shape or have != need:
-                raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (sha256 {have[:12]} "
-                                f"vs {need[:12]}, shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}); the push "
-                                "missed, renamed or cast it: push every trainer tensor under its checkpoint name")
-            sums[name] = have
-        changed = sum(sums[n] != self.previous[n] for n in sums) if self.previous else 0
-        self.previous = sums
-        return SyncCheck(tensors=len(sums), changed=changed)
+            if tensor.shape != expected.shape or not same_values(tensor, expected):
+                raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (shapes "
+                                f"{tuple(tensor.shape)} vs {tuple(expected.shape)}); the push missed, renamed or cast it: "
+                                "push every trainer tensor under its checkpoint name")
+            if audit:
+                have, need = digests(tensor, expected)
+                if have != need:
+                    raise SyncError(f"weight sync audit: the engine's {name} equals the trainer's {sources} on the "
+                                    f"device but not by sha256 on the host ({have[:12]} vs {need[:12]}); report this "
+                                    "as a bug")
+            prints.append(fingerprint(tensor))
+        now = torch.stack(prints).tolist() if prints else []  # one read-back for every tensor
+        changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
+        self.previous = now
+        return SyncCheck(tensors=len(now), changed=changed)
 
 
 class StaleCacheProbe:
@@ -242,7 +267,7 @@ class StaleCacheProbe:
         """After a push and a cache reset: the probe prompt scored through the prefix cache must have been served
         none of its tokens from it, else StaleCacheError. Returns whether the score moved from the previous check's
         (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
-        unchanged; that the engine computes with the new weights is what the checksums prove)."""
+        unchanged; that the engine computes with the new weights is what the comparison proves)."""
         if self.before is None:
             raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
                             "probe's blocks cached)")
