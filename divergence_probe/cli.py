@@ -220,8 +220,9 @@ def _routing_rows(table, s: dict) -> None:
     for side in ("infer", "train"):
         if f"noise_{side}_frac_tokens_any_flip" in s:
             table.add_row(f"routing noise floor: {side} alone vs batched", f"{s[f'noise_{side}_frac_tokens_any_flip']:.2%}")
+    after, elsewhere = s["mean_abs_dlogp_after_flip"], s["mean_abs_dlogp_not_after_flip"]
     table.add_row("mean |Δlogp| after a flip / elsewhere",
-                  f"{s['mean_abs_dlogp_after_flip']:.3e} / {s['mean_abs_dlogp_not_after_flip']:.3e}")
+                  "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip
 
 
 def _print_graft(tables: dict) -> None:

@@ -22,8 +22,6 @@ from .shapley import METRICS
 from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
-from .stacks.compiled_taps import REFUSED as REFUSED_COMPILED
-from .stacks.vllm import ENGINES
 from .taps import ALL_TAPS, parse_tap_selection
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -91,6 +89,8 @@ class LoadSpec:
         _choice(self.train, TRAIN_STACKS, "--train")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
+        from .stacks.vllm import ENGINES  # here, not at import: the CLI's --help reads this module without torch
+
         _choice(self.engine, ENGINES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
@@ -270,6 +270,8 @@ class RunSpec:
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
         compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
+        from .stacks.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
+
         refused = sorted(self.capture.tap_names & set(REFUSED_COMPILED)) if self.capture.taps.strip() != "all" else []
         if compiled and refused:  # `all` captures what a compiled engine can and lists the rest in the manifest
             why = REFUSED_COMPILED[refused[0]].removeprefix("not captured under --engine compiled")

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Sequence, Union
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
+    import torch
 
 from .errors import ProbeError
 

@@ -27,7 +27,10 @@ from typing import Mapping
 
 import re
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
+    import torch
 
 
 @dataclass(frozen=True)

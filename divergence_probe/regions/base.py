@@ -15,12 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
+    import torch
 
 from ..models import StackLayout, family_of
 from ..stacks.hooks import Replacement
 
-Patcher = Callable[[torch.nn.Module], list[Replacement]]
+Patcher = Callable[["torch.nn.Module"], list[Replacement]]
 
 
 class SeamMissing(Exception):

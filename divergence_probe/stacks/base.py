@@ -10,13 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
+    import torch
 
 from ..options import option
 from ..prompts import Prompt
 from ..taps import Tap
 
-TapSink = Callable[[int, Tap, torch.Tensor], None]
+TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
 (taps.Tap; `taps.each_tap` unstacks). The tensor stays as handed over until the stack's next call (score, sample,
 score_batched), so a sink may keep it as it is until then; one that keeps it longer copies it. vLLM clones what it

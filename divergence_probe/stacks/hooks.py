@@ -7,7 +7,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
+    import torch
 
 from ..errors import StackError
 

@@ -74,7 +74,7 @@ _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(s
 ENGINES = ("eager", "compiled")
 
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
-_OWNED = {
+OWNED_ENGINE_ARGS = {
     "model": "the checkpoint is the run's model; pass it as the model argument",
     "dtype": "--dtype sets it for both stacks",
     "seed": "--seed sets it for both stacks",
@@ -133,8 +133,8 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
             near = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {near[0]!r}?" if near else "see `vllm serve --help` for the engine arguments"
             raise StackError(f"--engine-args key {key!r} is not a vllm.LLM / EngineArgs keyword; {hint}")
-        if key in _OWNED:
-            raise StackError(f"--engine-args key {key!r} is set by divergence-probe: {_OWNED[key]}")
+        if key in OWNED_ENGINE_ARGS:
+            raise StackError(f"--engine-args key {key!r} is set by divergence-probe: {OWNED_ENGINE_ARGS[key]}")
         if key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size") and value not in (None, 1):
             raise StackError(f"--engine-args {key}={value}: capture reaches one in-process model; use 1")
         if key == "distributed_executor_backend" and value not in (None, "uni"):
