@@ -180,3 +180,22 @@ def test_regions_a_family_lacks_refused_before_loading(arch, kind, options, mess
     with pytest.raises(ProbeError, match=message) as e:
         check_family(spec, spec.load, get_family(arch))
     assert "\n" not in str(e.value)
+
+
+def test_engine_routes_that_are_not_its_top_k_stop_the_run_in_one_line():
+    """An engine whose recorded experts are not a top-k of its own router logits (what an RL framework would replay
+    is then not what its router computed) is a one-line error naming sequence, layer and token."""
+    from divergence_probe.capture import TapPairing
+    from divergence_probe.route_capture import RouteCapture, RouteRecordError
+    from divergence_probe.taps import TapKey
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]], dtype=torch.bfloat16)
+    router = TapKey.of("router_logits", 0)
+    capture = RouteCapture(TapPairing([router]), num_layers=1, top_k=2, metrics=True, records=True)
+    capture.park(7, router, logits)
+    capture.pair(7, router, logits)
+    capture.park(7, TapKey.of("expert_ids", 0), torch.tensor([[0, 1], [3, 1]]))  # token 1's top-2 is {2, 3}
+    capture.park(7, TapKey.of("expert_weights", 0), torch.ones(2, 2))
+    with pytest.raises(RouteRecordError) as e:
+        capture.finish_prompt(7)
+    assert "token 1 of sequence 7 in layer 0" in str(e.value) and "\n" not in str(e.value)

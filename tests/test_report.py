@@ -643,3 +643,117 @@ def test_compare_and_ablate_report_flag(qwen3_tiny, prompts_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "a" / "report" / "figures" / "attribution.png").is_file()
     shutil.rmtree(tmp_path / "a" / "report")
+
+
+# ---------------------------------------------------------------------------------------------- MoE routing
+MOE = RESULTS / "moe" / "qwen3-30b-a3b-24l"
+
+
+def _moe_copy(name: str, tmp_path: Path) -> Path:
+    """A copy of an H200 Qwen3-30B-A3B run folder (24 layers, tokens.csv.gz), so nothing is written beside the original."""
+    run = MOE / name
+    if not run.is_dir():
+        pytest.skip(f"{run} is not in this checkout")
+    return Path(shutil.copytree(run, tmp_path / name))
+
+
+def _routing_section(main: Path) -> str:
+    return main.read_text().split("\n## Routing\n")[1].split("\n## ")[0]
+
+
+def _pct(x: float) -> str:
+    return sig(100 * x) + "%"
+
+
+def _md_rows(section: str) -> list[list[str]]:
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]  # lines[0] is the header
+
+
+def test_a_moe_run_renders_the_numbers_of_its_routing_csv(tmp_path):
+    run = _moe_copy("shipped", tmp_path)
+    routing = pd.read_csv(run / "routing.csv").sort_values("layer")
+    noise = pd.read_csv(run / "routing_noise.csv")
+    summary = pd.read_csv(run / "summary.csv").iloc[0]
+    section = _routing_section(write_report(run, tmp_path / "md"))
+    frac = routing["frac_topk_set_differs"]
+    assert f"{_pct(frac.min())} to {_pct(frac.max())} of the routed tokens" in section
+    flipped = routing["tokens"] * frac  # near ties pooled over layers, weighted by each layer's flipped tokens
+    near = routing["frac_flipped_near_tie"]
+    pooled = (near * flipped).sum() / flipped[near.notna()].sum()
+    assert f"{_pct(pooled)} of the flipped tokens" in section
+    assert f"**{_pct(summary['frac_tokens_any_flip'])}** of the routed positions" in section
+    for side in ("infer", "train"):
+        assert f"{_pct(summary[f'noise_{side}_frac_tokens_any_flip'])} (" in section
+    assert f"**{sig(summary['mean_abs_dlogp_after_flip'])}** nats, against " \
+           f"{sig(summary['mean_abs_dlogp_not_after_flip'])} for the others" in section
+    assert "Routes were not replayed" in section
+
+    out = write_report(run, tmp_path / "tex", fmt="latex").parent
+    header = (out / "routing.tex").read_text().split("\\toprule\n")[1].split(" \\\\")[0].split(" & ")
+    assert [h.replace("\\_", "_") for h in header] == [
+        "layer", "frac_topk_set_differs", "frac_flipped_near_tie", "floor: infer (vllm)", "floor: train (hf)"]
+    floors = [noise[noise["side"] == side].set_index("layer")["frac_topk_set_differs"] for side in ("infer", "train")]
+    rows = _tex_rows(out / "routing.tex")
+    assert len(rows) == len(routing)
+    for row, r in zip(rows, routing.to_dict("records")):
+        assert row[0] == f"${r['layer']}$"
+        expected = [r["frac_topk_set_differs"], r["frac_flipped_near_tie"], *(f[r["layer"]] for f in floors)]
+        for cell, value in zip(row[1:], expected):
+            if pd.isna(value):
+                assert cell == "--"
+            else:
+                assert _number(cell) == pytest.approx(_rounded(value), rel=1e-12)
+    assert "\\input{routing.tex}" in (out / "report.tex").read_text() and (out / "figures" / "routing.pdf").is_file()
+
+
+def test_an_ablation_with_routing_says_what_share_of_the_mismatch_routing_explains(tmp_path):
+    run = _moe_copy("ablate", tmp_path)
+    attribution = pd.read_csv(run / "attribution.csv").set_index("region").loc["routing"]
+    shipped_kl = pd.read_csv(run / "summary.csv").set_index("combo").loc["none", "mean_kl"]
+    routing = pd.read_csv(run / "routing.csv")
+    section = _routing_section(write_report(run, tmp_path / "md"))
+    assert f"**{_pct(attribution['share'])}** of the reduction in `mean_kl`" in section
+    assert f"{_pct(attribution['shapley'] / shipped_kl)} of the shipped `mean_kl`" in section
+    assert "Routes are replayed in every combination that aligns `routing`" in section
+    # per layer: the shipped block, and the block with every region aligned, whose routers still disagree
+    rows = _md_rows(section)
+    blocks = [routing[routing["combo"] == c].sort_values("layer")["frac_topk_set_differs"] for c in
+              ("none", "rope+rmsnorm+routing")]
+    assert len(rows) == len(blocks[0]) and blocks[1].gt(0).any()
+    for row, shipped, aligned in zip(rows, *blocks):
+        assert (row[1], row[3]) == (sig(shipped), sig(aligned))
+
+
+@pytest.mark.parametrize("name", ["r3", "ids_weights"])
+def test_a_replayed_run_says_which_replay(name, tmp_path):
+    from divergence_probe.reports.moe import REPLAYS
+
+    run = _moe_copy(name, tmp_path)
+    replay = json.loads((run / "manifest.json").read_text())["compare"]["routing"]["replay"]
+    section = _routing_section(write_report(run, tmp_path / "md"))
+    assert "Routes were replayed" in section and REPLAYS[replay] in section
+    assert all(text not in section for other, text in REPLAYS.items() if other != replay)
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_a_dense_run_has_no_routing_section(kind, rendered):
+    main = rendered(kind)
+    assert "## Routing" not in main.read_text() and not (main.parent / "figures" / "routing.png").exists()
+
+
+def test_a_fresh_tiny_moe_run_has_a_routing_row_per_moe_layer(qwen3_moe_tiny, tmp_path):
+    """transformers on both sides agree bitwise, so nothing flips: the section a run of today's tool gets."""
+    import divergence_probe as dp
+
+    with dp.load(str(qwen3_moe_tiny), infer="hf", dtype="bfloat16", device="cpu") as probe:
+        probe.compare(taps="router_logits", num_prompts=3, max_prompt_tokens=64).write(tmp_path / "run")
+    routing = pd.read_csv(tmp_path / "run" / "routing.csv")
+    main = write_report(tmp_path / "run", fmt="latex")
+    rows = _tex_rows(main.parent / "routing.tex")
+    assert [r[0] for r in rows] == [f"${layer}$" for layer in sorted(routing["layer"])]
+    assert all(r[1:] == ["$0$", "--"] for r in rows)  # no flips: no near-tie share either
+    section = _routing_section(write_report(tmp_path / "run", tmp_path / "md"))
+    assert f"same experts in all {len(routing)} MoE layers" in section and "Routes were not replayed" in section
+    image = mpimg.imread(main.parent / "figures" / "routing.png")
+    assert image[..., :3].std() > 0.01

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..shapley import REMAINING, SHIPPED
-from .load import RunData, layers_of, response_rho
+from .load import RunData, layers_of, response_rho, shipped_rows
 
 KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
 
@@ -80,6 +80,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
                                 lambda: F.layer_growth(layers, taps, combos=combos, shipped=SHIPPED)))
     else:
         skipped.append("No decoder-layer taps were captured, so the error-growth figure is not drawn.")
+    specs += _routing_specs(run)
 
     if run.tokens is None:
         skipped.append("This run folder has no tokens.csv (nor tokens.csv.gz), so the token-level figures "
@@ -130,11 +131,6 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
     return specs, skipped
 
 
-def _shipped(df: pd.DataFrame) -> pd.DataFrame:
-    """An ablation's graft tables hold every combination: the figures show the shipped one."""
-    return df[df["combo"] == SHIPPED] if "combo" in df else df
-
-
 def _graft_specs(run: RunData) -> list[FigureSpec]:
     """compare --graft / --depth: local vs propagated error by family and layer, and the depth curve."""
     from . import figures as F
@@ -142,7 +138,7 @@ def _graft_specs(run: RunData) -> list[FigureSpec]:
 
     specs = []
     if "local" in run.extra:
-        local = _shipped(run.extra["local"])
+        local = shipped_rows(run.extra["local"])
         specs.append(FigureSpec(
             "local_vs_propagated", "Local vs propagated error by op family",
             "Solid: the local error of each op family per layer, the training stack's op run on the inference "
@@ -153,7 +149,7 @@ def _graft_specs(run: RunData) -> list[FigureSpec]:
             "one whose solid line is absent only passes it on.",
             lambda: F.local_vs_propagated(local, FAMILIES)))
     if "depth" in run.extra and run.num_layers is not None:
-        depth = _shipped(run.extra["depth"])
+        depth = shipped_rows(run.extra["depth"])
         specs.append(FigureSpec(
             "depth", "Depth attribution",
             "The training forward continued from the inference stack's residual stream entering layer x (x = 0: "
@@ -163,3 +159,25 @@ def _graft_specs(run: RunData) -> list[FigureSpec]:
             "points is what the layers between them add.",
             lambda: F.depth_curve(depth, run.num_layers)))
     return specs
+
+
+def _routing_specs(run: RunData) -> list[FigureSpec]:
+    """A MoE run: the flip rate per layer (routing.csv) beside each stack's own (routing_noise.csv)."""
+    from . import figures as F
+    from .moe import all_aligned_flips, flips_by_layer, has_routing, noise_floors
+
+    if not has_routing(run):
+        return []
+    series = [("the two stacks" + (f" as shipped ({SHIPPED})" if run.is_ablate else ""), flips_by_layer(run))]
+    aligned = all_aligned_flips(run)
+    if aligned is not None:
+        series.append((f"the two stacks, all aligned ({run.all_aligned})", aligned))
+    series += [(label, rows) for label, _, rows in noise_floors(run)]
+    top_k = run.manifest.get("compare", {}).get("routing", {}).get("top_k")
+    return [FigureSpec(
+        "routing", "Routing flips per MoE layer",
+        "Percentage of routed tokens whose top-k expert set differs between the two stacks at each MoE layer "
+        "(routing.csv); the floor lines are each stack against itself, one sequence per call vs one batch "
+        "(routing_noise.csv), where measured. A mismatch line well above both floors means the stacks' different "
+        "rounding changes routes beyond what a batch change alone does.",
+        lambda: F.routing_flips(series, top_k))]

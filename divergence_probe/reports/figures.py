@@ -322,7 +322,30 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------------------------------------- (7) grafting
+# ---------------------------------------------------------------------------------------------- (7) routing
+@_styled
+def routing_flips(series: list[tuple[str, pd.DataFrame]], top_k: int | None = None) -> Figure:
+    """Percentage of routed tokens whose top-k expert set differs, per MoE layer: one line per (label, frame with
+    `layer` and `frac_topk_set_differs`), the mismatch first, then each stack's own floor (linear: 0 is a flip rate)."""
+    fig, (ax,) = _new_figure()
+    flipped = 0
+    for i, (label, df) in enumerate(series):
+        y = 100 * df["frac_topk_set_differs"].to_numpy(dtype=np.float64)
+        ax.plot(df["layer"].to_numpy(), y, label=label, linewidth=1.4, markersize=4.5,
+                markevery=(i % 3, 3) if len(df) > 12 else None, markerfacecolor="none", **style(i))
+        flipped += int((y > 0).any())
+    ax.set_title(f"tokens routed to a different top-{top_k or 'k'} expert set, per MoE layer")
+    ax.set_xlabel("decoder layer (index)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("tokens whose expert set differs (%)")
+    ax.set_ylim(bottom=0)
+    if not flipped:
+        _note(ax, "no flips: every token has the same experts on both sides")
+    ax.legend(loc="best")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- (8) grafting
 @_styled
 def local_vs_propagated(local: pd.DataFrame, families: tuple[str, ...]) -> Figure:
     """Per op family and decoder layer: the local error (solid; the training op on the inference inputs) and the

@@ -28,7 +28,7 @@ class RunData:
     tokens_file: str | None = None
     ablation: pd.DataFrame | None = None
     attribution: pd.DataFrame | None = None
-    extra: dict = field(default_factory=dict)  # optional tables by file stem: buckets, batch_invariance
+    extra: dict = field(default_factory=dict)  # optional tables by file stem: buckets, batch_invariance, routing
     n_prompts: int | None = None
     n_truncated: int = 0
 
@@ -144,7 +144,8 @@ def load_run(run_dir: str | Path) -> RunData:
         if "is_response" in run.tokens:
             run.tokens["is_response"] = _as_bool(run.tokens["is_response"])
 
-    for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth"):
+    for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth",
+                 "routing", "routing_noise"):
         if f"{stem}.csv" in tables:
             run.extra[stem] = tables[f"{stem}.csv"]
 
@@ -163,6 +164,11 @@ def row_of(frame: pd.DataFrame, combo: str | None) -> pd.Series:
         if len(match):
             return match.iloc[0]
     return frame.iloc[0]
+
+
+def shipped_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """An ablation's per-combination tables (graft, routing) hold every combination: most views show the shipped one."""
+    return df[df["combo"] == SHIPPED] if "combo" in df else df
 
 
 def layers_of(run: RunData, combo: str | None) -> pd.DataFrame:

@@ -53,6 +53,21 @@ SUMMARY_MEANINGS = {
                                          "attention kernel",
     "noise_infer_engine_mode_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the engine in its other mode (eager vs "
                                               "compiled)",
+    "frac_tokens_any_flip": "routed positions whose top-k expert set differs between the stacks in at least one MoE "
+                            "layer",
+    "frac_tokens_after_flip": "scored tokens whose logits came from a position that flipped in some layer",
+    "mean_abs_dlogp_after_flip": "mean |Δlogprob| of the tokens right after a flip (nats)",
+    "mean_abs_dlogp_not_after_flip": "mean |Δlogprob| of the other tokens (nats)",
+    "frac_tokens_upstream_flip": "scored tokens with a flip at any earlier position of their sequence",
+    "mean_abs_dlogp_upstream_flip": "mean |Δlogprob| of the tokens with an upstream flip (nats)",
+    "mean_abs_dlogp_no_upstream_flip": "mean |Δlogprob| of the tokens without one (nats)",
+    "noise_infer_frac_topk_set_differs": "routing noise floor: the inference stack against itself, one sequence per "
+                                         "call vs one batch: fraction of tokens whose expert set differs, mean over "
+                                         "layers",
+    "noise_train_frac_topk_set_differs": "routing noise floor: the same for the training stack",
+    "noise_infer_frac_tokens_any_flip": "routing noise floor: positions the inference stack flips against itself in "
+                                        "at least one layer",
+    "noise_train_frac_tokens_any_flip": "routing noise floor: the same for the training stack",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",
 }
@@ -483,12 +498,16 @@ def _intro(run: RunData) -> Paragraph:
     if run.is_ablate:
         text += (" The ablation reruns the comparison with regions (RoPE, SwiGLU, residual RMSNorm) computed in "
                  "FP32 until their output, in every combination, and attributes the mismatch to them.")
+        if "routing" in run.regions:
+            text += " Region `routing` is routing replay: the trainer runs the experts the engine chose."
     return Paragraph(text + f" Run folder: {_code(run.path.name)}.")
 
 
 def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list:
     blocks: list = [Heading(title(run), 1), _intro(run)]
-    blocks += _setup(run) + _headline(run) + _first_divergence(run) + _tables(run)
+    from .moe import routing_section  # moe.py builds on this module's helpers
+
+    blocks += _setup(run) + _headline(run) + _first_divergence(run) + routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
     if figure_specs:
         blocks.append(Paragraph("Each figure is also saved as a vector PDF beside its PNG in `figures/`."))

@@ -1,0 +1,229 @@
+"""The report's Routing section, for a mixture-of-experts run (one whose folder has routing.csv).
+
+For MoE the largest train-inference mismatch is often not rounding inside a layer but routing: a near-tied top-k
+flips and the token goes through other experts. So the section puts the flip rate of each MoE layer beside each
+stack's own flips under a batch change (a flip rate alone says little when a stack flips as often against itself),
+sets the |Δlogprob| of tokens after a flip against the others, says whether the trainer replayed the engine's routes,
+and, in an ablation with a `routing` region, how much of the mismatch routing explains. What every column means:
+docs/reference.md, "MoE routing".
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ..shapley import SHIPPED
+from .document import Column, Heading, Paragraph, Table
+from .load import RunData, row_of, shipped_rows
+from .prose import _code, _get, _num
+
+ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
+REPLAYS = {  # manifest compare.routing.replay / spec.align.routing_replay -> what the trainer ran
+    "ids": "the engine's expert ids with its own gate weights (R3, `--routing-replay ids`)",
+    "ids+weights": "the engine's expert ids and gate weights (`--routing-replay ids+weights`)",
+}
+SIDES = ("infer", "train")
+
+
+def has_routing(run: RunData) -> bool:
+    return ROUTING in run.extra
+
+
+def _pct(x) -> str:
+    return _num(100 * float(x)) + "%"
+
+
+def _finite(x) -> bool:
+    return x is not None and not pd.isna(x) and math.isfinite(float(x))
+
+
+def _stack(run: RunData, side: str) -> str:
+    return str(_get(run.manifest, "stacks", side, "name", default=side))
+
+
+def flips_by_layer(run: RunData) -> pd.DataFrame:
+    """routing.csv as shipped (an ablation's `none` block), one row per MoE layer in layer order."""
+    return shipped_rows(run.extra[ROUTING]).sort_values("layer", kind="stable")
+
+
+def all_aligned_flips(run: RunData) -> pd.DataFrame | None:
+    """An ablation's routing.csv block with every region aligned: the router logits still disagree where replay
+    hides it from the experts, and the numeric regions change how often."""
+    routing = run.extra[ROUTING]
+    if not run.all_aligned or run.all_aligned == SHIPPED or "combo" not in routing:
+        return None
+    rows = routing[routing["combo"] == run.all_aligned]
+    return rows.sort_values("layer", kind="stable") if len(rows) else None
+
+
+def noise_floors(run: RunData) -> list[tuple[str, str, pd.DataFrame]]:
+    """(label, what was changed, rows per layer) of each stack against itself in routing_noise.csv."""
+    noise = run.extra.get("routing_noise")
+    if noise is None:
+        return []
+    noise = shipped_rows(noise)
+    noise = noise.assign(**{c: "" for c in ("stack", "change") if c not in noise})
+    groups = list(noise.groupby(["side", "stack", "change"], sort=False))
+    floors = []
+    for (side, stack, change), rows in groups:
+        several = sum(s == side for (s, _, _), _ in groups) > 1
+        label = f"floor: {side} ({stack or _stack(run, side)}" + (f", {change})" if several else ")")
+        floors.append((label, change, rows.sort_values("layer", kind="stable")))
+    return floors
+
+
+def _table(run: RunData) -> Table:
+    flips = flips_by_layer(run)
+    floors = noise_floors(run)
+    aligned = all_aligned_flips(run)
+    columns = [Column("layer", "int"), Column("frac_topk_set_differs", "num"), Column("frac_flipped_near_tie", "num")]
+    by_layer = [dict(zip(rows["layer"], rows["frac_topk_set_differs"])) for _, _, rows in floors]
+    columns += [Column(label, "num") for label, _, _ in floors]
+    if aligned is not None:
+        by_layer.append(dict(zip(aligned["layer"], aligned["frac_topk_set_differs"])))
+        columns.append(Column(f"{run.all_aligned}: frac_topk_set_differs", "num"))
+    rows = tuple((int(r["layer"]), r["frac_topk_set_differs"],
+                  None if pd.isna(r["frac_flipped_near_tie"]) else r["frac_flipped_near_tie"],
+                  *(values.get(r["layer"]) for values in by_layer))
+                 for r in flips.to_dict("records"))
+    k = _get(run.manifest, "compare", "routing", "top_k", default="k")
+    ulps = _get(run.manifest, "compare", "routing", "near_tie_ulps", default=1)
+    source = f"routing.csv, combination `{SHIPPED}`" if run.is_ablate else "routing.csv"
+    caption = (f"Routing flips per MoE layer ({source}): "
+               f"`frac_topk_set_differs`, the fraction of routed tokens whose top-{k} expert set differs between the "
+               f"stacks; `frac_flipped_near_tie`, the fraction of those flips whose trainer-side margin between the "
+               f"k-th and (k+1)-th router logit is at most {ulps:g} BF16 ULP (a dash: no flips).")
+    if floors:
+        caption += (" Floor columns: `frac_topk_set_differs` of one stack against itself ("
+                    + "; ".join(f"{label.removeprefix('floor: ')}: {change}" for label, change, _ in floors)
+                    + "; routing_noise.csv).")
+    if aligned is not None:
+        caption += (f" Last column: with every region aligned (`{run.all_aligned}`); the router logits are still "
+                    "compared where the trainer replays the engine's routes.")
+    return Table("routing", caption, tuple(columns), rows)
+
+
+def _replay(run: RunData) -> str:
+    replay = _get(run.manifest, "compare", "routing", "replay")
+    if run.is_ablate and ROUTING in run.regions:
+        variant = _get(run.manifest, "spec", "align", "routing_replay")
+        text = ("Routes are replayed in every combination that aligns `routing`: there the trainer runs "
+                + (REPLAYS.get(variant) or f"the engine's routes (variant {_code(variant)})") + " for every token "
+                "and layer; the combinations without it let each stack route itself. Replay leaves the router "
+                "logits alone, so routing.csv still shows where the two routers disagree.")
+    elif replay:
+        text = ("Routes were replayed (`--align routing`): the trainer ran "
+                + (REPLAYS.get(replay) or f"the engine's routes (variant {_code(replay)})") + " for every token and "
+                "layer. Replay leaves the router logits alone, so the flips below are disagreements of the two "
+                "routers that the replay overrode: there the trainer used the engine's experts anyway.")
+    else:
+        text = ("Routes were not replayed: each stack ran the experts its own router chose, so every flip below is "
+                "a token that went through different experts in the two stacks.")
+    checked = _get(run.manifest, "compare", "routing", "engine_routes_checked_token_layers")
+    if isinstance(checked, int) and checked > 0:
+        text += (f" The routes the engine returned (the ids that vLLM's `enable_return_routed_experts` records for "
+                 f"RL frameworks to replay) were checked to be a top-k of its own router logits for all {checked} "
+                 "token-layer pairs.")
+    return text
+
+
+def _flips(run: RunData) -> str:
+    flips = flips_by_layer(run)
+    shipped = row_of(run.summary, SHIPPED)
+    frac = flips["frac_topk_set_differs"].astype(float)
+    worst = flips.loc[frac.idxmax()]
+    n_flipped = flips["tokens"].astype(float) * frac
+    near = flips["frac_flipped_near_tie"].astype(float)
+    scope = f"As shipped (`{SHIPPED}`), the" if run.is_ablate else "The"
+    if not (frac > 0).any():
+        return f"{scope} two stacks send every routed token to the same experts in all {len(flips)} MoE layers."
+    text = (f"{scope} two stacks send {_pct(frac.min())} to {_pct(frac.max())} of the routed tokens of a layer to "
+            f"different expert sets (mean {_pct(frac.mean())} over {len(flips)} MoE layers, largest at layer "
+            f"{int(worst['layer'])})")
+    if near.notna().any():
+        ulps = _get(run.manifest, "compare", "routing", "near_tie_ulps", default=1)
+        pooled = (near * n_flipped)[near.notna()].sum() / n_flipped[near.notna()].sum()
+        text += (f"; {_pct(pooled)} of the flipped tokens had a trainer-side margin between the k-th and (k+1)-th "
+                 f"router logit of at most {ulps:g} BF16 ULP, so a last-bit rounding alone explains them")
+    text += "."
+    if not _finite(shipped.get("frac_tokens_any_flip")):
+        return text
+    any_flip = float(shipped["frac_tokens_any_flip"])
+    text += f" **{_pct(any_flip)}** of the routed positions flip in at least one layer (`frac_tokens_any_flip`)"
+    floors = {side: shipped.get(f"noise_{side}_frac_tokens_any_flip") for side in SIDES}
+    floors = {side: float(v) for side, v in floors.items() if _finite(v)}
+    if not floors:
+        return text + (". No routing noise floor was measured: a compare with `--batch-invariance` shows how often "
+                       "each stack flips against itself under a batch change (routing_noise.csv).")
+    text += "; each stack against itself, batched vs one sequence per call, flips " + " and ".join(
+        f"{_pct(v)} ({_stack(run, side)}; {_pct(shipped[f'noise_{side}_frac_topk_set_differs'])} per layer on average)"
+        if _finite(shipped.get(f"noise_{side}_frac_topk_set_differs")) else f"{_pct(v)} ({_stack(run, side)})"
+        for side, v in floors.items()) + "."
+    largest = max(floors.values())
+    if largest > 0:
+        text += (f" The mismatch flips {_num(any_flip / largest)}× as many positions as the larger floor"
+                 + (": no more than a stack's own batch change does." if any_flip <= largest else "."))
+    return text
+
+
+def _dlogp(run: RunData) -> str | None:
+    s = row_of(run.summary, SHIPPED)
+    if not _finite(s.get("mean_abs_dlogp_after_flip")):
+        return None
+    def against(flipped: float, other) -> str:
+        if not _finite(other):
+            return "; there are no others"
+        return f", against {_num(other)} for the others" + (
+            f" ({_num(flipped / float(other))}×)" if float(other) > 0 else "")
+
+    after = float(s["mean_abs_dlogp_after_flip"])
+    text = (f"Scored tokens whose logits came from a flipped position ({_pct(s['frac_tokens_after_flip'])} of "
+            f"them) differ by a mean |Δlogprob| of **{_num(after)}** nats"
+            + against(after, s.get("mean_abs_dlogp_not_after_flip")) + ".")
+    if _finite(s.get("mean_abs_dlogp_upstream_flip")):
+        upstream = float(s["mean_abs_dlogp_upstream_flip"])
+        text += (f" Those with a flip anywhere earlier in their sequence, in the causal cone of the logits "
+                 f"({_pct(s['frac_tokens_upstream_flip'])} of the tokens), differ by {_num(upstream)} nats"
+                 + against(upstream, s.get("mean_abs_dlogp_no_upstream_flip")) + ".")
+    return text
+
+
+def _attribution(run: RunData) -> str | None:
+    a = run.attribution
+    if a is None or ROUTING not in run.regions or not (a["region"] == ROUTING).any():
+        return None
+    r = a[a["region"] == ROUTING].iloc[0]
+    m = run.metric
+    shipped = float(row_of(run.summary, SHIPPED)[m])
+    text = (f"In the ablation, replaying the routes (region `routing`) accounts for **{_pct(r['share'])}** of the "
+            f"reduction in `{m}` that aligning every region achieves (Shapley value {_num(r['shapley'])}")
+    if _finite(r["ci_low"]) and _finite(r["ci_high"]):
+        text += (f", {run.ci_level} interval {_num(r['ci_low'])} to {_num(r['ci_high'])}"
+                 + ("; it contains 0, so routing's effect is not distinguishable from prompt-to-prompt noise"
+                    if float(r["ci_low"]) <= 0 <= float(r["ci_high"]) else ""))
+    text += ")"
+    if shipped:
+        text += f", that is {_pct(float(r['shapley']) / shipped)} of the shipped `{m}` ({_num(shipped)})"
+    others = [x for x in run.regions if x != ROUTING]
+    if others:
+        rest = a[a["region"].isin(others)]["share"].astype(float).sum()
+        text += f"; the other regions ({', '.join(_code(x) for x in others)}) account for {_pct(rest)}"
+    if _finite(r.get("main_effect")):
+        text += f". Replaying the routes alone lowers `{m}` by {_num(r['main_effect'])}"
+    return text + "."
+
+
+def routing_section(run: RunData) -> list:
+    """The Routing heading, its prose and the per-layer table; nothing for a run without routing.csv."""
+    if not has_routing(run):
+        return []
+    top_k = _get(run.manifest, "compare", "routing", "top_k", default="k")
+    blocks: list = [Heading("Routing"), Paragraph(
+        f"Every MoE layer's router sends each token to its top-{top_k} experts. A flip is a token the two stacks "
+        "send to different expert sets in a layer, found from the `router_logits` taps; a tie-break between equal "
+        "logits is never counted as one."),
+        Paragraph(_replay(run)), Paragraph(_flips(run))]
+    blocks += [Paragraph(text) for text in (_dlogp(run), _attribution(run)) if text]
+    return blocks + [_table(run)]
