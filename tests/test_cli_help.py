@@ -273,7 +273,7 @@ def test_python_m_help_exits_0():
 
 @pytest.mark.parametrize("argv, light", [
     (["--help"], ("torch", "transformers", "vllm", "pandas")),
-    (["compare", "--help"], ("torch", "transformers", "vllm")),  # the spec's constants; pandas comes with the run folder's
+    *[([command, "--help"], ("torch", "transformers", "vllm")) for command in ("compare", "ablate", "rl")],
 ])
 def test_help_imports_no_torch(argv, light):
     """The package's API names are imported on first use (divergence_probe/__init__.py), cli.py reads the spec only

@@ -24,6 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 import divergence_probe.rl as rl
+import divergence_probe.rl.experiment as rl_experiment
 from divergence_probe.cli import app
 from divergence_probe.errors import OutputError
 from divergence_probe.rl.reward import RewardError, load_reward, score
@@ -75,7 +76,7 @@ def test_unknown_rl_engine_arg_fails_before_anything_loads(tmp_path, monkeypatch
     def no_load(spec):
         raise AssertionError("the model was loaded before --engine-args were checked")
 
-    monkeypatch.setattr(rl, "load", no_load)
+    monkeypatch.setattr(rl_experiment, "load", no_load)
     result = runner.invoke(app, ["rl", "--engine-args", '{"gpu_memory_utilisation": 0.1}', "--out",
                                  str(tmp_path / "x")])
     assert_one_line_error(result, "gpu_memory_utilisation", "gpu_memory_utilization")
@@ -181,8 +182,8 @@ class FakeLoop:
 @pytest.fixture
 def fake_loop(monkeypatch, tmp_path):
     """rl.run's loop and probe faked; the temp folder (where rescue folders go) is tmp_path/scratch."""
-    monkeypatch.setattr(rl, "Loop", FakeLoop)
-    monkeypatch.setattr(rl, "load", lambda spec: FakeProbe())
+    monkeypatch.setattr(rl_experiment, "Loop", FakeLoop)
+    monkeypatch.setattr(rl_experiment, "load", lambda spec: FakeProbe())
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))

@@ -6,9 +6,8 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ProbeError
 from ..options import option
-from ..regions import REGIONS, from_engine, parse_regions
+from ..regions import ALL_REGIONS, from_engine, parse_regions
 from ..spec import parse_engine_args
-from .grpo import CORRECTIONS
 
 SIDES = ("both", "train")
 NO_SIGNAL_STEPS = ("step", "skip")
@@ -57,7 +56,7 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(r for r in REGIONS if r not in from_engine(REGIONS)) + ".")
+                                + ", ".join(ALL_REGIONS) + ".")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
                                           "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
@@ -90,6 +89,8 @@ class RLSpec:
     seeds: int = option(1, "Runs per setting, with seeds seed, seed+1, ...")
 
     def __post_init__(self) -> None:
+        from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
+
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
             (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),
