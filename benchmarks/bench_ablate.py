@@ -1,6 +1,7 @@
 """Benchmark `ablate`: three regions (8 runs) against one load plus 8 x the forward work of one compare.
 
     .venv/bin/python benchmarks/bench_ablate.py [--num-prompts 16] [--reps 3]
+    .venv/bin/python benchmarks/bench_ablate.py --num-prompts 2 --reps 1 --out /tmp/a.json   # the CI smoke size
 
 Target (from the issue): ablate over three regions costs at most 1.3 x (one load of each model + 8 x one
 compare), both measured side by side in this one process, on the tiny Qwen3 with every tap. The patches are
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import divergence_probe as dp  # noqa: E402
 from divergence_probe.modelzoo import make_model  # noqa: E402
 
-from docs_section import write_section  # noqa: E402
+from docs_section import add_out_argument, write_section  # noqa: E402
 
 TARGET = 1.3
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    add_out_argument(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "m", arch="qwen3", preset="tiny", seed=0)
@@ -71,7 +73,7 @@ Written by `benchmarks/bench_ablate.py` (raw numbers: `docs/bench_ablate.json`).
 The ablation toggles reversible patches on the loaded stacks instead of reloading, so its cost is the 8
 runs plus the Shapley/bootstrap arithmetic over per-prompt sums.
 """
-    write_section("bench_ablate", md, raw)
+    write_section("bench_ablate", md, raw, args.out)
     print(md)
 
 

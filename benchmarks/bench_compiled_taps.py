@@ -3,6 +3,7 @@ without taps, and the engine build (compile) time with and without tap points, r
 
     .venv/bin/python benchmarks/bench_compiled_taps.py           # about 8 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1  # quicker, noisier
+    .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1 --num-prompts 1 --out /tmp/t.json   # CI smoke size
 
 Target (issue 13): compare with taps all <= 1.3x the untapped compare, in compiled mode.
 
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from docs_section import write_section  # the one marked section of docs/benchmarks.md this benchmark owns
+from docs_section import add_out_argument, write_section  # the one marked section of docs/benchmarks.md this benchmark owns
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.3
@@ -37,10 +38,10 @@ NUM_PROMPTS, MAX_PROMPT_TOKENS = 24, 256
 CHILD_TIMEOUT_S = 1200
 
 
-def child(kind: str, reps: int) -> dict:
+def child(kind: str, reps: int, num_prompts: int) -> dict:
     import divergence_probe as dp
 
-    options = dict(num_prompts=NUM_PROMPTS, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    options = dict(num_prompts=num_prompts, max_prompt_tokens=MAX_PROMPT_TOKENS)
     t0 = time.perf_counter()
     probe = dp.load(None, infer="vllm", device="cpu", engine="compiled", taps=None if kind == "plain" else "all")
     result = {"kind": kind, "build_s": time.perf_counter() - t0}
@@ -63,10 +64,11 @@ def child(kind: str, reps: int) -> dict:
     return result
 
 
-def run_child(kind: str, reps: int, caches: Path) -> dict:
+def run_child(kind: str, reps: int, num_prompts: int, caches: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--reps", str(reps)], capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--reps", str(reps),
+                           "--num-prompts", str(num_prompts)], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=CHILD_TIMEOUT_S)
     if proc.returncode != 0:
         raise SystemExit(f"child {kind} failed:\n{proc.stderr[-3000:]}")
@@ -85,7 +87,7 @@ def section(results: dict) -> str:
         "## Layer taps under a compiled engine (CPU)",
         "",
         f"`benchmarks/bench_compiled_taps.py` on this shared 2-core machine (noisy): the built-in model, BF16, the first "
-        f"{NUM_PROMPTS} shipped prompts truncated to {MAX_PROMPT_TOKENS} tokens ({tapped['scored_tokens']} scored tokens), "
+        f"{results['num_prompts']} shipped prompts truncated to {MAX_PROMPT_TOKENS} tokens ({tapped['scored_tokens']} scored tokens), "
         f"median of {len(plain['times_s']['none'])} calls after a warm-up. Each engine in its own process with cold "
         "caches; taps all = " + ", ".join(tapped["taps_captured"]) + ". 1-minute load average after the plain / "
         f"tapped child: {plain.get('load_average_1min_after', float('nan')):.1f} / "
@@ -109,17 +111,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", choices=("plain", "tapped", "tapped_warm"))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.reps)))
+        print(json.dumps(child(args.child, args.reps, args.num_prompts)))
         return
-    results = {}
+    results = {"num_prompts": args.num_prompts}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("plain", "tapped", "tapped_warm"):  # tapped_warm reuses tapped's caches
             caches = Path(tmp) / ("plain" if kind == "plain" else "tapped")
-            results[kind] = run_child(kind, args.reps, caches)
+            results[kind] = run_child(kind, args.reps, args.num_prompts, caches)
             print(kind, json.dumps(results[kind]), flush=True)
-    write_section("bench_compiled_taps", section(results), results)
+    write_section("bench_compiled_taps", section(results), results, args.out)
     print(section(results))
 
 

@@ -1,7 +1,7 @@
 """Benchmark `compare --graft` (and `--depth`) against an ordinary tapped compare, in one process.
 
     PYTHONPATH=$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/bench_graft.py [--reps 5]
-    ... benchmarks/bench_graft.py --model CKPT --device cuda --num-prompts 59 --no-write   # on a GPU: prints only
+    ... benchmarks/bench_graft.py --model CKPT --device cuda --num-prompts 59 --out g.json   # on a GPU: docs/ untouched
 
 Target (issue 15): a grafted compare costs at most 2x an ordinary `--taps all` compare (one extra op per seam,
 no second forward per seam). `--depth` is measured too; it runs a partial forward per layer (about L/2 full
@@ -9,8 +9,8 @@ forwards per sequence), so it has no such target.
 
 One `dp.load`, one warm-up call of each setting, then `--reps` rounds in which every setting runs once, in turn
 (interleaved, so a slow spell of the shared machine hits all settings alike); medians. Writes its section of
-docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/bench_graft.json, unless
---no-write.
+docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/bench_graft.json, or
+only the raw numbers to --out.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from docs_section import write_section  # the one marked section of docs/benchmarks.md this benchmark owns
+from docs_section import add_out_argument, write_section  # the one marked section of docs/benchmarks.md this benchmark owns
 
 TARGET_RATIO = 2.0
 SETTINGS = {"taps all": {}, "graft": {"graft": True}, "graft + depth": {"depth": True}}
@@ -109,13 +109,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/ as it is")
+    add_out_argument(parser)
     args = parser.parse_args()
     result = measure(args)
     print(section(result))
-    if not args.no_write:
-        write_section("bench_graft", section(result), result)
-        print("wrote its section of docs/benchmarks.md and docs/bench_graft.json", file=sys.stderr)
+    write_section("bench_graft", section(result), result, args.out)
+    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_graft.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Benchmark `rl`: seconds per step, and the loop's overhead over its own work, per --side.
 
     PYTHONPATH=$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 nice -n 5 .venv/bin/python benchmarks/bench_rl.py
-    ... benchmarks/bench_rl.py --steps 20 --rounds 3 --align rope,swiglu,rmsnorm --no-write
+    ... benchmarks/bench_rl.py --steps 20 --rounds 3 --align rope,swiglu,rmsnorm --out /tmp/rl.json
 
 Work: rollout (vLLM sampling) + reward + update (trainer forward, backward, optimizer step). Overhead: metrics
 (rl_metrics on the step's tokens) + sync (the push through vLLM's reload and the prefix-cache reset) + check
-(per-tensor checksums, the stale-cache probe and its positive control). Target (issue 16): overhead <= 15% of work
+(the exact per-tensor comparison, the stale-cache probe and its positive control). Target (issue 16): overhead <= 15% of work
 per step on the CPU, by the median of the per-step `overhead_frac`.
 
 One engine, the default spec but for --align (side both needs an aligned region to differ from side train) and
@@ -13,7 +13,7 @@ One engine, the default spec but for --align (side both needs an aligned region 
 machine hits both sides alike). The first step of each run is left out (first-call costs: oneDNN primitives,
 allocator growth); medians over the rest. The load average is recorded: on a shared machine every wall-clock figure
 is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and docs/bench_rl.json,
-unless --no-write.
+or only the raw numbers to --out.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from docs_section import write_section  # noqa: E402  the one marked section of docs/benchmarks.md it owns
+from docs_section import add_out_argument, write_section  # noqa: E402  the one marked section of docs/benchmarks.md it owns
 
 TARGET = 0.15
 WORK = ("t_rollout", "t_reward", "t_update")
 OVERHEAD = ("t_metrics", "t_sync", "t_check")
-PARTS = (*WORK, *OVERHEAD, "t_checksums", "t_probe")
+PARTS = (*WORK, *OVERHEAD, "t_verify", "t_probe")
 
 
 def measure(args) -> dict:
@@ -93,14 +93,14 @@ def section(raw: dict) -> str:
         "`num_cached_tokens` must be 0 after the reset) plus its positive control (a block-pool lookup, no engine "
         "call). Raw numbers: `bench_rl.json`.",
         "",
-        "| side | steps | s/step | rollout | update | metrics | sync | checksums | probe | overhead / work (per-step "
+        "| side | steps | s/step | rollout | update | metrics | sync | verify | probe | overhead / work (per-step "
         "median) | steps above 15% |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side, r in raw["results"].items():
         m = r["median_s"]
         lines.append(f"| {side} | {r['steps_measured']} | {r['s_per_step_median']:.3f} | {m['t_rollout']:.3f} | "
-                     f"{m['t_update']:.3f} | {m['t_metrics']:.4f} | {m['t_sync']:.4f} | {m['t_checksums']:.4f} | "
+                     f"{m['t_update']:.3f} | {m['t_metrics']:.4f} | {m['t_sync']:.4f} | {m['t_verify']:.4f} | "
                      f"{m['t_probe']:.4f} | {100 * r['overhead_frac_median']:.1f}% | "
                      f"{100 * r['steps_above_target_frac']:.0f}% |")
     verdict = ", ".join(f"side {s}: {'met' if r['meets_target'] else 'NOT met'}" for s, r in raw["results"].items())
@@ -115,14 +115,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--align", default="rope")
     parser.add_argument("--side", action="append", choices=("both", "train"))
-    parser.add_argument("--no-write", action="store_true")
+    add_out_argument(parser)
     args = parser.parse_args()
     args.side = args.side or ["both", "train"]
     raw = measure(args)
     print(section(raw))
-    if not args.no_write:
-        write_section("bench_rl", section(raw), raw)
-        print("wrote its section of docs/benchmarks.md and docs/bench_rl.json", file=sys.stderr)
+    write_section("bench_rl", section(raw), raw, args.out)
+    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_rl.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 and where that time goes, on a GPU.
 
     cd REPO; export PYTHONPATH=$HOME/site:$PWD:$PWD/benchmarks; P=qwen2.5-1.5b
-    python3 benchmarks/h200_tap_cost.py --preset $P --out /tmp/tapcost/$P     # both engines, calls interleaved
-    python3 benchmarks/h200_tap_cost.py --preset tiny --device cpu --out /tmp/tapcost/tiny --reps 2   # a CPU dry run
+    python3 docs/results/h200/compiled/h200_tap_cost.py --preset $P --out /tmp/tapcost/$P     # both engines, calls interleaved
+    python3 docs/results/h200/compiled/h200_tap_cost.py --preset tiny --device cpu --out /tmp/tapcost/tiny --reps 2   # a CPU dry run
 
 Two engines, each in a process of its own (one engine per process), loaded one after the other and then alive
 together: **plain**, built without tap points (what `--taps none` builds: vLLM as deployed), and **tapped**, built
@@ -40,9 +40,11 @@ import pstats
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from h200 import CompareDiagnostics, add_workload_arguments, device_profile, long_prompts, timed
 from tap_anatomy import anatomy
 

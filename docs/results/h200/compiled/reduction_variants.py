@@ -1,6 +1,6 @@
 """How to lay out the tap reduction on a GPU: four layouts of metrics.diff_sums, timed on one prompt's taps.
 
-    python3 benchmarks/reduction_variants.py --out docs/results/h200/reduction-variants.json   # on a CUDA machine
+    python3 docs/results/h200/compiled/reduction_variants.py --out docs/results/h200/reduction-variants.json   # on a CUDA machine
 
 One prompt of the Qwen2.5-1.5B shape at 1024 tokens, its taps grouped by shape as capture.py groups them
 (BF16 pairs that differ by ~1%, like the two stacks' taps). Each layout is compiled once (dynamic shapes, as

@@ -1,11 +1,11 @@
 """Compiled-engine layer taps under vLLM's default CUDA graphs (issue 13): the tap buffers that graph replays fill.
 
     cd REPO; export PYTHONPATH=$HOME/site:$PWD; P=qwen2.5-1.5b; O=/tmp/cgtaps/$P; mkdir -p $O
-    python3 benchmarks/h200_cgtaps.py --preset $P --part model --out $O
+    python3 docs/results/h200/compiled/h200_cgtaps.py --preset $P --part model --out $O
     for part in plain tapped nographs; do
-        python3 benchmarks/h200_cgtaps.py --preset $P --part $part --out $O > $O/$part.log 2>&1 &
+        python3 docs/results/h200/compiled/h200_cgtaps.py --preset $P --part $part --out $O > $O/$part.log 2>&1 &
     done; wait
-    python3 benchmarks/h200_cgtaps.py --preset $P --part summary --out $O
+    python3 docs/results/h200/compiled/h200_cgtaps.py --preset $P --part summary --out $O
 
 `--part model` builds the checkpoint once (make_model, random weights) so the parallel parts do not race to write it.
 One engine per process; the three engine parts run side by side on one GPU (gpu_memory_utilization 0.2 and a 4 GB
@@ -32,9 +32,12 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from h200 import add_workload_arguments, timed  # the GPU lane's shared options and timer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU dry run of this script

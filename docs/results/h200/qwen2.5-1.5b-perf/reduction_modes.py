@@ -1,6 +1,6 @@
 """What inductor's deterministic mode costs the tap reduction on a GPU, and whether the default mode is reproducible.
 
-    python3 benchmarks/reduction_modes.py --out docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json
+    python3 docs/results/h200/qwen2.5-1.5b-perf/reduction_modes.py --out docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json
 
 One prompt's taps of the Qwen2.5-1.5B shape at 1024 tokens, grouped as capture.py groups them
 (reduction_variants.GROUPS), reduced the way compare reduces them

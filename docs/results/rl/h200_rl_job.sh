@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's install.sh: the rl experiment on the built-in model with vLLM's CUDA engine,
 # started in the background beside the other GPU work (its engine takes 8% of the GPU's memory).
-# usage: setsid nohup bash benchmarks/h200_rl_job.sh > /tmp/rl-job.log 2>&1 < /dev/null &
+# usage: setsid nohup bash docs/results/rl/h200_rl_job.sh > /tmp/rl-job.log 2>&1 < /dev/null &
 # Rows are flushed per step into /tmp/rl-gpu/SIDE/rl.csv; collect that folder into $OUT from a later call.
 set -u
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR

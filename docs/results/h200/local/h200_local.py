@@ -1,7 +1,7 @@
 """The grafting runs (issue 15) on one GPU: local error per op, aligned regions' local error, the depth curve, cost.
 
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_local.py --preset qwen2.5-1.5b --out OUT
-    bash benchmarks/h200_local_job.sh qwen3-1.7b          # the same, logged and packed into $OUT/PRESET-local.tgz
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/local/h200_local.py --preset qwen2.5-1.5b --out OUT
+    bash docs/results/h200/local/h200_local_job.sh qwen3-1.7b          # the same, logged and packed into $OUT/PRESET-local.tgz
 
 One process, one eager vLLM engine (grafting needs every layer tap). Under OUT/ it writes run folders made with
 the public API (tokens.csv gzipped):
@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from h200 import add_workload_arguments, gzip_tokens, timed  # the GPU lane's shared options, timer and packer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
@@ -48,7 +51,7 @@ def main() -> None:
     opts = dict(prompts=args.prompts, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
 
     def save(run, name: str) -> None:
-        run.manifest["command"] = ["benchmarks/h200_local.py", "--preset", args.preset, name]
+        run.manifest["command"] = ["docs/results/h200/local/h200_local.py", "--preset", args.preset, name]
         run.write(out / name)
         gzip_tokens(out / name)
         print(f"== {name}: {out / name}", flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's staging and benchmarks/h200_install.sh: issue 29's memory-plan runs, the
 # README's default compare at a published shape on one GPU, with and without an 80 GB cap.
-# usage: bash benchmarks/h200_scale_job.sh SECONDS SHAPE [SHAPE ...]     SHAPE: qwen2.5-7b or qwen2.5-14b
+# usage: bash docs/results/h200/scale/h200_scale_job.sh SECONDS SHAPE [SHAPE ...]     SHAPE: qwen2.5-7b or qwen2.5-14b
 # Results: $OUT/scale-SHAPE.tgz (run folders without tokens.csv, each run's stderr and exit code, timings); copy them
 # to docs/results/h200/scale/SHAPE/.
 set -u

@@ -2,13 +2,13 @@
 # On a lent GPU machine, after ../shared/gpu's install.sh: parts of issue 13's compiled-engine runs, side by side,
 # job i on GPU i modulo the GPU count; each job's results packed into $OUT/PART-PRESET.tgz every 20 s and at the end,
 # so a run cut short still brings back what it wrote.
-# usage: bash benchmarks/h200_compiled_job.sh SECONDS PART:PRESET [PART:PRESET ...]
+# usage: bash docs/results/h200/compiled/h200_compiled_job.sh SECONDS PART:PRESET [PART:PRESET ...]
 #   SECONDS: every process of every job is stopped this long after the script starts (packing takes a few more)
-#   e.g. bash benchmarks/h200_compiled_job.sh 560 ablate:qwen2.5-1.5b ablate:qwen3-1.7b   (nvidia-h200-x2)
+#   e.g. bash docs/results/h200/compiled/h200_compiled_job.sh 560 ablate:qwen2.5-1.5b ablate:qwen3-1.7b   (nvidia-h200-x2)
 #   ablate: ablate --regions rope,swiglu,rmsnorm --side both --engine-noise (ABLATE_OPTS=--no-engine-noise: none) against vLLM's default compiled engine,
 #           the seven aligned engines built together (--build-ahead 7), 16 prompts <= 1024 tokens, bootstrap 200
-#   cgtaps: layer taps under CUDA graphs (benchmarks/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
-#   tapcost: what taps cost and where it goes (benchmarks/h200_tap_cost.py: the engines without and with tap points,
+#   cgtaps: layer taps under CUDA graphs (docs/results/h200/compiled/h200_cgtaps.py: plain, tapped, nographs side by side; summary)
+#   tapcost: what taps cost and where it goes (docs/results/h200/compiled/h200_tap_cost.py: the engines without and with tap points,
 #            alive together, their calls interleaved; TAPCOST_OPTS: more options, e.g. --reps 5 or --parts tapped)
 # Results: /tmp/compiled/PRESET/...; copy them to docs/results/h200/compiled/PRESET/ (render with `divergence-probe report`).
 set -u
@@ -41,21 +41,21 @@ for job in "$@"; do
     share=$(( $(nproc) / $# )); taskset -pc $(( i * share ))-$(( (i + 1) * share - 1 )) $BASHPID > /dev/null  # own cores
     start=$(date +%s)
     if [ "$part" = ablate ]; then
-      timeout -k 10 $(left) python3 benchmarks/h200_compiled.py --preset "$preset" --part ablate \
+      timeout -k 10 $(left) python3 docs/results/h200/compiled/h200_compiled.py --preset "$preset" --part ablate \
         --regions rope,swiglu,rmsnorm --build-ahead 7 --num-prompts 16 --bootstrap 200 --out "$out" ${ABLATE_OPTS:-}
     elif [ "$part" = tapcost ]; then
       o=$out/tap-cost; mkdir -p "$o"
-      timeout -k 10 $(left) python3 benchmarks/h200_tap_cost.py --preset "$preset" --out "$o" ${TAPCOST_OPTS:-} \
+      timeout -k 10 $(left) python3 docs/results/h200/compiled/h200_tap_cost.py --preset "$preset" --out "$o" ${TAPCOST_OPTS:-} \
         > "$o/drive.log" 2>&1  # both engines in one run, their timed calls interleaved
       echo "tap cost: exit $? at $(( $(date +%s) - start )) s"
       tail -c 3000 "$o/drive.log"
     else
       o=$out/cgtaps; mkdir -p "$o"
       for p in plain tapped nographs; do
-        timeout -k 10 $(left) python3 benchmarks/h200_cgtaps.py --preset "$preset" --part $p --out "$o" > "$o/$p.log" 2>&1 &
+        timeout -k 10 $(left) python3 docs/results/h200/compiled/h200_cgtaps.py --preset "$preset" --part $p --out "$o" > "$o/$p.log" 2>&1 &
       done
       wait
-      python3 benchmarks/h200_cgtaps.py --preset "$preset" --part summary --out "$o"
+      python3 docs/results/h200/compiled/h200_cgtaps.py --preset "$preset" --part summary --out "$o"
     fi
     echo "== $part $preset: exit $? after $(( $(date +%s) - start )) s"
   ) > "$out/$part.log" 2>&1 &

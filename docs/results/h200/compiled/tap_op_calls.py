@@ -1,7 +1,7 @@
 """What the compiled engine's tap op costs the host per call, and what one call per layer instead of one per tap would
 save (a lead from the H200 tap-cost runs: steps above the CUDA-graph sizes call the op's Python impl for every tap).
 
-    .venv/bin/python benchmarks/tap_op_calls.py     # about a minute on the CPU
+    .venv/bin/python docs/results/h200/compiled/tap_op_calls.py     # about a minute on the CPU
 
 One compiled function stands in for a model's layers: LAYERS x TAPS elementwise ops on small [ROWS, WIDTH] tensors, so
 the host's work dominates. Four versions, each timed per forward (median of REPS after warm-up):
@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from docs_section import write_section
 
 LAYERS, TAPS, ROWS, WIDTH = 28, 13, 8, 64  # a Qwen2.5-1.5B step's tap points: 28 layers x 13 taps
@@ -97,7 +100,7 @@ def section(r: dict) -> str:
     us, ms = r["per_tap_us"], r["per_forward_ms"]
     rows = "\n".join(f"| {name} | {ms[name]} | {us[name] if name in us else '-'} |" for name in ms)
     saved = us["one call per tap"] - us["one call per layer"]
-    return f"""## The tap op's host cost per call (`benchmarks/tap_op_calls.py`, CPU)
+    return f"""## The tap op's host cost per call (`docs/results/h200/compiled/tap_op_calls.py`, CPU)
 {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {r['torch']}. A compiled stand-in for one engine step's
 {r['layers']} x {r['taps']} tap points, on [{r['rows']}, {r['width']}] FP32 tensors so that the host's work dominates;
 medians of {r['reps']} forwards. Raw numbers: `tap_op_calls.json`.

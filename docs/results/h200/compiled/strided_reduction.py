@@ -1,8 +1,8 @@
 """What the GPU's tap reduction (metrics.blocks_first, compiled as fused.py compiles it) pays for reading a compiled
 engine's hand-over as it is, a view of the step's tap buffers, against the same taps contiguous.
 
-    .venv/bin/python benchmarks/strided_reduction.py                  # CPU, about a minute
-    python3 benchmarks/strided_reduction.py --device cuda --out docs/results/h200/strided-reduction.json
+    .venv/bin/python docs/results/h200/compiled/strided_reduction.py                  # CPU, about a minute
+    python3 docs/results/h200/compiled/strided_reduction.py --device cuda --out docs/results/h200/strided-reduction.json
 
 A compiled engine keeps one tap buffer per width, `[taps, buffer rows, features]`, and hands a prompt's taps over as
 the slice `[:, first row : first row + tokens]` (stacks/vllm.py `_Step.split`): rows contiguous, taps a whole buffer
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import torch
 from torch.fx.experimental import _config as shape_config
 
 from divergence_probe.metrics import blocks_first
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from docs_section import write_section
 from reduction_variants import prompt_pairs
 
@@ -95,7 +98,7 @@ def measure(device: str, rounds: int) -> dict:
 
 def section(r: dict) -> str:
     s = r["shape"]
-    return f"""## The GPU's tap reduction on a compiled engine's hand-over: views against contiguous taps (`benchmarks/strided_reduction.py`)
+    return f"""## The GPU's tap reduction on a compiled engine's hand-over: views against contiguous taps (`docs/results/h200/compiled/strided_reduction.py`)
 `metrics.blocks_first` compiled as fused.py compiles it, on one prompt's taps ({s['layers']} layers of widths
 {', '.join(map(str, s['widths']))}, {s['tokens']} tokens; the views are slices of buffers of {s['buffer_rows']} rows),
 {r['device']}, torch {r['torch']}, {r['rounds']} rounds:

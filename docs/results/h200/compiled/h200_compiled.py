@@ -1,9 +1,9 @@
 """The compiled-engine runs (issue 13, second half) on one GPU: layer taps under compile, and aligning a compiled engine.
 
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_compiled.py --preset qwen2.5-1.5b --part taps-plain --out OUT
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_compiled.py --preset qwen2.5-1.5b --part taps-tapped --out OUT
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_compiled.py --preset qwen2.5-1.5b --part taps-summary --out OUT
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_compiled.py --preset qwen2.5-1.5b --part ablate --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/compiled/h200_compiled.py --preset qwen2.5-1.5b --part taps-plain --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/compiled/h200_compiled.py --preset qwen2.5-1.5b --part taps-tapped --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/compiled/h200_compiled.py --preset qwen2.5-1.5b --part taps-summary --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/compiled/h200_compiled.py --preset qwen2.5-1.5b --part ablate --out OUT
 
 One engine per process. Parts:
   taps-plain    a compiled engine without tap points, cudagraph_mode NONE (CUDA graphs skip the tap op's Python impl):
@@ -24,7 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from h200 import add_workload_arguments, gzip_tokens, timed  # the GPU lane's shared options, timer and packer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
@@ -65,7 +68,7 @@ def taps_part(args, tapped: bool) -> None:
             run, seconds = timed(lambda: probe.compare(taps="all", **opts))
             timings["all_s"].append(seconds)
             kept = run
-    kept.manifest["command"] = ["benchmarks/h200_compiled.py", "--preset", args.preset, "--part", args.part]
+    kept.manifest["command"] = ["docs/results/h200/compiled/h200_compiled.py", "--preset", args.preset, "--part", args.part]
     kept.write(out / "run")
     gzip_tokens(out / "run")
     (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
@@ -109,7 +112,7 @@ def ablate_part(args) -> None:
     run, ablate_s = timed(lambda: probe.ablate(side="both", regions=args.regions, taps="none",
                                                engine_noise=not args.no_engine_noise, build_ahead=args.build_ahead,
                                                bootstrap=args.bootstrap, **opts))
-    run.manifest["command"] = ["benchmarks/h200_compiled.py", "--preset", args.preset, "--part", "ablate",
+    run.manifest["command"] = ["docs/results/h200/compiled/h200_compiled.py", "--preset", args.preset, "--part", "ablate",
                                "--regions", args.regions, "--build-ahead", str(args.build_ahead)] + \
         (["--no-engine-noise"] if args.no_engine_noise else [])
     run.write(out)

@@ -1,7 +1,7 @@
 """What handing a compiled engine's stacked taps over as views of its tap buffers saves, against one copy per prompt
 (what stacks/vllm.py `_Step.split` did before: the views are valid until the engine's next step, base.TapSink).
 
-    .venv/bin/python benchmarks/tap_handover_views.py     # about three minutes on the CPU
+    .venv/bin/python docs/results/h200/compiled/tap_handover_views.py     # about three minutes on the CPU
 
 One compiled engine with tap points (`taps="all"`, `make_model`'s tiny preset, CPU, BF16) runs
 `compare --taps all` on two workloads, `short` (the first 16 shipped prompts) and `long` (64 prompts of 1024 tokens,
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from divergence_probe.taps import TapKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from docs_section import write_section
 from h200 import long_prompts
 
@@ -79,7 +82,7 @@ def section(results: dict) -> str:
     rows = "\n".join(f"| {name} | {r['median_s']['copies']:.3f} s | {r['median_s']['views']:.3f} s | "
                      f"{r['median_s']['views'] / r['median_s']['copies']:.2f}x | "
                      f"{r['views_over_copies_round_median']:.2f}x |" for name, r in results["workloads"].items())
-    return f"""## A compiled engine's stacked taps handed over as views, not copies (`benchmarks/tap_handover_views.py`)
+    return f"""## A compiled engine's stacked taps handed over as views, not copies (`docs/results/h200/compiled/tap_handover_views.py`)
 `compare --taps all` on a compiled engine with tap points (`make_model`'s tiny preset: 4 layers, hidden 128; CPU, BF16,
 torch {results['torch']}),
 {results['rounds']} rounds, each one call with per-prompt copies of the stacked hand-overs (as before) and one with

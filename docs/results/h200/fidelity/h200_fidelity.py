@@ -1,8 +1,8 @@
 """The fidelity runs (issue 13): the engine as deployed and the trainer with its own torch state, on one GPU.
 
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_fidelity.py --preset qwen2.5-1.5b --engine eager --out OUT
-    PYTHONPATH=$HOME/site:$PWD python3 benchmarks/h200_fidelity.py --preset qwen2.5-1.5b --engine compiled --out OUT
-    python3 benchmarks/h200_fidelity.py --preset qwen2.5-1.5b --summarize --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/fidelity/h200_fidelity.py --preset qwen2.5-1.5b --engine eager --out OUT
+    PYTHONPATH=$HOME/site:$PWD python3 docs/results/h200/fidelity/h200_fidelity.py --preset qwen2.5-1.5b --engine compiled --out OUT
+    python3 docs/results/h200/fidelity/h200_fidelity.py --preset qwen2.5-1.5b --summarize --out OUT
 
 One process per engine mode (one vLLM engine per process). Under OUT/<engine>/ each process writes run folders
 made with the public API (tokens.csv gzipped or dropped where too large to commit):
@@ -23,9 +23,12 @@ import argparse
 import gzip
 import io
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))  # what follows lives in benchmarks/
 from h200 import add_workload_arguments, gzip_tokens, timed  # the GPU lane's shared options, timer and packer
 
 PRESETS = ("qwen2.5-1.5b", "qwen3-1.7b", "tiny")  # tiny: a CPU smoke test of this script
@@ -49,7 +52,7 @@ def run_engine(args) -> None:
     taps = "all" if args.engine == "eager" else "logits"
 
     def save(run, name: str, tokens: str = "gzip") -> None:
-        run.manifest["command"] = ["benchmarks/h200_fidelity.py", "--preset", args.preset, "--engine", args.engine]
+        run.manifest["command"] = ["docs/results/h200/fidelity/h200_fidelity.py", "--preset", args.preset, "--engine", args.engine]
         run.write(out / name)
         if tokens == "gzip":
             gzip_tokens(out / name)

@@ -1,6 +1,6 @@
 """Which compiled-engine tap point changes the engine's numerics: bisect the tap set, one engine build per step.
 
-    PYTHONPATH=$PWD:$PWD/benchmarks VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/tap_points_bisect.py \
+    PYTHONPATH=$PWD:$PWD/benchmarks VLLM_ENABLE_V1_MULTIPROCESSING=0 python docs/results/tap_points/tap_points_bisect.py \
         --out docs/results/tap_points_bisect.json
 
 The tap points of a compiled engine are meant to hand out tensors the graph writes anyway, so that its logprobs stay
@@ -9,7 +9,7 @@ on the CPU build one batch of a tiny model came out different with every captura
 (docs/design/taps_under_compile.md). Only the taps asked for at load become tap points, so an engine built for a
 subset shows whether that subset changes the graph. Each build runs in a process of its own (vLLM's CPU backend hosts
 one engine per process) and scores one fixed batch: the first 4 shipped prompts cut to 96 tokens each (the batch of
-benchmarks/h200_cgtaps.py). The search halves the set that changes the logprobs while one half alone still does, and
+docs/results/h200/compiled/h200_cgtaps.py). The search halves the set that changes the logprobs while one half alone still does, and
 reports the smallest such set it reaches (a set whose halves are each harmless is reported as it is: an interaction).
 """
 
