@@ -93,7 +93,10 @@ class RouteCapture:
             if len(infer) != self.num_layers or len(train) != self.num_layers:
                 raise StackError(f"sequence {key}: router logits of {len(infer)} (inference) and {len(train)} "
                                  f"(training) of {self.num_layers} layers were captured; report this as a bug")
-            per_layer = [routing.compare_layer(infer[i], train[i], self.top_k) for i in range(self.num_layers)]
+            # no finiteness check per layer (a device read-back each): a NaN router logit reaches the sequence's
+            # logits, which the run loop checks, and stops the run there
+            per_layer = [routing.compare_layer(infer[i], train[i], self.top_k, check_finite=False)
+                         for i in range(self.num_layers)]
             for i, r in enumerate(per_layer):
                 self._layers[i].append(r)
             self._flips[key] = routing.token_flips(per_layer)
@@ -116,6 +119,8 @@ class RouteCapture:
         return ids.long(), weights
 
     def _check_records(self, key: int, infer: dict[int, torch.Tensor], routes) -> None:
+        """Every layer's engine routes against its router logits; one read-back from the device for all layers."""
+        admissible = []
         for layer in range(self.num_layers):
             ids, logits = routes.get(("expert_ids", layer)), infer.get(layer)
             if ids is None or logits is None:
@@ -125,14 +130,16 @@ class RouteCapture:
                 raise RouteRecordError(f"the engine routed {ids.shape[0]} rows of sequence {key} in layer {layer} but "
                                        f"computed router logits for {logits.shape[0]}: its router ran on other rows "
                                        "than its gate (chunked MoE?); routing cannot be compared")
-            ok = routing.is_admissible_topk(logits, ids)
-            if not bool(ok.all()):
-                token = int((~ok).nonzero()[0, 0])
-                raise RouteRecordError(
-                    f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
-                    f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router logits: "
-                    "the routes vLLM records (enable_return_routed_experts) are not what its router computed")
-            self.records_checked += int(ids.shape[0])
+            admissible.append(routing.is_admissible_topk(logits, ids, check_finite=False))
+        ok = torch.stack(admissible)  # [layers, tokens]
+        if not bool(ok.all()):
+            layer, token = (int(i) for i in (~ok).nonzero()[0])
+            ids = routes[("expert_ids", layer)]
+            raise RouteRecordError(
+                f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
+                f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router logits: "
+                "the routes vLLM records (enable_return_routed_experts) are not what its router computed")
+        self.records_checked += int(ok.numel())
 
     # ------------------------------------------------------------------ results
     def result(self) -> "RunRouting | None":

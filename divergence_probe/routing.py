@@ -52,13 +52,15 @@ class LayerRouting:
     near_tie: torch.Tensor  # bool: margin <= NEAR_TIE_ULPS BF16 ULPs (see compare_layer)
 
 
-def _check(logits: torch.Tensor, top_k: int, name: str) -> None:
+def _check(logits: torch.Tensor, top_k: int, name: str, finite: bool = True) -> None:
+    """Shape and top_k, and (`finite`) no NaN/Inf: that check reads a value back from the device, so a caller that
+    checks finiteness elsewhere (the run loop checks every sequence's logits) may skip it."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"{name} must be a floating [tokens, experts] tensor, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"top_k must be in 1..{logits.shape[1]} (the number of experts), got {top_k}")
-    if not torch.isfinite(logits).all():
+    if finite and not torch.isfinite(logits).all():
         raise ValueError(f"{name} holds NaN or Inf: routing is undefined")
 
 
@@ -78,14 +80,14 @@ def _sure_and_tied(x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     return x > kth, x == kth, kth[:, 0]
 
 
-def is_admissible_topk(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def is_admissible_topk(logits: torch.Tensor, ids: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
     """Per token [T] bool: are `ids` ([T, k], any order) a top-k of `logits` under some tie-break?
 
     This is how an engine's own record of its routes (vLLM's routed_experts) is checked against the router
     logits hooked in the same forward: any admissible set is a faithful record, whatever order it lists.
     """
     top_k = ids.shape[1]
-    _check(logits, top_k, "logits")
+    _check(logits, top_k, "logits", check_finite)
     x = logits.double()
     sure, tied, _ = _sure_and_tied(x, top_k)
     chosen = torch.zeros_like(sure)
@@ -102,7 +104,8 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def compare_layer(
-    infer: torch.Tensor, train: torch.Tensor, top_k: int, *, near_tie_ulps: float = NEAR_TIE_ULPS
+    infer: torch.Tensor, train: torch.Tensor, top_k: int, *, near_tie_ulps: float = NEAR_TIE_ULPS,
+    check_finite: bool = True,
 ) -> LayerRouting:
     """Compare one layer's routing token by token; the tie rule is the module docstring's.
 
@@ -114,8 +117,8 @@ def compare_layer(
     sit last on both, so they never reverse; and with no strict reversal, ranking by one side's value and then
     by the other's is an order both admit).
     """
-    _check(infer, top_k, "infer")
-    _check(train, top_k, "train")
+    _check(infer, top_k, "infer", check_finite)
+    _check(train, top_k, "train", check_finite)
     if infer.shape != train.shape:
         raise ValueError(f"infer and train router logits differ in shape: {tuple(infer.shape)} vs "
                          f"{tuple(train.shape)}")
