@@ -379,7 +379,7 @@ def reading(data: dict) -> str:
         text += (f"; {prof['fused.py:fused_diff_sums'] / wall:.0%} of a tapped run goes to reducing tap pairs to their "
                  f"statistics (`fused_diff_sums`, {o.get('tap_reduction', 'one fused kernel')}), "
                  f"{(prof.get('capture.py:finish_prompt', 0) - prof['fused.py:fused_diff_sums']) / wall:.0%} to stacking "
-                 f"them, against {prof.get('stacks/vllm.py:score', 0) / wall:.0%} for the whole vLLM side")
+                 f"them, against {prof.get('stacks/vllm/stack.py:score', 0) / wall:.0%} for the whole vLLM side")
     text += ". "
     rows = data["by_prompts"]
     if s["meets_memory_target"] is None:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/compiled_region_effect.py [--regions rope,swiglu,rmsnorm] [--engine compiled]
 
 Builds the shipped engine and one engine per single region and for all of them together, each in its own worker
-process (`divergence_probe.stacks.engine_worker.WorkerStack`, regions patched before the engine compiles), scores
+process (`divergence_probe.stacks.vllm.worker.WorkerStack`, regions patched before the engine compiles), scores
 the same prompts (token ids 5..39 and 100..119 of the tiny Qwen3, or --num-prompts shipped sample prompts) and
 prints whether the logits are bitwise equal to the shipped engine's and the largest logit difference.
 """
@@ -31,7 +31,7 @@ def main() -> None:
     from divergence_probe.modelzoo import make_model
     from divergence_probe.prompts import default_prompts_path, load_prompts
     from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.engine_worker import WorkerStack
+    from divergence_probe.stacks.vllm.worker import WorkerStack
 
     tmp = Path(tempfile.mkdtemp(prefix="region-effect-"))
     model = make_model(tmp / "m", arch="qwen3", preset="tiny", seed=0)

@@ -121,7 +121,8 @@ class AblationRun:
 def combo_spec(spec: RunSpec, combo) -> RunSpec:
     """The compare that one combination of an ablation runs."""
     regions = tuple(r for r in spec.ablate.regions if r in combo)
-    return replace(spec, kind="compare", ablate=None, align=replace(spec.align, regions=regions))
+    replay = spec.align.routing_replay if "routing" in regions else "ids"  # only a combination with routing replays
+    return replace(spec, kind="compare", ablate=None, align=replace(spec.align, regions=regions, routing_replay=replay))
 
 
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:

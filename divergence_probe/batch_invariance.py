@@ -34,21 +34,31 @@ def _ignore(*_) -> None:
     pass
 
 
+def _groups(stack, sequences: Sequence[Prompt]) -> list[list[Prompt]]:
+    """The batches the stack's score_batched makes of these sequences (one, for a stack that does not say)."""
+    groups = getattr(stack, "batch_groups", None)
+    return groups(sequences) if groups is not None else [list(sequences)]
+
+
 def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
+    """One batch at a time, each sequence of it then alone: what is held is one batch's scores (a trainer's
+    micro-batch of padded logits), as the memory plan counts it, not every batch's at once."""
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
-        together = {s.prompt_id: s for s in stack.score_batched(sequences)}
         deltas, kls = [], []
-        for seq in sequences:
-            [alone] = stack.score([seq], frozenset(), _ignore)
-            batched = together[seq.prompt_id]
-            deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
-            kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
+        groups = _groups(stack, sequences)
+        for group in groups:
+            together = {s.prompt_id: s for s in stack.score_batched(group)}
+            for seq in group:
+                [alone] = stack.score([seq], frozenset(), _ignore)
+                batched = together[seq.prompt_id]
+                deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
+                kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
+            del together
         d, k = np.concatenate(deltas), np.concatenate(kls)
         # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
         # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
-        groups = getattr(stack, "batch_groups", None)
-        size = max(map(len, groups(sequences))) if groups is not None else len(sequences)
+        size = max(map(len, groups))
         rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),
                      "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
                      "n_tokens": int(d.size), "batch_size": size})
@@ -144,7 +154,7 @@ class NoiseEngines:
         self._workers: dict = {}
 
     def score(self, settings, regions: Sequence[str], sequences: Sequence[Prompt]) -> list:
-        from .stacks.engine_worker import WorkerStack
+        from .stacks.vllm.worker import WorkerStack
 
         built = () if settings.engine == "eager" else tuple(regions)
         key = (settings, built)

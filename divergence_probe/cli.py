@@ -330,7 +330,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
             if spec.load.infer == "vllm" and spec.load.engine_args:
-                from .stacks.vllm import check_engine_args
+                from .stacks.vllm.stack import check_engine_args
 
                 check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
 

@@ -2,7 +2,7 @@
 
 An eager engine and transformers take region patches in place (`regions.aligned`). A compiled engine has traced
 its modules already, so the engine-side regions of a run need an engine built with them: it runs in a worker
-process (`stacks.engine_worker`; vLLM's CPU backend hosts one engine per process), and the run sees a probe whose
+process (`stacks.vllm.worker`; vLLM's CPU backend hosts one engine per process), and the run sees a probe whose
 inference stack is that worker. The shipped combination keeps the probe's own engine.
 """
 
@@ -27,7 +27,7 @@ def needs_engine_build(probe, regions: Sequence[str], side: str) -> bool:
 
 def engine_worker(probe, regions: Sequence[str]):
     """A started (not yet built) worker engine with the probe's engine settings and `regions` aligned."""
-    from .stacks.engine_worker import WorkerStack
+    from .stacks.vllm.worker import WorkerStack
 
     return WorkerStack(probe.settings, patched(regions)).start()
 

@@ -40,7 +40,7 @@ from .errors import DeviceMemoryError
 ENV = "DIVERGENCE_PROBE_DEVICE_MEMORY"
 GiB = 1 << 30
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
-# default 16), plus one block per sequence, so that a batch's step never waits for blocks (stacks/vllm.py needs one step).
+# default 16), plus one block per sequence, so that a batch's step never waits for blocks (stacks/vllm/stack.py needs one step).
 KV_BLOCK = 128
 # Allowances, in bytes, for what is not a tensor the plan can count.
 CUDA_RUNTIME = 2 * GiB  # CUDA context, cuBLAS/NCCL workspaces, the sampler's warm-up, CUDA graphs (compiled mode)
@@ -147,7 +147,7 @@ class ModelSize:
         """Elements per token that vLLM's hand-over keeps alive beyond the taps themselves: a tap that is a view of a
         fused output (v_proj of qkv_proj's; gate_proj and up_proj of gate_up_proj's; Qwen2's q_rope and k_rope, which
         RoPE writes in place into qkv_proj's output) keeps that whole buffer, of which only the selected views are
-        counted as taps. q_proj and k_proj are clones (stacks/vllm.py REWRITTEN); Qwen3 rotates its q/k norms' outputs."""
+        counted as taps. q_proj and k_proj are clones (stacks/vllm/stack.py REWRITTEN); Qwen3 rotates its q/k norms' outputs."""
         q, kv, i = self.q_width, self.kv_width, self.intermediate
         qkv_views = {"v_proj": kv} | ({} if self.qk_norm else {"q_rope": q, "k_rope": kv})
         fused = [(q + 2 * kv, qkv_views), (2 * i, {"gate_proj": i, "up_proj": i})]

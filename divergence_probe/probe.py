@@ -27,7 +27,7 @@ from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
-from .stacks.compiled_taps import tap_points_for
+from .stacks.vllm.compiled_taps import tap_points_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
@@ -166,7 +166,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
     `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
     tap points, which is another compiled graph than vLLM as deployed, and device buffers for exactly these taps
-    (stacks/compiled_taps.py): later runs can capture those, not others.
+    (stacks/vllm/compiled_taps.py): later runs can capture those, not others.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
     `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (memory_plan.py) sizes
@@ -226,7 +226,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     user = cfg.engine_args
     fixed_kv = user.get("kv_cache_memory_bytes")
     if cfg.infer == "vllm" and settings.device == "cpu":
-        fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # stacks/vllm.py's default
+        fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # stacks/vllm/stack.py's default
     elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
         fixed_kv = max(0, int(user["gpu_memory_utilization"] * total) - 2 * size.parameters * _DTYPE_BYTES[cfg.dtype])
     default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")

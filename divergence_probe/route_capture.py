@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from . import routing
-from .errors import StackError
+from .errors import NumericsError, StackError
 from .taps import ROUTE_RECORDS, TapKey
 
 ROUTING_COLUMNS = ["layer", "tokens", "frac_topk_set_differs", "frac_topk_order_differs", "mean_jaccard",
@@ -42,7 +42,6 @@ class RouteRecordError(StackError):
 class _Sequence:
     prompt_id: int
     sample_id: int | None
-    fed: int  # rows the engine computed (a sampled sequence's last token is never fed back)
 
 
 class RouteCapture:
@@ -81,26 +80,60 @@ class RouteCapture:
     def add_sequences(self, sequences) -> None:
         """The sequences of an inference batch (compare.ScoredSequence): which prompt and sample each key is."""
         for seq in sequences:
-            self._sequences[seq.key] = _Sequence(seq.prompt_id, seq.sample_id, seq.fed)
+            self._sequences[seq.key] = _Sequence(seq.prompt_id, seq.sample_id)
         if hasattr(self.inner, "add_sequences"):
             self.inner.add_sequences(sequences)
 
     def finish_prompt(self, key: int) -> None:
         infer, train, routes = self._infer.pop(key, {}), self._train.pop(key, {}), self._routes.pop(key, {})
-        if self.records and infer:
-            self._check_records(key, infer, routes)
+        if self.metrics and (len(infer) != self.num_layers or len(train) != self.num_layers):
+            raise StackError(f"sequence {key}: router logits of {len(infer)} (inference) and {len(train)} "
+                             f"(training) of {self.num_layers} layers were captured; report this as a bug")
+        self._check(key, infer, train, routes if self.records else {})
         if self.metrics:
-            if len(infer) != self.num_layers or len(train) != self.num_layers:
-                raise StackError(f"sequence {key}: router logits of {len(infer)} (inference) and {len(train)} "
-                                 f"(training) of {self.num_layers} layers were captured; report this as a bug")
-            # no finiteness check per layer (a device read-back each): a NaN router logit reaches the sequence's
-            # logits, which the run loop checks, and stops the run there
+            # finiteness was checked above, with the routes, in one read-back (not one per layer and side)
             per_layer = [routing.compare_layer(infer[i], train[i], self.top_k, check_finite=False)
                          for i in range(self.num_layers)]
             for i, r in enumerate(per_layer):
                 self._layers[i].append(r)
             self._flips[key] = routing.token_flips(per_layer)
         self.inner.finish_prompt(key)
+
+    def _check(self, key: int, infer: dict[int, torch.Tensor], train: dict[int, torch.Tensor], routes) -> None:
+        """Both sides' router logits finite, and every layer's engine routes a top-k of its router logits; all of it
+        read back from the device at once. Non-finite logits first: they are an overflow, not a bad record."""
+        logits = [(side, layer, x) for side, taps in (("inference", infer), ("training", train))
+                  for layer, x in sorted(taps.items())]
+        admissible = []
+        if routes and infer:
+            for layer in range(self.num_layers):
+                ids, router = routes.get(("expert_ids", layer)), infer.get(layer)
+                if ids is None or router is None:
+                    raise StackError(f"sequence {key}, layer {layer}: the engine handed over "
+                                     f"{'no routes' if ids is None else 'no router logits'}; report this as a bug")
+                if ids.shape[0] != router.shape[0]:
+                    raise RouteRecordError(f"the engine routed {ids.shape[0]} rows of sequence {key} in layer {layer} "
+                                           f"but computed router logits for {router.shape[0]}: its router ran on other "
+                                           "rows than its gate (chunked MoE?); routing cannot be compared")
+                admissible.append(routing.is_admissible_topk(router, ids, check_finite=False))
+        if not logits:
+            return
+        finite = torch.stack([torch.isfinite(x).all() for _, _, x in logits])
+        ok = torch.stack(admissible) if admissible else None
+        flags = torch.cat([finite, ok.all(dim=1)]) if ok is not None else finite
+        if all(flags.tolist()):
+            self.records_checked += int(ok.numel()) if ok is not None else 0
+            return
+        bad = next((where for where, good in zip(logits, finite.tolist()) if not good), None)
+        if bad is not None:
+            raise NumericsError(f"the {bad[0]} stack's router logits of layer {bad[1]} hold NaN/Inf (sequence {key}); "
+                                "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken")
+        layer, token = (int(i) for i in (~ok).nonzero()[0])
+        ids = routes[("expert_ids", layer)]
+        raise RouteRecordError(
+            f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
+            f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router logits: "
+            "the routes vLLM records (enable_return_routed_experts) are not what its router computed")
 
     def __getattr__(self, name):  # the inner capture's own results (stats, a grafting capture's tables)
         if name == "inner":
@@ -117,29 +150,6 @@ class RouteCapture:
             raise StackError(f"the engine handed over no routes for sequence {key}, layer {layer}: nothing to replay; "
                              "report this as a bug")
         return ids.long(), weights
-
-    def _check_records(self, key: int, infer: dict[int, torch.Tensor], routes) -> None:
-        """Every layer's engine routes against its router logits; one read-back from the device for all layers."""
-        admissible = []
-        for layer in range(self.num_layers):
-            ids, logits = routes.get(("expert_ids", layer)), infer.get(layer)
-            if ids is None or logits is None:
-                raise StackError(f"sequence {key}, layer {layer}: the engine handed over "
-                                 f"{'no routes' if ids is None else 'no router logits'}; report this as a bug")
-            if ids.shape[0] != logits.shape[0]:
-                raise RouteRecordError(f"the engine routed {ids.shape[0]} rows of sequence {key} in layer {layer} but "
-                                       f"computed router logits for {logits.shape[0]}: its router ran on other rows "
-                                       "than its gate (chunked MoE?); routing cannot be compared")
-            admissible.append(routing.is_admissible_topk(logits, ids, check_finite=False))
-        ok = torch.stack(admissible)  # [layers, tokens]
-        if not bool(ok.all()):
-            layer, token = (int(i) for i in (~ok).nonzero()[0])
-            ids = routes[("expert_ids", layer)]
-            raise RouteRecordError(
-                f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
-                f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router logits: "
-                "the routes vLLM records (enable_return_routed_experts) are not what its router computed")
-        self.records_checked += int(ok.numel())
 
     # ------------------------------------------------------------------ results
     def result(self) -> "RunRouting | None":
@@ -181,7 +191,8 @@ class RunRouting:
             seq = self.sequences[key]
             n = len(flips)
             positions = np.arange(1, n + 1)  # tokens.csv rows: positions 1.. of the sequence (n rows at most)
-            upstream = np.cumsum(flips.numpy() > 0) > 0  # a flip at rows 0..p-1, for the token at position p
+            # a flip at rows 0..p-1, for the token at position p: row p-1's causal cone (one sequence's rows)
+            upstream = routing.upstream_flips(flips > 0, torch.zeros(n, dtype=torch.long), scope="prefix").numpy()
             frame = {"prompt_id": seq.prompt_id, "position": positions,
                      "routing_flips": pd.array(np.append(flips.numpy()[1:], [0])[: n], dtype="Int64"),
                      "first_flip_layer": pd.array(np.append(first.numpy()[1:], [0])[: n], dtype="Int64"),

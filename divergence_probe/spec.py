@@ -89,7 +89,7 @@ class LoadSpec:
         _choice(self.train, TRAIN_STACKS, "--train")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
-        from .stacks.vllm import ENGINES  # here, not at import: the CLI's --help reads this module without torch
+        from .stacks.vllm.stack import ENGINES  # here, not at import: the CLI's --help reads this module without torch
 
         _choice(self.engine, ENGINES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
@@ -270,7 +270,7 @@ class RunSpec:
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
         compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
-        from .stacks.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
+        from .stacks.vllm.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
 
         refused = sorted(self.capture.tap_names & set(REFUSED_COMPILED)) if self.capture.taps.strip() != "all" else []
         if compiled and refused:  # `all` captures what a compiled engine can and lists the rest in the manifest

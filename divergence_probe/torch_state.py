@@ -109,7 +109,7 @@ def apply(state: dict[str, object]) -> None:
 
 
 def snapshot_before_engine() -> None:
-    """Take the trainer's snapshot now, unless taken already. Called just before `import vllm` (stacks/vllm.py)."""
+    """Take the trainer's snapshot now, unless taken already. Called just before `import vllm` (stacks/vllm/stack.py)."""
     global _SNAPSHOT, _ORIGIN
     if _SNAPSHOT is not None:
         return

@@ -80,10 +80,10 @@ def _nudged(reported: torch.Tensor, position: int, steps: int, spacing: float) -
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_captured_logits_must_reproduce_reported_logprobs_within_the_documented_bound(device):
-    """stacks/vllm.py checks the captured logits against vLLM's reported logprobs: on the CPU not one ULP may differ;
+    """stacks/vllm/stack.py checks the captured logits against vLLM's reported logprobs: on the CPU not one ULP may differ;
     on a GPU up to 4 float32 ULPs of the larger of |logit| and |logsumexp| (the bound justified there), no more."""
 
-    from divergence_probe.stacks.vllm import VLLMStack
+    from divergence_probe.stacks.vllm.stack import VLLMStack
 
     stack = VLLMStack()
     stack.settings = SimpleNamespace(device=device)  # the check reads only the device (tensors stay on the CPU)
@@ -114,7 +114,7 @@ def test_taps_kept_without_a_clone_are_never_written_again(vllm_probe, prompts_f
     """vLLM's taps are cloned only where vLLM may overwrite the buffer later (vllm.REWRITTEN): with every tap
     cloned, every statistic is the same. A tap wrongly left out of REWRITTEN is paired after vLLM overwrote it
     (on this CPU build: q_norm and k_norm, which RoPE rotates in place; its fused add+norm is out of place)."""
-    from divergence_probe.stacks import vllm as vllm_stack
+    from divergence_probe.stacks.vllm import stack as vllm_stack
     from divergence_probe.taps import ALL_TAPS
 
     selective = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table

@@ -25,7 +25,7 @@ import torch
 
 from divergence_probe.errors import StackError
 from divergence_probe.stacks.hooks import Replacement
-from divergence_probe.stacks.vllm_aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
+from divergence_probe.stacks.vllm.aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ BUILDS = r'''
 import json, sys, torch
 import divergence_probe as dp
 from divergence_probe.prompts import load_prompts
-from divergence_probe.stacks.engine_worker import WorkerStack
+from divergence_probe.stacks.vllm.worker import WorkerStack
 
 model, prompts_file, out = sys.argv[1:4]
 result = {}
@@ -269,7 +269,7 @@ def test_a_failed_aligned_build_removes_its_compile_cache(tmp_path, monkeypatch)
     build of that region set must not load it (seen on the H200: a later run found the unpatched graph, refused)."""
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
     from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.engine_worker import WorkerStack
+    from divergence_probe.stacks.vllm.worker import WorkerStack
 
     settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
     worker = WorkerStack(settings, ("rope",))

@@ -29,7 +29,7 @@ import json, sys, torch
 import divergence_probe as dp
 from divergence_probe.errors import ProbeError
 from divergence_probe.prompts import load_prompts
-from divergence_probe.stacks import compiled_taps
+from divergence_probe.stacks.vllm import compiled_taps
 from divergence_probe.taps import each_tap
 
 def keep(into, name=lambda pid, key: (pid, key.name, key.layer)):  # a sink that keeps every tap on its own
@@ -111,7 +111,7 @@ def test_tap_points_leave_the_logprobs_bitwise_equal(engines):
 
 
 def test_taps_all_captures_the_neutral_set_and_lists_the_rest(engines):
-    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.vllm import compiled_taps
 
     tapped = engines["tapped"]
     expected = set(compiled_taps.NEUTRAL) | set(compiled_taps.OUTSIDE)
@@ -214,7 +214,7 @@ def test_each_step_reads_what_that_step_wrote(engines):
 @pytest.fixture
 def op_state():
     """The op with an empty buffer registry; restored afterwards (the registry is per process)."""
-    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.vllm import compiled_taps
 
     compiled_taps.register_op()
     saved, saved_groups = dict(compiled_taps._BUFFERS), list(compiled_taps._GROUPS)
@@ -355,8 +355,8 @@ def test_tap_points_are_part_of_the_engine_key():
     from dataclasses import replace
 
     from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.compiled_taps import wants_tap_points
-    from divergence_probe.stacks.vllm import _engine_key
+    from divergence_probe.stacks.vllm.compiled_taps import wants_tap_points
+    from divergence_probe.stacks.vllm.stack import _engine_key
     from divergence_probe.taps import parse_tap_selection
 
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
@@ -375,7 +375,7 @@ def test_tap_points_under_cuda_graphs_and_per_selection():
     made for the layer taps asked for at load only (the rest say so in the status); eager engines need none."""
     from dataclasses import replace
 
-    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.vllm import compiled_taps
     from divergence_probe.stacks.base import StackSettings, freeze_engine_args
 
     def settings(device, args=None):

@@ -94,7 +94,7 @@ def test_step_layout_reads_both_vllm_runner_kinds():
     import numpy as np
 
     from divergence_probe.stacks.hooks import HookSet
-    from divergence_probe.stacks.vllm_rollout import step_layout
+    from divergence_probe.stacks.vllm.rollout import step_layout
 
     v1 = SimpleNamespace(
         input_batch=SimpleNamespace(num_reqs=2, req_ids=["a-0", "b-0", None], num_computed_tokens_cpu=np.array([0, 5, 0])),

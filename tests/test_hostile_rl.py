@@ -342,7 +342,7 @@ def test_closing_a_worker_while_its_engine_builds_stops_it_at_once(qwen3_tiny, t
     from divergence_probe.model_source import resolve_model
     from divergence_probe.probe import stack_settings
     from divergence_probe.spec import LoadSpec
-    from divergence_probe.stacks.engine_worker import STOP_SECONDS, WorkerStack
+    from divergence_probe.stacks.vllm.worker import STOP_SECONDS, WorkerStack
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's temp folder, where vLLM puts vllm_dist_*
     settings = stack_settings(LoadSpec(model=str(qwen3_tiny), device="cpu"), resolve_model(str(qwen3_tiny)))

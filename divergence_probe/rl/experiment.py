@@ -39,7 +39,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
     if spec.prompts is not None:
         read_prompt_sources(Path(spec.prompts))
     if probe is None and spec.engine_args:
-        from ..stacks.vllm import check_engine_args
+        from ..stacks.vllm.stack import check_engine_args
 
         check_engine_args(load_spec(spec).engine_args, "eager")  # imports vLLM, starts nothing
     with ExitStack() as claim:

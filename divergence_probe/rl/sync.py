@@ -69,14 +69,14 @@ def digests(have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
     return checksum(have, widen), checksum(want, widen)
 
 
-def same_values(have: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether two tensors of one shape hold the same values, on their device: element for element in one dtype,
-    as float32 across dtypes (exact for BF16/FP16)."""
+def same_values(have: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Whether two tensors of one shape hold the same values, as a bool on the device (read it back with others at
+    once): element for element in one dtype, as float32 across dtypes (exact for BF16/FP16)."""
     if want.device != have.device:
         want = want.to(have.device)
     if have.dtype != want.dtype:
-        return torch.equal(have.float(), want.float())
-    return torch.equal(have, want)
+        have, want = have.float(), want.float()
+    return (have == want).all()
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -178,26 +178,35 @@ class WeightSync:
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
         want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None)
-        prints = []
+        names, equal, prints = [], [], []
         for name, tensor in held.items():
             expected, sources = want[name]
             if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
                 tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
-            if tensor.shape != expected.shape or not same_values(tensor, expected):
-                raise SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} (shapes "
-                                f"{tuple(tensor.shape)} vs {tuple(expected.shape)}); the push missed, renamed or cast it: "
-                                "push every trainer tensor under its checkpoint name")
+            if tensor.shape != expected.shape:
+                raise _not_the_trainers(name, sources, f"shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}")
             if audit:
                 have, need = digests(tensor, expected)
                 if have != need:
-                    raise SyncError(f"weight sync audit: the engine's {name} equals the trainer's {sources} on the "
-                                    f"device but not by sha256 on the host ({have[:12]} vs {need[:12]}); report this "
-                                    "as a bug")
+                    raise _not_the_trainers(name, sources, f"sha256 {have[:12]} vs {need[:12]} on the host")
+            names.append((name, sources))
+            equal.append(same_values(tensor, expected))
             prints.append(fingerprint(tensor))
-        now = torch.stack(prints).tolist() if prints else []  # one read-back for every tensor
+        if not names:
+            return SyncCheck(tensors=0, changed=0)
+        same = torch.stack(equal).tolist()  # one read-back for every tensor
+        for (name, sources), ok in zip(names, same):
+            if not ok:
+                raise _not_the_trainers(name, sources, "values differ on the device")
+        now = torch.stack(prints).tolist()
         changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
         self.previous = now
         return SyncCheck(tensors=len(now), changed=changed)
+
+
+def _not_the_trainers(name: str, sources: str, how: str) -> SyncError:
+    return SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} ({how}); the push missed, "
+                     "renamed or cast it: push every trainer tensor under its checkpoint name")
 
 
 class StaleCacheProbe:

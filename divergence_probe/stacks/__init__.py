@@ -11,7 +11,7 @@ from ..errors import ProbeError
 from .base import PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings, TapSink
 
 STACKS: dict[str, str] = {
-    "vllm": "divergence_probe.stacks.vllm:VLLMStack",
+    "vllm": "divergence_probe.stacks.vllm.stack:VLLMStack",
     "hf": "divergence_probe.stacks.hf:HFStack",
 }
 INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison

@@ -46,7 +46,7 @@ class StackSettings:
     train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
     train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
     engine_taps: frozenset[str] = frozenset()  # compiled vLLM: layer taps the engine gets tap points and buffers for
-    # (stacks/compiled_taps.py); empty: none, vLLM as deployed
+    # (stacks/vllm/compiled_taps.py); empty: none, vLLM as deployed
 
     def engine_kwargs(self) -> dict[str, object]:
         """The engine args as the user gave them (JSON values), for vllm.LLM and the manifest."""

@@ -381,11 +381,11 @@ class HFStack:
             name=self.name,
             versions={"transformers": transformers.__version__, "torch": torch.__version__},
             implementations={
+                "rmsnorm": f"{type(find(layer, roles['input_norm'])).__qualname__}.forward",
+                "rope": f"{attn_module}.apply_rotary_pos_emb",
                 **({"experts": getattr(self.model.config, "_experts_implementation", None) or "transformers' default"}
                    if moe else
                    {"swiglu": f"{type(mlp).__qualname__}.forward (act_fn={type(find(layer, roles['act'])).__name__})"}),
-                "rmsnorm": f"{type(find(layer, roles['input_norm'])).__qualname__}.forward",
-                "rope": f"{attn_module}.apply_rotary_pos_emb",
                 "attention": self.model.config._attn_implementation,
             },
             settings={

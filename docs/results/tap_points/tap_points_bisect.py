@@ -64,7 +64,7 @@ def main() -> None:
         score(args.child, args.taps)
         return
     from divergence_probe.modelzoo import make_model
-    from divergence_probe.stacks.compiled_taps import NEUTRAL
+    from divergence_probe.stacks.vllm.compiled_taps import NEUTRAL
 
     tiny = Path("/tmp/dp-models/tiny")
     if args.model is None and not (tiny / "config.json").exists():

@@ -60,7 +60,7 @@ def engine_part(args) -> None:
     import divergence_probe as dp
     from divergence_probe.modelzoo import make_model
     from divergence_probe.prompts import default_prompts_path, load_prompts
-    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.vllm import compiled_taps
     from divergence_probe.stacks.base import SamplingSpec
     from divergence_probe.errors import ProbeError
     from divergence_probe.taps import each_tap

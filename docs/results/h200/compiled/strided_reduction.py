@@ -5,7 +5,7 @@ engine's hand-over as it is, a view of the step's tap buffers, against the same 
     python3 docs/results/h200/compiled/strided_reduction.py --device cuda --out docs/results/h200/strided-reduction.json
 
 A compiled engine keeps one tap buffer per width, `[taps, buffer rows, features]`, and hands a prompt's taps over as
-the slice `[:, first row : first row + tokens]` (stacks/vllm.py `_Step.split`): rows contiguous, taps a whole buffer
+the slice `[:, first row : first row + tokens]` (stacks/vllm/stack.py `_Step.split`): rows contiguous, taps a whole buffer
 apart. The training side stacks its taps contiguous. Per round, the same prompt's pairs are reduced in three layouts,
 in an order rotated each round: both sides views (at a different first row each round, like the prompts of a step),
 the run loop's pairing (the engine's side a view, the training side contiguous), and both contiguous; reported: each

@@ -1,5 +1,5 @@
 """What handing a compiled engine's stacked taps over as views of its tap buffers saves, against one copy per prompt
-(what stacks/vllm.py `_Step.split` did before: the views are valid until the engine's next step, base.TapSink).
+(what stacks/vllm/stack.py `_Step.split` did before: the views are valid until the engine's next step, base.TapSink).
 
     .venv/bin/python docs/results/h200/compiled/tap_handover_views.py     # about three minutes on the CPU
 
@@ -47,7 +47,7 @@ def measure(rounds: int, models: Path) -> dict:
     import divergence_probe as dp
     from divergence_probe.modelzoo import make_model
     from divergence_probe.prompts import default_prompts_path
-    from divergence_probe.stacks import vllm
+    from divergence_probe.stacks.vllm import stack as vllm
 
     if not (models / "config.json").exists():
         make_model(models, preset="tiny", seed=0)

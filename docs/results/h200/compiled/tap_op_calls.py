@@ -6,7 +6,7 @@ save (a lead from the H200 tap-cost runs: steps above the CUDA-graph sizes call 
 One compiled function stands in for a model's layers: LAYERS x TAPS elementwise ops on small [ROWS, WIDTH] tensors, so
 the host's work dominates. Four versions, each timed per forward (median of REPS after warm-up):
 - `untapped`: the ops alone;
-- `one call per tap`: `dp::tap` (stacks/compiled_taps.py) after every op, as the engine's tap points call it;
+- `one call per tap`: `dp::tap` (stacks/vllm/compiled_taps.py) after every op, as the engine's tap points call it;
 - `one call per layer`: an op of the same kind taking the layer's TAPS tensors as a list, whose impl does the same
   per-tensor work (it is defined here only: the engine does not have it);
 - `the copies alone`: the impl's per-tensor work (checks and the copy into the static buffer) called from plain Python,
@@ -43,7 +43,7 @@ def _per_forward(fn, x, reps: int) -> float:
 
 
 def measure(reps: int) -> dict:
-    from divergence_probe.stacks import compiled_taps
+    from divergence_probe.stacks.vllm import compiled_taps
 
     compiled_taps.register_op()
     lib = torch.library.Library("dp_bench", "DEF")

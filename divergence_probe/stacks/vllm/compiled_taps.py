@@ -25,7 +25,7 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
-  identity (stacks/vllm.py `_engine_key`).
+  identity (stacks/vllm/stack.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
   never read: nothing is active then. Inside a call, a step run without a graph skips the taps the call does not read
   (`_WANTED`), so an engine built with every tap point and asked for a few copies only those; a graph replay copies
@@ -40,10 +40,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import StackError
-from ..taps import ALL_TAPS, Tap, TapKey
-from ..models import dims, family_of, find
-from .vllm_seams import model_seams
+from ...errors import StackError
+from ...taps import ALL_TAPS, Tap, TapKey
+from ...models import dims, family_of, find
+from .seams import model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
@@ -146,7 +146,7 @@ def register_op() -> None:
 
 
 def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
-    """Forward hooks on the decoder's modules (vllm_seams: the eager taps' seams) that call the op for each tap
+    """Forward hooks on the decoder's modules (seams.py: the eager taps' seams) that call the op for each tap
     of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before its
     first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points: each op
     call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change."""
@@ -259,7 +259,7 @@ def wanted(taps: frozenset[str]) -> frozenset[int]:
 
 
 def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
-    """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm.py sets it through its HookSet, which
+    """What `_ACTIVE` is set to for one scoring/sampling call (stacks/vllm/stack.py sets it through its HookSet, which
     restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
     selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
     of the buffers that is valid until the next step writes them (a receiver that keeps it longer copies it:
@@ -317,7 +317,7 @@ def tap_points_for(taps: str | None, settings) -> frozenset[str]:
     """The layer taps a compiled engine for these settings gets tap buffers for, given the `taps` the runs will ask
     for (empty: no tap points, vLLM as deployed). CUDA graphs replay the buffers' copies, so every cudagraph mode is
     fine."""
-    from ..taps import parse_tap_selection
+    from ...taps import parse_tap_selection
 
     if settings.engine != "compiled":
         return frozenset()  # eager taps are plain module hooks: no tap points, no buffers

@@ -42,16 +42,16 @@ from typing import Sequence
 
 import torch
 
-from .. import torch_state
-from ..errors import StackError, one_line
-from ..models import family_of, find
-from ..prompts import Prompt, batches
-from ..taps import ALL_TAPS, Tap, TapKey
+from ... import torch_state
+from ...errors import StackError, one_line
+from ...models import family_of, find
+from ...prompts import Prompt, batches
+from ...taps import ALL_TAPS, Tap, TapKey
 from . import compiled_taps
-from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from .hooks import HookSet, arg, first_tensor
-from .vllm_rollout import RolloutRecorder
-from .vllm_seams import decoder_layers, model_seams
+from ..base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ..hooks import HookSet, arg, first_tensor
+from .rollout import RolloutRecorder
+from .seams import decoder_layers, model_seams
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # MoE: eager only (spec.check_family)
 
@@ -650,10 +650,13 @@ class VLLMStack:
             method = getattr(module, "_forward_method", None)
             return getattr(method, "__qualname__", type(module).__qualname__ + ".forward")
 
+        experts = find(layer, roles["experts"]) if "experts" in roles else None
         impls = {
             "rmsnorm": dispatched(find(layer, roles["input_norm"])),
             "rope": f"{dispatched(rope)} (is_neox_style={getattr(rope, 'is_neox_style', '?')})",
-            "swiglu": dispatched(find(layer, roles["act"])),
+            # a mixture of experts: its runner and the router that picks the experts, not a dense SwiGLU
+            **({"experts": f"{type(experts).__qualname__} (router {type(getattr(experts, 'router', None)).__qualname__})"}
+               if experts is not None else {"swiglu": dispatched(find(layer, roles["act"]))}),
             "attention": type(getattr(attention, "impl", attention)).__qualname__,
         }
         try:

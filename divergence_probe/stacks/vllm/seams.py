@@ -1,4 +1,4 @@
-"""Where each canonical layer tap lives in vLLM's decoder layer: one table for the eager engine's hooks (stacks/vllm.py)
+"""Where each canonical layer tap lives in vLLM's decoder layer: one table for the eager engine's hooks (stacks/vllm/stack.py)
 and the compiled engine's tap points (compiled_taps.py), so both read the same tensor at the same seam.
 
 The family (models/) says which module each tap is read at and what of it; this module says how each kind of read is
@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import StackError
-from ..models import Family, dims, family_of, find
-from .hooks import arg, first_tensor
+from ...errors import StackError
+from ...models import Family, dims, family_of, find
+from ..hooks import arg, first_tensor
 
 Read = Callable[[tuple, dict, object], dict[str, torch.Tensor]]  # (args, kwargs, output or None) -> {tap: tensor}
 
@@ -82,7 +82,7 @@ def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
         return False, _layer_output
     if seam.read == "select_experts":  # the router's own choice, which vLLM's experts then run with
         return False, _routes
-    raise ValueError(f"{family.model_type}: vLLM seam read {seam.read!r} is not one stacks/vllm_seams.py knows")
+    raise ValueError(f"{family.model_type}: vLLM seam read {seam.read!r} is not one stacks/vllm/seams.py knows")
 
 
 def layer_seams(layer, family: Family, sizes: dict[str, int], wanted: frozenset[str] | None = None) -> list[Seam]:

@@ -1,7 +1,7 @@
 """A vLLM engine in a worker process, used as an inference stack: for an engine this process cannot build.
 
 vLLM's CPU backend hosts one engine per process and a compiled engine cannot take a region patch once built, so an
-engine with other regions aligned (`vllm_aligned`), or in the other engine mode (the engine-mode noise floor),
+engine with other regions aligned (`aligned`), or in the other engine mode (the engine-mode noise floor),
 runs in a child process of its own: `WorkerStack` starts it, proxies the Stack calls the run loop makes (score,
 score_batched, sample, info) and replays the taps and scores it returns, so `compare.score_both` runs unchanged.
 
@@ -9,7 +9,7 @@ Protocol: requests and results are torch.save files in a private temp folder; on
 request, one JSON line on its protocol channel (its original stdout; vLLM's own output goes to a log) answers it.
 The child is started with the parent's `divergence_probe` on its path, so both run the same code.
 
-    python -m divergence_probe.stacks.engine_worker FOLDER      (FOLDER/init.pt: settings and regions)
+    python -m divergence_probe.stacks.vllm.worker FOLDER      (FOLDER/init.pt: settings and regions)
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Sequence
 
 import torch
 
-from ..errors import StackError
-from ..prompts import Prompt, batches
-from ..signals import forget, pass_on_to
-from .base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from .vllm_aligned import cache_namespace
+from ...errors import StackError
+from ...prompts import Prompt, batches
+from ...signals import forget, pass_on_to
+from ..base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from .aligned import cache_namespace
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
 STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
@@ -64,7 +64,7 @@ class WorkerStack:
         """Start the child (it builds its engine); `wait_ready` blocks until the engine is built. Split so a caller
         can start the next engine while this process still works on something else."""
         torch.save({"settings": self.settings, "regions": self.regions}, self._folder / "init.pt")
-        package_root = str(Path(__file__).resolve().parents[2])
+        package_root = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -78,7 +78,7 @@ class WorkerStack:
         self.cache_root = namespace or env.get("VLLM_CACHE_ROOT")
         self._log = open(self._folder / "engine.log", "wb")
         self._started = time.perf_counter()
-        self._proc = subprocess.Popen([sys.executable, "-m", "divergence_probe.stacks.engine_worker", str(self._folder)],
+        self._proc = subprocess.Popen([sys.executable, "-m", "divergence_probe.stacks.vllm.worker", str(self._folder)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                       cwd=self._folder)
         pass_on_to(self._proc)  # a SIGTERM to this process stops every worker at once, whatever it is doing
@@ -242,7 +242,7 @@ def _serve(folder: Path) -> None:
 
     init = torch.load(folder / "init.pt", weights_only=False)
     try:
-        from .vllm_aligned import load_aligned
+        from .aligned import load_aligned
 
         stack = load_aligned(init["settings"], init["regions"])
     except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
@@ -281,7 +281,7 @@ def _run(stack, method: str, args: tuple):
         prompts, patched = args
         if not patched:
             return {"scores": stack.score_batched(prompts)}
-        from ..regions import aligned
+        from ...regions import aligned
 
         with aligned([stack], patched):  # a compiled engine refuses: check_patchable
             return {"scores": stack.score_batched(prompts)}
@@ -294,7 +294,7 @@ def _run(stack, method: str, args: tuple):
 
 
 if __name__ == "__main__":
-    from ..signals import stop_on_signals
+    from ...signals import stop_on_signals
 
     # SIGTERM (the parent's close while this child builds its engine or serves a call) unwinds like Ctrl-C: vLLM's
     # start-up and the atexit cleanups run, so its rendezvous file (vllm_dist_*) does not outlive it

@@ -23,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from ..errors import StackError
-from .base import StackSettings
-from .hooks import HookSet
+from ...errors import StackError
+from ..base import StackSettings
+from ..hooks import HookSet
 
 CACHE_SUBDIR = "divergence_probe_aligned"  # under VLLM_CACHE_ROOT; one folder per aligned-region set
 
@@ -43,7 +43,7 @@ def cache_namespace(regions: Sequence[str], root: str | None = None) -> str | No
     own vLLM runs. Inductor's own caches are keyed by graph content and follow VLLM_CACHE_ROOT in AOT mode."""
     if not regions:
         return None
-    from .. import regions as registry
+    from ... import regions as registry
 
     digest = hashlib.sha256()
     for name in sorted(regions):
@@ -116,8 +116,8 @@ def load_aligned(settings: StackSettings, regions: Sequence[str]):
     """A loaded VLLMStack whose engine was built with `regions` patched in before it compiled. The patches stay in
     place for the life of the process (the engine keeps running that code; eager mode calls it at every step).
     Raises StackError when a region's aligned code is not in the compiled graph."""
-    from .. import regions as registry
-    from .vllm import VLLMStack, _disable_flashinfer_sampler_if_missing, _import_vllm
+    from ... import regions as registry
+    from .stack import VLLMStack, _disable_flashinfer_sampler_if_missing, _import_vllm
 
     _import_vllm()
     if settings.device == "cuda":  # before _runner_classes imports the runners: model runner V2 binds the sampler then
