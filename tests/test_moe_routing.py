@@ -199,3 +199,15 @@ def test_engine_routes_that_are_not_its_top_k_stop_the_run_in_one_line():
     with pytest.raises(RouteRecordError) as e:
         capture.finish_prompt(7)
     assert "token 1 of sequence 7 in layer 0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ablate_replays_weights_only_in_combinations_with_routing():
+    """--routing-replay ids+weights applies to the combinations that align routing; the others (the shipped one
+    included) are plain compares, which a replay option would make invalid."""
+    from divergence_probe.ablate import combo_spec
+    from divergence_probe.shapley import subsets
+
+    spec = spec_from_flat("ablate", load=LoadSpec(model="m"), regions="rope,routing", routing_replay="ids+weights")
+    replays = {combo: combo_spec(spec, combo).align.routing_replay for combo in subsets(spec.ablate.regions)}
+    assert {c: r for c, r in replays.items() if "routing" in c} and \
+        all(r == ("ids+weights" if "routing" in c else "ids") for c, r in replays.items())
