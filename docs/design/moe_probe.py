@@ -55,7 +55,7 @@ def prompts_from_corpus(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def find_runner(llm):
-    """The in-process model runner (stacks/vllm.py's _find_runner; repeated so this probe stands alone)."""
+    """The in-process model runner (stacks/vllm/stack.py's _find_runner; repeated so this probe stands alone)."""
     import torch
 
     for path in (("model_executor", "driver_worker", "worker", "model_runner"),
