@@ -9,9 +9,9 @@ Python API (the CLI is a thin shell over it):
     dp.write_report("runs/my-run")                                       # figures + report.md
 """
 
-from importlib import import_module
 
 from .errors import ProbeError
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "RunSpec", "LoadSpec", "PromptSpec",
@@ -24,13 +24,4 @@ _LAZY = {"load": ".probe", "run": ".probe", "Probe": ".probe", "LoadConfig": ".p
                                        "AlignSpec", "AblateSpec")}}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)

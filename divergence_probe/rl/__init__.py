@@ -8,7 +8,7 @@ the on-device weight comparison, stale-cache probe), loop (the steps), experimen
 table (the run folder), spec (the options).
 """
 
-from importlib import import_module
+from ..lazy import lazy_exports
 
 __all__ = ["Loop", "RLResult", "RLSpec", "StaleCacheError", "SyncError", "load", "run"]
 
@@ -17,13 +17,4 @@ _LAZY = {"run": ".experiment", "RLResult": ".experiment", "Loop": ".loop", "load
          "StaleCacheError": ".sync", "SyncError": ".sync"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
