@@ -17,7 +17,7 @@ from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
 from divergence_probe.models import get_family
-from divergence_probe.rl.sync import SyncError, digests, expected_tensors, fingerprint, same_values
+from divergence_probe.rl.sync import SyncError, differing, digests, expected_tensors, fingerprints, same_values
 from test_compare_cli import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +92,24 @@ def test_the_on_device_comparison_matches_equal_values_across_dtypes_and_tells_o
     bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
     for engine in (w.clone(), w.float()):  # same dtype, and an engine that keeps it in FP32
         assert bool(same_values(engine, w)) and not bool(same_values(engine, bumped))
-    assert not torch.equal(fingerprint(w), fingerprint(bumped))
+    assert fingerprints([w])[0] != fingerprints([bumped])[0]
+
+
+def test_the_batched_comparison_finds_exactly_the_differing_pairs():
+    """`differing` flags one ULP anywhere, a subnormal one included, in any chunk; +0 vs -0 and inf vs inf are equal
+    (element-wise ==, which its fast path of difference norms must not overrule); NaN is never equal."""
+    g = torch.Generator().manual_seed(0)
+    have = [torch.randn(n, 5, generator=g).bfloat16() for n in (1, 7, 300, 2, 40)]
+    want = [t.clone() for t in have]
+    assert differing(have, want) == [] and differing(have, want, chunk_bytes=1) == []
+    want[2].view(torch.int16)[123, 4] += 1  # one unit in the last place
+    tiny = torch.tensor([1e-39, 0.0]).bfloat16()  # a subnormal BF16 against zero
+    have += [tiny, torch.tensor([0.0, float("inf")]).bfloat16(), torch.tensor([float("nan")]).bfloat16()]
+    want += [torch.zeros(2).bfloat16(), torch.tensor([-0.0, float("inf")]).bfloat16(),
+             torch.tensor([float("nan")]).bfloat16()]
+    assert tiny[0] != 0
+    for chunk in (1, 64, 1 << 28):
+        assert differing(have, want, chunk_bytes=chunk) == [2, 5, 7]
 
 
 def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():

@@ -79,9 +79,36 @@ def same_values(have: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (have == want).all()
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """[2] float64 on the tensor's device: its sum and its norm, accumulated in float64 without a widened copy."""
-    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
+def differing(have: list[torch.Tensor], want: list[torch.Tensor], chunk_bytes: int = 1 << 28) -> list[int]:
+    """Indices of the pairs (same shapes, dtypes and device) whose values differ, in a few multi-tensor kernels and
+    one read-back instead of a comparison per tensor: a weight check is hundreds of tensors, and per-tensor kernels
+    made it launch-bound. The fast path is the float64 norm of each difference (`have - want` is exactly 0 where
+    the values are equal, and a nonzero difference of two finite floats never rounds to 0 with subnormals, which
+    torch keeps); a pair it flags is then decided by `same_values`, so the verdict is exactly element-wise `==`
+    (inf - inf is NaN there, yet equal). Differences are made `chunk_bytes` at a time, to bound the memory."""
+    norms, group, size = [], [], 0
+    for i in range(len(have)):
+        group.append(i)
+        size += have[i].numel() * have[i].element_size()
+        if size >= chunk_bytes or i == len(have) - 1:
+            diffs = torch._foreach_sub([have[j] for j in group], [want[j] for j in group])
+            norms += torch._foreach_norm(diffs, 2, dtype=torch.float64)
+            del diffs
+            group, size = [], 0
+    if not norms:
+        return []
+    flagged = [i for i, n in enumerate(torch.stack(norms).tolist()) if n != 0]
+    return [i for i in flagged if not bool(same_values(have[i], want[i]))]
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """Per tensor, its sum and its norm, accumulated in float64 without a widened copy: the norms in multi-tensor
+    kernels; one read-back for all."""
+    if not tensors:
+        return []
+    sums = [t.sum(dtype=torch.float64) for t in tensors]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    return [tuple(pair) for pair in torch.stack([torch.stack(sums), torch.stack(norms)], dim=1).tolist()]
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +184,7 @@ class WeightSync:
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
         self.family = family_of(model)
         self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
-        self.previous: list[list[float]] = []  # each tensor's fingerprint at the previous check
+        self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load `named` (HF checkpoint names, the trainer's tensors) into the engine through vLLM's reload path."""
@@ -178,7 +205,7 @@ class WeightSync:
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
         want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None)
-        names, equal, prints = [], [], []
+        names, haves, needs = [], [], []
         for name, tensor in held.items():
             expected, sources = want[name]
             if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
@@ -189,16 +216,19 @@ class WeightSync:
                 have, need = digests(tensor, expected)
                 if have != need:
                     raise _not_the_trainers(name, sources, f"sha256 {have[:12]} vs {need[:12]} on the host")
+            if expected.device != tensor.device:
+                expected = expected.to(tensor.device)
+            if expected.dtype != tensor.dtype:  # e.g. a bias the engine keeps in FP32: compared as float32 values
+                tensor, expected = tensor.float(), expected.float()
             names.append((name, sources))
-            equal.append(same_values(tensor, expected))
-            prints.append(fingerprint(tensor))
+            haves.append(tensor)
+            needs.append(expected)
         if not names:
             return SyncCheck(tensors=0, changed=0)
-        same = torch.stack(equal).tolist()  # one read-back for every tensor
-        for (name, sources), ok in zip(names, same):
-            if not ok:
-                raise _not_the_trainers(name, sources, "values differ on the device")
-        now = torch.stack(prints).tolist()
+        for i in differing(haves, needs)[:1]:
+            name, sources = names[i]
+            raise _not_the_trainers(name, sources, "values differ on the device")
+        now = fingerprints(haves)
         changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
         self.previous = now
         return SyncCheck(tensors=len(now), changed=changed)
