@@ -1,6 +1,6 @@
 """Which aligned regions change a compiled engine at all: each region set's engine against the shipped one, bitwise.
 
-    .venv/bin/python benchmarks/compiled_region_effect.py [--regions rope,swiglu,rmsnorm] [--engine compiled]
+    .venv/bin/python docs/design/compiled_region_effect.py [--regions rope,swiglu,rmsnorm] [--engine compiled]
 
 Builds the shipped engine and one engine per single region and for all of them together, each in its own worker
 process (`divergence_probe.stacks.vllm.worker.WorkerStack`, regions patched before the engine compiles), scores
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:
