@@ -193,7 +193,12 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     train = get_stack(cfg.train)
     with _memory_errors(plan, "loading the training stack"):
         train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
-    infer = get_stack(cfg.infer)
+    if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
+        from .stacks.vllm.tensor_parallel import stack_for
+
+        infer = stack_for(settings)
+    else:
+        infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
             infer.load(settings)

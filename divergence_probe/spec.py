@@ -470,6 +470,17 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     if run is not None:
         wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),
                                    ("--align", bool(run.align.regions)), ("ablate", run.kind == "ablate")) if on]
+    ranks = load.engine_args.get("tensor_parallel_size") if load.infer == "vllm" else 1
+    ranks = ranks if isinstance(ranks, int) else 1  # another type: check_engine_args refuses it
+    if ranks > 1:
+        wanted.append("tensor_parallel_size > 1")
     for feature in wanted:
         if feature in family.unsupported:
             raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")
+    if ranks > 1:  # what cannot run sharded (stacks/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
+        from .stacks.vllm.tensor_parallel import refuse
+
+        engine_regions = run is not None and run.align.side != "train" and bool(
+            run.ablate.regions if run.kind == "ablate" else run.align.regions)
+        refuse([*(f for f in wanted if f != "--align"), *(["--align"] if engine_regions else []),
+                *(["--mode generate"] if run is not None and run.generate.generates else [])], ranks)
