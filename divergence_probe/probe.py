@@ -243,7 +243,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
         kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
-        noise_floor=plan_for is not None and plan_for.capture.batch_invariance)
+        noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
+        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1)
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)
     engine = plan.engine_args()

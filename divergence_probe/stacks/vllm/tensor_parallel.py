@@ -25,6 +25,7 @@ VLLM_CPU_OMP_THREADS_BIND is set, this process's cores are split evenly between 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -34,20 +35,19 @@ from ..base import StackInfo, StackSettings
 from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
 
 ARG = "tensor_parallel_size"
-# What cannot run sharded, by spec.check_family's feature names: why, for the one-line refusal.
+# What cannot run sharded, by spec.check_family's feature names, and why (the one-line refusal says it).
 REFUSED = {
-    "--engine compiled": "at tensor_parallel_size > 1 runs the eager engine only (the compiled engine's tap points "
-                         "would live in every rank's graph, which is not built); use --engine eager",
-    "--graft": "runs training-stack ops on the engine's inputs of single modules, which at tensor_parallel_size > 1 "
-               "are shards spread over worker processes; run it at tensor_parallel_size 1",
-    "--depth": "continues the trainer from the engine's residual stream layer by layer, which is built for one "
-               "in-process engine; run it at tensor_parallel_size 1",
-    "--align": "patches regions into the engine's modules, which at tensor_parallel_size > 1 live in worker "
-               "processes; use --side train (the engine as deployed) or tensor_parallel_size 1",
-    "--mode generate": "samples through the decode path, whose per-step capture is not built for worker processes "
-                       "yet; use --mode prefill or tensor_parallel_size 1",
-    "rl": "pushes the trainer's weights into the engine's model in this process, and at tensor_parallel_size > 1 "
-          "it is sharded over worker processes; run rl at tensor_parallel_size 1",
+    "--engine compiled": "a compiled engine's tap points would live in every rank's graph, which is not built; use "
+                         "--engine eager",
+    "--graft": "it runs training-stack ops on the engine's inputs of single modules, which are shards in worker "
+               "processes; run it at tensor_parallel_size 1",
+    "--depth": "it continues the trainer from the engine's residual stream as one in-process engine hands it over; "
+               "run it at tensor_parallel_size 1",
+    "--align": "regions are patched into the engine's modules, which live in worker processes; use --side train "
+               "(the engine as deployed) or tensor_parallel_size 1",
+    "--mode generate": "the decode path's per-step capture is not built for worker processes; use --mode prefill or "
+                       "tensor_parallel_size 1",
+    "rl": "rl pushes the trainer's weights into the engine's model in this process; run it at tensor_parallel_size 1",
 }
 
 
@@ -55,7 +55,7 @@ def refuse(features: Sequence[str], ranks: int) -> None:
     """One line for the first of `features` (spec.check_family's names) that cannot run at `ranks` > 1."""
     for feature in features:
         if ranks > 1 and feature in REFUSED:
-            raise StackError(f"{feature} {REFUSED[feature]} (tensor_parallel_size is {ranks})")
+            raise StackError(f"{feature} cannot run at tensor_parallel_size {ranks}: {REFUSED[feature]}")
 
 
 def size(engine_args: dict) -> int:
@@ -71,17 +71,25 @@ def without(settings):
     return replace(settings, engine_args=tuple((k, v) for k, v in settings.engine_args if k != ARG))
 
 
-def _bind_cores(ranks: int) -> None:
-    """vLLM CPU: split this process's cores evenly between the ranks (VLLM_CPU_OMP_THREADS_BIND), unless set."""
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+@contextlib.contextmanager
+def _cores_bound(settings: StackSettings):
+    """vLLM CPU: while the engine starts its ranks, VLLM_CPU_OMP_THREADS_BIND splits this process's cores evenly
+    between them, unless the user set it; restored afterwards, so that a later engine (the parallelism floor's, in a
+    worker process) is bound as it would be alone. Yields the binding the ranks got."""
+    name, before = "VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if settings.device != "cpu" or before:
+        yield before if settings.device == "cpu" else None
         return
-    cores = sorted(os.sched_getaffinity(0))
+    ranks, cores = size(settings.engine_kwargs()), sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
         raise StackError(f"tensor_parallel_size {ranks} on the CPU needs a core per rank, and this process has "
                          f"{len(cores)}; lower tensor_parallel_size")
     per = len(cores) // ranks
-    groups = [cores[r * per : (r + 1) * per] for r in range(ranks)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    os.environ[name] = "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(ranks))
+    try:
+        yield os.environ[name]
+    finally:
+        del os.environ[name]
 
 
 # ------------------------------------------------------------------------------------------ in every rank
@@ -163,9 +171,8 @@ class TensorParallelStack(VLLMStack):
     ranks."""
 
     def load(self, settings: StackSettings) -> None:
-        if settings.device == "cpu":
-            _bind_cores(size(settings.engine_kwargs()))
-        super().load(settings)
+        with _cores_bound(settings) as self._binding:
+            super().load(settings)
 
     def _attach(self, runner=None) -> None:
         """No model in this process: every rank describes its own (the model class is checked as stack.py does)."""
@@ -217,14 +224,14 @@ class TensorParallelStack(VLLMStack):
             raise StackError(f"a vLLM tensor-parallel rank failed in its forward: {one_line(e)}") from e
 
     def sample(self, prompts, spec, taps, sink):
-        raise StackError(f"--mode generate {REFUSED['--mode generate']}")
+        refuse(["--mode generate"], size(self.settings.engine_kwargs()))
 
     def info(self) -> StackInfo:
         info = super().info()
         info.settings["tensor_parallel"] = {
             "size": size(self.settings.engine_kwargs()),
             "column_parallel_taps_gathered": sorted(self._family_and_replicas()[0].column_parallel),
-            "cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if self.settings.device == "cpu" else None,
+            "cpu_threads_bind": self._binding,  # VLLM_CPU_OMP_THREADS_BIND of the ranks (CPU)
         }
         return info
 
