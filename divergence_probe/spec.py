@@ -149,7 +149,8 @@ class CaptureSpec:
                                        "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
                                        "engine's own eager-vs-compiled gap. A compiled engine built with tap points "
                                        "is also checked against one built without them (tap_points_mean_abs_dlogp: 0 "
-                                       "when the taps left its numerics alone). Costs one or two engine builds.")
+                                       "when the taps left its numerics alone). At tensor_parallel_size N > 1: the "
+                                       "engine at 1 instead (the parallelism floor). Costs one or two engine builds.")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:

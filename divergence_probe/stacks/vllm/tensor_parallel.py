@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Sequence
+
+import torch
 
 from ...errors import StackError, one_line
 from ...models import get_family
+from ...taps import TapKey
 from ..base import StackInfo, StackSettings
 from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
 
@@ -93,7 +97,7 @@ def _cores_bound(settings: StackSettings):
 
 
 # ------------------------------------------------------------------------------------------ in every rank
-_LIVE: dict = {}  # this rank's capture of the step being run: {"hooks", "step", "kept"}
+_LIVE: dict = {}  # this rank's capture of the step being run: hooks, step layout, kept taps, prompts, rank
 
 
 def _rank_stack(worker, settings):
@@ -117,8 +121,9 @@ def _install(worker, settings, prompts, taps, keep) -> int:
     rank 0) are copied to the host as they come, the rest dropped (rank 0 has them whole)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    if _LIVE:
-        raise StackError("a capture is already installed in this rank (a step was not collected)")
+    if _LIVE:  # a step that failed before it was collected: its hooks go first
+        _LIVE.pop("hooks").remove()
+        _LIVE.clear()
     rank = get_tensor_model_parallel_rank()
     stack, step, kept = _rank_stack(worker, settings), _Step(), []
 
@@ -145,12 +150,10 @@ def _collect(worker) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ in this process
-def gather(ranks: Sequence[dict], family, kv_replicas: int) -> list[tuple[int, object, "torch.Tensor"]]:
+def gather(ranks: Sequence[dict], family, kv_replicas: int) -> list[tuple[int, TapKey, torch.Tensor]]:
     """Every rank's kept taps -> (prompt_id, key, unsharded tensor), in rank 0's order. A column-parallel tap is its
     ranks' slices joined along the features in rank order (of KV-width taps, one rank per KV head: every
     `kv_replicas`-th); any other tap is rank 0's."""
-    import torch
-
     ranks = sorted(ranks, key=lambda r: r["rank"])
     shards = [{(pid, key): x for pid, key, x in r["taps"]} for r in ranks]
     out = []
@@ -186,7 +189,10 @@ class TensorParallelStack(VLLMStack):
         try:
             return self.llm.collective_rpc(fn, args=args)
         except Exception as e:  # a rank raised or died: one line with the rank's own message
-            raise StackError(f"a vLLM tensor-parallel rank failed in {fn.__name__.strip('_')}: {one_line(e)}") from e
+            said = one_line(e)
+            # vLLM 0.32 wraps it: "Worker failed with error '<message>', please check the stack trace above ..."
+            said = re.sub(r"^Worker failed with error '(.*)', please check the stack trace above.*$", r"\1", said)
+            raise StackError(f"a vLLM tensor-parallel rank failed in {fn.__name__.strip('_')}: {said}") from e
 
     @property
     def num_layers(self) -> int:
@@ -207,8 +213,11 @@ class TensorParallelStack(VLLMStack):
         self._rpc(_install, self.settings, list(prompts), frozenset(taps), frozenset(taps) & family.column_parallel)
         try:
             outputs = self._generate(requests, params)
-        finally:
-            ranks = self._rpc(_collect)
+        except BaseException:
+            with contextlib.suppress(StackError):  # the ranks' hooks go; the step's own error is the one to report
+                self._rpc(_collect)
+            raise
+        ranks = self._rpc(_collect)
         device = self.settings.device
         for prompt_id, key, x in gather(ranks, family, replicas):
             sink(prompt_id, key, x.to(device))
