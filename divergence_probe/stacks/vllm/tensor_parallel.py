@@ -113,7 +113,8 @@ def _describe(worker, settings) -> dict:
 
     stack = _rank_stack(worker, settings)
     return {"rank": get_tensor_model_parallel_rank(), "model_class": type(stack.model).__name__,
-            "layers": len(stack.layers), "implementations": stack.implementations()}
+            "layers": len(stack.layers), "implementations": stack.implementations(),
+            "model_runner": f"{type(stack.runner).__module__}.{type(stack.runner).__qualname__}"}
 
 
 def _install(worker, settings, prompts, taps, keep) -> int:
@@ -237,6 +238,7 @@ class TensorParallelStack(VLLMStack):
 
     def info(self) -> StackInfo:
         info = super().info()
+        info.settings["model_runner"] = self._described["model_runner"]  # every rank's
         info.settings["tensor_parallel"] = {
             "size": size(self.settings.engine_kwargs()),
             "column_parallel_taps_gathered": sorted(self._family_and_replicas()[0].column_parallel),
