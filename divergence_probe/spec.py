@@ -462,8 +462,9 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
 
 
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
-    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), and
-    regions its layers do not have."""
+    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), regions
+    its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (stacks/vllm/
+    tensor_parallel.py: REFUSED)."""
     check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
     wanted = []
     if load.engine == "compiled" and load.infer == "vllm":
