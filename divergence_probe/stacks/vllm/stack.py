@@ -126,6 +126,8 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
         raise StackError(f"--engine {engine!r} is not an engine mode; choose one of: {', '.join(ENGINES)}")
     vllm = _import_vllm()
     known = _llm_keywords(vllm)
+    # tensor_parallel.py reaches the ranks through vLLM's multiprocessing executor (collective_rpc)
+    sharded = isinstance(args.get("tensor_parallel_size"), int) and args["tensor_parallel_size"] > 1
     for key, value in args.items():
         if key not in known:
             import difflib
@@ -139,8 +141,6 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
             raise StackError(f"--engine-args {key}={value}: capture reaches one model, whole or tensor-parallel; use 1")
         if key == "tensor_parallel_size" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise StackError(f"--engine-args tensor_parallel_size={value!r}: use a whole number of ranks, 1 or more")
-        # tensor_parallel.py reaches the ranks through vLLM's multiprocessing executor (collective_rpc)
-        sharded = isinstance(args.get("tensor_parallel_size"), int) and args["tensor_parallel_size"] > 1
         if key == "distributed_executor_backend" and value not in (None, "mp" if sharded else "uni"):
             raise StackError(f"--engine-args {key}={value!r}: capture needs the model in this process ('uni') or, at "
                              "tensor_parallel_size > 1, in vLLM's own worker processes ('mp'); drop it")
