@@ -480,9 +480,9 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
         if feature in family.unsupported:
             raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")
     if ranks > 1:  # what cannot run sharded (stacks/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
-        from .stacks.vllm.tensor_parallel import refuse
+        from .stacks.vllm.tensor_parallel import ENGINE_REGIONS, refuse
 
         engine_regions = run is not None and run.align.side != "train" and bool(
             run.ablate.regions if run.kind == "ablate" else run.align.regions)
-        refuse([*(f for f in wanted if f != "--align"), *(["--align"] if engine_regions else []),
+        refuse([*wanted, *([ENGINE_REGIONS] if engine_regions else []),
                 *(["--mode generate"] if run is not None and run.generate.generates else [])], ranks)

@@ -175,13 +175,16 @@ def test_a_failed_rank_is_one_line(tp2):
 @pytest.mark.parametrize("flags, refused", [
     ({"graft": True}, "--graft cannot run at tensor_parallel_size 2"),
     ({"depth": True}, "--depth cannot run at tensor_parallel_size 2"),
-    ({"align": "rope"}, "--align cannot run at tensor_parallel_size 2"),
+    ({"align": "rope"}, "regions aligned in the engine .* cannot run at tensor_parallel_size 2: .* --side train"),
+    ({"kind": "ablate"}, "regions aligned in the engine .* cannot run at tensor_parallel_size 2"),
+    ({"kind": "ablate", "side": "train"}, None),
     ({"mode": "generate"}, "--mode generate cannot run at tensor_parallel_size 2"),
     ({"engine": "compiled"}, "--engine compiled cannot run at tensor_parallel_size 2"),
     ({"align": "rope", "side": "train"}, None),
 ])
 def test_what_cannot_run_sharded_is_refused_before_loading(flags, refused):
-    spec = spec_from_flat("compare", model="m", engine_args=TP2, **flags)
+    flags = dict(flags)
+    spec = spec_from_flat(flags.pop("kind", "compare"), model="m", engine_args=TP2, **flags)
     if refused is None:
         check_family(spec, spec.load, get_family("qwen2"))
         return

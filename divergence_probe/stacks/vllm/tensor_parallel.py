@@ -39,6 +39,7 @@ from ..base import StackInfo, StackSettings
 from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
 
 ARG = "tensor_parallel_size"
+ENGINE_REGIONS = "regions aligned in the engine (--align or ablate, --side both or infer)"
 # What cannot run sharded, by spec.check_family's feature names, and why (the one-line refusal says it).
 REFUSED = {
     "--engine compiled": "a compiled engine's tap points would live in every rank's graph, which is not built; use "
@@ -47,8 +48,8 @@ REFUSED = {
                "processes; run it at tensor_parallel_size 1",
     "--depth": "it continues the trainer from the engine's residual stream as one in-process engine hands it over; "
                "run it at tensor_parallel_size 1",
-    "--align": "regions are patched into the engine's modules, which live in worker processes; use --side train "
-               "(the engine as deployed) or tensor_parallel_size 1",
+    ENGINE_REGIONS: "they are patched into the engine's modules, which live in worker processes; use --side train "
+                    "(the engine as deployed) or tensor_parallel_size 1",
     "--mode generate": "the decode path's per-step capture is not built for worker processes; use --mode prefill or "
                        "tensor_parallel_size 1",
     "rl": "rl pushes the trainer's weights into the engine's model in this process; run it at tensor_parallel_size 1",
