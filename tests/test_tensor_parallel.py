@@ -121,6 +121,24 @@ def test_gathered_taps_equal_the_unsharded_engines(tp2, tp1):
             assert rel <= 2**-6, (key, rel)
 
 
+def test_the_first_all_reduce_differs_only_by_rounding_the_ranks_partial_sums(tp2, tp1, qwen3_tiny):
+    """attn_out of layer 0 is o_proj of the same attention output (bitwise, above) at both sizes: at 1, one GEMM
+    rounded once to BF16; at 2, each rank's half of the sum rounded to BF16, then their sum rounded again. Each of
+    those roundings is at most a BF16 step (2^-8 relative, truncation included) of what it rounds, and each partial
+    is at most |attn_core| @ |W_o|^T: so per element |TP2 - TP1| <= 2^-8 (|attn_core| @ |W_o|^T + |TP1| + |TP2|).
+    A row-parallel tap taken from the wrong rank, or half-reduced, breaks it."""
+    from safetensors.torch import load_file
+
+    [weights] = qwen3_tiny.glob("*.safetensors")
+    w = load_file(weights)["model.layers.0.self_attn.o_proj.weight"].double().abs()
+    for pid in {k[0] for k in tp1["taps"]}:
+        core = tp1["taps"][(pid, "attn_core", 0)].double().abs()
+        one, two = (t["taps"][(pid, "attn_out", 0)].double() for t in (tp1, tp2))
+        bound = 2**-8 * (core @ w.T + one.abs() + two.abs())
+        assert ((two - one).abs() <= bound).all(), pid
+        assert not torch.equal(one, two)  # the partial sums are rounded: the bound is not vacuous here
+
+
 def test_logprobs_are_vllms_own_and_the_floor_is_the_tp_change(tp2, tp1):
     """At TP=2 the logprobs reported are vLLM's own, and the log-softmax of the logits gathered from rank 0 gives them
     to the bit (the CPU sampler runs that very float32 log-softmax). The run's parallelism floor (engine_noise.csv,
