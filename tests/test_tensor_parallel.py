@@ -211,13 +211,15 @@ def test_what_cannot_run_sharded_is_refused_before_loading(flags, refused):
     assert "\n" not in str(e.value)
 
 
-def test_a_mixture_of_experts_and_rl_are_refused_at_tp_2():
+def test_a_mixture_of_experts_and_rl_are_refused_at_tp_2(tmp_path):
     with pytest.raises(ProbeError, match="tensor_parallel_size > 1 is not supported for Qwen3-MoE"):
         check_family(None, LoadSpec(model="m", engine_args=TP2), get_family("qwen3_moe"))
-    from divergence_probe.stacks.vllm.tensor_parallel import refuse
+    from divergence_probe.rl.experiment import run
+    from divergence_probe.rl.spec import RLSpec
 
     with pytest.raises(ProbeError, match="rl cannot run at tensor_parallel_size 2"):
-        refuse(["rl"], 2)
+        run(RLSpec(engine_args=TP2, device="cpu"), tmp_path / "rl")
+    assert not (tmp_path / "rl").exists()
 
 
 def test_the_cli_refuses_graft_at_tp_2_in_one_line_and_writes_nothing(qwen3_tiny, tmp_path):

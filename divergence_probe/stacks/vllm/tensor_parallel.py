@@ -52,7 +52,7 @@ REFUSED = {
                     "(the engine as deployed) or tensor_parallel_size 1",
     "--mode generate": "the decode path's per-step capture is not built for worker processes; use --mode prefill or "
                        "tensor_parallel_size 1",
-    "rl": "rl pushes the trainer's weights into the engine's model in this process; run it at tensor_parallel_size 1",
+    "rl": "it pushes the trainer's weights into the engine's model in this process; run it at tensor_parallel_size 1",
 }
 
 
