@@ -15,9 +15,10 @@ gives several ranks the same KV head: only one rank per KV head is joined. vLLM 
 (`LogitsProcessor._gather_logits` on every platform but TPU), so rank 0's are the whole vocabulary, and the
 logprobs checked against them are vLLM's own.
 
-What this cannot do (refused before loading, `refusal`): a compiled engine (its tap points live in each rank's
-graph: not built), regions patched into the engine, --graft/--depth (they feed the engine's own inputs to single
-modules), --mode generate, rl, and mixture-of-experts families (the routes of every rank: not built).
+What this cannot do (`REFUSED`, which spec.check_family and rl refuse before loading): a compiled engine (its tap
+points would live in each rank's graph: not built), regions patched into the engine, --graft/--depth (they feed the
+engine's own inputs to single modules), --mode generate, rl, and mixture-of-experts families (models/qwen3_moe.py:
+the routes of every rank are not gathered).
 
 On the CPU build every rank needs its own cores: vLLM's auto-binding asserts one NUMA node per rank, so unless
 VLLM_CPU_OMP_THREADS_BIND is set, this process's cores are split evenly between the ranks ("0|1" on two cores).
