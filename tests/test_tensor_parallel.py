@@ -9,6 +9,7 @@ every tap and makes one compare run with --engine-noise (whose floor engine at 1
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ def tp2(tmp_path_factory, qwen3_tiny, prompts_file):
     """The TP=2 process's taps, scores and compare run (tiny Qwen3, BF16, the three shared prompts)."""
     out = tmp_path_factory.mktemp("tp2")
     (out / "driver.py").write_text(_DRIVER)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(out / "driver.py"), str(qwen3_tiny), str(prompts_file), str(out)],
                           cwd=out, env=env, capture_output=True, text=True, timeout=1200)
