@@ -183,7 +183,9 @@ class NoiseEngines:
 def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = (),
                  engines: NoiseEngines | None = None) -> pd.DataFrame:
     """vLLM against itself in the other engine mode, with the same engine-side `regions` aligned, in a worker
-    process: both engines score the sequences batched as compare runs them, with no taps. A compiled engine built
+    process: both engines score the sequences batched as compare runs them, with no taps. An engine at
+    tensor_parallel_size N > 1 is scored against the same engine at 1 instead (the parallelism floor: a TP change
+    alone moves logprobs by about the whole engine-vs-trainer gap, ../shared/NUMERICS.md). A compiled engine built
     with tap points is also scored against the same engine built without them (row `tap points vs none`): the tap
     points are meant to leave the graph's numerics alone, which depends on Inductor's fusions for this model and
     these shapes, so it is measured here rather than assumed. `engines`: shared by the runs of an ablation (closed
@@ -191,7 +193,13 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
     if engines is None:
         with NoiseEngines() as own:
             return engine_noise(probe, sequences, regions, own)
+    from .stacks.vllm import tensor_parallel
+
     aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
+    ranks = tensor_parallel.size(probe.settings.engine_kwargs())
+    if ranks > 1:  # the parallelism floor; the other engine mode is not built at tensor_parallel_size > 1
+        return _engine_row(probe, sequences, tensor_parallel.without(probe.settings), regions,
+                           f"{TENSOR_PARALLEL_CHANGE} 1 vs {ranks}{aligned}", engines)
     other = other_engine_settings(probe.settings)
     rows = [_engine_row(probe, sequences, other, regions, f"engine {other.engine} vs {probe.settings.engine}{aligned}",
                         engines)]
@@ -204,6 +212,7 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
 
 
 TAP_POINTS_CHANGE = "compiled engine without tap points vs with"
+TENSOR_PARALLEL_CHANGE = "tensor_parallel_size"  # "tensor_parallel_size 1 vs N": the engine unsharded vs this run's
 
 
 def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str], change: str,

@@ -193,6 +193,7 @@ def _print_summary(run, out_dir: Path) -> None:
                        ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
                        ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
                        ("noise_infer_engine_mode_mean_abs_dlogp", "noise floor: engine, other mode"),
+                       ("noise_infer_tensor_parallel_mean_abs_dlogp", "noise floor: engine, tensor_parallel_size 1"),
                        ("tap_points_mean_abs_dlogp", "engine with vs without tap points"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:

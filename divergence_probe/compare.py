@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import pandas as pd
 import torch
 
-from .batch_invariance import TAP_POINTS_CHANGE, engine_noise, kernel_noise, routing_noise
+from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, engine_noise, kernel_noise, routing_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -344,12 +344,18 @@ class CompareRun:
 
 def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
     """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel, and the
-    engine's in its other mode (eager vs compiled), for the summary beside the mismatch (if measured)."""
+    engine's in its other mode (eager vs compiled) or at tensor_parallel_size 1, for the summary beside the mismatch
+    (if measured)."""
     columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
     if kernel is not None:
         columns["noise_train_kernel_mean_abs_dlogp"] = float(kernel.mean_abs_dlogp.iloc[0])
     if engine is not None:
-        columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(engine.mean_abs_dlogp.iloc[0])
+        mode = engine[engine.change.str.startswith("engine ")]
+        if len(mode):
+            columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(mode.mean_abs_dlogp.iloc[0])
+        parallel = engine[engine.change.str.startswith(TENSOR_PARALLEL_CHANGE)]
+        if len(parallel):
+            columns["noise_infer_tensor_parallel_mean_abs_dlogp"] = float(parallel.mean_abs_dlogp.iloc[0])
         tap_points = engine[engine.change.str.startswith(TAP_POINTS_CHANGE)]
         if len(tap_points):  # 0 when the tap points left the compiled graph's numerics alone, as they should
             columns["tap_points_mean_abs_dlogp"] = float(tap_points.mean_abs_dlogp.iloc[0])

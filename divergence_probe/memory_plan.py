@@ -186,6 +186,7 @@ class PlanInputs:
     # --batch-invariance: after the run, the trainer's micro-batches of batch_tokens padded tokens and a second trainer
     # (another SDPA kernel) beside the first
     noise_floor: bool = False
+    tensor_parallel: int = 1  # the engine's tensor_parallel_size (stacks/vllm/tensor_parallel.py)
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -270,17 +271,27 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms: dict[str, int] = {}
     weights = m.parameters * b
     terms["train_weights"] = weights
-    terms["infer_weights"] = weights
+    # Tensor parallel over N ranks: on a GPU the plan is the first device's, where rank 0 sits beside the trainer and
+    # the driver's gathered taps: its share of the weights (the RMSNorm weights whole in every rank), of the KV heads
+    # (one at least: vLLM replicates a KV head over ranks when there are fewer) and of the MLP and attention widths;
+    # KV budgets (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE) are per rank. On the CPU every rank's share is in the
+    # one host memory: the sum, and each rank's host copy of its taps until they are gathered.
+    ranks = max(1, i.tensor_parallel) if vllm else 1
+    device_ranks = ranks if i.device == "cuda" else 1  # engine shares summed on this device: 1 of N, or all
+    norms = (2 * m.layers + 1) * m.hidden * b
+    terms["infer_weights"] = weights if ranks == 1 else (weights - norms) // device_ranks + norms * ranks // device_ranks
+    kv_share = max(1, m.kv_heads // ranks) / m.kv_heads * (ranks // device_ranks)  # of the whole KV width, summed
     kv = 0
     if vllm:
         kv_b = i.kv_dtype_bytes or b
         blocks = max(-(-i.max_model_len // KV_BLOCK),  # vLLM refuses a cache that cannot hold one longest request
                      max(sum(-(-(n + new) // KV_BLOCK) + 1 for n in group) * samples for group in groups))
-        kv = i.kv_cache_bytes_fixed or blocks * KV_BLOCK * m.kv_bytes_per_token(kv_b)
-    terms["kv_cache"] = kv
+        kv = i.kv_cache_bytes_fixed or int(blocks * KV_BLOCK * m.kv_bytes_per_token(kv_b) * kv_share)
+    terms["kv_cache"] = kv * (ranks // device_ranks) if i.kv_cache_bytes_fixed else kv
     # a decoder layer's forward at its widest (the MLP: gate_up, its activation, the residual and hidden states),
-    # attention's q/k/v and output: transient, once per step
-    act_per_token = (3 * m.intermediate + 2 * (m.q_width + 2 * m.kv_width) + 4 * m.hidden) * b
+    # attention's q/k/v and output: transient, once per step (per rank: its share of the sharded widths)
+    act_per_token = (3 * m.intermediate // device_ranks + 2 * (m.q_width // device_ranks + 2 * int(m.kv_width * kv_share))
+                     + 4 * m.hidden * (ranks // device_ranks)) * b
     max_batched = max(batch_tokens, i.max_model_len)  # vLLM's max_num_batched_tokens, which its profile run fills
     terms["engine_profile_activations"] = max_batched * act_per_token if vllm else 0
     terms["engine_step_activations"] = step_tokens * act_per_token
@@ -290,6 +301,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["infer_views_retained"] = batch_rows * m.fused_views_retained_per_token(i.taps) * b if vllm else 0
     terms["infer_logits"] = batch_logit_rows * m.vocab * b
     terms["train_taps"] = longest * per_token
+    # tensor parallel on the CPU: rank 0's host copy of every tap and the others' of their slices, beside the gathered
+    terms["tensor_parallel_rank_taps"] = 2 * terms["infer_taps"] if ranks > 1 and i.device != "cuda" else 0
     # one sequence's forward past what its taps hold, its logits ([T, V] in the dtype), their FP32 upcast and
     # log-softmax (token_logprobs), and the KL's float64 chunks of 256 rows (token_kl: both log-softmaxes, exp, product)
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
@@ -320,7 +333,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
 
 def _phases(t: dict[str, int]) -> dict[str, int]:
     fixed = t["train_weights"] + t["infer_weights"] + t["kv_cache"] + t["runtime_allowance"] + t["fragmentation_allowance"]
-    held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"]
+    held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
     return {
         "engine_start": fixed + t["engine_profile_activations"],
         "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],

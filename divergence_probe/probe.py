@@ -193,7 +193,12 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     train = get_stack(cfg.train)
     with _memory_errors(plan, "loading the training stack"):
         train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
-    infer = get_stack(cfg.infer)
+    if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
+        from .stacks.vllm.tensor_parallel import stack_for
+
+        infer = stack_for(settings)
+    else:
+        infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
             infer.load(settings)
@@ -238,7 +243,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
         kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
-        noise_floor=plan_for is not None and plan_for.capture.batch_invariance)
+        noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
+        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1)
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)
     engine = plan.engine_args()

@@ -149,7 +149,8 @@ class CaptureSpec:
                                        "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
                                        "engine's own eager-vs-compiled gap. A compiled engine built with tap points "
                                        "is also checked against one built without them (tap_points_mean_abs_dlogp: 0 "
-                                       "when the taps left its numerics alone). Costs one or two engine builds.")
+                                       "when the taps left its numerics alone). At tensor_parallel_size N > 1: the "
+                                       "engine at 1 instead (the parallelism floor). Costs one or two engine builds.")
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -461,8 +462,9 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
 
 
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
-    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), and
-    regions its layers do not have."""
+    """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), regions
+    its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (stacks/vllm/
+    tensor_parallel.py: REFUSED)."""
     check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
     wanted = []
     if load.engine == "compiled" and load.infer == "vllm":
@@ -470,6 +472,17 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     if run is not None:
         wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),
                                    ("--align", bool(run.align.regions)), ("ablate", run.kind == "ablate")) if on]
+    ranks = load.engine_args.get("tensor_parallel_size") if load.infer == "vllm" else 1
+    ranks = ranks if isinstance(ranks, int) else 1  # another type: check_engine_args refuses it
+    if ranks > 1:
+        wanted.append("tensor_parallel_size > 1")
     for feature in wanted:
         if feature in family.unsupported:
             raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")
+    if ranks > 1:  # what cannot run sharded (stacks/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
+        from .stacks.vllm.tensor_parallel import ENGINE_REGIONS, refuse
+
+        engine_regions = run is not None and run.align.side != "train" and bool(
+            run.ablate.regions if run.kind == "ablate" else run.align.regions)
+        refuse([*wanted, *([ENGINE_REGIONS] if engine_regions else []),
+                *(["--mode generate"] if run is not None and run.generate.generates else [])], ranks)

@@ -182,7 +182,9 @@ def test_isolated_trainer_equals_a_fresh_process_bitwise(compiled_run, qwen3_tin
 
 @pytest.mark.parametrize("args, engine, words", [
     ({"max_num_seqz": 4}, "compiled", "max_num_seqs"),  # unknown: names the nearest keyword
-    ({"tensor_parallel_size": 2}, "compiled", "in-process"),
+    ({"pipeline_parallel_size": 2}, "compiled", "use 1"),
+    ({"tensor_parallel_size": "2"}, "eager", "whole number"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "eager", "'mp'"),
     ({"dtype": "float16"}, "compiled", "--dtype"),
     ({"enforce_eager": True}, "compiled", "--engine"),
     ({"logprobs_mode": "processed_logits"}, "compiled", "raw logprobs"),

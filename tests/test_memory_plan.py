@@ -153,6 +153,26 @@ def test_cpu_plans_against_ram_and_passes_no_kv_setting():
     assert p.kv_cache_bytes == GiB and p.engine_args() == {}
 
 
+def test_tensor_parallel_plans_rank_zeros_share_on_a_gpu_and_every_ranks_on_the_cpu():
+    """At tensor_parallel_size 4 (Qwen2.5-7B: 4 KV heads), the first GPU holds a quarter of the engine's sharded weights
+    and of its KV heads (the budget vLLM takes per rank), the gathered taps whole; on the CPU the ranks share one
+    memory: all the weights, each rank's KV space, and the ranks' host copies of the taps."""
+    one, four = plan(inputs()), plan(inputs(tensor_parallel=4))
+    norms = (2 * 28 + 1) * 3584 * 2
+    assert four.terms["infer_weights"] == (one.terms["infer_weights"] - norms) // 4 + norms
+    assert four.kv_cache_bytes == one.kv_cache_bytes // 4 and four.engine_args() == {"kv_cache_memory_bytes":
+                                                                                     four.kv_cache_bytes}
+    assert four.terms["infer_taps"] == one.terms["infer_taps"] and four.terms["tensor_parallel_rank_taps"] == 0
+    assert four.terms["train_weights"] == one.terms["train_weights"] and four.needed < one.needed
+    eight = plan(inputs(tensor_parallel=8))  # more ranks than KV heads: vLLM gives each rank one whole KV head
+    assert eight.kv_cache_bytes == one.kv_cache_bytes // 4
+    cpu = dict(device="cpu", kv_cache_bytes_fixed=GiB, free_bytes=1 << 40)
+    cpu_one, cpu_two = plan(inputs(**cpu)), plan(inputs(**cpu, tensor_parallel=2))
+    assert cpu_two.terms["infer_weights"] == cpu_one.terms["infer_weights"] + norms
+    assert cpu_two.terms["kv_cache"] == 2 * GiB and cpu_two.kv_cache_bytes == GiB
+    assert cpu_two.terms["tensor_parallel_rank_taps"] == 2 * cpu_one.terms["infer_taps"] > 0
+
+
 def test_parse_bytes():
     assert memory_plan.parse_bytes("80000000000") == memory_plan.parse_bytes("80GB") == 80 * 10**9
     assert memory_plan.parse_bytes("2GiB") == 2 * GiB

@@ -352,6 +352,10 @@ def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
     columns = noise_floor_columns(floor, kernel, engine)
     assert len(columns) == 5 and set(columns) <= set(SUMMARY_MEANINGS)
     assert set(columns) - set(NOISE_FLOORS) == {"tap_points_mean_abs_dlogp"}
+    parallel = noise_floor_columns(None, None, pd.DataFrame({"change": ["tensor_parallel_size 1 vs 2"],
+                                                             "mean_abs_dlogp": [2e-3]}))
+    assert parallel == {"noise_infer_tensor_parallel_mean_abs_dlogp": 2e-3} and set(parallel) <= set(NOISE_FLOORS)
+    assert set(parallel) <= set(SUMMARY_MEANINGS)
 
 
 def test_bootstrap_level_comes_from_the_manifest(rendered, tmp_path):

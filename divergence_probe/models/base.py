@@ -86,6 +86,10 @@ class Family:
     # what this family cannot do yet: feature (spec.py's names: compiled, graft, depth, align, ablate, rl) -> why
     unsupported: Mapping[str, str] = field(default_factory=dict)
     top_k_field: str | None = None  # config field of the router's top-k (a mixture of experts; None: dense)
+    # layer taps that vLLM's tensor parallelism splits along the features, each rank holding its heads or columns in
+    # rank order: a column-parallel GEMM's output and what stays per head or per column after it, up to the
+    # row-parallel GEMM (o_proj, down_proj) whose all-reduced output, and the residual stream, every rank holds whole
+    column_parallel: frozenset[str] = frozenset()
 
     @property
     def packed(self) -> dict[str, tuple[str, ...]]:
@@ -142,13 +146,15 @@ class ExpertTensors:
     parts: tuple[str, ...]  # per-layer names with "{e}" for the expert index
 
 
-def dims(config) -> dict[str, int]:
-    """The dimension names `Family.widths` and `Fused.sizes` use, from a transformers config (one partition: tensor
-    parallelism is not supported)."""
+def dims(config, shards: int = 1) -> dict[str, int]:
+    """The dimension names `Family.widths` and `Fused.sizes` use, from a transformers config; `shards`: one tensor-
+    parallel rank's of `shards` (its heads and MLP columns; a KV head is replicated when there are fewer than ranks,
+    as vLLM does)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    sizes = {"hidden": config.hidden_size, "q": heads * head_dim, "kv": config.num_key_value_heads * head_dim,
-             "inter": config.intermediate_size, "vocab": config.vocab_size}
+    sizes = {"hidden": config.hidden_size, "q": heads // shards * head_dim,
+             "kv": max(1, config.num_key_value_heads // shards) * head_dim,
+             "inter": config.intermediate_size // shards, "vocab": config.vocab_size}
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if experts:  # a mixture of experts: the router's logits have one feature per expert
         sizes["experts"] = experts

@@ -87,5 +87,11 @@ CHECKPOINT = {
 MODEL_TENSORS = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "model.norm.weight": ("hidden_size",),
                  "lm_head.weight": ("vocab_size", "hidden_size")}
 
+# vLLM's QKVParallelLinear and MergedColumnParallelLinear shard by heads and columns; o_proj and down_proj are
+# RowParallelLinear with reduce_results (model_executor/models/qwen2.py)
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "gate_proj", "up_proj",
+                             "swiglu"})
+
 QWEN2 = Family(model_type="qwen2", architecture="Qwen2ForCausalLM", layer_taps=LAYER_TAPS, widths=WIDTHS, hf=HF,
-               vllm=VLLM, fused=FUSED, checkpoint=CHECKPOINT, model_tensors=MODEL_TENSORS)
+               vllm=VLLM, fused=FUSED, checkpoint=CHECKPOINT, model_tensors=MODEL_TENSORS,
+               column_parallel=COLUMN_PARALLEL)

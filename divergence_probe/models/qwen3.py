@@ -29,4 +29,5 @@ CHECKPOINT = {**{k: v for k, v in CHECKPOINT.items() if not k.endswith(".bias")}
               "self_attn.q_norm.weight": ("head_dim",), "self_attn.k_norm.weight": ("head_dim",)}
 
 QWEN3 = replace(QWEN2, model_type="qwen3", architecture="Qwen3ForCausalLM", layer_taps=LAYER_TAPS, hf=HF, vllm=VLLM,
-                checkpoint=CHECKPOINT, required_config=("head_dim",))  # Qwen2 derives head_dim from the hidden size
+                checkpoint=CHECKPOINT, required_config=("head_dim",),  # Qwen2 derives head_dim from the hidden size
+                column_parallel=QWEN2.column_parallel | {"q_norm", "k_norm"})  # per head, on the rank's heads

@@ -53,6 +53,8 @@ SUMMARY_MEANINGS = {
                                          "attention kernel",
     "noise_infer_engine_mode_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the engine in its other mode (eager vs "
                                               "compiled)",
+    "noise_infer_tensor_parallel_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the engine at tensor_parallel_size 1 "
+                                                  "vs this run's",
     "frac_tokens_any_flip": "routed positions whose top-k expert set differs between the stacks in at least one MoE "
                             "layer",
     "frac_tokens_after_flip": "scored tokens whose logits came from a position that flipped in some layer",
@@ -131,7 +133,8 @@ EXTRA_TABLES = {
              "stack's `graft` tensor, scored against the inference logits.",
     "engine_noise": "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs compiled, "
                     "the same regions aligned) scores the same sequences, and a compiled engine with tap points is "
-                    "also scored against one built without them; the columns compare each with this run's engine.",
+                    "also scored against one built without them; an engine at tensor_parallel_size N > 1 is scored "
+                    "against the same engine at 1 instead; the columns compare each with this run's engine.",
 }
 
 
@@ -302,6 +305,9 @@ def _noise_floor(shipped: pd.Series) -> list:
     if "noise_infer_engine_mode_mean_abs_dlogp" in floors:
         parts.append("the engine in its other mode (eager vs compiled) moves its logprobs by "
                      f"{_num(floors['noise_infer_engine_mode_mean_abs_dlogp'])} nats (engine_noise.csv)")
+    if "noise_infer_tensor_parallel_mean_abs_dlogp" in floors:
+        parts.append("the engine at tensor_parallel_size 1 instead of this run's moves its logprobs by "
+                     f"{_num(floors['noise_infer_tensor_parallel_mean_abs_dlogp'])} nats (engine_noise.csv)")
     text = "Noise floor: " + "; ".join(parts) + "."
     tap_points = shipped.get("tap_points_mean_abs_dlogp")
     if tap_points is not None and not pd.isna(tap_points):

@@ -42,6 +42,9 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
         from ..stacks.vllm.stack import check_engine_args
 
         check_engine_args(load_spec(spec).engine_args, "eager")  # imports vLLM, starts nothing
+        from ..stacks.vllm.tensor_parallel import refuse, size
+
+        refuse(["rl"], size(spec.engine_args))
     with ExitStack() as claim:
         try:
             writer = claim.enter_context(rl_folder(out_dir))

@@ -106,8 +106,15 @@ def model_seams(model, wanted: frozenset[str] | None = None) -> list[list[Seam]]
     """Every decoder layer's seams (`layer_seams`; `wanted`: only those reading these names), by layer index, for a
     loaded vLLM model."""
     family = family_of(model)
-    sizes = dims(model.config)
+    sizes = dims(model.config, _ranks())  # a tensor-parallel rank's fused GEMMs hold its share of each part
     return [layer_seams(layer, family, sizes, wanted) for layer in decoder_layers(model)]
+
+
+def _ranks() -> int:
+    """The tensor-parallel size of the engine this process's model belongs to (1 outside an initialised one)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
 
 
 def decoder_layers(model):

@@ -126,6 +126,8 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
         raise StackError(f"--engine {engine!r} is not an engine mode; choose one of: {', '.join(ENGINES)}")
     vllm = _import_vllm()
     known = _llm_keywords(vllm)
+    # tensor_parallel.py reaches the ranks through vLLM's multiprocessing executor (collective_rpc)
+    sharded = isinstance(args.get("tensor_parallel_size"), int) and args["tensor_parallel_size"] > 1
     for key, value in args.items():
         if key not in known:
             import difflib
@@ -135,10 +137,13 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
             raise StackError(f"--engine-args key {key!r} is not a vllm.LLM / EngineArgs keyword; {hint}")
         if key in OWNED_ENGINE_ARGS:
             raise StackError(f"--engine-args key {key!r} is set by divergence-probe: {OWNED_ENGINE_ARGS[key]}")
-        if key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size") and value not in (None, 1):
-            raise StackError(f"--engine-args {key}={value}: capture reaches one in-process model; use 1")
-        if key == "distributed_executor_backend" and value not in (None, "uni"):
-            raise StackError(f"--engine-args {key}={value!r}: the model must run in this process for capture; use 'uni'")
+        if key in ("pipeline_parallel_size", "data_parallel_size") and value not in (None, 1):
+            raise StackError(f"--engine-args {key}={value}: capture reaches one model, whole or tensor-parallel; use 1")
+        if key == "tensor_parallel_size" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise StackError(f"--engine-args tensor_parallel_size={value!r}: use a whole number of ranks, 1 or more")
+        if key == "distributed_executor_backend" and value not in (None, "mp" if sharded else "uni"):
+            raise StackError(f"--engine-args {key}={value!r}: capture needs the model in this process ('uni') or, at "
+                             "tensor_parallel_size > 1, in vLLM's own worker processes ('mp'); drop it")
         if key in ("speculative_config", "spec_method", "spec_model", "spec_tokens") and value not in (None, {}, 0):
             raise StackError(f"--engine-args {key}: speculative decoding feeds draft tokens that capture cannot map to "
                              "prompt positions; drop it")
@@ -337,7 +342,11 @@ class VLLMStack:
                                  f"{one_line(e)}") from e
             _ENGINE.update(key=key, llm=llm)
         self.llm = _ENGINE["llm"]
-        self.runner = _find_runner(self.llm)
+        self._attach()
+
+    def _attach(self, runner=None) -> None:
+        """Reach the model through its runner: this process's (load), or a tensor-parallel rank's (tensor_parallel.py)."""
+        self.runner = runner if runner is not None else _find_runner(self.llm)
         # the nn.Module itself: with CUDA graphs the runner holds it inside a wrapper that is no module
         self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
@@ -465,27 +474,37 @@ class VLLMStack:
     def layers(self):
         return decoder_layers(self.model)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:
         from vllm.inputs import TokensPrompt
 
         self._check_taps(taps)
-        step = _Step()
         params = self._params(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=self.settings.seed)
         requests = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
-        with torch.inference_mode(), self._capture(prompts, taps, sink, step):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs, logits_of = self._run_step(prompts, taps, sink, requests, params)
         results: list[PromptScores] = []
         deliver = on_scored or results.append
         for prompt, output in zip(prompts, outputs):
             reported = [entry[tok].logprob for entry, tok in zip(output.prompt_logprobs[1:], prompt.token_ids[1:])]
-            logits = step.logits(prompt.prompt_id, len(prompt.token_ids))
+            logits = logits_of(prompt.prompt_id, len(prompt.token_ids))
             if "logits" in taps:
-                sink(prompt.prompt_id, TapKey.of("logits", len(self.layers)), logits)
+                sink(prompt.prompt_id, TapKey.of("logits", self.num_layers), logits)
             reported = torch.tensor(reported, dtype=torch.float32)
             self._check_logits(logits, prompt.token_ids, reported, f"prompt {prompt.prompt_id}")
             deliver(PromptScores(prompt.prompt_id, logits, reported))
         return results
+
+    def _run_step(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, requests, params):
+        """One engine step of these requests with the capture on: vLLM's outputs, and the captured logits by
+        (prompt_id, length)."""
+        step = _Step()
+        with torch.inference_mode(), self._capture(prompts, taps, sink, step):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return outputs, step.logits
 
     def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
                       sink: TapSink | None = None) -> list[PromptScores]:
@@ -640,9 +659,8 @@ class VLLMStack:
                 else:
                     hooks.after(seam.module, lambda m, a, k, o, emit=emit: emit(a, k, o))
 
-    def info(self) -> StackInfo:
-        import vllm
-
+    def implementations(self) -> dict[str, str]:
+        """Which implementation each region dispatched to, read from the loaded model's first layer."""
         layer, roles = self.layers[0], family_of(self.model).vllm.layer
         rope, attention = find(layer, roles["rotary"]), find(layer, roles["attention"])
 
@@ -666,10 +684,15 @@ class VLLMStack:
             impls["rmsnorm"] += f", fused_add_rms_norm={ir.ops.fused_add_rms_norm.get_priority()}"
         except (ImportError, AttributeError):
             pass  # releases before vllm.ir dispatch inside the CustomOp itself
+        return impls
+
+    def info(self) -> StackInfo:
+        import vllm
+
         return StackInfo(
             name=self.name,
             versions={"vllm": vllm.__version__, "torch": torch.__version__},
-            implementations=impls,
+            implementations=self.implementations(),
             settings={
                 "engine": self.settings.engine,
                 "engine_args": self.settings.engine_kwargs(),  # the user's verbatim, and on CUDA the plan's KV budget
