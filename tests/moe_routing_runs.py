@@ -3,10 +3,10 @@ engine per process, and the pytest process's engine is the dense tiny Qwen3).
 
     python tests/moe_routing_runs.py MODEL OUT
 
-Each run is written under OUT/<name>; the shipped run also grafts (--graft --depth). Beside them, evidence the tests
-check independently of the tool's own routing code paths: every router-logit tap of both stacks and the engine's
-post_norm (the router's input) captured through a sink of this script (OUT/<name>/taps.pt), and,
-for the replay runs, the expert ids and weights the trainer's experts were called with and the routes the engine
+Each run is written under OUT/<name>; the shipped run also grafts (--graft --depth), generate_r3 too (--graft).
+Beside them, evidence the tests check independently of the tool's own routing code paths: every router-logit tap
+of both stacks and the engine's post_norm (the router's input) captured through a sink of this script
+(OUT/<name>/taps.pt), and, for the replay runs, the expert ids and weights the trainer's experts were called with and the routes the engine
 handed over (OUT/<name>/replay.pt).
 """
 
@@ -88,7 +88,7 @@ def main(model: str, out: str) -> None:
                 h.remove()
         torch.save({"handed": handed, "calls": dict(calls)}, out / name / "replay.pt")
     probe.compare(taps="all", align="routing", mode="generate", max_new_tokens=8, num_prompts=3,
-                  max_prompt_tokens=32).write(out / "generate_r3")
+                  max_prompt_tokens=32, graft=True).write(out / "generate_r3")
     probe.ablate(taps="all", regions="rope,routing", bootstrap=0, **PROMPTS).write(out / "ablate")
     probe.close()
 

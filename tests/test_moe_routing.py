@@ -143,6 +143,10 @@ def test_generate_mode_replays_routes(runs):
     assert tokens.routing_flips[last].isna().all()  # the engine never ran a sample's last token
     assert tokens.routing_flips[~last].notna().all()
     assert "frac_tokens_any_flip" in _csv(runs / "generate_r3", "summary.csv")
+    local = _csv(runs / "generate_r3", "local.csv")  # grafted on the sampled sequences, under routing replay
+    assert local.local_rel_l2.map(math.isfinite).all() and {"router", "experts"} <= set(local.family)
+    assert _csv(runs / "generate_r3", "local_routing.csv").tokens.sum() == \
+        _csv(runs / "generate_r3", "routing.csv").tokens.sum()
 
 
 def test_ablate_attributes_to_routing(runs):
@@ -264,6 +268,7 @@ def test_moe_graft_report_renders(runs, tmp_path):
 
     report = write_report(runs / "shipped", tmp_path / "report")
     assert "local_vs_propagated.pdf" in {p.name for p in (report.parent / "figures").iterdir()}
+    assert "local: frac_topk_set_differs" in report.read_text()  # the local flip rate beside the propagated one
 
 
 @pytest.mark.parametrize("options, message", [
