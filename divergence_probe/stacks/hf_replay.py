@@ -64,7 +64,6 @@ class HFReplay:
     def __init__(self, model) -> None:
         self.model = model
         self.family = family_of(model).hf
-        self.inner = find(model, self.family.model["decoder"])
         self.layers = find(model, self.family.model["layers"])
         self.config = model.config
 
