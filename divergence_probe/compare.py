@@ -452,7 +452,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         taps = taps | GRAFT_TAPS
         pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
         capture = graft = GraftCapture(pairing, probe.train, probe.source.num_layers,
-                                       probe.source.family.layer_taps, spec.capture.depth)
+                                       probe.source.family.layer_taps, spec.capture.depth, _top_k(probe))
     routes, infer_taps = _route_capture(probe, spec, capture, taps)
     capture = routes or capture
     source = source_for(spec)
@@ -505,9 +505,15 @@ def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]) -> tuple
     metrics = "router_logits" in taps
     if not (metrics or replay):
         return None, taps
-    top_k = int(probe.source.config[family.top_k_field])
-    routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=top_k, metrics=metrics, records=True)
+    routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=_top_k(probe), metrics=metrics,
+                          records=True)
     return routes, taps | frozenset(ROUTE_RECORDS)
+
+
+def _top_k(probe) -> int | None:
+    """A mixture-of-experts model's router top-k (None: a dense model)."""
+    field_name = probe.source.family.top_k_field
+    return None if field_name is None else int(probe.source.config[field_name])
 
 
 @contextmanager

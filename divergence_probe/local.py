@@ -11,6 +11,19 @@ for pairing anyway (capture.TapPairing), and each seam costs one extra op on the
 l = L enters the final norm) and from its final-norm output (the lm_head alone), and scores those logits against
 the inference logits: how much of the logprob gap and KL the layers from l on make. That costs a partial forward
 per l (about L/2 full forwards per sequence), so it is a flag of its own.
+
+A mixture-of-experts layer (Qwen3-MoE) has two seams after `post_norm`, kept apart so that a local error is never a
+routing difference. `router_logits` (family `router`) is the router's GEMM on the engine's `post_norm`. `mlp_out`
+(family `experts`) is the trainer's MoE block run on the engine's `post_norm` *with the engine's routes*: its expert
+ids and its gate weights (cast to the trainer's router output dtype, which the trainer's experts take), i.e. every
+input the engine's experts read. Replayed with the trainer's own router instead, a token whose top-k the two routers
+break differently would run other experts, and its "local error" would be a routing flip, not the experts'
+arithmetic. The weights are the engine's for the same reason: the stacks compute them differently (vLLM a softmax
+over the k chosen BF16 logits, transformers an FP32 softmax over every expert, renormalised), which is the
+router's rounding, not the experts'. How often the routers themselves disagree on identical input is measured
+apart: the trainer's top-k of its replayed `router_logits` against the engine's top-k of its own, with routing.csv's
+tie rule, per layer (local_routing.csv, routing.csv's columns: a *local* flip rate beside routing.csv's propagated
+one). Depth on MoE continues the trainer's forward with its own router from the graft point on.
 """
 
 from __future__ import annotations
@@ -22,9 +35,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from . import routing
 from .capture import TapPairing
 from .errors import ProbeError
 from .metrics import DiffStats, token_kl, token_logprobs
+from .route_capture import cat_routing, routing_table
 from .taps import ALL_TAPS, Tap, TapKey, each_tap, expected_taps
 
 # seam (the tap its op produces) -> op family. The seam's inputs are the taps its op reads (hf_replay.py).
@@ -34,7 +49,9 @@ SEAM_FAMILY = {
     "post_norm": "norm", "gate_proj": "gemm", "up_proj": "gemm", "swiglu": "swiglu", "mlp_out": "gemm",
     "resid_out": "residual_add", "final_norm": "norm", "logits": "logits",
 }
-FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits")
+# a mixture-of-experts layer's (module docstring): the router's GEMM, and the experts on the engine's routes
+MOE_SEAM_FAMILY = {"router_logits": "router", "mlp_out": "experts"}
+FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits", "router", "experts")
 # which seams an aligned region computes (regions/): their local error is the aligned op's
 REGION_SEAMS = {"rope": ("q_rope", "k_rope"), "swiglu": ("swiglu",),
                 "rmsnorm": ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm")}
@@ -47,13 +64,20 @@ FAMILY_COLUMNS = ["family", "seams", "local_rel_l2", "local_frac_equal", "local_
 DEPTH_COLUMNS = ["layer", "graft", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
 
 
+def seam_families(layer_taps: Sequence[str]) -> dict[str, str]:
+    """seam -> op family for a model family's layer taps (models/): a router among them makes it mixture-of-experts."""
+    return {**SEAM_FAMILY, **(MOE_SEAM_FAMILY if "router_logits" in layer_taps else {})}
+
+
 def seam_inputs(key: TapKey, num_layers: int, layer_taps: Sequence[str]) -> tuple[TapKey, ...]:
     """The inference taps a seam's replay reads (stacks/hf_replay.py): its local error depends on these alone.
     A norm after a residual add is replayed with the add (the inference stack fuses them), from the residual
-    entering the previous half-layer and the outputs added to it. `layer_taps`: the family's (models/)."""
+    entering the previous half-layer and the outputs added to it. An MoE block's output reads the engine's routes
+    (taps.ROUTE_RECORDS) beside its input. `layer_taps`: the family's (models/)."""
     name, i = key.name, key.layer
     tap = TapKey.of
     has_qk_norm = "q_norm" in layer_taps
+    moe = "router_logits" in layer_taps
 
     def resid_in(layer: int) -> TapKey:
         return tap("embed", -1) if layer == 0 else tap("resid_out", layer - 1)
@@ -71,7 +95,10 @@ def seam_inputs(key: TapKey, num_layers: int, layer_taps: Sequence[str]) -> tupl
         "attn_out": lambda: (tap("attn_core", i),),
         "resid_mid": lambda: (resid_in(i), tap("attn_out", i)), "post_norm": lambda: (resid_in(i), tap("attn_out", i)),
         "gate_proj": lambda: (tap("post_norm", i),), "up_proj": lambda: (tap("post_norm", i),),
-        "swiglu": lambda: (tap("gate_proj", i), tap("up_proj", i)), "mlp_out": lambda: (tap("swiglu", i),),
+        "swiglu": lambda: (tap("gate_proj", i), tap("up_proj", i)),
+        "router_logits": lambda: (tap("post_norm", i),),
+        "mlp_out": lambda: (tap("post_norm", i), tap("expert_ids", i), tap("expert_weights", i)) if moe
+        else (tap("swiglu", i),),
         "resid_out": lambda: block_end(i), "final_norm": lambda: block_end(num_layers - 1),
         "logits": lambda: (tap("final_norm", num_layers),),
     }
@@ -88,12 +115,16 @@ def check_graftable(train) -> None:
 class GraftCapture:
     """TapPairing's park/pair/finish_prompt (it wraps one, for the propagated error), plus, as each sequence is
     finished, the training stack's replay of every seam on that sequence's inference taps (the local error) and,
-    with depth, the partial forwards. Holds one inference batch of taps, as TapPairing does."""
+    with depth, the partial forwards. Holds one inference batch of taps, as TapPairing does. `top_k`: a
+    mixture-of-experts model's, whose engine hands over its routes (park_route) and whose local routing is compared."""
 
-    def __init__(self, pairing: TapPairing, train, num_layers: int, layer_taps: Sequence[str], depth: bool) -> None:
-        self.pairing, self.train, self.num_layers, self.depth = pairing, train, num_layers, depth
-        self.seams = expected_taps(frozenset(SEAM_FAMILY), num_layers, layer_taps)
+    def __init__(self, pairing: TapPairing, train, num_layers: int, layer_taps: Sequence[str], depth: bool,
+                 top_k: int | None = None) -> None:
+        self.pairing, self.train, self.num_layers, self.depth, self.top_k = pairing, train, num_layers, depth, top_k
+        self.families = seam_families(layer_taps)
+        self.seams = expected_taps(frozenset(self.families), num_layers, layer_taps)
         self.local = TapPairing(self.seams)
+        self._routing: list[list[routing.LayerRouting]] = [[] for _ in range(num_layers)] if top_k else []
         self._infer: dict[int, dict[TapKey, torch.Tensor]] = defaultdict(dict)
         self._sequences: dict[int, object] = {}
         # depth point -> per-token |Δlogp| and KL arrays, in sequence order (a mean as summary_row takes it)
@@ -102,6 +133,11 @@ class GraftCapture:
     def park(self, key: int, tap: Tap, x: torch.Tensor) -> None:
         self.pairing.park(key, tap, x)
         self._infer[key].update(each_tap(tap, x))
+
+    def park_route(self, key: int, tap: TapKey, x: torch.Tensor) -> None:
+        """The engine's routes of a sequence (taps.ROUTE_RECORDS, from route_capture.RouteCapture): inputs of the
+        experts seam, never diffed."""
+        self._infer[key][tap] = x
 
     def pair(self, key: int, tap: TapKey, x: torch.Tensor) -> None:
         self.pairing.pair(key, tap, x)
@@ -120,6 +156,9 @@ class GraftCapture:
             self.local.park(key, seam, taps[seam])
             self.local.pair(key, seam, replayed[seam])
         self.local.finish_prompt(key)
+        for i, per_sequence in enumerate(self._routing):  # the trainer's router on the engine's post_norm
+            router = TapKey.of("router_logits", i)
+            per_sequence.append(routing.compare_layer(taps[router], replayed[router], self.top_k))
         if self.depth:
             self._depth_points(taps, self._sequences.pop(key))
 
@@ -145,8 +184,10 @@ class GraftCapture:
 
     # ------------------------------------------------------------------------------------------ tables
     def tables(self, aligned_regions=()) -> dict[str, pd.DataFrame]:
-        tables = {"local.csv": local_frame(self.local.stats, self.pairing.stats, aligned_regions)}
-        tables["local_families.csv"] = family_frame(self.local.stats, self.pairing.stats)
+        tables = {"local.csv": local_frame(self.local.stats, self.pairing.stats, aligned_regions, self.families)}
+        tables["local_families.csv"] = family_frame(self.local.stats, self.pairing.stats, self.families)
+        if self._routing:
+            tables["local_routing.csv"] = routing_table([cat_routing(parts) for parts in self._routing])
         if self.depth:
             tables["depth.csv"] = self.depth_frame()
         return tables
@@ -182,23 +223,25 @@ def _amplification(propagated: float, local: float) -> float:
 
 
 def local_frame(local: Mapping[TapKey, DiffStats], propagated: Mapping[TapKey, DiffStats],
-                aligned_regions=()) -> pd.DataFrame:
-    """local.csv: per seam (tap, layer) the local and the propagated error, and their ratio."""
+                aligned_regions=(), families: Mapping[str, str] = SEAM_FAMILY) -> pd.DataFrame:
+    """local.csv: per seam (tap, layer) the local and the propagated error, and their ratio. `families`: seam ->
+    family (seam_families)."""
     aligned = {seam for region in aligned_regions for seam in REGION_SEAMS.get(region, ())}
     rows = []
     for key, stats in sorted(local.items()):
         loc, prop = _stat_values(stats), _stat_values(propagated.get(key))
-        rows.append([key.layer, key.name, SEAM_FAMILY[key.name], key.name in aligned, *loc, *prop,
+        rows.append([key.layer, key.name, families[key.name], key.name in aligned, *loc, *prop,
                      _amplification(prop[0], loc[0])])
     return pd.DataFrame(rows, columns=LOCAL_COLUMNS)
 
 
-def family_frame(local: Mapping[TapKey, DiffStats], propagated: Mapping[TapKey, DiffStats]) -> pd.DataFrame:
+def family_frame(local: Mapping[TapKey, DiffStats], propagated: Mapping[TapKey, DiffStats],
+                 families: Mapping[str, str] = SEAM_FAMILY) -> pd.DataFrame:
     """local_families.csv: per op family, the local and propagated error pooled over its seams (every element of
     every seam of the family, so rel_l2 is sqrt(Σ diff² / Σ ref²) over all of them)."""
     rows = []
     for family in FAMILIES:
-        keys = [k for k in sorted(local) if SEAM_FAMILY[k.name] == family]
+        keys = [k for k in sorted(local) if families[k.name] == family]
         if not keys:
             continue
         pooled_local = _pool(local[k] for k in keys)

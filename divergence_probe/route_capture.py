@@ -67,6 +67,8 @@ class RouteCapture:
             if tap.name in ROUTE_RECORDS:
                 if self.records:
                     self._routes[key][(tap.name, tap.layer)] = tensor
+                if hasattr(self.inner, "park_route"):  # a grafting capture replays the experts on them (local.py)
+                    self.inner.park_route(key, tap, tensor)
                 return
             if tap.name == "router_logits" and self.metrics:
                 self._infer[key][tap.layer] = tensor
@@ -156,14 +158,21 @@ class RouteCapture:
         """The run's routing comparison, on the host; None when router logits were not compared."""
         if not self.metrics or not self._flips:
             return None
-        layers = [_cat(per_sequence) for per_sequence in self._layers]
+        layers = [cat_routing(per_sequence) for per_sequence in self._layers]
         flips = {key: (f.cpu(), first.cpu()) for key, (f, first) in self._flips.items()}
         return RunRouting(layers, flips, dict(self._sequences), self.top_k, self.records_checked)
 
 
-def _cat(parts: list[routing.LayerRouting]) -> routing.LayerRouting:
+def cat_routing(parts: list[routing.LayerRouting]) -> routing.LayerRouting:
+    """One layer's comparisons of several sequences as one, on the host."""
     return routing.LayerRouting(*(torch.cat([getattr(p, f) for p in parts]).cpu()
                                   for f in ("set_differs", "order_differs", "jaccard", "margin", "near_tie")))
+
+
+def routing_table(layers: list[routing.LayerRouting]) -> pd.DataFrame:
+    """routing.csv's rows (also local_routing.csv's, local.py): one per MoE layer, routing.layer_metrics."""
+    rows = [{"layer": i, **routing.layer_metrics(r)} for i, r in enumerate(layers)]
+    return pd.DataFrame(rows, columns=ROUTING_COLUMNS)
 
 
 @dataclass
@@ -178,8 +187,7 @@ class RunRouting:
 
     def table(self) -> pd.DataFrame:
         """routing.csv: one row per MoE layer (routing.layer_metrics)."""
-        rows = [{"layer": i, **routing.layer_metrics(r)} for i, r in enumerate(self.layers)]
-        return pd.DataFrame(rows, columns=ROUTING_COLUMNS)
+        return routing_table(self.layers)
 
     def token_columns(self, tokens: pd.DataFrame) -> pd.DataFrame:
         """tokens.csv with routing_flips and first_flip_layer (at the token's own position: how many layers, and the

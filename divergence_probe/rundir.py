@@ -41,6 +41,7 @@ COLUMNS = {
     "kernel_noise.csv": (),
     "local.csv": ("layer", "tap", "family", "local_rel_l2", "propagated_rel_l2"),
     "local_families.csv": ("family", "local_rel_l2"),
+    "local_routing.csv": ("layer", "frac_topk_set_differs"),
     "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
     "engine_noise.csv": (),
     "routing.csv": ("layer", "frac_topk_set_differs"),

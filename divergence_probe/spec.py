@@ -299,6 +299,10 @@ class RunSpec:
         if "routing" in regions and self.align.side == "infer":
             raise ProbeError("routing is replayed from the engine into the trainer, so it has no --side infer; use "
                              "--side train or both, or leave routing out")
+        if "routing" in regions and self.capture.depth:
+            raise ProbeError("--depth continues the trainer's forward with its own router, while routing replay runs "
+                             "the trainer on the engine's experts, so the depth curve would not end at the run's own "
+                             "gap; drop --depth or leave routing out")
         if self.align.routing_replay != "ids" and "routing" not in regions:
             raise ProbeError("--routing-replay applies to the routing region only; add routing to "
                              + ("--regions" if self.kind == "ablate" else "--align") + " or drop --routing-replay")

@@ -3,9 +3,10 @@ engine per process, and the pytest process's engine is the dense tiny Qwen3).
 
     python tests/moe_routing_runs.py MODEL OUT
 
-Each run is written under OUT/<name>. Beside them, evidence the tests check independently of the tool's own routing
-code paths: every router-logit tap of both stacks captured through a sink of this script (OUT/<name>/taps.pt), and,
-for the replay runs, the expert ids and weights the trainer's experts were called with and the routes the engine
+Each run is written under OUT/<name>; the shipped run also grafts (--graft --depth), generate_r3 too (--graft).
+Beside them, evidence the tests check independently of the tool's own routing code paths: every router-logit tap
+of both stacks and the engine's post_norm (the router's input) captured through a sink of this script
+(OUT/<name>/taps.pt), and, for the replay runs, the expert ids and weights the trainer's experts were called with and the routes the engine
 handed over (OUT/<name>/replay.pt).
 """
 
@@ -55,19 +56,26 @@ def _router_taps(probe, name: str, out: Path) -> None:
     spec = spec_from_flat("compare", load=probe.config, **PROMPTS)
     _, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps: dict = {}
+    post_norm: dict = {}  # (prompt, layer) -> the engine's router input
 
     def keep(side):
-        return lambda pid, key, x: taps.__setitem__((side, pid, key.layer), x.clone())
+        def sink(pid, key, x):
+            if key.name == "post_norm":
+                post_norm[(pid, key.layer)] = x.clone()
+            else:
+                taps[(side, pid, key.layer)] = x.clone()
+        return sink
 
-    probe.infer.score_batched(prompts, frozenset({"router_logits"}), keep("infer"))
+    probe.infer.score_batched(prompts, frozenset({"router_logits", "post_norm"}), keep("infer"))
     probe.train.score(prompts, frozenset({"router_logits"}), keep("train"))
-    torch.save({"taps": taps, "lengths": {p.prompt_id: len(p.token_ids) for p in prompts}}, out / name / "taps.pt")
+    torch.save({"taps": taps, "post_norm": post_norm, "lengths": {p.prompt_id: len(p.token_ids) for p in prompts}},
+               out / name / "taps.pt")
 
 
 def main(model: str, out: str) -> None:
     out = Path(out)
     probe = dp.load(model, infer="vllm", dtype="bfloat16", device="cpu")
-    probe.compare(taps="all", batch_invariance=True, **PROMPTS).write(out / "shipped")
+    probe.compare(taps="all", batch_invariance=True, graft=True, depth=True, **PROMPTS).write(out / "shipped")
     _router_taps(probe, "shipped", out)
     for name, replay in (("r3", "ids"), ("ids_weights", "ids+weights")):
         handed, restore = _routes_handed()
@@ -80,7 +88,7 @@ def main(model: str, out: str) -> None:
                 h.remove()
         torch.save({"handed": handed, "calls": dict(calls)}, out / name / "replay.pt")
     probe.compare(taps="all", align="routing", mode="generate", max_new_tokens=8, num_prompts=3,
-                  max_prompt_tokens=32).write(out / "generate_r3")
+                  max_prompt_tokens=32, graft=True).write(out / "generate_r3")
     probe.ablate(taps="all", regions="rope,routing", bootstrap=0, **PROMPTS).write(out / "ablate")
     probe.close()
 

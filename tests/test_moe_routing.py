@@ -143,6 +143,10 @@ def test_generate_mode_replays_routes(runs):
     assert tokens.routing_flips[last].isna().all()  # the engine never ran a sample's last token
     assert tokens.routing_flips[~last].notna().all()
     assert "frac_tokens_any_flip" in _csv(runs / "generate_r3", "summary.csv")
+    local = _csv(runs / "generate_r3", "local.csv")  # grafted on the sampled sequences, under routing replay
+    assert local.local_rel_l2.map(math.isfinite).all() and {"router", "experts"} <= set(local.family)
+    assert _csv(runs / "generate_r3", "local_routing.csv").tokens.sum() == \
+        _csv(runs / "generate_r3", "routing.csv").tokens.sum()
 
 
 def test_ablate_attributes_to_routing(runs):
@@ -152,19 +156,125 @@ def test_ablate_attributes_to_routing(runs):
     assert set(_csv(runs / "ablate", "routing.csv").combo) == set(_csv(runs / "ablate", "ablation.csv").combo)
 
 
-def test_replaying_the_trainers_own_routes_changes_nothing(qwen3_moe_tiny, prompts_file):
+@pytest.fixture(scope="module")
+def hf_moe(qwen3_moe_tiny):
+    """Two transformers instances of the tiny MoE."""
+    with dp.load(str(qwen3_moe_tiny), infer="hf", dtype="bfloat16", device="cpu") as probe:
+        yield probe
+
+
+@pytest.fixture(scope="module")
+def hf_runs(hf_moe, prompts_file):
+    """A grafted compare with depth, and one with the "engine's" routes replayed."""
+    plain = hf_moe.compare(prompts=str(prompts_file), graft=True, depth=True)
+    replayed = hf_moe.compare(prompts=str(prompts_file), taps="router_logits", align="routing")
+    return plain, replayed
+
+
+def test_replaying_the_trainers_own_routes_changes_nothing(hf_runs):
     """Two transformers instances: the "engine" side's routes are the trainer's own, so replaying them must give the
     trainer's logits bit for bit. This pins the replay's gate weights to transformers' own formula."""
-    with dp.load(str(qwen3_moe_tiny), infer="hf", dtype="bfloat16", device="cpu") as probe:
-        plain = probe.compare(prompts=str(prompts_file), taps="router_logits")
-        replayed = probe.compare(prompts=str(prompts_file), taps="router_logits", align="routing")
+    plain, replayed = hf_runs
     assert replayed.summary["mean_abs_dlogp"] == 0.0
     pd.testing.assert_frame_equal(plain.tokens_table, replayed.tokens_table)
+
+
+# ------------------------------------------------------------------------------------------------ graft and depth
+def test_graft_on_the_same_stack_is_the_forward_bitwise(hf_runs):
+    """Two transformers instances: every MoE seam's replay on the other instance's inputs (the experts on its
+    routes) is that instance's forward op, so every local error, local routing flip and depth point is zero."""
+    files = hf_runs[0].files()
+    local = files["local.csv"]
+    assert set(zip(local.tap, local.layer)) >= {(t, i) for t in ("router_logits", "mlp_out") for i in range(LAYERS)}
+    assert set(local[local.tap == "router_logits"].family) == {"router"}
+    assert set(local[local.tap == "mlp_out"].family) == {"experts"}
+    assert (local.local_frac_equal == 1).all() and (local.local_rel_l2 == 0).all()
+    assert {"router", "experts"} <= set(files["local_families.csv"].family)
+    assert list(files["local_routing.csv"].layer) == list(range(LAYERS))
+    assert (files["local_routing.csv"].frac_topk_set_differs == 0).all()
+    depth = files["depth.csv"]
+    assert list(depth.layer) == list(range(LAYERS + 2)) and (depth.mean_abs_dlogp == 0).all()
+
+
+def test_moe_seams_depend_only_on_their_inputs(hf_moe, prompts_file):
+    """The router and experts seams read only what local.seam_inputs names (the experts: post_norm and the engine's
+    routes): with every other tap NaN (ids: -1), the same bits; and the experts follow the routes they are handed."""
+    from divergence_probe.local import seam_inputs
+    from divergence_probe.prompts import load_prompts
+    from divergence_probe.taps import ALL_TAPS, ROUTE_RECORDS, TapKey
+
+    [prompt] = load_prompts(prompts_file, hf_moe.tokenizer, num_prompts=1, max_model_len=2048)
+    taps = {}
+    hf_moe.infer.score([prompt], frozenset(ALL_TAPS + ROUTE_RECORDS), lambda pid, key, x: taps.__setitem__(key, x))
+    layer_taps = hf_moe.source.family.layer_taps
+    clean = hf_moe.train.replay(taps)
+    embed = TapKey.of("embed", -1)  # shape and dtype of the context
+    for name in ("router_logits", "mlp_out"):
+        key = TapKey.of(name, 1)
+        keep = set(seam_inputs(key, LAYERS, layer_taps)) | {embed}
+        poisoned = {k: v if k in keep else torch.full_like(v, float("nan") if v.is_floating_point() else -1)
+                    for k, v in taps.items()}  # an expert id of -1: no expert
+        assert torch.equal(hf_moe.train.replay(poisoned)[key], clean[key]), name
+    ids = TapKey.of("expert_ids", 1)
+    rerouted = {**taps, ids: torch.roll(taps[ids], 1, dims=0)}  # every token sent to another token's experts
+    assert not torch.equal(hf_moe.train.replay(rerouted)[TapKey.of("mlp_out", 1)], clean[TapKey.of("mlp_out", 1)])
+
+
+def test_graft_separates_the_routers_from_the_experts(runs, qwen3_moe_tiny):
+    """vLLM: local_routing.csv is the trainer's router on the engine's own router input against the engine's top-k,
+    recomputed here from the engine's post_norm taps and the checkpoint's gate weights (under the trainer's torch
+    state); every seam's local error is finite, and the router's propagated error is its layers.csv row."""
+    from safetensors.torch import load_file
+
+    from divergence_probe.torch_state import trainer_numerics
+
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    prompts = sorted(saved["lengths"])
+    weights = {}
+    for shard in qwen3_moe_tiny.glob("*.safetensors"):
+        weights |= load_file(shard)
+    table = _csv(runs / "shipped", "local_routing.csv")
+    assert list(table.layer) == list(range(LAYERS))
+    with trainer_numerics():
+        for layer in range(LAYERS):
+            gate = weights[f"model.layers.{layer}.mlp.gate.weight"]
+            train = torch.cat([torch.nn.functional.linear(saved["post_norm"][(p, layer)], gate) for p in prompts])
+            infer = torch.cat([saved["taps"][("infer", p, layer)] for p in prompts])
+            expected = routing.layer_metrics(routing.compare_layer(infer, train, TOP_K))
+            row = table.iloc[layer]
+            for column, value in expected.items():
+                assert (math.isnan(value) and math.isnan(row[column])) or \
+                    row[column] == pytest.approx(value, rel=1e-12), (layer, column)
+    local = _csv(runs / "shipped", "local.csv")
+    assert local.local_rel_l2.map(math.isfinite).all()
+    assert (local.local_rel_l2 > 0).any()  # the stacks do differ somewhere locally
+    assert {"router", "experts"} <= set(_csv(runs / "shipped", "local_families.csv").family)
+    assert (local[local.tap == "router_logits"].propagated_rel_l2.to_numpy() ==
+            _csv(runs / "shipped", "layers.csv").query("tap == 'router_logits'").sort_values("layer").rel_l2.to_numpy()
+            ).all()
+
+
+def test_depth_starts_at_the_runs_own_gap(runs):
+    """Grafted at the embedding, the trainer's forward (its own router included) is the ungrafted one."""
+    depth = _csv(runs / "shipped", "depth.csv")
+    summary = _csv(runs / "shipped", "summary.csv").iloc[0]
+    assert list(depth.layer) == list(range(LAYERS + 2))
+    assert depth.mean_abs_dlogp[0] == summary.mean_abs_dlogp and depth.mean_kl[0] == summary.mean_kl
+    assert depth.max_abs_dlogp[0] == summary.max_abs_dlogp and depth.n_tokens[0] == summary.n_tokens
+
+
+def test_moe_graft_report_renders(runs, tmp_path):
+    from divergence_probe.reports import write_report
+
+    report = write_report(runs / "shipped", tmp_path / "report")
+    assert "local_vs_propagated.pdf" in {p.name for p in (report.parent / "figures").iterdir()}
+    assert "local: frac_topk_set_differs" in report.read_text()  # the local flip rate beside the propagated one
 
 
 @pytest.mark.parametrize("options, message", [
     ({"align": "routing", "side": "infer"}, "routing is replayed from the engine into the trainer"),
     ({"routing_replay": "ids+weights"}, "--routing-replay applies to the routing region only"),
+    ({"align": "routing", "depth": True}, "--depth continues the trainer's forward with its own router"),
 ])
 def test_routing_options_refused_in_one_line(options, message):
     with pytest.raises(ProbeError, match=message):

@@ -164,7 +164,7 @@ def _graft_specs(run: RunData) -> list[FigureSpec]:
 def _routing_specs(run: RunData) -> list[FigureSpec]:
     """A MoE run: the flip rate per layer (routing.csv) beside each stack's own (routing_noise.csv)."""
     from . import figures as F
-    from .moe import all_aligned_flips, flips_by_layer, has_routing, noise_floors
+    from .moe import all_aligned_flips, flips_by_layer, has_routing, local_flips, noise_floors
 
     if not has_routing(run):
         return []
@@ -173,11 +173,15 @@ def _routing_specs(run: RunData) -> list[FigureSpec]:
     if aligned is not None:
         series.append((f"the two stacks, all aligned ({run.all_aligned})", aligned))
     series += [(label, rows) for label, _, rows in noise_floors(run)]
+    local = local_flips(run)
+    if local is not None:
+        series.append(("the two routers on identical input (local_routing.csv)", local))
     top_k = run.manifest.get("compare", {}).get("routing", {}).get("top_k")
     return [FigureSpec(
         "routing", "Routing flips per MoE layer",
         "Percentage of routed tokens whose top-k expert set differs between the two stacks at each MoE layer "
         "(routing.csv); the floor lines are each stack against itself, one sequence per call vs one batch "
-        "(routing_noise.csv), where measured. A mismatch line well above both floors means the stacks' different "
+        "(routing_noise.csv), where measured; with --graft, the local line is the trainer's router on the engine's "
+        "own router input (local_routing.csv). A mismatch line well above both floors means the stacks' different "
         "rounding changes routes beyond what a batch change alone does.",
         lambda: F.routing_flips(series, top_k))]

@@ -145,7 +145,7 @@ def load_run(run_dir: str | Path) -> RunData:
             run.tokens["is_response"] = _as_bool(run.tokens["is_response"])
 
     for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth",
-                 "routing", "routing_noise"):
+                 "routing", "routing_noise", "local_routing"):
         if f"{stem}.csv" in tables:
             run.extra[stem] = tables[f"{stem}.csv"]
 

@@ -58,6 +58,12 @@ def all_aligned_flips(run: RunData) -> pd.DataFrame | None:
     return rows.sort_values("layer", kind="stable") if len(rows) else None
 
 
+def local_flips(run: RunData) -> pd.DataFrame | None:
+    """local_routing.csv as shipped (--graft): the trainer's router on the engine's own router input, per layer."""
+    local = run.extra.get("local_routing")
+    return None if local is None else shipped_rows(local).sort_values("layer", kind="stable")
+
+
 def noise_floors(run: RunData) -> list[tuple[str, str, pd.DataFrame]]:
     """(label, what was changed, rows per layer) of each stack against itself in routing_noise.csv."""
     noise = run.extra.get("routing_noise")
@@ -78,9 +84,13 @@ def _table(run: RunData) -> Table:
     flips = flips_by_layer(run)
     floors = noise_floors(run)
     aligned = all_aligned_flips(run)
+    local = local_flips(run)
     columns = [Column("layer", "int"), Column("frac_topk_set_differs", "num"), Column("frac_flipped_near_tie", "num")]
     by_layer = [dict(zip(rows["layer"], rows["frac_topk_set_differs"])) for _, _, rows in floors]
     columns += [Column(label, "num") for label, _, _ in floors]
+    if local is not None:
+        by_layer.append(dict(zip(local["layer"], local["frac_topk_set_differs"])))
+        columns.append(Column("local: frac_topk_set_differs", "num"))
     if aligned is not None:
         by_layer.append(dict(zip(aligned["layer"], aligned["frac_topk_set_differs"])))
         columns.append(Column(f"{run.all_aligned}: frac_topk_set_differs", "num"))
@@ -99,6 +109,9 @@ def _table(run: RunData) -> Table:
         caption += (" Floor columns: `frac_topk_set_differs` of one stack against itself ("
                     + "; ".join(f"{label.removeprefix('floor: ')}: {change}" for label, change, _ in floors)
                     + "; routing_noise.csv).")
+    if local is not None:
+        caption += (" Local column: the trainer's router on the engine's own router input against the engine's "
+                    "routes (local_routing.csv, --graft): the flips the routers make on identical input.")
     if aligned is not None:
         caption += (f" Last column: with every region aligned (`{run.all_aligned}`); the router logits are still "
                     "compared where the trainer replays the engine's routes.")

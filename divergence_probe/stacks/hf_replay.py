@@ -17,6 +17,9 @@ decoder layer's own forward with its attention and MLP stubbed to return the oth
 norm sees whatever this stack's residual add gives it (BF16 sum as shipped, FP32 sum when rmsnorm is aligned),
 and `resid_out` is this stack's add of the other stack's `mlp_out` to the `resid_mid` it formed itself from the
 other stack's inputs (which equals the other stack's `resid_mid` whenever that add agrees: its own seam).
+
+A mixture-of-experts block is replayed on the other stack's routes (`expert_ids`, `expert_weights` among `taps`):
+local.py says why.
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ class HFReplay:
     def __init__(self, model) -> None:
         self.model = model
         self.family = family_of(model).hf
-        self.inner = find(model, self.family.model["decoder"])
         self.layers = find(model, self.family.model["layers"])
         self.config = model.config
 
@@ -79,12 +81,20 @@ class HFReplay:
         kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
                       position_ids=positions)
         masks = {"full_attention": create_causal_mask(**kwargs)}
-        if getattr(self.inner, "has_sliding_layers", False):
+        if any(self._mask_kind(i) == "sliding_attention" for i in range(len(self.layers))):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks, positions, self._role("rotary")(embeds, positions)
 
+    def _mask_kind(self, i: int) -> str:
+        """The mask layer i attends with: Qwen2/Qwen3 name one per layer (`layer_types`); Qwen3-MoE's model gives
+        every layer the same one, a sliding-window mask where `sliding_window` is set (Qwen3MoeModel.forward)."""
+        kinds = getattr(self.config, "layer_types", None)
+        if kinds is not None:
+            return kinds[i]
+        return "full_attention" if getattr(self.config, "sliding_window", None) is None else "sliding_attention"
+
     def _layer(self, i: int, hidden: torch.Tensor, masks, positions, rope) -> torch.Tensor:
-        return self.layers[i](hidden, attention_mask=masks[self.config.layer_types[i]], position_embeddings=rope,
+        return self.layers[i](hidden, attention_mask=masks[self._mask_kind(i)], position_embeddings=rope,
                               position_ids=positions, past_key_values=None, use_cache=False)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -169,6 +179,9 @@ class HFReplay:
             put("resid_out", i, norm_input)
 
             x = t("post_norm", i)
+            if "gate" in roles:  # a mixture of experts
+                self._moe(layer, i, x, t, put, out)
+                continue
             put("gate_proj", i, m("gate_proj")(x))
             put("up_proj", i, m("up_proj")(x))
             got = {}
@@ -184,6 +197,19 @@ class HFReplay:
         out[logits] = self._logits(t("final_norm", n))[: taps[logits].shape[0]]
         return out
 
+    def _moe(self, layer, i: int, x: torch.Tensor, t, put, out) -> None:
+        """A mixture-of-experts layer's two seams (local.py says why two): the router on the other stack's
+        `post_norm` (element 0 of its output, the logits), and the MoE block's own forward on that `post_norm` with
+        its router stubbed to return the other stack's routes, so the experts run on exactly the other stack's
+        experts, with its gate weights cast to the dtype this router hands its experts."""
+        roles = self.family.layer
+        put("router_logits", i, find(layer, roles["gate"])(x)[0])
+        logits = out[TapKey.of("router_logits", i)]
+        ids, weights = t("expert_ids", i)[0], t("expert_weights", i)[0]
+        routes = (logits, weights.to(logits.dtype), ids.to(device=logits.device, dtype=torch.long))
+        with _children(layer, {roles["gate"]: _Stub(lambda h: routes)}):
+            put("mlp_out", i, find(layer, roles["mlp"])(x))
+
     def _attention(self, attn, i: int, q, k, v, masks) -> torch.Tensor:
         """The attention function the layer calls (transformers' registry, looked up now), as Qwen attention calls
         it: [1, heads, T, d] query/key/value -> [1, T, heads, d]."""
@@ -193,6 +219,6 @@ class HFReplay:
 
         eager = import_module(type(attn).__module__).eager_attention_forward
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-        core, _ = interface(attn, q, k, v, masks[self.config.layer_types[i]], dropout=0.0, scaling=attn.scaling,
+        core, _ = interface(attn, q, k, v, masks[self._mask_kind(i)], dropout=0.0, scaling=attn.scaling,
                             sliding_window=attn.sliding_window)
         return core
