@@ -376,7 +376,7 @@ def _ablate_command():
 
 @app.command()
 def rerun(
-    run_dir: Path = typer.Argument(..., help="A run folder written by compare or ablate (its manifest.json)."),
+    run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate or score (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
@@ -385,21 +385,28 @@ def rerun(
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
-    The prompt files and the model's config must be the ones the run used (their sha256 are checked). A manifest
-    is untrusted data: every field is checked as the CLI checks its flags, engine args that could load or run code
-    are refused unless --allow-engine-arg names them, and what will run is shown before anything loads.
+    The prompt files (of a score run: the rollout file) and the model's config must be the ones the run used
+    (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
+    engine args that could load or run code are refused unless --allow-engine-arg names them, and what will run is
+    shown before anything loads.
     """
     from .replay import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
+    try:
+        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
+    except ProbeError as e:
+        _fail(e)
+    target = out_dir or default_out_dir()
+    if manifest.get("kind") == "score":
+        _rerun_score(manifest, run_dir, where, target, report)
+        return
 
     def make_spec():
-        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
         if "spec" not in manifest:
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
-        recorded[:] = [manifest]
         from .spec import RunSpec
 
         try:
@@ -419,17 +426,12 @@ def rerun(
         return spec
 
     def check(source):
-        manifest = recorded[0]
-        model, compared = manifest.get("model"), manifest.get("compare")
-        want = model.get("config_sha256") if isinstance(model, dict) else None
+        compared = manifest.get("compare")
         recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
-        if not isinstance(want, str) or not isinstance(recorded_prompts, dict):
+        if not isinstance(recorded_prompts, dict):
             raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
                              "`command` instead")
-        have = source.config_sha256
-        if want != have:
-            raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
-                             f"vs {want[:12]}…); point --model of a new compare at the original checkpoint")
+        _same_model(manifest, source, run_dir, "compare")
         from .compare import prompts_path
         from .prompts import file_hashes
 
@@ -437,11 +439,38 @@ def rerun(
         if file_hashes(prompts) != recorded_prompts:
             raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
-    recorded: list = []
     recorded_spec: list = []
-    target = out_dir or default_out_dir()
     run, out_dir = _run(make_spec, target, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
+    if report:
+        _write_report(out_dir)
+
+
+def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
+    """rerun re-makes a run only on the checkpoint it was made with: the model's config.json has the recorded
+    sha256."""
+    model = manifest.get("model")
+    want = model.get("config_sha256") if isinstance(model, dict) else None
+    if not isinstance(want, str):
+        raise ProbeError(f"{run_dir}/manifest.json lacks the model hash a rerun checks; re-run its `command` instead")
+    have = source.config_sha256
+    if want != have:
+        raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
+                         f"vs {want[:12]}…); point --model of a new {command} at the original checkpoint")
+
+
+def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
+    """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
+    from .replay import describe_score, recorded_score
+
+    try:
+        call, load = recorded_score(manifest, where)
+    except ProbeError as e:
+        _fail(e)
+    for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
+    _print_score(run, out_dir)
     if report:
         _write_report(out_dir)
 
@@ -467,7 +496,7 @@ def _print_ablation(run, out_dir: Path) -> None:
 
 @app.command("report")
 def report_command(
-    run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare or ablate)."),
+    run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare, ablate, score or rl)."),
     fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder, or one holding a previous report (replaced). Default: RUN_DIR/report."),
 ) -> None:
@@ -592,23 +621,42 @@ def score_command(
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
     with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
     """
+    from .rundir import default_out_dir
+    from .score import ScoreSpec
+    from .spec import LoadSpec
+
+    try:
+        call = ScoreSpec(rollouts=str(rollouts.absolute()), fmt=fmt, fields=fields, infer=infer,
+                         temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
+        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
+    except ProbeError as e:
+        _fail(e)
+    out_dir = out_dir or default_out_dir()
+    _print_score(_score_run(call, load, out_dir), out_dir)
+
+
+def _score_run(call, load, out_dir: Path, check=None):
+    """Shared by score and rerun: claim --out, score, write; a ProbeError is one line and nothing is written."""
     from transformers.utils import logging as hf_logging
 
-    from .rundir import claim_out_dir, default_out_dir
-    from .score import CAUSES, score
+    from .rundir import claim_out_dir
+    from .score import score_spec
 
     hf_logging.disable_progress_bar()
     try:
-        out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):
             with console.status("reading the rollouts and loading the trainer…"):
-                run = score(rollouts, model, fmt=fmt, fields=fields, infer=infer, temperature=temperature,
-                            clip_eps=clip_eps, tis_cap=tis_cap, dtype=dtype, device=device, train_attn=train_attn,
-                            train_sdpa=train_sdpa)
+                run = score_spec(call, load, check)
             run.manifest["command"] = sys.argv
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
+    return run
+
+
+def _print_score(run, out_dir: Path) -> None:
+    from .score import CAUSES
+
     s = run.summary
     table = Table(title=f"recorded ({run.batch.format}) vs trainer", show_header=False)
     table.add_column(style="bold")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +27,12 @@ import torch
 
 from .compare import TokenScore
 from .errors import NumericsError, ProbeError, one_line
+from .options import option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
-from .rollouts import RolloutBatch, RolloutError, read_rollouts
+from .rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
+from .rollouts.adapters import parse_fields
 from .spec import GenerateSpec, LoadSpec
 from .tables import summary_row, tokens_frame
 
@@ -44,6 +46,33 @@ FAR_FLOOR = 0.1
 # while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
 UNLIKELY_LOGPROB = math.log(1e-4)
 WRONG_TOKEN_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreSpec:
+    """What score reads and how it scores it, beside the LoadSpec of its trainer: the manifest records both
+    (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
+
+    rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
+                           flag="ROLLOUTS")
+    fmt: str = option("auto", flag="--format")
+    fields: str | None = option(None)
+    infer: str | None = option(None)
+    temperature: float | None = option(None)
+    clip_eps: float = option(GenerateSpec.clip_eps)
+    tis_cap: float = option(GenerateSpec.tis_cap)
+
+    def __post_init__(self) -> None:
+        if self.infer not in (None, "vllm"):
+            raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
+                             "leave it out")
+        if self.fmt not in FORMATS:
+            raise ProbeError(f"--format {self.fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+        parse_fields(self.fields)
+        if self.temperature is not None and not self.temperature > 0:
+            raise ProbeError(f"--temperature {self.temperature} must be > 0: it is the sampling temperature to test "
+                             "against")
+        GenerateSpec(clip_eps=self.clip_eps, tis_cap=self.tis_cap)  # their checks
 
 
 @dataclass
@@ -312,21 +341,30 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
           tis_cap: float | None = None, **load) -> ScoreRun:
     """Read a rollout file and score it (see the module docstring). `infer`: None (trainer only) or "vllm" (also
     the engine's prefill). `load`: LoadSpec's training-side settings (dtype, device, train_attn, train_sdpa, ...)."""
-    if infer not in (None, "vllm"):
-        raise ProbeError(f"--infer {infer!r}: score re-scores with vllm or not at all; use --infer vllm or leave it "
-                         "out")
-    batch = read_rollouts(rollouts, fmt, fields)
-    spec = LoadSpec(model=model, **load)
+    call = ScoreSpec(rollouts=str(Path(rollouts).absolute()), fmt=fmt, fields=fields, infer=infer,
+                     temperature=temperature,
+                     **{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
+    return score_spec(call, LoadSpec(model=model, **load))
 
-    def check(source, tokenizer):
+
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None) -> ScoreRun:
+    """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?)."""
+    batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+
+    def before_stacks(source, tokenizer):
+        if check is not None:
+            check(source)
         check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len)
 
-    scorer = load_scorer(spec, infer == "vllm", check)
+    scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
     try:
-        return score_batch(scorer, batch, temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
+        run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap)
     finally:
         if scorer.infer is not None:
             scorer.infer.close()
         close = getattr(scorer.train, "close", None)
         if close is not None:
             close()
+    run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
+    return run

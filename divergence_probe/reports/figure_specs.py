@@ -100,14 +100,18 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
             "bin. Tokens with exactly equal logprobs cannot be drawn on a log axis; the legend counts them.",
             lambda: F.delta_vs_probability([(label, df["logprob_infer"].to_numpy(), df["delta_logprob"].to_numpy())
                                             for label, df in series])))
-        specs.append(FigureSpec(
-            "kl_by_position", "Per-token KL along the position",
-            "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
-            "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
-            "is noisier; a rising trend means the mismatch accumulates with context length."
-            + (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
-               "response (0 = first sampled token)." if "is_response" in run.tokens else ""),
-            lambda: F.kl_by_position(_kl_panels(run, series))))
+        if run.tokens["kl"].isna().all():  # a score run without --infer vllm: no engine distribution to compare
+            skipped.append("No token has a KL (tokens.csv's `kl` is empty: a score run measures it only with "
+                           "`--infer vllm`), so the KL-by-position figure is not drawn.")
+        else:
+            specs.append(FigureSpec(
+                "kl_by_position", "Per-token KL along the position",
+                "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
+                "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
+                "is noisier; a rising trend means the mismatch accumulates with context length."
+                + (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
+                   "response (0 = first sampled token)." if "is_response" in run.tokens else ""),
+                lambda: F.kl_by_position(_kl_panels(run, series))))
     if run.attribution is not None:
         specs.append(FigureSpec(
             "attribution", "Attribution to regions",
