@@ -172,6 +172,43 @@ def _progress() -> Progress:
                     console=console, transient=True, disable=not console.is_terminal)
 
 
+def _closing(out_dir: Path, report: bool, step) -> None:
+    """The last lines of every run: its folder, its report (rendered now with --report, else the command that
+    renders it) and the next command to try with why (next_steps.py), each on a line of its own to copy."""
+    import shlex
+
+    out.print(f"run: {out_dir}", highlight=False, markup=False, soft_wrap=True)
+    if report:
+        _write_report(out_dir)
+    else:
+        out.print(f"report: {shlex.join(['divergence-probe', 'report', str(out_dir)])}", highlight=False, markup=False,
+                  soft_wrap=True)
+    if step is not None:
+        out.print(f"next: {shlex.join(step.argv)}", highlight=False, markup=False, soft_wrap=True)
+        out.print(f"  why: {step.why}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _family(manifest: dict):
+    """The model family a run's manifest names (what it cannot run: Family.unsupported), or None if unknown."""
+    from .models import get_family
+
+    model = manifest.get("model")
+    try:
+        return get_family(model.get("arch")) if isinstance(model, dict) else None
+    except (ProbeError, KeyError, TypeError):
+        return None
+
+
+def _next_step(run):
+    """A compare or ablate run's next command (next_steps.py)."""
+    from .next_steps import after_ablate, after_compare
+
+    family = _family(run.manifest)
+    if run.spec.kind == "ablate":
+        return after_ablate(run.spec, run.attribution_table, family)
+    return after_compare(run.spec, run.summary, family)
+
+
 def _print_summary(run, out_dir: Path) -> None:
     from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
 
@@ -207,7 +244,6 @@ def _print_summary(run, out_dir: Path) -> None:
     _routing_rows(table, s)
     out.print(table)
     _print_graft(getattr(run, "graft_tables", {}))
-    out.print(f"run: {out_dir}")
 
 
 def _routing_rows(table, s: dict) -> None:
@@ -303,8 +339,7 @@ def _spec_command(kind: str, doc: str, after):
 
         run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
         after(run, out_dir)
-        if run.spec.report:
-            _write_report(out_dir)
+        _closing(out_dir, run.spec.report, _next_step(run))
 
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
@@ -442,8 +477,7 @@ def rerun(
     recorded_spec: list = []
     run, out_dir = _run(make_spec, target, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
-    if report:
-        _write_report(out_dir)
+    _closing(out_dir, report, _next_step(run))
 
 
 def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
@@ -461,6 +495,7 @@ def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
 
 def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
     """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
+    from .next_steps import after_score
     from .replay import describe_score, recorded_score
 
     try:
@@ -471,8 +506,7 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
         out.print(line, highlight=False, markup=False, soft_wrap=True)
     run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
     _print_score(run, out_dir)
-    if report:
-        _write_report(out_dir)
+    _closing(out_dir, report, after_score(call, load, run.summary))
 
 
 def _print_ablation(run, out_dir: Path) -> None:
@@ -491,7 +525,6 @@ def _print_ablation(run, out_dir: Path) -> None:
         attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
                      f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
     out.print(attr)
-    out.print(f"run: {out_dir}")
 
 
 @app.command("report")
@@ -548,6 +581,7 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
     from transformers.utils import logging as hf_logging
 
     from . import rl
+    from .next_steps import after_rl
     from .rundir import default_out_dir
 
     hf_logging.disable_progress_bar()
@@ -574,9 +608,7 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
                       f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
                       f"{row.overhead_frac:.0%}")
     out.print(table)
-    out.print(f"run: {out_dir}")
-    if report:
-        _write_report(out_dir)
+    _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
 
 
 _RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
@@ -621,6 +653,7 @@ def score_command(
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
     with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
     """
+    from .next_steps import after_score
     from .rundir import default_out_dir
     from .score import ScoreSpec
     from .spec import LoadSpec
@@ -632,7 +665,9 @@ def score_command(
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()
-    _print_score(_score_run(call, load, out_dir), out_dir)
+    run = _score_run(call, load, out_dir)
+    _print_score(run, out_dir)
+    _closing(out_dir, False, after_score(call, load, run.summary))
 
 
 def _score_run(call, load, out_dir: Path, check=None):
@@ -673,7 +708,6 @@ def _print_score(run, out_dir: Path) -> None:
     out.print(table)
     if s["likely_cause"]:
         out.print(f"likely cause ({s['likely_cause']}, a flag, not a verdict): {CAUSES[s['likely_cause']]}")
-    out.print(f"run: {out_dir}")
 
 
 @app.command("make-model")
