@@ -18,7 +18,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 from .errors import ProbeError, one_line
@@ -166,10 +167,50 @@ def _fail(error: ProbeError) -> None:
 
 
 def _progress() -> Progress:
-    # transient: the bar is for a person watching; it leaves no lines in a log, where an error stays one line (off
-    # outside a terminal, where rich would still end it with an empty line)
+    # transient: the bars are for a person watching; they leave no lines in a log, where an error stays one line (off
+    # outside a terminal, where rich would still end them with an empty line)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not console.is_terminal)
+                    TextColumn("left"), TimeRemainingColumn(compact=True), console=console, transient=True,
+                    disable=not console.is_terminal)
+
+
+class _Phases:
+    """One bar per long phase of a run (load, scoring, each noise floor, each ablate combination, each rl run), each
+    with its elapsed time and, once it has a total, the time left. The API takes it as its progress callback:
+    `(done, total)` calls move the current bar, `phase(name)` (compare.phase) ends it and starts the next. A phase
+    that ended stays on screen, done, until the command ends (then all go: transient)."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar, self.task, self.offset, self.scale = bar, None, 0, 1
+
+    def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
+        self.end()
+        self.task = self.bar.add_task(name, total=total)
+        self.offset, self.scale = offset, scale
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, completed=done - self.offset, total=max(total // self.scale, 1))
+
+    def note(self, text: str) -> None:
+        """Replace the current bar's description (rl: the last step's reward and mismatch)."""
+        if self.task is not None:
+            self.bar.update(self.task, description=text)
+
+    def end(self) -> None:
+        """The current bar, done: a phase without counts (a load, a noise floor) fills its bar when it ends."""
+        if self.task is not None:
+            task = next(t for t in self.bar.tasks if t.id == self.task)
+            total = task.total or max(task.completed, 1)
+            self.bar.update(self.task, total=total, completed=total)
+            self.bar.stop_task(self.task)
+            self.task = None
+
+
+@contextlib.contextmanager
+def _phases():
+    with _progress() as bar:
+        yield _Phases(bar)
 
 
 def _closing(out_dir: Path, report: bool, step) -> None:
@@ -374,11 +415,11 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                     check(source)
                 load_run_prompts(spec, tokenizer, source.max_model_len)
 
-            with console.status("loading the model in transformers and the inference stack…"):
+            with _phases() as phases:
+                phases.phase("loading the model in transformers and the inference stack")
                 probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
-            with _progress() as bar:
-                task = bar.add_task("scoring prompts", total=None)
-                run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
+                run = probe.run(spec, phases)
+                phases.end()
             run.manifest["command"] = sys.argv
             run.write(out_dir)
     except ProbeError as e:
@@ -589,15 +630,21 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
         spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
                             or k in ("model", "prompts", "reward")})
         out_dir = out_dir or default_out_dir()
-        with _progress() as bar:
-            task = bar.add_task("loading the engine and the trainer…", total=None)
+        runs = len(spec.settings) * len(spec.seed_list)
+        with _phases() as phases:
+            phases.phase("loading the engine and the trainer")
+            current: list = []
 
-            def progress(row: dict, done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total, description=(
-                    f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
-                    f"|Δlogp| {row['mean_abs_dlogp']:.2e}"))
+            def progress(row: dict, done: int, total: int) -> None:  # one bar per (setting, seed) run, of its steps
+                if current != [(row["setting"], row["seed"])]:
+                    current[:] = [(row["setting"], row["seed"])]
+                    phases.phase(f"{row['setting']} seed {row['seed']}", offset=done - 1, scale=runs)
+                phases(done, total)
+                phases.note(f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
+                            f"|Δlogp| {row['mean_abs_dlogp']:.2e}")
 
             result = rl.run(spec, out_dir, progress)
+            phases.end()
     except ProbeError as e:
         _fail(e)
     table = Table(title="rl: first -> last steps (rl_summary.csv)")
@@ -679,9 +726,10 @@ def _score_run(call, load, out_dir: Path, check=None):
 
     hf_logging.disable_progress_bar()
     try:
-        with claim_out_dir(out_dir):
-            with console.status("reading the rollouts and loading the trainer…"):
-                run = score_spec(call, load, check)
+        with claim_out_dir(out_dir), _phases() as phases:
+            phases.phase("reading the rollouts, loading the trainer" + (" and the engine" if call.infer else ""))
+            run = score_spec(call, load, check, phases)
+            phases.end()
             run.manifest["command"] = sys.argv
             run.write(out_dir)
     except ProbeError as e:

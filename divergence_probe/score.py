@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .compare import TokenScore
+from .compare import Progress, TokenScore, phase
 from .errors import NumericsError, ProbeError, one_line
 from .options import option
 from .metrics import token_kl, token_logprobs
@@ -233,9 +233,10 @@ def vocab_size(config: dict, tokenizer) -> int:
 
 
 def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | None = None, clip_eps: float | None = None,
-                tis_cap: float | None = None) -> ScoreRun:
+                tis_cap: float | None = None, progress: Progress | None = None) -> ScoreRun:
     """Score `batch` (checked against the model first) on the scorer's training stack, sequence by sequence as
-    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine."""
+    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine.
+    `progress(done, total)`: after each sequence (compare.Progress)."""
     g = GenerateSpec(**{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
     if temperature is not None and not temperature > 0:
         raise ProbeError(f"--temperature {temperature} must be > 0: it is the sampling temperature to test against")
@@ -246,6 +247,8 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     tokens: list[TokenScore] = []
     prefill: list[float] | None = [] if scorer.infer is not None else None
     tempered: list[float] | None = [] if temperature is not None else None
+    phase(progress, "scoring sequences")
+    finished = 0  # sequences of earlier groups
     for group in batches(sequences, scorer.batch_tokens, getattr(scorer.infer, "max_sequences_per_step", None)):
         engine = scorer.infer.score(group, frozenset(), _no_taps) if scorer.infer is not None else None
         done = 0
@@ -272,10 +275,13 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
             tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], r.logprobs[j], lp_train[j], kl[j], sid,
                                      True) for j, tok in enumerate(r.response_ids))
             done += 1
+            if progress is not None:
+                progress(finished + done, len(sequences))
 
         scorer.train.score(group, frozenset(), _no_taps, on_scored=scored)
         if done != len(group):
             raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
+        finished += done
     prompts = _prompts(batch, ids, scorer.tokenizer)
     manifest = dict(scorer.manifest) | {"kind": "score", "score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
@@ -347,9 +353,9 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
     return score_spec(call, LoadSpec(model=model, **load))
 
 
-def score_spec(call: ScoreSpec, spec: LoadSpec, check=None) -> ScoreRun:
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None) -> ScoreRun:
     """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
-    resolved and before any stack loads (rerun: is it the recorded checkpoint?)."""
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `progress` as score_batch's."""
     batch = read_rollouts(call.rollouts, call.fmt, call.fields)
 
     def before_stacks(source, tokenizer):
@@ -359,7 +365,8 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None) -> ScoreRun:
 
     scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
     try:
-        run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap)
+        run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap,
+                          progress=progress)
     finally:
         if scorer.infer is not None:
             scorer.infer.close()
