@@ -351,3 +351,17 @@ def test_rerun_of_an_edited_score_run_is_one_line(scored_cli, tmp_path, monkeypa
     result = CliRunner().invoke(app, ["rerun", str(run), "--out", str(tmp_path / "again")])
     assert_one_line_error(result, says)
     assert_nothing_written(tmp_path / "again")
+
+
+def test_rerun_of_a_score_run_on_another_checkpoint_is_one_line(scored_cli, tmp_path):
+    """The recorded model's config.json must be the one the run used: refused once the model is resolved, before any
+    stack loads (what rerun will run is shown first, on stdout)."""
+    import shutil
+
+    run = Path(shutil.copytree(scored_cli, tmp_path / "run"))
+    _edit_manifest(run, lambda m: m["model"].update(config_sha256="0" * 64))
+    result = CliRunner().invoke(app, ["rerun", str(run), "--out", str(tmp_path / "again")])
+    assert result.exit_code == 2 and "rerun: score of" in result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "config.json changed" in lines[0], result.stderr
+    assert_nothing_written(tmp_path / "again")
