@@ -1,7 +1,8 @@
 """The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md is
 either run, on the built-in model (`--model M` left out, as the README tells users to), or listed in NOT_RUN with
 why: a new recipe in the README needs a decision here (tests/test_readme.py checks that, and that every command
-parses and builds its run spec).
+parses and builds its run spec). NOT_RUN may name a recipe the README does not have yet (one landing on another
+branch); RUN may not.
 
 The runs share the built-in model's engine in the "builtin" process of conftest.cli_processes (it is started there
 for the ablation anyway), so each costs its own scoring alone; SIZE keeps that to two short prompts on the CPU.
@@ -42,6 +43,8 @@ NOT_RUN = {
     "routing",
     "compare": "one process per GPU (CUDA_VISIBLE_DEVICES=0); on the CPU it is the first recipe without its floor",
     "compare --align rope": "one process per GPU (CUDA_VISIBLE_DEVICES=1); test_compare aligns rope",
+    """compare --engine-args '{"tensor_parallel_size": 2}' --engine-noise""": "two engines (TP 2 and its TP 1 floor) "
+    "over two devices; test_tensor_parallel runs TP 2 on the CPU",
 }
 
 

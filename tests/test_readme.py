@@ -24,7 +24,8 @@ def test_every_readme_command_is_run_or_says_why_not():
     written = {key(words) for _, words in COMMANDS}
     decided = {command for command, _ in RUN.values()} | set(RENDERED) | set(NOT_RUN)
     assert written - decided == set(), "README commands neither run nor in readme_runs.NOT_RUN"
-    assert decided - written == set(), "readme_runs names commands the README no longer has"
+    ran = {command for command, _ in RUN.values()} | set(RENDERED)
+    assert ran - written == set(), "readme_runs runs commands the README no longer has"
 
 
 @pytest.mark.parametrize("line, words", COMMANDS, ids=[f"README.md:{n}" for n, _ in COMMANDS])
