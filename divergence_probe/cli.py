@@ -250,7 +250,7 @@ def _next_step(run):
     return after_compare(run.spec, run.summary, family)
 
 
-def _print_summary(run, out_dir: Path) -> None:
+def _print_summary(run) -> None:
     from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
 
     s = run.summary
@@ -379,7 +379,7 @@ def _spec_command(kind: str, doc: str, after):
         from .spec import spec_from_flat
 
         run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
-        after(run, out_dir)
+        after(run)
         _closing(out_dir, run.spec.report, _next_step(run))
 
     params = _options(kind)
@@ -442,12 +442,12 @@ _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned re
 
 @_lazy_command("compare", _COMPARE_DOC)
 def _compare_command():
-    return _spec_command("compare", _COMPARE_DOC, lambda run, out_dir: _print_summary(run, out_dir))
+    return _spec_command("compare", _COMPARE_DOC, _print_summary)
 
 
 @_lazy_command("ablate", _ABLATE_DOC)
 def _ablate_command():
-    return _spec_command("ablate", _ABLATE_DOC, lambda run, out_dir: _print_ablation(run, out_dir))
+    return _spec_command("ablate", _ABLATE_DOC, _print_ablation)
 
 
 @app.command()
@@ -517,7 +517,7 @@ def rerun(
 
     recorded_spec: list = []
     run, out_dir = _run(make_spec, target, check)
-    (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
+    (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
 
 
@@ -546,11 +546,11 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
     for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
     run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
-    _print_score(run, out_dir)
+    _print_score(run)
     _closing(out_dir, report, after_score(call, load, run.summary))
 
 
-def _print_ablation(run, out_dir: Path) -> None:
+def _print_ablation(run) -> None:
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
     table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
@@ -713,7 +713,7 @@ def score_command(
         _fail(e)
     out_dir = out_dir or default_out_dir()
     run = _score_run(call, load, out_dir)
-    _print_score(run, out_dir)
+    _print_score(run)
     _closing(out_dir, False, after_score(call, load, run.summary))
 
 
@@ -737,7 +737,7 @@ def _score_run(call, load, out_dir: Path, check=None):
     return run
 
 
-def _print_score(run, out_dir: Path) -> None:
+def _print_score(run) -> None:
     from .score import CAUSES
 
     s = run.summary
