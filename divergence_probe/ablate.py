@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from .batch_invariance import NoiseEngines
-from .compare import CompareRun, Progress, run_compare
+from .compare import CompareRun, Progress, phase, run_compare
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from .spec import RunSpec
@@ -148,6 +148,8 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         for i, (combo, step) in enumerate(zip(combos, steps)):
             for j in range(i, i + 1 + ahead):
                 start(j)
+            phase(progress, f"combination {combo_name(combo, spec.ablate.regions)} ({i + 1}/{len(combos)})",
+                  offset=done_before, scale=len(combos))
             with aligned_probe(probe, step.align.regions, side, started.pop(i, None)) as view:
                 runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
                                           noise_engines=noise_engines)

@@ -18,7 +18,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 from .errors import ProbeError, one_line
@@ -166,13 +167,90 @@ def _fail(error: ProbeError) -> None:
 
 
 def _progress() -> Progress:
-    # transient: the bar is for a person watching; it leaves no lines in a log, where an error stays one line (off
-    # outside a terminal, where rich would still end it with an empty line)
+    # transient: the bars are for a person watching; they leave no lines in a log, where an error stays one line (off
+    # outside a terminal, where rich would still end them with an empty line)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not console.is_terminal)
+                    TextColumn("left"), TimeRemainingColumn(compact=True), console=console, transient=True,
+                    disable=not console.is_terminal)
 
 
-def _print_summary(run, out_dir: Path) -> None:
+class _Phases:
+    """One bar per long phase of a run (load, scoring, each noise floor, each ablate combination, each rl run), each
+    with its elapsed time and, once it has a total, the time left. The API takes it as its progress callback:
+    `(done, total)` calls move the current bar, `phase(name)` (compare.phase) ends it and starts the next. A phase
+    that ended stays on screen, done, until the command ends (then all go: transient)."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar, self.task, self.offset, self.scale = bar, None, 0, 1
+
+    def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
+        self.end()
+        self.task = self.bar.add_task(name, total=total)
+        self.offset, self.scale = offset, scale
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, completed=done - self.offset, total=max(total // self.scale, 1))
+
+    def note(self, text: str) -> None:
+        """Replace the current bar's description (rl: the last step's reward and mismatch)."""
+        if self.task is not None:
+            self.bar.update(self.task, description=text)
+
+    def end(self) -> None:
+        """The current bar, done: a phase without counts (a load, a noise floor) fills its bar when it ends."""
+        if self.task is not None:
+            task = next(t for t in self.bar.tasks if t.id == self.task)
+            total = task.total or max(task.completed, 1)
+            self.bar.update(self.task, total=total, completed=total)
+            self.bar.stop_task(self.task)
+            self.task = None
+
+
+@contextlib.contextmanager
+def _phases():
+    with _progress() as bar:
+        yield _Phases(bar)
+
+
+def _closing(out_dir: Path, report: bool, step) -> None:
+    """The last lines of every run: its folder, its report (rendered now with --report, else the command that
+    renders it) and the next command to try with why (next_steps.py), each on a line of its own to copy."""
+    import shlex
+
+    out.print(f"run: {out_dir}", highlight=False, markup=False, soft_wrap=True)
+    if report:
+        _write_report(out_dir)
+    else:
+        out.print(f"report: {shlex.join(['divergence-probe', 'report', str(out_dir)])}", highlight=False, markup=False,
+                  soft_wrap=True)
+    if step is not None:
+        out.print(f"next: {shlex.join(step.argv)}", highlight=False, markup=False, soft_wrap=True)
+        out.print(f"  why: {step.why}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _family(manifest: dict):
+    """The model family a run's manifest names (what it cannot run: Family.unsupported), or None if unknown."""
+    from .models import get_family
+
+    model = manifest.get("model")
+    try:
+        return get_family(model.get("arch")) if isinstance(model, dict) else None
+    except (ProbeError, KeyError, TypeError):
+        return None
+
+
+def _next_step(run):
+    """A compare or ablate run's next command (next_steps.py)."""
+    from .next_steps import after_ablate, after_compare
+
+    family = _family(run.manifest)
+    if run.spec.kind == "ablate":
+        return after_ablate(run.spec, run.attribution_table, family)
+    return after_compare(run.spec, run.summary, family)
+
+
+def _print_summary(run) -> None:
     from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
 
     s = run.summary
@@ -208,7 +286,6 @@ def _print_summary(run, out_dir: Path) -> None:
     _routing_rows(table, s)
     out.print(table)
     _print_graft(getattr(run, "graft_tables", {}))
-    out.print(f"run: {out_dir}")
 
 
 def _routing_rows(table, s: dict) -> None:
@@ -303,9 +380,8 @@ def _spec_command(kind: str, doc: str, after):
         from .spec import spec_from_flat
 
         run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
-        after(run, out_dir)
-        if run.spec.report:
-            _write_report(out_dir)
+        after(run)
+        _closing(out_dir, run.spec.report, _next_step(run))
 
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
@@ -340,11 +416,11 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                     check(source)
                 load_run_prompts(spec, tokenizer, source.max_model_len)
 
-            with console.status("loading the model in transformers and the inference stack…"):
+            with _phases() as phases:
+                phases.phase("loading the model in transformers and the inference stack")
                 probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
-            with _progress() as bar:
-                task = bar.add_task("scoring prompts", total=None)
-                run = probe.run(spec, lambda done, total: bar.update(task, completed=done, total=total))
+                run = probe.run(spec, phases)
+                phases.end()
             run.manifest["command"] = sys.argv
             run.write(out_dir)
     except ProbeError as e:
@@ -367,17 +443,17 @@ _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned re
 
 @_lazy_command("compare", _COMPARE_DOC)
 def _compare_command():
-    return _spec_command("compare", _COMPARE_DOC, lambda run, out_dir: _print_summary(run, out_dir))
+    return _spec_command("compare", _COMPARE_DOC, _print_summary)
 
 
 @_lazy_command("ablate", _ABLATE_DOC)
 def _ablate_command():
-    return _spec_command("ablate", _ABLATE_DOC, lambda run, out_dir: _print_ablation(run, out_dir))
+    return _spec_command("ablate", _ABLATE_DOC, _print_ablation)
 
 
 @app.command()
 def rerun(
-    run_dir: Path = typer.Argument(..., help="A run folder written by compare or ablate (its manifest.json)."),
+    run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate or score (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
@@ -386,21 +462,28 @@ def rerun(
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
-    The prompt files and the model's config must be the ones the run used (their sha256 are checked). A manifest
-    is untrusted data: every field is checked as the CLI checks its flags, engine args that could load or run code
-    are refused unless --allow-engine-arg names them, and what will run is shown before anything loads.
+    The prompt files (of a score run: the rollout file) and the model's config must be the ones the run used
+    (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
+    engine args that could load or run code are refused unless --allow-engine-arg names them, and what will run is
+    shown before anything loads.
     """
     from .replay import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
+    try:
+        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
+    except ProbeError as e:
+        _fail(e)
+    target = out_dir or default_out_dir()
+    if manifest.get("kind") == "score":
+        _rerun_score(manifest, run_dir, where, target, report)
+        return
 
     def make_spec():
-        manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
         if "spec" not in manifest:
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
-        recorded[:] = [manifest]
         from .spec import RunSpec
 
         try:
@@ -420,17 +503,12 @@ def rerun(
         return spec
 
     def check(source):
-        manifest = recorded[0]
-        model, compared = manifest.get("model"), manifest.get("compare")
-        want = model.get("config_sha256") if isinstance(model, dict) else None
+        compared = manifest.get("compare")
         recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
-        if not isinstance(want, str) or not isinstance(recorded_prompts, dict):
+        if not isinstance(recorded_prompts, dict):
             raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
                              "`command` instead")
-        have = source.config_sha256
-        if want != have:
-            raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
-                             f"vs {want[:12]}…); point --model of a new compare at the original checkpoint")
+        _same_model(manifest, source, run_dir, "compare")
         from .compare import prompts_path
         from .prompts import file_hashes
 
@@ -438,16 +516,42 @@ def rerun(
         if file_hashes(prompts) != recorded_prompts:
             raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
-    recorded: list = []
     recorded_spec: list = []
-    target = out_dir or default_out_dir()
     run, out_dir = _run(make_spec, target, check)
-    (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run, out_dir)
-    if report:
-        _write_report(out_dir)
+    (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
+    _closing(out_dir, report, _next_step(run))
 
 
-def _print_ablation(run, out_dir: Path) -> None:
+def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
+    """rerun re-makes a run only on the checkpoint it was made with: the model's config.json has the recorded
+    sha256."""
+    model = manifest.get("model")
+    want = model.get("config_sha256") if isinstance(model, dict) else None
+    if not isinstance(want, str):
+        raise ProbeError(f"{run_dir}/manifest.json lacks the model hash a rerun checks; re-run its `command` instead")
+    have = source.config_sha256
+    if want != have:
+        raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
+                         f"vs {want[:12]}…); point --model of a new {command} at the original checkpoint")
+
+
+def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
+    """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
+    from .next_steps import after_score
+    from .replay import describe_score, recorded_score
+
+    try:
+        call, load = recorded_score(manifest, where)
+    except ProbeError as e:
+        _fail(e)
+    for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
+    _print_score(run)
+    _closing(out_dir, report, after_score(call, load, run.summary))
+
+
+def _print_ablation(run) -> None:
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
     table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
@@ -463,12 +567,11 @@ def _print_ablation(run, out_dir: Path) -> None:
         attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
                      f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
     out.print(attr)
-    out.print(f"run: {out_dir}")
 
 
 @app.command("report")
 def report_command(
-    run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare or ablate)."),
+    run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare, ablate, score or rl)."),
     fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder, or one holding a previous report (replaced). Default: RUN_DIR/report."),
 ) -> None:
@@ -520,6 +623,7 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
     from transformers.utils import logging as hf_logging
 
     from . import rl
+    from .next_steps import after_rl
     from .rundir import default_out_dir
 
     hf_logging.disable_progress_bar()
@@ -527,15 +631,21 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
         spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
                             or k in ("model", "prompts", "reward")})
         out_dir = out_dir or default_out_dir()
-        with _progress() as bar:
-            task = bar.add_task("loading the engine and the trainer…", total=None)
+        runs = len(spec.settings) * len(spec.seed_list)
+        with _phases() as phases:
+            phases.phase("loading the engine and the trainer")
+            current: list = []
 
-            def progress(row: dict, done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total, description=(
-                    f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
-                    f"|Δlogp| {row['mean_abs_dlogp']:.2e}"))
+            def progress(row: dict, done: int, total: int) -> None:  # one bar per (setting, seed) run, of its steps
+                if current != [(row["setting"], row["seed"])]:
+                    current[:] = [(row["setting"], row["seed"])]
+                    phases.phase(f"{row['setting']} seed {row['seed']}", offset=done - 1, scale=runs)
+                phases(done, total)
+                phases.note(f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
+                            f"|Δlogp| {row['mean_abs_dlogp']:.2e}")
 
             result = rl.run(spec, out_dir, progress)
+            phases.end()
     except ProbeError as e:
         _fail(e)
     table = Table(title="rl: first -> last steps (rl_summary.csv)")
@@ -546,9 +656,7 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
                       f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
                       f"{row.overhead_frac:.0%}")
     out.print(table)
-    out.print(f"run: {out_dir}")
-    if report:
-        _write_report(out_dir)
+    _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
 
 
 _RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
@@ -593,23 +701,46 @@ def score_command(
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
     with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
     """
+    from .next_steps import after_score
+    from .rundir import default_out_dir
+    from .score import ScoreSpec
+    from .spec import LoadSpec
+
+    try:
+        call = ScoreSpec(rollouts=str(rollouts.absolute()), fmt=fmt, fields=fields, infer=infer,
+                         temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
+        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
+    except ProbeError as e:
+        _fail(e)
+    out_dir = out_dir or default_out_dir()
+    run = _score_run(call, load, out_dir)
+    _print_score(run)
+    _closing(out_dir, False, after_score(call, load, run.summary))
+
+
+def _score_run(call, load, out_dir: Path, check=None):
+    """Shared by score and rerun: claim --out, score, write; a ProbeError is one line and nothing is written."""
     from transformers.utils import logging as hf_logging
 
-    from .rundir import claim_out_dir, default_out_dir
-    from .score import CAUSES, score
+    from .rundir import claim_out_dir
+    from .score import score_spec
 
     hf_logging.disable_progress_bar()
     try:
-        out_dir = out_dir or default_out_dir()
-        with claim_out_dir(out_dir):
-            with console.status("reading the rollouts and loading the trainer…"):
-                run = score(rollouts, model, fmt=fmt, fields=fields, infer=infer, temperature=temperature,
-                            clip_eps=clip_eps, tis_cap=tis_cap, dtype=dtype, device=device, train_attn=train_attn,
-                            train_sdpa=train_sdpa)
+        with claim_out_dir(out_dir), _phases() as phases:
+            phases.phase("reading the rollouts, loading the trainer" + (" and the engine" if call.infer else ""))
+            run = score_spec(call, load, check, phases)
+            phases.end()
             run.manifest["command"] = sys.argv
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
+    return run
+
+
+def _print_score(run) -> None:
+    from .score import CAUSES
+
     s = run.summary
     table = Table(title=f"recorded ({run.batch.format}) vs trainer", show_header=False)
     table.add_column(style="bold")
@@ -626,7 +757,6 @@ def score_command(
     out.print(table)
     if s["likely_cause"]:
         out.print(f"likely cause ({s['likely_cause']}, a flag, not a verdict): {CAUSES[s['likely_cause']]}")
-    out.print(f"run: {out_dir}")
 
 
 @app.command("make-model")

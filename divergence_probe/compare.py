@@ -38,6 +38,15 @@ from .taps import ROUTE_RECORDS, TapKey, expected_taps
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
 
 
+def phase(progress: Progress | None, name: str, *, offset: int = 0, scale: int = 1) -> None:
+    """Tell a progress display that shows phases (the CLI's: one bar per long phase, with the time left) that a new
+    one starts: the calls that follow count from `offset` and their total is `scale` times this phase's. A plain
+    (done, total) callback has no `phase` and sees the same calls as ever."""
+    start = getattr(progress, "phase", None)
+    if start is not None:
+        start(name, offset=offset, scale=scale)
+
+
 @dataclass
 class TokenScore:
     """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
@@ -469,6 +478,8 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
 
     pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
     peaks = Peaks(probe.settings.device)
+    if total_scale == 1:  # an ablation names each combination's phase itself
+        phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):
         ran = score_both(probe, prompts, source, infer_taps, taps, capture, collect, peaks)
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
@@ -484,9 +495,13 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
                                         "depth": spec.capture.depth}
     if not_captured:
         manifest["compare"]["taps_not_captured"] = not_captured
+    if spec.capture.batch_invariance:
+        phase(progress, "noise floor: each stack alone vs batched, another SDPA kernel")
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
+    if spec.capture.engine_noise:
+        phase(progress, "noise floor: the engine in its other mode")
     engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
     route_floor = routing_noise(probe, ran, routes.top_k) \
         if spec.capture.batch_invariance and run_routing is not None else None

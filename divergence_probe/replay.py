@@ -10,6 +10,9 @@ from vLLM's EngineArgs. Anything else needs `--allow-engine-arg NAME` from the p
 
     check_replayable(spec, allowed=())   # ProbeError naming the first engine arg that needs asking
     command_line(spec)                   # ["divergence-probe", "compare", "--model", ...]
+    recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
+
+A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from dataclasses import fields
+from pathlib import Path
 from typing import Iterable
 
 from .errors import ProbeError
-from .spec import COMPONENTS, RunSpec, flag_of, flat_fields
+from .spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
 
 ALLOW_FLAG = "--allow-engine-arg"
 
@@ -136,5 +141,59 @@ def describe(spec: RunSpec, out_dir) -> list[str]:
     return lines
 
 
+def recorded_score(manifest: dict, where: str):
+    """(ScoreSpec, LoadSpec) that re-make the score run of `manifest`, each field checked as its flag is; the
+    rollout file it names must be a regular file with the sha256 the run recorded (checked before it is parsed, so
+    a pipe, a device or another file is refused in one line)."""
+    from .rundir import file_sha256
+    from .score import ScoreSpec
+
+    section = manifest.get("score")
+    if not isinstance(section, dict) or "spec" not in section or "load_spec" not in section:
+        raise ProbeError(f"{where} lacks the recorded score spec (score.spec, score.load_spec): the run was made "
+                         "before score runs recorded it; re-run its `command` instead")
+    call = recorded(ScoreSpec, section["spec"], "score.spec")
+    load = recorded(LoadSpec, section["load_spec"], "score.load_spec")
+    if load.engine_args:
+        raise ProbeError(f"{where} sets score.load_spec.engine_args, which the score command never records (it takes "
+                         "no engine args): the manifest was edited; restore it or re-run its `command`")
+    path = Path(call.rollouts)
+    if not path.is_file():
+        raise ProbeError(f"the rollout file {path} that {where} names is missing or not a regular file; restore it "
+                         "there, or score it again with `divergence-probe score`")
+    want = section.get("rollouts_sha256")
+    if not isinstance(want, str) or file_sha256(path) != want:
+        raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
+                         "records); restore it, or score it again with `divergence-probe score`")
+    return call, load
+
+
+def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
+    """The score command line that makes the same run as (call, load), for a person to read before rerun runs it;
+    the trainer settings score has no flag for (set through the Python API) follow as `name=value` words."""
+    argv = ["divergence-probe", "score", call.rollouts]
+    defaults = type(call)(rollouts=call.rollouts)
+    for f in fields(call):
+        value = getattr(call, f.name)
+        if f.name != "rollouts" and value != getattr(defaults, f.name):
+            argv += [flag_of(f), str(value)]
+    flags = ("model", "dtype", "device", "train_attn", "train_sdpa")  # score's own trainer flags
+    plain = LoadSpec()
+    for f in fields(load):
+        value = getattr(load, f.name)
+        if f.name != "infer" and value != getattr(plain, f.name):
+            argv += [flag_of(f), str(value)] if f.name in flags else [f"{f.name}={_flag_value(value)}"]
+    if out_dir is not None:
+        argv += ["--out", str(out_dir)]
+    return argv
+
+
+def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
+    """What rerun is about to run for a score run folder, in lines for the console."""
+    return [f"rerun: score of {call.rollouts} with model {load.model or 'builtin:default'} (trainer {load.train}, "
+            f"{load.dtype} on {load.device}" + (", engine prefill vllm)" if call.infer else ")"),
+            f"  same as: {shlex.join(score_command_line(call, load, out_dir))}"]
+
+
 __all__ = ["ALLOW_FLAG", "REPLAYED", "COMPILATION_REPLAYED", "check_replayable", "command_line", "describe",
-           "refused_engine_args"]
+           "describe_score", "recorded_score", "refused_engine_args", "score_command_line"]

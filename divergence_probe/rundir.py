@@ -47,6 +47,8 @@ COLUMNS = {
     "routing.csv": ("layer", "frac_topk_set_differs"),
     "routing_noise.csv": ("side", "layer", "frac_topk_set_differs"),
 }
+# score's tokens.csv holds the logprobs the user's run recorded (logprob_rollout) where compare's holds the engine's
+KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollout", "delta_logprob", "kl")}}
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"
 MARK = ".divergence-probe"  # in every output folder the tool makes: which output it is, and the files it wrote
@@ -478,8 +480,10 @@ def _raw(path: Path) -> bytes:
                              f"cut short: {RERUN}") from e
 
 
-def _parse_csv(path: Path, data: bytes, name: str, drop: Iterable[str]) -> pd.DataFrame:
-    return parse_csv(path, data, COLUMNS[name], drop)
+def _columns(manifest: dict) -> dict[str, tuple]:
+    """The columns each file of this run's kind must have (a manifest's `kind` is data: anything else is compare's)."""
+    kind = manifest.get("kind")
+    return COLUMNS | (KIND_COLUMNS.get(kind, {}) if isinstance(kind, str) else {})
 
 
 def _parse_prompts(path: Path, data: bytes) -> list[dict]:
@@ -517,13 +521,15 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
     if path.is_symlink() and path.exists():  # a link to a run folder is that folder: its files are checked there
         path = Path(os.path.realpath(path))
     if not path.exists():
-        raise RunFolderError(f"run folder {path} does not exist; pass the --out folder of a compare or ablate run")
+        raise RunFolderError(f"run folder {path} does not exist; pass the --out folder of a compare, ablate or score "
+                             "run")
     if not path.is_dir():
-        raise RunFolderError(f"{path} is a file, not a run folder; pass the --out folder of a compare or ablate run")
+        raise RunFolderError(f"{path} is a file, not a run folder; pass the --out folder of a compare, ablate or "
+                             "score run")
     lacking = [f for f in (MANIFEST, "summary.csv") if not (path / f).is_file() and not (path / f).is_symlink()]
     if lacking:
         raise RunFolderError(f"{path} is not a divergence-probe run folder (no {' or '.join(lacking)}); pass the "
-                             "--out folder of a compare or ablate run")
+                             "--out folder of a compare, ablate or score run")
     manifest = read_manifest(path)
     listed = manifest.get("files", {})
     if not isinstance(listed, dict) or not all(isinstance(r, dict) for r in listed.values()):
@@ -532,6 +538,7 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
         inside(path, name)
 
     run = RunFolder(path=path, manifest=manifest)
+    columns = _columns(manifest)
     known = (PROMPTS, *COLUMNS)
     bases = list(known) + list(dict.fromkeys(n.removesuffix(".gz") for n in listed
                                              if n.removesuffix(".gz") not in known))
@@ -557,8 +564,8 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
             run.prompts = _parse_prompts(stored, data)
         elif base in COLUMNS:
             if record is not None:  # hash first: a cut file may still parse, and must never be used
-                _check_listed(stored, stored.name, hashed, record, lambda: len(_parse_csv(stored, data, base, ())))
-            run.tables[stored.name] = _parse_csv(stored, data, base, drop)
+                _check_listed(stored, stored.name, hashed, record, lambda: len(parse_csv(stored, data, columns[base])))
+            run.tables[stored.name] = parse_csv(stored, data, columns[base], drop)
         elif record is not None:
             _check_listed(stored, stored.name, hashed, record, lambda: data.count(b"\n"))
     return run

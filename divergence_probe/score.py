@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from .compare import TokenScore
+from .compare import Progress, TokenScore, phase
 from .errors import NumericsError, ProbeError, one_line
+from .options import option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
 from .rl_metrics import bucket_table, sequence_metrics, token_metrics
-from .rollouts import RolloutBatch, RolloutError, read_rollouts
+from .rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
+from .rollouts.adapters import parse_fields
 from .spec import GenerateSpec, LoadSpec
 from .tables import summary_row, tokens_frame
 
@@ -44,6 +46,33 @@ FAR_FLOOR = 0.1
 # while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
 UNLIKELY_LOGPROB = math.log(1e-4)
 WRONG_TOKEN_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreSpec:
+    """What score reads and how it scores it, beside the LoadSpec of its trainer: the manifest records both
+    (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
+
+    rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
+                           flag="ROLLOUTS")
+    fmt: str = option("auto", flag="--format")
+    fields: str | None = option(None)
+    infer: str | None = option(None)
+    temperature: float | None = option(None)
+    clip_eps: float = option(GenerateSpec.clip_eps)
+    tis_cap: float = option(GenerateSpec.tis_cap)
+
+    def __post_init__(self) -> None:
+        if self.infer not in (None, "vllm"):
+            raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
+                             "leave it out")
+        if self.fmt not in FORMATS:
+            raise ProbeError(f"--format {self.fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+        parse_fields(self.fields)
+        if self.temperature is not None and not self.temperature > 0:
+            raise ProbeError(f"--temperature {self.temperature} must be > 0: it is the sampling temperature to test "
+                             "against")
+        GenerateSpec(clip_eps=self.clip_eps, tis_cap=self.tis_cap)  # their checks
 
 
 @dataclass
@@ -204,9 +233,10 @@ def vocab_size(config: dict, tokenizer) -> int:
 
 
 def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | None = None, clip_eps: float | None = None,
-                tis_cap: float | None = None) -> ScoreRun:
+                tis_cap: float | None = None, progress: Progress | None = None) -> ScoreRun:
     """Score `batch` (checked against the model first) on the scorer's training stack, sequence by sequence as
-    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine."""
+    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine.
+    `progress(done, total)`: after each sequence (compare.Progress)."""
     g = GenerateSpec(**{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
     if temperature is not None and not temperature > 0:
         raise ProbeError(f"--temperature {temperature} must be > 0: it is the sampling temperature to test against")
@@ -217,6 +247,8 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     tokens: list[TokenScore] = []
     prefill: list[float] | None = [] if scorer.infer is not None else None
     tempered: list[float] | None = [] if temperature is not None else None
+    phase(progress, "scoring sequences")
+    finished = 0  # sequences of earlier groups
     for group in batches(sequences, scorer.batch_tokens, getattr(scorer.infer, "max_sequences_per_step", None)):
         engine = scorer.infer.score(group, frozenset(), _no_taps) if scorer.infer is not None else None
         done = 0
@@ -243,10 +275,13 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
             tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], r.logprobs[j], lp_train[j], kl[j], sid,
                                      True) for j, tok in enumerate(r.response_ids))
             done += 1
+            if progress is not None:
+                progress(finished + done, len(sequences))
 
         scorer.train.score(group, frozenset(), _no_taps, on_scored=scored)
         if done != len(group):
             raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
+        finished += done
     prompts = _prompts(batch, ids, scorer.tokenizer)
     manifest = dict(scorer.manifest) | {"kind": "score", "score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
@@ -312,21 +347,31 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
           tis_cap: float | None = None, **load) -> ScoreRun:
     """Read a rollout file and score it (see the module docstring). `infer`: None (trainer only) or "vllm" (also
     the engine's prefill). `load`: LoadSpec's training-side settings (dtype, device, train_attn, train_sdpa, ...)."""
-    if infer not in (None, "vllm"):
-        raise ProbeError(f"--infer {infer!r}: score re-scores with vllm or not at all; use --infer vllm or leave it "
-                         "out")
-    batch = read_rollouts(rollouts, fmt, fields)
-    spec = LoadSpec(model=model, **load)
+    call = ScoreSpec(rollouts=str(Path(rollouts).absolute()), fmt=fmt, fields=fields, infer=infer,
+                     temperature=temperature,
+                     **{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
+    return score_spec(call, LoadSpec(model=model, **load))
 
-    def check(source, tokenizer):
+
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None) -> ScoreRun:
+    """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `progress` as score_batch's."""
+    batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+
+    def before_stacks(source, tokenizer):
+        if check is not None:
+            check(source)
         check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len)
 
-    scorer = load_scorer(spec, infer == "vllm", check)
+    scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
     try:
-        return score_batch(scorer, batch, temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
+        run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap,
+                          progress=progress)
     finally:
         if scorer.infer is not None:
             scorer.infer.close()
         close = getattr(scorer.train, "close", None)
         if close is not None:
             close()
+    run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
+    return run

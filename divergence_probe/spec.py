@@ -418,6 +418,17 @@ def _build(cls, values, where: str):
         raise _SpecError(f"{where}: {e}") from e
 
 
+def recorded(cls, values, where: str):
+    """A spec dataclass other than RunSpec (score's, a LoadSpec) as a manifest recorded it, checked as from_dict
+    checks a RunSpec: every field there, none unknown, each of its flag's type, then the class's own checks. One
+    ProbeError naming the field."""
+    try:
+        return _build(cls, values, where)
+    except _SpecError as e:
+        raise ProbeError(f"the recorded {where} does not fit this version of divergence-probe ({e}); fix the "
+                         "manifest or re-run the command from its `command` instead") from None
+
+
 def flat_fields(kind: str) -> list[tuple[str | None, Field, str]]:
     """(component, field, flat name) of every option a command of `kind` takes, in declaration order.
 

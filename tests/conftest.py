@@ -102,10 +102,13 @@ def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[
     one engine per process; one engine serves every run of its process):
     "a" and "b" run the same Qwen2 compare (every tap) and generate-mode compare, and "a" ablates Qwen2; "a" with
     an empty torch.compile cache of its own, so that its tap reduction is compiled anew;
-    "builtin" ablates the built-in trained model. Returns {process: {run: run dir}}."""
+    "builtin" runs the README's recipes on the built-in trained model (readme_runs.RUN: an ablation and three
+    compares on one engine). Returns {process: {run: run dir}}."""
     import json
     import subprocess
     import sys
+
+    from readme_runs import builtin_commands
 
     model = ["--model", str(qwen2_tiny), "--prompts", str(prompts_file), "--device", "cpu"]
     commands = {
@@ -113,13 +116,12 @@ def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[
         "generate": ["compare", *model, "--num-prompts", "2", "--taps", "none", "--mode", "generate",
                      "--max-new-tokens", "8", "--samples-per-prompt", "2", "--temperature", "0.7", "--top-p", "0.9"],
         "ablate": ["ablate", *model, "--num-prompts", "1", "--bootstrap", "50"],
-        "builtin-ablate": ["ablate", "--device", "cpu", "--num-prompts", "2", "--max-prompt-tokens", "64",
-                           "--taps", "none", "--bootstrap", "0"],
+        **builtin_commands(),  # README recipes on the built-in model (tests/readme_runs.py)
     }
     root = tmp_path_factory.mktemp("processes")
     procs, runs = {}, {}
     for name, plan in (("a", ["prefill", "generate", "ablate"]), ("b", ["prefill", "generate"]),
-                       ("builtin", ["builtin-ablate"])):
+                       ("builtin", list(builtin_commands()))):
         runs[name] = {run: root / name / run for run in plan}
         argv = [(run, [*commands[run], "--out", str(runs[name][run])]) for run in plan]
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}

@@ -328,7 +328,7 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
         monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
         summary = {**_summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
         run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={})
-        cli._print_summary(run, tmp_path)
+        cli._print_summary(run)
         return buffer.getvalue()
 
     text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rollouts import RolloutError, read_rollouts
 from divergence_probe.score import Scorer, score_batch
-from test_compare_cli import assert_one_line_error
+from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 GEN = dict(max_new_tokens=8, samples_per_prompt=2, temperature=1.0)
 PAD = 0
@@ -263,3 +264,104 @@ def test_fields_name_the_generic_columns(tmp_path):
             read_rollouts(tmp_path / "r.jsonl", fields=fields)
     with pytest.raises(RolloutError, match="generic format"):
         read_rollouts(tmp_path / "r.jsonl", "verl", fields="prompt_ids=p")
+
+
+@pytest.fixture(scope="module")
+def scored_cli(vllm_probe, qwen3_tiny, generated, tmp_path_factory):
+    """`score --infer vllm` through the CLI on the generate run's rollouts (verl layout): the session's engine serves
+    it (the same load settings), so no engine starts."""
+    _, records = generated
+    root = tmp_path_factory.mktemp("score-cli")
+    path = _jsonl(root / "r.jsonl", _layouts(records)["verl"])
+    result = CliRunner().invoke(app, ["score", str(path), "--model", str(qwen3_tiny), "--device", "cpu",
+                                      "--infer", "vllm", "--out", str(root / "scored")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return root / "scored"
+
+
+def test_report_of_a_score_run_shows_the_three_way_split(scored_cli, tmp_path):
+    from divergence_probe.reports.document import sig
+
+    result = CliRunner().invoke(app, ["report", str(scored_cli), "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "report" / "report.md").read_text()
+    s = pd.read_csv(scored_cli / "summary.csv").iloc[0]
+    assert "score run" in text and "## What the run saw" in text and "## First divergence" not in text
+    for key in ("rollout_vs_train_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
+                "rollout_vs_prefill_mean_abs_dlogp"):
+        assert f" {sig(s[key])} nats" in text, key
+    assert "within" in text and not s["recorded_far"]  # the tool's own decode path: numerics, not a problem
+    assert (tmp_path / "report" / "figures" / "kl_by_position.png").is_file()  # the prefill gives every token a KL
+
+
+def test_rerun_of_a_score_run_is_byte_identical(scored_cli, tmp_path):
+    result = CliRunner().invoke(app, ["rerun", str(scored_cli), "--out", str(tmp_path / "again")],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "rerun: score of" in result.output and "--infer vllm" in result.output
+    for name in ("tokens.csv", "summary.csv", "buckets.csv", "prompts.jsonl"):
+        assert (tmp_path / "again" / name).read_bytes() == (scored_cli / name).read_bytes(), name
+
+
+def _edit_manifest(folder, change):
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _fifo(m, tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    m["score"]["spec"]["rollouts"] = str(tmp_path / "pipe.jsonl")
+
+
+def _changed(m, copy):
+    copy.write_text(copy.read_text() * 2)  # a copy of the rollouts, with every row twice
+    m["score"]["spec"]["rollouts"] = str(copy)
+
+
+SCORE_EDITS = {  # an edited or stale score run folder: what rerun must refuse before anything loads
+    "engine_args": (lambda m, _: m["score"]["load_spec"].update(engine_args={"trust_remote_code": True}),
+                    "engine_args"),
+    "clip_eps_text": (lambda m, _: m["score"]["spec"].update(clip_eps="0.2"), "score.spec.clip_eps"),
+    "unknown_field": (lambda m, _: m["score"]["spec"].update(code="x"), "unknown field(s) score.spec.code"),
+    "infer_hf": (lambda m, _: m["score"]["spec"].update(infer="hf"), "--infer 'hf'"),
+    "no_spec": (lambda m, _: m["score"].pop("spec"), "lacks the recorded score spec"),
+    "pipe": (_fifo, "not a regular file"),
+    "changed_file": (lambda m, tmp: _changed(m, tmp / "r.jsonl"), "changed since the run was made"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_EDITS))
+def test_rerun_of_an_edited_score_run_is_one_line(scored_cli, tmp_path, monkeypatch, name):
+    import shutil
+
+    from divergence_probe import score as score_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(score_module, "load_scorer", no_load)
+    run = Path(shutil.copytree(scored_cli, tmp_path / "run"))
+    shutil.copy(json.loads((run / "manifest.json").read_text())["score"]["spec"]["rollouts"], tmp_path / "r.jsonl")
+    change, says = SCORE_EDITS[name]
+    _edit_manifest(run, lambda m: change(m, tmp_path))
+    result = CliRunner().invoke(app, ["rerun", str(run), "--out", str(tmp_path / "again")])
+    assert_one_line_error(result, says)
+    assert_nothing_written(tmp_path / "again")
+
+
+def test_rerun_of_a_score_run_on_another_checkpoint_is_one_line(scored_cli, tmp_path):
+    """The recorded model's config.json must be the one the run used: refused once the model is resolved, before any
+    stack loads (what rerun will run is shown first, on stdout)."""
+    import shutil
+
+    run = Path(shutil.copytree(scored_cli, tmp_path / "run"))
+    _edit_manifest(run, lambda m: m["model"].update(config_sha256="0" * 64))
+    result = CliRunner().invoke(app, ["rerun", str(run), "--out", str(tmp_path / "again")])
+    assert result.exit_code == 2 and "rerun: score of" in result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "config.json changed" in lines[0], result.stderr
+    assert_nothing_written(tmp_path / "again")

@@ -40,9 +40,10 @@ def _kl_panels(run: RunData, series: list[tuple[str, pd.DataFrame]]) -> list:
     keys = ["prompt_id", "sample_id"] if "sample_id" in t else ["prompt_id"]
     prompt, response = t[~t["is_response"]], t[t["is_response"]]
     start = response.groupby(keys)["position"].transform("min")
-    return [("prompt tokens", "token position in the prompt (index)", [("prompt", frame(prompt, prompt["position"]))]),
-            ("response tokens", "token position in the response (index)",
-             [("response", frame(response, response["position"] - start))])]
+    panels = [("prompt tokens", "token position in the prompt (index)", [("prompt", frame(prompt, prompt["position"]))]),
+              ("response tokens", "token position in the response (index)",
+               [("response", frame(response, response["position"] - start))])]
+    return panels if len(prompt) else panels[1:]  # a score run scores response tokens only
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,24 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
             "bin. Tokens with exactly equal logprobs cannot be drawn on a log axis; the legend counts them.",
             lambda: F.delta_vs_probability([(label, df["logprob_infer"].to_numpy(), df["delta_logprob"].to_numpy())
                                             for label, df in series])))
-        specs.append(FigureSpec(
-            "kl_by_position", "Per-token KL along the position",
-            "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
-            "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
-            "is noisier; a rising trend means the mismatch accumulates with context length."
-            + (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
-               "response (0 = first sampled token)." if "is_response" in run.tokens else ""),
-            lambda: F.kl_by_position(_kl_panels(run, series))))
+        if run.tokens["kl"].isna().all():  # a score run without --infer vllm: no engine distribution to compare
+            skipped.append("No token has a KL (tokens.csv's `kl` is empty: a score run measures it only with "
+                           "`--infer vllm`), so the KL-by-position figure is not drawn.")
+        else:
+            if run.is_score:  # response tokens only; the KL is the engine's prefill against the trainer
+                panels = (" Here π_infer is the engine's prefill of the recorded sequences; response tokens by "
+                          "position in the response (0 = first sampled token).")
+            elif "is_response" in run.tokens:
+                panels = (" Left: prompt tokens by position in the prompt; right: response tokens by position in the "
+                          "response (0 = first sampled token).")
+            else:
+                panels = ""
+            specs.append(FigureSpec(
+                "kl_by_position", "Per-token KL along the position",
+                "Exact KL(π_infer ‖ π_train) over the full vocabulary at each token position, averaged over the "
+                "sequences that reach that position (log scale). Fewer sequences reach late positions, so the tail "
+                "is noisier; a rising trend means the mismatch accumulates with context length." + panels,
+                lambda: F.kl_by_position(_kl_panels(run, series))))
     if run.attribution is not None:
         specs.append(FigureSpec(
             "attribution", "Attribution to regions",

@@ -41,7 +41,15 @@ class RunData:
         return "generate" in self.manifest or (self.tokens is not None and "is_response" in self.tokens)
 
     @property
+    def is_score(self) -> bool:
+        """A score run: the logprobs the user's RL run recorded against the trainer's (tokens.csv's logprob_rollout,
+        read here as the inference side, logprob_infer), and the engine's prefill when it was measured."""
+        return self.manifest.get("kind") == "score"
+
+    @property
     def kind(self) -> str:
+        if self.is_score:
+            return "score"
         return "generate" if self.is_generate else "ablate" if self.is_ablate else "compare"
 
     @property
@@ -78,7 +86,7 @@ class RunData:
 
     @property
     def clip_eps(self) -> float:
-        return float(self.manifest.get("generate", {}).get("clip_eps", DEFAULT_CLIP_EPS))
+        return float(self.manifest.get("score" if self.is_score else "generate", {}).get("clip_eps", DEFAULT_CLIP_EPS))
 
     @property
     def ci_level(self) -> str:
@@ -95,7 +103,7 @@ def _as_bool(series: pd.Series) -> pd.Series:
 
 # The manifest sections the report reads into, and the objects inside `stacks.<side>`: each must be a JSON object
 # when present (an edited manifest with `"model": 5` is refused here, not met as a traceback while writing prose).
-SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files")
+SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files", "score")
 STACK_SECTIONS = ("settings", "implementations", "versions")
 
 
@@ -143,6 +151,8 @@ def load_run(run_dir: str | Path) -> RunData:
         run.tokens = tables[run.tokens_file]
         if "is_response" in run.tokens:
             run.tokens["is_response"] = _as_bool(run.tokens["is_response"])
+        if run.is_score:  # the recorded logprobs play the inference side in every figure and ratio
+            run.tokens = run.tokens.rename(columns={"logprob_rollout": "logprob_infer"})
 
     for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth",
                  "routing", "routing_noise", "local_routing"):

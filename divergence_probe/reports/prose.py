@@ -164,13 +164,18 @@ def _setup(run: RunData) -> list:
     m = run.manifest
     model, load, env = m.get("model", {}), m.get("load", {}), m.get("environment", {})
     infer, train = _get(m, "stacks", "infer", default={}), _get(m, "stacks", "train", default={})
+    from .recorded import setup_items  # recorded.py builds on this module's helpers
+
     items = [
         f"Model: {_code(model.get('spec', 'unknown'))} (architecture `{model.get('arch', 'unknown')}`, "
         f"{model.get('num_layers', 'unknown')} decoder layers"
         + (f", config.json sha256 `{str(model['config_sha256'])[:12]}…`" if model.get("config_sha256") else "") + ")",
         f"Precision and device: `{load.get('dtype', 'unknown')}` on `{load.get('device', 'unknown')}`"
         + (f" ({env['gpu']})" if env.get("gpu") else "") + (f"; CPU {env['cpu']}" if env.get("cpu") else ""),
-        f"Inference stack: `{infer.get('name', load.get('infer', 'unknown'))}` ({_versions(infer.get('versions'))})",
+        *(setup_items(run) if run.is_score else ()),
+        *(() if run.is_score and not infer else
+          (f"Inference stack: `{infer.get('name', load.get('infer', 'unknown'))}` "
+           f"({_versions(infer.get('versions'))})",)),
         f"Training stack: `{train.get('name', load.get('train', 'unknown'))}` ({_versions(train.get('versions'))})"
         + (f", attention `{load['train_attn']}`" if load.get("train_attn") else ""),
     ]
@@ -187,7 +192,8 @@ def _setup(run: RunData) -> list:
     items.append(f"Prompts: {prompts}" + (f" from {_code(Path(str(source)).name)}" if source else "")
                  + (f", {int(n_tokens)} scored tokens" if n_tokens is not None and not pd.isna(n_tokens) else ""))
     taps = _get(m, "compare", "taps")
-    items.append(f"Seed: `{load.get('seed', 'unknown')}`; divergence threshold (rel_l2): "
+    items.append(f"Seed: `{load.get('seed', 'unknown')}`; no taps (score compares token logprobs only)" if run.is_score
+                 else f"Seed: `{load.get('seed', 'unknown')}`; divergence threshold (rel_l2): "
                  f"`{_get(m, 'compare', 'threshold', default='unknown')}`; taps captured: "
                  + (f"{len(taps)}" if isinstance(taps, list) else "unknown"))
     if run.is_ablate:
@@ -232,12 +238,15 @@ def _headline(run: RunData) -> list:
     def sentence(row: pd.Series) -> str:
         parts = []
         if "mean_abs_dlogp" in row:
-            parts.append(f"the logprobs the two stacks give the same token differ by **{_num(row['mean_abs_dlogp'])}** "
+            who = "the recorded logprobs and the training stack's" if run.is_score else \
+                "the logprobs the two stacks give the same token"
+            parts.append(f"{who} differ by **{_num(row['mean_abs_dlogp'])}** "
                          f"nats on average (|Δlogprob|; 99th percentile {_num(row.get('p99_abs_dlogp'))}, "
                          f"max {_num(row.get('max_abs_dlogp'))})")
-        if "mean_kl" in row:
-            parts.append(f"the mean per-token KL(π_infer ‖ π_train) over the full vocabulary is "
-                         f"**{_num(row['mean_kl'])}** nats (max {_num(row.get('max_kl'))})")
+        if "mean_kl" in row and not (run.is_score and pd.isna(row["mean_kl"])):  # score: KL needs the prefill
+            kl = ("KL(π_prefill ‖ π_train) over the full vocabulary, the engine's prefill against the trainer,"
+                  if run.is_score else "KL(π_infer ‖ π_train) over the full vocabulary")
+            parts.append(f"the mean per-token {kl} is **{_num(row['mean_kl'])}** nats (max {_num(row.get('max_kl'))})")
         return " and ".join(parts)
 
     n = shipped.get("n_tokens")
@@ -273,13 +282,15 @@ def _headline(run: RunData) -> list:
             f"ranges from {_num(rho.min())} to {_num(rho.max())} (mean {_num(rho.mean())}; mean |ρ − 1| "
             f"{_num(np.abs(rho - 1).mean())}); {outside} tokens ({_num(100 * outside / len(rho))}%) fall "
             f"outside the clip band [{1 - eps:g}, {1 + eps:g}] (ε = {eps:g}) and would be clipped by a "
-            "PPO-style objective purely because the stacks round differently."))
+            + ("PPO-style objective." if run.is_score else
+               "PPO-style objective purely because the stacks round differently.")))
     rl = [f"`{c}` {_num(shipped[c])}" for c in ("k3", "tis_truncated_frac", "mis_masked_frac", "ess",
                                                   "seq_max_abs_logratio", "ppl_ratio") if c in shipped]
     if rl:
         blocks.append(Paragraph("Other RL diagnostics from summary.csv (meanings in the summary table below): "
                                 + ", ".join(rl) + "."))
-    blocks += _noise_floor(shipped)
+    if not run.is_score:  # a score run's baseline is the engine's prefill: "What the run saw"
+        blocks += _noise_floor(shipped)
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
@@ -331,6 +342,8 @@ def _first_divergence(run: RunData) -> list:
     layers = layers_of(run, combo)
     n_layers = run.num_layers
     threshold = _get(run.manifest, "compare", "threshold")
+    if run.is_score:
+        return []
     blocks: list = [Heading("First divergence")]
     first, over = str(shipped.get("first_inexact", "not captured")), str(shipped.get("first_over_threshold", ""))
     scope = " (stacks as shipped)" if run.is_ablate else ""
@@ -381,6 +394,10 @@ def _summary_table(run: RunData) -> Table:
     def meaning(c: str) -> str:
         if c == "first_over_threshold" and _get(run.manifest, "compare", "threshold") is not None:
             return f"first tap whose rel_l2 exceeds {_get(run.manifest, 'compare', 'threshold')}"
+        from .recorded import MEANINGS  # a score run's own columns
+
+        if run.is_score and c in MEANINGS:
+            return MEANINGS[c]
         if c in SUMMARY_MEANINGS:
             text = SUMMARY_MEANINGS[c]
             return text.replace("scored tokens", "response tokens") if run.is_generate else text
@@ -495,6 +512,14 @@ def title(run: RunData) -> str:
 
 def _intro(run: RunData) -> Paragraph:
     infer = _get(run.manifest, "stacks", "infer", "name", default=_get(run.manifest, "load", "infer", default="inference"))
+    if run.is_score:
+        engine = " and, re-scored in one prefill, by the inference engine" if _get(run.manifest, "score", "prefill") \
+            else ""
+        return Paragraph("This report reads the rollouts a user's RL run recorded (prompt and response token ids, the "
+                         "logprobs its engine gave while sampling) and sets those logprobs against the ones the same "
+                         f"checkpoint gives the same tokens in the training stack (transformers){engine}. Throughout, "
+                         "`logprob_infer` is the recorded logprob (tokens.csv's `logprob_rollout`) and Δlogprob = "
+                         "logprob_train − logprob_rollout. Run folder: " + _code(run.path.name) + ".")
     what = {"compare": "compares", "ablate": "ablates", "generate": "compares, on generated rollouts,"}[run.kind]
     text = (f"This report {what} the same checkpoint run by an inference engine (`{infer}`) and by a training "
             "stack (transformers), fed exactly the same token ids. Both compute in the same dtype, yet they round "
@@ -513,7 +538,10 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list
     blocks: list = [Heading(title(run), 1), _intro(run)]
     from .moe import routing_section  # moe.py builds on this module's helpers
 
-    blocks += _setup(run) + _headline(run) + _first_divergence(run) + routing_section(run) + _tables(run)
+    from .recorded import recorded_section
+
+    blocks += _setup(run) + _headline(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
+    blocks += routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
     if figure_specs:
         blocks.append(Paragraph("Each figure is also saved as a vector PDF beside its PNG in `figures/`."))

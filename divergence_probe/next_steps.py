@@ -1,0 +1,157 @@
+"""The command to try after a run, from the run's own numbers: the last lines every command prints name the run
+folder, its report and this step, so the next question a user has is one copy-paste away.
+
+    step = after_compare(spec, summary, family)     # Step(argv, why) or None
+    step = after_ablate(spec, attribution, family)
+    step = after_score(call, load, summary)
+    step = after_rl(spec, family)
+
+The rules follow the README's recipes, in the order a user asks them: is the mismatch more than noise (measure a
+floor), where does it start (graft and depth, or routing on a mixture of experts), which region carries it
+(ablate), what the trainer alone can adopt (--side train), and whether it matters in training (rl). A command the
+model's family cannot run (models/: `Family.unsupported`) is never suggested. Pure functions of the run: the same
+run gives the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .errors import ProbeError
+from .replay import command_line, score_command_line
+from .tables import largest_noise_floor
+
+ALL_ALIGNED = "rope,swiglu,rmsnorm"  # rl's setting with every dense region aligned, as the README's recipe runs it
+MOE_REGIONS = ("rope", "rmsnorm", "routing")  # ablate on a mixture of experts, as the README's recipe runs it
+
+
+@dataclass(frozen=True)
+class Step:
+    argv: list[str]
+    why: str
+
+
+def _can(family, feature: str) -> bool:
+    return family is None or feature not in family.unsupported
+
+
+def _valid(make):
+    """make() (a spec), or None when the change does not make a valid one."""
+    try:
+        return make()
+    except ProbeError:
+        return None
+
+
+def _changed(spec, **changes):
+    """spec with `changes` (component -> {field: value}) applied, or None when that is not a valid spec."""
+    return _valid(lambda: replace(spec, **{name: replace(getattr(spec, name), **fields)
+                                           for name, fields in changes.items()}))
+
+
+def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
+    """The same model, prompts and load as a compare spec, as an ablate over `regions` (default: all)."""
+    from .spec import AblateSpec
+
+    return _valid(lambda: replace(
+        spec, kind="ablate", ablate=AblateSpec(**({"regions": regions} if regions else {})),
+        align=replace(spec.align, regions=()),
+        capture=replace(spec.capture, taps=taps, graft=False, depth=False, batch_invariance=False)))
+
+
+def _step(spec, why: str) -> Step | None:
+    return None if spec is None else Step(command_line(spec), why)
+
+
+def after_compare(spec, summary: dict, family=None) -> Step | None:
+    """No floor: measure it. Over its floor: where it starts (graft, depth), or on a MoE model whether routing or
+    rounding carries it (ablate with routing). Within its floor: what RL sees (generate mode), if not seen yet."""
+    largest = largest_noise_floor(summary)
+    if largest is None:
+        return _step(_changed(spec, capture={"batch_invariance": True}),
+                     "no noise floor was measured, so the mismatch cannot be told from noise")
+    mismatch, floor = summary.get("mean_abs_dlogp", 0.0), largest[1]
+    if mismatch > floor:
+        why = (f"the mismatch is {mismatch / floor:.3g}x its largest noise floor" if floor > 0 else
+               "the mismatch is above a noise floor of 0")
+        if "frac_tokens_any_flip" in summary:  # a mixture of experts: routing is one more factor
+            step = _step(_as_ablate(spec, MOE_REGIONS, spec.capture.taps) if _can(family, "ablate") else None,
+                         why + ": split it into routing and rounding")
+        elif not (spec.capture.graft or spec.capture.depth) and _can(family, "--graft") and _can(family, "--depth"):
+            step = _step(_changed(spec, capture={"graft": True, "depth": True, "batch_invariance": False}),
+                         why + ": find the layers and ops that make it")
+        else:
+            step = None
+        if step is None and _can(family, "ablate"):
+            step = _step(_as_ablate(spec, None, "none"), why + ": which aligned region removes it")
+        return step
+    if not spec.generate.generates:
+        return _step(_changed(spec, generate={"mode": "generate"}),
+                     "the mismatch is within its noise floor; see what it does to sampled responses and the RL metrics")
+    return None
+
+
+def _rl_argv(spec) -> list[str]:
+    """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated)."""
+    import json
+
+    from .spec import flag_of
+
+    plain = type(spec)()
+    argv = ["divergence-probe", "rl"]
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if value == getattr(plain, f.name):
+            continue
+        if isinstance(value, tuple):
+            for item in value:
+                argv += [flag_of(f), str(item)]
+        elif isinstance(value, bool):
+            argv.append(flag_of(f) if value else f"--no-{flag_of(f)[2:]}")
+        else:
+            argv += [flag_of(f), json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
+    return argv
+
+
+def _rl_step(make, why: str) -> Step | None:
+    spec = _valid(make)
+    return None if spec is None else Step(_rl_argv(spec), why)
+
+
+def after_ablate(spec, attribution, family=None) -> Step | None:
+    """Aligned on both stacks: what the trainer alone can adopt. On the trainer alone: whether the regions that
+    reduced the mismatch matter in training (rl, shipped vs those regions, the trainer aligned)."""
+    if spec.align.side != "train":
+        return _step(_changed(spec, align={"side": "train"}), "what aligning the trainer alone (the engine as "
+                     "deployed) removes")
+    helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley > 0)
+    if not helped or not _can(family, "rl"):
+        return None
+    from .rl.spec import RLSpec
+
+    return _rl_step(lambda: RLSpec(model=spec.load.model, device=spec.load.device, setting=("none", helped),
+                                   side="train"), f"whether aligning {helped} in the trainer changes training")
+
+
+def after_score(call, load, summary: dict) -> Step | None:
+    """Trainer only: split the gap (the engine's prefill). With the split: the engine's own mismatch on this model
+    against its noise floor (a compare in generate mode with --batch-invariance)."""
+    if call.infer is None:
+        return Step(score_command_line(replace(call, infer="vllm"), load),
+                    "split the gap into the engine's numerics and the decode path")
+    from .spec import GenerateSpec, RunSpec
+
+    compare = _valid(lambda: RunSpec(load=replace(load, engine_args={}), generate=GenerateSpec(mode="generate"),
+                                     capture=replace(RunSpec().capture, batch_invariance=True, taps="none")))
+    return _step(compare, "the engine's own mismatch on this model, against its noise floor")
+
+
+def after_rl(spec, family=None) -> Step | None:
+    """One setting: shipped against every region aligned in the trainer. Several settings on one seed: more seeds,
+    to tell the settings apart from seed noise."""
+    if not spec.setting and _can(family, "rl"):
+        return _rl_step(lambda: replace(spec, align="none", setting=("none", ALL_ALIGNED), side="train"),
+                        "whether aligning the trainer changes training")
+    if len(spec.setting) > 1 and spec.seeds == 1:
+        return _rl_step(lambda: replace(spec, seeds=3), "tell the settings apart from seed noise")
+    return None

@@ -1,0 +1,78 @@
+"""The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md is
+either run, on the built-in model (`--model M` left out, as the README tells users to), or listed in NOT_RUN with
+why: a new recipe in the README needs a decision here (tests/test_readme.py checks that, and that every command
+parses and builds its run spec). NOT_RUN may name a recipe the README does not have yet (one landing on another
+branch); RUN may not.
+
+The runs share the built-in model's engine in the "builtin" process of conftest.cli_processes (it is started there
+for the ablation anyway), so each costs its own scoring alone; SIZE keeps that to two short prompts on the CPU.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SIZE = ["--device", "cpu", "--num-prompts", "2", "--max-prompt-tokens", "64"]
+PLACEHOLDER = ["--model", "M"]
+
+# run name in cli_processes["builtin"] -> (the README command, without --model M and --out; what the suite adds)
+RUN = {
+    "readme-normal": ("compare --batch-invariance", SIZE),
+    "readme-where": ("compare --taps all", SIZE),
+    "readme-where-local": ("compare --graft --depth", SIZE),
+    "builtin-ablate": ("ablate --taps none", SIZE + ["--bootstrap", "0"]),  # 1000 draws: seconds we can save
+}
+# run in tests/test_readme.py itself, on the folder the command before it wrote
+RENDERED = {"report runs/where-local": "readme-where-local"}
+NOT_RUN = {
+    "compare --engine compiled --engine-noise --taps none": "builds three engines (compiled with and without tap "
+    "points, and eager): minutes on a CPU; test_engine_modes runs the compiled engine and its noise floor",
+    "ablate --taps none --side train": "eight more combinations of the same ablation, the trainer alone aligned; "
+    "test_toy_cli and test_ablation run --side train",
+    "rl --setting none --setting rope,swiglu,rmsnorm --side train --seeds 2 --steps 20 --report": "four GRPO runs "
+    "of 20 steps each; test_rl runs rl with a few steps",
+    "score rollouts/step_120.parquet": "needs your run's rollout file; test_score scores rollouts the suite samples",
+    "score rollouts/step_120.jsonl.gz --infer vllm --temperature 0.7": "needs your run's rollout file; test_score "
+    "runs --infer vllm on rollouts the suite samples",
+    "compare --taps all --batch-invariance": "the MoE recipe: M is a Qwen3-MoE (make-model models/moe); "
+    "test_moe_compare and test_moe_routing run it on the tiny one",
+    "compare --taps all --align routing": "the MoE recipe: needs a Qwen3-MoE for M; test_moe_routing replays routes",
+    "ablate --regions rope,rmsnorm,routing": "the MoE recipe: needs a Qwen3-MoE for M; test_moe_routing ablates "
+    "routing",
+    "compare": "one process per GPU (CUDA_VISIBLE_DEVICES=0); on the CPU it is the first recipe without its floor",
+    "compare --align rope": "one process per GPU (CUDA_VISIBLE_DEVICES=1); test_compare aligns rope",
+    """compare --engine-args '{"tensor_parallel_size": 2}' --engine-noise""": "two engines (TP 2 and its TP 1 floor) "
+    "over two devices; test_tensor_parallel runs TP 2 on the CPU",
+}
+
+
+def readme_commands() -> list[tuple[int, list[str]]]:
+    """(line, words after `divergence-probe`) of every divergence-probe command in a ```bash block, with an
+    environment prefix and a trailing `&` dropped."""
+    found, in_block = [], False
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_block = line.strip() == "```bash" and not in_block
+            continue
+        if in_block and "divergence-probe " in line:
+            words = shlex.split(line.split("#")[0].rstrip().removesuffix("&"))
+            found.append((number, words[words.index("divergence-probe") + 1:]))
+    return found
+
+
+def key(words: list[str]) -> str:
+    """A command as RUN and NOT_RUN name it: --model M and --out DIR left out."""
+    words = list(words)
+    for flag in ("--model", "--out"):
+        if flag in words:
+            at = words.index(flag)
+            del words[at:at + 2]
+    return shlex.join(words)
+
+
+def builtin_commands() -> dict[str, list[str]]:
+    """The README commands the "builtin" process runs, by run name, as it runs them (without --out); that each is a
+    README command is tests/test_readme.py's check."""
+    return {name: shlex.split(command) + extra for name, (command, extra) in RUN.items()}

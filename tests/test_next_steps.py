@@ -1,0 +1,101 @@
+"""The closing lines of a run (next_steps.py): the run folder, the report and the next command, from the run's own
+numbers; the suggested commands run as printed."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.models import get_family
+from divergence_probe.next_steps import ALL_ALIGNED, after_ablate, after_compare, after_rl, after_score
+from divergence_probe.rl.spec import RLSpec
+from divergence_probe.score import ScoreSpec
+from divergence_probe.spec import LoadSpec, spec_from_flat
+
+
+def closing(output: str) -> dict[str, str]:
+    """The closing lines of a command's output, by their label (run, report, next, why)."""
+    lines = {}
+    for line in output.splitlines():
+        label, sep, rest = line.strip().partition(": ")
+        if sep and label in ("run", "report", "next", "why"):
+            lines[label] = rest
+    return lines
+
+
+def invoke(argv):
+    result = CliRunner().invoke(app, argv, terminal_width=400)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_compare_names_its_folder_report_and_a_next_command_that_runs(toy_args, tmp_path):
+    """No floor measured: the next command is the same compare with --batch-invariance; it runs as printed, and
+    after it (a mismatch over its floor of 0: the toy stacks are batch-invariant) comes graft and depth."""
+    first = tmp_path / "first"
+    lines = closing(invoke(["compare", *map(str, toy_args), "--taps", "none", "--out", str(first)]).output)
+    assert lines["run"] == str(first)
+    assert shlex.split(lines["report"]) == ["divergence-probe", "report", str(first)]
+    argv = shlex.split(lines["next"])
+    assert argv[:2] == ["divergence-probe", "compare"] and "--batch-invariance" in argv and "noise" in lines["why"]
+    invoke(shlex.split(lines["report"])[1:])
+    assert (first / "report" / "report.md").is_file()
+    lines = closing(invoke(argv[1:] + ["--out", str(tmp_path / "second")]).output)
+    assert "--graft" in lines["next"] and "--depth" in lines["next"] and "noise floor" in lines["why"]
+
+
+def _compare(**flags):
+    return spec_from_flat("compare", **flags)
+
+
+FLOOR = {"noise_infer_mean_abs_dlogp": 1e-3, "noise_train_mean_abs_dlogp": 2e-3}
+
+
+def test_after_compare_follows_the_recipes():
+    spec = _compare(taps="none", batch_invariance=True)
+    within = after_compare(spec, {"mean_abs_dlogp": 1e-3, **FLOOR})
+    assert "--mode generate" in shlex.join(within.argv) and "within" in within.why
+    assert after_compare(_compare(mode="generate", batch_invariance=True), {"mean_abs_dlogp": 1e-3, **FLOOR}) is None
+    over = after_compare(spec, {"mean_abs_dlogp": 8e-3, **FLOOR})
+    assert {"--graft", "--depth"} <= set(over.argv) and "--batch-invariance" not in over.argv
+    assert "4x its largest noise floor" in over.why
+    # a family that cannot graft (Qwen3-MoE), with routing compared: ablate with routing as a factor
+    moe = after_compare(spec, {"mean_abs_dlogp": 8e-3, "frac_tokens_any_flip": 0.1, **FLOOR}, get_family("qwen3_moe"))
+    assert moe.argv[:2] == ["divergence-probe", "ablate"] and "rope,rmsnorm,routing" in moe.argv
+    # graft already run: which region removes it
+    done = after_compare(_compare(graft=True, batch_invariance=True), {"mean_abs_dlogp": 8e-3, **FLOOR})
+    assert done.argv[:2] == ["divergence-probe", "ablate"] and "routing" not in shlex.join(done.argv)
+
+
+def test_after_ablate_after_score_after_rl():
+    both = spec_from_flat("ablate", regions="rope,swiglu")
+    step = after_ablate(both, pd.DataFrame())
+    assert step.argv[:2] == ["divergence-probe", "ablate"] and ["--side", "train"] == step.argv[2:4]
+    train = replace(both, align=replace(both.align, side="train"))
+    shares = pd.DataFrame({"region": ["rope", "swiglu", "(remaining)"], "shapley": [2e-3, -1e-4, 5e-3]})
+    step = after_ablate(train, shares)
+    assert step.argv[:2] == ["divergence-probe", "rl"] and step.argv.count("--setting") == 2 and "rope" in step.argv
+    assert after_ablate(train, shares.assign(shapley=0.0)) is None  # nothing helped: nothing to train with
+    assert after_ablate(train, shares, get_family("qwen3_moe")) is None  # rl is refused on MoE
+
+    call, load = ScoreSpec(rollouts="/data/r.jsonl"), LoadSpec(model="M", device="cpu")
+    step = after_score(call, load, {})
+    assert step.argv[:3] == ["divergence-probe", "score", "/data/r.jsonl"] and "--infer" in step.argv
+    step = after_score(replace(call, infer="vllm"), load, {})
+    assert step.argv[:2] == ["divergence-probe", "compare"] and {"--batch-invariance", "M"} <= set(step.argv)
+
+    step = after_rl(RLSpec(steps=5))
+    assert step.argv.count("--setting") == 2 and ALL_ALIGNED in step.argv and "5" in step.argv
+    step = after_rl(RLSpec(setting=("none", "rope")))
+    assert step.argv[-2:] == ["--seeds", "3"]
+    assert after_rl(RLSpec(setting=("none", "rope"), seeds=3)) is None
+
+
+@pytest.fixture
+def toy_args(toy, qwen3_tiny, prompts_file):
+    return ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts_file]

@@ -1,0 +1,50 @@
+"""The CLI's progress display (cli._Phases): one bar per long phase, each counting its own work, with the time left;
+fed by the API's phases (compare.phase) on the toy stacks (no engine)."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+import divergence_probe as dp
+from divergence_probe import cli
+
+
+@pytest.fixture
+def phases(monkeypatch):
+    """The CLI's own bars on a console that is a terminal (recorded, so what it drew can be read back)."""
+    console = Console(file=io.StringIO(), force_terminal=True, record=True, width=160)
+    monkeypatch.setattr(cli, "console", console)
+    with cli._phases() as shown:
+        yield shown
+
+
+def bars(phases) -> list[tuple[str, float, float]]:
+    return [(t.description, t.completed, t.total) for t in phases.bar.tasks]
+
+
+def test_one_bar_per_phase_each_counting_its_own_work(toy, qwen3_tiny, prompts_file, phases):
+    phases.phase("loading")
+    probe = dp.load(str(qwen3_tiny), infer="toy-fused", train="toy", device="cpu")
+    probe.compare(prompts=prompts_file, taps="none", batch_invariance=True, progress=phases)
+    probe.ablate(prompts=prompts_file, taps="none", regions="toy-align", bootstrap=0, progress=phases)
+    phases.end()
+    assert bars(phases) == [("loading", 1, 1), ("scoring prompts, reducing taps", 3, 3),
+                            ("noise floor: each stack alone vs batched, another SDPA kernel", 1, 1),
+                            ("combination none (1/2)", 3, 3), ("combination toy-align (2/2)", 3, 3)]
+    phases.bar.refresh()
+    drawn = phases.bar.console.export_text(clear=False)
+    assert "combination toy-align (2/2)" in drawn and "3/3" in drawn
+    assert re.search(r"left\s+(\d+:)?\d\d:\d\d", drawn)  # the time left, once a phase has a total
+
+
+def test_a_plain_callback_sees_what_it_always_saw(toy, qwen3_tiny, prompts_file):
+    """The API's progress callback (done, total) without `phase`: cumulative over an ablation's combinations."""
+    seen = []
+    probe = dp.load(str(qwen3_tiny), infer="toy-fused", train="toy", device="cpu")
+    probe.ablate(prompts=prompts_file, taps="none", regions="toy-align", bootstrap=0,
+                 progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]
