@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ProbeError
 from ..options import option
-from ..regions import ALL_REGIONS, from_engine, parse_regions
+from ..regions import ALL_REGIONS, parse_regions
 from ..spec import parse_engine_args
 
 SIDES = ("both", "train")
@@ -39,13 +39,9 @@ def setting_name(regions: tuple[str, ...]) -> str:
 
 
 def parse_setting(text: str) -> tuple[str, ...]:
-    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order. Regions taken from the engine
-    (routing replay) need the rollout's routes in the trainer, which rl does not wire yet."""
-    regions = () if text.strip() in ("", "none") else parse_regions(text)
-    if from_engine(regions):
-        raise ProbeError(f"rl cannot replay {', '.join(from_engine(regions))} yet (issue 28: rl on MoE models); "
-                         "leave it out of --align/--setting")
-    return regions
+    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order; 'routing' (a mixture of experts):
+    the update's forward replays the rollout's routes (R3)."""
+    return () if text.strip() in ("", "none") else parse_regions(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +52,9 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(ALL_REGIONS) + ".")
+                                + ", ".join(ALL_REGIONS) + "; routing (MoE) is R3 routing replay: the update's "
+                                "forward sends each token to the experts the engine's rollout routed it to, with the "
+                                "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
                                           "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
