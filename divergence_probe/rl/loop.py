@@ -6,9 +6,13 @@ into the running engine, verify the push, and report one row per step.
 
 The engine is vLLM in eager mode with prefix caching on, as production rollouts run (the tool's compare engine turns
 it off, so rl loads its own). Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the
-engine's logprob of each sampled token is what the policy ratio uses. Between runs of an experiment (settings x
-seeds) the trainer goes back to the checkpoint and the checkpoint's weights are pushed through the same sync path,
-so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
+engine's logprob of each sampled token is what the policy ratio uses. On a mixture of experts the rollout also
+records, at the router's select_experts, the experts the engine sent every row of every sequence to (what vLLM's
+enable_return_routed_experts records; stacks/vllm/stack.py `routes_recorded`): the update's forward compares its own
+router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
+
+Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
+are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
 same region patch compare and ablate use, which takes effect only in the eager engine.
 
 A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still

@@ -56,7 +56,9 @@ class RLSpec:
                                 "forward sends each token to the experts the engine's rollout routed it to, with the "
                                 "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
-                                          "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
+                                          "--setting rope --setting rope,swiglu,rmsnorm); replaces --align. A "
+                                          "setting takes what --align takes: --setting routing (MoE) is R3, the "
+                                          "engine's expert ids with the trainer's own gate weights.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
     correction: str = option("none", "Off-policy correction of the engine/trainer mismatch: none (PPO ratio against "
                                      "the engine's logprobs), tis (truncated importance weights) or mis (masked).")
