@@ -97,13 +97,17 @@ def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them()
         recorder.routes({"b": (4, 6, 7, 1)}, num_layers=1)
 
 
-def test_routing_replay_on_a_dense_model_is_refused_before_loading(qwen3_tiny, tmp_path):
+@pytest.mark.parametrize("model, flags, message", [
+    ("qwen3_tiny", ["--setting", "none", "--setting", "routing"], "region routing does not exist in qwen3 models"),
+    ("qwen3_moe_tiny", ["--engine", "compiled", "--side", "train"], "--engine compiled is not supported for Qwen3-MoE"),
+])
+def test_what_rl_cannot_do_for_a_model_is_refused_before_loading(model, flags, message, request, tmp_path):
     from typer.testing import CliRunner
 
     from divergence_probe.cli import app
     from test_compare_cli import assert_nothing_written, assert_one_line_error
 
-    result = CliRunner().invoke(app, ["rl", "--model", str(qwen3_tiny), "--setting", "none", "--setting", "routing",
-                                      "--device", "cpu", "--out", str(tmp_path / "x")])
-    assert_one_line_error(result, "region routing does not exist in qwen3 models")
+    result = CliRunner().invoke(app, ["rl", "--model", str(request.getfixturevalue(model)), *flags, "--device", "cpu",
+                                      "--out", str(tmp_path / "x")])
+    assert_one_line_error(result, message)
     assert_nothing_written(tmp_path / "x")

@@ -4,16 +4,18 @@ into the running engine, verify the push, and report one row per step.
     import divergence_probe.rl as rl
     run = rl.run(rl.RLSpec(steps=50, setting=("none", "rope")), out_dir="runs/rl")
 
-The engine is vLLM in eager mode with prefix caching on, as production rollouts run (the tool's compare engine turns
-it off, so rl loads its own). Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the
-engine's logprob of each sampled token is what the policy ratio uses. On a mixture of experts the rollout also
-records, at the router's select_experts, the experts the engine sent every row of every sequence to (what vLLM's
-enable_return_routed_experts records; stacks/vllm/stack.py `routes_recorded`): the update's forward compares its own
-router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
+The engine is vLLM with prefix caching on, as production rollouts run (the tool's compare engine turns it off, so rl
+loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaults, as RL frameworks deploy it).
+Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the engine's logprob of each sampled
+token is what the policy ratio uses. On a mixture of experts the rollout also records, at the router's
+select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
+records; stacks/vllm/stack.py `routes_recorded`): the update's forward compares its own router's pick with them
+(`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
 
 Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
-are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
-same region patch compare and ablate use, which takes effect only in the eager engine.
+are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the
+trainer; on the engine (--side both) the same region patch compare and ablate use, which takes effect only in the
+eager engine (a compiled engine with --side both is refused: rl/spec.py).
 
 A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
 calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
@@ -56,7 +58,7 @@ OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it
 
 
 def load(spec: RLSpec):
-    """The Probe (engine + trainer stack) rl runs on: eager vLLM with prefix caching on, BF16 on both sides. The
+    """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads."""
     import divergence_probe as dp
 
@@ -74,7 +76,7 @@ def load_spec(spec: RLSpec):
     """The LoadSpec of rl's probe."""
     from ..spec import LoadSpec
 
-    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
+    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed)
 
 

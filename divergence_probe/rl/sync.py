@@ -26,6 +26,14 @@ broken run, not a metric. An audit (`audit=True`, rl's --audit-every) also compa
 on the host, the same comparison through an independent path. Which tensors changed since the previous check is
 read from a float64 sum and norm per tensor (a diagnostic, not a proof: the equality is).
 
+A compiled engine (rl --engine compiled) computes with the same tensors: vLLM's reload copies the new values into the
+tensors the engine already holds, so a graph captured with their addresses (CUDA graphs) reads the new values, and
+torch.compile's code reads the module's tensors at each call (on the CPU, checked: a push of weights moved by half their
+spread left the compiled engine within the eager engine's mismatch of transformers). That holds only while every
+tensor keeps its storage: when the engine replays CUDA graphs, each check also requires every parameter's address to
+be the one it had when the sync began (`moved_storage`); a tensor given new storage by a push (a post-load step that
+replaces instead of copying) would be read by the check while the graphs read the old one, and is a SyncError.
+
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
 reset. A fixed prompt of a little over two KV blocks (random token ids: no rollout shares its prefix) is scored once
 per check, through the prefix cache, and vLLM's own count of the prompt tokens it served from the cache
@@ -200,6 +208,22 @@ def kernel_layout(module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     return {name: getattr(stand_in, name).detach() for name in tensors}
 
 
+def storage(model) -> dict[str, int]:
+    """Every parameter's storage address by name: what a captured CUDA graph reads."""
+    return {name: p.data_ptr() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def moved_storage(before: dict[str, int], model) -> list[str]:
+    """The parameters whose storage is not where `before` (`storage`) found it."""
+    return [name for name, address in storage(model).items() if before.get(name) != address]
+
+
+def _replays_graphs(llm) -> bool:
+    """Whether the engine replays captured CUDA graphs (vLLM's cudagraph_mode other than NONE)."""
+    mode = getattr(llm.llm_engine.vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+
+
 @dataclass
 class SyncCheck:
     tensors: int  # how many engine tensors were compared
@@ -215,6 +239,7 @@ class WeightSync:
         self.family = family_of(model)
         self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
         self.experts = expert_modules(model)  # a MoE's experts modules (its own loader), none when dense
+        self.addresses = storage(model) if _replays_graphs(llm) else None  # what the captured graphs read
         self.previous: list[list[float]] = []  # each tensor's fingerprint at the previous check
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -263,6 +288,11 @@ class WeightSync:
         for (name, sources), ok in zip(names, same):
             if not ok:
                 raise _not_the_trainers(name, sources, "values differ on the device")
+        moved = moved_storage(self.addresses, self.model) if self.addresses is not None else []
+        if moved:
+            raise SyncError(f"weight sync: the push gave the engine's {moved[0]} new storage, but its captured CUDA "
+                            "graphs still read the old one, so it does not compute with the tensor the check compared; "
+                            "push through vLLM's in-place reload, or run rl with --engine eager")
         now = torch.stack(prints).tolist()
         changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
         self.previous = now

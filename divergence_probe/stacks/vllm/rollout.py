@@ -166,7 +166,8 @@ class RolloutRecorder:
             rows = {}
             for position, row, token in self._rows(internal[out_id]):
                 if position >= len(nodes) or token != tokens[position]:
-                    raise StackError(f"vLLM request {out_id}: the rows it was fed do not spell its sequence; seam moved")
+                    raise StackError(f"vLLM request {out_id}: the rows it was fed do not spell its sequence; seam "
+                                     "moved")
                 rows[position] = row
                 first[nodes[position]] = min(row, first.get(nodes[position], row))
             fed[out_id] = (nodes, rows)
