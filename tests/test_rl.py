@@ -262,3 +262,37 @@ def test_rl_report_refuses_a_changed_rl_csv_and_other_formats(rl_process, tmp_pa
     with (run / "rl.csv").open("a") as f:
         f.write("none,0,3\n")
     assert_one_line_error(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r2")]), "sha256")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(engine="compiled", setting=("none", "rope")), "--engine compiled cannot align rope on the engine"),
+    (dict(engine_args={"compilation_config": {"mode": 3}}), "compilation_config needs --engine compiled"),
+    (dict(engine="jit"), "--engine 'jit' is not valid"),
+])
+def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.rl.spec import RLSpec
+
+    with pytest.raises(ProbeError, match=message):
+        RLSpec(**options)
+
+
+def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
+    """Nothing of these is patched into the engine: the trainer alone is aligned, routes are replayed in the trainer."""
+    from divergence_probe.rl.spec import RLSpec
+
+    assert RLSpec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).engine == "compiled"
+    assert RLSpec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")
+
+
+def test_moved_storage_names_a_parameter_given_new_storage():
+    """What a captured CUDA graph would miss: a tensor replaced rather than copied into."""
+    from divergence_probe.rl.sync import moved_storage, storage
+
+    layer = torch.nn.Linear(4, 4)
+    before = storage(layer)
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(4, 4))  # in place, as vLLM's reload copies
+    assert moved_storage(before, layer) == []
+    layer.bias.data = torch.zeros(4)
+    assert moved_storage(before, layer) == ["bias"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from ..errors import ModelError
-from .base import ExpertTensors, Family, Fused, Seam, StackLayout, dims, find
+from .base import EngineExperts, ExpertTensors, Family, Fused, Seam, StackLayout, dims, find
 
 FAMILIES: dict[str, str] = {
     "qwen2": "divergence_probe.models.qwen2:QWEN2",
@@ -30,4 +30,4 @@ def family_of(model) -> Family:
     return get_family(model.config.model_type)
 
 
-__all__ = ["FAMILIES", "ExpertTensors", "Family", "Fused", "Seam", "StackLayout", "dims", "family_of", "find", "get_family"]
+__all__ = ["FAMILIES", "EngineExperts", "ExpertTensors", "Family", "Fused", "Seam", "StackLayout", "dims", "family_of", "find", "get_family"]

@@ -83,6 +83,7 @@ class Family:
     # config fields whose value must be this (absent: transformers' default, which is this): layouts not described yet
     fixed_config: Mapping[str, object] = field(default_factory=dict)
     experts: tuple["ExpertTensors", ...] = ()  # transformers' fused expert parameters and their per-expert layout
+    engine_experts: "EngineExperts | None" = None  # where vLLM's MoE loader puts the trainer's experts (rl's sync)
     # what this family cannot do yet: feature (spec.py's names: compiled, graft, depth, align, ablate, rl) -> why
     unsupported: Mapping[str, str] = field(default_factory=dict)
     top_k_field: str | None = None  # config field of the router's top-k (a mixture of experts; None: dense)
@@ -144,6 +145,16 @@ class ExpertTensors:
 
     fused: str  # per-layer name, e.g. "mlp.experts.gate_up_proj"
     parts: tuple[str, ...]  # per-layer names with "{e}" for the expert index
+
+
+@dataclass(frozen=True)
+class EngineExperts:
+    """vLLM's expert tensors of one MoE layer, which its MoE loader fills (not packed_modules_mapping): each is one of
+    the trainer's fused expert parameters, copied as it is, then laid out by the experts kernel's post-load processing
+    (rl's sync check reads both: which trainer tensor, and that the kernel's layout applies)."""
+
+    module: str  # vLLM role (StackLayout.layer) of the module holding them
+    tensors: Mapping[str, str]  # its parameter -> the trainer's per-layer tensor loaded into it (after model.layers.N.)
 
 
 def dims(config, shards: int = 1) -> dict[str, int]:

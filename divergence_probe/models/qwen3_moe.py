@@ -8,15 +8,16 @@ router returns (logits, weights, ids), vLLM's GateLinear (logits, None); [tokens
 has none of those taps. Layers with a dense MLP among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are
 refused by the checkpoint check (`fixed_config`) until the family chooses seams per layer.
 
-vLLM fuses only q/k/v here; its experts are loaded by its own MoE loader (w13 = gate_up per expert, prepacked on an
-AMX CPU), not through packed_modules_mapping.
+vLLM fuses only q/k/v here; its experts are loaded by its own MoE loader, not through packed_modules_mapping: w13 holds
+transformers' gate_up_proj (gate then up, per expert) and w2 its down_proj, then the CPU experts kernel prepacks both
+into its tile order (`ENGINE_EXPERTS`; docs/design/moe.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .base import ExpertTensors, Fused, Seam
+from .base import EngineExperts, ExpertTensors, Fused, Seam
 from .qwen3 import CHECKPOINT as QWEN3_CHECKPOINT
 from .qwen3 import QWEN3
 
@@ -46,7 +47,7 @@ HF = replace(QWEN3.hf, layer=_layer(QWEN3.hf.layer, ("gate_proj", "up_proj", "do
 # vLLM's router (`mlp.experts.router`, a BaseRouter, not a module): its select_experts returns (topk_weights, topk_ids),
 # the experts vLLM then runs each row with, and calls the capture callback that fills enable_return_routed_experts.
 VLLM = replace(QWEN3.vllm, layer={**_layer(QWEN3.vllm.layer, ("gate_up_proj", "down_proj", "act")),
-                                  "router": "mlp.experts.router"},
+                                  "router": "mlp.experts.router", "routed_experts": "mlp.experts.routed_experts"},
                seams=_moe_seams(QWEN3.vllm.seams, Seam(("expert_weights", "expert_ids"), "router", "select_experts")),
                regions={"rope": "rotary"})
 
@@ -60,6 +61,8 @@ CHECKPOINT = {**{k: v for k, v in QWEN3_CHECKPOINT.items() if not k.startswith("
               "mlp.experts.*.down_proj.weight": ("hidden_size", "moe_intermediate_size")}
 EXPERTS = (ExpertTensors("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
            ExpertTensors("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)))
+ENGINE_EXPERTS = EngineExperts("routed_experts", {"w13_weight": "mlp.experts.gate_up_proj",
+                                                  "w2_weight": "mlp.experts.down_proj"})
 
 _WHY = "is not supported for Qwen3-MoE yet (issue 28)"
 QWEN3_MOE = replace(
@@ -68,6 +71,6 @@ QWEN3_MOE = replace(
     required_config=("head_dim", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
     required_any=(("num_experts", "num_local_experts"),),
     fixed_config={"mlp_only_layers": [], "decoder_sparse_step": 1},
-    experts=EXPERTS, top_k_field="num_experts_per_tok",
-    unsupported={f: _WHY for f in ("--engine compiled", "rl", "tensor_parallel_size > 1")},
+    experts=EXPERTS, engine_experts=ENGINE_EXPERTS, top_k_field="num_experts_per_tok",
+    unsupported={f: _WHY for f in ("--engine compiled", "tensor_parallel_size > 1")},
 )

@@ -41,7 +41,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
     if probe is None and spec.engine_args:
         from ..stacks.vllm.stack import check_engine_args
 
-        check_engine_args(load_spec(spec).engine_args, "eager")  # imports vLLM, starts nothing
+        check_engine_args(load_spec(spec).engine_args, spec.engine)  # imports vLLM, starts nothing
         from ..stacks.vllm.tensor_parallel import refuse, size
 
         refuse(["rl"], size(spec.engine_args))

@@ -4,12 +4,18 @@ into the running engine, verify the push, and report one row per step.
     import divergence_probe.rl as rl
     run = rl.run(rl.RLSpec(steps=50, setting=("none", "rope")), out_dir="runs/rl")
 
-The engine is vLLM in eager mode with prefix caching on, as production rollouts run (the tool's compare engine turns
-it off, so rl loads its own). Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the
-engine's logprob of each sampled token is what the policy ratio uses. Between runs of an experiment (settings x
-seeds) the trainer goes back to the checkpoint and the checkpoint's weights are pushed through the same sync path,
-so one engine serves every run. Region alignment: `align.apply` on the trainer; on the engine (--side both) the
-same region patch compare and ablate use, which takes effect only in the eager engine.
+The engine is vLLM with prefix caching on, as production rollouts run (the tool's compare engine turns it off, so rl
+loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaults, as RL frameworks deploy it).
+Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the engine's logprob of each sampled
+token is what the policy ratio uses. On a mixture of experts the rollout also records, at the router's
+select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
+records; stacks/vllm/stack.py `routes_recorded`): the update's forward compares its own router's pick with them
+(`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
+
+Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
+are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the
+trainer; on the engine (--side both) the same region patch compare and ablate use, which takes effect only in the
+eager engine (a compiled engine with --side both is refused: rl/spec.py).
 
 A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
 calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
@@ -38,7 +44,7 @@ import torch
 
 from .. import align as align_api
 from ..errors import ProbeError
-from ..regions import aligned
+from ..regions import aligned, check_regions_exist, from_engine
 from ..rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
@@ -52,13 +58,15 @@ OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it
 
 
 def load(spec: RLSpec):
-    """The Probe (engine + trainer stack) rl runs on: eager vLLM with prefix caching on, BF16 on both sides. The
+    """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads."""
     import divergence_probe as dp
 
     def before_stacks(source, tokenizer):
-        if "rl" in source.family.unsupported:  # e.g. Qwen3-MoE: rl's weight sync does not know its experts yet
-            raise ProbeError(f"rl {source.family.unsupported['rl']}; use a dense model")
+        if "rl" in source.family.unsupported:  # a family whose weights rl's sync check does not know
+            raise ProbeError(f"rl {source.family.unsupported['rl']}; use another model")
+        for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
+            check_regions_exist(source.family, parse_setting(setting))
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     return dp.load(spec=load_spec(spec), before_stacks=before_stacks)
@@ -68,7 +76,7 @@ def load_spec(spec: RLSpec):
     """The LoadSpec of rl's probe."""
     from ..spec import LoadSpec
 
-    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine="eager",
+    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed)
 
 
@@ -115,6 +123,8 @@ class Loop:
         self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
         eos = self.probe.train.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.moe = self.probe.source.family.top_k_field is not None  # rollouts record the engine's routes
+        self.replay = False  # the run's setting replays them in the update (routing, R3)
 
     def reset(self) -> None:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
@@ -152,20 +162,28 @@ class Loop:
                 params.append(SamplingParams(max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0,
                                              seed=(seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31, logprobs=0,
                                              detokenize=False))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with ExitStack() as scope:
+            recorder = scope.enter_context(self.probe.infer.routes_recorded()) if self.moe else None
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:
             c = out.outputs[0]
             responses.append(tuple(c.token_ids))
             logprobs.append([entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)])
-        return responses, logprobs
+        routes = None
+        if recorder is not None:  # the engine's experts of every fed row, prompt and response: [len-1, layers, k]
+            by_id = recorder.routes({out.request_id: tuple(out.prompt_token_ids) + resp
+                                     for out, resp in zip(outputs, responses)},
+                                    len(self.probe.infer.layers))
+            routes = [by_id[out.request_id] for out in outputs]
+        return responses, logprobs, routes
 
     def step(self, seed: int, step: int) -> dict:
         spec, g = self.spec, self.spec.group_size
         rng = random.Random(seed * 7919 + step)
         prompts = rng.sample(self.pool, min(spec.prompts_per_step, len(self.pool)))
         t0 = time.perf_counter()
-        responses, lp_engine = self.rollout(prompts, seed, step)
+        responses, lp_engine, routes = self.rollout(prompts, seed, step)
         t1 = time.perf_counter()
         prompt_of = [prompts[i // g] for i in range(len(responses))]
         rewards = torch.tensor([score(self.reward, text, self.tokenizer.decode(list(r), skip_special_tokens=True))
@@ -174,7 +192,7 @@ class Loop:
         t2 = time.perf_counter()
         sequences = [ids + r for (_, ids), r in zip(prompt_of, responses)]
         n_prompt = [len(ids) for _, ids in prompt_of]
-        lp_train, entropy, mask = self.trainer.forward(sequences, n_prompt)
+        lp_train, entropy, mask, routing = self.trainer.forward(sequences, n_prompt, routes, self.replay)
         lp_infer = torch.zeros_like(lp_train)
         for row, (n, lps) in enumerate(zip(n_prompt, lp_engine)):
             lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
@@ -201,6 +219,8 @@ class Loop:
             **token_metrics(infer_np, train_np, spec.clip_eps, spec.tis_cap),
             **sequence_metrics(responses_df, spec.clip_eps),
         }
+        if routing is not None:
+            row["frac_response_any_flip"] = response_flip_frac(*routing, mask)
         t4 = time.perf_counter()
         row |= self.push_and_check(audit=spec.audit_every > 0 and step % spec.audit_every == 0)
         row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
@@ -210,6 +230,7 @@ class Loop:
     def run(self, setting: str, seed: int, on_row: Callable[[dict], None]) -> None:
         """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row."""
         regions = parse_setting(setting)
+        self.replay = bool(from_engine(regions))  # routing: R3 in the update's forward
         torch.manual_seed(seed)
         self.reset()
         with ExitStack() as stack:
@@ -219,3 +240,15 @@ class Loop:
                 stack.enter_context(aligned([self.probe.infer], regions))
             for step in range(1, self.spec.steps + 1):
                 on_row({"setting": setting, "seed": seed, "step": step, **self.step(seed, step)})
+
+
+
+def response_flip_frac(own: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of response tokens whose row (the one whose logits score them) the trainer's router sent to another
+    set of experts than the engine did, in at least one layer. own, engine: [layers, B, L, k] expert ids (any order);
+    mask [B, L-1]. `own` is the router's own pick, before a replay replaces it: with routing replay on, what the
+    replay hides (each layer's router sees the replayed layers before it). A tie at the k-th logit broken otherwise
+    counts: the trainer does run other experts there."""
+    differs = (own.sort(dim=-1).values != engine.sort(dim=-1).values).any(dim=-1).any(dim=0)  # [B, L]
+    on = mask.bool()
+    return float(differs[:, :-1][on].float().mean()) if on.any() else 0.0

@@ -6,10 +6,11 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ProbeError
 from ..options import option
-from ..regions import ALL_REGIONS, from_engine, parse_regions
+from ..regions import ALL_REGIONS, get_region, parse_regions
 from ..spec import parse_engine_args
 
 SIDES = ("both", "train")
+ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
@@ -27,8 +28,7 @@ MAX_NEW_TOKENS = 32_768
 ENGINE_ARGS_OWNED = {
     "dtype": "rl runs both sides in bfloat16",
     "seed": "--seed sets it",
-    "enforce_eager": "rl runs the engine eager (region patches take effect only there)",
-    "compilation_config": "rl runs the engine eager, which compiles nothing",
+    "enforce_eager": "--engine eager|compiled chooses it",
     "enable_prefix_caching": "rl runs with prefix caching on, as production rollouts do (the stale-cache probe "
                              "checks it after every push)",
 }
@@ -39,13 +39,9 @@ def setting_name(regions: tuple[str, ...]) -> str:
 
 
 def parse_setting(text: str) -> tuple[str, ...]:
-    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order. Regions taken from the engine
-    (routing replay) need the rollout's routes in the trainer, which rl does not wire yet."""
-    regions = () if text.strip() in ("", "none") else parse_regions(text)
-    if from_engine(regions):
-        raise ProbeError(f"rl cannot replay {', '.join(from_engine(regions))} yet (issue 28: rl on MoE models); "
-                         "leave it out of --align/--setting")
-    return regions
+    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order; 'routing' (a mixture of experts):
+    the update's forward replays the rollout's routes (R3)."""
+    return () if text.strip() in ("", "none") else parse_regions(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +52,17 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(ALL_REGIONS) + ".")
+                                + ", ".join(ALL_REGIONS) + "; routing (MoE) is R3 routing replay: the update's "
+                                "forward sends each token to the experts the engine's rollout routed it to, with the "
+                                "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
-                                          "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
+                                          "--setting rope --setting rope,swiglu,rmsnorm); replaces --align. A "
+                                          "setting takes what --align takes: --setting routing (MoE) is R3, the "
+                                          "engine's expert ids with the trainer's own gate weights.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
+    engine: str = option("eager", "The rollout engine: eager (enforce_eager; regions can be aligned in it) or compiled "
+                                  "(vLLM's defaults, as RL frameworks deploy it: torch.compile, and CUDA graphs on a "
+                                  "GPU; its regions stay as shipped, so aligning one needs --side train).")
     correction: str = option("none", "Off-policy correction of the engine/trainer mismatch: none (PPO ratio against "
                                      "the engine's logprobs), tis (truncated importance weights) or mis (masked).")
     lr: float = option(1e-3, "AdamW learning rate (FP32 master weights).")
@@ -94,6 +97,7 @@ class RLSpec:
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
             (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),
+            (self.engine in ENGINES, f"--engine {self.engine!r} is not valid; choose one of: {', '.join(ENGINES)}"),
             (self.correction in CORRECTIONS, f"--correction {self.correction!r} is not valid; choose one of: "
                                              f"{', '.join(CORRECTIONS)}"),
             (1 <= self.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}"),
@@ -133,8 +137,17 @@ class RLSpec:
             if key in ENGINE_ARGS_OWNED or key in OWNED_ENGINE_ARGS:
                 why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
                 raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
+        if "compilation_config" in self.engine_args and self.engine == "eager":
+            raise ProbeError("--engine-args compilation_config needs --engine compiled (the eager engine compiles "
+                             "nothing); add --engine compiled or drop the key")
         for s in self.settings:
-            parse_setting(s)
+            patched = [r for r in parse_setting(s) if not get_region(r).from_engine]
+            if patched and self.engine == "compiled" and self.side == "both":
+                # every setting runs on one engine, built once; a compiled engine takes a region only when built
+                # with it (compare builds one per combination: stacks/vllm/aligned.py), rl reuses one across settings
+                raise ProbeError(f"--engine compiled cannot align {','.join(patched)} on the engine (setting {s!r}): "
+                                 "rl runs every setting on one engine, and a compiled engine takes a region patch "
+                                 "only when it is built; use --side train (the engine as deployed) or --engine eager")
 
     @property
     def settings(self) -> tuple[str, ...]:

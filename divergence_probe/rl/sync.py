@@ -4,13 +4,19 @@ Push: vLLM's own in-place reload (`LLM.collective_rpc("reload_weights", weights_
 the worker's `reload_weights`): it puts every layer back into its checkpoint layout, runs the model's own
 `load_weights` (which stacks q,k,v into qkv_proj and gate,up into gate_up_proj and ties lm_head to the embedding),
 re-runs each layer's post-load processing (on the CPU: packing the GEMM weights and dropping `layer.weight`) and
-copies the result into the tensors the engine already holds. No engine restart. One gap in that path is closed
+copies the result into the tensors the engine already holds. No engine restart. Two gaps in that path are closed
 here: a tied head is processed only as its embedding (vLLM's `model_loader/reload` docstring, limitation 2), so on
 a CPU whose GEMM packs its own copy of the weight (vLLM's AMX path) the lm_head keeps the old embedding; its own
-post-load processing is run again.
+post-load processing is run again. And a mixture of experts' kernel lays its weights out only on the first load
+(vllm 0.32 `unquantized_fused_moe_method._setup_kernel` skips `fused_experts.process_weights_after_loading` on a
+weight update), so on the CPU the reloaded experts stay in checkpoint layout while the kernel reads its prepacked tile
+order, and the engine computes with scrambled experts (measured: logprobs off by up to 0.2 after one push); the
+kernel's post-load processing is run again on every MoE layer.
 
 Check: what the engine computes with, tensor by tensor, against the trainer's tensors mapped as vLLM's loader maps
-them (its `packed_modules_mapping`; the tied lm_head is the embedding), compared exactly where both live: on the
+them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture of experts' tensors as the family's
+`engine_experts` says its MoE loader fills them, then laid out by the experts kernel's own post-load processing run
+on a copy), compared exactly where both live: on the
 device, in this process (no host round trip). "Computes with", not "stores": on the CPU a linear layer's `weight` is
 an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
 layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one dtype on both sides
@@ -19,6 +25,14 @@ an engine that keeps a bias in FP32 still matches. A mismatch raises SyncError n
 broken run, not a metric. An audit (`audit=True`, rl's --audit-every) also compares per-tensor sha256 of the bytes
 on the host, the same comparison through an independent path. Which tensors changed since the previous check is
 read from a float64 sum and norm per tensor (a diagnostic, not a proof: the equality is).
+
+A compiled engine (rl --engine compiled) computes with the same tensors: vLLM's reload copies the new values into the
+tensors the engine already holds, so a graph captured with their addresses (CUDA graphs) reads the new values, and
+torch.compile's code reads the module's tensors at each call (on the CPU, checked: a push of weights moved by half their
+spread left the compiled engine within the eager engine's mismatch of transformers). That holds only while every
+tensor keeps its storage: when the engine replays CUDA graphs, each check also requires every parameter's address to
+be the one it had when the sync began (`moved_storage`); a tensor given new storage by a push (a post-load step that
+replaces instead of copying) would be read by the check while the graphs read the old one, and is a SyncError.
 
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
 reset. A fixed prompt of a little over two KV blocks (random token ids: no rollout shares its prefix) is scored once
@@ -128,8 +142,12 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     A tied head appears under its own name (the logits GEMM) beside the embedding's (the lookup): `Family.tied_head`."""
     out: dict[str, torch.Tensor] = {}
     head = family_of(model).vllm.model["lm_head"] + "."
+    seen: set[int] = set()
     with torch.inference_mode():
         for name, module in model.named_modules(remove_duplicate=False):
+            if id(module) in seen and not (name + ".").startswith(head):
+                continue  # one module under a second name (a MoE runner keeps the block's router as its `gate`)
+            seen.add(id(module))
             for pname, param in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
                 lookup = type(module).__name__ == "VocabParallelEmbedding" and not full.startswith(head)
@@ -141,16 +159,21 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[str], packed: dict[str, Sequence[str]],
-                     tied_head: tuple[str, str] | None) -> dict[str, tuple[torch.Tensor, str]]:
+                     tied_head: tuple[str, str] | None,
+                     loaded_from: dict[str, str] | None = None) -> dict[str, tuple[torch.Tensor, str]]:
     """engine name -> (the trainer's tensor as vLLM's loader would build it, the trainer names it came from).
     `packed`: fused module -> the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding)
-    when the head is tied (`Family.tied_head`), else None."""
+    when the head is tied (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded
+    into it as it is, under another name (a MoE's experts: `expert_sources`)."""
     out = {}
     used: set[str] = set()
+    loaded_from = loaded_from or {}
     for name in engine_names:
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
-        if last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (concatenated along the output dim, in this order)
+        if name in loaded_from:  # w13_weight <- gate_up_proj: vLLM's MoE loader, not packed_modules_mapping
+            sources = [loaded_from[name]]
+        elif last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (concatenated along the output dim, in this order)
             sources = [f"{parent}.{part}.{leaf}" for part in packed[last]]
         elif tied_head and name == tied_head[0] and name not in trainer:
             sources = [tied_head[1]]
@@ -170,6 +193,64 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
     return out
 
 
+def expert_modules(model) -> list[tuple[str, torch.nn.Module, int]]:
+    """(path, module, layer) of every MoE layer's experts module in the engine's model (the family's
+    `engine_experts`); none for a dense family."""
+    family = family_of(model)
+    experts = family.engine_experts
+    if experts is None:
+        return []
+    prefix, role = family.vllm.model["layers"], family.vllm.layer[experts.module]
+    return [(f"{prefix}.{i}.{role}", find(layer, role), i) for i, layer in enumerate(find(model, prefix))]
+
+
+def expert_sources(model, trainer_layers: str) -> dict[str, str]:
+    """Engine expert tensor -> the trainer tensor vLLM's MoE loader copies into it (`trainer_layers`: where the
+    trainer keeps its decoder layers)."""
+    experts = family_of(model).engine_experts
+    return {f"{path}.{param}": f"{trainer_layers}.{i}.{source}" for path, _, i in expert_modules(model)
+            for param, source in experts.tensors.items()}
+
+
+def _experts_kernel(module):
+    """The experts kernel of one of vLLM's MoE modules (its post-load processing lays the weights out)."""
+    kernel = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if kernel is None or not callable(getattr(kernel, "process_weights_after_loading", None)):
+        raise SyncError(f"weight sync: vLLM's {type(module).__name__} has no experts kernel where vLLM 0.32 keeps it "
+                        "(quant_method.moe_kernel.fused_experts); use a vLLM version the README lists")
+    return kernel
+
+
+def kernel_layout(module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (parameter -> the trainer's tensor, in checkpoint layout) as the experts kernel of `module` lays them
+    out after loading (on the CPU: zero-padded and prepacked into its tile order), computed on a stand-in module that
+    holds copies, so the engine's own tensors are never touched or read."""
+    stand_in = torch.nn.Module()
+    for name, tensor in tensors.items():
+        stand_in.register_parameter(name, torch.nn.Parameter(tensor.detach().clone(), requires_grad=False))
+    for attr in ("moe_config", "activation"):  # what a kernel may read of its layer besides the weights
+        if hasattr(module, attr):
+            setattr(stand_in, attr, getattr(module, attr))
+    _experts_kernel(module).process_weights_after_loading(stand_in)
+    return {name: getattr(stand_in, name).detach() for name in tensors}
+
+
+def storage(model) -> dict[str, int]:
+    """Every parameter's storage address by name: what a captured CUDA graph reads."""
+    return {name: p.data_ptr() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def moved_storage(before: dict[str, int], model) -> list[str]:
+    """The parameters whose storage is not where `before` (`storage`) found it."""
+    return [name for name, address in storage(model).items() if before.get(name) != address]
+
+
+def _replays_graphs(llm) -> bool:
+    """Whether the engine replays captured CUDA graphs (vLLM's cudagraph_mode other than NONE)."""
+    mode = getattr(llm.llm_engine.vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+
+
 @dataclass
 class SyncCheck:
     tensors: int  # how many engine tensors were compared
@@ -184,6 +265,8 @@ class WeightSync:
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
         self.family = family_of(model)
         self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
+        self.experts = expert_modules(model)  # a MoE's experts modules (its own loader), none when dense
+        self.addresses = storage(model) if _replays_graphs(llm) else None  # what the captured graphs read
         self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -193,6 +276,8 @@ class WeightSync:
         head = find(self.model, self.family.vllm.model["lm_head"])
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
+        for _, module, _ in self.experts:  # the experts kernel's layout, which the reload skips (docstring)
+            _experts_kernel(module).process_weights_after_loading(module)
 
     def reset_cache(self) -> None:
         """Drop every cached KV block: they were computed with the weights before the push."""
@@ -204,7 +289,12 @@ class WeightSync:
         """Raise SyncError naming the first engine tensor that is not the trainer's, compared on the device (and with
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
-        want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None)
+        want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None,
+                                expert_sources(self.model, self.family.hf.model["layers"]))
+        for path, module, _ in self.experts:  # what the experts kernel computes with: its layout of those tensors
+            names = [f"{path}.{param}" for param in self.family.engine_experts.tensors]
+            laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0] for n in names})
+            want |= {n: (laid_out[n.rpartition(".")[2]], want[n][1]) for n in names}
         names, haves, needs = [], [], []
         for name, tensor in held.items():
             expected, sources = want[name]
@@ -228,6 +318,11 @@ class WeightSync:
         for i in differing(haves, needs)[:1]:
             name, sources = names[i]
             raise _not_the_trainers(name, sources, "values differ on the device")
+        moved = moved_storage(self.addresses, self.model) if self.addresses is not None else []
+        if moved:
+            raise SyncError(f"weight sync: the push gave the engine's {moved[0]} new storage, but its captured CUDA "
+                            "graphs still read the old one, so it does not compute with the tensor the check compared; "
+                            "push through vLLM's in-place reload, or run rl with --engine eager")
         now = fingerprints(haves)
         changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
         self.previous = now

@@ -13,8 +13,9 @@ regions are aligned on it with `align.apply`, exactly as a user's trainer would.
 
 from __future__ import annotations
 
-import torch
+from contextlib import ExitStack
 
+import torch
 
 
 class Trainer:
@@ -46,9 +47,15 @@ class Trainer:
         """The compute model's weights by checkpoint name: what is pushed into the engine."""
         return {n: p.detach() for n, p in zip(self.names, self.params)}
 
-    def forward(self, sequences: list[tuple[int, ...]], n_prompt: list[int]):
-        """One right-padded batch: returns (logprobs [B, L-1] FP32 with grad, entropy [B, L-1], response mask [B, L-1]).
-        Position j scores token j+1; the mask is 1 where that token is a response token."""
+    def forward(self, sequences: list[tuple[int, ...]], n_prompt: list[int], routes: list[torch.Tensor] | None = None,
+                replay: bool = False):
+        """One right-padded batch: returns (logprobs [B, L-1] FP32 with grad, entropy [B, L-1], response mask [B, L-1],
+        routing). Position j scores token j+1; the mask is 1 where that token is a response token.
+
+        A mixture of experts: `routes` holds the engine's experts of each sequence's fed rows ([len-1, layers, k]);
+        `replay` sends every such row to them (R3: the engine's ids, the trainer's own gate weights, HFStack's
+        routes_replayed). routing: (the trainer's router's own choice, the engine's), each [layers, B, L, k], -1 where
+        the engine ran no row; None without routes."""
         device = self.params[0].device
         longest = max(len(s) for s in sequences)
         pad = self.model.generation_config.pad_token_id or 0
@@ -60,13 +67,27 @@ class Trainer:
             attention[row, : len(seq)] = 1
             mask[row, n - 1 : len(seq) - 1] = 1
         positions = torch.arange(longest, device=device)[None].expand_as(ids)
-        with self.stack._numerics("train") as observed, observed():
+        own: dict[int, torch.Tensor] = {}
+        engine = _batch_routes(routes, len(sequences), longest) if routes is not None else None
+        with ExitStack() as scope:
+            if routes is not None:  # the router's own choice ([B * L, k]); installed first, so it runs before a replay
+                scope.enter_context(self.stack._capture(frozenset({"expert_ids"}),
+                                                        lambda key, x: own.__setitem__(key.layer, x.detach())))
+            if replay:
+                scope.enter_context(self.stack.routes_replayed(lambda _, layer: (engine[layer], None)))
+                scope.enter_context(self.stack.running(0))
+            observed = scope.enter_context(self.stack._numerics("train"))
+            scope.enter_context(observed())
             logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
         logp = logits[:, :-1].float().log_softmax(dim=-1)  # as trainers do: log_softmax of the FP32-upcast logits
         chosen = logp.gather(-1, ids[:, 1:, None])[..., 0]
         with torch.no_grad():
             entropy = -(logp.exp() * logp).sum(-1)
-        return chosen, entropy, mask
+        routing = None
+        if engine is not None:
+            shape = (len(own), len(sequences), longest, -1)
+            routing = (torch.stack([own[i] for i in sorted(own)]).view(shape), engine.to(device).reshape(shape))
+        return chosen, entropy, mask, routing
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward through the BF16 model, the update on the FP32 masters, then round them into the model.
@@ -85,3 +106,13 @@ class Trainer:
                 p.copy_(m)  # FP32 -> BF16, round to nearest even
                 p.grad = None
         return float(norm)
+
+
+def _batch_routes(routes: list[torch.Tensor], batch: int, longest: int) -> torch.Tensor:
+    """Each sequence's routes ([fed rows, layers, k]) laid out as the right-padded batch's flattened rows:
+    [layers, batch * longest, k], -1 where the engine ran no row (a sequence's last token, padding)."""
+    layers, k = routes[0].shape[1:]
+    out = torch.full((batch, longest, layers, k), -1, dtype=torch.long)
+    for row, r in enumerate(routes):
+        out[row, : len(r)] = r.long().cpu()
+    return out.view(batch * longest, layers, k).permute(1, 0, 2)

@@ -116,20 +116,28 @@ class HFStack:
             for prompt in prompts:
                 ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-                self._running = prompt.prompt_id
-                try:
-                    with observed():
-                        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
-                finally:
-                    self._running = None
+                with self.running(prompt.prompt_id), observed():
+                    logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
                 deliver(PromptScores(prompt.prompt_id, logits, token_logprobs(logits, ids[0, 1:])))
         return results
+
+    @contextmanager
+    def running(self, key: int) -> Iterator[None]:
+        """The model forwards of this block are those of `key` (a prompt, or a trainer's batch): what a replay's
+        `routes(key, layer)` is asked for."""
+        self._running = key
+        try:
+            yield
+        finally:
+            self._running = None
 
     @contextmanager
     def routes_replayed(self, routes: RouteSource) -> Iterator[None]:
         """Every mixture-of-experts layer's experts run with the experts `routes(prompt_id, layer)` names for the prompt
         being scored, instead of the trainer's own top-k: routing replay (R3, as verl's router_replay and Megatron's
-        RouterReplay do it in a trainer). `routes` returns (ids [T, k], weights [T, k] or None). Weights None: the
+        RouterReplay do it in a trainer). `routes` returns (ids [T, k], weights [T, k] or None) for the router's rows
+        (a batch's flattened rows; the last row may be missing, and rows of ids -1 keep the trainer's own choice: a
+        sampled sequence's last token, which the engine never ran, and padding). Weights None: the
         trainer's own gate weights for those experts, computed as transformers' router computes them for its own pick
         (FP32 softmax of its logits over every expert, taken at the ids, renormalised where norm_topk_prob, cast to
         the logits' dtype), so replaying the trainer's own top-k changes nothing, bit for bit. Given weights: the
@@ -159,13 +167,16 @@ class HFStack:
                 raise StackError(f"the replayed routes of layer {layer} are {tuple(ids.shape)} for a router output of "
                                  f"{tuple(own_ids.shape)} (prompt {self._running}); report this as a bug")
             ids = ids.to(device=logits.device, dtype=own_ids.dtype)
+            if n < own_ids.shape[0]:  # a sampled sequence's last token, which the engine never ran: it scores nothing
+                ids = torch.cat([ids, torch.full_like(own_ids[n:], -1)])
+                weights = None if weights is None else torch.cat([weights.to(logits.device), own_weights[n:]])
+            own = (ids < 0).any(dim=-1, keepdim=True)  # rows the engine has no route for keep the trainer's own
+            ids = torch.where(own, own_ids, ids)
             if weights is None:
-                weights = torch.softmax(logits[:n], dim=-1, dtype=torch.float).gather(1, ids)
+                weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
                 if module.norm_topk_prob:
                     weights = weights / weights.sum(dim=-1, keepdim=True)
-            weights = weights.to(device=logits.device, dtype=logits.dtype)
-            if n < own_ids.shape[0]:  # a sampled sequence's last token, which the engine never ran: it scores nothing
-                ids, weights = torch.cat([ids, own_ids[n:]]), torch.cat([weights, own_weights[n:]])
+            weights = torch.where(own, own_weights, weights.to(device=logits.device, dtype=logits.dtype))
             return logits, weights, ids
 
         return hook

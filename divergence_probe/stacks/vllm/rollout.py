@@ -91,6 +91,7 @@ class RolloutRecorder:
         self.logits: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)  # req -> position -> [V]
         self.final_hidden: torch.Tensor | None = None
         self._joined: dict[TapKey, torch.Tensor] = {}
+        self._index: dict[str, list[tuple[int, int, int]]] | None = None  # req -> (position, row, token id)
 
     def begin_step(self, input_ids: torch.Tensor) -> None:
         req_ids, starts, computed = self.layout()
@@ -128,13 +129,56 @@ class RolloutRecorder:
 
     def _rows(self, req_id: str) -> list[tuple[int, int, int]]:
         """(position, global row, token id) of every row this request was fed, over all steps."""
-        out, offset = [], 0
-        for spans, ids in zip(self.steps, self.step_ids):
-            for span in spans:
-                if span.req_id == req_id:
-                    out += [(span.position + j, offset + span.row + j, ids[span.row + j]) for j in range(span.count)]
-            offset += len(ids)
-        return sorted(out)
+        if self._index is None:  # one pass over the steps for every request
+            self._index, offset = defaultdict(list), 0
+            for spans, ids in zip(self.steps, self.step_ids):
+                for span in spans:
+                    self._index[span.req_id] += [(span.position + j, offset + span.row + j, ids[span.row + j])
+                                                 for j in range(span.count)]
+                offset += len(ids)
+        return sorted(self._index.get(req_id, []))
+
+    def request_ids(self) -> dict[str, str]:
+        """The runner's id of each request by the id its output carries: the runner files requests as
+        "<request_id>-<suffix>" (vLLM 0.24 and 0.32)."""
+        return {req_id.split("-")[0]: req_id for spans in self.steps for req_id in (s.req_id for s in spans)}
+
+    def routes(self, sequences: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, torch.Tensor]:
+        """The engine's experts for every fed row of each sequence (output request id -> its tokens): [L-1, layers, k]
+        ids by position, from the `expert_ids` taps, as vLLM's routed-experts record holds them.
+
+        With prefix caching, a request is not fed the prompt rows the cache served; like the record (which re-reads
+        them from its block store), those rows take the routes of the request that computed them: the first row in
+        the run fed the same token after the same prefix (the cache matches whole prefixes). A row computed twice
+        for one request (preempted, then recomputed) keeps its last computation."""
+        whole = torch.stack([self._whole(TapKey.of("expert_ids", i)) for i in range(num_layers)], dim=1)
+        internal = self.request_ids()
+        node_of: dict[tuple[int, int], int] = {}  # (prefix node, token) -> node: one node per distinct prefix
+        first: dict[int, int] = {}  # prefix node -> the first row that computed it
+        fed: dict[str, tuple[list[int], dict[int, int]]] = {}  # request -> (prefix node per position, position -> row)
+        for out_id, tokens in sequences.items():
+            if out_id not in internal:
+                raise StackError(f"vLLM request {out_id} left no routes; the runner's ids changed format")
+            node, nodes = -1, []
+            for token in tokens[:-1]:  # the last sampled token is never fed back
+                node = node_of.setdefault((node, token), len(node_of))
+                nodes.append(node)
+            rows = {}
+            for position, row, token in self._rows(internal[out_id]):
+                if position >= len(nodes) or token != tokens[position]:
+                    raise StackError(f"vLLM request {out_id}: the rows it was fed do not spell its sequence; seam "
+                                     "moved")
+                rows[position] = row
+                first[nodes[position]] = min(row, first.get(nodes[position], row))
+            fed[out_id] = (nodes, rows)
+        out = {}
+        for out_id, (nodes, rows) in fed.items():
+            index = [rows.get(p, first.get(node, -1)) for p, node in enumerate(nodes)]
+            if -1 in index:
+                raise StackError(f"vLLM request {out_id}: no step computed position {index.index(-1)} of its sequence "
+                                 "(nor a request with the same prefix); its routes are incomplete")
+            out[out_id] = whole.index_select(0, torch.tensor(index, device=whole.device))
+        return out
 
     def stitch(self, req_id: str, token_ids: tuple[int, ...], seq_id: int, sink) -> torch.Tensor:
         """Emit this request's taps as [L-1, F] tensors and return its [L-1, V] logits (positions 0..L-2)."""

@@ -38,7 +38,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -542,8 +542,7 @@ class VLLMStack:
             self._tap_hooks(hooks, taps, recorder.add_tap)
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         results = []
-        # the runner files requests as "<request_id>-<suffix>" (vLLM 0.24 and 0.32); outputs carry <request_id>
-        internal = {req_id.split("-")[0]: req_id for req_id in recorder.logits}
+        internal = recorder.request_ids()
         for seq_id, ((prompt, k), out) in enumerate(zip(keys, outputs)):
             completion = out.outputs[0]
             response = tuple(completion.token_ids)
@@ -560,6 +559,17 @@ class VLLMStack:
             self._check_logits(logits, tokens, reported_t, f"sequence {seq_id}")
             results.append(SequenceScores(seq_id, prompt.prompt_id, k, tokens, len(prompt.token_ids), logits, reported_t))
         return results
+
+    @contextlib.contextmanager
+    def routes_recorded(self) -> Iterator[RolloutRecorder]:
+        """For the block's generate calls, record the experts the engine's router sent every computed row to (the
+        select_experts seam, taps.ROUTE_RECORDS' ids: what its experts ran with), filed by request and position; read
+        them with `recorder.routes(...)` after the block. No logits, no other taps."""
+        with HookSet() as hooks:
+            recorder = RolloutRecorder(self.runner, hooks)
+            self._on_model_call(hooks, recorder.begin_step, lambda hidden: None)
+            self._tap_hooks(hooks, frozenset({"expert_ids"}), recorder.add_tap)
+            yield recorder
 
     def _check_logits(self, logits: torch.Tensor, tokens, reported: torch.Tensor, what: str) -> None:
         """The captured logits must reproduce vLLM's own logprobs (Sampler.compute_logprobs), or the KL would describe
