@@ -491,3 +491,86 @@ def test_only_the_taps_asked_for_become_tap_points(op_state):
     assert hooked == {"model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"}
     assert model._dp_tap_points == frozenset({"attn_out", "k_proj"})
     assert sorted(compiled_taps._KEYS[k].name for k in compiled_taps._BUFFERS) == ["attn_out", "k_proj"]
+
+
+def test_router_tap_points_hand_over_one_by_one_in_their_own_dtypes(op_state):
+    """A MoE layer's router taps: router_logits and the route records get buffers of their own (ids int64, weights
+    FP32: the router's int32 ids and BF16/FP32 weights widen losslessly; nothing narrows) and are handed over one tap
+    at a time, as the routing capture reads them, beside the stacked taps of the other widths."""
+    from divergence_probe.taps import TapKey
+
+    compiled_taps = op_state
+    keys = {name: compiled_taps._key(name, 0) for name in ("router_logits", "expert_ids", "expert_weights", "post_norm")}
+    # router_logits shares its width with post_norm here: still a buffer of its own
+    compiled_taps.make_buffers({keys["router_logits"]: 8, keys["expert_ids"]: 2, keys["expert_weights"]: 2,
+                                keys["post_norm"]: 8}, rows=4, dtype=torch.bfloat16, device="cpu")
+    logits = torch.randn(3, 8).bfloat16()
+    ids, weights = torch.tensor([[1, 7], [0, 2], [5, 3]], dtype=torch.int32), torch.rand(3, 2)
+    torch.ops.dp.tap(logits, keys["router_logits"])
+    torch.ops.dp.tap(ids, keys["expert_ids"])
+    torch.ops.dp.tap(weights, keys["expert_weights"])
+    torch.ops.dp.tap(logits, keys["post_norm"])
+    for bad, key in ((ids.float(), "expert_ids"), (weights.double(), "expert_weights"), (logits.float(), "router_logits")):
+        with pytest.raises(ProbeError, match="does not fit"):
+            torch.ops.dp.tap(bad, keys[key])
+    seen = {}
+    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.__setitem__(k, t),
+                                                 frozenset({"router_logits", "expert_ids", "expert_weights", "post_norm"}),
+                                                 torch.nn.Embedding(4, 8))
+    try:
+        compiled_taps.deliver(torch.arange(3))
+    finally:
+        compiled_taps._ACTIVE = None
+    assert set(seen) == {TapKey.of("router_logits", 0), TapKey.of("expert_ids", 0), TapKey.of("expert_weights", 0),
+                         (TapKey.of("post_norm", 0),)}
+    assert torch.equal(seen[TapKey.of("router_logits", 0)], logits)
+    got_ids, got_weights = seen[TapKey.of("expert_ids", 0)], seen[TapKey.of("expert_weights", 0)]
+    assert got_ids.dtype == torch.int64 and torch.equal(got_ids, ids.long())
+    assert got_weights.dtype == torch.float32 and torch.equal(got_weights, weights)
+
+
+def test_a_moe_engine_gets_its_route_records_with_its_router_logits():
+    """Which tap points a compiled engine gets for a mixture of experts: the route records come with router_logits
+    (the compare checks one against the other) or alone when a run replays them; a dense family's selection is what
+    it was, and each family's status lists only the taps its layers have."""
+    from divergence_probe.stacks.base import StackSettings
+    from divergence_probe.stacks.vllm import compiled_taps
+
+    moe, dense = get_family("qwen3_moe"), get_family("qwen3")
+    compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
+    everything = compiled_taps.tap_points_for("all", compiled, moe)
+    assert everything == {t for t in compiled_taps.NEUTRAL if t in moe.layer_taps} | set(compiled_taps.ROUTER)
+    assert compiled_taps.tap_points_for("router_logits", compiled, moe) == set(compiled_taps.ROUTER)
+    assert compiled_taps.tap_points_for("none", compiled, moe) == frozenset()
+    assert compiled_taps.tap_points_for("none", compiled, moe, routes=True) == {"expert_ids", "expert_weights"}
+    assert compiled_taps.tap_points_for("all", compiled, dense) == compiled_taps.tap_points_for("all", compiled)
+    status = compiled_taps.status(frozenset({"expert_ids", "expert_weights"}), moe)
+    assert "swiglu" not in status and status["router_logits"] == compiled_taps.NOT_BUFFERED
+    assert status["expert_ids"] == "captured"
+    assert "router_logits" not in compiled_taps.status(frozenset(), dense)
+    assert "expert_ids" not in compiled_taps.status(frozenset(), dense)
+
+
+@pytest.mark.parametrize("why", ["fused gate", "monolithic"])
+def test_an_engine_whose_router_never_runs_is_refused(why):
+    """Tap points on the gate and on select_experts see the routing only if both run: a gate fused with a
+    shared-expert gate, or an experts kernel that routes inside itself, is refused in one line."""
+    from torch import nn
+
+    from divergence_probe.stacks.vllm import compiled_taps
+
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Module()
+    layer.mlp.experts._fse_fuse_gate = why == "fused gate"
+    layer.mlp.experts.is_monolithic = why == "monolithic"
+    layer.mlp.experts._quant_method = SimpleNamespace()
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([layer])
+    model.config = SimpleNamespace(model_type="qwen3_moe")
+    with pytest.raises(ProbeError) as e:
+        compiled_taps.check_routes(model)
+    assert "layer 0" in str(e.value) and "--engine eager" in str(e.value) and "\n" not in str(e.value)
+    layer.mlp.experts._fse_fuse_gate = layer.mlp.experts.is_monolithic = False
+    compiled_taps.check_routes(model)

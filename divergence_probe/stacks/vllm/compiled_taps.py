@@ -131,7 +131,7 @@ def _impl(x: torch.Tensor, key: int) -> None:
                          "buffers are made when the model is built (compiled_taps.install): report this as a bug")
     rows = x.shape[0]
     name = _KEYS[key].name
-    widens = name in ROUTE_DTYPES and x.dtype.is_floating_point == buf.dtype.is_floating_point and x.dtype != torch.bool
+    widens = name in ROUTE_DTYPES and torch.promote_types(x.dtype, buf.dtype) == buf.dtype  # a lossless copy
     if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or not (x.dtype == buf.dtype or widens) \
             or x.device != buf.device:
         raise StackError(f"tap {_KEYS[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} on "
