@@ -30,7 +30,8 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   (moe_runner.py `_select_forward`), so Dynamo traces the gate (a module: its hook is inlined) and select_experts (a
   method: wrapped on the router object before the trace, so the wrapper is inlined) into the one graph; their
   outputs are inputs of extern kernels (the gate GEMM's output feeds torch.topk, the ids and weights the fused-experts
-  kernel), so the graph materialises them anyway (neutrality checked as for the other taps). On CUDA the MoE forward
+  kernel), so the graph materialises them anyway (bitwise neutral on the CPU build, checked as for the other taps; on
+  the H200 a tapped MoE engine was not: docs/design/moe.md). On CUDA the MoE forward
   is vLLM's opaque custom op `vllm.moe_forward`: the gate and select_experts run as eager Python inside it, hooks
   and wrapper included, on every call without a graph; a CUDA-graph capture (piecewise or full: the op is not a
   splitting op) records their `dp::tap` copies with the experts' kernels, and a replay repeats them, though no Python

@@ -342,7 +342,7 @@ class VLLMStack:
         self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
-        if _tap_points(settings) & {"router_logits", *ROUTE_RECORDS}:
+        if _tap_points(self.settings) & {"router_logits", *ROUTE_RECORDS}:
             compiled_taps.check_routes(self.model)
 
     @staticmethod
