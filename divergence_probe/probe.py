@@ -183,7 +183,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
     settings = stack_settings(cfg, source)
-    settings = replace(settings, engine_taps=tap_points_for(taps, settings))
+    settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
+                                                            routes=_replays_routes(plan_for)))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -211,6 +212,12 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _replays_routes(run: RunSpec | None) -> bool:
+    """Whether the run replays the engine's routes into the trainer (routing among its regions): a compiled engine
+    then needs tap points for its route records even without router_logits among the taps."""
+    return run is not None and "routing" in (run.ablate.regions if run.kind == "ablate" else run.align.regions)
 
 
 def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer,

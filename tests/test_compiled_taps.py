@@ -3,7 +3,8 @@ what the compiled graph computed.
 
 One engine per process: each model runs twice in subprocesses sharing one fresh vLLM cache root, first with tap points
 (`taps="all"`), then without (vLLM as deployed). The neutral tap set depends on Inductor's fusion decisions, so it is
-checked per architecture (Qwen2: no q/k norm; Qwen3: q/k norm fused into RoPE).
+checked per architecture (Qwen2: no q/k norm; Qwen3: q/k norm fused into RoPE; Qwen3-MoE: a router and experts in
+place of the dense MLP, with the router's logits and choice as tap points).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from divergence_probe.errors import ProbeError
+
+from divergence_probe.models import get_family
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,16 +47,20 @@ run = probe.compare(prompts=prompts_file, taps=taps)
 result = {"logprobs": run.tokens_table[["prompt_id", "position", "logprob_infer"]].values.tolist(),
           "layers": sorted(set(run.layers_table.tap)), "taps": run.manifest["stacks"]["infer"]["settings"]["taps"],
           "not_captured": run.manifest["compare"].get("taps_not_captured", {}), "op_defined": compiled_taps._LIB is not None,
-          "tap_buffer_bytes": run.manifest["stacks"]["infer"]["settings"]["tap_buffer_bytes"]}
+          "tap_buffer_bytes": run.manifest["stacks"]["infer"]["settings"]["tap_buffer_bytes"],
+          "model_type": probe.source.family.model_type,
+          "routes_checked": run.manifest["compare"].get("routing", {}).get("engine_routes_checked_token_layers"),
+          "routed_rows": run.routing.table()["tokens"].tolist() if run.routing is not None else None}
 if taps != "none":
     prompts = load_prompts(prompts_file, probe.tokenizer, max_model_len=probe.settings.max_model_len)
     captured = {}
-    probe.infer.score(prompts, frozenset(compiled_taps.NEUTRAL + compiled_taps.OUTSIDE), keep(captured))
+    probe.infer.score(prompts, frozenset(compiled_taps.NEUTRAL + compiled_taps.ROUTER + compiled_taps.OUTSIDE),
+                      keep(captured))
     model_ = probe.infer.model.model
     norms = {("input_norm", i): layer.input_layernorm for i, layer in enumerate(model_.layers)}
     norms |= {("post_norm", i): layer.post_attention_layernorm for i, layer in enumerate(model_.layers)}
     norms[("final_norm", len(model_.layers))] = model_.norm
-    torch.save({"taps": captured, "num_layers": len(model_.layers),
+    torch.save({"taps": captured, "num_layers": len(model_.layers), "config": probe.source.config,
                 "norms": {k: (m.weight.detach().clone(), m.variance_epsilon) for k, m in norms.items()}}, out + ".pt")
     # consecutive steps through the static buffers: P, then Q (P's tokens reversed), then P again, each a scoring call
     # of its own; and a generate-mode call whose decode steps (one row per sequence) are read one by one
@@ -91,7 +98,7 @@ def _engine(model: Path, prompts: Path, out: Path, taps: str, cache_root: Path) 
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=["qwen2_tiny", "qwen3_tiny"])
+@pytest.fixture(scope="module", params=["qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny"])
 def engines(request, prompts_file, tmp_path_factory) -> dict:
     model = request.getfixturevalue(request.param)
     folder = tmp_path_factory.mktemp(f"ctaps_{request.param}")
@@ -114,17 +121,18 @@ def test_taps_all_captures_the_neutral_set_and_lists_the_rest(engines):
     from divergence_probe.stacks.vllm import compiled_taps
 
     tapped = engines["tapped"]
-    expected = set(compiled_taps.NEUTRAL) | set(compiled_taps.OUTSIDE)
+    family = get_family(tapped["model_type"])
+    expected = {t for t in compiled_taps.NEUTRAL + ("router_logits",) if t in family.layer_taps} | set(compiled_taps.OUTSIDE)
     assert set(tapped["layers"]) == expected
     assert set(tapped["generate_layers"]) == expected
-    refused = {"resid_mid", "resid_out"} | ({"q_norm", "k_norm"} if engines["model"] == "qwen3_tiny" else set())
+    refused = {"resid_mid", "resid_out"} | ({"q_norm", "k_norm"} if engines["model"] != "qwen2_tiny" else set())
     assert refused <= set(tapped["not_captured"]) <= set(compiled_taps.REFUSED)
     assert all(tapped["taps"][name] == "captured" for name in expected)
     assert "FP32" in tapped["not_captured"]["resid_out"]
     message = tapped["explicit_error"]
     assert "resid_out" in message and "--engine eager" in message and "\n" not in message
     plain = engines["plain"]  # an engine built without tap points says so for each layer tap
-    assert plain["taps"]["swiglu"] == compiled_taps.NO_TAP_POINTS and plain["taps"]["logits"] == "captured"
+    assert plain["taps"]["mlp_out"] == compiled_taps.NO_TAP_POINTS and plain["taps"]["logits"] == "captured"
 
 
 def test_tapped_build_leaves_no_compile_artifact(engines):
@@ -185,6 +193,30 @@ def test_taps_are_what_the_graph_computed(engines):
                 if then is not None:
                     stream = stream + taps[(pid, then, layer)].float()
     assert checked == len(prompts) * (2 * layers + 1)
+
+
+def test_router_taps_are_what_the_graph_routed_with(engines):
+    """A mixture of experts: in every layer and for every token, the experts the compiled engine ran a token with
+    (its router's ids) are a top-k of the router_logits tap, and their weights are the softmax of those logits
+    (norm_topk_prob: over the k chosen), so logits and routes are one step's, one row's. The compare checked its
+    routes against its logits for every routed row (RouteRecordError otherwise)."""
+    from divergence_probe import routing
+
+    if engines["model"] != "qwen3_moe_tiny":
+        pytest.skip("a dense model has no router")
+    raw, tapped = engines["raw"], engines["tapped"]
+    taps, layers, config = raw["taps"], raw["num_layers"], raw["config"]
+    assert config["norm_topk_prob"]
+    prompts = sorted({pid for pid, _, _ in taps})
+    for pid in prompts:
+        for i in range(layers):
+            logits, ids, weights = (taps[(pid, name, i)] for name in ("router_logits", "expert_ids", "expert_weights"))
+            assert ids.shape == (logits.shape[0], config["num_experts_per_tok"])
+            assert routing.is_admissible_topk(logits, ids).all(), f"layer {i} prompt {pid}"
+            chosen = logits.gather(1, ids.long()).float()
+            torch.testing.assert_close(weights, torch.softmax(chosen, dim=-1), rtol=2**-7, atol=0)
+    rows = sum(taps[(pid, "router_logits", 0)].shape[0] for pid in prompts)
+    assert tapped["routed_rows"] == [rows] * layers and tapped["routes_checked"] == rows * layers
 
 
 def test_each_step_reads_what_that_step_wrote(engines):
@@ -459,3 +491,86 @@ def test_only_the_taps_asked_for_become_tap_points(op_state):
     assert hooked == {"model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"}
     assert model._dp_tap_points == frozenset({"attn_out", "k_proj"})
     assert sorted(compiled_taps._KEYS[k].name for k in compiled_taps._BUFFERS) == ["attn_out", "k_proj"]
+
+
+def test_router_tap_points_hand_over_one_by_one_in_their_own_dtypes(op_state):
+    """A MoE layer's router taps: router_logits and the route records get buffers of their own (ids int64, weights
+    FP32: the router's int32 ids and BF16/FP32 weights widen losslessly; nothing narrows) and are handed over one tap
+    at a time, as the routing capture reads them, beside the stacked taps of the other widths."""
+    from divergence_probe.taps import TapKey
+
+    compiled_taps = op_state
+    keys = {name: compiled_taps._key(name, 0) for name in ("router_logits", "expert_ids", "expert_weights", "post_norm")}
+    # router_logits shares its width with post_norm here: still a buffer of its own
+    compiled_taps.make_buffers({keys["router_logits"]: 8, keys["expert_ids"]: 2, keys["expert_weights"]: 2,
+                                keys["post_norm"]: 8}, rows=4, dtype=torch.bfloat16, device="cpu")
+    logits = torch.randn(3, 8).bfloat16()
+    ids, weights = torch.tensor([[1, 7], [0, 2], [5, 3]], dtype=torch.int32), torch.rand(3, 2)
+    torch.ops.dp.tap(logits, keys["router_logits"])
+    torch.ops.dp.tap(ids, keys["expert_ids"])
+    torch.ops.dp.tap(weights, keys["expert_weights"])
+    torch.ops.dp.tap(logits, keys["post_norm"])
+    for bad, key in ((ids.float(), "expert_ids"), (weights.double(), "expert_weights"), (logits.float(), "router_logits")):
+        with pytest.raises(ProbeError, match="does not fit"):
+            torch.ops.dp.tap(bad, keys[key])
+    seen = {}
+    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.__setitem__(k, t),
+                                                 frozenset({"router_logits", "expert_ids", "expert_weights", "post_norm"}),
+                                                 torch.nn.Embedding(4, 8))
+    try:
+        compiled_taps.deliver(torch.arange(3))
+    finally:
+        compiled_taps._ACTIVE = None
+    assert set(seen) == {TapKey.of("router_logits", 0), TapKey.of("expert_ids", 0), TapKey.of("expert_weights", 0),
+                         (TapKey.of("post_norm", 0),)}
+    assert torch.equal(seen[TapKey.of("router_logits", 0)], logits)
+    got_ids, got_weights = seen[TapKey.of("expert_ids", 0)], seen[TapKey.of("expert_weights", 0)]
+    assert got_ids.dtype == torch.int64 and torch.equal(got_ids, ids.long())
+    assert got_weights.dtype == torch.float32 and torch.equal(got_weights, weights)
+
+
+def test_a_moe_engine_gets_its_route_records_with_its_router_logits():
+    """Which tap points a compiled engine gets for a mixture of experts: the route records come with router_logits
+    (the compare checks one against the other) or alone when a run replays them; a dense family's selection is what
+    it was, and each family's status lists only the taps its layers have."""
+    from divergence_probe.stacks.base import StackSettings
+    from divergence_probe.stacks.vllm import compiled_taps
+
+    moe, dense = get_family("qwen3_moe"), get_family("qwen3")
+    compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
+    everything = compiled_taps.tap_points_for("all", compiled, moe)
+    assert everything == {t for t in compiled_taps.NEUTRAL if t in moe.layer_taps} | set(compiled_taps.ROUTER)
+    assert compiled_taps.tap_points_for("router_logits", compiled, moe) == set(compiled_taps.ROUTER)
+    assert compiled_taps.tap_points_for("none", compiled, moe) == frozenset()
+    assert compiled_taps.tap_points_for("none", compiled, moe, routes=True) == {"expert_ids", "expert_weights"}
+    assert compiled_taps.tap_points_for("all", compiled, dense) == compiled_taps.tap_points_for("all", compiled)
+    status = compiled_taps.status(frozenset({"expert_ids", "expert_weights"}), moe)
+    assert "swiglu" not in status and status["router_logits"] == compiled_taps.NOT_BUFFERED
+    assert status["expert_ids"] == "captured"
+    assert "router_logits" not in compiled_taps.status(frozenset(), dense)
+    assert "expert_ids" not in compiled_taps.status(frozenset(), dense)
+
+
+@pytest.mark.parametrize("why", ["fused gate", "monolithic"])
+def test_an_engine_whose_router_never_runs_is_refused(why):
+    """Tap points on the gate and on select_experts see the routing only if both run: a gate fused with a
+    shared-expert gate, or an experts kernel that routes inside itself, is refused in one line."""
+    from torch import nn
+
+    from divergence_probe.stacks.vllm import compiled_taps
+
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Module()
+    layer.mlp.experts._fse_fuse_gate = why == "fused gate"
+    layer.mlp.experts.is_monolithic = why == "monolithic"
+    layer.mlp.experts._quant_method = SimpleNamespace()
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([layer])
+    model.config = SimpleNamespace(model_type="qwen3_moe")
+    with pytest.raises(ProbeError) as e:
+        compiled_taps.check_routes(model)
+    assert "layer 0" in str(e.value) and "--engine eager" in str(e.value) and "\n" not in str(e.value)
+    layer.mlp.experts._fse_fuse_gate = layer.mlp.experts.is_monolithic = False
+    compiled_taps.check_routes(model)

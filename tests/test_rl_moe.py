@@ -99,7 +99,7 @@ def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them()
 
 @pytest.mark.parametrize("model, flags, message", [
     ("qwen3_tiny", ["--setting", "none", "--setting", "routing"], "region routing does not exist in qwen3 models"),
-    ("qwen3_moe_tiny", ["--engine", "compiled", "--side", "train"], "--engine compiled is not supported for Qwen3-MoE"),
+    ("qwen3_moe_tiny", ["--engine", "compiled", "--side", "train"], "rl --engine compiled is not supported for mixture-of-experts models"),
 ])
 def test_what_rl_cannot_do_for_a_model_is_refused_before_loading(model, flags, message, request, tmp_path):
     from typer.testing import CliRunner

@@ -72,5 +72,5 @@ QWEN3_MOE = replace(
     required_any=(("num_experts", "num_local_experts"),),
     fixed_config={"mlp_only_layers": [], "decoder_sparse_step": 1},
     experts=EXPERTS, engine_experts=ENGINE_EXPERTS, top_k_field="num_experts_per_tok",
-    unsupported={f: _WHY for f in ("--engine compiled", "tensor_parallel_size > 1")},
+    unsupported={f: _WHY for f in ("tensor_parallel_size > 1",)},
 )

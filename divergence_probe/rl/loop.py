@@ -65,6 +65,10 @@ def load(spec: RLSpec):
     def before_stacks(source, tokenizer):
         if "rl" in source.family.unsupported:  # a family whose weights rl's sync check does not know
             raise ProbeError(f"rl {source.family.unsupported['rl']}; use another model")
+        if spec.engine == "compiled" and source.family.top_k_field:
+            raise ProbeError("rl --engine compiled is not supported for mixture-of-experts models yet: the rollout's "
+                             "routes are recorded by module hooks, which a compiled engine does not run; use --engine "
+                             "eager")
         for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
             check_regions_exist(source.family, parse_setting(setting))
         prompt_pool(spec, tokenizer, source.max_model_len)

@@ -123,6 +123,18 @@ class HookSet(AbstractContextManager):
             self._undo.pop()()
 
 
+def after_call(method, emit):
+    """`method` wrapped so that emit(args, kwargs, result) runs after each call: a seam on an object that is not an
+    nn.Module (a MoE router), which has no forward hooks."""
+
+    def wrapped(*args, **kwargs):
+        result = method(*args, **kwargs)
+        emit(args, kwargs, result)
+        return result
+
+    return wrapped
+
+
 def _who(r: Replacement) -> str:
     return r.owner or "an unnamed patch"
 

@@ -22,6 +22,23 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   sets once; nothing here switches streams), so a compare copies each tap once, in the graph (x itself cannot be
   handed over: Inductor reuses its memory within the forward). The buffers of one width are rows of one tensor, so the
   host reads them as one, and a prompt's taps of that width are one view.
+- A mixture-of-experts layer (Qwen3-MoE) has two more tap points: `router_logits` (the gate's output) and the route
+  records `expert_ids`/`expert_weights` (what the router's `select_experts` returns, which the experts then run with;
+  taps.ROUTE_RECORDS), with buffers of their own (ids int64, weights FP32: the copy widens whatever integer or float
+  type the router returns, losslessly) handed over one by one, as the routing capture reads them (route_capture.py).
+  Where they run differs by platform, and the op covers both. On the CPU vLLM calls its MoE forward as plain Python
+  (moe_runner.py `_select_forward`), so Dynamo traces the gate (a module: its hook is inlined) and select_experts (a
+  method: wrapped on the router object before the trace, so the wrapper is inlined) into the one graph; their
+  outputs are inputs of extern kernels (the gate GEMM's output feeds torch.topk, the ids and weights the fused-experts
+  kernel), so the graph materialises them anyway (bitwise neutral on the CPU build, checked as for the other taps; on
+  the H200 a tapped MoE engine was not: docs/design/moe.md). On CUDA the MoE forward
+  is vLLM's opaque custom op `vllm.moe_forward`: the gate and select_experts run as eager Python inside it, hooks
+  and wrapper included, on every call without a graph; a CUDA-graph capture (piecewise or full: the op is not a
+  splitting op) records their `dp::tap` copies with the experts' kernels, and a replay repeats them, though no Python
+  runs then. What would make a tap miss the routing the engine used is refused when the engine is built
+  (`check_routes`): a gate fused with a shared-expert gate (the gate module never runs) or a monolithic experts
+  kernel that routes inside itself (select_experts never runs); the route records' fidelity check
+  (route_capture.RouteRecordError: ids a top-k of the logits, every token and layer) catches any other stale buffer.
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
@@ -41,15 +58,21 @@ from typing import Callable
 import torch
 
 from ...errors import StackError
-from ...taps import ALL_TAPS, Tap, TapKey
+from ...taps import ALL_TAPS, LAYER_TAPS, ROUTE_RECORDS, Tap, TapKey
 from ...models import dims, family_of, find
-from .seams import model_seams
+from ..hooks import after_call
+from .seams import decoder_layers, model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
 # outside the graph, as in an untapped compiled engine.
 NEUTRAL = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
            "post_norm", "gate_proj", "up_proj", "swiglu", "mlp_out")
+# A mixture-of-experts layer's router, neutral as those (checked on the tiny Qwen3-MoE by the same test): its logits
+# and its choice (taps.ROUTE_RECORDS), handed over one tap at a time, not stacked with the taps of their width: the
+# routing capture reads them per layer. The choice goes into buffers of ROUTE_DTYPES, wide enough for any router's.
+ROUTER = ("router_logits", *ROUTE_RECORDS)
+ROUTE_DTYPES = {"expert_ids": torch.int64, "expert_weights": torch.float32}
 # Taken outside the graph: final_norm and logits as in an untapped compiled engine; embed is a lookup (no arithmetic),
 # so the embedding rows of the step's input ids are the graph's values bit for bit, and a tap point there changed
 # Inductor's fusion of the first add+norm on the CPU build (docs/results/tap_points/tap_points_bisect.py).
@@ -59,8 +82,6 @@ _FP32_STREAM = ("not captured under --engine compiled: Inductor keeps the residu
                 "add+norm kernels and never writes this BF16 tensor; tapping it would force one and change the "
                 "engine's numerics (the FP32 stream is embed + the attn_out and mlp_out taps); use --engine eager")
 REFUSED = {
-    "router_logits": "not captured under --engine compiled: the compiled engine has no tap points for a mixture-of-"
-                     "experts router yet (issue 28); use --engine eager",
     "resid_mid": _FP32_STREAM,
     "resid_out": _FP32_STREAM,
     "q_norm": "not captured under --engine compiled: Inductor fuses the per-head RMSNorm into RoPE and never writes "
@@ -76,7 +97,7 @@ NOT_BUFFERED = ("not captured: this compiled engine was built with tap points fo
 
 _KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
 _BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
-_GROUPS: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width: (op keys, [taps, rows, features]): the buffers
+_GROUPS: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width and dtype: (op keys, [taps, rows, features])
 _ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
 _WANTED: frozenset[int] = frozenset()  # set with _ACTIVE: the op keys that call reads
 _LIB: torch.library.Library | None = None
@@ -84,7 +105,7 @@ _LIB: torch.library.Library | None = None
 
 def wants_tap_points(taps: frozenset[str]) -> bool:
     """Whether a compiled engine must be built with tap points for these taps."""
-    return bool(taps & set(NEUTRAL))
+    return bool(taps & set(NEUTRAL + ROUTER))
 
 
 def _key(name: str, layer: int) -> int:
@@ -110,7 +131,10 @@ def _impl(x: torch.Tensor, key: int) -> None:
         raise StackError(f"the compiled engine called tap {_KEYS[key].label} for which no buffer was allocated; "
                          "buffers are made when the model is built (compiled_taps.install): report this as a bug")
     rows = x.shape[0]
-    if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or x.dtype != buf.dtype or x.device != buf.device:
+    name = _KEYS[key].name
+    widens = name in ROUTE_DTYPES and torch.promote_types(x.dtype, buf.dtype) == buf.dtype  # a lossless copy
+    if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or not (x.dtype == buf.dtype or widens) \
+            or x.device != buf.device:
         raise StackError(f"tap {_KEYS[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} on "
                          f"{x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} (sized "
                          "from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a bug")
@@ -149,10 +173,11 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
     """Forward hooks on the decoder's modules (seams.py: the eager taps' seams) that call the op for each tap
     of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before its
     first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points: each op
-    call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change."""
+    call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change. A seam
+    on a method (a MoE router's select_experts) wraps it on its object for the engine's life, as the hooks are."""
     register_op()
     tap = torch.ops.dp.tap
-    selected = frozenset(taps) & set(NEUTRAL)
+    selected = frozenset(taps) & set(NEUTRAL + ROUTER)
     keys: list[int] = []  # every tap point made here: each gets its buffer
     for i, seams in enumerate(model_seams(model, selected)):
         for seam in seams:
@@ -166,7 +191,9 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
                 for name, key in seam_keys.items():
                     tap(parts[name], key)
 
-            if seam.before:
+            if seam.method is not None:
+                setattr(seam.module, seam.method, after_call(getattr(seam.module, seam.method), call))
+            elif seam.before:
                 seam.module.register_forward_pre_hook(lambda m, a, k, call=call: call(a, k, None), with_kwargs=True)
             else:
                 seam.module.register_forward_hook(lambda m, a, k, o, call=call: call(a, k, o), with_kwargs=True)
@@ -175,16 +202,19 @@ def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
 
 
 def features(model: torch.nn.Module) -> dict[str, int]:
-    """Features per row of each tap in NEUTRAL that the model's family has, from its config (tensor parallelism is
-    refused: one partition)."""
+    """Features per row of each tap in NEUTRAL and ROUTER that the model's family has (route records: the router's
+    top-k), from its config (tensor parallelism is refused: one partition)."""
     family, sizes = family_of(model), dims(model.config)
-    return {name: sizes[family.widths[name]] for name in NEUTRAL if name in family.layer_taps}
+    result = {name: sizes[family.widths[name]] for name in NEUTRAL + ROUTER[:1] if name in family.layer_taps}
+    if family.top_k_field is not None:
+        result |= {name: getattr(model.config, family.top_k_field) for name in ROUTE_RECORDS}
+    return result
 
 
 def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
     """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's dtype
-    on its device: made once, outside any forward, so a CUDA-graph capture finds fixed addresses. Replaces this
-    process's buffers (one engine per process)."""
+    on its device (route records: ROUTE_DTYPES): made once, outside any forward, so a CUDA-graph capture finds fixed
+    addresses. Replaces this process's buffers (one engine per process)."""
     weight = find(model, family_of(model).vllm.model["embed"]).weight
     if weight.device.type == "meta":
         raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
@@ -196,14 +226,15 @@ def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
 def make_buffers(widths: dict[int, int], rows: int, dtype: torch.dtype, device) -> None:
     """One zeroed [taps, rows, features] tensor per width (`widths`: op key -> features); each tap's buffer is its
     row of that tensor. So the host reads a step's taps of one width as one tensor, one view per prompt, instead of
-    one per tap (`router`)."""
+    one per tap (`router`). The taps in ROUTER get a tensor each, route records in their ROUTE_DTYPES."""
     _BUFFERS.clear()
     _GROUPS.clear()
-    by_width: dict[int, list[int]] = {}
+    by_width: dict[tuple, list[int]] = {}
     for key, width in widths.items():
-        by_width.setdefault(width, []).append(key)
-    for width, keys in by_width.items():
-        group = torch.zeros(len(keys), rows, width, dtype=dtype, device=device)
+        name = _KEYS[key].name
+        by_width.setdefault((width, ROUTE_DTYPES.get(name, dtype), key if name in ROUTER else None), []).append(key)
+    for (width, group_dtype, _), keys in by_width.items():
+        group = torch.zeros(len(keys), rows, width, dtype=group_dtype, device=device)
         _GROUPS.append((tuple(keys), group))
         _BUFFERS.update({key: group[j] for j, key in enumerate(keys)})
 
@@ -263,12 +294,15 @@ def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], em
     restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
     selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
     of the buffers that is valid until the next step writes them (a receiver that keeps it longer copies it:
-    base.TapSink); and `embed` as the embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
+    base.TapSink); the taps in ROUTER one by one, as [rows, features]; and `embed` as the embedding rows of the step's
+    input ids (`embedding`: the model's embed_tokens)."""
     selected = frozenset(taps)
     reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)
     for keys, group in _GROUPS:
         chosen = [j for j, key in enumerate(keys) if _KEYS[key].name in selected]
-        if chosen:
+        if chosen and _KEYS[keys[0]].name in ROUTER:
+            reads.append((_KEYS[keys[0]], group[0], None))
+        elif chosen:
             index = None if len(chosen) == len(keys) else torch.tensor(chosen, device=group.device)
             reads.append((tuple(_KEYS[keys[j]] for j in chosen), group, index))
 
@@ -277,9 +311,13 @@ def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], em
         if "embed" in selected:
             on_tap(EMBED, torch.nn.functional.embedding(input_ids, embedding.weight))
         for keys, group, index in reads:
-            if rows > group.shape[1]:
-                raise StackError(f"a step of {rows} rows is larger than the tap buffers of {keys[0].label} .. "
-                                 f"({group.shape[1]} rows); report this as a bug")
+            if rows > group.shape[-2]:
+                label = keys.label if isinstance(keys, TapKey) else keys[0].label
+                raise StackError(f"a step of {rows} rows is larger than the tap buffers of {label} .. "
+                                 f"({group.shape[-2]} rows); report this as a bug")
+            if isinstance(keys, TapKey):
+                on_tap(keys, group[:rows])
+                continue
             step = group[:, :rows]
             on_tap(keys, step if index is None else step.index_select(0, index))
 
@@ -295,11 +333,14 @@ def deliver(input_ids: torch.Tensor) -> None:
         active(input_ids)
 
 
-def status(taps_built: frozenset[str]) -> dict[str, str]:
+def status(taps_built: frozenset[str], family=None) -> dict[str, str]:
     """Per canonical tap under --engine compiled: "captured", or why not. `taps_built`: the taps the engine has tap
-    buffers for (empty: built without tap points)."""
+    buffers for (empty: built without tap points). `family`: the model's (models/), whose layers lack some taps (a
+    dense one has no router, a sparse one no swiglu): those are left out, and a mixture of experts' route records
+    come in."""
     result = {}
-    for name in ALL_TAPS:
+    names = list(ALL_TAPS) if family is None else [n for n in ALL_TAPS if n not in LAYER_TAPS or n in family.layer_taps]
+    for name in names + list(ROUTE_RECORDS if family is not None and family.top_k_field else ()):
         if name in OUTSIDE:
             result[name] = "captured"
         elif name in REFUSED:
@@ -313,12 +354,33 @@ def status(taps_built: frozenset[str]) -> dict[str, str]:
     return result
 
 
-def tap_points_for(taps: str | None, settings) -> frozenset[str]:
+def tap_points_for(taps: str | None, settings, family=None, routes: bool = False) -> frozenset[str]:
     """The layer taps a compiled engine for these settings gets tap buffers for, given the `taps` the runs will ask
-    for (empty: no tap points, vLLM as deployed). CUDA graphs replay the buffers' copies, so every cudagraph mode is
-    fine."""
+    for (empty: no tap points, vLLM as deployed) and the model's family (None: a dense one). A mixture of experts gets
+    its route records with its router logits (a compare checks one against the other), or alone where `routes` (a
+    run replays them: --align routing). CUDA graphs replay the buffers' copies, so every cudagraph mode is fine."""
     from ...taps import parse_tap_selection
 
     if settings.engine != "compiled":
         return frozenset()  # eager taps are plain module hooks: no tap points, no buffers
-    return frozenset(parse_tap_selection(taps or "none")) & set(NEUTRAL)
+    asked = frozenset(parse_tap_selection(taps or "none"))
+    if family is None or family.top_k_field is None:
+        return asked & set(NEUTRAL)
+    selected = asked & set(NEUTRAL + ROUTER[:1]) & set(family.layer_taps)
+    return selected | set(ROUTE_RECORDS) if "router_logits" in selected or routes else selected
+
+
+def check_routes(model: torch.nn.Module) -> None:
+    """Refuse a compiled engine whose router tap points would not see the routing it runs: every MoE layer's gate must
+    run as its own module (not fused with a shared-expert gate) and its router's select_experts must pick the experts
+    (not a monolithic kernel that routes inside itself). Called once the engine is built: vLLM picks the kernel while
+    it loads the weights."""
+    family = family_of(model)
+    for i, layer in enumerate(decoder_layers(model)):
+        runner = find(layer, family.vllm.layer["experts"])
+        if getattr(runner, "_fse_fuse_gate", False):
+            raise StackError(f"layer {i}: vLLM fuses the router's gate with the shared-expert gate, so the router "
+                             "logits never leave a module a tap point can read; use --engine eager")
+        if getattr(runner, "is_monolithic", False):
+            raise StackError(f"layer {i}: vLLM's experts kernel ({type(runner._quant_method).__name__}) routes inside "
+                             "itself, so the routes it runs with never leave the kernel; use --engine eager")

@@ -46,14 +46,14 @@ from ... import torch_state
 from ...errors import StackError, one_line
 from ...models import family_of, find
 from ...prompts import Prompt, batches
-from ...taps import ALL_TAPS, Tap, TapKey
+from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
 from . import compiled_taps
 from ..base import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from ..hooks import HookSet, arg, first_tensor
+from ..hooks import HookSet, after_call, arg, first_tensor
 from .rollout import RolloutRecorder
 from .seams import decoder_layers, model_seams
 
-SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # MoE: eager only (spec.check_family)
+SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 # Taps whose buffer vLLM may write again later in the same forward, so they are cloned when captured (on CUDA the
 # fused add+norm is vLLM's C kernel, registered `inplace=True`: it overwrites both its input and the residual):
@@ -351,6 +351,8 @@ class VLLMStack:
         self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
         if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
+        if _tap_points(self.settings) & {"router_logits", *ROUTE_RECORDS}:
+            compiled_taps.check_routes(self.model)
 
     @staticmethod
     @contextlib.contextmanager
@@ -367,11 +369,13 @@ class VLLMStack:
             return
         from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
         from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+        from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
         before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         try:
-            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM], _tap_points(settings)):
+            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
+                                        _tap_points(settings)):
                 yield
         finally:
             if before is None:
@@ -418,7 +422,8 @@ class VLLMStack:
         """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
         if not self.compiled:
             return {name: "captured" for name in ALL_TAPS}
-        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()))
+        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()),
+                                    family=family_of(self.model))
 
     def _check_taps(self, taps: frozenset[str]) -> None:
         status = self.tap_status()
@@ -758,11 +763,4 @@ class VLLMStack:
 def _wrap_method(hooks: HookSet, obj, name: str, emit) -> None:
     """obj.name replaced, until the HookSet exits, by a call that hands (args, kwargs, result) to emit: a seam on an
     object that is not an nn.Module (a MoE router), which has no forward hooks."""
-    inner = getattr(obj, name)
-
-    def wrapped(*args, **kwargs):
-        result = inner(*args, **kwargs)
-        emit(args, kwargs, result)
-        return result
-
-    hooks.replace(obj, name, wrapped, owner="the route records of a vLLM capture")
+    hooks.replace(obj, name, after_call(getattr(obj, name), emit), owner="the route records of a vLLM capture")
