@@ -74,28 +74,38 @@ def routing_noise(probe, sequences: Sequence[Prompt], top_k: int) -> pd.DataFram
     batches them) vs one per call, their router logits compared as the two stacks' are (routing.py, the same tie
     rule), one row per stack and layer. A batch change moves router logits in the last bits, and near-tied top-k
     picks flip: the cross-stack flip rate means little without this beside it. frac_tokens_any_flip: the share of
-    positions flipped in at least one layer (the same in every row of a stack)."""
-    from . import routing
-
-    taps = frozenset({"router_logits"})
+    positions flipped in at least one layer (the same in every row of a stack and change)."""
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
         alone, together = _KeptTaps(), _KeptTaps()
         for seq in sequences:
-            stack.score([seq], taps, alone)
-        stack.score_batched(sequences, taps, together)
-        layers = sorted(alone.layers())
-        per_layer = [routing.compare_layer(together.rows(layer, sequences), alone.rows(layer, sequences), top_k)
-                     for layer in layers]
-        flips, _ = routing.token_flips(per_layer)
-        any_flip = routing.frac_tokens_any_flip(flips)
-        for layer, r in zip(layers, per_layer):
-            m = routing.layer_metrics(r)
-            rows.append({"stack": stack.name, "side": side, "change": "batched vs alone", "layer": layer,
-                         "tokens": m["tokens"], "frac_topk_set_differs": m["frac_topk_set_differs"],
-                         "frac_topk_order_differs": m["frac_topk_order_differs"],
-                         "frac_flipped_near_tie": m["frac_flipped_near_tie"], "frac_tokens_any_flip": any_flip})
+            stack.score([seq], ROUTER_TAPS, alone)
+        stack.score_batched(sequences, ROUTER_TAPS, together)
+        rows += _routing_rows(stack.name, side, "batched vs alone", together, alone, sequences, top_k)
     return pd.DataFrame(rows, columns=ROUTING_NOISE_COLUMNS)
+
+
+ROUTER_TAPS = frozenset({"router_logits"})
+
+
+def _routing_rows(stack: str, side: str, change: str, changed: "_KeptTaps", base: "_KeptTaps",
+                  sequences: Sequence[Prompt], top_k: int) -> list[dict]:
+    """One routing_noise.csv row per layer: `changed`'s router logits against `base`'s, under routing.py's tie rule."""
+    from . import routing
+
+    layers = sorted(base.layers())
+    per_layer = [routing.compare_layer(changed.rows(layer, sequences), base.rows(layer, sequences), top_k)
+                 for layer in layers]
+    flips, _ = routing.token_flips(per_layer)
+    any_flip = routing.frac_tokens_any_flip(flips)
+    rows = []
+    for layer, r in zip(layers, per_layer):
+        m = routing.layer_metrics(r)
+        rows.append({"stack": stack, "side": side, "change": change, "layer": layer, "tokens": m["tokens"],
+                     "frac_topk_set_differs": m["frac_topk_set_differs"],
+                     "frac_topk_order_differs": m["frac_topk_order_differs"],
+                     "frac_flipped_near_tie": m["frac_flipped_near_tie"], "frac_tokens_any_flip": any_flip})
+    return rows
 
 
 class _KeptTaps:
@@ -115,24 +125,34 @@ class _KeptTaps:
         return torch.cat([self._taps[(layer, seq.prompt_id)] for seq in sequences])
 
 
-def kernel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:
+def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
+                 ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """The training stack against itself with another SDPA kernel (math, or torch's own choice when math is the
-    configured one), each sequence alone; None when the training side has no SDPA kernel to switch."""
+    configured one), each sequence alone: (its kernel_noise.csv row, and with `top_k` (a mixture of experts) its
+    routing_noise.csv rows: how often the kernel change alone flips the trainer's routes, the trainer's kernel floor
+    for routing); (None, None) when the training side has no SDPA kernel to switch."""
     config = probe.config
     if config.train != "hf" or config.train_attn != "sdpa":
-        return None
+        return None, None
     other = "math" if config.train_sdpa != "math" else "auto"
+    change = f"sdpa {other} vs {config.train_sdpa}"
     variant = probe.with_trainer(train_sdpa=other)
+    taps = ROUTER_TAPS if top_k else frozenset()
+    mine_taps, theirs_taps = (_KeptTaps(), _KeptTaps()) if top_k else (_ignore, _ignore)
     deltas, kls = [], []
     try:
         for seq in sequences:
-            [mine] = probe.train.score([seq], frozenset(), _ignore)
-            [theirs] = variant.train.score([seq], frozenset(), _ignore)
+            [mine] = probe.train.score([seq], taps, mine_taps)
+            [theirs] = variant.train.score([seq], taps, theirs_taps)
             deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
             kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
     finally:
         variant.close()
-    return _change_row(probe.train.name, "train", f"sdpa {other} vs {config.train_sdpa}", deltas, kls)
+    routes = None
+    if top_k:
+        routes = pd.DataFrame(_routing_rows(probe.train.name, "train", change, theirs_taps, mine_taps, sequences, top_k),
+                              columns=ROUTING_NOISE_COLUMNS)
+    return _change_row(probe.train.name, "train", change, deltas, kls), routes
 
 
 def other_engine_settings(settings):

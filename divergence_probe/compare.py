@@ -372,14 +372,15 @@ def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
 
 
 def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
-    """Each stack's own routing flips under a batch change, beside the cross-stack flip rate: the mean over layers of
-    frac_topk_set_differs, and frac_tokens_any_flip (if measured)."""
+    """Each stack's own routing flips under a batch change, and the trainer's under a kernel change, beside the
+    cross-stack flip rate: the mean over layers of frac_topk_set_differs, and frac_tokens_any_flip (if measured)."""
     if floor is None:
         return {}
     columns = {}
-    for side, rows in floor.groupby("side", sort=False):
-        columns[f"noise_{side}_frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
-        columns[f"noise_{side}_frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
+    for (side, change), rows in floor.groupby(["side", "change"], sort=False):
+        prefix = f"noise_{side}_" if change == "batched vs alone" else f"noise_{side}_kernel_"
+        columns[f"{prefix}frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
+        columns[f"{prefix}frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
     return columns
 
 
@@ -498,12 +499,13 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     if spec.capture.batch_invariance:
         phase(progress, "noise floor: each stack alone vs batched, another SDPA kernel")
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
-    kernel = kernel_noise(probe, ran) if spec.capture.batch_invariance else None
+    top_k = routes.top_k if run_routing is not None else None
+    kernel, kernel_routes = kernel_noise(probe, ran, top_k) if spec.capture.batch_invariance else (None, None)
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
     if spec.capture.engine_noise:
         phase(progress, "noise floor: the engine in its other mode")
     engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
-    route_floor = routing_noise(probe, ran, routes.top_k) \
+    route_floor = pd.concat([routing_noise(probe, ran, top_k), kernel_routes], ignore_index=True) \
         if spec.capture.batch_invariance and run_routing is not None else None
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
                       engine_noise=engine, routing=run_routing, routing_noise=route_floor)

@@ -94,12 +94,22 @@ def test_engine_routes_checked_for_every_token_and_layer(runs):
 
 
 def test_routing_noise_floors_beside_the_flip_rate(runs):
+    """Each stack batched vs alone, and the trainer under kernel_noise's change of SDPA kernel (its kernel floor for
+    routing, labelled as kernel_noise.csv labels the change), one row per layer, each summarised in summary.csv."""
     floor = _csv(runs / "shipped", "routing_noise.csv")
-    assert set(floor.side) == {"infer", "train"} and set(floor.layer) == set(range(LAYERS))
+    batched = floor[floor.change == "batched vs alone"]
+    assert set(batched.side) == {"infer", "train"} and set(batched.layer) == set(range(LAYERS))
+    [kernel_change] = _csv(runs / "shipped", "kernel_noise.csv").change
+    kernel = floor[floor.change == kernel_change]
+    assert set(kernel.side) == {"train"} and sorted(kernel.layer) == list(range(LAYERS))
+    assert len(floor) == len(batched) + len(kernel)
+    assert (kernel.tokens == batched[batched.side == "train"].tokens.to_numpy()).all()
     summary = _csv(runs / "shipped", "summary.csv").iloc[0]
     for side in ("infer", "train"):
         assert summary[f"noise_{side}_frac_topk_set_differs"] == pytest.approx(
-            floor[floor.side == side].frac_topk_set_differs.mean())
+            batched[batched.side == side].frac_topk_set_differs.mean())
+    assert summary["noise_train_kernel_frac_topk_set_differs"] == pytest.approx(kernel.frac_topk_set_differs.mean())
+    assert summary["noise_train_kernel_frac_tokens_any_flip"] == kernel.frac_tokens_any_flip.iloc[0]
 
 
 @pytest.mark.parametrize("name", ["r3", "ids_weights"])

@@ -70,6 +70,11 @@ SUMMARY_MEANINGS = {
     "noise_infer_frac_tokens_any_flip": "routing noise floor: positions the inference stack flips against itself in "
                                         "at least one layer",
     "noise_train_frac_tokens_any_flip": "routing noise floor: the same for the training stack",
+    "noise_train_kernel_frac_topk_set_differs": "routing noise floor: the training stack against itself under another "
+                                                "SDPA kernel (kernel_noise.csv's change): fraction of tokens whose "
+                                                "expert set differs, mean over layers",
+    "noise_train_kernel_frac_tokens_any_flip": "routing noise floor: positions that kernel change flips in at least "
+                                               "one layer",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",
 }
