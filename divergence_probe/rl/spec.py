@@ -56,7 +56,7 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(ALL_REGIONS) + ".")
+                                + ", ".join((*ALL_REGIONS, "lm_head")) + ".")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
                                           "--setting rope --setting rope,swiglu,rmsnorm); replaces --align.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
