@@ -23,8 +23,10 @@ from .base import Region, child, layout
 
 
 def head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., hidden] in any dtype -> [..., vocab] FP32 logits (the upcasts are exact; one FP32 GEMM)."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    """[..., hidden] in any dtype -> [..., vocab] FP32 logits (the upcasts are exact; one FP32 GEMM). Autocast is off
+    here: a trainer under AMP (--train-precision amp) would otherwise run this GEMM in its low precision."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 def _lm_head(model: torch.nn.Module, stack: str):
