@@ -98,3 +98,28 @@ def test_what_amp_cannot_do_is_refused_in_one_line(flags, fragment):
         spec_from_flat("compare", **flags)
     assert fragment in str(e.value) and "\n" not in str(e.value)
     assert spec_from_flat("compare", train_precision="amp", taps="logits").load.train_precision == "amp"
+
+
+def test_rl_trainer_under_amp_pushes_what_it_computes_with(amp_probe):
+    """rl's trainer on an AMP stack: after an update, the FP32 model is the FP32 masters and the weights pushed to the
+    engine are those masters rounded to BF16 (the values autocast computes with), not FP32 tensors."""
+    from dataclasses import replace
+
+    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.rl.loop import load_spec
+    from divergence_probe.rl.trainer import Trainer
+    from divergence_probe.stacks.hf import HFStack
+
+    assert load_spec(RLSpec(train_precision="amp")).train_precision == "amp"
+    stack = HFStack()
+    stack.load(replace(amp_probe.settings))
+    trainer = Trainer(stack, lr=1e-2, grad_clip=1.0)
+    logp, _, mask = trainer.forward([(1, 5, 9, 3, 7), (2, 4, 6)], [2, 2])
+    assert logp.dtype == torch.float32 and logp.requires_grad
+    trainer.step(-(logp * mask).sum() / mask.sum())
+    pushed = trainer.named_weights()
+    for name, p, m in zip(trainer.names, trainer.params, trainer.master):
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), m.detach())
+        assert pushed[name].dtype == torch.bfloat16 and torch.equal(pushed[name], m.detach().bfloat16())
+    assert any(not torch.equal(m.detach(), m.detach().bfloat16().float()) for m in trainer.master)  # FP32 moves
+    stack.close()
