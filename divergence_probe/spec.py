@@ -311,6 +311,11 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        if "lm_head" in regions and self.align.side != "both" and (
+                "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
+            raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
+                             f"{self.load.dtype}, so the logits tap cannot be paired; drop logits from --taps (e.g. "
+                             "--taps none) and --graft/--depth, or use --side both")
         if "routing" in regions and self.align.side == "infer":
             raise ProbeError("routing is replayed from the engine into the trainer, so it has no --side infer; use "
                              "--side train or both, or leave routing out")

@@ -612,3 +612,19 @@ def test_lm_head_logprobs_come_from_the_fp32_logits_on_both_stacks(vllm_probe, p
         logprobs = torch.tensor(rows[column].values, dtype=torch.float32)
         assert torch.equal(logprobs, token_logprobs(scores.logits, targets))
         assert not torch.equal(logprobs, token_logprobs(scores.logits.bfloat16(), targets))
+
+
+def test_lm_head_on_one_side_refuses_what_pairs_the_logits():
+    """One side's logits FP32, the other's BF16: the logits tap cannot be paired, so it is refused before anything loads
+    (the logprobs and KL are still compared: --taps none)."""
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import spec_from_flat
+
+    for flags in ({"align": "lm_head", "side": "train"}, {"regions": "rope,lm_head", "side": "infer", "taps": "logits"},
+                  {"align": "lm_head", "side": "train", "taps": "none", "graft": True}):
+        kind = "ablate" if "regions" in flags else "compare"
+        with pytest.raises(ProbeError, match="the logits tap cannot be paired") as e:
+            spec_from_flat(kind, **flags)
+        assert "\n" not in str(e.value)
+    assert spec_from_flat("ablate", regions="rope,lm_head", side="train", taps="none").ablate.regions == ("rope", "lm_head")
+    assert spec_from_flat("compare", align="lm_head").align.regions == ("lm_head",)  # both sides: every tap pairs
