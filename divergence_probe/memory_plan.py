@@ -187,6 +187,7 @@ class PlanInputs:
     # (another SDPA kernel) beside the first
     noise_floor: bool = False
     tensor_parallel: int = 1  # the engine's tensor_parallel_size (stacks/vllm/tensor_parallel.py)
+    train_amp: bool = False  # --train-precision amp: the trainer holds FP32 weights and autocast's casts of them
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -270,7 +271,12 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     per_token = m.tap_elements_per_token(i.taps) * b
     terms: dict[str, int] = {}
     weights = m.parameters * b
-    terms["train_weights"] = weights
+    # --train-precision amp: FP32 master weights, and autocast's cache of their casts to the run's dtype (kept for
+    # the whole autocast region of a forward)
+    train_weights = m.parameters * 4 if i.train_amp else weights
+    terms["train_weights"] = train_weights
+    if i.train_amp:
+        terms["train_amp_weight_casts"] = weights
     # Tensor parallel over N ranks: on a GPU the plan is the first device's, where rank 0 sits beside the trainer and
     # the driver's gathered taps: its share of the weights (the RMSNorm weights whole in every rank), of the KV heads
     # (one at least: vLLM replicates a KV head over ranks when there are fewer) and of the MLP and attention widths;
@@ -312,7 +318,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     if i.noise_floor:
         terms["noise_floor_train_batch"] = (batch_tokens * (m.intermediate + 2 * m.hidden + m.q_width) * b
                                             + batch_tokens * m.vocab * (b + 8))
-        terms["noise_floor_second_trainer"] = weights
+        terms["noise_floor_second_trainer"] = train_weights
     stacked = longest * m.stacked_elements_per_token(i.taps)
     pair = longest * m.tap_elements_per_token(i.taps) + (longest * m.vocab if "logits" in i.taps else 0)
     largest_single = max([longest * w for name, (w, _) in m.tap_widths().items() if name in i.taps]
@@ -338,7 +344,7 @@ def _phases(t: dict[str, int]) -> dict[str, int]:
         "engine_start": fixed + t["engine_profile_activations"],
         "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
         "train_and_reduce": fixed + held + t["train_taps"] + t["train_forward"] + t["reduction_stacked_copies"]
-        + t["reduction_temporaries"],
+        + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0),
     } | ({"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {})
 

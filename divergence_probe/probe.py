@@ -118,6 +118,7 @@ class Probe:
                 "train_attn": self.config.train_attn,
                 "train_sdpa": self.config.train_sdpa,
                 "train_state": self.config.train_state,
+                "train_precision": self.config.train_precision,
                 "engine": self.config.engine,
                 "engine_args": self.config.engine_args,
                 "seed": self.config.seed,
@@ -156,6 +157,7 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
         engine_args=freeze_engine_args(cfg.engine_args),
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
+        train_precision=cfg.train_precision,
         engine_taps=engine_taps,
     )
 
@@ -202,7 +204,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
         infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
-            infer.load(settings)
+            infer.load(replace(settings, train_precision="bf16"))  # the precision of the training side only
     except BaseException:
         train.close()
         raise
@@ -251,7 +253,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
-        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1)
+        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
+        train_amp=cfg.train_precision == "amp")
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)
     engine = plan.engine_args()

@@ -28,6 +28,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
 TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
+TRAIN_PRECISIONS = ("bf16", "amp")
 DEVICES = ("auto", "cpu", "cuda")
 SIDES = ("both", "train", "infer")
 ROUTING_REPLAYS = ("ids", "ids+weights")
@@ -80,6 +81,11 @@ class LoadSpec:
     train_state: str = option("isolated", "Torch numerics state of the training side: isolated (the global flags as "
                                           "before vLLM was imported: what a trainer process has) or inherited (what "
                                           "vLLM left in this process; for measuring the difference).")
+    train_precision: str = option("bf16", "Precision of the training side: bf16 (weights and compute in --dtype, pure "
+                                          "BF16 at the default) or amp (FP32 master weights, forward under "
+                                          "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
+                                          "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
+                                          "and --taps none or logits).")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -95,6 +101,10 @@ class LoadSpec:
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
+        _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        if self.train_precision == "amp" and self.dtype == "float32":
+            raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
+                             "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
@@ -287,6 +297,11 @@ class RunSpec:
                                  + ("them" if len(changed) > 1 else "it"))
         if self.generate.seed != self.load.seed:  # each request's seed derives from the run's one seed
             object.__setattr__(self, "generate", replace(self.generate, seed=self.load.seed))
+        layer_taps = self.capture.tap_names - {"logits"}
+        if self.load.train_precision == "amp" and (layer_taps or self.capture.graft or self.capture.depth):
+            raise ProbeError("--train-precision amp keeps the trainer's residual stream, norms and RoPE in FP32, so its "
+                             "layer taps cannot be paired with the engine's; add --taps none (or --taps logits) and "
+                             "drop --graft/--depth")
         if compiled and (self.capture.graft or self.capture.depth):
             raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
                              "expose; use --engine eager")
@@ -296,6 +311,11 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        if "lm_head" in regions and self.align.side != "both" and (
+                "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
+            raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
+                             f"{self.load.dtype}, so the logits tap cannot be paired; drop logits from --taps (e.g. "
+                             "--taps none) and --graft/--depth, or use --side both")
         if "routing" in regions and self.align.side == "infer":
             raise ProbeError("routing is replayed from the engine into the trainer, so it has no --side infer; use "
                              "--side train or both, or leave routing out")

@@ -285,3 +285,10 @@ def test_a_failed_aligned_build_removes_its_compile_cache(tmp_path, monkeypatch)
         worker.wait_ready()
     assert not Path(worker._namespace).exists() and "removed" in str(e.value) and "\n" not in str(e.value)
     worker.close()
+
+
+def test_a_region_outside_the_compiled_graph_runs_as_python():
+    """lm_head's patch is in vLLM's eager compute_logits, never in the graph: the build says so instead of refusing."""
+    planned = {"lm_head": [Replacement(object(), "apply", aligned_code)]}
+    status = _check_compiled(_Stack(), planned, _Recorder(set()))
+    assert status["lm_head"].startswith("patched (outside the compiled graph")

@@ -557,3 +557,74 @@ def test_attention_swap_conflicts_are_visible(vllm_probe):
                     on_scored=lambda scores: stack.score([prompt], frozenset({"k_rope"}), sink))
     assert dict(registry) == before and not norm._forward_hooks
     assert len(stack.score([prompt], frozenset({"q_rope"}), sink)) == 1  # and captures work again
+
+
+# -----------------------------------------------------------------------------
+# lm_head: the head GEMM in FP32, FP32 logits straight into the softmax (no rounding at all).
+#
+# The bound: an FP32 dot product of K terms, each product exact (a BF16 x BF16 product fits in FP32's 24 bits),
+# summed in any order, is within gamma_K * sum|x_i w_i| of the exact sum, gamma_K = K u / (1 - K u) (Higham,
+# Accuracy and Stability of Numerical Algorithms, eq. 3.5). The shipped head rounds each logit to BF16
+# (relative error up to 2^-9), far outside that bound at this width.
+# -----------------------------------------------------------------------------
+
+
+def test_lm_head_fp32_is_the_float64_product_on_both_stacks_and_undone_bitwise(vllm_probe):
+    probe, hf, vm = vllm_probe, vllm_probe.train.model, vllm_probe.infer.model
+    x = rand(23, hf.config.hidden_size, dtype=torch.bfloat16, seed=11)  # final-norm outputs, one row per token
+    weight = hf.lm_head.weight.double()
+    exact = x.double() @ weight.T
+    k = hf.config.hidden_size
+    bound = k * U / (1 - k * U) * (x.double().abs() @ weight.abs().T)
+    with torch.inference_mode():
+        shipped_hf, shipped_vllm = hf.lm_head(x), vm.logits_processor(vm.lm_head, x.clone())
+        with aligned([probe.train, probe.infer], ["lm_head"]):
+            a_hf, a_vllm = hf.lm_head(x), vm.logits_processor(vm.lm_head, x.clone())
+        after_hf, after_vllm = hf.lm_head(x), vm.logits_processor(vm.lm_head, x.clone())
+    assert a_hf.dtype == a_vllm.dtype == torch.float32
+    assert torch.equal(a_hf, a_vllm)  # the same FP32 GEMM on the same rows
+    assert ((a_hf.double() - exact).abs() <= bound).all()
+    assert not ((shipped_hf.double() - exact).abs() <= bound).all()  # the shipped BF16 logits are not (test can fail)
+    assert shipped_hf.dtype == torch.bfloat16
+    assert torch.equal(after_hf, shipped_hf) and torch.equal(after_vllm, shipped_vllm)  # off: the shipped head
+
+
+def test_lm_head_logprobs_come_from_the_fp32_logits_on_both_stacks(vllm_probe, prompts_file):
+    """A compare with lm_head aligned takes both stacks' logprobs from FP32 logits with no rounding in between: each
+    stack's scores carry FP32 logits whose FP32 log_softmax is the run's logprob (on the engine, vLLM's own reported
+    logprobs must equal it at a gap of 0: the logits check in stacks/vllm/stack.py), and the BF16-rounded logits
+    would give other logprobs."""
+    from divergence_probe.metrics import token_logprobs
+    from divergence_probe.prompts import load_prompts
+
+    shipped = vllm_probe.compare(prompts=prompts_file, taps="none")
+    run = vllm_probe.compare(prompts=prompts_file, taps="none", align="lm_head")
+    assert run.manifest["align"] == {"regions": ["lm_head"], "side": "both"}
+    prompts = load_prompts(prompts_file, vllm_probe.tokenizer, max_model_len=vllm_probe.settings.max_model_len)
+    rows = run.tokens_table[run.tokens_table.prompt_id == prompts[0].prompt_id]
+    targets = torch.tensor(prompts[0].token_ids[1:])
+    for stack, column in ((vllm_probe.infer, "logprob_infer"), (vllm_probe.train, "logprob_train")):
+        assert not run.tokens_table[column].equals(shipped.tokens_table[column])
+        with aligned([stack], ["lm_head"]):  # the engine batched as compare batches it; the trainer one at a time
+            scores = stack.score_batched(prompts)[0] if stack is vllm_probe.infer else \
+                stack.score(prompts, frozenset(), lambda *a: None)[0]
+        assert scores.logits.dtype == torch.float32
+        logprobs = torch.tensor(rows[column].values, dtype=torch.float32)
+        assert torch.equal(logprobs, token_logprobs(scores.logits, targets))
+        assert not torch.equal(logprobs, token_logprobs(scores.logits.bfloat16(), targets))
+
+
+def test_lm_head_on_one_side_refuses_what_pairs_the_logits():
+    """One side's logits FP32, the other's BF16: the logits tap cannot be paired, so it is refused before anything loads
+    (the logprobs and KL are still compared: --taps none)."""
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import spec_from_flat
+
+    for flags in ({"align": "lm_head", "side": "train"}, {"regions": "rope,lm_head", "side": "infer", "taps": "logits"},
+                  {"align": "lm_head", "side": "train", "taps": "none", "graft": True}):
+        kind = "ablate" if "regions" in flags else "compare"
+        with pytest.raises(ProbeError, match="the logits tap cannot be paired") as e:
+            spec_from_flat(kind, **flags)
+        assert "\n" not in str(e.value)
+    assert spec_from_flat("ablate", regions="rope,lm_head", side="train", taps="none").ablate.regions == ("rope", "lm_head")
+    assert spec_from_flat("compare", align="lm_head").align.regions == ("lm_head",)  # both sides: every tap pairs

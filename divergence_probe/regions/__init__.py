@@ -23,6 +23,7 @@ REGIONS: dict[str, str] = {
     "swiglu": "divergence_probe.regions.swiglu:SWIGLU",
     "rmsnorm": "divergence_probe.regions.rmsnorm:RMSNORM",
     "routing": "divergence_probe.regions.routing:ROUTING",
+    "lm_head": "divergence_probe.regions.lm_head:LM_HEAD",
 }
 # the default wherever "every region" is meant: the numeric ones every family has (routing needs a MoE model)
 ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")

@@ -53,6 +53,9 @@ class Region:
     from_engine: bool = False
     # whether a model family's layers have this region (None: every family's do); models/ describes the family
     exists_in: Callable[[object], bool] | None = None
+    # vLLM runs the patched code outside its compiled graph (the logits: `compute_logits` is eager), so a compiled
+    # engine calls the patch at every step and its build has no trace of it to prove
+    outside_graph: bool = False
 
 
 def layout(model, stack: str) -> StackLayout:

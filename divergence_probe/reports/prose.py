@@ -145,7 +145,7 @@ EXTRA_TABLES = {
 
 # ---------------------------------------------------------------------------------------------- document
 ENGINE_CONFIG = ("mode", "backend", "cudagraph_mode", "custom_ops")  # of the compiled engine's configuration
-TRAINER_SETTINGS = ("train_sdpa", "train_state", "sdpa_kernel_chosen", "torch_numerics_snapshot")
+TRAINER_SETTINGS = ("train_sdpa", "train_state", "train_precision", "sdpa_kernel_chosen", "torch_numerics_snapshot")
 
 
 def _settings(settings: dict) -> str:

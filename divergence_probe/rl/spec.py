@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import option
 from ..regions import ALL_REGIONS, get_region, parse_regions
-from ..spec import parse_engine_args
+from ..spec import TRAIN_PRECISIONS, parse_engine_args
 
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
@@ -52,7 +52,7 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join(ALL_REGIONS) + "; routing (MoE) is R3 routing replay: the update's "
+                                + ", ".join((*ALL_REGIONS, "lm_head")) + "; routing (MoE) is R3 routing replay: the update's "
                                 "forward sends each token to the experts the engine's rollout routed it to, with the "
                                 "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
@@ -66,6 +66,10 @@ class RLSpec:
     correction: str = option("none", "Off-policy correction of the engine/trainer mismatch: none (PPO ratio against "
                                      "the engine's logprobs), tis (truncated importance weights) or mis (masked).")
     lr: float = option(1e-3, "AdamW learning rate (FP32 master weights).")
+    train_precision: str = option("bf16", "The trainer's forward and backward: bf16 (on a BF16 copy of the FP32 "
+                                          "masters) or amp (on the FP32 weights under torch.autocast to BF16, as torch "
+                                          "AMP and FSDP mixed precision run: norms, residual stream and RoPE in FP32). "
+                                          "Either way the engine receives the masters rounded to BF16.")
     group_size: int = option(8, "Responses sampled per prompt (GRPO's group).")
     prompts_per_step: int = option(4, "Prompts per step, drawn from the prompt pool.")
     prompts: str | None = option(None, "A .txt of prompts (blank-line separated) for --reward; default: the built-in "
@@ -102,6 +106,8 @@ class RLSpec:
                                              f"{', '.join(CORRECTIONS)}"),
             (1 <= self.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}"),
             (self.lr > 0, "--lr must be positive"),
+            (self.train_precision in TRAIN_PRECISIONS, f"--train-precision {self.train_precision!r} is not valid; "
+                                                       f"choose one of: {', '.join(TRAIN_PRECISIONS)}"),
             (self.group_size >= 2, "--group-size must be at least 2 (advantages are relative to the group)"),
             (self.group_size <= MAX_GROUP_SIZE, f"--group-size must be at most {MAX_GROUP_SIZE} (GRPO recipes "
                                                 "sample 4 to 64 responses per prompt)"),

@@ -8,7 +8,9 @@ engine receives, so the weights are identical on both sides and the only differe
 After each optimizer step the masters are rounded (to nearest even) into the compute model, whose tensors are pushed.
 
 The compute model is the training stack's transformers model (stacks/hf.py), run under the trainer's torch numerics;
-regions are aligned on it with `align.apply`, exactly as a user's trainer would.
+regions are aligned on it with `align.apply`, exactly as a user's trainer would. Under --train-precision amp that
+model holds the weights in FP32 and runs under torch.autocast to BF16 (stacks/hf.py): its GEMMs see the masters rounded
+to BF16, which is what the engine receives (`named_weights`), so the weights are identical on both sides there too.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class Trainer:
                                            weight_decay=self.weight_decay)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The compute model's weights by checkpoint name: what is pushed into the engine."""
-        return {n: p.detach() for n, p in zip(self.names, self.params)}
+        """The compute model's weights by checkpoint name, in the run's dtype: what is pushed into the engine (under
+        AMP the FP32 weights rounded to nearest even, the values autocast computes with; else the model's own)."""
+        dtype = self.stack.settings.dtype
+        return {n: p.detach().to(dtype) for n, p in zip(self.names, self.params)}
 
     def forward(self, sequences: list[tuple[int, ...]], n_prompt: list[int], routes: list[torch.Tensor] | None = None,
                 replay: bool = False):

@@ -45,6 +45,7 @@ class StackSettings:
     engine_args: tuple[tuple[str, object], ...] = ()  # extra vllm.LLM keywords, frozen (`freeze_engine_args`)
     train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
     train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
+    train_precision: str = "bf16"  # training side: bf16 (weights in `dtype`) or amp (FP32 weights, autocast to dtype)
     engine_taps: frozenset[str] = frozenset()  # compiled vLLM: layer taps the engine gets tap points and buffers for
     # (stacks/vllm/compiled_taps.py); empty: none, vLLM as deployed
 

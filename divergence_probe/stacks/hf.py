@@ -11,7 +11,8 @@ model's attention function is wrapped through transformers' own AttentionInterfa
 after): the wrapper sees query/key after RoPE and the attention output before o_proj.
 
 Every forward runs under the torch numerics state of a trainer process (`torch_state.trainer_numerics`: the global
-flags as they were before vLLM was imported, the engine's restored after), and under `--train-sdpa`'s kernel.
+flags as they were before vLLM was imported, the engine's restored after), and under `--train-sdpa`'s kernel. With
+`--train-precision amp` the model is loaded in FP32 and every forward runs under torch.autocast to the run's dtype.
 """
 
 from __future__ import annotations
@@ -57,10 +58,24 @@ class HFStack:
         mode there would compile the reduction again once it is gone."""
         torch_state.check_sdpa(self.settings.train_sdpa, self.settings.device, self.model.config._attn_implementation)
         choice = torch_state.SdpaChoice() if kind not in self.sdpa_chosen else None
+
+        @contextmanager
+        def observed() -> Iterator[None]:
+            with choice if choice is not None else nullcontext(), self._precision():
+                yield
+
         with torch_state.trainer_numerics(self.settings.train_sdpa, isolated=self.settings.train_state == "isolated"):
-            yield (lambda: choice) if choice is not None else nullcontext
+            yield observed
         if choice is not None:
             self.sdpa_chosen.setdefault(kind, sorted(choice.chosen))
+
+    def _precision(self) -> AbstractContextManager:
+        """--train-precision amp: the forward under torch.autocast to the run's dtype over the FP32 model, as torch AMP
+        and FSDP mixed precision run a trainer (GEMMs and attention in the run's dtype; what autocast leaves alone,
+        the embedding, the residual adds, the norms and RoPE, in FP32). bf16: the model as loaded, in the run's dtype."""
+        if self.settings.train_precision != "amp":
+            return nullcontext()
+        return torch.autocast(device_type=self.settings.device, dtype=self.settings.dtype)
 
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM
@@ -77,7 +92,8 @@ class HFStack:
                                  "`pip install flash-attn --no-build-isolation` on the CUDA machine, or use --train-attn sdpa")
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                settings.model_path, dtype=settings.dtype, attn_implementation=settings.train_attn,
+                settings.model_path, dtype=torch.float32 if settings.train_precision == "amp" else settings.dtype,
+                attn_implementation=settings.train_attn,
                 output_loading_info=True,
             )
         except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: shape mismatches
@@ -406,6 +422,9 @@ class HFStack:
                 # is torch's own CPU flash kernel; empty: no SDPA call (another attention implementation)
                 "sdpa_kernel_chosen": dict(self.sdpa_chosen),
                 "train_state": self.settings.train_state,
+                "train_precision": "amp: FP32 master weights, forward under torch.autocast to "
+                                   f"{str(self.settings.dtype).removeprefix('torch.')}" if self.settings.train_precision
+                                   == "amp" else f"weights and compute in {str(self.settings.dtype).removeprefix('torch.')}",
                 "torch_numerics": torch_state.describe(torch_state.trainer_state() if self.settings.train_state ==
                                                        "isolated" else torch_state.capture()),
                 "torch_numerics_snapshot": torch_state.origin() if self.settings.train_state == "isolated" else

@@ -156,9 +156,14 @@ def _check_compiled(stack, planned: dict[str, list], recorder: _InlineRecorder |
     """Per region, how the engine runs its aligned code; refuse a region the compiled graph does not contain."""
     if recorder is None:
         return {name: "patched (eager: runs as Python at every step)" for name in planned}
+    from ... import regions as registry
+
     inlined, loaded = recorder.codes, _aot_sources(stack.model)
     status = {}
     for name, replacements in planned.items():
+        if registry.get_region(name).outside_graph:
+            status[name] = "patched (outside the compiled graph: runs as Python at every step)"
+            continue
         codes = {(r.value.__code__.co_filename, r.value.__code__.co_firstlineno) for r in replacements
                  if hasattr(r.value, "__code__")}
         if codes & inlined:
