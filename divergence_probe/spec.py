@@ -340,7 +340,8 @@ class RunSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> "RunSpec":
         """The spec a manifest recorded, checked as the CLI checks its flags, before anything loads: a manifest is
         data anyone may have edited. Every field must be there (a default filled in would rerun another run than
-        the one recorded), none may be unknown, each must have the type its flag parses to (no fractional count,
+        the one recorded; a field added since, LATER_FIELDS, takes the value that re-makes what older runs did), none
+        may be unknown, each must have the type its flag parses to (no fractional count,
         no text for a bool), and then each component's own checks run. One ProbeError naming the field."""
         try:
             top = {f.name: f for f in fields(cls)}
@@ -382,16 +383,23 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
+# Fields a recorded spec gained after runs were already recorded without them, and the value that re-makes what
+# those runs did (the behaviour before the field existed): a folder written before the field is still re-runnable.
+# Any other missing field is an error, as an unknown one is.
+LATER_FIELDS: dict[str, object] = {"graft": False, "depth": False, "engine_noise": False, "routing_replay": "ids",
+                                   "build_ahead": None, "train_precision": "bf16"}
+
+
 def _fields_of(data, known: dict, where: str) -> dict:
     if not isinstance(data, Mapping):
         raise _SpecError(f"{where} is {type(data).__name__}, not a JSON object")
     unknown = sorted(map(str, set(data) - set(known)))
     if unknown:
         raise _SpecError(f"unknown field(s) {', '.join(f'{where}.{n}' for n in unknown)}")
-    missing = [n for n in known if n not in data]
+    missing = [n for n in known if n not in data and n not in LATER_FIELDS]
     if missing:
         raise _SpecError(f"{where} lacks the field(s) {', '.join(missing)}")
-    return dict(data)
+    return {**{n: LATER_FIELDS[n] for n in known if n not in data}, **data}
 
 
 def _typed(value, hint, where: str, flag: str):
