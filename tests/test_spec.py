@@ -102,7 +102,7 @@ def test_every_run_spec_recorded_under_docs_still_reads():
     from divergence_probe.spec import RunSpec
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    specs = [json.loads(m.read_text())["spec"] for m in sorted(docs.rglob("manifest.json"))]
+    specs = [json.loads(m.read_text()).get("spec") for m in sorted(docs.rglob("manifest.json"))]
     specs = [s for s in specs if isinstance(s, dict) and "capture" in s]  # compare/ablate runs (rl and score differ)
     assert len(specs) >= 40
     for spec in specs:
