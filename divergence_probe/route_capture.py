@@ -17,7 +17,8 @@ sequence (the run loop names them with `add_sequences`; without it, each sequenc
 layer's router logits of every sequence of the batch are stacked into one [layers x rows, experts] pair per side,
 and the finiteness check, the check of the engine's routes and the comparison run on those stacks (routing.py works
 row by row, so the results are those of the per-layer calls, bit for bit), all read back to the host at once. So a
-batch costs a fixed number of small ops and one device->host read-back however many sequences and layers it holds:
+batch costs a fixed number of small ops (up to `rows_per_call`'s size) and one device->host read-back however many
+sequences and layers it holds:
 done per sequence and layer, those small ops (kernel launches on a GPU) and read-backs were most of what the taps
 added to a MoE compare (docs/benchmarks.md). The batch's router logits stay referenced until then: the engine's are
 valid until its next call (after the batch), and the trainer's have one feature per expert, a small fraction of the
@@ -41,10 +42,21 @@ ROUTING_COLUMNS = ["layer", "tokens", "frac_topk_set_differs", "frac_topk_order_
                    "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
                    "margin_unflipped_q10", "margin_unflipped_q50", "margin_unflipped_q90"]
 TOKEN_ROUTING_COLUMNS = ["routing_flips", "first_flip_layer", "upstream_flip"]
-# Rows (token-layers) per routing.compare_layer call: the stacked logits and its FP64 intermediates grow with rows x
-# experts and rows x (2 top_k)^2, so a deep model's batch is compared in calls of this many rows (whole sequences'
-# layers; a longer sequence's layer alone), what one long sequence's layer took when each was compared on its own.
+# Rows (token-layers) per routing.compare_layer call. On an accelerator, where each op is a kernel launch, as many as
+# memory allows: the stacked logits and compare_layer's FP64 intermediates grow with rows x experts and rows x
+# (2 top_k)^2, so ROWS_PER_CALL, what one long sequence's layer took when each was compared on its own. On the CPU an
+# op costs little to call, but torch spreads one of more than SERIAL_ELEMENTS elements (its intra-op grain size,
+# at::internal::GRAIN_SIZE) over its threads, and on a CPU that other work shares, those threads wait on each other
+# longer than the work takes: calls there stay under it (whole sequences' layers, as many as fit).
 ROWS_PER_CALL = 1 << 14
+SERIAL_ELEMENTS = 1 << 15
+
+
+def rows_per_call(logits: torch.Tensor, top_k: int) -> int:
+    """How many rows of router logits like `logits` ([tokens, experts], on their device) one comparison call takes."""
+    if logits.device.type != "cpu":
+        return ROWS_PER_CALL
+    return max(1, SERIAL_ELEMENTS // max(logits.shape[1], (2 * top_k) ** 2))
 
 
 class RouteRecordError(StackError):
@@ -140,11 +152,12 @@ class RouteCapture:
                                            f"but computed router logits for {i[layer].shape[0]}: its router ran on "
                                            "other rows than its gate (chunked MoE?); routing cannot be compared")
         # the rows of every (layer, sequence), layer-major (each layer's rows are the batch's sequences in run order),
-        # stacked per side in calls of whole sequences' layers, at most ROWS_PER_CALL rows unless one alone is more
+        # stacked per side in calls of whole sequences' layers, at most `limit` rows unless one alone is more
         pieces = [(layer, j) for layer in layers for j in range(len(keys))]
-        calls, size = [], ROWS_PER_CALL
+        limit = rows_per_call(infer[0][0], self.top_k)
+        calls, size = [], limit
         for layer, j in pieces:
-            if size + rows[j] > ROWS_PER_CALL:
+            if size + rows[j] > limit:
                 calls.append([])
                 size = 0
             calls[-1].append((layer, j))

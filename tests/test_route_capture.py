@@ -80,14 +80,15 @@ def _run(lengths: list[int], layers: int, batches: list[list[int]] | None, bad=N
 LENGTHS = [5, 1, 7, 3]
 
 
-@pytest.mark.parametrize("batches, rows_per_call", [
+@pytest.mark.parametrize("batches, rows", [
     ([[0, 1], [2, 3]], None),  # two inference batches, each compared in one call
     ([[0, 1, 2, 3]], 6),  # one batch in calls of at most 6 rows (of whole sequences' layers; a 7-row one alone)
     (None, None),  # no batches named: each sequence on its own
 ])
-def test_batched_routing_equals_the_per_layer_calls(monkeypatch, batches, rows_per_call):
-    if rows_per_call:
-        monkeypatch.setattr(route_capture, "ROWS_PER_CALL", rows_per_call)
+def test_batched_routing_equals_the_per_layer_calls(monkeypatch, batches, rows):
+    if rows:
+        monkeypatch.setattr(route_capture, "SERIAL_ELEMENTS", rows * (2 * TOP_K) ** 2)
+        assert route_capture.rows_per_call(torch.zeros(1, EXPERTS), TOP_K) == rows
     layers = 3
     capture, taps = _run(LENGTHS, layers, batches)
     result = capture.result()
@@ -133,7 +134,7 @@ def _ops(lengths: list[int], layers: int) -> int:
 
 def test_ops_per_batch_do_not_grow_with_its_sequences_or_layers():
     """The issue-28 tap-cost fix: per sequence and layer, the comparison was tens of small ops (kernel launches on
-    a GPU) and a read-back per sequence; per batch it is a fixed number."""
+    a GPU) and a read-back per sequence; per batch (of up to rows_per_call rows) it is a fixed number."""
     assert _ops([5, 3], layers=2) == _ops([5, 3, 7, 2, 4, 1], layers=5)
 
 
