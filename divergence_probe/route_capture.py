@@ -1,5 +1,5 @@
-"""A run's routing, for mixture-of-experts models: both stacks' router logits compared token by token as each sequence
-finishes, the engine's own routes checked against its logits and kept for a replay into the trainer.
+"""A run's routing, for mixture-of-experts models: both stacks' router logits compared token by token once per
+inference batch, the engine's own routes checked against its logits and kept for a replay into the trainer.
 
     capture = RouteCapture(pairing, num_layers=L, top_k=k, metrics=True, records=True)
     ... the run loop parks, pairs and finishes sequences through `capture` as through the pairing ...
@@ -10,8 +10,19 @@ It wraps the run's tap capture (capture.TapPairing): `router_logits` taps go on 
 also compared as routing (routing.py: which experts each side picks, under its tie rule). The engine's route records
 (taps.ROUTE_RECORDS: the ids and weights its router returned, what its experts ran with and what vLLM's
 enable_return_routed_experts records) never reach the pairing: they are checked, kept for the trainer's replay of
-the same sequence, and dropped when the sequence is done. Like the pairing, nothing outlives its sequence but a few
-numbers per token and layer.
+the same sequence, and dropped when its batch is done.
+
+Routing is compared per inference batch, not per sequence and layer: when the trainer has run the batch's last
+sequence (the run loop names them with `add_sequences`; without it, each sequence is a batch of its own), every
+layer's router logits of every sequence of the batch are stacked into one [layers x rows, experts] pair per side,
+and the finiteness check, the check of the engine's routes and the comparison run on those stacks (routing.py works
+row by row, so the results are those of the per-layer calls, bit for bit), all read back to the host at once. So a
+batch costs a fixed number of small ops (up to `rows_per_call`'s size) and one device->host read-back however many
+sequences and layers it holds:
+done per sequence and layer, those small ops (kernel launches on a GPU) and read-backs were most of what the taps
+added to a MoE compare (docs/benchmarks.md). The batch's router logits stay referenced until then: the engine's are
+valid until its next call (after the batch), and the trainer's have one feature per expert, a small fraction of the
+taps the batch parks. Nothing outlives the batch but a few numbers per token and layer.
 """
 
 from __future__ import annotations
@@ -31,6 +42,21 @@ ROUTING_COLUMNS = ["layer", "tokens", "frac_topk_set_differs", "frac_topk_order_
                    "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
                    "margin_unflipped_q10", "margin_unflipped_q50", "margin_unflipped_q90"]
 TOKEN_ROUTING_COLUMNS = ["routing_flips", "first_flip_layer", "upstream_flip"]
+# Rows (token-layers) per routing.compare_layer call. On an accelerator, where each op is a kernel launch, as many as
+# memory allows: the stacked logits and compare_layer's FP64 intermediates grow with rows x experts and rows x
+# (2 top_k)^2, so ROWS_PER_CALL, what one long sequence's layer took when each was compared on its own. On the CPU an
+# op costs little to call, but torch spreads one of more than SERIAL_ELEMENTS elements (its intra-op grain size,
+# at::internal::GRAIN_SIZE) over its threads, and on a CPU that other work shares, those threads wait on each other
+# longer than the work takes: calls there stay under it (whole sequences' layers, as many as fit).
+ROWS_PER_CALL = 1 << 14
+SERIAL_ELEMENTS = 1 << 15
+
+
+def rows_per_call(logits: torch.Tensor, top_k: int) -> int:
+    """How many rows of router logits like `logits` ([tokens, experts], on their device) one comparison call takes."""
+    if logits.device.type != "cpu":
+        return ROWS_PER_CALL
+    return max(1, SERIAL_ELEMENTS // max(logits.shape[1], (2 * top_k) ** 2))
 
 
 class RouteRecordError(StackError):
@@ -48,7 +74,7 @@ class RouteCapture:
     """The run loop's capture (park/pair/finish_prompt, as capture.TapPairing) with routing on top; `inner` is the tap
     capture it hands everything else to. `metrics`: compare both sides' router_logits (they must be among the inner
     capture's taps). `records`: the engine hands over its routes (taps.ROUTE_RECORDS), checked against its router
-    logits where both are captured, and kept for `routes` until the sequence is done."""
+    logits where both are captured, and kept for `routes` until the sequence's batch is done."""
 
     def __init__(self, inner, *, num_layers: int, top_k: int, metrics: bool, records: bool) -> None:
         self.inner, self.num_layers, self.top_k = inner, num_layers, top_k
@@ -56,9 +82,11 @@ class RouteCapture:
         self._infer: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # key -> layer -> engine router logits
         self._train: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._routes: dict[int, dict[tuple[str, int], torch.Tensor]] = defaultdict(dict)  # key -> (record, layer)
-        self._layers: list[list[routing.LayerRouting]] = [[] for _ in range(num_layers)]  # per layer, per sequence
+        self._layers: list[list[routing.LayerRouting]] = [[] for _ in range(num_layers)]  # per layer, per batch
         self._flips: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (routing_flips, first_flip_layer)
         self._sequences: dict[int, _Sequence] = {}
+        self._waiting: set[int] = set()  # the batch's sequences the trainer has not finished yet
+        self._finished: list[int] = []  # those it has, in run order, whose routing is not compared yet
         self.records_checked = 0  # token-layers whose engine routes were checked against its router logits
 
     # ------------------------------------------------------------------ the capture protocol (capture.TapPairing)
@@ -80,62 +108,114 @@ class RouteCapture:
         self.inner.pair(key, tap, tensor)
 
     def add_sequences(self, sequences) -> None:
-        """The sequences of an inference batch (compare.ScoredSequence): which prompt and sample each key is."""
+        """The sequences of an inference batch (compare.ScoredSequence): which prompt and sample each key is. Their
+        routing is compared when the last of them is finished."""
         for seq in sequences:
             self._sequences[seq.key] = _Sequence(seq.prompt_id, seq.sample_id)
+        self._waiting = {seq.key for seq in sequences}
         if hasattr(self.inner, "add_sequences"):
             self.inner.add_sequences(sequences)
 
     def finish_prompt(self, key: int) -> None:
-        infer, train, routes = self._infer.pop(key, {}), self._train.pop(key, {}), self._routes.pop(key, {})
+        infer, train = self._infer.get(key, {}), self._train.get(key, {})
         if self.metrics and (len(infer) != self.num_layers or len(train) != self.num_layers):
             raise StackError(f"sequence {key}: router logits of {len(infer)} (inference) and {len(train)} "
                              f"(training) of {self.num_layers} layers were captured; report this as a bug")
-        self._check(key, infer, train, routes if self.records else {})
-        if self.metrics:
-            # finiteness was checked above, with the routes, in one read-back (not one per layer and side)
-            per_layer = [routing.compare_layer(infer[i], train[i], self.top_k, check_finite=False)
-                         for i in range(self.num_layers)]
-            for i, r in enumerate(per_layer):
-                self._layers[i].append(r)
-            self._flips[key] = routing.token_flips(per_layer)
         self.inner.finish_prompt(key)
+        self._finished.append(key)
+        self._waiting.discard(key)
+        if not self._waiting:  # the batch's last sequence (or one outside any batch the run loop named)
+            self._compare_batch()
 
-    def _check(self, key: int, infer: dict[int, torch.Tensor], train: dict[int, torch.Tensor], routes) -> None:
-        """Both sides' router logits finite, and every layer's engine routes a top-k of its router logits; all of it
-        read back from the device at once. Non-finite logits first: they are an overflow, not a bad record."""
-        logits = [(side, layer, x) for side, taps in (("inference", infer), ("training", train))
-                  for layer, x in sorted(taps.items())]
-        admissible = []
-        if routes and infer:
-            for layer in range(self.num_layers):
-                ids, router = routes.get(("expert_ids", layer)), infer.get(layer)
-                if ids is None or router is None:
-                    raise StackError(f"sequence {key}, layer {layer}: the engine handed over "
-                                     f"{'no routes' if ids is None else 'no router logits'}; report this as a bug")
-                if ids.shape[0] != router.shape[0]:
+    def _compare_batch(self) -> None:
+        """The finished sequences' routing, checked and compared on one stack of every layer of all of them per side
+        (module docstring), read back once; then their router logits and routes are dropped. Non-finite logits are
+        an error before any route check: they are an overflow, not a bad record."""
+        keys, self._finished = self._finished, []
+        infer = [self._infer.pop(key, {}) for key in keys]
+        train = [self._train.pop(key, {}) for key in keys]
+        routes = [self._routes.pop(key, {}) for key in keys]
+        if not self.metrics:
+            return
+        layers = range(self.num_layers)
+        checked = self.records and any(routes)  # the engine's routes against its router logits
+        rows = [sequence[0].shape[0] for sequence in infer]
+        for key, i, t, r in zip(keys, infer, train, routes):
+            for layer in layers:
+                if i[layer].shape != t[layer].shape or i[layer].shape[0] != i[0].shape[0]:
+                    raise StackError(f"sequence {key}, layer {layer}: router logits of {tuple(i[layer].shape)} "
+                                     f"(inference) and {tuple(t[layer].shape)} (training); report this as a bug")
+                ids = r.get(("expert_ids", layer)) if checked else None
+                if checked and ids is None:
+                    raise StackError(f"sequence {key}, layer {layer}: the engine handed over no routes; report this "
+                                     "as a bug")
+                if ids is not None and ids.shape[0] != i[layer].shape[0]:
                     raise RouteRecordError(f"the engine routed {ids.shape[0]} rows of sequence {key} in layer {layer} "
-                                           f"but computed router logits for {router.shape[0]}: its router ran on other "
-                                           "rows than its gate (chunked MoE?); routing cannot be compared")
-                admissible.append(routing.is_admissible_topk(router, ids, check_finite=False))
-        if not logits:
-            return
-        finite = torch.stack([torch.isfinite(x).all() for _, _, x in logits])
-        ok = torch.stack(admissible) if admissible else None
-        flags = torch.cat([finite, ok.all(dim=1)]) if ok is not None else finite
-        if all(flags.tolist()):
-            self.records_checked += int(ok.numel()) if ok is not None else 0
-            return
-        bad = next((where for where, good in zip(logits, finite.tolist()) if not good), None)
-        if bad is not None:
-            raise NumericsError(f"the {bad[0]} stack's router logits of layer {bad[1]} hold NaN/Inf (sequence {key}); "
-                                "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken")
-        layer, token = (int(i) for i in (~ok).nonzero()[0])
-        ids = routes[("expert_ids", layer)]
-        raise RouteRecordError(
-            f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
-            f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router logits: "
-            "the routes vLLM records (enable_return_routed_experts) are not what its router computed")
+                                           f"but computed router logits for {i[layer].shape[0]}: its router ran on "
+                                           "other rows than its gate (chunked MoE?); routing cannot be compared")
+        # the rows of every (layer, sequence), layer-major (each layer's rows are the batch's sequences in run order),
+        # stacked per side in calls of whole sequences' layers, at most `limit` rows unless one alone is more
+        pieces = [(layer, j) for layer in layers for j in range(len(keys))]
+        limit = rows_per_call(infer[0][0], self.top_k)
+        calls, size = [], limit
+        for layer, j in pieces:
+            if size + rows[j] > limit:
+                calls.append([])
+                size = 0
+            calls[-1].append((layer, j))
+            size += rows[j]
+        parts = []
+        for call in calls:
+            x = torch.cat([infer[j][layer] for layer, j in call])
+            y = torch.cat([train[j][layer] for layer, j in call]).to(x.device)
+            c = routing.compare_layer(x, y, self.top_k, check_finite=False)  # finiteness: below, with the routes
+            columns = [c.set_differs, c.order_differs, c.jaccard, c.margin, c.near_tie,
+                       torch.isfinite(x).all(-1), torch.isfinite(y).all(-1)]
+            if checked:
+                ids = torch.cat([routes[j][("expert_ids", layer)] for layer, j in call]).to(x.device)
+                columns.append(routing.is_admissible_topk(x, ids, check_finite=False))
+            parts.append(torch.stack([col.double() for col in columns]))  # FP64 holds the bools and FP64 columns
+        host = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).cpu()  # the batch's one read-back
+        n = sum(rows)
+        flags = host[5:].bool()  # [finite infer, finite train, (admissible)] x [layers x rows]
+        if not flags.all():
+            self._raise_first(keys, rows, routes, *flags)
+        if checked:
+            self.records_checked += flags.shape[1]
+        # per layer (views of the host copy, in the dtypes compare_layer returns): bools, FP64, FP64, bools
+        differ = host[[0, 1, 4]].bool().view(3, self.num_layers, n)
+        values = host[2:4].view(2, self.num_layers, n)
+        per_layer = [routing.LayerRouting(*fields) for fields in zip(differ[0].unbind(), differ[1].unbind(),
+                                                                     values[0].unbind(), values[1].unbind(),
+                                                                     differ[2].unbind())]
+        for kept, r in zip(self._layers, per_layer):
+            kept.append(r)
+        flips, first = routing.token_flips(per_layer)
+        for key, f, g in zip(keys, flips.split(rows), first.split(rows)):
+            self._flips[key] = (f, g)
+
+    def _raise_first(self, keys, rows, routes, finite_a, finite_b, ok=None) -> None:
+        """The error of the first sequence, in run order, whose router logits are not finite or whose engine routes
+        are not a top-k of them (the flags are [layers x rows] as _compare_batch stacks them, on the host)."""
+        n = sum(rows)
+        for key, start, length, r in zip(keys, [sum(rows[:j]) for j in range(len(rows))], rows, routes):
+            at = [slice(layer * n + start, layer * n + start + length) for layer in range(self.num_layers)]
+            for side, finite in (("inference", finite_a), ("training", finite_b)):
+                for layer, span in enumerate(at):
+                    if not finite[span].all():
+                        raise NumericsError(
+                            f"the {side} stack's router logits of layer {layer} hold NaN/Inf (sequence {key}); the "
+                            "weights overflow in this dtype (try --dtype float32) or the checkpoint is broken")
+            bad = [(layer, (~ok[span]).nonzero()) for layer, span in enumerate(at)] if ok is not None else []
+            for layer, tokens in bad:
+                if len(tokens):
+                    token, ids = int(tokens[0, 0]), r[("expert_ids", layer)]
+                    raise RouteRecordError(
+                        f"the engine sent token {token} of sequence {key} in layer {layer} to experts "
+                        f"{sorted(ids[token].tolist())}, which are not a top-{ids.shape[1]} of its own router "
+                        "logits: the routes vLLM records (enable_return_routed_experts) are not what its router "
+                        "computed")
+        raise StackError("a routing check failed for no sequence; report this as a bug")
 
     def __getattr__(self, name):  # the inner capture's own results (stats, a grafting capture's tables)
         if name == "inner":
@@ -155,16 +235,16 @@ class RouteCapture:
 
     # ------------------------------------------------------------------ results
     def result(self) -> "RunRouting | None":
-        """The run's routing comparison, on the host; None when router logits were not compared."""
+        """The run's routing comparison (on the host, where each batch's was read back); None when router logits were
+        not compared."""
         if not self.metrics or not self._flips:
             return None
-        layers = [cat_routing(per_sequence) for per_sequence in self._layers]
-        flips = {key: (f.cpu(), first.cpu()) for key, (f, first) in self._flips.items()}
-        return RunRouting(layers, flips, dict(self._sequences), self.top_k, self.records_checked)
+        layers = [cat_routing(per_batch) for per_batch in self._layers]
+        return RunRouting(layers, dict(self._flips), dict(self._sequences), self.top_k, self.records_checked)
 
 
 def cat_routing(parts: list[routing.LayerRouting]) -> routing.LayerRouting:
-    """One layer's comparisons of several sequences as one, on the host."""
+    """One layer's comparisons of several sequences (or batches) as one, on the host."""
     return routing.LayerRouting(*(torch.cat([getattr(p, f) for p in parts]).cpu()
                                   for f in ("set_differs", "order_differs", "jaccard", "margin", "near_tie")))
 
