@@ -114,7 +114,7 @@ def test_rl_trainer_under_amp_pushes_what_it_computes_with(amp_probe):
     stack = HFStack()
     stack.load(replace(amp_probe.settings))
     trainer = Trainer(stack, lr=1e-2, grad_clip=1.0)
-    logp, _, mask = trainer.forward([(1, 5, 9, 3, 7), (2, 4, 6)], [2, 2])
+    logp, _, mask, _ = trainer.forward([(1, 5, 9, 3, 7), (2, 4, 6)], [2, 2])
     assert logp.dtype == torch.float32 and logp.requires_grad
     trainer.step(-(logp * mask).sum() / mask.sum())
     pushed = trainer.named_weights()
