@@ -9,8 +9,9 @@ folder, its report and this step, so the next question a user has is one copy-pa
 The rules follow the README's recipes, in the order a user asks them: is the mismatch more than noise (measure a
 floor), where does it start (graft and depth, or routing on a mixture of experts), which region carries it
 (ablate), what the trainer alone can adopt (--side train), and whether it matters in training (rl). A command the
-model's family cannot run (models/: `Family.unsupported`) is never suggested. Pure functions of the run: the same
-run gives the same step.
+model's family cannot run is never suggested: each candidate goes through the checks the command itself runs
+before loading (spec.check_family: `Family.unsupported`, regions the family lacks, what tensor parallelism refuses;
+rl: its settings' regions). Pure functions of the run: the same run gives the same step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .errors import ProbeError
 from .replay import command_line, score_command_line
 from .tables import largest_noise_floor
 
-ALL_ALIGNED = "rope,swiglu,rmsnorm"  # rl's setting with every dense region aligned, as the README's recipe runs it
+NUMERIC_REGIONS = ("rope", "swiglu", "rmsnorm")  # rl's setting with every one the family has, as the README's recipe
 MOE_REGIONS = ("rope", "rmsnorm", "routing")  # ablate on a mixture of experts, as the README's recipe runs it
 
 
@@ -59,8 +60,15 @@ def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
         capture=replace(spec.capture, taps=taps, graft=False, depth=False, batch_invariance=False)))
 
 
-def _step(spec, why: str) -> Step | None:
-    return None if spec is None else Step(command_line(spec), why)
+def _runs_on(spec, family) -> bool:
+    """Whether the command would get past its own pre-load checks for this family (None: not known, so yes)."""
+    from .spec import check_family
+
+    return family is None or _valid(lambda: check_family(spec, spec.load, family) or True) is not None
+
+
+def _step(spec, why: str, family=None) -> Step | None:
+    return None if spec is None or not _runs_on(spec, family) else Step(command_line(spec), why)
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
@@ -69,25 +77,27 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
     largest = largest_noise_floor(summary)
     if largest is None:
         return _step(_changed(spec, capture={"batch_invariance": True}),
-                     "no noise floor was measured, so the mismatch cannot be told from noise")
+                     "no noise floor was measured, so the mismatch cannot be told from noise", family)
     mismatch, floor = summary.get("mean_abs_dlogp", 0.0), largest[1]
     if mismatch > floor:
         why = (f"the mismatch is {mismatch / floor:.3g}x its largest noise floor" if floor > 0 else
                "the mismatch is above a noise floor of 0")
         if "frac_tokens_any_flip" in summary:  # a mixture of experts: routing is one more factor
             step = _step(_as_ablate(spec, MOE_REGIONS, spec.capture.taps) if _can(family, "ablate") else None,
-                         why + ": split it into routing and rounding")
+                         why + ": split it into routing and rounding", family)
         elif not (spec.capture.graft or spec.capture.depth) and _can(family, "--graft") and _can(family, "--depth"):
             step = _step(_changed(spec, capture={"graft": True, "depth": True, "batch_invariance": False}),
-                         why + ": find the layers and ops that make it")
+                         why + ": find the layers and ops that make it", family)
         else:
             step = None
         if step is None and _can(family, "ablate"):
-            step = _step(_as_ablate(spec, None, "none"), why + ": which aligned region removes it")
+            step = _step(_as_ablate(spec, _regions_of(family), "none"), why + ": which aligned region removes it",
+                         family)
         return step
     if not spec.generate.generates:
         return _step(_changed(spec, generate={"mode": "generate"}),
-                     "the mismatch is within its noise floor; see what it does to sampled responses and the RL metrics")
+                     "the mismatch is within its noise floor; see what it does to sampled responses and the RL metrics",
+                     family)
     return None
 
 
@@ -113,9 +123,25 @@ def _rl_argv(spec) -> list[str]:
     return argv
 
 
-def _rl_step(make, why: str) -> Step | None:
+def _regions_of(family) -> tuple[str, ...] | None:
+    """The numeric regions this family's layers have (None: the defaults, family not known)."""
+    if family is None:
+        return None
+    from .regions import check_regions_exist
+
+    return tuple(r for r in NUMERIC_REGIONS if _valid(lambda: check_regions_exist(family, [r]) or True))
+
+
+def _rl_step(make, why: str, family=None) -> Step | None:
+    """An rl command, if its spec is valid and the family has every region of its settings (rl's own check)."""
+    from .regions import check_regions_exist
+    from .rl.spec import parse_setting
+
     spec = _valid(make)
-    return None if spec is None else Step(_rl_argv(spec), why)
+    if spec is None or family is not None and _valid(
+            lambda: [check_regions_exist(family, parse_setting(s)) for s in spec.setting]) is None:
+        return None
+    return Step(_rl_argv(spec), why)
 
 
 def after_ablate(spec, attribution, family=None) -> Step | None:
@@ -123,14 +149,14 @@ def after_ablate(spec, attribution, family=None) -> Step | None:
     reduced the mismatch matter in training (rl, shipped vs those regions, the trainer aligned)."""
     if spec.align.side != "train":
         return _step(_changed(spec, align={"side": "train"}), "what aligning the trainer alone (the engine as "
-                     "deployed) removes")
+                     "deployed) removes", family)
     helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley > 0)
     if not helped or not _can(family, "rl"):
         return None
     from .rl.spec import RLSpec
 
     return _rl_step(lambda: RLSpec(model=spec.load.model, device=spec.load.device, setting=("none", helped),
-                                   side="train"), f"whether aligning {helped} in the trainer changes training")
+                                   side="train"), f"whether aligning {helped} in the trainer changes training", family)
 
 
 def after_score(call, load, summary: dict) -> Step | None:
@@ -150,8 +176,9 @@ def after_rl(spec, family=None) -> Step | None:
     """One setting: shipped against every region aligned in the trainer. Several settings on one seed: more seeds,
     to tell the settings apart from seed noise."""
     if not spec.setting and _can(family, "rl"):
-        return _rl_step(lambda: replace(spec, align="none", setting=("none", ALL_ALIGNED), side="train"),
-                        "whether aligning the trainer changes training")
+        aligned = ",".join(_regions_of(family) or NUMERIC_REGIONS)
+        return _rl_step(lambda: replace(spec, align="none", setting=("none", aligned), side="train"),
+                        "whether aligning the trainer changes training", family)
     if len(spec.setting) > 1 and spec.seeds == 1:
-        return _rl_step(lambda: replace(spec, seeds=3), "tell the settings apart from seed noise")
+        return _rl_step(lambda: replace(spec, seeds=3), "tell the settings apart from seed noise", family)
     return None

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.models import get_family
-from divergence_probe.next_steps import ALL_ALIGNED, after_ablate, after_compare, after_rl, after_score
+from divergence_probe.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
 from divergence_probe.rl.spec import RLSpec
 from divergence_probe.score import ScoreSpec
 from divergence_probe.spec import LoadSpec, spec_from_flat
@@ -81,7 +81,7 @@ def test_after_ablate_after_score_after_rl():
     step = after_ablate(train, shares)
     assert step.argv[:2] == ["divergence-probe", "rl"] and step.argv.count("--setting") == 2 and "rope" in step.argv
     assert after_ablate(train, shares.assign(shapley=0.0)) is None  # nothing helped: nothing to train with
-    assert after_ablate(train, shares, get_family("qwen3_moe")) is None  # rl is refused on MoE
+    assert after_ablate(train, shares, get_family("qwen3_moe")).argv == step.argv  # rl runs on MoE (rope exists)
 
     call, load = ScoreSpec(rollouts="/data/r.jsonl"), LoadSpec(model="M", device="cpu")
     step = after_score(call, load, {})
@@ -90,10 +90,42 @@ def test_after_ablate_after_score_after_rl():
     assert step.argv[:2] == ["divergence-probe", "compare"] and {"--batch-invariance", "M"} <= set(step.argv)
 
     step = after_rl(RLSpec(steps=5))
-    assert step.argv.count("--setting") == 2 and ALL_ALIGNED in step.argv and "5" in step.argv
+    assert step.argv.count("--setting") == 2 and ",".join(NUMERIC_REGIONS) in step.argv and "5" in step.argv
     step = after_rl(RLSpec(setting=("none", "rope")))
     assert step.argv[-2:] == ["--seeds", "3"]
     assert after_rl(RLSpec(setting=("none", "rope"), seeds=3)) is None
+
+
+def test_no_step_is_a_command_the_model_refuses():
+    """What the suggested command's own pre-load checks would refuse is never suggested: swiglu on a mixture of
+    experts (rl's setting, ablate's regions), graft/depth or generate mode at tensor_parallel_size > 1."""
+    from divergence_probe.spec import check_family
+
+    moe, dense = get_family("qwen3_moe"), get_family("qwen3")
+    step = after_rl(RLSpec(model="M", steps=5), moe)
+    assert step is not None and "rope,rmsnorm" in step.argv and not any("swiglu" in a for a in step.argv)
+    over = {**FLOOR, "mean_abs_dlogp": 1.0, "frac_tokens_any_flip": 0.5}
+    step = after_compare(_compare(model="M", taps="none", batch_invariance=True, side="infer", align="rope"), over, moe)
+    assert step is None or not any("swiglu" in a for a in step.argv)
+    tp = _compare(model="M", taps="none", batch_invariance=True, engine_args='{"tensor_parallel_size": 2}')
+    for summary in ({**FLOOR, "mean_abs_dlogp": 1.0}, {**FLOOR, "mean_abs_dlogp": 1e-4}):
+        step = after_compare(tp, summary, dense)
+        if step is not None:  # whatever it suggests passes the checks the command runs before loading
+            suggested = spec_from_flat(step.argv[1], **_flags(step.argv))
+            check_family(suggested, suggested.load, dense)
+            assert "--graft" not in step.argv and "generate" not in step.argv
+
+
+def _flags(argv: list[str]) -> dict:
+    """A printed command line's flags as spec_from_flat takes them (enough for the flags next steps print)."""
+    flags, i = {}, 2
+    while i < len(argv):
+        name = argv[i][2:].replace("-", "_")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            flags[name], i = argv[i + 1], i + 2
+        else:
+            flags[name], i = True, i + 1
+    return flags
 
 
 @pytest.fixture
