@@ -283,6 +283,8 @@ def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
 
     assert RLSpec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).engine == "compiled"
     assert RLSpec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")
+    # lm_head is patched outside the compiled graph (the logits processor runs as Python): side both takes it
+    assert RLSpec(engine="compiled", side="both", setting=("none", "lm_head")).settings == ("none", "lm_head")
 
 
 def test_moved_storage_names_a_parameter_given_new_storage():

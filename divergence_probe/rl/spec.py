@@ -147,7 +147,8 @@ class RLSpec:
             raise ProbeError("--engine-args compilation_config needs --engine compiled (the eager engine compiles "
                              "nothing); add --engine compiled or drop the key")
         for s in self.settings:
-            patched = [r for r in parse_setting(s) if not get_region(r).from_engine]
+            # routing comes from the engine, lm_head runs outside the compiled graph: neither needs a build of its own
+            patched = [r for r in parse_setting(s) if not (get_region(r).from_engine or get_region(r).outside_graph)]
             if patched and self.engine == "compiled" and self.side == "both":
                 # every setting runs on one engine, built once; a compiled engine takes a region only when built
                 # with it (compare builds one per combination: stacks/vllm/aligned.py), rl reuses one across settings
