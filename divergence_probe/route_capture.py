@@ -237,6 +237,9 @@ class RouteCapture:
     def result(self) -> "RunRouting | None":
         """The run's routing comparison (on the host, where each batch's was read back); None when router logits were
         not compared."""
+        if self._finished or self._waiting:  # a batch never completed: its routing would be silently missing
+            raise StackError(f"routing: {len(self._finished) + len(self._waiting)} sequence(s) of the last batch were "
+                             "never compared (the run loop did not finish them); report this as a bug")
         if not self.metrics or not self._flips:
             return None
         layers = [cat_routing(per_batch) for per_batch in self._layers]

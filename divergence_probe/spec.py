@@ -383,11 +383,12 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-# Fields a recorded spec gained after runs were already recorded without them, and the value that re-makes what
-# those runs did (the behaviour before the field existed): a folder written before the field is still re-runnable.
-# Any other missing field is an error, as an unknown one is.
-LATER_FIELDS: dict[str, object] = {"graft": False, "depth": False, "engine_noise": False, "routing_replay": "ids",
-                                   "build_ahead": None, "train_precision": "bf16"}
+# Fields a recorded spec gained after runs were already recorded without them, by (component, field), and the value
+# that re-makes what those runs did (the behaviour before the field existed): a folder written before the field is
+# still re-runnable. Any other missing field is an error, as an unknown one is.
+LATER_FIELDS: dict[tuple[str, str], object] = {
+    ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
+    ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16"}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
@@ -396,10 +397,12 @@ def _fields_of(data, known: dict, where: str) -> dict:
     unknown = sorted(map(str, set(data) - set(known)))
     if unknown:
         raise _SpecError(f"unknown field(s) {', '.join(f'{where}.{n}' for n in unknown)}")
-    missing = [n for n in known if n not in data and n not in LATER_FIELDS]
+    component = where.rpartition(".")[2]  # "spec.load" -> "load"
+    later = {n: LATER_FIELDS[(component, n)] for n in known if n not in data and (component, n) in LATER_FIELDS}
+    missing = [n for n in known if n not in data and n not in later]
     if missing:
         raise _SpecError(f"{where} lacks the field(s) {', '.join(missing)}")
-    return {**{n: LATER_FIELDS[n] for n in known if n not in data}, **data}
+    return {**later, **data}
 
 
 def _typed(value, hint, where: str, flag: str):

@@ -155,3 +155,17 @@ def test_the_first_failing_sequence_is_named(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_logits", with_nan)
     with pytest.raises(NumericsError, match=r"training stack's router logits of layer 0 hold NaN/Inf \(sequence 2\)"):
         _run([4, 5, 6], 2, [[0, 1, 2]], bad=(2, 1, 0))
+
+
+def test_a_batch_left_unfinished_is_an_error_not_a_silent_gap():
+    """result() with a named batch whose sequences were not all finished: their routing was never compared."""
+    from divergence_probe.errors import StackError
+
+    capture = RouteCapture(_NoPairing(), num_layers=1, top_k=TOP_K, metrics=True, records=False)
+    capture.add_sequences([_Seq(0, 0), _Seq(1, 1)])
+    engine, trainer = _logits(4, seed=0)
+    capture.park(0, TapKey.of("router_logits", 0), engine)
+    capture.pair(0, TapKey.of("router_logits", 0), trainer)
+    capture.finish_prompt(0)
+    with pytest.raises(StackError, match="1 sequence.s. of the last batch were never compared"):
+        capture.result()

@@ -88,7 +88,7 @@ def test_a_manifest_written_before_a_later_field_reruns_as_it_ran():
 
     recorded = RunSpec().to_dict()
     del recorded["load"]["train_precision"]
-    assert RunSpec.from_dict(recorded).load.train_precision == LATER_FIELDS["train_precision"] == "bf16"
+    assert RunSpec.from_dict(recorded).load.train_precision == LATER_FIELDS[("load", "train_precision")] == "bf16"
     del recorded["load"]["seed"]
     with pytest.raises(ProbeError, match="spec.load lacks the field.s. seed"):
         RunSpec.from_dict(recorded)
