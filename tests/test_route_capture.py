@@ -167,5 +167,5 @@ def test_a_batch_left_unfinished_is_an_error_not_a_silent_gap():
     capture.park(0, TapKey.of("router_logits", 0), engine)
     capture.pair(0, TapKey.of("router_logits", 0), trainer)
     capture.finish_prompt(0)
-    with pytest.raises(StackError, match="1 sequence.s. of the last batch were never compared"):
+    with pytest.raises(StackError, match="2 sequence.s. of the last batch were never compared"):
         capture.result()
