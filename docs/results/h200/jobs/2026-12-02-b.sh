@@ -3,6 +3,7 @@
 # usage: bash docs/results/h200/jobs/2026-12-02-b.sh timing | rl-start | moe | rl-collect
 #   timing:     issue 30's verification benchmark at the Qwen2.5-1.5B shape after the batched weight check, and
 #               issue 28's MoE tap cost after the batched routing comparison (the GPU quiet: run first).
+# Not run on 2026-12-02 (the device time was spent): it is the next session's plan, checked against the CLI as it is.
 #   rl-start:   issue 30's experiment in the background (setsid): the Qwen2.5-0.5B shape, compiled engine, dense
 #               `letters` reward, 3 seeds x 100 steps per setting, one process per setting; the tiny Qwen3-MoE with and
 #               without routing replay; and the floors at the starting checkpoint (compare --mode generate).
@@ -31,8 +32,10 @@ case "$1" in
     start train-none      $RL --model $M/0.5b --engine compiled --side train --setting none
     start train-rope      $RL --model $M/0.5b --engine compiled --side train --setting rope
     start train-all3      $RL --model $M/0.5b --engine compiled --side train --setting rope,swiglu,rmsnorm
-    start both-all3       $RL --model $M/0.5b --engine compiled --side both  --setting rope,swiglu,rmsnorm
-    start moe-tiny        $RL --model $M/moe-tiny --engine compiled --side train --setting none --setting routing
+    # side both patches the engine, which a compiled rl engine cannot take (rl/spec.py): that arm runs eager, and so
+    # does MoE (rl records the rollout's routes with hooks, which a compiled engine does not run)
+    start both-all3       $RL --model $M/0.5b --engine eager    --side both  --setting rope,swiglu,rmsnorm
+    start moe-tiny        $RL --model $M/moe-tiny --engine eager --side train --setting none --setting routing
     start floors $DP compare --model $M/0.5b --device cuda --engine compiled --mode generate --batch-invariance \
       --engine-noise --taps none
     sleep 5; ls $R/rl
