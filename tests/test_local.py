@@ -130,10 +130,10 @@ def test_depth_curve_ends(vllm_graft, vllm_probe):
 
 def test_aligned_regions_have_zero_local_error(vllm_probe, prompts_file):
     """Aligned on both stacks, a region is the same function on both: from the same inputs, the same bits."""
-    run = vllm_probe.compare(prompts=str(prompts_file), num_prompts=2, graft=True,
-                             align=("rope", "swiglu", "rmsnorm"), side="both")
+    regions = ("rope", "swiglu", "rmsnorm")
+    run = vllm_probe.compare(prompts=str(prompts_file), num_prompts=2, graft=True, align=regions, side="both")
     local = run.files()["local.csv"]
-    aligned_seams = {s for seams_ in REGION_SEAMS.values() for s in seams_}
+    aligned_seams = {s for region in regions for s in REGION_SEAMS[region]}
     assert set(local[local.aligned].tap) == aligned_seams
     assert (local[local.aligned].local_frac_equal == 1).all(), local[local.aligned & (local.local_frac_equal < 1)]
 
