@@ -739,7 +739,7 @@ def _score_run(call, load, out_dir: Path, check=None):
 
 
 def _print_score(run) -> None:
-    from .score import CAUSES
+    from .rollouts.causes import CAUSES
 
     s = run.summary
     table = Table(title=f"recorded ({run.batch.format}) vs trainer", show_header=False)

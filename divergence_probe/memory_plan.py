@@ -332,7 +332,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["reduction_stacked_copies"] = 2 * call_stacked * b
     terms["reduction_temporaries"] = int(call * REDUCTION_TEMP_BYTES.get(kind, 0.0))
     counted = sum(terms.values())
-    terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME
+    # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
+    terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
     terms["fragmentation_allowance"] = int(FRAGMENTATION * counted) if i.device == "cuda" else 0
     return terms, kv
 
@@ -345,7 +346,8 @@ def _phases(t: dict[str, int]) -> dict[str, int]:
         "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
         "train_and_reduce": fixed + held + t["train_taps"] + t["train_forward"] + t["reduction_stacked_copies"]
         + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0),
-    } | ({"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+    } | ({"noise_floor": fixed + t.get("train_amp_weight_casts", 0)
+          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {})
 
 

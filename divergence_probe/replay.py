@@ -162,7 +162,12 @@ def recorded_score(manifest: dict, where: str):
         raise ProbeError(f"the rollout file {path} that {where} names is missing or not a regular file; restore it "
                          "there, or score it again with `divergence-probe score`")
     want = section.get("rollouts_sha256")
-    if not isinstance(want, str) or file_sha256(path) != want:
+    try:
+        have = file_sha256(path)
+    except OSError as e:
+        raise ProbeError(f"the rollout file {path} that {where} names cannot be read ({e.strerror}); make it readable, "
+                         "or score it again with `divergence-probe score`") from None
+    if not isinstance(want, str) or have != want:
         raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
                          "records); restore it, or score it again with `divergence-probe score`")
     return call, load

@@ -35,6 +35,7 @@ from .rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
 from .rollouts.adapters import parse_fields
 from .spec import GenerateSpec, LoadSpec
 from .tables import summary_row, tokens_frame
+from .rollouts.causes import CAUSES
 
 # The recorded logprobs are "far" when their mean |Δ| to the trainer is this many times the engine's own gap to the
 # trainer on the same sequences (prefill, --infer vllm): numerics differences between two correct stacks are that
@@ -163,14 +164,6 @@ class ScoreRun:
         return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
 
 
-CAUSES = {
-    "temperature": "the recorded logprobs match the trainer's at --temperature: one side applies the sampling "
-                   "temperature and the other does not",
-    "wrong_tokens": "most of the gap is on tokens the model would hardly sample: the recorded ids are not the "
-                    "tokens the logprobs belong to (an offset, a tokenizer or a padding mix-up)",
-    "stale_weights": "neither a temperature nor unlikely tokens explain the gap: the rollouts likely came from other "
-                     "weights than these (stale weights in the engine, or another checkpoint)",
-}
 
 
 def numbered(batch: RolloutBatch) -> list[tuple[int, int]]:

@@ -57,8 +57,9 @@ def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     for module in model.modules():
         head_dtype = getattr(module, "head_dtype", None) if type(module).__name__ == "LogitsProcessor" else None
         if head_dtype is not None and head_dtype != lm_head.weight.dtype:
-            raise ProbeError(f"the engine already runs its head in {head_dtype} (vLLM's head_dtype override); drop "
-                             "head_dtype from --engine-args or leave lm_head out of the aligned regions")
+            raise ProbeError(f"the engine already runs its head in {head_dtype} (head_dtype in the checkpoint's "
+                             "config.json, which vLLM reads): remove it there, or leave lm_head out of the aligned "
+                             "regions")
     return [Replacement(method, "apply", lambda layer, x, bias=None: head(x, layer.weight, bias))]
 
 

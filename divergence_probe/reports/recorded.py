@@ -48,7 +48,7 @@ def setup_items(run: RunData) -> list[str]:
 
 def recorded_section(run: RunData) -> list:
     """What the run saw: the three-way split and, when the recording is far from both, the likely cause."""
-    from ..score import CAUSES
+    from ..rollouts.causes import CAUSES
 
     row = row_of(run.summary, None)
     blocks: list = [Heading("What the run saw")]
@@ -67,7 +67,8 @@ def recorded_section(run: RunData) -> list:
     cause = row.get("likely_cause")
     cause = "" if cause is None or pd.isna(cause) else str(cause)
     if not far:
-        blocks.append(Paragraph(f"The recording is within {_num(bound)} nats of the trainer: numerics of two correct "
+        near = "the trainer" if gap is not None and not pd.isna(gap) and gap <= bound else "the engine's prefill"
+        blocks.append(Paragraph(f"The recording is within {_num(bound)} nats of {near}: numerics of two correct "
                                 "stacks, not a loading, sampling or weights problem."))
     else:
         blocks.append(Paragraph(f"The recording is farther than {_num(bound)} nats from the trainer, more than two "

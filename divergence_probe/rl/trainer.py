@@ -98,7 +98,7 @@ class Trainer:
         Returns the gradient norm before clipping."""
         for p in self.params:
             p.grad = None
-        with self.stack._numerics("train") as observed, observed():
+        with self.stack._numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
             loss.backward()
         for m, p in zip(self.master, self.params):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)

@@ -60,8 +60,8 @@ class HFStack:
         choice = torch_state.SdpaChoice() if kind not in self.sdpa_chosen else None
 
         @contextmanager
-        def observed() -> Iterator[None]:
-            with choice if choice is not None else nullcontext(), self._precision():
+        def observed(autocast: bool = True) -> Iterator[None]:  # autocast=False: a backward (torch: not under autocast)
+            with choice if choice is not None else nullcontext(), self._precision() if autocast else nullcontext():
                 yield
 
         with torch_state.trainer_numerics(self.settings.train_sdpa, isolated=self.settings.train_state == "isolated"):
@@ -188,6 +188,12 @@ class HFStack:
                 weights = None if weights is None else torch.cat([weights.to(logits.device), own_weights[n:]])
             own = (ids < 0).any(dim=-1, keepdim=True)  # rows the engine has no route for keep the trainer's own
             ids = torch.where(own, own_ids, ids)
+            picked = ids.sort(dim=-1).values  # every row k distinct experts: a zeroed or torn record is not a route
+            if bool(((picked[:, 0] < 0) | (picked[:, -1] >= logits.shape[-1])
+                     | (picked[:, 1:] == picked[:, :-1]).any(dim=-1)).any()):
+                raise StackError(f"the engine's routes of layer {layer} for prompt {self._running} are not "
+                                 f"{ids.shape[-1]} distinct experts of {logits.shape[-1]} in every row, so there is "
+                                 "nothing to replay; report this as a bug")
             if weights is None:
                 weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
                 if module.norm_topk_prob:

@@ -37,8 +37,10 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   splitting op) records their `dp::tap` copies with the experts' kernels, and a replay repeats them, though no Python
   runs then. What would make a tap miss the routing the engine used is refused when the engine is built
   (`check_routes`): a gate fused with a shared-expert gate (the gate module never runs) or a monolithic experts
-  kernel that routes inside itself (select_experts never runs); the route records' fidelity check
-  (route_capture.RouteRecordError: ids a top-k of the logits, every token and layer) catches any other stale buffer.
+  kernel that routes inside itself (select_experts never runs); where router_logits are captured too (a compare
+  with layer taps), the route records' fidelity check (route_capture.RouteRecordError: ids a top-k of the logits,
+  every token and layer) catches any other stale buffer; a replay without them (--taps none --align routing)
+  checks only that every row is k distinct experts (stacks/hf.py), which a zeroed buffer is not.
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
@@ -68,7 +70,8 @@ from .seams import decoder_layers, model_seams
 # outside the graph, as in an untapped compiled engine.
 NEUTRAL = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
            "post_norm", "gate_proj", "up_proj", "swiglu", "mlp_out")
-# A mixture-of-experts layer's router, neutral as those (checked on the tiny Qwen3-MoE by the same test): its logits
+# A mixture-of-experts layer's router, neutral as those on the CPU build (checked on the tiny Qwen3-MoE by the same
+# test; on the H200 one token of 481 moved: docs/results/h200/moe/compiled/README.md): its logits
 # and its choice (taps.ROUTE_RECORDS), handed over one tap at a time, not stacked with the taps of their width: the
 # routing capture reads them per layer. The choice goes into buffers of ROUTE_DTYPES, wide enough for any router's.
 ROUTER = ("router_logits", *ROUTE_RECORDS)

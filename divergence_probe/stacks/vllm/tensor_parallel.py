@@ -67,7 +67,7 @@ def refuse(features: Sequence[str], ranks: int) -> None:
 def size(engine_args: dict) -> int:
     """The engine's tensor-parallel size from its engine args (1 when not given)."""
     value = engine_args.get(ARG)
-    return 1 if value is None else int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1  # another type: check_engine_args
 
 
 def without(settings):
