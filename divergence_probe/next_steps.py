@@ -16,10 +16,10 @@ rl: its settings' regions). Pure functions of the run: the same run gives the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from .errors import ProbeError
-from .replay import command_line, score_command_line
+from .replay import command_line, rl_command_line, score_command_line
 from .tables import largest_noise_floor
 
 NUMERIC_REGIONS = ("rope", "swiglu", "rmsnorm")  # rl's setting with every one the family has, as the README's recipe
@@ -101,28 +101,6 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
     return None
 
 
-def _rl_argv(spec) -> list[str]:
-    """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated)."""
-    import json
-
-    from .spec import flag_of
-
-    plain = type(spec)()
-    argv = ["divergence-probe", "rl"]
-    for f in fields(spec):
-        value = getattr(spec, f.name)
-        if value == getattr(plain, f.name):
-            continue
-        if isinstance(value, tuple):
-            for item in value:
-                argv += [flag_of(f), str(item)]
-        elif isinstance(value, bool):
-            argv.append(flag_of(f) if value else f"--no-{flag_of(f)[2:]}")
-        else:
-            argv += [flag_of(f), json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
-    return argv
-
-
 def _regions_of(family) -> tuple[str, ...] | None:
     """The numeric regions this family's layers have (None: the defaults, family not known)."""
     if family is None:
@@ -141,7 +119,7 @@ def _rl_step(make, why: str, family=None) -> Step | None:
     if spec is None or family is not None and _valid(
             lambda: [check_regions_exist(family, parse_setting(s)) for s in spec.setting]) is None:
         return None
-    return Step(_rl_argv(spec), why)
+    return Step(rl_command_line(spec), why)
 
 
 def after_ablate(spec, attribution, family=None) -> Step | None:

@@ -109,6 +109,14 @@ def _flag_value(value) -> str:
     return str(value)
 
 
+def _flag_words(f, value) -> list[str]:
+    """One field's value as command-line words: a bool as --flag / --no-flag, anything else as the flag and its value."""
+    flag = flag_of(f)
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{flag[2:]}"]
+    return [flag, _flag_value(value)]
+
+
 def command_line(spec: RunSpec, out_dir=None) -> list[str]:
     """The compare/ablate command line that makes the same run as `spec` (the flags that differ from their
     defaults), for a person to read before rerun runs it."""
@@ -120,11 +128,7 @@ def command_line(spec: RunSpec, out_dir=None) -> list[str]:
         value, default = getattr(getattr(spec, component), f.name), getattr(default_owner, f.name)
         if value == default or value is None:
             continue
-        flag = flag_of(f)
-        if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            argv += [flag, _flag_value(value)]
+        argv += _flag_words(f, value)
     if out_dir is not None:
         argv += ["--out", str(out_dir)]
     return argv
@@ -171,6 +175,20 @@ def recorded_score(manifest: dict, where: str):
         raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
                          "records); restore it, or score it again with `divergence-probe score`")
     return call, load
+
+
+def rl_command_line(spec) -> list[str]:
+    """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated, as
+    --setting is given)."""
+    plain = type(spec)()
+    argv = ["divergence-probe", "rl"]
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if value == getattr(plain, f.name):
+            continue
+        for item in value if isinstance(value, tuple) else (value,):
+            argv += _flag_words(f, item)
+    return argv
 
 
 def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
