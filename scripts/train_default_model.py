@@ -27,16 +27,10 @@ took 3x longer with 2 threads than with 1 while another job ran), and one thread
 """
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import platform
-import secrets
-import shutil
 import statistics
-import sys
-import sysconfig
 import tempfile
 import textwrap
 import time
@@ -45,15 +39,13 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from lm_training import (HOLDOUT_EVERY, ROOT, check_out, corpus_hashes, cpu_name, encode, save, stdlib_modules,
+                         train, write_folder)
 
-from divergence_probe import modelzoo  # noqa: E402
+from divergence_probe import modelzoo  # noqa: E402  (lm_training put the checkout on sys.path)
 from divergence_probe.prompts import default_prompts_path, load_prompts  # noqa: E402
 
 DEFAULT_OUT = ROOT / "divergence_probe" / "data" / "default_model"
-HOLDOUT_EVERY = 20  # every 20th stdlib file (by sorted name) is validation data, never trained on
-LONG_FRACTION = 0.15  # the last 15% of the steps train on long windows
 VAL_TOKENS = 16384  # validation loss on the first 16k held-out tokens: a fixed set, a few seconds per evaluation
 SAMPLE_PROMPT = 'def read_lines(path):\n    """Return the lines of a text file, without trailing newlines."""\n'
 SAMPLE_TOKENS = 64
@@ -78,151 +70,6 @@ def parse_args():
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=200)
     return p.parse_args()
-
-
-# -----------------------------------------------------------------------------
-# data
-
-
-def corpus_files() -> tuple[Path, list[Path]]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return stdlib, sorted(stdlib.glob("*.py"), key=lambda p: p.name)
-
-
-def corpus_hashes(files: list[Path]) -> tuple[str, str]:
-    """sha256 of the file names (one per line), and of names and contents together."""
-    names = "".join(f"{f.name}\n" for f in files).encode()
-    contents = hashlib.sha256()
-    for f in files:
-        contents.update(f"{f.name}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
-    return hashlib.sha256(names).hexdigest(), contents.hexdigest()
-
-
-def encode(files: list[Path], tokenizer) -> torch.Tensor:
-    """All files as one stream of token ids, each file followed by <|endoftext|>."""
-    texts = [f.read_text(encoding="utf-8") for f in files]
-    eot = tokenizer.convert_tokens_to_ids(modelzoo.ENDOFTEXT)
-    stream = []
-    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
-        stream += ids + [eot]
-    return torch.tensor(stream, dtype=torch.long)
-
-
-def windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    n = len(stream) // seq_len
-    return stream[: n * seq_len].view(n, seq_len)  # (n, seq_len), non-overlapping
-
-
-class Batches:
-    """Batches of windows in a seeded random order, a new permutation every epoch."""
-
-    def __init__(self, data: torch.Tensor, batch: int, gen: torch.Generator):
-        self.data, self.batch, self.gen = data, batch, gen
-        self.order, self.pos, self.epochs = torch.randperm(len(data), generator=gen), 0, 0
-
-    def next(self) -> torch.Tensor:
-        if self.pos + self.batch > len(self.order):
-            self.order, self.pos, self.epochs = torch.randperm(len(self.data), generator=self.gen), 0, self.epochs + 1
-        idx = self.order[self.pos: self.pos + self.batch]
-        self.pos += self.batch
-        return self.data[idx]  # (batch, seq_len)
-
-
-# -----------------------------------------------------------------------------
-# training
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-@torch.no_grad()
-def mean_loss(model, data: torch.Tensor, batch: int) -> float:
-    model.eval()
-    losses = [model(input_ids=data[i: i + batch], labels=data[i: i + batch]).loss.item()
-              for i in range(0, len(data), batch)]
-    model.train()
-    return statistics.fmean(losses)
-
-
-def train(args, config, train_stream, val_stream):
-    torch.manual_seed(args.seed)
-    # float32 master weights; the BF16 copy is made only when saving
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.train()
-    # nanoGPT's split: decay the matrices (embedding included), not the norm weights
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False)
-
-    gen = torch.Generator().manual_seed(args.seed)
-    long_from = args.steps - int(args.steps * LONG_FRACTION)
-    phases = {
-        "short": Batches(windows(train_stream, args.seq_len), args.batch_tokens // args.seq_len, gen),
-        "long": Batches(windows(train_stream, args.long_seq_len), args.batch_tokens // args.long_seq_len, gen),
-    }
-    val_short = windows(val_stream[:VAL_TOKENS], args.seq_len)
-    val_long = windows(val_stream[:VAL_TOKENS], args.long_seq_len)
-
-    log, evals, window = [], [], []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        phase = "short" if step < long_from else "long"
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        x = phases[phase].next()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        window.append(loss.item())
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            elapsed = time.perf_counter() - t0
-            log.append({"step": step + 1, "phase": phase, "seq_len": x.shape[1], "train_loss": statistics.fmean(window),
-                        "lr": lr_at(step, args), "elapsed_s": elapsed})
-            window = []
-            print(f"step {step + 1:5d}  {phase:5s}  loss {log[-1]['train_loss']:.3f}  lr {log[-1]['lr']:.2e}  "
-                  f"{elapsed:6.1f}s  {(step + 1) / elapsed:.2f} steps/s", flush=True)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            t_eval = time.perf_counter()
-            evals.append({"step": step + 1, "val_loss": mean_loss(model, val_short, args.batch_tokens // args.seq_len)})
-            t0 += time.perf_counter() - t_eval  # wall time reported is training time only
-            print(f"step {step + 1:5d}  val loss ({args.seq_len}-token windows) {evals[-1]['val_loss']:.3f}",
-                  flush=True)
-    wall = time.perf_counter() - t0
-    final = {
-        "train_loss": log[-1]["train_loss"],
-        "val_loss": evals[-1]["val_loss"],
-        "val_loss_long": mean_loss(model, val_long, args.batch_tokens // args.long_seq_len),
-        "epochs_short": phases["short"].epochs, "epochs_long": phases["long"].epochs,
-        "long_from": long_from, "wall_s": wall,
-    }
-    return model, log, evals, final
-
-
-# -----------------------------------------------------------------------------
-# saving, in modelzoo's layout
-
-
-def save(model, tokenizer, out_dir: Path) -> None:
-    config = model.config
-    tokenizer.save_pretrained(out_dir)
-    model.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
-    model.generation_config = transformers.GenerationConfig(
-        # as modelzoo: only the token ids, since vLLM takes sampling defaults from this file too
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(out_dir, max_shard_size="1000GB")
-    for path in out_dir.iterdir():
-        path.chmod(0o644)  # safetensors writes 0600; package data must be readable by everyone
 
 
 # -----------------------------------------------------------------------------
@@ -274,16 +121,6 @@ def norm_weights_not_one(model_dir: Path) -> float:
 
     norms = [w for name, w in load_file(model_dir / "model.safetensors").items() if "norm" in name]
     return min((w != 1).float().mean().item() for w in norms)
-
-
-def cpu_name() -> str:
-    """The CPU model and whether it has AVX-512: what decides which kernels (and summation orders) torch runs."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{name} ({'AVX-512' if 'avx512f' in info else 'no AVX-512'})"
 
 
 # -----------------------------------------------------------------------------
@@ -412,36 +249,32 @@ def main():
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     out = args.out.expanduser().absolute()
-    if out.exists() and any(out.iterdir()):
-        if not args.overwrite:
-            sys.exit(f"{out} exists and is not empty; pass --overwrite")
-        if not (out / "config.json").is_file():
-            sys.exit(f"{out} is not a model folder (no config.json); will not overwrite it")
+    check_out(out, args.overwrite, "MODEL.md")
 
     config = modelzoo.make_config(arch="qwen3", preset="tiny")
     tokenizer = modelzoo.build_tokenizer(model_max_length=config.max_position_embeddings)
-    stdlib, files = corpus_files()
+    stdlib, files = stdlib_modules()
     val_files = files[::HOLDOUT_EVERY]
     train_files = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY]
     t = time.perf_counter()
-    train_stream, val_stream = encode(train_files, tokenizer), encode(val_files, tokenizer)
+    train_stream = encode([f.read_text(encoding="utf-8") for f in train_files], tokenizer)
+    val_stream = encode([f.read_text(encoding="utf-8") for f in val_files], tokenizer)
     print(f"{len(files)} stdlib files from {stdlib}: {len(train_stream):,} train and {len(val_stream):,} validation "
           f"tokens, tokenized in {time.perf_counter() - t:.0f}s", flush=True)
-    names_sha, contents_sha = corpus_hashes(files)
+    names_sha, contents_sha = corpus_hashes([(f.name, f) for f in files])
 
-    model, log, evals, final = train(args, config, train_stream, val_stream)
+    model, log, evals, final = train(args, config, train_stream, val_stream, val_tokens=VAL_TOKENS)
+    params = sum(p.numel() for p in model.parameters())
+    info = {}
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir(parents=True)
-    try:
+    def fill(tmp: Path) -> None:
         save(model, tokenizer, tmp)
-        params = sum(p.numel() for p in model.parameters())
         weights_bytes = (tmp / "model.safetensors").stat().st_size
         assert weights_bytes <= MAX_WEIGHTS_BYTES, f"model.safetensors is {weights_bytes} bytes, over the 10 MB budget"
         with tempfile.TemporaryDirectory() as random_dir:
             random_model = modelzoo.make_model(Path(random_dir) / "m", arch="qwen3", preset="tiny", seed=0)
             random_entropy = entropies(random_model)
-        info = {
+        info.update({
             # transformers 5 keeps rope_theta inside config.json's rope_parameters
             "config": json.loads((tmp / "config.json").read_text())
             | {"rope_theta": config.rope_parameters["rope_theta"]},
@@ -455,21 +288,13 @@ def main():
             "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "log": log, "val": {row["step"]: f"{row['val_loss']:.3f}" for row in evals}, "final": final,
             "entropy": entropies(tmp), "random_entropy": random_entropy, "sample": greedy_sample(tmp),
-        }
+        })
         (tmp / "MODEL.md").write_text(card(args, info), encoding="utf-8")
         (tmp / "MODEL.md").chmod(0o644)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder(out, fill)
     e, r = info["entropy"], info["random_entropy"]
-    print(f"wrote {out}: {params:,} parameters, {weights_bytes / 2**20:.2f} MB; train loss {final['train_loss']:.3f}, "
+    print(f"wrote {out}: {params:,} parameters, {info['weights_mb']:.2f} MB; train loss {final['train_loss']:.3f}, "
           f"val loss {final['val_loss']:.3f}; mean entropy {e['mean']:.3f} nats (random {r['mean']:.3f})")
     print("sample:", repr(info["sample"]))
 
