@@ -67,8 +67,10 @@ def corpus_hashes(named: list[tuple[str, Path]]) -> tuple[str, str]:
 def encode(texts: list[str], tokenizer) -> torch.Tensor:
     """All texts as one stream of token ids, each followed by <|endoftext|>."""
     eot = tokenizer.convert_tokens_to_ids(modelzoo.ENDOFTEXT)
-    parts = [torch.tensor(ids + [eot], dtype=torch.long)
-             for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+    parts = []
+    for i in range(0, len(texts), 1024):  # in chunks: Python's lists of ids for a whole large corpus would not fit
+        parts += [torch.tensor(ids + [eot], dtype=torch.long)
+                  for ids in tokenizer(texts[i: i + 1024], add_special_tokens=False, verbose=False)["input_ids"]]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
@@ -161,7 +163,7 @@ def train(args, config, train_stream, val_stream, *, val_tokens: int, device=tor
         fail(f"--minutes needs a warm-up of at least {CALIBRATE[1]} steps to time steps in; raise --warmup")
     log, evals, window, calibration = [], [], [], None
     t0 = time.perf_counter()
-    step = 0
+    step, t_cal = 0, None
     while steps is None or step < steps:
         long_from = None if steps is None else steps - int(steps * LONG_FRACTION)
         phase = "long" if long_from is not None and step >= long_from else "short"
@@ -203,7 +205,7 @@ def train(args, config, train_stream, val_stream, *, val_tokens: int, device=tor
             t_eval = time.perf_counter()
             evals.append({"step": step, "val_loss": mean_loss(model, val_short, eval_batch, device, amp)})
             t0 += time.perf_counter() - t_eval  # wall time reported is training time only
-            if calibration is None and budget_s is not None:
+            if t_cal is not None and calibration is None:
                 t_cal += time.perf_counter() - t_eval
             print(f"step {step:5d}  val loss ({args.seq_len}-token windows) {evals[-1]['val_loss']:.3f}", flush=True)
     wall = time.perf_counter() - t0
