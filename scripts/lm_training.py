@@ -174,16 +174,17 @@ def train(args, config, train_stream, val_stream, *, val_tokens: int, device=tor
         n_micro = -(-len(x) // micro)
         total = 0.0
         for chunk in x.split(micro):
+            chunk = chunk.to(device)
             with autocast(device, amp):
-                loss = model(input_ids=chunk.to(device), labels=chunk.to(device)).loss
+                loss = model(input_ids=chunk, labels=chunk).loss
             if n_micro > 1:
                 loss = loss / n_micro
             loss.backward()
-            total += loss.item()
+            total = total + loss.detach()  # on the device: no wait for the GPU between micro-batches
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window.append(total)
+        window.append(total.item())
         step += 1
         if budget_s is not None and step == CALIBRATE[0]:
             t_cal = time.perf_counter()
