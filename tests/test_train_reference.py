@@ -44,6 +44,9 @@ def test_tiny_reference_model_trains_and_is_a_checkpoint_compare_loads(script, t
     assert loss["reference"] < loss["init"] - 0.5 and abs(loss["init"] - loss["uniform"]) < 0.5
     assert all(math.isfinite(loss[k]) for k in ("builtin", "unigram"))
     assert json.loads((out / "training.json").read_text()) == report
+    corpus = report["corpus"]  # sorted stdlib first: __future__.py, the first held-out module, is left out
+    assert corpus["bytes"] <= 200000 and corpus["skipped"]["heldout_copy"] >= 1 and corpus["cap_reached"]
+    assert corpus["first"] == "stdlib/__hello__.py" and corpus["heldout_files"][0] == "__future__.py"
 
     source = resolve_model(str(out))  # what `compare --model` runs first: config, weights and tokenizer checks
     assert source.config["model_type"] == "qwen3" and source.config["head_dim"] == 128
