@@ -15,12 +15,12 @@ sizes; only the depth (10 of 28 layers, what the H200 trains in 10 minutes), the
 ratios (head_dim 128, two query heads per KV head, query width 2x hidden, SwiGLU 3x hidden) at 2.5M parameters for
 the CPU smoke test.
 
-Data: the standard library's *.py files (recursively, without its site-packages), then those of the running
-interpreter's site-packages, each tree walked in sorted order, files over 1 MiB, not UTF-8, or repeating an earlier
-file's bytes skipped, until the next file would pass the byte cap (--corpus-bytes). Held out: the built-in model's
-validation files (every 20th top-level stdlib module), and any copy of them; so both models are scored on text
-neither trained on. training.json records the file count, bytes, tokens and hashes: another machine has other
-packages, hence another corpus.
+Data: the standard library's *.py files (recursively, without its site-packages), then those of the interpreter's
+site directories (sysconfig's purelib and platlib, site.getsitepackages()), each tree walked in sorted order, files
+over 1 MiB, not UTF-8, or repeating an earlier file's bytes skipped, until the next file would pass the byte cap
+(--corpus-bytes). Held out: the built-in model's validation files (every 20th top-level stdlib module), and any copy
+of them; so both models are scored on text neither trained on. training.json records the file count, bytes, tokens
+and hashes: another machine has other packages, hence another corpus.
 
 Training: lm_training.train, as the built-in model, but FP32 master weights under BF16 autocast, micro-batches whose
 gradients add up to 256k-token steps, fused AdamW on CUDA. Deterministic: fixed seeds, data order from a seeded
@@ -43,6 +43,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import site  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -98,7 +99,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output folder (the checkpoint)")
     p.add_argument("--size", choices=list(SIZES), default="reference",
-                   help="reference: ~160M parameters, for the H200; tiny: 2.5M, a CPU smoke test (default: %(default)s)")
+                   help="reference: ~160M parameters, for the H200; tiny: 2.5M, a CPU smoke test "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda, cuda:N (default: auto)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps (default: the size's; reference: --minutes 10)")
@@ -130,9 +132,15 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         fail(f"--device {name} is not a device; pass auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        fail(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; pass --device cpu or install CUDA torch")
+        fail(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; pass --device cpu or install "
+             "CUDA torch")
     if device.type not in ("cpu", "cuda"):
         fail(f"--device {name}: only cpu and cuda are supported")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            fail(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices; pass cuda:0 .. "
+                 f"cuda:{torch.cuda.device_count() - 1}")
+        torch.cuda.set_device(device)  # so that what transformers puts on "cuda" lands here too
     return device
 
 
@@ -170,8 +178,11 @@ def gather_corpus(cap: int, exclude: set[str]) -> tuple[list[tuple[str, Path, st
     """(name, path, text) of the training files and what was skipped; `exclude` holds the held-out files' sha256."""
     paths = sysconfig.get_paths()
     roots = [("stdlib", Path(paths["stdlib"]), {"site-packages", "dist-packages", "__pycache__"})]
-    for key in dict.fromkeys([paths["purelib"], paths["platlib"]]):
-        roots.append(("site-packages", Path(key), {"__pycache__"}))
+    # the interpreter's site directories (a venv's own; on Debian also /usr/lib/python3/dist-packages), not
+    # PYTHONPATH, which holds whatever the caller put there (the checkout itself, for one)
+    sites = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    for folder in dict.fromkeys(str(Path(d).resolve()) for d in sites if Path(d).is_dir()):
+        roots.append((f"site{len(roots)}", Path(folder), {"__pycache__"}))
     files, seen, total = [], set(exclude), 0
     skipped = {"heldout_copy": 0, "duplicate": 0, "over_1MiB": 0, "not_utf8": 0}
     for label, root, skip in roots:
@@ -254,8 +265,8 @@ def activation_stats(model, data: torch.Tensor, device: torch.device) -> list[di
 
 
 def evaluate(out: Path, config, seed: int, device, heldout: torch.Tensor, train_stream, size: Size) -> dict:
-    """Held-out loss of the saved model, its initialisation, the built-in model and a unigram model on the same windows, and the
-    activation statistics of the saved model, its initialisation and the built-in model."""
+    """Held-out loss of the saved model, its initialisation, the built-in model and a unigram model on the same
+    windows, and the activation statistics of the saved model, its initialisation and the built-in model."""
     short, long = windows(heldout, EVAL_WINDOW), windows(heldout, config.max_position_embeddings)
     stats = short[: size.stats_windows]
     trained = load(out, device)
@@ -365,7 +376,8 @@ def main(argv=None):
     h = report["heldout_loss"]
     print(f"wrote {out}: {params:,} parameters, {steps} steps, {tokens:,} tokens in {final['wall_s']:.0f}s "
           f"({report['timing']['train_tflop_per_s']:.1f} TFLOP/s)")
-    print(f"held-out loss ({h['tokens_scored']:,} tokens, {EVAL_WINDOW}-token windows): reference {h['reference']:.4f}, "
+    print(f"held-out loss ({h['tokens_scored']:,} tokens, {EVAL_WINDOW}-token windows): "
+          f"reference {h['reference']:.4f}, init {h['init']:.4f}, "
           f"built-in {h['builtin']:.4f}, unigram {h['unigram']:.4f}, uniform {h['uniform']:.4f}")
     print("layer  max|h|/median|h| (reference, init, built-in)  attention entropy (reference, init)")
     a = report["activations"]
