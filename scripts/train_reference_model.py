@@ -353,7 +353,7 @@ def main(argv=None):
                       "head_dim": config.head_dim, "intermediate_size": config.intermediate_size,
                       "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_word_embeddings,
                       "train_gflop_per_token": flops_per_token(config, args.seq_len) / 1e9},
-            "recipe": asdict(size) | {"steps": steps, "seed": args.seed, "weight_decay": args.weight_decay,
+            "recipe": asdict(size) | {"steps": steps, "minutes": args.minutes, "seed": args.seed, "weight_decay": args.weight_decay,
                                       "precision": "FP32 master weights, BF16 autocast", "deterministic": True},
             "corpus": corpus,
             "train": {"tokens": tokens, "long_from": long_from, "epochs_short": final["epochs_short"],
