@@ -382,8 +382,8 @@ def main(argv=None):
     print("layer  max|h|/median|h| (reference, init, built-in)  attention entropy (reference, init)")
     a = report["activations"]
     for k, row in enumerate(a["reference"]):
-        b = a["builtin"][k]["max_over_median"] if k < len(a["builtin"]) else float("nan")
-        print(f"{k:5d}  {row['max_over_median']:9.1f} {a['init'][k]['max_over_median']:9.1f} {b:9.1f}  "
+        b = f"{a['builtin'][k]['max_over_median']:9.1f}" if k < len(a["builtin"]) else f"{'-':>9}"  # 4 layers
+        print(f"{k:5d}  {row['max_over_median']:9.1f} {a['init'][k]['max_over_median']:9.1f} {b}  "
               f"{row['attn_entropy']:6.3f} {a['init'][k]['attn_entropy']:6.3f}")
     return report
 
