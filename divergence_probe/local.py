@@ -54,7 +54,8 @@ MOE_SEAM_FAMILY = {"router_logits": "router", "mlp_out": "experts"}
 FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits", "router", "experts")
 # which seams an aligned region computes (regions/): their local error is the aligned op's
 REGION_SEAMS = {"rope": ("q_rope", "k_rope"), "swiglu": ("swiglu",),
-                "rmsnorm": ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"), "lm_head": ("logits",)}
+                "rmsnorm": ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"), "lm_head": ("logits",),
+                "residual": ("input_norm", "resid_mid", "post_norm", "resid_out", "final_norm")}
 GRAFT_TAPS = frozenset(ALL_TAPS)  # a seam's inputs and outputs: every tap
 STAT_COLUMNS = ("rel_l2", "mean_abs", "max_abs", "frac_equal", "max_ulp")
 LOCAL_COLUMNS = ["layer", "tap", "family", "aligned", *(f"local_{c}" for c in STAT_COLUMNS),

@@ -316,6 +316,11 @@ class RunSpec:
             raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
                              f"{self.load.dtype}, so the logits tap cannot be paired; drop logits from --taps (e.g. "
                              "--taps none) and --graft/--depth, or use --side both")
+        if "residual" in regions and self.align.side != "both" and (
+                {"resid_mid", "resid_out"} & self.capture.tap_names or self.capture.graft):
+            raise ProbeError(f"residual on --side {self.align.side} alone makes one stack's residual stream FP32 and "
+                             f"the other's {self.load.dtype}, so the resid_mid/resid_out taps cannot be paired; drop "
+                             "them from --taps (e.g. --taps none) and --graft, or use --side both")
         if "routing" in regions and self.align.side == "infer":
             raise ProbeError("routing is replayed from the engine into the trainer, so it has no --side infer; use "
                              "--side train or both, or leave routing out")

@@ -144,6 +144,15 @@ def test_cache_namespace_follows_the_region_source(monkeypatch, tmp_path):
     assert cache_namespace(("rope",), root=str(tmp_path)) == cache_namespace(("rope",), root=str(tmp_path))
 
 
+def test_cache_namespace_follows_the_code_a_region_borrows(monkeypatch, tmp_path):
+    """residual's engine patch runs rmsnorm's norm: an edited rmsnorm.py is another graph for residual too."""
+    before = {r: cache_namespace((r,), root=str(tmp_path)) for r in ("residual", "swiglu")}
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + (b"# edited" if self.name == "rmsnorm.py" else b""))
+    assert cache_namespace(("residual",), root=str(tmp_path)) != before["residual"]
+    assert cache_namespace(("swiglu",), root=str(tmp_path)) == before["swiglu"]  # which borrows nothing from it
+
+
 def aligned_code(x):
     return x
 

@@ -628,3 +628,168 @@ def test_lm_head_on_one_side_refuses_what_pairs_the_logits():
         assert "\n" not in str(e.value)
     assert spec_from_flat("ablate", regions="rope,lm_head", side="train", taps="none").ablate.regions == ("rope", "lm_head")
     assert spec_from_flat("compare", align="lm_head").align.regions == ("lm_head",)  # both sides: every tap pairs
+
+
+# -----------------------------------------------------------------------------
+# residual: the stream in FP32 (regions/residual.py). The stream entering a norm is the running sum of the embedding
+# and the k branch outputs added before it, each exactly upcast; recursive FP32 summation is within
+# gamma_k * sum|terms| of the exact sum (Higham eq. 4.4; gamma_k = k U / (1 - k U)). The shipped stream rounds every
+# partial sum to BF16 (relative 2^-9), which that bound cannot hold. Each norm reading the stream is the aligned norm
+# of its FP32 input: rounding_errors against the float64 norm of that input, as for rmsnorm.
+# -----------------------------------------------------------------------------
+
+
+def gamma(k: int) -> float:
+    return k * U / (1 - k * U)
+
+
+def stream_check(model, seen: dict) -> tuple[float, int, int]:
+    """(largest |stream - exact| / bound over every point the stream is read, norm outputs not R(y) for a y within the
+    FP32 bound of the exact norm of their input, worst ULP distance of those) of one captured forward; exact: the
+    float64 running sum of the embedding and every attention and MLP output added into the stream."""
+    n, layers = model.config.num_hidden_layers, model.model.layers
+    exact, magnitude, k = seen["model"]["embed"].double(), seen["model"]["embed"].double().abs(), 0
+    worst, norm_errors = 0.0, []
+    for i in range(n):
+        t = seen[i]
+        for branch, stream in (("o_proj", "stream"), ("mlp_out", "layer_out")):
+            exact, magnitude, k = exact + t[branch].double(), magnitude + t[branch].double().abs(), k + 1
+            worst = max(worst, float(((t[stream].double() - exact).abs() / (gamma(k) * magnitude)).max()))
+        for got, s, norm in ((t["input_norm"], t["x_in"], layers[i].input_layernorm),
+                             (t["post_norm"], t["stream"], layers[i].post_attention_layernorm)):
+            want = rms_exact(s, norm.weight, norm.variance_epsilon)
+            norm_errors.append(rounding_errors(got, want, rms_eps(want, s.shape[-1])))
+    final = model.model.norm
+    want = rms_exact(seen[n - 1]["layer_out"], final.weight, final.variance_epsilon)
+    norm_errors.append(rounding_errors(seen["model"]["final_norm"], want, rms_eps(want, want.shape[-1])))
+    return worst, sum(o for o, _ in norm_errors), max(u for _, u in norm_errors)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_residual_stream_is_the_fp32_sum_and_off_is_the_shipped_forward(hf_tiny, one_thread, arch):
+    """Aligned (alone or with rmsnorm), the stream is FP32 and within the FP32 summation bound of the exact sum of what
+    was added into it, and every norm reading it rounds its exact norm once; the shipped BF16 stream is not within
+    that bound. Undone, the forward is the shipped one bit for bit."""
+    model = hf_tiny[arch]
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(40)
+    snap = snapshot(model)
+    with torch.inference_mode():
+        shipped_logits = model(input_ids=ids).logits
+    shipped, _, _ = stream_check(model, run_capturing(model, ids, positions))
+    logits = {}
+    for regions in (("residual",), ("rmsnorm", "residual")):
+        with align.apply(model, regions):
+            seen = run_capturing(model, ids, positions)
+            with torch.inference_mode():
+                logits[regions] = model(input_ids=ids).logits
+        assert seen[1]["x_in"].dtype == seen[0]["layer_out"].dtype == torch.float32  # the stream between layers
+        assert seen[0]["input_norm"].dtype == seen[0]["post_norm"].dtype == torch.bfloat16  # what the GEMMs read
+        worst, outside, worst_ulp = stream_check(model, seen)
+        assert worst <= 1 and outside == 0 and worst_ulp <= 1, (regions, worst, outside, worst_ulp)
+        if "rmsnorm" in regions and arch == "qwen3":  # aligned together, rmsnorm still aligns q_norm/k_norm
+            d, config = head_dim(model.config), model.config
+            for i, layer in enumerate(model.model.layers):
+                for name, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
+                    norm = getattr(layer.self_attn, f"{name}_norm")
+                    want = rms_exact(seen[i][f"{name}_proj"].view(-1, heads, d), norm.weight, norm.variance_epsilon)
+                    assert rounding_errors(seen[i][f"{name}_norm"], want, rms_eps(want, d))[0] == 0, (i, name)
+    assert shipped > 1  # the shipped stream is not the FP32 sum: the check tells them apart
+    if arch == "qwen2":  # no q/k norms: with residual on, rmsnorm changes nothing
+        assert torch.equal(logits[("residual",)], logits[("rmsnorm", "residual")])
+    assert_unchanged(snap)
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, shipped_logits)
+
+
+@pytest.mark.parametrize("regions", [("residual",), ("rmsnorm", "residual")])
+def test_residual_vllm_norms_equal_patched_transformers(vllm_probe, hf_tiny, one_thread, regions):
+    """vLLM's patched fused add+norms, fed what the patched transformers layers added, return the same FP32 stream and
+    the same norm outputs bitwise; the q/k norms are rmsnorm's when it is aligned too and the shipped ones otherwise;
+    undone, the engine's norms are the shipped ones."""
+    hf, vm = hf_tiny["qwen3"], vllm_probe.infer.model
+    config, d = hf.config, head_dim(hf.config)
+    ids = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
+    with align.apply(hf, regions):
+        seen = run_capturing(hf, ids, torch.arange(24))
+    n = config.num_hidden_layers
+    norm1 = vm.model.layers[1].input_layernorm
+    with torch.inference_mode():
+        probe_in = (seen[0]["mlp_out"].clone(), seen[0]["stream"].bfloat16())
+        shipped = norm1(*(x.clone() for x in probe_in))
+        heads = seen[0]["q_proj"].view(-1, config.num_attention_heads, d)
+        shipped_q = vm.model.layers[0].self_attn.q_norm(heads.clone())
+        with aligned([vllm_probe.infer], regions):
+            for i, layer in enumerate(vm.model.layers[:n]):
+                t = seen[i]
+                if i == 0:
+                    assert torch.equal(layer.input_layernorm(seen["model"]["embed"].clone()), t["input_norm"])
+                else:
+                    out, stream = layer.input_layernorm(seen[i - 1]["mlp_out"].clone(), seen[i - 1]["stream"].clone())
+                    assert stream.dtype == torch.float32 and torch.equal(stream, t["x_in"])
+                    assert torch.equal(out, t["input_norm"])
+                out, stream = layer.post_attention_layernorm(t["o_proj"].clone(), t["x_in"].clone())
+                assert torch.equal(out, t["post_norm"]) and torch.equal(stream, t["stream"])
+                q = layer.self_attn.q_norm(t["q_proj"].view(-1, config.num_attention_heads, d).clone())
+                assert torch.equal(q, t["q_norm"])
+            final, _ = vm.model.norm(seen[n - 1]["mlp_out"].clone(), seen[n - 1]["stream"].clone())
+            assert torch.equal(final, seen["model"]["final_norm"])
+            q = vm.model.layers[0].self_attn.q_norm(heads.clone())
+            assert torch.equal(q, shipped_q) != ("rmsnorm" in regions)  # residual alone leaves the q/k norms shipped
+        after = norm1(*(x.clone() for x in probe_in))
+        assert all(torch.equal(a, b) for a, b in zip(shipped, after))
+
+
+def test_residual_and_rmsnorm_compose_on_both_stacks(vllm_probe, hf_tiny):
+    """Aligned together, residual takes the targets it shares with rmsnorm (no overlap) and rmsnorm keeps the rest
+    (Qwen3's q/k norms; on Qwen2 nothing)."""
+    for arch, model in hf_tiny.items():
+        n = model.config.num_hidden_layers
+        with HookSet() as hooks:
+            found = patch("hf", model, ("rmsnorm", "residual"), hooks)
+        assert found == {"residual": 3 * n + 1, "rmsnorm": 2 * n if arch == "qwen3" else 0}, arch
+    vm = vllm_probe.infer.model
+    n = len(vm.model.layers)
+    found = {region: len(r) for region, r in plan("vllm", vm, ("rmsnorm", "residual")).items()}
+    assert found == {"rmsnorm": 2 * n, "residual": 2 * n + 1}
+
+
+def test_residual_on_a_mixture_of_experts(qwen3_moe_tiny):
+    """Qwen3-MoE's layers take the same patch: an FP32 stream between layers, other logits, undone bitwise."""
+    model = load_hf(qwen3_moe_tiny)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    streams = []
+    with torch.inference_mode(), HookSet() as hooks:
+        hooks.after(model.model.layers[0], lambda m, a, k, o: streams.append(first_tensor(o)))
+        shipped = model(input_ids=ids).logits
+        with align.apply(model, ("rope", "rmsnorm", "residual")):
+            on = model(input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids).logits, shipped)
+    assert [s.dtype for s in streams] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert not torch.equal(on, shipped)
+
+
+def test_residual_on_one_side_refuses_what_pairs_the_stream():
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import spec_from_flat
+
+    for flags in ({"align": "residual", "side": "train"}, {"regions": "rope,residual", "side": "infer",
+                                                          "taps": "resid_out"},
+                  {"align": "residual", "side": "train", "taps": "none", "graft": True}):
+        kind = "ablate" if "regions" in flags else "compare"
+        with pytest.raises(ProbeError, match="the resid_mid/resid_out taps cannot be paired") as e:
+            spec_from_flat(kind, **flags)
+        assert "\n" not in str(e.value)
+    assert spec_from_flat("ablate", regions="rope,rmsnorm,residual").ablate.regions == ("rope", "rmsnorm", "residual")
+    assert spec_from_flat("compare", align="residual", side="train", taps="none").align.regions == ("residual",)
+
+
+def test_residual_is_what_an_amp_trainer_already_computes(hf_tiny):
+    """Under AMP (FP32 weights, BF16 autocast) the shipped stream is FP32 and the norm's FP32 output is rounded once by
+    autocast at the next GEMM: the region's forward, bit for bit (docs/reference.md says so)."""
+    model = copy.deepcopy(hf_tiny["qwen3"]).float()
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        shipped = model(input_ids=ids).logits
+        with align.apply(model, "residual"):
+            assert torch.equal(model(input_ids=ids).logits, shipped)

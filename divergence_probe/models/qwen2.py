@@ -42,8 +42,8 @@ HF = StackLayout(
         Seam(("mlp_out",), "down_proj", "projection"),
         Seam(("resid_out",), ""),
     ),
-    # rope: the attention's modeling file holds apply_rotary_pos_emb; rmsnorm: the layer forward (its residual adds)
-    regions={"rope": "attn", "swiglu": "mlp", "rmsnorm": ""},
+    # rope: the attention's modeling file holds apply_rotary_pos_emb; rmsnorm, residual: the layer forward (its adds)
+    regions={"rope": "attn", "swiglu": "mlp", "rmsnorm": "", "residual": ""},
 )
 
 VLLM = StackLayout(

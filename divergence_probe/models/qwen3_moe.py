@@ -43,7 +43,7 @@ def _layer(roles: dict, dense: tuple[str, ...]) -> dict:
 # transformers' router (`mlp.gate`) returns (logits, weights, ids): its weights and ids are its choice of experts
 HF = replace(QWEN3.hf, layer=_layer(QWEN3.hf.layer, ("gate_proj", "up_proj", "down_proj", "act")),
              seams=_moe_seams(QWEN3.hf.seams, Seam(("expert_weights", "expert_ids"), "gate", "router_choice")),
-             regions={"rope": "attn", "rmsnorm": ""})
+             regions={"rope": "attn", "rmsnorm": "", "residual": ""})
 # vLLM's router (`mlp.experts.router`, a BaseRouter, not a module): its select_experts returns (topk_weights, topk_ids),
 # the experts vLLM then runs each row with, and calls the capture callback that fills enable_return_routed_experts.
 VLLM = replace(QWEN3.vllm, layer={**_layer(QWEN3.vllm.layer, ("gate_up_proj", "down_proj", "act")),

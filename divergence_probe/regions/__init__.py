@@ -24,6 +24,7 @@ REGIONS: dict[str, str] = {
     "rmsnorm": "divergence_probe.regions.rmsnorm:RMSNORM",
     "routing": "divergence_probe.regions.routing:ROUTING",
     "lm_head": "divergence_probe.regions.lm_head:LM_HEAD",
+    "residual": "divergence_probe.regions.residual:RESIDUAL",
 }
 # the default wherever "every region" is meant: the numeric ones every family has (routing needs a MoE model)
 ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
@@ -90,6 +91,10 @@ def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Repla
         if not found:
             raise StackError(f"{where}: it found nothing to patch; {fix}")
         plans[name] = [replace(r, owner=f"region {name} on {stack_name}") for r in found]
+    for name in plans:  # a target two regions replace goes to the one whose replacement includes the other's
+        for other in set(get_region(name).supersedes) & set(plans):
+            taken = {r.key for r in plans[name]}
+            plans[other] = [r for r in plans[other] if r.key not in taken]
     return plans
 
 

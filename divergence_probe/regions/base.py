@@ -56,6 +56,10 @@ class Region:
     # vLLM runs the patched code outside its compiled graph (the logits: `compute_logits` is eager), so a compiled
     # engine calls the patch at every step and its build has no trace of it to prove
     outside_graph: bool = False
+    # regions whose patch of a target this region's patch of that target includes (residual's norms are rmsnorm's
+    # aligned norm fed from the FP32 stream): aligned together, this region's replacement of a shared target is the
+    # one applied, and the other's other targets are patched as usual
+    supersedes: tuple[str, ...] = ()
 
 
 def layout(model, stack: str) -> StackLayout:
@@ -63,13 +67,19 @@ def layout(model, stack: str) -> StackLayout:
     return getattr(family_of(model), stack)
 
 
-def decoder_layers(model, stack: str) -> list:
-    """The decoder layers of a loaded model of `stack`, where its family keeps them (Qwen2/Qwen3: model.layers)."""
+def model_part(model, stack: str, role: str):
+    """The model-level module of `role` (models/: layers, final_norm, lm_head) of a loaded model of `stack`, or
+    SeamMissing naming the first part of its path that is absent and where."""
     obj, where = model, "the model"
-    for name in layout(model, stack).model["layers"].split("."):
+    for name in layout(model, stack).model[role].split("."):
         obj = child(obj, name, where)
         where = f"model.{name}" if where == "the model" else f"{where}.{name}"
-    return list(obj)
+    return obj
+
+
+def decoder_layers(model, stack: str) -> list:
+    """The decoder layers of a loaded model of `stack`, where its family keeps them (Qwen2/Qwen3: model.layers)."""
+    return list(model_part(model, stack, "layers"))
 
 
 def part(layer, where: str, stack_layout: StackLayout, role: str):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import ProbeError
 from ..stacks.hooks import Replacement
-from .base import Region, child, layout
+from .base import Region, child, model_part
 
 
 def head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,18 +29,9 @@ def head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def _lm_head(model: torch.nn.Module, stack: str):
-    """The model's head module, where its family keeps it (a tied head: the embedding vLLM reuses)."""
-    obj, where = model, "the model"
-    for name in layout(model, stack).model["lm_head"].split("."):
-        obj = child(obj, name, where)
-        where = f"{where}.{name}"
-    return obj
-
-
 def patch_hf(model: torch.nn.Module) -> list[Replacement]:
     """transformers' head is an nn.Linear whose output the causal LM returns as its logits."""
-    lm_head = _lm_head(model, "hf")
+    lm_head = model_part(model, "hf", "lm_head")
     child(lm_head, "weight", "the lm_head")
     return [Replacement(lm_head, "forward", lambda x: head(x, lm_head.weight, lm_head.bias))]
 
@@ -49,7 +40,7 @@ def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     """vLLM's LogitsProcessor calls `lm_head.quant_method.apply(lm_head, hidden, bias)` for the head GEMM; that call is
     replaced. With a `head_dtype` other than the model's (its own FP32-head option) the processor skips it, so
     that engine is refused rather than silently left as it runs."""
-    lm_head = _lm_head(model, "vllm")
+    lm_head = model_part(model, "vllm", "lm_head")
     method = child(lm_head, "quant_method", "the lm_head")
     if type(method).__name__ not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
         raise ProbeError(f"an FP32 head needs an unquantized lm_head; vLLM built {type(method).__name__}: leave "

@@ -55,9 +55,10 @@ def _hf_norm_forward(norm):
     return forward
 
 
-def _hf_layer_forward(layer, hf: StackLayout):
-    """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through residual_add. Its parts are looked up
-    per call, as the layer's own forward does: a replay (stacks/hf_replay.py) stubs them."""
+def hf_layer_forward(layer, hf: StackLayout, add=residual_add):
+    """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through `add` (residual_add here; the residual
+    region's keeps the stream in FP32). Its parts are looked up per call, as the layer's own forward does: a replay
+    (stacks/hf_replay.py) stubs them."""
     paths = {role: hf.layer[role] for role in ("input_norm", "attn", "post_norm", "mlp")}
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
@@ -67,9 +68,9 @@ def _hf_layer_forward(layer, hf: StackLayout):
         x, _ = find(layer, paths["attn"])(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                           past_key_values=past_key_values, use_cache=use_cache,
                                           position_embeddings=position_embeddings, **kwargs)
-        residual = residual_add(x, residual)
+        residual = add(x, residual)
         x = find(layer, paths["mlp"])(find(layer, paths["post_norm"])(residual))
-        return residual_add(x, residual)
+        return add(x, residual)
 
     return forward
 
@@ -88,7 +89,7 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
     for i, layer in enumerate(decoder_layers(model, "hf")):
         for role in ("input_norm", "attn", "post_norm", "mlp"):
             part(layer, layer_name(hf, i), hf, role)
-        found.append(Replacement(part(layer, "", hf, hf.regions["rmsnorm"]), "forward", _hf_layer_forward(layer, hf)))
+        found.append(Replacement(part(layer, "", hf, hf.regions["rmsnorm"]), "forward", hf_layer_forward(layer, hf)))
     return found
 
 

@@ -52,7 +52,8 @@ class RLSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     steps: int = option(20, "GRPO steps per run (rollout, reward, update, weight push, checks).")
     align: str = option("none", "Regions aligned (FP32 until one rounding): none or a comma list of "
-                                + ", ".join((*ALL_REGIONS, "lm_head")) + "; routing (MoE) is R3 routing replay: the update's "
+                                + ", ".join((*ALL_REGIONS, "lm_head", "residual"))
+                                + "; routing (MoE) is R3 routing replay: the update's "
                                 "forward sends each token to the experts the engine's rollout routed it to, with the "
                                 "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "

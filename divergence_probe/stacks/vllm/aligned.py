@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -39,8 +40,9 @@ def cache_namespace(regions: Sequence[str], root: str | None = None) -> str | No
     be loaded by the other (vLLM re-checks only that the inlined source files are unchanged, which they are). The
     key's only lever outside the config is where the cache lives, so each set of aligned regions compiles under its
     own VLLM_CACHE_ROOT: a subfolder of the user's root named by the regions and the sha256 of their source files
-    (an edited region compiles anew). The shipped engine keeps the user's root, which it can share with the user's
-    own vLLM runs. Inductor's own caches are keyed by graph content and follow VLLM_CACHE_ROOT in AOT mode."""
+    and of the region modules they take code from (an edited region compiles anew; residual runs rmsnorm's norm).
+    The shipped engine keeps the user's root, which it can share with the user's own vLLM runs. Inductor's own
+    caches are keyed by graph content and follow VLLM_CACHE_ROOT in AOT mode."""
     if not regions:
         return None
     from ... import regions as registry
@@ -48,7 +50,11 @@ def cache_namespace(regions: Sequence[str], root: str | None = None) -> str | No
     digest = hashlib.sha256()
     for name in sorted(regions):
         module = inspect.getmodule(registry.get_region(name).patchers["vllm"])
-        digest.update(name.encode() + b"\0" + Path(module.__file__).read_bytes())
+        package = module.__name__.rpartition(".")[0]
+        used = {module.__name__} | {getattr(value, "__module__", None) for value in vars(module).values()}
+        digest.update(name.encode() + b"\0")
+        for source in sorted(m for m in used if m and m.rpartition(".")[0] == package):
+            digest.update(Path(sys.modules[source].__file__).read_bytes())
     base = root or os.environ.get("VLLM_CACHE_ROOT") or _default_vllm_cache_root()
     return str(Path(base) / CACHE_SUBDIR / f"{'+'.join(sorted(regions))}-{digest.hexdigest()[:16]}")
 
@@ -97,8 +103,6 @@ class _InlineRecorder:
 
 def _aot_sources(model: torch.nn.Module) -> set[tuple[str, int]]:
     """(file, first line) of every function the AOT-compiled graph(s) of `model` inlined, as their artifact records."""
-    import sys
-
     found = set()
     for module in model.modules():
         compiled = getattr(module, "aot_compiled_fn", None)

@@ -62,8 +62,8 @@ def _routes(a, k, o) -> dict[str, torch.Tensor]:
 
 
 def _layer_output(a, k, o) -> dict[str, torch.Tensor]:
-    hidden, residual = o
-    return {"resid_out": (hidden.float() + residual.float()).to(hidden.dtype)}
+    hidden, residual = o  # the residual is FP32 when the residual region keeps the stream so, and stays FP32 here
+    return {"resid_out": (hidden.float() + residual.float()).to(torch.promote_types(hidden.dtype, residual.dtype))}
 
 
 def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
