@@ -143,15 +143,17 @@ class RolloutRecorder:
         "<request_id>-<suffix>" (vLLM 0.24 and 0.32)."""
         return {req_id.split("-")[0]: req_id for spans in self.steps for req_id in (s.req_id for s in spans)}
 
-    def routes(self, sequences: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, torch.Tensor]:
+    def routes(self, sequences: dict[str, tuple[int, ...]], num_layers: int, tap: str = "expert_ids"
+               ) -> dict[str, torch.Tensor]:
         """The engine's experts for every fed row of each sequence (output request id -> its tokens): [L-1, layers, k]
-        ids by position, from the `expert_ids` taps, as vLLM's routed-experts record holds them.
+        ids by position, from the `expert_ids` taps, as vLLM's routed-experts record holds them (another per-layer
+        `tap`, e.g. router_logits: its rows, filed the same way).
 
         With prefix caching, a request is not fed the prompt rows the cache served; like the record (which re-reads
         them from its block store), those rows take the routes of the request that computed them: the first row in
         the run fed the same token after the same prefix (the cache matches whole prefixes). A row computed twice
         for one request (preempted, then recomputed) keeps its last computation."""
-        whole = torch.stack([self._whole(TapKey.of("expert_ids", i)) for i in range(num_layers)], dim=1)
+        whole = torch.stack([self._whole(TapKey.of(tap, i)) for i in range(num_layers)], dim=1)
         internal = self.request_ids()
         node_of: dict[tuple[int, int], int] = {}  # (prefix node, token) -> node: one node per distinct prefix
         first: dict[int, int] = {}  # prefix node -> the first row that computed it
