@@ -46,9 +46,10 @@ def step_layout(runner, hooks: HookSet) -> Callable[[], Layout]:
         config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
         mode = getattr(getattr(config, "cudagraph_mode", None), "name", "NONE")
         if "FULL" in mode:  # its decode steps replay one graph around the whole step: the model call is not seen
-            raise StackError(f"generate mode cannot follow vLLM's model runner V2 under CUDA graphs {mode}: its decode "
-                             "steps replay a full graph, so the tool never sees which rows a step fed; add --engine-args "
-                             "'{\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\"}}' or use --engine eager")
+            raise StackError(f"generate mode and rl's route records cannot follow vLLM's model runner V2 under CUDA "
+                             f"graphs {mode}: its decode steps replay a full graph, so the tool never sees which rows "
+                             "a step fed; add --engine-args '{\"compilation_config\": {\"cudagraph_mode\": "
+                             "\"PIECEWISE\"}}' or use --engine eager")
         prepared = []
         original = runner.prepare_inputs
 

@@ -573,7 +573,8 @@ class VLLMStack:
     def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> Iterator[RolloutRecorder]:
         """For the block's generate calls, record the experts the engine's router sent every computed row to (the
         select_experts seam, taps.ROUTE_RECORDS' ids: what its experts ran with), filed by request and position; read
-        them with `recorder.routes(...)` after the block. No logits; `taps`: other per-layer taps to record beside.
+        them with `recorder.routes(...)` after the block. No logits; `taps`: what is recorded (the ids, and any other
+        per-layer tap to read beside them, e.g. router_logits, through `recorder.routes(..., tap=name)`).
         Eager: a hook on the seam. Compiled: the engine's route tap points (built at load: probe.load's `routes`),
         whose buffers the graph, or a CUDA-graph replay, writes every step and the host reads after the step's
         model call; a padded CUDA-graph batch's extra rows come along and match no request's span (rollout.py)."""
