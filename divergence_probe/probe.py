@@ -163,12 +163,14 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
 
 
 def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
-         plan_for: RunSpec | None = None, **config) -> Probe:
+         plan_for: RunSpec | None = None, routes: bool = False, **config) -> Probe:
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
     `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
     tap points, which is another compiled graph than vLLM as deployed, and device buffers for exactly these taps
     (stacks/vllm/compiled_taps.py): later runs can capture those, not others.
+    `routes`: a compiled engine of a mixture of experts gets tap points for its route records even without taps
+    (rl records every rollout's routes there); a run that replays routes (`plan_for`) implies it.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
     `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (memory_plan.py) sizes
@@ -186,7 +188,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
-                                                            routes=_replays_routes(plan_for)))
+                                                            routes=routes or _replays_routes(plan_for)))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(source.path)

@@ -1,6 +1,11 @@
 """Runs rl on the tiny Qwen3-MoE in its own process (rl's engine has prefix caching on): an experiment with and
 without routing replay, which experts the update's forward ran with, and the weight-sync check's expert cases.
-Prints one JSON object of what it saw."""
+Prints one JSON object of what it saw. Arguments: model, out folder, engine (eager, the default, or compiled).
+
+Before the run, at the checkpoint's weights, it records the routes and router logits of fixed rollouts (two generate
+calls: the second's prompts come from the prefix cache) in OUT/same_tokens.pt, for test_rl_moe to compare the eager
+engine's with the compiled one's on the tokens both fed. The compiled engine is built with router_logits tap points
+beside the route records rl's own load gives it, so that its router logits can be read too."""
 
 from __future__ import annotations
 
@@ -13,12 +18,14 @@ from unittest import mock
 import torch
 
 import divergence_probe.rl as rl
+from divergence_probe.errors import ProbeError
 from divergence_probe.models import family_of, find
 from divergence_probe.rl.sync import WeightSync
 from divergence_probe.rl.trainer import Trainer
 from divergence_probe.stacks.vllm.rollout import RolloutRecorder
 
 model, root = sys.argv[1], Path(sys.argv[2])
+mode = sys.argv[3] if len(sys.argv) > 3 else "eager"
 seen: dict = {}
 # prompts longer than a KV block (32 tokens, the CPU backend's smallest): a group's responses share a full block of
 # their prompt, so the prefix cache serves some of their rows and the recorded routes must fill those in from the
@@ -31,7 +38,45 @@ prompts.write_text("Write a short list of words in lowercase letters only, one a
                    "library by the river kept its doors open late into the night because\n")
 spec = rl.RLSpec(model=model, setting=("none", "routing"), steps=1, group_size=4, prompts_per_step=2,
                  max_new_tokens=8, device="cpu", reward="letters", prompts=str(prompts), audit_every=1,
-                 engine_args={"block_size": 32})
+                 engine_args={"block_size": 32}, engine=mode)
+t0 = time.perf_counter()
+if mode == "compiled":  # rl's own load (route records only), with router_logits tap points beside (docstring)
+    import divergence_probe as dp
+
+    from divergence_probe.rl.loop import load_spec
+
+    probe = dp.load(spec=load_spec(spec), taps="router_logits", routes=True)
+else:
+    probe = rl.load(spec)
+seen["t_load"] = time.perf_counter() - t0
+seen["engine_tap_points"] = sorted(probe.settings.engine_taps)
+
+# 0. fixed rollouts at the checkpoint's weights: routes and router logits of every fed row, by sequence and position
+from vllm import SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+num_layers = probe.source.num_layers
+texts = [t for t in prompts.read_text().split("\n\n") if t.strip()]
+prompt_ids = [tuple(probe.tokenizer(t)["input_ids"]) for t in texts]
+t0 = time.perf_counter()
+with probe.infer.routes_recorded(frozenset({"expert_ids", "router_logits"})) as recorder:
+    outputs = []
+    for call in range(2):  # the second call's prompt rows are served from the prefix cache the first one filled
+        requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids for _ in range(2)]
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=call * 100 + k, logprobs=0, detokenize=False)
+                  for k in range(len(requests))]
+        outputs += probe.infer.llm.generate(requests, params, use_tqdm=False)
+sequences = {out.request_id: tuple(out.prompt_token_ids) + tuple(out.outputs[0].token_ids) for out in outputs}
+fixed_ids = recorder.routes(sequences, num_layers)
+fixed_logits = recorder.routes(sequences, num_layers, tap="router_logits")
+internal = recorder.request_ids()
+torch.save({"tokens": [sequences[out.request_id] for out in outputs],
+            "expert_ids": [fixed_ids[out.request_id] for out in outputs],
+            "router_logits": [fixed_logits[out.request_id] for out in outputs],
+            "cached_rows": [min(p for p, _, _ in recorder._rows(internal[out.request_id])) for out in outputs]},
+           root / "same_tokens.pt")
+seen["t_same_tokens"] = time.perf_counter() - t0
+
 cached_rows = []
 real_routes = RolloutRecorder.routes
 
@@ -43,9 +88,6 @@ def counting_routes(self, sequences, num_layers):  # rows each request was serve
 
 
 RolloutRecorder.routes = counting_routes
-t0 = time.perf_counter()
-probe = rl.load(spec)
-seen["t_load"] = time.perf_counter() - t0
 
 # 1. the experiment: one engine, the setting without and with replay; meanwhile, which experts the update's forward
 # ran with (the ids each layer's experts module was called with), and the rollout's record of the engine's routes
@@ -110,7 +152,7 @@ loop = rl.Loop(probe, spec)  # a trainer at the checkpoint, on the engine the ru
 def error_of(fn) -> str:
     try:
         fn()
-    except rl.SyncError as e:
+    except ProbeError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -147,4 +189,22 @@ def reload_alone():
 
 
 seen["reload_alone"] = error_of(reload_alone)
+
+
+# 4. (compiled) route buffers the graph did not write (zeroed before the host reads them after each step): the
+# replaying step refuses the rollout's routes instead of training on them
+if mode == "compiled":
+    from divergence_probe.stacks.vllm import compiled_taps
+
+    real_deliver = compiled_taps.deliver
+
+    def stale(input_ids):
+        for key, buffer in compiled_taps._BUFFERS.items():
+            if compiled_taps._KEYS[key].name == "expert_ids":
+                buffer.zero_()
+        real_deliver(input_ids)
+
+    loop.replay = True
+    with mock.patch.object(compiled_taps, "deliver", stale):
+        seen["stale_routes"] = error_of(lambda: loop.step(spec.seed, 1))
 print("RESULT " + json.dumps(seen))

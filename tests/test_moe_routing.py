@@ -230,6 +230,51 @@ def test_moe_seams_depend_only_on_their_inputs(hf_moe, prompts_file):
     assert not torch.equal(hf_moe.train.replay(rerouted)[TapKey.of("mlp_out", 1)], clean[TapKey.of("mlp_out", 1)])
 
 
+def test_replay_checks_every_layers_routes_with_one_host_read_per_forward(hf_moe, prompts_file):
+    """The replay's row checks (k distinct experts in every row) are read back once per forward, not once per layer:
+    a replayed forward reads values to the host exactly once more than a plain one (counted at every torch call that
+    does: item, tolist, bool, ...). Its refusals stay what they were: the first bad layer, in one line."""
+    from torch.overrides import TorchFunctionMode
+
+    from divergence_probe.errors import StackError
+    from divergence_probe.prompts import load_prompts
+
+    T = torch.Tensor
+    reads = {T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, T.nonzero, torch.nonzero, T.cpu,
+             T.numpy}
+
+    class HostReads(TorchFunctionMode):
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.count += func in reads
+            return func(*args, **(kwargs or {}))
+
+    [prompt] = load_prompts(prompts_file, hf_moe.tokenizer, num_prompts=1, max_model_len=2048)
+    stack, own = hf_moe.train, {}
+    stack.score([prompt], frozenset({"expert_ids"}), lambda pid, key, x: own.__setitem__(key.layer, x.clone()))
+    assert len(own) == LAYERS
+
+    def forward(routes=None) -> int:
+        with HostReads() as host:
+            if routes is None:
+                stack.score([prompt], frozenset(), lambda *_: None)
+            else:
+                with stack.routes_replayed(lambda key, layer: (routes[layer], None)):
+                    stack.score([prompt], frozenset(), lambda *_: None)
+        return host.count
+
+    assert forward(own) == forward() + 1
+    torn = {**own, 1: own[1].clone()}
+    torn[1][3, 1] = torn[1][3, 0]  # one row of layer 1 names an expert twice
+    with pytest.raises(StackError, match=f"routes of layer 1 for prompt {prompt.prompt_id} are not {TOP_K} distinct "
+                                         "experts of 32 in every row"):
+        forward(torn)
+    with pytest.raises(StackError, match="routes of layer 0 "):  # the first bad layer is named
+        forward({layer: torch.zeros_like(ids) for layer, ids in own.items()})
+    assert forward(own) == forward() + 1  # a refused forward leaves nothing behind
+
+
 def test_graft_separates_the_routers_from_the_experts(runs, qwen3_moe_tiny):
     """vLLM: local_routing.csv is the trainer's router on the engine's own router input against the engine's top-k,
     recomputed here from the engine's post_norm taps and the checkpoint's gate weights (under the trainer's torch

@@ -1,5 +1,6 @@
 """rl on a mixture of experts (tiny Qwen3-MoE): routing replay (R3) over training, the routing mismatch per step, and
-the weight-sync check of the experts. One engine, in tests/rl_moe_driver.py's process."""
+the weight-sync check of the experts, on the eager engine and on the compiled one (routes recorded at its tap
+points). One engine per tests/rl_moe_driver.py process, one process per engine mode."""
 
 from __future__ import annotations
 
@@ -23,16 +24,35 @@ from divergence_probe.taps import TapKey
 REPO = Path(__file__).resolve().parents[1]
 
 
+_DRIVEN: dict[str, tuple[Path, dict]] = {}  # engine mode -> (its folder, what its driver saw): one process each
+
+
+def _driven(mode: str, model: Path, tmp_path_factory) -> tuple[Path, dict]:
+    if mode not in _DRIVEN:
+        root = tmp_path_factory.mktemp(f"rl-moe-{mode}")
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "rl_moe_driver.py"), str(model), str(root), mode],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+        _DRIVEN[mode] = root, json.loads(line.removeprefix("RESULT "))
+    return _DRIVEN[mode]
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def rl_moe(request, qwen3_moe_tiny, tmp_path_factory):
+    return _driven(request.param, qwen3_moe_tiny, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def rl_moe(qwen3_moe_tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl-moe")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "rl_moe_driver.py"), str(qwen3_moe_tiny), str(root)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return root, json.loads(line.removeprefix("RESULT "))
+def rl_moe_eager(qwen3_moe_tiny, tmp_path_factory):
+    return _driven("eager", qwen3_moe_tiny, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def rl_moe_compiled(qwen3_moe_tiny, tmp_path_factory):
+    return _driven("compiled", qwen3_moe_tiny, tmp_path_factory)
 
 
 def test_rl_runs_on_moe_with_and_without_replay(rl_moe):
@@ -68,6 +88,43 @@ def test_sync_check_catches_experts_left_in_checkpoint_layout_by_vllms_reload(rl
     assert seen["reload_alone"].startswith("SyncError") and "w13_weight" in seen["reload_alone"]
 
 
+def test_compiled_rollout_routes_are_the_eager_engines_up_to_rounding(rl_moe_eager, rl_moe_compiled):
+    """The same fixed rollouts (prompt rows, rows served from the prefix cache, decoded rows) through the eager engine
+    (hooks) and the compiled one (tap points), at the checkpoint's weights. Each engine's recorded routes are a top-k
+    of its own router logits in every row and layer. Where the two engines' router logits are bitwise equal, the
+    routes must be too; on the CPU build that is no row (Inductor keeps the residual stream in FP32 and rounds
+    elsewhere: docs/reference.md, rl), so the routes are also compared where rounding cannot explain a difference:
+    in every row whose compiled top-k margin (k-th minus (k+1)-th logit) is over twice the largest difference between
+    the two engines' logits of that row, no logit can overtake another, so both records must name the same experts
+    (a row filed under another position or sequence would not); every set that differs lies within that bound."""
+    from divergence_probe import routing
+
+    eager, compiled = (torch.load(root / "same_tokens.pt") for root, _ in (rl_moe_eager, rl_moe_compiled))
+    assert compiled["cached_rows"] == eager["cached_rows"] and max(eager["cached_rows"]) > 0
+    k = eager["expert_ids"][0].shape[-1]
+    rows = decisive = differ = 0
+    for te, tc, ie, ic, le, lc in zip(eager["tokens"], compiled["tokens"], eager["expert_ids"],
+                                      compiled["expert_ids"], eager["router_logits"], compiled["router_logits"]):
+        agree = next((i for i, (a, b) in enumerate(zip(te, tc)) if a != b), min(len(te), len(tc)))
+        fed = min(agree, len(ie), len(ic))  # rows 0..fed-1 ran on the same tokens in both engines
+        assert fed >= len(ie) - 6  # the prompt's rows at least (the responses are 6 tokens)
+        for layer in range(ie.shape[1]):
+            for ids, logits in ((ie, le), (ic, lc)):
+                assert routing.is_admissible_topk(logits[:, layer], ids[:, layer]).all(), layer
+            a, b = le[:fed, layer].double(), lc[:fed, layer].double()  # BF16 differences, exact in FP64
+            bound = 2 * (a - b).abs().amax(dim=-1)
+            top = b.sort(dim=-1, descending=True).values
+            same = (ie[:fed, layer].sort(dim=-1).values == ic[:fed, layer].sort(dim=-1).values).all(dim=-1)
+            sure = top[:, k - 1] - top[:, k] > bound
+            assert same[sure].all(), f"layer {layer}: routes differ where rounding cannot reorder the top-{k}"
+            exact = (le[:fed, layer] == lc[:fed, layer]).all(dim=-1)  # one router's logits in both: one route
+            assert (ie[:fed, layer] == ic[:fed, layer]).all(dim=-1)[exact].all()
+            rows += fed
+            decisive += int(sure.sum())
+            differ += int((~same).sum())
+    assert decisive > rows // 2 and differ > 0  # most rows decide; the flips the replay exists for do occur
+
+
 def _recorder(steps: list[tuple[list[tuple[str, int, int]], list[int]]], ids: list[list[int]]) -> RolloutRecorder:
     """A recorder fed by hand: steps of (spans (request, first position, rows), input ids), and the expert_ids rows
     of one layer (top-1) in step order."""
@@ -81,6 +138,22 @@ def _recorder(steps: list[tuple[list[tuple[str, int, int]], list[int]]], ids: li
         recorder.begin_step(torch.tensor(tokens))
     recorder.add_tap(TapKey.of("expert_ids", 0), torch.tensor(ids)[:, None])
     return recorder
+
+
+def test_stale_compiled_route_buffers_are_refused_by_the_replay(rl_moe_compiled):
+    """Route buffers the compiled graph did not write (zeroed before the host reads them) reach the replaying update
+    as rows of one expert k times: the step refuses them instead of training on them."""
+    _, seen = rl_moe_compiled
+    assert seen["stale_routes"].startswith("StackError") and "distinct experts" in seen["stale_routes"]
+    assert seen["engine_tap_points"] == ["expert_ids", "expert_weights", "router_logits"]
+
+
+def test_padded_rows_of_a_step_are_no_requests_rows():
+    """A CUDA-graph step runs a padded batch: its rows past the last request's span (here 99) belong to no request,
+    in a prefill step and in a decode step."""
+    recorder = _recorder([([("a-x", 0, 3)], [5, 6, 7, 0]), ([("a-x", 3, 1)], [9, 0, 0, 0])],
+                         [[10], [11], [12], [99], [13], [99], [99], [99]])
+    assert recorder.routes({"a": (5, 6, 7, 9, 4)}, num_layers=1)["a"][:, 0, 0].tolist() == [10, 11, 12, 13]
 
 
 def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them():
@@ -99,7 +172,8 @@ def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them()
 
 @pytest.mark.parametrize("model, flags, message", [
     ("qwen3_tiny", ["--setting", "none", "--setting", "routing"], "region routing does not exist in qwen3 models"),
-    ("qwen3_moe_tiny", ["--engine", "compiled", "--side", "train"], "rl --engine compiled is not supported for mixture-of-experts models"),
+    ("qwen3_moe_tiny", ["--engine", "compiled", "--engine-args", '{"enable_dbo": true}'],
+     "enable_dbo=True: vLLM would run each step as micro-batches"),
 ])
 def test_what_rl_cannot_do_for_a_model_is_refused_before_loading(model, flags, message, request, tmp_path):
     from typer.testing import CliRunner

@@ -9,8 +9,10 @@ loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaul
 Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the engine's logprob of each sampled
 token is what the policy ratio uses. On a mixture of experts the rollout also records, at the router's
 select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
-records; stacks/vllm/stack.py `routes_recorded`): the update's forward compares its own router's pick with them
-(`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
+records; stacks/vllm/stack.py `routes_recorded`): by a hook in the eager engine, and in the compiled one from the route
+tap points its graph (and CUDA graphs) copy into static buffers (load builds the engine with them; compiled_taps.py),
+read after each step and filed by request and position like the eager hook's rows. The update's forward compares its
+own router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
 
 Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
 are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the
@@ -65,15 +67,12 @@ def load(spec: RLSpec):
     def before_stacks(source, tokenizer):
         if "rl" in source.family.unsupported:  # a family whose weights rl's sync check does not know
             raise ProbeError(f"rl {source.family.unsupported['rl']}; use another model")
-        if spec.engine == "compiled" and source.family.top_k_field:
-            raise ProbeError("rl --engine compiled is not supported for mixture-of-experts models yet: the rollout's "
-                             "routes are recorded by module hooks, which a compiled engine does not run; use --engine "
-                             "eager")
         for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
             check_regions_exist(source.family, parse_setting(setting))
         prompt_pool(spec, tokenizer, source.max_model_len)
 
-    return dp.load(spec=load_spec(spec), before_stacks=before_stacks)
+    # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
+    return dp.load(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
 def load_spec(spec: RLSpec):
@@ -128,6 +127,9 @@ class Loop:
         eos = self.probe.train.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.moe = self.probe.source.family.top_k_field is not None  # rollouts record the engine's routes
+        if self.moe:  # an engine whose steps the recording cannot follow (or without route tap points): now, in one line
+            with engine.routes_recorded():
+                pass
         self.replay = False  # the run's setting replays them in the update (routing, R3)
 
     def reset(self) -> None:

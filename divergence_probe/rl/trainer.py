@@ -72,7 +72,8 @@ class Trainer:
             mask[row, n - 1 : len(seq) - 1] = 1
         positions = torch.arange(longest, device=device)[None].expand_as(ids)
         own: dict[int, torch.Tensor] = {}
-        engine = _batch_routes(routes, len(sequences), longest) if routes is not None else None
+        # on the device once, not per layer in the replay's hook
+        engine = _batch_routes(routes, len(sequences), longest).to(device) if routes is not None else None
         with ExitStack() as scope:
             if routes is not None:  # the router's own choice ([B * L, k]); installed first, so it runs before a replay
                 scope.enter_context(self.stack._capture(frozenset({"expert_ids"}),
@@ -90,7 +91,7 @@ class Trainer:
         routing = None
         if engine is not None:
             shape = (len(own), len(sequences), longest, -1)
-            routing = (torch.stack([own[i] for i in sorted(own)]).view(shape), engine.to(device).reshape(shape))
+            routing = (torch.stack([own[i] for i in sorted(own)]).view(shape), engine.reshape(shape))
         return chosen, entropy, mask, routing
 
     def step(self, loss: torch.Tensor) -> float:

@@ -48,6 +48,7 @@ class HFStack:
         self.sdpa_chosen: dict[str, list[str]] = {}  # forward kind -> SDPA kernels torch's dispatcher chose
         self._muted = False  # True while a replay runs inside a capture: its ops are not the forward's taps
         self._running: int | None = None  # the prompt id of the forward running now (routes_replayed reads it)
+        self._replay_checks: list[tuple] = []  # the running forward's replayed layers: (layer, key, k, experts, bad)
 
     @contextmanager
     def _numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
@@ -140,12 +141,26 @@ class HFStack:
     @contextmanager
     def running(self, key: int) -> Iterator[None]:
         """The model forwards of this block are those of `key` (a prompt, or a trainer's batch): what a replay's
-        `routes(key, layer)` is asked for."""
-        self._running = key
+        `routes(key, layer)` is asked for. At the block's end the replay's row checks of every layer are read back
+        at once (`_check_replayed`)."""
+        self._running, self._replay_checks = key, []
         try:
             yield
+            self._check_replayed()
         finally:
-            self._running = None
+            self._running, self._replay_checks = None, []
+
+    def _check_replayed(self) -> None:
+        """Refuse the routes a replay ran with when a layer's were not k distinct experts in every row: the verdicts
+        every layer's hook left on the device, read back with one host sync per forward instead of one per layer (a
+        sync stalls the host until the device has caught up, so L of them per forward serialise a trainer's step)."""
+        if not self._replay_checks:
+            return
+        bad = torch.stack([check[-1] for check in self._replay_checks]).tolist()  # the forward's one read-back
+        for (layer, key, k, experts, _), refused in zip(self._replay_checks, bad):
+            if refused:
+                raise StackError(f"the engine's routes of layer {layer} for prompt {key} are not {k} distinct experts "
+                                 f"of {experts} in every row, so there is nothing to replay; report this as a bug")
 
     @contextmanager
     def routes_replayed(self, routes: RouteSource) -> Iterator[None]:
@@ -189,11 +204,13 @@ class HFStack:
             own = (ids < 0).any(dim=-1, keepdim=True)  # rows the engine has no route for keep the trainer's own
             ids = torch.where(own, own_ids, ids)
             picked = ids.sort(dim=-1).values  # every row k distinct experts: a zeroed or torn record is not a route
-            if bool(((picked[:, 0] < 0) | (picked[:, -1] >= logits.shape[-1])
-                     | (picked[:, 1:] == picked[:, :-1]).any(dim=-1)).any()):
-                raise StackError(f"the engine's routes of layer {layer} for prompt {self._running} are not "
-                                 f"{ids.shape[-1]} distinct experts of {logits.shape[-1]} in every row, so there is "
-                                 "nothing to replay; report this as a bug")
+            bad = ((picked[:, 0] < 0) | (picked[:, -1] >= logits.shape[-1])
+                   | (picked[:, 1:] == picked[:, :-1]).any(dim=-1))[:, None]
+            # judged once per forward, on the host (`running`); until then such rows run the trainer's own experts,
+            # so no expert index is out of range, and the forward's result is refused whole
+            self._replay_checks.append((layer, self._running, ids.shape[-1], logits.shape[-1], bad.any()))
+            ids = torch.where(bad, own_ids, ids)
+            own = own | bad
             if weights is None:
                 weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
                 if module.norm_topk_prob:

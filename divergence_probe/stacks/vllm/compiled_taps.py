@@ -25,7 +25,8 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
 - A mixture-of-experts layer (Qwen3-MoE) has two more tap points: `router_logits` (the gate's output) and the route
   records `expert_ids`/`expert_weights` (what the router's `select_experts` returns, which the experts then run with;
   taps.ROUTE_RECORDS), with buffers of their own (ids int64, weights FP32: the copy widens whatever integer or float
-  type the router returns, losslessly) handed over one by one, as the routing capture reads them (route_capture.py).
+  type the router returns, losslessly) handed over one by one, as the routing capture reads them (route_capture.py;
+  rl's rollouts: stack.py `routes_recorded`, after every decode step too).
   Where they run differs by platform, and the op covers both. On the CPU vLLM calls its MoE forward as plain Python
   (moe_runner.py `_select_forward`), so Dynamo traces the gate (a module: its hook is inlined) and select_experts (a
   method: wrapped on the router object before the trace, so the wrapper is inlined) into the one graph; their

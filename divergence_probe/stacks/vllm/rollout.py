@@ -46,9 +46,10 @@ def step_layout(runner, hooks: HookSet) -> Callable[[], Layout]:
         config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
         mode = getattr(getattr(config, "cudagraph_mode", None), "name", "NONE")
         if "FULL" in mode:  # its decode steps replay one graph around the whole step: the model call is not seen
-            raise StackError(f"generate mode cannot follow vLLM's model runner V2 under CUDA graphs {mode}: its decode "
-                             "steps replay a full graph, so the tool never sees which rows a step fed; add --engine-args "
-                             "'{\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\"}}' or use --engine eager")
+            raise StackError(f"generate mode and rl's route records cannot follow vLLM's model runner V2 under CUDA "
+                             f"graphs {mode}: its decode steps replay a full graph, so the tool never sees which rows "
+                             "a step fed; add --engine-args '{\"compilation_config\": {\"cudagraph_mode\": "
+                             "\"PIECEWISE\"}}' or use --engine eager")
         prepared = []
         original = runner.prepare_inputs
 
@@ -143,15 +144,17 @@ class RolloutRecorder:
         "<request_id>-<suffix>" (vLLM 0.24 and 0.32)."""
         return {req_id.split("-")[0]: req_id for spans in self.steps for req_id in (s.req_id for s in spans)}
 
-    def routes(self, sequences: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, torch.Tensor]:
+    def routes(self, sequences: dict[str, tuple[int, ...]], num_layers: int, tap: str = "expert_ids"
+               ) -> dict[str, torch.Tensor]:
         """The engine's experts for every fed row of each sequence (output request id -> its tokens): [L-1, layers, k]
-        ids by position, from the `expert_ids` taps, as vLLM's routed-experts record holds them.
+        ids by position, from the `expert_ids` taps, as vLLM's routed-experts record holds them (another per-layer
+        `tap`, e.g. router_logits: its rows, filed the same way).
 
         With prefix caching, a request is not fed the prompt rows the cache served; like the record (which re-reads
         them from its block store), those rows take the routes of the request that computed them: the first row in
         the run fed the same token after the same prefix (the cache matches whole prefixes). A row computed twice
         for one request (preempted, then recomputed) keeps its last computation."""
-        whole = torch.stack([self._whole(TapKey.of("expert_ids", i)) for i in range(num_layers)], dim=1)
+        whole = torch.stack([self._whole(TapKey.of(tap, i)) for i in range(num_layers)], dim=1)
         internal = self.request_ids()
         node_of: dict[tuple[int, int], int] = {}  # (prefix node, token) -> node: one node per distinct prefix
         first: dict[int, int] = {}  # prefix node -> the first row that computed it

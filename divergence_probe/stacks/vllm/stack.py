@@ -147,6 +147,10 @@ def check_engine_args(args: dict, engine: str = "compiled") -> None:
         if key in ("speculative_config", "spec_method", "spec_model", "spec_tokens") and value not in (None, {}, 0):
             raise StackError(f"--engine-args {key}: speculative decoding feeds draft tokens that capture cannot map to "
                              "prompt positions; drop it")
+        if (key == "enable_dbo" and value) or (key == "ubatch_size" and isinstance(value, int) and value > 1):
+            raise StackError(f"--engine-args {key}={value!r}: vLLM would run each step as micro-batches, whose rows "
+                             "the capture (hooks, or the compiled engine's tap buffers, each written from row 0) "
+                             "cannot map to requests; drop it")
         if key == "logprobs_mode" and value not in (None, "raw_logprobs"):
             raise StackError(f"--engine-args logprobs_mode={value!r}: the comparison needs vLLM's raw logprobs; drop it")
         if key == "enable_prefix_caching" and value and not _skips_prefix_cache(vllm):
@@ -566,14 +570,19 @@ class VLLMStack:
         return results
 
     @contextlib.contextmanager
-    def routes_recorded(self) -> Iterator[RolloutRecorder]:
+    def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> Iterator[RolloutRecorder]:
         """For the block's generate calls, record the experts the engine's router sent every computed row to (the
         select_experts seam, taps.ROUTE_RECORDS' ids: what its experts ran with), filed by request and position; read
-        them with `recorder.routes(...)` after the block. No logits, no other taps."""
+        them with `recorder.routes(...)` after the block. No logits; `taps`: what is recorded (the ids, and any other
+        per-layer tap to read beside them, e.g. router_logits, through `recorder.routes(..., tap=name)`).
+        Eager: a hook on the seam. Compiled: the engine's route tap points (built at load: probe.load's `routes`),
+        whose buffers the graph, or a CUDA-graph replay, writes every step and the host reads after the step's
+        model call; a padded CUDA-graph batch's extra rows come along and match no request's span (rollout.py)."""
+        self._check_taps(taps)  # a compiled engine built without route tap points: one line, not missing rows
         with HookSet() as hooks:
             recorder = RolloutRecorder(self.runner, hooks)
             self._on_model_call(hooks, recorder.begin_step, lambda hidden: None)
-            self._tap_hooks(hooks, frozenset({"expert_ids"}), recorder.add_tap)
+            self._tap_hooks(hooks, taps, recorder.add_tap)
             yield recorder
 
     def _check_logits(self, logits: torch.Tensor, tokens, reported: torch.Tensor, what: str) -> None:
