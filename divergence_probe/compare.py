@@ -478,7 +478,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
             progress(done_before + done // per_prompt, len(prompts) * total_scale)
 
     pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
-    peaks = Peaks(probe.settings.device)
+    peaks = Peaks(probe.settings.device, plan.inputs.train_device if plan is not None else None)
     if total_scale == 1:  # an ablation names each combination's phase itself
         phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):

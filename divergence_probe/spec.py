@@ -12,6 +12,7 @@ stores `spec.to_dict()`, and `RunSpec.from_dict` turns it back into the same spe
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -30,6 +31,7 @@ TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
 TRAIN_PRECISIONS = ("bf16", "amp")
 DEVICES = ("auto", "cpu", "cuda")
+TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
 SIDES = ("both", "train", "infer")
 ROUTING_REPLAYS = ("ids", "ids+weights")
 MODES = ("prefill", "generate")
@@ -86,6 +88,9 @@ class LoadSpec:
                                           "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
                                           "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
                                           "and --taps none or logits).")
+    train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
+                                            "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
+                                            "--device. Logprobs and taps are compared on the engine's device.")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -102,6 +107,9 @@ class LoadSpec:
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
+            raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
+                             "(e.g. cuda:1), or drop it for --device's")
         if self.train_precision == "amp" and self.dtype == "float32":
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
@@ -302,6 +310,11 @@ class RunSpec:
             raise ProbeError("--train-precision amp keeps the trainer's residual stream, norms and RoPE in FP32, so its "
                              "layer taps cannot be paired with the engine's; add --taps none (or --taps logits) and "
                              "drop --graft/--depth")
+        if (self.capture.graft or self.capture.depth) and self.load.train_device is not None and not _same_device(
+                self.load.train_device, self.load.device):
+            raise ProbeError(f"--graft/--depth run the trainer's ops on the engine's own tensors, which are on "
+                             f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
+                             "--train-device or --graft/--depth")
         if compiled and (self.capture.graft or self.capture.depth):
             raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
                              "expose; use --engine eager")
@@ -369,6 +382,12 @@ def _resolved_device(device: str) -> str:
     return resolve_device(device)
 
 
+def _same_device(train_device: str, device: str) -> bool:
+    from .environment import resolve_train_device, same_device
+
+    return same_device(resolve_train_device(train_device, device), _resolved_device(device))
+
+
 class _SpecError(Exception):
     """A field of a recorded spec that does not fit (from_dict turns it into one ProbeError)."""
 
@@ -388,7 +407,8 @@ def _hints(cls) -> dict:
 # still re-runnable. Any other missing field is an error, as an unknown one is.
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
-    ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16"}
+    ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
+    ("load", "train_device"): None}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:

@@ -1,0 +1,118 @@
+"""The trainer's placement: --train-device (its own device; the comparison on the engine's) and its memory plan,
+planned per device."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import divergence_probe as dp
+from divergence_probe import memory_plan
+from divergence_probe.cli import app
+from divergence_probe.errors import DeviceMemoryError, ProbeError
+from divergence_probe.memory_plan import plan
+from divergence_probe.spec import RunSpec, spec_from_flat
+
+from test_memory_plan import inputs, nothing_written, one_line_error
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------------------------------- --train-device
+@pytest.mark.parametrize("device, message", [("gpu", "is not a device; use cpu, cuda or cuda:N"),
+                                             ("cuda:7", "--train-device cuda:7, but this torch sees")])
+def test_a_train_device_that_is_not_there_is_one_line_before_anything_loads(device, message, qwen3_tiny, tmp_path,
+                                                                           monkeypatch):
+    import divergence_probe.probe as probe_module
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with two GPUs, as far as the check sees
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe_module, "resolve_model", lambda spec: pytest.fail("the model was resolved"))
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-device", device,
+                                 "--out", str(out_dir)], catch_exceptions=False)
+    line = one_line_error(result, message)
+    if device == "cuda:7":
+        assert "2 CUDA device(s) (cuda:0 to cuda:1)" in line
+    assert nothing_written(out_dir)
+
+
+def test_graft_on_a_trainer_of_its_own_device_is_refused(monkeypatch):
+    """--graft runs the trainer's ops on the engine's tensors: with the trainer elsewhere it is refused, not moved."""
+    import divergence_probe.environment as environment
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ProbeError, match="--graft/--depth run the trainer's ops on the engine's own tensors"):
+        spec_from_flat("compare", device="cuda", train_device="cuda:1", graft=True)
+    assert environment.same_device("cuda", "cuda:0")  # the current GPU under its two names: not a device of its own
+    spec_from_flat("compare", device="cuda", train_device="cuda:0", graft=True)
+
+
+def test_a_trainer_on_its_own_device_is_compared_on_the_engines_and_recorded(qwen3_tiny, prompts_file, hf_probe):
+    """--device cpu --train-device cpu: the trainer loaded with its own settings (the one CPU), the run the same as
+    without the flag, and the manifest records the placement; a manifest without the field reruns as it ran."""
+    probe = dp.load(str(qwen3_tiny), infer="hf", dtype="bfloat16", device="cpu", train_device="cpu")
+    try:
+        run = probe.compare(prompts=str(prompts_file), num_prompts=2, taps="none")
+        base = hf_probe.compare(prompts=str(prompts_file), num_prompts=2, taps="none")
+        assert probe.train.settings.device == "cpu"
+        assert [t.logprob_train for t in run.tokens] == [t.logprob_train for t in base.tokens]
+        assert run.summary == base.summary
+        assert run.manifest["spec"]["load"]["train_device"] == "cpu"
+        assert run.manifest["load"]["train_device"] == "cpu" and run.manifest["stacks"]["train"]["settings"][
+            "device"] == "cpu"
+        assert "train_device" not in run.manifest["memory_plan"]  # one device: one plan
+        recorded = run.manifest["spec"]
+        del recorded["load"]["train_device"]
+        assert RunSpec.from_dict(recorded).load.train_device is None
+    finally:
+        probe.close()
+
+
+# ------------------------------------------------------------------------------------------- the plan per device
+def test_the_plan_puts_the_trainer_on_its_own_device_and_the_comparison_on_the_engines():
+    """Qwen2.5-7B, trainer on cuda:1: the engine's device no longer holds the trainer's weights, forward or taps, but
+    one sequence of the trainer's outputs moved there for the comparison; the trainer's device holds what it runs."""
+    shared = plan(inputs())
+    apart = plan(inputs(train_device="cuda:1", train_free_bytes=141 * 10**9, train_free_source="test"))
+    assert apart.fits and "train_device" in apart.record() and apart.record()["train_device"]["device"] == "cuda:1"
+    for term in ("train_weights", "train_taps", "train_forward"):
+        assert term not in apart.terms and apart.train_terms[term] > 0
+    assert apart.train_terms["train_weights"] == shared.terms["train_weights"]
+    assert apart.train_terms["train_taps"] == shared.terms["train_taps"]
+    moved = apart.terms["train_outputs_moved"]
+    assert moved >= shared.terms["train_taps"] + 3000 * 152064 * 2  # the taps and the [T, V] logits of a sequence
+    assert apart.needed < shared.needed - shared.terms["train_weights"] + moved
+    assert apart.train_needed == apart.train_phases["train_and_reduce"] < shared.needed
+    with_floor = plan(inputs(noise_floor=True, train_device="cuda:1", train_free_bytes=141 * 10**9))
+    assert "noise_floor" not in with_floor.phases and "noise_floor" in with_floor.train_phases  # the second trainer
+
+
+@pytest.mark.parametrize("short", ["engine", "trainer"])
+def test_the_refusal_names_the_device_that_does_not_fit(short):
+    apart = dict(train_device="cuda:1", train_free_bytes=141 * 10**9, train_free_source="test", taps=frozenset(),
+                 batch_tokens_fixed=True)
+    full = plan(inputs(**apart))
+    tight = full.train_needed - 1 if short == "trainer" else full.needed - 1
+    p = plan(inputs(**apart | (dict(train_free_bytes=tight) if short == "trainer" else dict(free_bytes=tight))))
+    assert not p.fits and (p.engine_fits if short == "trainer" else p.train_fits)
+    with pytest.raises(DeviceMemoryError) as e:
+        memory_plan.check(p)
+    line = str(e.value)
+    assert "\n" not in line
+    if short == "trainer":
+        assert "of cuda:1 memory (--train-device)" in line and "another --train-device" in line
+    else:
+        assert "of cuda memory (the engine's device)" in line and "(or --train-device cuda:1)" not in line
+
+
+def test_a_trainer_apart_on_the_cpu_beside_a_gpu_engine():
+    """The CPU trainer beside a GPU engine: its device is the host's RAM (no fragmentation, the CPU allowance)."""
+    p = plan(inputs(train_device="cpu", train_free_bytes=1 << 40, train_free_source="test"))
+    assert p.fits and p.train_terms["fragmentation_allowance"] == 0
+    assert p.train_terms["runtime_allowance"] == memory_plan.CPU_RUNTIME
+    assert p.terms["runtime_allowance"] == memory_plan.CUDA_RUNTIME
