@@ -191,6 +191,7 @@ class PlanInputs:
     # --train-device on a device of its own ("cpu", "cuda:1"): planned apart, with its own free memory; None: the
     # trainer shares the engine's device (one plan)
     train_device: str | None = None
+    train_tp: int = 1  # --train-tp: the trainer's ranks (stacks/hf_tensor_parallel.py)
     train_free_bytes: int = 0
     train_free_source: str = ""
 
@@ -299,6 +300,12 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # --train-precision amp: FP32 master weights, and autocast's cache of their casts to the run's dtype (kept for
     # the whole autocast region of a forward)
     train_weights = m.parameters * 4 if i.train_amp else weights
+    # --train-tp N: every rank loads the whole checkpoint before it keeps its slice (stacks/hf_tensor_parallel.py); on
+    # the CPU the ranks are N processes in the one host memory, on GPUs the planned device is rank 0's
+    trainer_on_cpu = (i.train_device or i.device) == "cpu"
+    if i.train_tp > 1 and trainer_on_cpu:
+        train_weights *= i.train_tp
+        terms["train_rank_processes"] = CPU_RUNTIME * i.train_tp
     terms["train_weights"] = train_weights
     if i.train_amp:
         terms["train_amp_weight_casts"] = weights
@@ -366,7 +373,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
-               "noise_floor_second_trainer")
+               "noise_floor_second_trainer", "train_rank_processes")
 
 
 def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
@@ -388,8 +395,8 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
 
 def _phases(t: dict[str, int]) -> dict[str, int]:
     """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it)."""
-    fixed = t.get("train_weights", 0) + t["infer_weights"] + t["kv_cache"] + t["runtime_allowance"] \
-        + t["fragmentation_allowance"]
+    fixed = t.get("train_weights", 0) + t.get("train_rank_processes", 0) + t["infer_weights"] + t["kv_cache"] \
+        + t["runtime_allowance"] + t["fragmentation_allowance"]
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
     return {
         "engine_start": fixed + t["engine_profile_activations"],
@@ -405,7 +412,8 @@ def _phases(t: dict[str, int]) -> dict[str, int]:
 def _train_phases(t: dict[str, int]) -> dict[str, int]:
     """The trainer's own device (--train-device): its weights, one sequence's forward and taps, and the noise floor's
     batch or second trainer."""
-    fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t["runtime_allowance"] + t["fragmentation_allowance"]
+    fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
+        + t["runtime_allowance"] + t["fragmentation_allowance"]
     return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
         {"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
         if "noise_floor_second_trainer" in t else {})

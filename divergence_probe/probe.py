@@ -27,6 +27,7 @@ from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
+from .stacks.hf_tensor_parallel import check_shardable, stack_for as trainer_for
 from .stacks.vllm.compiled_taps import tap_points_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -96,7 +97,7 @@ class Probe:
         config = replace(self.config, **changes)
         settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
                            batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = get_stack(config.train)
+        train = trainer_for(config.train, settings)
         train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
 
@@ -120,6 +121,7 @@ class Probe:
                 "train_sdpa": self.config.train_sdpa,
                 "train_state": self.config.train_state,
                 "train_precision": self.config.train_precision,
+                "train_tp": self.config.train_tp,
                 "engine": self.config.engine,
                 "engine_args": self.config.engine_args,
                 "seed": self.config.seed,
@@ -159,6 +161,7 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
         train_precision=cfg.train_precision,
+        train_tp=cfg.train_tp,
         engine_taps=engine_taps,
     )
 
@@ -190,6 +193,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
+    check_shardable(source.config, cfg.train_tp)
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
                                                             routes=_replays_routes(plan_for)))
@@ -199,7 +203,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     if before_stacks is not None:
         before_stacks(source, tokenizer)
     plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
-    train = get_stack(cfg.train)
+    train = trainer_for(cfg.train, settings)
     with _memory_errors(plan, "loading the training stack"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
     if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
@@ -210,7 +214,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
         infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
-            infer.load(replace(settings, train_precision="bf16"))  # the precision of the training side only
+            infer.load(replace(settings, train_precision="bf16", train_tp=1))  # the training side's only
     except BaseException:
         train.close()
         raise
@@ -265,7 +269,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
         tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
-        train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None,
+        train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source)
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)

@@ -91,6 +91,11 @@ class LoadSpec:
     train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
                                             "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
                                             "--device. Logprobs and taps are compared on the engine's device.")
+    train_tp: int = option(1, "Shard the training stack over N processes with transformers' tensor-parallel plan "
+                              "(Megatron-style column/row parallel on DTensor; gloo on the CPU, NCCL on GPUs from "
+                              "--train-device on). Needs --taps none or logits; no trainer-side regions, --graft, "
+                              "--depth or amp. With --batch-invariance, also the trainer unsharded (the parallelism "
+                              "floor).")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -114,6 +119,11 @@ class LoadSpec:
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.train_tp < 1:
+            raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
+        if self.train_tp > 1 and self.train_precision == "amp":
+            raise ProbeError(f"--train-precision amp is not built for a sharded trainer (--train-tp {self.train_tp}); "
+                             "use --train-precision bf16 or --train-tp 1")
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:
@@ -315,6 +325,7 @@ class RunSpec:
             raise ProbeError(f"--graft/--depth run the trainer's ops on the engine's own tensors, which are on "
                              f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
                              "--train-device or --graft/--depth")
+        self._check_train_tp()
         if compiled and (self.capture.graft or self.capture.depth):
             raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
                              "expose; use --engine eager")
@@ -344,6 +355,24 @@ class RunSpec:
             raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
                              "the other engines' allocations as its own; add --engine-args '{\"gpu_memory_utilization\": "
                              "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
+
+    def _check_train_tp(self) -> None:
+        """What a trainer sharded over processes (stacks/hf_tensor_parallel.py) cannot do, in one line each."""
+        ranks = self.load.train_tp
+        if ranks == 1:
+            return
+        # `all`: every tap both stacks capture, here the logits (the others are listed in the manifest)
+        layer_taps = sorted(self.capture.tap_names - {"logits"}) if self.capture.taps.strip() != "all" else []
+        if layer_taps or self.capture.graft or self.capture.depth:
+            what = ", ".join(layer_taps[:3]) + (" ..." if len(layer_taps) > 3 else "") if layer_taps else \
+                "the layer taps of --graft/--depth"
+            raise ProbeError(f"--train-tp {ranks} shards the trainer's layers over processes and their taps are not "
+                             f"gathered, so {what} cannot be paired; use --taps none, logits or all (the logits) "
+                             "without --graft/--depth, or --train-tp 1")
+        regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        if regions and self.align.side != "infer":
+            raise ProbeError(f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s "
+                             "worker processes; use --side infer (the engine alone) or --train-tp 1")
 
     def to_dict(self) -> dict:
         """The spec as plain JSON data (the manifest's `spec`)."""
@@ -408,7 +437,7 @@ def _hints(cls) -> dict:
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
-    ("load", "train_device"): None}
+    ("load", "train_device"): None, ("load", "train_tp"): 1}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
@@ -532,6 +561,9 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (stacks/vllm/
     tensor_parallel.py: REFUSED)."""
     check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
+    if load.train_tp > 1 and family.top_k_field is not None:  # its experts' plan shards the routed tokens: not built
+        raise ProbeError(f"--train-tp {load.train_tp} is built for dense models; {family.model_type} is a mixture of "
+                         "experts; use --train-tp 1")
     wanted = []
     if load.engine == "compiled" and load.infer == "vllm":
         wanted.append("--engine compiled")

@@ -116,3 +116,57 @@ def test_a_trainer_apart_on_the_cpu_beside_a_gpu_engine():
     assert p.fits and p.train_terms["fragmentation_allowance"] == 0
     assert p.train_terms["runtime_allowance"] == memory_plan.CPU_RUNTIME
     assert p.terms["runtime_allowance"] == memory_plan.CUDA_RUNTIME
+
+
+# ------------------------------------------------------------------------------------------- --train-tp
+@pytest.mark.parametrize("flat, message", [
+    (dict(taps="resid_out"), "--train-tp 2 shards the trainer's layers over processes and their taps are not gathered, "
+                             "so resid_out cannot be paired"),
+    (dict(taps="none", align="rope", side="train"), "regions are patched into the trainer's modules"),
+    (dict(taps="none", train_precision="amp"), "--train-precision amp is not built for a sharded trainer"),
+])
+def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(flat, message):
+    with pytest.raises(ProbeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec_from_flat("compare", train_tp=2, **flat)
+    spec_from_flat("compare", train_tp=2, taps="all", align="rope", side="infer")  # all: the logits; the engine alone
+
+
+def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwen3_tiny, tmp_path, monkeypatch):
+    import divergence_probe.probe as probe_module
+
+    monkeypatch.setattr(probe_module, "trainer_for", lambda *a: pytest.fail("a trainer was loaded"))
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-tp", "3",
+                                 "--taps", "none", "--out", str(out_dir)], catch_exceptions=False)
+    one_line_error(result, "--train-tp 3 does not divide the model's num_attention_heads (4)")
+    assert nothing_written(out_dir)
+
+
+def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3_tiny, prompts_file):
+    """--train-tp 2 on the CPU (2 gloo ranks, transformers' TP plan) against an unsharded transformers instance: the
+    whole mismatch is what sharding does, so it must equal the trainer's parallelism floor (kernel_noise.csv's
+    `train_tp 1 vs 2`), measured on its own path; it is not zero (the row-parallel partial sums are rounded to BF16
+    before they are added) and stays within the bound docs/reference.md states. A rank that dies is one line."""
+    import os
+    import signal
+
+    from divergence_probe.errors import StackError
+
+    probe = dp.load(str(qwen3_tiny), infer="hf", dtype="bfloat16", device="cpu", train_tp=2, train_attn="eager")
+    try:
+        run = probe.compare(prompts=str(prompts_file), taps="all", batch_invariance=True)
+        s = run.summary
+        assert [r.change for r in run.kernel_noise.itertuples()] == ["train_tp 1 vs 2"]  # eager: no SDPA kernel row
+        assert s["noise_train_tensor_parallel_mean_abs_dlogp"] == pytest.approx(s["mean_abs_dlogp"], rel=1e-9)
+        assert 0 < s["mean_abs_dlogp"] < 2**-4 and s["first_inexact"].startswith("logits")
+        assert set(run.layers_table["tap"]) == {"logits"}  # the one tap a sharded trainer hands over
+        assert "resid_out" in run.manifest["compare"]["taps_not_captured"]
+        parallel = run.manifest["stacks"]["train"]["settings"]["tensor_parallel"]
+        assert parallel["size"] == 2 and parallel["backend"] == "gloo"
+        assert run.manifest["spec"]["load"]["train_tp"] == 2
+        os.kill(probe.train._procs[1].pid, signal.SIGKILL)
+        with pytest.raises(StackError, match=r"trainer rank 1 of 2 exited \(code -9\) during score") as e:
+            probe.compare(prompts=str(prompts_file), num_prompts=1, taps="none")
+        assert "\n" not in str(e.value)
+    finally:
+        probe.close()
