@@ -158,7 +158,7 @@ def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3
         s = run.summary
         assert [r.change for r in run.kernel_noise.itertuples()] == ["train_tp 1 vs 2"]  # eager: no SDPA kernel row
         assert s["noise_train_tensor_parallel_mean_abs_dlogp"] == pytest.approx(s["mean_abs_dlogp"], rel=1e-9)
-        assert 0 < s["mean_abs_dlogp"] < 2**-4 and s["first_inexact"].startswith("logits")
+        assert 0 < s["mean_abs_dlogp"] < 2**-6 and s["first_inexact"].startswith("logits")
         assert set(run.layers_table["tap"]) == {"logits"}  # the one tap a sharded trainer hands over
         assert "resid_out" in run.manifest["compare"]["taps_not_captured"]
         parallel = run.manifest["stacks"]["train"]["settings"]["tensor_parallel"]

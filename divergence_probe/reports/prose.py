@@ -131,7 +131,8 @@ EXTRA_TABLES = {
     "batch_invariance": "Noise floor (batch_invariance.csv): each stack scores the same sequences one per call and "
                         "then all in one batch; the columns compare the two.",
     "kernel_noise": "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another SDPA "
-                    "attention kernel; the columns compare the two.",
+                    "attention kernel (and, at --train-tp N, unsharded: `train_tp 1 vs N`); the columns compare the "
+                    "two.",
     "local_families": "Local error per op family (local_families.csv, from compare --graft): the training stack's op "
                       "on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
                       "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 "
