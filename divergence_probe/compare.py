@@ -139,9 +139,10 @@ class PendingScores:
     def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
         # keep what names the tokens, not the logits: a sequence's tensors must not outlive its own turn
         self.seq, self.tokenizer = replace(seq, logits=None, logprobs=None), tokenizer
-        device = seq.logits.device
+        device = seq.logits.device  # the comparison's: the engine's (--train-device: the trainer's side moves here)
+        train_logits = train_logits.to(device)
         finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
-        kl = token_kl(seq.logits, train_logits.to(device))
+        kl = token_kl(seq.logits, train_logits)
         # float64 holds the float32 logprobs exactly, so one transfer carries everything
         values = torch.cat([finite.double(), kl, to_device(seq.logprobs, device).double(),
                             to_device(train_logprobs, device).double()])

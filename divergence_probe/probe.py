@@ -193,7 +193,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
-    check_shardable(source.config, cfg.train_tp)
+    check_shardable(source.config, cfg.train_tp, resolve_train_device(cfg.train_device, cfg.device))
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
                                                             routes=_replays_routes(plan_for)))

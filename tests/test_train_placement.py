@@ -118,6 +118,21 @@ def test_a_trainer_apart_on_the_cpu_beside_a_gpu_engine():
     assert p.terms["runtime_allowance"] == memory_plan.CUDA_RUNTIME
 
 
+def test_the_plan_counts_every_cpu_rank_of_a_sharded_trainer_and_rank_zeros_gpu():
+    """--train-tp N: each rank loads the whole checkpoint before keeping its slice; on the CPU the N ranks share the
+    host (N copies, a process allowance each), on GPUs the planned device is rank 0's (one whole copy while loading)."""
+    cpu = dict(device="cpu", kv_cache_bytes_fixed=1 << 30, free_bytes=1 << 40)
+    one, two = plan(inputs(**cpu)), plan(inputs(**cpu, train_tp=2))
+    assert two.terms["train_weights"] == 2 * one.terms["train_weights"]
+    assert two.terms["train_rank_processes"] == 2 * memory_plan.CPU_RUNTIME and "train_rank_processes" not in one.terms
+    assert two.needed == one.needed + one.terms["train_weights"] + 2 * memory_plan.CPU_RUNTIME
+    gpu_one, gpu_two = plan(inputs()), plan(inputs(train_tp=2))
+    assert gpu_two.terms == gpu_one.terms
+    apart = plan(inputs(train_tp=2, train_device="cpu", train_free_bytes=1 << 40))  # CPU ranks beside a GPU engine
+    assert apart.train_terms["train_weights"] == 2 * gpu_one.terms["train_weights"]
+    assert apart.train_terms["train_rank_processes"] == 2 * memory_plan.CPU_RUNTIME
+
+
 # ------------------------------------------------------------------------------------------- --train-tp
 @pytest.mark.parametrize("flat, message", [
     (dict(taps="resid_out"), "--train-tp 2 shards the trainer's layers over processes and their taps are not gathered, "

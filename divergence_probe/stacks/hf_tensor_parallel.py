@@ -48,12 +48,16 @@ def stack_for(name: str, settings: StackSettings):
     return ShardedHFStack() if settings.train_tp > 1 else get_stack(name)
 
 
-def check_shardable(config: dict, ranks: int) -> None:
-    """Refuse, before anything loads, a size the plan cannot split evenly: whole attention and KV heads per rank
-    (a head split over ranks would attend with half its dimensions), and the MLP width and vocabulary (the LM head's
-    gather needs equal slices)."""
+def check_shardable(config: dict, ranks: int, device: str) -> None:
+    """Refuse, before anything loads, ranks on GPUs this torch does not see, and a size the plan cannot split evenly:
+    whole attention and KV heads per rank (a head split over ranks would attend with half its dimensions), and the
+    MLP width and vocabulary (the LM head's gather needs equal slices). `device`: the trainer's, resolved."""
     if ranks <= 1:
         return
+    last = rank_devices(device, ranks)[-1]
+    if last != "cpu" and int(last.partition(":")[2]) >= torch.cuda.device_count():
+        raise StackError(f"--train-tp {ranks} from {device} needs GPUs up to {last}, but this torch sees "
+                         f"{torch.cuda.device_count()}; lower --train-tp or pick another --train-device")
     sizes = {"num_attention_heads": config.get("num_attention_heads"),
              "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
              "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
@@ -88,10 +92,7 @@ class ShardedHFStack:
         import multiprocessing as mp
 
         ranks = settings.train_tp
-        devices = rank_devices(settings.device, ranks)
-        if devices[-1] != "cpu" and int(devices[-1].partition(":")[2]) >= torch.cuda.device_count():
-            raise StackError(f"--train-tp {ranks} from {settings.device} needs GPUs up to {devices[-1]}, but this "
-                             f"torch sees {torch.cuda.device_count()}; lower --train-tp or pick another --train-device")
+        devices = rank_devices(settings.device, ranks)  # checked before anything loaded (check_shardable)
         cores = sorted(os.sched_getaffinity(0))
         threads = max(1, len(cores) // ranks)
         self.settings = settings
