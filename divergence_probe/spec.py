@@ -93,9 +93,9 @@ class LoadSpec:
                                             "--device. Logprobs and taps are compared on the engine's device.")
     train_tp: int = option(1, "Shard the training stack over N processes with transformers' tensor-parallel plan "
                               "(Megatron-style column/row parallel on DTensor; gloo on the CPU, NCCL on GPUs from "
-                              "--train-device on). Needs --taps none or logits; no trainer-side regions, --graft, "
-                              "--depth or amp. With --batch-invariance, also the trainer unsharded (the parallelism "
-                              "floor).")
+                              "--train-device on); its column-parallel taps are gathered. No trainer-side regions, "
+                              "--graft, --depth or amp. With --batch-invariance, also the trainer unsharded (the "
+                              "parallelism floor).")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -361,14 +361,9 @@ class RunSpec:
         ranks = self.load.train_tp
         if ranks == 1:
             return
-        # `all`: every tap both stacks capture, here the logits (the others are listed in the manifest)
-        layer_taps = sorted(self.capture.tap_names - {"logits"}) if self.capture.taps.strip() != "all" else []
-        if layer_taps or self.capture.graft or self.capture.depth:
-            what = ", ".join(layer_taps[:3]) + (" ..." if len(layer_taps) > 3 else "") if layer_taps else \
-                "the layer taps of --graft/--depth"
-            raise ProbeError(f"--train-tp {ranks} shards the trainer's layers over processes and their taps are not "
-                             f"gathered, so {what} cannot be paired; use --taps none, logits or all (the logits) "
-                             "without --graft/--depth, or --train-tp 1")
+        if self.capture.graft or self.capture.depth:
+            raise ProbeError(f"--graft/--depth run the trainer's single ops in this process, but --train-tp {ranks} "
+                             "shards its modules over worker processes; drop --graft/--depth or use --train-tp 1")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
         if regions and self.align.side != "infer":
             raise ProbeError(f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s "

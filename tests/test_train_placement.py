@@ -135,8 +135,7 @@ def test_the_plan_counts_every_cpu_rank_of_a_sharded_trainer_and_rank_zeros_gpu(
 
 # ------------------------------------------------------------------------------------------- --train-tp
 @pytest.mark.parametrize("flat, message", [
-    (dict(taps="resid_out"), "--train-tp 2 shards the trainer's layers over processes and their taps are not gathered, "
-                             "so resid_out cannot be paired"),
+    (dict(graft=True), "--graft/--depth run the trainer's single ops in this process, but --train-tp 2 shards"),
     (dict(taps="none", align="rope", side="train"), "regions are patched into the trainer's modules"),
     (dict(taps="none", train_precision="amp"), "--train-precision amp is not built for a sharded trainer"),
 ])
@@ -160,8 +159,10 @@ def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwe
 def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3_tiny, prompts_file):
     """--train-tp 2 on the CPU (2 gloo ranks, transformers' TP plan) against an unsharded transformers instance: the
     whole mismatch is what sharding does, so it must equal the trainer's parallelism floor (kernel_noise.csv's
-    `train_tp 1 vs 2`), measured on its own path; it is not zero (the row-parallel partial sums are rounded to BF16
-    before they are added) and stays within the bound docs/reference.md states. A rank that dies is one line."""
+    `train_tp 1 vs 2`), measured on its own path. Its taps come back gathered: every tap before layer 0's o_proj (the
+    first row-parallel sum) bitwise equal to the unsharded trainer's, and from there within the bound
+    docs/reference.md states; the logprobs differ (the partial sums are rounded to BF16 before they are added). A rank
+    that dies is one line."""
     import os
     import signal
 
@@ -173,9 +174,12 @@ def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3
         s = run.summary
         assert [r.change for r in run.kernel_noise.itertuples()] == ["train_tp 1 vs 2"]  # eager: no SDPA kernel row
         assert s["noise_train_tensor_parallel_mean_abs_dlogp"] == pytest.approx(s["mean_abs_dlogp"], rel=1e-9)
-        assert 0 < s["mean_abs_dlogp"] < 2**-6 and s["first_inexact"].startswith("logits")
-        assert set(run.layers_table["tap"]) == {"logits"}  # the one tap a sharded trainer hands over
-        assert "resid_out" in run.manifest["compare"]["taps_not_captured"]
+        assert 0 < s["mean_abs_dlogp"] < 2**-6
+        layers = run.layers_table
+        assert s["first_inexact"] == "attn_out@0" and len(layers) == 2 + 4 * 17 + 1  # every tap, gathered
+        first = layers.index[(layers.tap == "attn_out") & (layers.layer == 0)][0]
+        assert (layers.loc[: first - 1, "frac_equal"] == 1).all()  # embed .. layer 0's attention core
+        assert (layers.loc[first:, "rel_l2"] > 0).all() and (layers.rel_l2 < 2**-5).all()
         parallel = run.manifest["stacks"]["train"]["settings"]["tensor_parallel"]
         assert parallel["size"] == 2 and parallel["backend"] == "gloo"
         assert run.manifest["spec"]["load"]["train_tp"] == 2

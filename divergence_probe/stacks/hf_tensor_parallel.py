@@ -1,6 +1,6 @@
 """transformers sharded over N processes with its tensor-parallel plan, as the training stack (--train-tp N).
 
-    divergence-probe compare --model M --train-tp 2 --taps none --batch-invariance
+    divergence-probe compare --model M --train-tp 2 --batch-invariance
 
 Megatron-style tensor parallelism, as the Megatron backends of verl, slime and NeMo-RL shard their trainers: the
 model's own `base_model_tp_plan` (transformers' Qwen2/Qwen3: q/k/v and gate/up column-parallel, o_proj and down_proj
@@ -13,12 +13,13 @@ the CPU (the process's cores split between the ranks), NCCL on GPUs (rank r on c
 index).
 
 Every rank runs every forward (its collectives need all of them) through the very HFStack the unsharded trainer is
-(the same numerics state, SDPA kernel, logprobs); rank 0's logits, whole after the LM head's gather, and its logprobs
-come back, one sequence per request, so the run loop is unchanged. A row-parallel output is the sum of the ranks'
+(the same numerics state, SDPA kernel, seams, logprobs); rank 0's logits, whole after the LM head's gather, its
+logprobs and its taps come back, one sequence per request, so the run loop is unchanged. Taps come back whole, as the
+engine side's do at tensor_parallel_size > 1: a column-parallel tap is all-gathered over the ranks in rank order, the
+row-parallel outputs are already all-reduced (`_score_gathered`). A row-parallel output is the sum of the ranks'
 partial products, each rounded to the dtype first: where the sharded trainer's numerics leave the unsharded one's
-(batch_invariance.train_parallel_noise measures it). Layer taps are not captured: a column-parallel output is one
-shard per rank, and their gather is not built (spec refuses them, and regions, --graft/--depth and AMP, in one line).
-A rank that fails ends the run in one line with its own message.
+(batch_invariance.train_parallel_noise measures it). Regions, --graft/--depth and AMP are refused in one line (spec).
+A rank that fails or dies ends the run in one line naming it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import torch
 
 from ..errors import StackError, one_line
 from ..prompts import Prompt
-from ..taps import TapKey
 from .base import PromptScores, ScoresSink, StackInfo, StackSettings, TapSink
 
 START_SECONDS = 600  # most a rank may take to load its shard and answer
@@ -85,7 +85,6 @@ class ShardedHFStack:
         self.settings: StackSettings | None = None
         self._procs: list = []
         self._conns: list[Connection] = []
-        self._num_layers, self._taps = 0, ()  # the model's decoder layers and taps (embed, its family's, final_norm)
         self.model = None  # the model lives in the ranks: no region can be patched from here (spec refuses them)
 
     def load(self, settings: StackSettings) -> None:
@@ -108,7 +107,6 @@ class ShardedHFStack:
                 self._procs.append(proc)
                 self._conns.append(mine)
             self._answers("start", START_SECONDS)
-            self._num_layers, self._taps = self._ask(("layers", None))[0]
         except BaseException:
             self.close()
             raise
@@ -164,15 +162,14 @@ class ShardedHFStack:
 
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:
-        """One request per sequence (rank 0's logits of one sequence cross at a time); the logits tap, the one tap a
-        sharded trainer hands over, is its gathered logits, as HFStack's lm_head output is."""
+        """One request per sequence: rank 0's scores and gathered taps of one sequence cross at a time, and its taps
+        go to `sink` before its scores are delivered, as HFStack hands them over."""
         results: list[PromptScores] = []
         deliver = on_scored or results.append
-        logits_key = TapKey.of("logits", self._num_layers) if "logits" in taps else None
         for prompt in prompts:
-            [scores] = self._ask(("score", [prompt]))[0]
-            if logits_key is not None:
-                sink(prompt.prompt_id, logits_key, scores.logits)
+            scores, kept = self._ask(("score", ([prompt], frozenset(taps))))[0]
+            for key, x in kept:
+                sink(prompt.prompt_id, key, x)
             deliver(scores)
         return results
 
@@ -195,11 +192,6 @@ class ShardedHFStack:
             "plan": "the model's base_model_tp_plan (transformers' apply_tensor_parallelism, DTensor)",
             "logits": "rank 0's, gathered over the vocabulary by the LM head's colwise_gather_output"}
         return info
-
-    def tap_status(self) -> dict[str, str]:
-        """`--taps all` at --train-tp N: the logits; every layer tap is a shard per rank here (not gathered)."""
-        why = f"not captured at --train-tp {self.settings.train_tp}: the trainer's layers are sharded over processes"
-        return {name: why for name in self._taps} | {"logits": "captured"}
 
     def close(self, force: bool = False) -> None:
         """Stop the ranks: asked to, or at once (`force`: after a rank failed, the others may wait in a collective
@@ -264,13 +256,9 @@ def _rank_main(rank: int, ranks: int, port: int, settings: StackSettings, device
                 break
             try:
                 if what == "score":
-                    value = [_on_host(s) for s in stack.score(arg, frozenset(), _ignore)]
+                    value = _score_gathered(stack, *arg, rank, ranks)
                 elif what == "score_batched":
                     value = [_on_host(s) for s in stack.score_batched(arg)]
-                elif what == "layers":
-                    from ..models import family_of
-
-                    value = len(stack.layers), ("embed", *family_of(stack.model).layer_taps, "final_norm")
                 else:
                     value = stack.info()
             except Exception as e:  # noqa: BLE001 - any rank's failure is the run's one line
@@ -287,9 +275,31 @@ def _rank_main(rank: int, ranks: int, port: int, settings: StackSettings, device
             dist.destroy_process_group()
 
 
+def _score_gathered(stack, prompts: list[Prompt], taps: frozenset[str], rank: int, ranks: int):
+    """One sequence on this rank's shard, its taps made whole: a column-parallel tap (the family's `column_parallel`:
+    a column GEMM's output and what stays per head or per feature after it) is this rank's slice of the features, so
+    the ranks' slices are all-gathered and joined in rank order (every rank emits the same taps in the same order, so
+    the collectives pair up); every other tap (the row-parallel outputs after their all-reduce, the residual stream,
+    the norms, the gathered logits) is whole in every rank. Rank 0 keeps host copies: (scores, [(key, tap)])."""
+    import torch.distributed as dist
+
+    from ..models import family_of
+
+    column = family_of(stack.model).column_parallel
+    kept = []
+
+    def sink(_prompt_id, key, x) -> None:
+        if key.name in column:
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(ranks)]
+            dist.all_gather(parts, x)
+            x = torch.cat(parts, dim=-1)
+        if rank == 0:
+            kept.append((key, x.detach().cpu().clone()))  # a compact copy: a view would pickle its whole storage
+
+    [scores] = stack.score(prompts, taps, sink)
+    return _on_host(scores), kept
+
+
 def _on_host(scores: PromptScores) -> PromptScores:
     return PromptScores(scores.prompt_id, scores.logits.cpu(), scores.logprobs.cpu())
-
-
-def _ignore(*_) -> None:
-    pass
