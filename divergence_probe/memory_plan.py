@@ -363,8 +363,9 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     kind = "eager" if i.reduction == "eager" else f"compiled-{i.device}"
     terms["reduction_stacked_copies"] = 2 * call_stacked * b
     terms["reduction_temporaries"] = int(call * REDUCTION_TEMP_BYTES.get(kind, 0.0))
-    train = _trainer_apart(i, terms, longest, call_stacked, min(longest * per_token, call * b)) \
-        if i.train_device is not None else None
+    # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
+    moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
+    train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     counted = sum(terms.values())
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
@@ -386,6 +387,7 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     train = {k: terms.pop(k) for k in TRAIN_TERMS if k in terms}
     train["train_forward"] = terms.pop("train_forward") - kl
     train["train_stacked_copies"] = call_stacked * b  # stacked on the trainer's device before they move
+    terms["reduction_stacked_copies"] = call_stacked * b  # the engine's side; the trainer's arrives in moved_taps
     terms["train_outputs_moved"] = moved_taps + longest * m.vocab * b + kl
     kind = i.train_device.partition(":")[0]
     train["runtime_allowance"] = CUDA_RUNTIME if kind == "cuda" else CPU_RUNTIME

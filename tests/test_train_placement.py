@@ -87,6 +87,9 @@ def test_the_plan_puts_the_trainer_on_its_own_device_and_the_comparison_on_the_e
     moved = apart.terms["train_outputs_moved"]
     assert moved >= shared.terms["train_taps"] + 3000 * 152064 * 2  # the taps and the [T, V] logits of a sequence
     assert apart.needed < shared.needed - shared.terms["train_weights"] + moved
+    # the trainer's stacked copy is made on its device and arrives among the moved taps: the engine's own stays
+    assert apart.train_terms["train_stacked_copies"] == apart.terms["reduction_stacked_copies"] == \
+        shared.terms["reduction_stacked_copies"] // 2
     assert apart.train_needed == apart.train_phases["train_and_reduce"] < shared.needed
     with_floor = plan(inputs(noise_floor=True, train_device="cuda:1", train_free_bytes=141 * 10**9))
     assert "noise_floor" not in with_floor.phases and "noise_floor" in with_floor.train_phases  # the second trainer
