@@ -149,8 +149,8 @@ class ShardedHFStack:
         return [answers[r] for r in range(ranks)]
 
     def _failure(self, rank: int, ranks: int, what: str, error: str | None) -> str:
-        """The one line for a failed request: a rank that died (`error` None: `rank` closed its pipe), naming first
-        one that died under another's error, else `rank`'s own error (after which it exits normally)."""
+        """The one line for a failed request: the rank that died, if one did (`error` None: `rank` closed its pipe;
+        else another rank, whose death `rank`'s collective reports as its error), else `rank`'s own error."""
         if error is None:
             self._procs[rank].join(STOP_SECONDS)  # a closed pipe: its process is ending
         for r, proc in enumerate(self._procs):
