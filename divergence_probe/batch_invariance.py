@@ -155,6 +155,37 @@ def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
     return _change_row(probe.train.name, "train", change, deltas, kls), routes
 
 
+TRAIN_TENSOR_PARALLEL_CHANGE = "train_tp"  # "train_tp 1 vs N": the trainer unsharded vs this run's sharded one
+
+
+def train_parallel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | None:
+    """The trainer's parallelism floor (--train-tp N > 1): the sharded trainer against the same trainer unsharded,
+    loaded in this process on its device, each sequence alone, no taps (kernel_noise.csv's row `train_tp 1 vs N`).
+    A row-parallel GEMM's output is the sum of N partial products each rounded to the dtype, so sharding alone moves
+    the trainer's logprobs; a sharded trainer's mismatch means little without this beside it, as the engine's TP floor
+    (engine_noise) does for the engine. None at --train-tp 1."""
+    ranks = probe.config.train_tp
+    if ranks <= 1:
+        return None
+    from dataclasses import replace
+
+    from .probe import train_settings
+    from .stacks import get_stack
+
+    whole = get_stack(probe.config.train)
+    deltas, kls = [], []
+    try:
+        whole.load(replace(train_settings(probe.config, probe.settings), train_tp=1))
+        for seq in sequences:
+            [mine] = probe.train.score([seq], frozenset(), _ignore)
+            [theirs] = whole.score([seq], frozenset(), _ignore)
+            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
+            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
+    finally:
+        whole.close()
+    return _change_row(probe.train.name, "train", f"{TRAIN_TENSOR_PARALLEL_CHANGE} 1 vs {ranks}", deltas, kls)
+
+
 def other_engine_settings(settings):
     """This run's engine settings in the other engine mode; eager compiles nothing, so a compilation_config the
     user passed for the compiled engine is left out of it."""

@@ -272,6 +272,7 @@ def _print_summary(run) -> None:
                        ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
                        ("noise_infer_engine_mode_mean_abs_dlogp", "noise floor: engine, other mode"),
                        ("noise_infer_tensor_parallel_mean_abs_dlogp", "noise floor: engine, tensor_parallel_size 1"),
+                       ("noise_train_tensor_parallel_mean_abs_dlogp", "noise floor: train, unsharded (--train-tp 1)"),
                        ("tap_points_mean_abs_dlogp", "engine with vs without tap points"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:

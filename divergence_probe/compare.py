@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Sequence
 import pandas as pd
 import torch
 
-from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, engine_noise, kernel_noise, routing_noise
+from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
+    kernel_noise, routing_noise, train_parallel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -138,9 +139,10 @@ class PendingScores:
     def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
         # keep what names the tokens, not the logits: a sequence's tensors must not outlive its own turn
         self.seq, self.tokenizer = replace(seq, logits=None, logprobs=None), tokenizer
-        device = seq.logits.device
+        device = seq.logits.device  # the comparison's: the engine's (--train-device: the trainer's side moves here)
+        train_logits = train_logits.to(device)
         finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
-        kl = token_kl(seq.logits, train_logits.to(device))
+        kl = token_kl(seq.logits, train_logits)
         # float64 holds the float32 logprobs exactly, so one transfer carries everything
         values = torch.cat([finite.double(), kl, to_device(seq.logprobs, device).double(),
                             to_device(train_logprobs, device).double()])
@@ -352,12 +354,17 @@ class CompareRun:
 
 
 def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
-    """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel, and the
-    engine's in its other mode (eager vs compiled) or at tensor_parallel_size 1, for the summary beside the mismatch
-    (if measured)."""
+    """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel and
+    unsharded (at --train-tp > 1), and the engine's in its other mode (eager vs compiled) or at tensor_parallel_size
+    1, for the summary beside the mismatch (if measured)."""
     columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
     if kernel is not None:
-        columns["noise_train_kernel_mean_abs_dlogp"] = float(kernel.mean_abs_dlogp.iloc[0])
+        sdpa = kernel[~kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
+        if len(sdpa):
+            columns["noise_train_kernel_mean_abs_dlogp"] = float(sdpa.mean_abs_dlogp.iloc[0])
+        sharded = kernel[kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
+        if len(sharded):
+            columns["noise_train_tensor_parallel_mean_abs_dlogp"] = float(sharded.mean_abs_dlogp.iloc[0])
     if engine is not None:
         mode = engine[engine.change.str.startswith("engine ")]
         if len(mode):
@@ -478,7 +485,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
             progress(done_before + done // per_prompt, len(prompts) * total_scale)
 
     pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
-    peaks = Peaks(probe.settings.device)
+    peaks = Peaks(probe.settings.device, plan.inputs.train_device if plan is not None else None)
     if total_scale == 1:  # an ablation names each combination's phase itself
         phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):
@@ -501,6 +508,9 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     top_k = routes.top_k if run_routing is not None else None
     kernel, kernel_routes = kernel_noise(probe, ran, top_k) if spec.capture.batch_invariance else (None, None)
+    parallel = train_parallel_noise(probe, ran) if spec.capture.batch_invariance else None
+    if parallel is not None:  # the trainer's parallelism floor beside its kernel floor
+        kernel = parallel if kernel is None else pd.concat([kernel, parallel], ignore_index=True)
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
     if spec.capture.engine_noise:
         phase(progress, "noise floor: the engine in its other mode")

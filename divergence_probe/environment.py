@@ -33,6 +33,34 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_train_device(train_device: str | None, device: str) -> str:
+    """The training stack's device (--train-device): its own GPU (`cuda:1`), the CPU beside a GPU engine, or, when
+    not given, the run's --device (its spelling is checked by spec.LoadSpec). Checked before anything loads: a device
+    this machine does not have is one line."""
+    if train_device is None:
+        return resolve_device(device)
+    if train_device == "cpu":
+        return "cpu"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(train_device.partition(":")[2] or 0)
+    if index >= count:
+        have = f"{count} CUDA device(s) (cuda:0 to cuda:{count - 1})" if count else "no CUDA GPU"
+        raise ProbeError(f"--train-device {train_device}, but this torch sees {have}; use cpu or an index it sees, "
+                         "or drop --train-device")
+    return train_device
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two resolved devices ("cpu", "cuda", "cuda:N") are one: "cuda" is torch's current GPU."""
+    if a == b:
+        return True
+    ta, tb = torch.device(a), torch.device(b)
+    if ta.type != tb.type or ta.type != "cuda":
+        return False
+    current = torch.cuda.current_device()
+    return (current if ta.index is None else ta.index) == (current if tb.index is None else tb.index)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -188,11 +188,17 @@ class PlanInputs:
     noise_floor: bool = False
     tensor_parallel: int = 1  # the engine's tensor_parallel_size (stacks/vllm/tensor_parallel.py)
     train_amp: bool = False  # --train-precision amp: the trainer holds FP32 weights and autocast's casts of them
+    # --train-device on a device of its own ("cpu", "cuda:1"): planned apart, with its own free memory; None: the
+    # trainer shares the engine's device (one plan)
+    train_device: str | None = None
+    train_tp: int = 1  # --train-tp: the trainer's ranks (stacks/hf_tensor_parallel.py)
+    train_free_bytes: int = 0
+    train_free_source: str = ""
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
         record = asdict(self)
-        del record["free_bytes"], record["free_source"]
+        del record["free_bytes"], record["free_source"], record["train_free_bytes"], record["train_free_source"]
         record["taps"] = sorted(self.taps)
         record["prompt_lengths"] = {"count": len(self.prompt_lengths), "total": sum(self.prompt_lengths),
                                     "longest": max(self.prompt_lengths, default=0)}
@@ -209,10 +215,24 @@ class MemoryPlan:
     phases: dict[str, int]  # bytes held at the peak of each phase (sums of terms)
     needed: int
     batch_tokens_fitting: int | None = None  # with a fixed batch_tokens that does not fit: the largest that would
+    # --train-device on a device of its own: what that device holds (terms, phases, needed), planned apart
+    train_terms: dict[str, int] | None = None
+    train_phases: dict[str, int] | None = None
+    train_needed: int = 0
 
     @property
     def fits(self) -> bool:
+        return self.engine_fits and self.train_fits
+
+    @property
+    def engine_fits(self) -> bool:
+        """The engine's device (with the trainer too, unless it has its own)."""
         return self.needed <= self.inputs.free_bytes
+
+    @property
+    def train_fits(self) -> bool:
+        """The trainer's own device (--train-device), when it has one."""
+        return self.train_terms is None or self.train_needed <= self.inputs.train_free_bytes
 
     def engine_args(self) -> dict:
         """vllm.LLM keywords for the KV budget (CUDA only). vLLM 0.24 still checks at start-up that
@@ -240,7 +260,12 @@ class MemoryPlan:
             "needed_gib": gib(self.needed),
             "free": {"bytes": self.inputs.free_bytes, "gib": gib(self.inputs.free_bytes),
                      "source": self.inputs.free_source},
-        }
+        } | ({} if self.train_terms is None else {"train_device": {
+            "device": self.inputs.train_device, "terms_bytes": dict(self.train_terms),
+            "phases_bytes": dict(self.train_phases), "needed_bytes": self.train_needed,
+            "needed_gib": gib(self.train_needed),
+            "free": {"bytes": self.inputs.train_free_bytes, "gib": gib(self.inputs.train_free_bytes),
+                     "source": self.inputs.train_free_source}}})
 
 
 def _batches(lengths: tuple[int, ...], max_tokens: int) -> Iterator[list[int]]:
@@ -256,8 +281,9 @@ def _batches(lengths: tuple[int, ...], max_tokens: int) -> Iterator[list[int]]:
         yield group
 
 
-def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[str, int], int]:
-    """The byte count of every term for one choice of batch_tokens and chunking, and the KV cache it implies."""
+def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[str, int], int, dict[str, int] | None]:
+    """The byte count of every term for one choice of batch_tokens and chunking, the KV cache it implies, and the terms
+    of the trainer's own device (--train-device; None when it shares the engine's)."""
     m, b = i.model, i.dtype_bytes
     vllm = i.infer == "vllm"
     samples, new = max(1, i.samples), max(0, i.new_tokens)
@@ -274,6 +300,12 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # --train-precision amp: FP32 master weights, and autocast's cache of their casts to the run's dtype (kept for
     # the whole autocast region of a forward)
     train_weights = m.parameters * 4 if i.train_amp else weights
+    # --train-tp N: every rank loads the whole checkpoint before it keeps its slice (stacks/hf_tensor_parallel.py); on
+    # the CPU the ranks are N processes in the one host memory, on GPUs the planned device is rank 0's
+    trainer_on_cpu = (i.train_device or i.device) == "cpu"
+    if i.train_tp > 1 and trainer_on_cpu:
+        train_weights *= i.train_tp
+        terms["train_rank_processes"] = CPU_RUNTIME * i.train_tp
     terms["train_weights"] = train_weights
     if i.train_amp:
         terms["train_amp_weight_casts"] = weights
@@ -331,30 +363,70 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     kind = "eager" if i.reduction == "eager" else f"compiled-{i.device}"
     terms["reduction_stacked_copies"] = 2 * call_stacked * b
     terms["reduction_temporaries"] = int(call * REDUCTION_TEMP_BYTES.get(kind, 0.0))
+    # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
+    moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
+    train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     counted = sum(terms.values())
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
     terms["fragmentation_allowance"] = int(FRAGMENTATION * counted) if i.device == "cuda" else 0
-    return terms, kv
+    return terms, kv, train
+
+
+TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
+               "noise_floor_second_trainer", "train_rank_processes")
+
+
+def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
+    """--train-device on a device of its own: the trainer's terms move there (out of `terms`, which keeps the engine's
+    device). The comparison stays on the engine's device, where a whole inference batch of taps is parked; what
+    crosses is the trainer's side of one sequence: its taps of one reduction call (`moved_taps`), its logits, and the
+    KL's float64 chunks computed there (compare.PendingScores, capture._stack)."""
+    m, b = i.model, i.dtype_bytes
+    kl = min(longest, 256) * m.vocab * 8 * 4
+    train = {k: terms.pop(k) for k in TRAIN_TERMS if k in terms}
+    train["train_forward"] = terms.pop("train_forward") - kl
+    train["train_stacked_copies"] = call_stacked * b  # stacked on the trainer's device before they move
+    terms["reduction_stacked_copies"] = call_stacked * b  # the engine's side; the trainer's arrives in moved_taps
+    terms["train_outputs_moved"] = moved_taps + longest * m.vocab * b + kl
+    kind = i.train_device.partition(":")[0]
+    train["runtime_allowance"] = CUDA_RUNTIME if kind == "cuda" else CPU_RUNTIME
+    train["fragmentation_allowance"] = int(FRAGMENTATION * sum(train.values())) if kind == "cuda" else 0
+    return train
 
 
 def _phases(t: dict[str, int]) -> dict[str, int]:
-    fixed = t["train_weights"] + t["infer_weights"] + t["kv_cache"] + t["runtime_allowance"] + t["fragmentation_allowance"]
+    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it)."""
+    fixed = t.get("train_weights", 0) + t.get("train_rank_processes", 0) + t["infer_weights"] + t["kv_cache"] \
+        + t["runtime_allowance"] + t["fragmentation_allowance"]
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
     return {
         "engine_start": fixed + t["engine_profile_activations"],
         "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
-        "train_and_reduce": fixed + held + t["train_taps"] + t["train_forward"] + t["reduction_stacked_copies"]
-        + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0),
+        "train_and_reduce": fixed + held + t.get("train_taps", 0) + t.get("train_forward", 0)
+        + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"] + t["reduction_temporaries"]
+        + t.get("train_amp_weight_casts", 0),
     } | ({"noise_floor": fixed + t.get("train_amp_weight_casts", 0)
           + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {})
 
 
+def _train_phases(t: dict[str, int]) -> dict[str, int]:
+    """The trainer's own device (--train-device): its weights, one sequence's forward and taps, and the noise floor's
+    batch or second trainer."""
+    fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
+        + t["runtime_allowance"] + t["fragmentation_allowance"]
+    return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
+        {"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+        if "noise_floor_second_trainer" in t else {})
+
+
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:
-    terms, kv = _terms(i, batch_tokens, chunk)
+    terms, kv, train = _terms(i, batch_tokens, chunk)
     phases = _phases(terms)
-    return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **extra)
+    apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
+                                      "train_needed": max(tp.values())}
+    return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
 
 
 def _batch_candidates(i: PlanInputs) -> list[int]:
@@ -388,11 +460,16 @@ def plan(i: PlanInputs) -> MemoryPlan:
 
 
 def check(p: MemoryPlan) -> MemoryPlan:
-    """The plan if it fits; else one line naming what was needed, what was free, and the options."""
+    """The plan if it fits; else one line naming the device that does not fit, what was needed, what was free, and the
+    options."""
     if p.fits:
         return p
     i = p.inputs
-    biggest = sorted(((v, k) for k, v in p.terms.items() if v), reverse=True)[:4]
+    engine = not p.engine_fits
+    terms, needed = (p.terms, p.needed) if engine else (p.train_terms, p.train_needed)
+    device, free, source = (i.device, i.free_bytes, i.free_source) if engine else \
+        (i.train_device, i.train_free_bytes, i.train_free_source)
+    biggest = sorted(((v, k) for k, v in terms.items() if v), reverse=True)[:4]
     parts = ", ".join(f"{k} {_gib(v)}" for v, k in biggest)
     options = []
     if p.batch_tokens_fitting:
@@ -404,12 +481,17 @@ def check(p: MemoryPlan) -> MemoryPlan:
     if i.taps:
         taps_none = _first_fit(PlanInputs(**{**_fields(i), "taps": frozenset()}), _batch_candidates(i))
         options.append("--taps none (fits)" if taps_none else "fewer --taps")
-    options.append("a machine with more memory (or --device cuda)" if i.device == "cpu" else
-                   "a GPU with more free memory")
-    options.append(f"a larger {ENV}" if i.free_source == ENV else f"{ENV}=BYTES if {i.free_source} is wrong")
+    if not engine:
+        options.append("another --train-device (or none: the engine's device)")
+    elif device == "cpu":
+        options.append("a machine with more memory (or --device cuda)")
+    else:
+        options.append("a GPU with more free memory" + ("" if i.train_device else " (or --train-device cuda:1)"))
+    options.append(f"a larger {ENV}" if source == ENV else f"{ENV}=BYTES if {source} is wrong")
+    whose = ("" if i.train_device is None else " (the engine's device)") if engine else " (--train-device)"
     raise DeviceMemoryError(
-        f"the run needs about {_gib(p.needed)} of {i.device} memory at its peak ({parts}; batch_tokens "
-        f"{p.batch_tokens}) but {_gib(i.free_bytes)} is free ({i.free_source}); nothing was loaded. "
+        f"the run needs about {_gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
+        f"{p.batch_tokens}) but {_gib(free)} is free ({source}); nothing was loaded. "
         f"Options: {'; '.join(options)}")
 
 
@@ -437,14 +519,15 @@ def parse_bytes(text: str) -> int:
 
 
 def device_memory(device: str) -> tuple[int, int, str]:
-    """(free bytes, total bytes, where the free count came from) of the device both stacks load on. The override
-    caps the free memory (a GPU shared with others, or a test); on the CPU the memory is the system's RAM."""
+    """(free bytes, total bytes, where the free count came from) of a device a stack loads on ("cpu", "cuda",
+    "cuda:N"). The override caps the free memory of each device (a GPU shared with others, or a test); on the CPU the
+    memory is the system's RAM."""
     override = os.environ.get(ENV)
-    if device == "cuda":
+    if device.startswith("cuda"):
         import torch
 
-        free, total = torch.cuda.mem_get_info()
-        source = "torch.cuda.mem_get_info"
+        free, total = torch.cuda.mem_get_info(torch.device(device) if ":" in device else None)
+        source = "torch.cuda.mem_get_info" + (f"({device})" if ":" in device else "")
     else:
         free, total = _system_memory()
         source = "system RAM available"
@@ -473,35 +556,47 @@ def enforce_cap(plan_: MemoryPlan, total_bytes: int) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, plan_.inputs.free_bytes / total_bytes))
 
 
+def enforce_train_cap(plan_: MemoryPlan, total_bytes: int) -> None:
+    """The same cap on the trainer's own GPU (--train-device cuda:N)."""
+    i = plan_.inputs
+    if (i.train_device or "").startswith("cuda") and i.train_free_source == ENV and total_bytes:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(min(1.0, i.train_free_bytes / total_bytes), torch.device(i.train_device))
+
+
 # ------------------------------------------------------------------------------------------- what was measured
 class Peaks:
     """Peak device memory per phase of the run loop (CUDA: torch's allocator, which both stacks share; vLLM's KV
-    cache and weights are in it too). On the CPU no allocator keeps a peak: nothing is recorded, and
-    benchmarks/memory_plan.py counts the tap bytes a run holds instead."""
+    cache and weights are in it too), and of the trainer's own GPU when it has one (--train-device cuda:N). On the
+    CPU no allocator keeps a peak: nothing is recorded, and benchmarks/memory_plan.py counts the tap bytes a run holds
+    instead."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, train_device: str | None = None) -> None:
         self.cuda = device == "cuda"
+        self.devices = ([None] if self.cuda else []) + ([train_device] if (train_device or "").startswith("cuda") else [])
         self.peaks: dict[str, int] = {}
 
     def start(self) -> None:
-        if self.cuda:
-            import torch
+        import torch
 
-            torch.cuda.reset_peak_memory_stats()
+        for device in self.devices:
+            torch.cuda.reset_peak_memory_stats(device)
 
     def end(self, phase: str) -> None:
-        if self.cuda:
-            import torch
+        import torch
 
-            self.peaks[phase] = max(self.peaks.get(phase, 0), int(torch.cuda.max_memory_allocated()))
+        for device in self.devices:
+            key = phase if device is None else f"{phase} ({device})"
+            self.peaks[key] = max(self.peaks.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
 
     def record(self) -> dict:
-        if not self.cuda:
+        if not self.devices:
             return {"device": "cpu: no allocator peak (benchmarks/memory_plan.py counts the capture's bytes)"}
         import torch
 
         return {"max_memory_allocated_bytes_by_phase": dict(self.peaks),
-                "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+                "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved()) if self.cuda else None}
 
 
 def engine_report(stack) -> dict:

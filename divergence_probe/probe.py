@@ -21,12 +21,13 @@ import torch
 
 from . import memory_plan, torch_state
 from .compare import Progress, load_run_prompts, run_compare
-from .environment import environment, resolve_device
+from .environment import environment, resolve_device, resolve_train_device, same_device
 from .errors import DeviceMemoryError, ProbeError
 from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
+from .stacks.hf_tensor_parallel import check_shardable, stack_for as trainer_for
 from .stacks.vllm.compiled_taps import tap_points_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -96,8 +97,8 @@ class Probe:
         config = replace(self.config, **changes)
         settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
                            batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = get_stack(config.train)
-        train.load(settings)
+        train = trainer_for(config.train, settings)
+        train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
 
     def manifest(self) -> dict:
@@ -115,10 +116,12 @@ class Probe:
                 "train": self.config.train,
                 "dtype": self.config.dtype,
                 "device": self.settings.device,
+                "train_device": resolve_train_device(self.config.train_device, self.config.device),
                 "train_attn": self.config.train_attn,
                 "train_sdpa": self.config.train_sdpa,
                 "train_state": self.config.train_state,
                 "train_precision": self.config.train_precision,
+                "train_tp": self.config.train_tp,
                 "engine": self.config.engine,
                 "engine_args": self.config.engine_args,
                 "seed": self.config.seed,
@@ -158,8 +161,14 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
         train_precision=cfg.train_precision,
+        train_tp=cfg.train_tp,
         engine_taps=engine_taps,
     )
+
+
+def train_settings(cfg: LoadSpec, settings: StackSettings) -> StackSettings:
+    """The training stack's settings: the run's, on --train-device (the engine keeps --device)."""
+    return replace(settings, device=resolve_train_device(cfg.train_device, cfg.device))
 
 
 def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
@@ -183,9 +192,10 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     cfg = spec or LoadSpec(model=model, **config)
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
     # after both stacks have loaded
-    torch_state.check_sdpa(cfg.train_sdpa, resolve_device(cfg.device), cfg.train_attn)
+    torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
+    check_shardable(source.config, cfg.train_tp, resolve_train_device(cfg.train_device, cfg.device))
     settings = stack_settings(cfg, source)
     settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
                                                             routes=routes or _replays_routes(plan_for)))
@@ -195,9 +205,9 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     if before_stacks is not None:
         before_stacks(source, tokenizer)
     plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
-    train = get_stack(cfg.train)
+    train = trainer_for(cfg.train, settings)
     with _memory_errors(plan, "loading the training stack"):
-        train.load(settings)  # first: it checks the weights for NaN/Inf before the slower engine starts
+        train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
     if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
         from .stacks.vllm.tensor_parallel import stack_for
 
@@ -206,7 +216,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
         infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
-            infer.load(replace(settings, train_precision="bf16"))  # the precision of the training side only
+            infer.load(replace(settings, train_precision="bf16", train_tp=1))  # the training side's only
     except BaseException:
         train.close()
         raise
@@ -231,6 +241,9 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     from .checkpoint import checkpoint_tensors
 
     free, total, source_of_free = memory_plan.device_memory(settings.device)
+    train_device = resolve_train_device(cfg.train_device, cfg.device)
+    apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
+    train_free, train_total, train_source = memory_plan.device_memory(train_device) if apart else (0, 0, "")
     size = memory_plan.ModelSize.of(source.config, checkpoint_tensors(source.path))
     if plan_for is not None:
         lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
@@ -244,7 +257,9 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     if cfg.infer == "vllm" and settings.device == "cpu":
         fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # stacks/vllm/stack.py's default
     elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
-        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total) - 2 * size.parameters * _DTYPE_BYTES[cfg.dtype])
+        stacks_here = 1 if apart else 2  # vLLM's share counts the weights on its device: its own, and the trainer's
+        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total)
+                       - stacks_here * size.parameters * _DTYPE_BYTES[cfg.dtype])
     default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")
     inputs = memory_plan.PlanInputs(
         model=size,
@@ -256,9 +271,11 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
         tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
-        train_amp=cfg.train_precision == "amp")
+        train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
+        train_free_bytes=train_free, train_free_source=train_source)
     plan = memory_plan.check(memory_plan.plan(inputs))
     memory_plan.enforce_cap(plan, total)
+    memory_plan.enforce_train_cap(plan, train_total)
     engine = plan.engine_args()
     if engine and "gpu_memory_utilization" not in user:
         engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)

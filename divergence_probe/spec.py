@@ -12,6 +12,7 @@ stores `spec.to_dict()`, and `RunSpec.from_dict` turns it back into the same spe
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -30,6 +31,7 @@ TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
 TRAIN_PRECISIONS = ("bf16", "amp")
 DEVICES = ("auto", "cpu", "cuda")
+TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
 SIDES = ("both", "train", "infer")
 ROUTING_REPLAYS = ("ids", "ids+weights")
 MODES = ("prefill", "generate")
@@ -86,6 +88,14 @@ class LoadSpec:
                                           "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
                                           "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
                                           "and --taps none or logits).")
+    train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
+                                            "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
+                                            "--device. Logprobs and taps are compared on the engine's device.")
+    train_tp: int = option(1, "Shard the training stack over N processes with transformers' tensor-parallel plan "
+                              "(Megatron-style column/row parallel on DTensor; gloo on the CPU, NCCL on GPUs from "
+                              "--train-device on); its column-parallel taps are gathered. No trainer-side regions, "
+                              "--graft, --depth or amp. With --batch-invariance, also the trainer unsharded (the "
+                              "parallelism floor).")
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
@@ -102,10 +112,18 @@ class LoadSpec:
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
+            raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
+                             "(e.g. cuda:1), or drop it for --device's")
         if self.train_precision == "amp" and self.dtype == "float32":
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.train_tp < 1:
+            raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
+        if self.train_tp > 1 and self.train_precision == "amp":
+            raise ProbeError(f"--train-precision amp is not built for a sharded trainer (--train-tp {self.train_tp}); "
+                             "use --train-precision bf16 or --train-tp 1")
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:
@@ -302,6 +320,12 @@ class RunSpec:
             raise ProbeError("--train-precision amp keeps the trainer's residual stream, norms and RoPE in FP32, so its "
                              "layer taps cannot be paired with the engine's; add --taps none (or --taps logits) and "
                              "drop --graft/--depth")
+        if (self.capture.graft or self.capture.depth) and self.load.train_device is not None and not _same_device(
+                self.load.train_device, self.load.device):
+            raise ProbeError(f"--graft/--depth run the trainer's ops on the engine's own tensors, which are on "
+                             f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
+                             "--train-device or --graft/--depth")
+        self._check_train_tp()
         if compiled and (self.capture.graft or self.capture.depth):
             raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
                              "expose; use --engine eager")
@@ -336,6 +360,19 @@ class RunSpec:
             raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
                              "the other engines' allocations as its own; add --engine-args '{\"gpu_memory_utilization\": "
                              "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
+
+    def _check_train_tp(self) -> None:
+        """What a trainer sharded over processes (stacks/hf_tensor_parallel.py) cannot do, in one line each."""
+        ranks = self.load.train_tp
+        if ranks == 1:
+            return
+        if self.capture.graft or self.capture.depth:
+            raise ProbeError(f"--graft/--depth run the trainer's single ops in this process, but --train-tp {ranks} "
+                             "shards its modules over worker processes; drop --graft/--depth or use --train-tp 1")
+        regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        if regions and self.align.side != "infer":
+            raise ProbeError(f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s "
+                             "worker processes; use --side infer (the engine alone) or --train-tp 1")
 
     def to_dict(self) -> dict:
         """The spec as plain JSON data (the manifest's `spec`)."""
@@ -374,6 +411,12 @@ def _resolved_device(device: str) -> str:
     return resolve_device(device)
 
 
+def _same_device(train_device: str, device: str) -> bool:
+    from .environment import resolve_train_device, same_device
+
+    return same_device(resolve_train_device(train_device, device), _resolved_device(device))
+
+
 class _SpecError(Exception):
     """A field of a recorded spec that does not fit (from_dict turns it into one ProbeError)."""
 
@@ -393,7 +436,8 @@ def _hints(cls) -> dict:
 # still re-runnable. Any other missing field is an error, as an unknown one is.
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
-    ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16"}
+    ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
+    ("load", "train_device"): None, ("load", "train_tp"): 1}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
@@ -517,6 +561,9 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (stacks/vllm/
     tensor_parallel.py: REFUSED)."""
     check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
+    if load.train_tp > 1 and family.top_k_field is not None:  # its experts' plan shards the routed tokens: not built
+        raise ProbeError(f"--train-tp {load.train_tp} is built for dense models; {family.model_type} is a mixture of "
+                         "experts; use --train-tp 1")
     wanted = []
     if load.engine == "compiled" and load.infer == "vllm":
         wanted.append("--engine compiled")

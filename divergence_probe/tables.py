@@ -29,6 +29,7 @@ NOISE_FLOORS = {
     "noise_train_kernel_mean_abs_dlogp": "the training stack's own attention-kernel change",
     "noise_infer_engine_mode_mean_abs_dlogp": "the engine's own change of mode",
     "noise_infer_tensor_parallel_mean_abs_dlogp": "the engine's own change of tensor parallelism",
+    "noise_train_tensor_parallel_mean_abs_dlogp": "the training stack's own change of tensor parallelism",
 }
 ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "token", "is_response",
                          "logprob_infer", "logprob_train", "delta_logprob", "kl"]

@@ -346,11 +346,13 @@ def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
     from divergence_probe.tables import NOISE_FLOORS
 
     floor = pd.DataFrame({"side": ["infer", "train"], "mean_abs_dlogp": [0.0, 1e-4]})
-    kernel = pd.DataFrame({"mean_abs_dlogp": [1e-2]})
+    kernel = pd.DataFrame({"change": ["sdpa math vs auto", "train_tp 1 vs 2"], "mean_abs_dlogp": [1e-2, 3e-3]})
     engine = pd.DataFrame({"change": ["engine eager vs compiled", f"{TAP_POINTS_CHANGE} vs with"],
                            "mean_abs_dlogp": [1e-2, 0.0]})
     columns = noise_floor_columns(floor, kernel, engine)
-    assert len(columns) == 5 and set(columns) <= set(SUMMARY_MEANINGS)
+    assert len(columns) == 6 and set(columns) <= set(SUMMARY_MEANINGS)
+    assert columns["noise_train_kernel_mean_abs_dlogp"] == 1e-2
+    assert columns["noise_train_tensor_parallel_mean_abs_dlogp"] == 3e-3
     assert set(columns) - set(NOISE_FLOORS) == {"tap_points_mean_abs_dlogp"}
     parallel = noise_floor_columns(None, None, pd.DataFrame({"change": ["tensor_parallel_size 1 vs 2"],
                                                              "mean_abs_dlogp": [2e-3]}))

@@ -55,6 +55,8 @@ SUMMARY_MEANINGS = {
                                               "compiled)",
     "noise_infer_tensor_parallel_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the engine at tensor_parallel_size 1 "
                                                   "vs this run's",
+    "noise_train_tensor_parallel_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the training stack unsharded vs "
+                                                  "this run's --train-tp",
     "frac_tokens_any_flip": "routed positions whose top-k expert set differs between the stacks in at least one MoE "
                             "layer",
     "frac_tokens_after_flip": "scored tokens whose logits came from a position that flipped in some layer",
@@ -129,7 +131,8 @@ EXTRA_TABLES = {
     "batch_invariance": "Noise floor (batch_invariance.csv): each stack scores the same sequences one per call and "
                         "then all in one batch; the columns compare the two.",
     "kernel_noise": "Noise floor (kernel_noise.csv): the training stack scores the same sequences with another SDPA "
-                    "attention kernel; the columns compare the two.",
+                    "attention kernel (and, at --train-tp N, unsharded: `train_tp 1 vs N`); the columns compare the "
+                    "two.",
     "local_families": "Local error per op family (local_families.csv, from compare --graft): the training stack's op "
                       "on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
                       "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 "
@@ -324,6 +327,9 @@ def _noise_floor(shipped: pd.Series) -> list:
     if "noise_infer_tensor_parallel_mean_abs_dlogp" in floors:
         parts.append("the engine at tensor_parallel_size 1 instead of this run's moves its logprobs by "
                      f"{_num(floors['noise_infer_tensor_parallel_mean_abs_dlogp'])} nats (engine_noise.csv)")
+    if "noise_train_tensor_parallel_mean_abs_dlogp" in floors:
+        parts.append("the training stack unsharded instead of this run's --train-tp moves its logprobs by "
+                     f"{_num(floors['noise_train_tensor_parallel_mean_abs_dlogp'])} nats (kernel_noise.csv)")
     text = "Noise floor: " + "; ".join(parts) + "."
     tap_points = shipped.get("tap_points_mean_abs_dlogp")
     if tap_points is not None and not pd.isna(tap_points):

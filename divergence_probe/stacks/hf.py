@@ -76,7 +76,7 @@ class HFStack:
         the embedding, the residual adds, the norms and RoPE, in FP32). bf16: the model as loaded, in the run's dtype."""
         if self.settings.train_precision != "amp":
             return nullcontext()
-        return torch.autocast(device_type=self.settings.device, dtype=self.settings.dtype)
+        return torch.autocast(device_type=torch.device(self.settings.device).type, dtype=self.settings.dtype)
 
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM
@@ -85,7 +85,7 @@ class HFStack:
         if settings.train_attn == "flash_attention_2":  # say what is missing before a slow load fails on it
             from importlib.util import find_spec
 
-            if settings.device != "cuda":
+            if torch.device(settings.device).type != "cuda":
                 raise StackError(f"--train-attn flash_attention_2 needs a CUDA device (this run uses "
                                  f"{settings.device}); use --train-attn sdpa or eager")
             if find_spec("flash_attn") is None:
@@ -440,6 +440,7 @@ class HFStack:
             },
             settings={
                 "batch": "one prompt per forward, no padding",
+                "device": self.settings.device,
                 "train_sdpa": self.settings.train_sdpa,
                 # as torch._fused_sdp_choice reports for the first forward of each kind; "flash_attention" on the CPU
                 # is torch's own CPU flash kernel; empty: no SDPA call (another attention implementation)
