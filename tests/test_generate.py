@@ -47,7 +47,7 @@ def test_decode_path_taps_cover_every_layer_and_response_token(vllm_probe, promp
 
 
 def test_sampling_settings_change_the_samples(vllm_probe, prompts_file):
-    base = vllm_probe.compare(prompts=prompts_file, num_prompts=2, taps="none", generate=GEN).tokens_table
+    base = vllm_probe.compare(prompts=prompts_file, taps="none", generate=GEN).tokens_table
     greedy = vllm_probe.compare(prompts=prompts_file, taps="none", generate=GEN | {"temperature": 0.0}).tokens_table
     assert not base.token_id.equals(greedy.token_id) or len(base) != len(greedy)
 
