@@ -30,7 +30,7 @@ from .errors import NumericsError, ProbeError, one_line
 from .options import option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
-from .rl_metrics import bucket_table, sequence_metrics, token_metrics
+from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from .rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
 from .rollouts.adapters import parse_fields
 from .spec import GenerateSpec, LoadSpec
@@ -116,8 +116,9 @@ class ScoreRun:
         return row | self.diagnosis()
 
     def diagnosis(self) -> dict:
-        """The three-way split and, when the recorded logprobs are far from the trainer (and the engine's prefill),
-        which explanation fits: `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
+        """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
+        the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
+        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
         rec = np.array([t.logprob_infer for t in self.tokens])
         train = np.array([t.logprob_train for t in self.tokens])
         gap = np.abs(rec - train)
@@ -128,6 +129,8 @@ class ScoreRun:
             prefill = np.array(self.prefill)
             out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
             out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
+            # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
+            out |= ratio_split({"train": train, "prefill": prefill, "recorded": rec})
             bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
             unlikely &= prefill < UNLIKELY_LOGPROB
             far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound

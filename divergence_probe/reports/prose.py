@@ -88,11 +88,15 @@ SUMMARY_MEANINGS = {
     "decode_vs_recorded_mean_dlogp": "its signed mean (nats)",
     "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
 }
-# The factors of the RL ratio π_train/π_recorded in generate mode (rl_metrics.ratio_split), in plain words.
+# The factors of the RL ratio π_train/π_recorded (rl_metrics.ratio_split), in plain words: generate mode's three, and
+# score's prefill/recorded, which is prefill/decode × decode/recorded when the recording has no decode beside it.
+GENERATE_FACTORS = ("train_vs_prefill", "prefill_vs_decode", "decode_vs_recorded")
 FACTORS = {
     "train_vs_prefill": "the trainer against the engine's prefill of the same sequences (the two stacks' numerics)",
     "prefill_vs_decode": "the engine's prefill against its own decode path (KV cache, a token per step, other batches)",
     "decode_vs_recorded": "the decode path against the recording",
+    "prefill_vs_recorded": "the engine's prefill against the recording (its decode path, and whatever the recording "
+                           "adds: score has no decode of its own)",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -310,7 +314,7 @@ def _headline(run: RunData) -> list:
     if rl:
         blocks.append(Paragraph("Other RL diagnostics from summary.csv (meanings in the summary table below): "
                                 + ", ".join(rl) + "."))
-    if "dominant_factor" in shipped:
+    if "dominant_factor" in shipped and not run.is_score:  # a score run's split: "What the run saw"
         blocks.append(_ratio_split(shipped))
     if not run.is_score:  # a score run's baseline is the engine's prefill: "What the run saw"
         blocks += _noise_floor(shipped)
@@ -323,12 +327,12 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
     """generate mode: π_train/π_recorded as three factors, which one is large, and the largest noise floor beside it
     (a factor no larger than what one stack does to itself under a batch, kernel or mode change is noise)."""
     parts = [f"{FACTORS[f]}: mean |log| {_num(shipped[f + '_mean_abs_dlogp'])} nats "
-             f"(signed mean {_num(shipped[f + '_mean_dlogp'])})" for f in FACTORS]
+             f"(signed mean {_num(shipped[f + '_mean_dlogp'])})" for f in GENERATE_FACTORS]
     text = ("Per response token the importance ratio π_train/π_recorded is the product of three factors, whose logs "
             "add up to Δlogprob exactly: " + "; ".join(parts) + ". The decode path's logprobs are this run's "
             "recording, so the last factor is 1.")
     dominant = str(shipped["dominant_factor"])
-    if dominant not in FACTORS:
+    if dominant not in GENERATE_FACTORS:
         return Paragraph(text + " Every factor is exactly 1: prefill, decode and trainer agree bitwise.")
     text += f" The largest is {FACTORS[dominant]}"
     text += {"train_vs_prefill": ": the gap is the two stacks' numerics, not the decode path.",
