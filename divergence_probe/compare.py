@@ -4,7 +4,9 @@ Prefill and generate mode differ only in where the sequences come from (`Sequenc
 themselves, scored by the inference stack's prefill, or prompt+response sequences the inference stack sampled
 through its decode path. Either way an inference batch runs first and parks its taps; then the training stack
 runs the batch's sequences, and as each is done its taps are paired and reduced (capture.py) and its logits
-scored against the inference logits at every position. Nothing per-layer outlives its sequence.
+scored against the inference logits at every position. Nothing per-layer outlives its sequence. In generate mode the
+engine then scores every sampled sequence once more in one prefill (`engine_prefill`), which splits the RL ratio into
+trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 """
 
 from __future__ import annotations
@@ -463,7 +465,9 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
         g = spec.generate
         manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
                                 "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
-                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)"}
+                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)",
+                                "logprob_prefill": "the engine's prefill of every sampled sequence after the run loop, "
+                                                   "no taps, prefix cache not read"}
     if spec.align.regions:
         manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
     return manifest

@@ -66,7 +66,7 @@ def test_hf_vs_hf_generate_is_exactly_zero_on_responses(hf_probe, prompts_file):
 def test_the_three_factors_multiply_to_the_ratio_and_a_changed_prefill_moves_its_two(vllm_probe, prompts_file,
                                                                                       monkeypatch):
     """π_train/π_recorded = trainer/prefill × prefill/decode × decode/recorded. With the engine's prefill pass shifted
-    by a float32 offset per token (every factor then non-zero), the same samples and trainer logprobs: the shift moves
+    by a float32 offset per token (both factors it enters then non-zero), the same samples and trainer logprobs: the shift moves
     trainer/prefill and prefill/decode by opposite amounts and leaves decode/recorded and the ratio alone; on every
     response token the three log-factors, added in order in float64, are delta_logprob to the bit."""
     import numpy as np

@@ -326,24 +326,26 @@ def _headline(run: RunData) -> list:
 def _ratio_split(shipped: pd.Series) -> Paragraph:
     """generate mode: π_train/π_recorded as three factors, which one is large, and the largest noise floor beside it
     (a factor no larger than what one stack does to itself under a batch, kernel or mode change is noise)."""
-    parts = [f"{FACTORS[f]}: mean |log| {_num(shipped[f + '_mean_abs_dlogp'])} nats "
-             f"(signed mean {_num(shipped[f + '_mean_dlogp'])})" for f in GENERATE_FACTORS]
+    parts = [f"{FACTORS[f]}: " + (f"mean |log| {_num(shipped[f + '_mean_abs_dlogp'])} nats (signed mean "
+                                  f"{_num(shipped[f + '_mean_dlogp'])})" if shipped[f + "_mean_abs_dlogp"] else
+                                  "exactly 1 on every token (bitwise equal logprobs)") for f in GENERATE_FACTORS[:2]]
     text = ("Per response token the importance ratio π_train/π_recorded is the product of three factors, whose logs "
-            "add up to Δlogprob exactly: " + "; ".join(parts) + ". The decode path's logprobs are this run's "
-            "recording, so the last factor is 1.")
+            "add up to Δlogprob exactly: " + "; ".join(parts) + f"; and {FACTORS['decode_vs_recorded']}, 1 by "
+            "construction: the decode path's logprobs are this run's recording.")
     dominant = str(shipped["dominant_factor"])
     if dominant not in GENERATE_FACTORS:
         return Paragraph(text + " Every factor is exactly 1: prefill, decode and trainer agree bitwise.")
     text += f" The largest is {FACTORS[dominant]}"
-    text += {"train_vs_prefill": ": the gap is the two stacks' numerics, not the decode path.",
+    text += {"train_vs_prefill": ": most of the gap is the two stacks' numerics, not the decode path.",
              "prefill_vs_decode": ": the engine's decode-time logprobs are farther from its own prefill than the "
                                   "prefill is from the trainer, so aligning the stacks' rounding alone will not close "
                                   "the gap.",
              "decode_vs_recorded": "."}[dominant]
     floors = noise_floors(shipped)
     engine = {name: v for name, v in floors.items() if name.startswith("noise_infer_")}
+    # the stacks' gap beside every floor measured; the engine's prefill/decode gap beside the engine's own floors
     for factor, measured in (("train_vs_prefill", floors), ("prefill_vs_decode", engine)):
-        if measured:  # the stacks' gap beside every floor; the engine's own one beside the engine's floors
+        if measured and shipped[factor + "_mean_abs_dlogp"]:
             name, floor = max(measured.items(), key=lambda item: item[1])
             value = float(shipped[factor + "_mean_abs_dlogp"])
             text += (f" Factor `{factor}` beside the largest {'engine ' if measured is engine else ''}noise floor "
