@@ -256,7 +256,7 @@ def test_wrong_tokens_are_named_when_they_carry_the_gap(tmp_path):
     def run(train_lp, rec_lp):
         tokens = [TokenScore(0, 1 + j, 5, "x", r, t, math.nan, 0, True)
                   for j, (r, t) in enumerate(zip(rec_lp, train_lp))]
-        return ScoreRun(None, [], tokens, None, None, {}, 0.2, 2.0).diagnosis()
+        return ScoreRun(None, [], tokens, None, {}, 0.2, 2.0).diagnosis()
 
     unlikely = UNLIKELY_LOGPROB - 3
     s = run([-0.1] * 8 + [unlikely] * 2, [-0.1] * 8 + [-0.2] * 2)
