@@ -150,8 +150,10 @@ def engine_prefill(stack, sequences: Sequence[Prompt]) -> list[list[float]]:
 def with_prefill(tokens: list[TokenScore], sequences: Sequence[Prompt], prefill: list[list[float]]) -> None:
     """File each sequence's prefill logprobs on its tokens (the run loop collects tokens sequence by sequence, each
     sequence's positions 1..L-1 in order)."""
+    if len(prefill) != len(sequences):
+        raise StackError(f"the inference stack's prefill scored {len(prefill)} of {len(sequences)} sampled sequences")
     at = 0
-    for seq, logprobs in zip(sequences, prefill, strict=True):
+    for seq, logprobs in zip(sequences, prefill):
         if len(logprobs) != len(seq.token_ids) - 1:
             raise StackError(f"the inference stack's prefill of sequence {seq.prompt_id} scored {len(logprobs)} of "
                              f"its {len(seq.token_ids) - 1} positions")
