@@ -74,7 +74,7 @@ def test_the_three_factors_multiply_to_the_ratio_and_a_changed_prefill_moves_its
 
     from divergence_probe.rl_metrics import log_factors
 
-    base = vllm_probe.compare(prompts=prompts_file, num_prompts=2, taps="none", generate=GEN)
+    base = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none", generate=GEN)
     score = vllm_probe.infer.score
 
     def shifted(prompts, taps, sink, on_scored=None):
@@ -84,7 +84,7 @@ def test_the_three_factors_multiply_to_the_ratio_and_a_changed_prefill_moves_its
         return scores
 
     monkeypatch.setattr(vllm_probe.infer, "score", shifted)
-    run = vllm_probe.compare(prompts=prompts_file, num_prompts=2, taps="none", generate=GEN)
+    run = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none", generate=GEN)
     before, after = base.tokens_table, run.tokens_table
     assert before.drop(columns="logprob_prefill").equals(after.drop(columns="logprob_prefill"))
     response, old = after[after.is_response], before[before.is_response]
