@@ -34,7 +34,7 @@ def _ignore(*_) -> None:
     pass
 
 
-def _groups(stack, sequences: Sequence[Prompt]) -> list[list[Prompt]]:
+def groups_of(stack, sequences: Sequence[Prompt]) -> list[list[Prompt]]:
     """The batches the stack's score_batched makes of these sequences (one, for a stack that does not say)."""
     groups = getattr(stack, "batch_groups", None)
     return groups(sequences) if groups is not None else [list(sequences)]
@@ -46,7 +46,7 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
         deltas, kls = [], []
-        groups = _groups(stack, sequences)
+        groups = groups_of(stack, sequences)
         for group in groups:
             together = {s.prompt_id: s for s in stack.score_batched(group)}
             for seq in group:

@@ -278,6 +278,8 @@ def _print_summary(run) -> None:
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:
             table.add_row(label, f"{s[key]:.3e}")
+    if "dominant_factor" in s:  # generate mode: trainer/prefill, prefill/decode or decode/recorded
+        table.add_row("largest factor of π_train/π_recorded", s["dominant_factor"])
     largest = largest_noise_floor(s)
     if largest is None:  # a mismatch means little without it; say how to get it
         table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")

@@ -4,7 +4,9 @@ Prefill and generate mode differ only in where the sequences come from (`Sequenc
 themselves, scored by the inference stack's prefill, or prompt+response sequences the inference stack sampled
 through its decode path. Either way an inference batch runs first and parks its taps; then the training stack
 runs the batch's sequences, and as each is done its taps are paired and reduced (capture.py) and its logits
-scored against the inference logits at every position. Nothing per-layer outlives its sequence.
+scored against the inference logits at every position. Nothing per-layer outlives its sequence. In generate mode the
+engine then scores every sampled sequence once more in one prefill (`engine_prefill`), which splits the RL ratio into
+trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pandas as pd
 import torch
 
 from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
-    kernel_noise, routing_noise, train_parallel_noise
+    groups_of, kernel_noise, routing_noise, train_parallel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .environment import to_device
@@ -30,7 +32,7 @@ from .metrics import DiffStats, token_kl
 from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_prompts
 from .regions import from_engine
 from .route_capture import RouteCapture, RunRouting
-from .rl_metrics import bucket_table, sequence_metrics, token_metrics
+from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
 from .tables import layers_frame, summary_row, tokens_frame
@@ -62,6 +64,7 @@ class TokenScore:
     kl: float
     sample_id: int | None = None
     is_response: bool | None = None
+    logprob_prefill: float | None = None  # generate mode: the engine's prefill of the whole sampled sequence
 
 
 @dataclass
@@ -126,6 +129,39 @@ class SampledSource(SequenceSource):
                           Prompt(first_key + s.seq_id, f"prompt {s.prompt_id} sample {s.sample_id}", "", s.token_ids),
                           s.logits, s.logprobs, s.prompt_id, len(s.token_ids) - 1, s.sample_id, s.n_prompt)
                 for s in sequences]
+
+
+def engine_prefill(stack, sequences: Sequence[Prompt]) -> list[list[float]]:
+    """generate mode's `logprob_prefill`: the inference stack scores every sampled sequence, prompt and response, in
+    one prefill (no taps, its steps as the noise floor batches them), after the run loop, so that no tap still parked
+    lives in a buffer this pass writes. It must not be served from the decode's cached KV, which would make the
+    prefill/decode factor 1 by construction: vLLM computes every prompt token of such a request (`score` asks for prompt
+    logprobs and sets skip_reading_prefix_cache, prefix caching on or off), and `score` refuses a step whose rows are
+    not whole sequences."""
+    prefill: list[list[float]] = []
+    for group in groups_of(stack, sequences):
+        scores = stack.score(group, frozenset(), lambda *_: None)
+        if [s.prompt_id for s in scores] != [seq.prompt_id for seq in group]:
+            raise StackError("the inference stack returned its prefill scores out of order")
+        prefill += [s.logprobs.double().cpu().tolist() for s in scores]  # float32 values, exact in float64
+    return prefill
+
+
+def with_prefill(tokens: list[TokenScore], sequences: Sequence[Prompt], prefill: list[list[float]]) -> None:
+    """File each sequence's prefill logprobs on its tokens (the run loop collects tokens sequence by sequence, each
+    sequence's positions 1..L-1 in order)."""
+    if len(prefill) != len(sequences):
+        raise StackError(f"the inference stack's prefill scored {len(prefill)} of {len(sequences)} sampled sequences")
+    at = 0
+    for seq, logprobs in zip(sequences, prefill):
+        if len(logprobs) != len(seq.token_ids) - 1:
+            raise StackError(f"the inference stack's prefill of sequence {seq.prompt_id} scored {len(logprobs)} of "
+                             f"its {len(seq.token_ids) - 1} positions")
+        for token, lp in zip(tokens[at : at + len(logprobs)], logprobs):
+            token.logprob_prefill = lp
+        at += len(logprobs)
+    if at != len(tokens):
+        raise StackError(f"{len(tokens)} tokens were scored but the sampled sequences hold {at}")
 
 
 class PendingScores:
@@ -318,6 +354,9 @@ class CompareRun:
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              g.clip_eps, g.tis_cap)
         row |= sequence_metrics(responses, g.clip_eps)
+        decode = responses["logprob_infer"].to_numpy()  # the decode logprobs are this run's recording
+        row |= ratio_split({"train": responses["logprob_train"].to_numpy(),
+                            "prefill": responses["logprob_prefill"].to_numpy(), "decode": decode, "recorded": decode})
         return row | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise)
 
     @property
@@ -434,7 +473,9 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
         g = spec.generate
         manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
                                 "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
-                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)"}
+                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)",
+                                "logprob_prefill": "the engine's prefill of every sampled sequence after the run loop, "
+                                                   "no taps, prefix cache not read"}
     if spec.align.regions:
         manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
     return manifest
@@ -490,6 +531,10 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):
         ran = score_both(probe, prompts, source, infer_taps, taps, capture, collect, peaks)
+    if source.mode == "generate":
+        if total_scale == 1:
+            phase(progress, "the engine's prefill of every sampled sequence")
+        with_prefill(tokens, ran, engine_prefill(probe.infer, ran))
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
     if "memory_plan" in manifest:
         manifest["memory_plan"]["measured"] = peaks.record() | {"engine": engine_report(probe.infer)}

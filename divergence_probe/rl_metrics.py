@@ -57,6 +57,36 @@ def token_metrics(lp_infer: np.ndarray, lp_train: np.ndarray, clip_eps: float, t
     }
 
 
+def log_factors(logprobs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The ratio π_first/π_last of logprobs given in order (generate mode: train, prefill, decode, recorded) as a
+    product of factors, one per neighbouring pair: `a_vs_b` = log π_a − log π_b per token, in float64.
+
+    Their sum, added in this order, is log π_first − log π_last (delta_logprob) to the last bit. Every logprob is a
+    float32 value (both stacks report them so), exact in float64. The difference of two float32 values is a multiple
+    of the ULP of the smaller one and under four times the larger one's power of two, so it needs at most 25 bits plus
+    the gap between their binary exponents: exact in float64's 53 while the two are within a factor 2^28 of each other
+    (or one is 0), as logprobs of one token from four runs of one checkpoint are. Then each factor is exact, and so is
+    each partial sum: factors added in order telescope to a difference of two float32 values again (train − decode,
+    then train − recorded), which rounds to itself. In float32 the same sums round (tests/test_rl_metrics.py)."""
+    names = list(logprobs)
+    values = [np.asarray(logprobs[n], dtype=np.float64) for n in names]
+    return {f"{a}_vs_{b}": x - y for a, b, x, y in zip(names, names[1:], values, values[1:])}
+
+
+def ratio_split(logprobs: dict[str, np.ndarray]) -> dict[str, float | str]:
+    """summary.csv's split of the RL ratio (`log_factors`): per factor the mean |log factor| (`_mean_abs_dlogp`) and
+    its signed mean (`_mean_dlogp`), and `dominant_factor`, the one with the largest mean |log factor| (`none` when
+    every factor is exactly 1)."""
+    factors = log_factors(logprobs)
+    out: dict[str, float | str] = {}
+    for name, f in factors.items():
+        out[f"{name}_mean_abs_dlogp"] = float(np.abs(f).mean())
+        out[f"{name}_mean_dlogp"] = float(f.mean())
+    largest = max(factors, key=lambda name: out[f"{name}_mean_abs_dlogp"])  # the first of equals, in order
+    out["dominant_factor"] = largest if out[f"{largest}_mean_abs_dlogp"] > 0 else "none"
+    return out
+
+
 def sequence_metrics(responses: pd.DataFrame, clip_eps: float) -> dict[str, float]:
     """Per-response metrics; `responses` has sequence keys (prompt_id, sample_id) and delta_logprob."""
     g = responses.groupby(["prompt_id", "sample_id"], sort=True)["delta_logprob"]

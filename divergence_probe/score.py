@@ -30,7 +30,7 @@ from .errors import NumericsError, ProbeError, one_line
 from .options import option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
-from .rl_metrics import bucket_table, sequence_metrics, token_metrics
+from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from .rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
 from .rollouts.adapters import parse_fields
 from .spec import GenerateSpec, LoadSpec
@@ -82,8 +82,7 @@ class ScoreRun:
 
     batch: RolloutBatch
     prompts: list[Prompt]
-    tokens: list[TokenScore]
-    prefill: list[float] | None  # the engine's prefill logprob per token (--infer vllm), in `tokens` order
+    tokens: list[TokenScore]  # logprob_prefill: the engine's prefill logprob (--infer vllm), else None
     tempered: list[float] | None  # the trainer's logprob at --temperature, in `tokens` order
     manifest: dict
     clip_eps: float
@@ -99,10 +98,7 @@ class ScoreRun:
     @property
     def tokens_table(self) -> pd.DataFrame:
         """tokens.csv: generate mode's response rows, `logprob_rollout` (from the file) for `logprob_infer`."""
-        df = tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
-        if self.prefill is not None:
-            df.insert(df.columns.get_loc("logprob_train"), "logprob_prefill", self.prefill)
-        return df
+        return tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
 
     @property
     def summary(self) -> dict:
@@ -116,18 +112,21 @@ class ScoreRun:
         return row | self.diagnosis()
 
     def diagnosis(self) -> dict:
-        """The three-way split and, when the recorded logprobs are far from the trainer (and the engine's prefill),
-        which explanation fits: `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
+        """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
+        the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
+        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
         rec = np.array([t.logprob_infer for t in self.tokens])
         train = np.array([t.logprob_train for t in self.tokens])
         gap = np.abs(rec - train)
         out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
         bound = FAR_FLOOR
         unlikely = train < UNLIKELY_LOGPROB
-        if self.prefill is not None:
-            prefill = np.array(self.prefill)
+        if self.tokens and self.tokens[0].logprob_prefill is not None:
+            prefill = np.array([t.logprob_prefill for t in self.tokens])
             out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
             out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
+            # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
+            out |= ratio_split({"train": train, "prefill": prefill, "recorded": rec})
             bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
             unlikely &= prefill < UNLIKELY_LOGPROB
             far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound
@@ -238,7 +237,6 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     sequences = [Prompt(i, f"{batch.path.name} row {r.row}", "", r.prompt_ids + r.response_ids)
                  for i, r in enumerate(batch.rollouts)]
     tokens: list[TokenScore] = []
-    prefill: list[float] | None = [] if scorer.infer is not None else None
     tempered: list[float] | None = [] if temperature is not None else None
     phase(progress, "scoring sequences")
     finished = 0  # sequences of earlier groups
@@ -257,16 +255,17 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
                                     "dtype is broken: try --dtype float32")
             lp_train = train.logprobs[start:].double().tolist()
             kl = [math.nan] * len(lp_train)
+            prefill = [None] * len(lp_train)
             if engine is not None:
                 e = engine[done]
-                prefill.extend(e.logprobs[start:].double().tolist())
+                prefill = e.logprobs[start:].double().tolist()
                 kl = token_kl(e.logits[start:], logits.to(e.logits.device)).tolist()
             if tempered is not None:
                 target = torch.tensor(r.response_ids, device=logits.device)
                 tempered.extend(token_logprobs(logits.float() / temperature, target).double().tolist())
             names = scorer.tokenizer.convert_ids_to_tokens(list(r.response_ids))
             tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], r.logprobs[j], lp_train[j], kl[j], sid,
-                                     True) for j, tok in enumerate(r.response_ids))
+                                     True, prefill[j]) for j, tok in enumerate(r.response_ids))
             done += 1
             if progress is not None:
                 progress(finished + done, len(sequences))
@@ -285,7 +284,7 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     if scorer.infer is None:
         manifest.get("load", {}).pop("infer", None)
         manifest.get("stacks", {}).pop("infer", None)
-    return ScoreRun(batch, prompts, tokens, prefill, tempered, manifest, g.clip_eps, g.tis_cap, temperature)
+    return ScoreRun(batch, prompts, tokens, tempered, manifest, g.clip_eps, g.tis_cap, temperature)
 
 
 def _no_taps(*_):

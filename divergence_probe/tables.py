@@ -32,13 +32,16 @@ NOISE_FLOORS = {
     "noise_train_tensor_parallel_mean_abs_dlogp": "the training stack's own change of tensor parallelism",
 }
 ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "token", "is_response",
-                         "logprob_infer", "logprob_train", "delta_logprob", "kl"]
+                         "logprob_infer", "logprob_prefill", "logprob_train", "delta_logprob", "kl"]
 
 
 def tokens_frame(tokens, sampled: bool = False) -> pd.DataFrame:
-    """tokens.csv; `sampled` (generate mode) adds which sample a token belongs to and whether it was sampled."""
+    """tokens.csv; `sampled` (generate mode) adds which sample a token belongs to, whether it was sampled and, when
+    the engine re-scored the sequences in one prefill, that prefill's logprob."""
     rows = [asdict(t) for t in tokens]
     columns = ROLLOUT_TOKEN_COLUMNS if sampled else TOKEN_COLUMNS
+    if sampled and all(t.logprob_prefill is None for t in tokens):
+        columns = [c for c in columns if c != "logprob_prefill"]
     df = pd.DataFrame(rows, columns=[c for c in columns if c != "delta_logprob"])
     # delta = train - infer: positive when the trainer finds the sampled token more likely than the engine did
     df.insert(columns.index("delta_logprob"), "delta_logprob", df["logprob_train"] - df["logprob_infer"])

@@ -62,6 +62,15 @@ result["all_taps"] = {"layers": sorted(set(every.layers_table.tap)),
                       "not_captured": sorted(every.manifest["compare"].get("taps_not_captured", {}))}
 gen = probe.compare(prompts=prompts_file, taps="logits", generate=dict(max_new_tokens=6, samples_per_prompt=2))
 result["generate"] = {"n_response": int(gen.tokens_table.is_response.sum()), "n_tokens": len(gen.tokens_table)}
+# the prompt's KV blocks are in the prefix cache when the prefill pass of logprob_prefill scores prompt+response
+split = probe.compare(prompts=long, taps="none", max_prompt_tokens=1500, generate=dict(max_new_tokens=4, samples_per_prompt=2))
+t = split.tokens_table
+r = t[t.is_response]
+result["generate_split"] = {
+    "rows": len(t), "prefilled_rows": int(t.logprob_prefill.notna().sum()),
+    "exact": bool(((((r.logprob_train - r.logprob_prefill) + (r.logprob_prefill - r.logprob_infer)) + 0.0)
+                   == r.delta_logprob).all()),
+    "summary": {k: v for k, v in split.summary.items() if "_vs_" in k or k == "dominant_factor"}}
 result["align_train_rows"] = len(probe.compare(prompts=prompts_file, taps="none", align="rope", side="train").tokens_table)
 manifest = probe.compare(prompts=prompts_file, taps="none").manifest
 result["infer_settings"] = manifest["stacks"]["infer"]["settings"]
@@ -78,6 +87,13 @@ scores = probe.train.score(prompts, frozenset(), lambda *a: None)
 result["state_restored"] = torch_state.capture() == perturbed
 result["train_settings"] = probe.train.info().settings
 torch.save({"ids": [p.token_ids for p in prompts], "logits": [s.logits for s in scores]}, out + ".pt")
+# last, for it fails mid-step: a prefill pass allowed to read the prefix cache (which the tool never allows) is refused
+from vllm import SamplingParams
+own_params = VLLMStack._params
+VLLMStack._params = lambda self, **kw: (SamplingParams(**kw, skip_reading_prefix_cache=False) if kw.get("max_tokens") == 1
+                                        else own_params(self, **kw))
+result["prefill_from_cache_error"] = error_of(lambda: probe.compare(
+    prompts=long, taps="none", max_prompt_tokens=1500, generate=dict(max_new_tokens=4, samples_per_prompt=2)))
 json.dump(result, open(out, "w"), default=str)
 '''
 
@@ -140,6 +156,20 @@ def test_compiled_layer_taps_refused_and_reported(compiled_run):
 
 def test_compiled_generate_mode(compiled_run):
     assert compiled_run["generate"]["n_response"] > 0
+
+
+def test_compiled_generate_mode_splits_the_ratio_with_the_prefix_cache_on(compiled_run):
+    """The prefill pass of logprob_prefill scores every token of every sampled sequence although the decode left the
+    prompt's KV blocks in the prefix cache (a pass made to read the cache leaves its step short, which the capture
+    refuses), and the three log-factors add up to delta_logprob to the bit on the compiled engine too."""
+    split = compiled_run["generate_split"]
+    assert split["prefilled_rows"] == split["rows"] > 3 * compiled_run["block_size"]
+    assert split["exact"]
+    s = split["summary"]
+    assert s["decode_vs_recorded_mean_abs_dlogp"] == 0 and s["train_vs_prefill_mean_abs_dlogp"] > 0
+    assert s["dominant_factor"] in ("train_vs_prefill", "prefill_vs_decode")
+    # had the pass read the cached prefix, its steps would miss rows: refused in one line, not a factor of 1
+    assert "match no submitted prompt" in compiled_run["prefill_from_cache_error"]
 
 
 def test_engine_args_round_trip_into_manifest(compiled_run):

@@ -59,7 +59,52 @@ def test_hf_vs_hf_generate_is_exactly_zero_on_responses(hf_probe, prompts_file):
     assert (response.delta_logprob == 0).all() and (response.kl == 0).all()
     s = run.summary
     assert s["ratio_min"] == s["ratio_max"] == 1.0 and s["ppo_clip_frac"] == 0 and s["first_inexact"] == "none"
+    assert s["dominant_factor"] == "none"  # transformers' samples are scored by a prefill: every factor is 1
     assert list(run.batch_invariance.side) == ["infer", "train"]
+
+
+def test_the_three_factors_multiply_to_the_ratio_and_a_changed_prefill_moves_its_two(vllm_probe, prompts_file,
+                                                                                      monkeypatch):
+    """π_train/π_recorded = trainer/prefill × prefill/decode × decode/recorded. With the engine's prefill pass shifted
+    by a float32 offset per token (both factors it enters then non-zero), the same samples and trainer logprobs: the shift moves
+    trainer/prefill and prefill/decode by opposite amounts and leaves decode/recorded and the ratio alone; on every
+    response token the three log-factors, added in order in float64, are delta_logprob to the bit."""
+    import numpy as np
+    import torch
+
+    from divergence_probe.rl_metrics import log_factors
+
+    base = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none", generate=GEN)
+    score = vllm_probe.infer.score
+
+    def shifted(prompts, taps, sink, on_scored=None):
+        scores = score(prompts, taps, sink, on_scored)
+        for s in scores:
+            s.logprobs = s.logprobs + 0.01 * torch.sin(torch.arange(len(s.logprobs), dtype=torch.float32) + 0.5)
+        return scores
+
+    monkeypatch.setattr(vllm_probe.infer, "score", shifted)
+    run = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none", generate=GEN)
+    before, after = base.tokens_table, run.tokens_table
+    assert before.drop(columns="logprob_prefill").equals(after.drop(columns="logprob_prefill"))
+    response, old = after[after.is_response], before[before.is_response]
+    moved = (response.logprob_prefill - old.logprob_prefill).to_numpy()
+    assert (moved != 0).all()
+    f = log_factors({"train": response.logprob_train, "prefill": response.logprob_prefill,
+                     "decode": response.logprob_infer, "recorded": response.logprob_infer})
+    assert (f["train_vs_prefill"] != 0).all() and (f["prefill_vs_decode"] != 0).all()
+    assert ((f["train_vs_prefill"] + f["prefill_vs_decode"]) + f["decode_vs_recorded"]
+            == response.delta_logprob.to_numpy()).all()
+    f0 = log_factors({"train": old.logprob_train, "prefill": old.logprob_prefill, "decode": old.logprob_infer,
+                      "recorded": old.logprob_infer})
+    assert (f["prefill_vs_decode"] - f0["prefill_vs_decode"] == moved).all()  # token by token, exactly
+    assert (f["train_vs_prefill"] - f0["train_vs_prefill"] == -moved).all()
+    assert (f["decode_vs_recorded"] == f0["decode_vs_recorded"]).all()
+    s0, s1 = base.summary, run.summary
+    for name, values in f.items():
+        assert s1[f"{name}_mean_abs_dlogp"] == np.abs(values).mean() and s1[f"{name}_mean_dlogp"] == values.mean()
+    assert s1["decode_vs_recorded_mean_abs_dlogp"] == s0["decode_vs_recorded_mean_abs_dlogp"] == 0
+    assert s1["mean_abs_dlogp"] == s0["mean_abs_dlogp"]
 
 
 def test_generate_cli_writes_rl_files(qwen3_tiny, prompts_file, tmp_path):
@@ -154,7 +199,9 @@ def test_compared_logprobs_are_raw_whatever_the_sampling_settings(vllm_probe, qw
         handle.remove()
     tokens = run.tokens_table
     response = tokens[tokens.is_response]
-    assert run.manifest["generate"]["temperature"] == 0.5 and len(steps) == len(response) > 1
+    # and one more: the sampling step of the engine's prefill of the whole sequence (logprob_prefill), after the decode
+    assert run.manifest["generate"]["temperature"] == 0.5 and len(steps) == len(response) + 1 > 2
+    steps = steps[: len(response)]
     targets = torch.tensor(response.token_id.tolist())
     raw = torch.stack([torch.log_softmax(row, -1) for row in steps]).gather(-1, targets[:, None])[:, 0]
     tempered = torch.stack([torch.log_softmax(row / 0.5, -1) for row in steps]).gather(-1, targets[:, None])[:, 0]

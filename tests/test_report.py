@@ -25,6 +25,7 @@ from divergence_probe.errors import OutputError, ProbeError
 from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
+from divergence_probe.rl_metrics import ratio_split
 
 runner = CliRunner()
 N_LAYERS = 4
@@ -161,14 +162,20 @@ def make_generate(path: Path, clip_eps: float = 0.01) -> Path:
     RL columns, buckets.csv, and the noise floor (batch_invariance.csv)."""
     rng = np.random.default_rng(3)
     tokens = _tokens(rng, 0.01, generate=True)
+    # the engine's prefill near the trainer, far from its own decode: prefill_vs_decode dominates
+    tokens.insert(tokens.columns.get_loc("logprob_train"), "logprob_prefill",
+                  tokens["logprob_train"] + rng.normal(0, 0.002, len(tokens)))
     response = tokens[tokens["is_response"]]
     rho = np.exp(response["delta_logprob"])
+    decode = response["logprob_infer"]
+    split = ratio_split({"train": response["logprob_train"], "prefill": response["logprob_prefill"],
+                         "decode": decode, "recorded": decode})
     summary = {**_summary(response, "q_rope@0"), "prompt_mean_abs_dlogp": 0.01, "prompt_mean_kl": 1e-4,
                "k3": float(((rho - 1) - response["delta_logprob"]).mean()), "ratio_mean": float(rho.mean()),
                "ratio_unknown_stat": 1.5,
                "ppo_clip_frac": float(((rho < 1 - clip_eps) | (rho > 1 + clip_eps)).mean()), "ess": 0.999,
                "n_response_tokens": len(response), "n_sequences": 6,
-               "noise_infer_mean_abs_dlogp": 0.002, "noise_train_mean_abs_dlogp": 0.004}
+               "noise_infer_mean_abs_dlogp": 0.002, "noise_train_mean_abs_dlogp": 0.004, **split}
     buckets = pd.DataFrame({"group": "p_infer", "bucket": ["[0, 0.001)", "[0.001, 0.01)", "[0.9, 1]"],
                             "n_tokens": [10, 0, 30], "mean_kl": [1e-4, None, 1e-5],
                             "mean_abs_dlogp": [0.02, None, 0.001], "ess": [0.99, None, 0.999]})
@@ -279,6 +286,24 @@ def test_generate_report_draws_ratio_with_manifest_clip_band(rendered):
     assert "1 empty buckets left out" in text and "[0.001, 0.01)" not in text  # the empty bucket
     assert "Noise floor" in text and "| `hf` | `train` | 0.004 |" in text
     assert (run / "report" / "figures" / "ratio_hist.png").is_file()
+
+
+def test_generate_report_says_which_factor_of_the_ratio_dominates(rendered):
+    main = rendered("generate")
+    summary = pd.read_csv(main.parent.parent / "summary.csv").iloc[0]
+    assert summary["dominant_factor"] == "prefill_vs_decode"
+    text = main.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("Per response token the importance ratio"))
+    assert f"mean |log| {sig(summary['prefill_vs_decode_mean_abs_dlogp'])} nats" in line
+    assert "The largest is the engine's prefill against its own decode path" in line
+    assert "aligning the stacks' rounding alone will not close the gap" in line
+    engine, every = (f"{sig(summary[f + '_mean_abs_dlogp'] / floor)}×" for f, floor in
+                     (("prefill_vs_decode", 0.002), ("train_vs_prefill", 0.004)))
+    assert f"Factor `prefill_vs_decode` beside the largest engine noise floor (the inference stack's own batch " \
+           f"change, 0.002 nats): {engine}" in line
+    assert f"Factor `train_vs_prefill` beside the largest noise floor (the training stack's own batch change, " \
+           f"0.004 nats): {every}" in line
+    assert "| `dominant_factor` | `prefill_vs_decode` | the factor of π_train/π_recorded" in text
 
 
 def test_generate_without_clip_eps_uses_default(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.rl_metrics import bucket_table, sequence_metrics, token_metrics
+from divergence_probe.rl_metrics import bucket_table, log_factors, ratio_split, sequence_metrics, token_metrics
 
 logprobs = st.lists(st.floats(-12, 0), min_size=1, max_size=40)
 
@@ -78,3 +78,26 @@ def test_the_tail_metrics_see_what_the_mean_hides():
     assert m["k3_clamped"] == pytest.approx(10.0 / 10)
     assert m["k3"] == pytest.approx((math.exp(20) - 21) / 10)
     assert m["frac_abs_dlogp_over_ln2"] == pytest.approx(0.1)
+
+
+def test_the_log_factors_add_up_to_the_log_ratio_exactly_in_float64():
+    """float32 logprobs of one token spread over [-40, -1e-6] (within 2^28 of each other): the three factors of
+    π_train/π_recorded, added in order in float64, are log π_train − log π_recorded to the bit; the same sums in
+    float32 are not, so the arithmetic is a choice (log_factors says why float64 is exact)."""
+    rng = np.random.default_rng(0)
+    t, p, d, r = (-np.exp(rng.uniform(math.log(1e-6), math.log(40), 10_000))).astype(np.float32).reshape(4, -1)
+    f = log_factors({"train": t, "prefill": p, "decode": d, "recorded": r})
+    assert list(f) == ["train_vs_prefill", "prefill_vs_decode", "decode_vs_recorded"]
+    total = t.astype(np.float64) - r.astype(np.float64)
+    assert ((f["train_vs_prefill"] + f["prefill_vs_decode"]) + f["decode_vs_recorded"] == total).all()
+    assert (((t - p) + (p - d)) + (d - r) != t - r).any()
+
+
+def test_ratio_split_names_the_dominant_factor():
+    t, p, d = np.array([-1.0, -2.0]), np.array([-1.0, -2.5]), np.array([-1.25, -2.0])
+    s = ratio_split({"train": t, "prefill": p, "decode": d, "recorded": d})
+    assert s["train_vs_prefill_mean_abs_dlogp"] == 0.25 and s["train_vs_prefill_mean_dlogp"] == 0.25
+    assert s["prefill_vs_decode_mean_abs_dlogp"] == 0.375 and s["prefill_vs_decode_mean_dlogp"] == -0.125
+    assert s["decode_vs_recorded_mean_abs_dlogp"] == 0 == s["decode_vs_recorded_mean_dlogp"]
+    assert s["dominant_factor"] == "prefill_vs_decode"
+    assert ratio_split({"train": t, "prefill": t, "decode": t, "recorded": t})["dominant_factor"] == "none"

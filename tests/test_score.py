@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.rl_metrics import log_factors
 from divergence_probe.rollouts import RolloutError, read_rollouts
 from divergence_probe.score import Scorer, score_batch
 from test_compare_cli import assert_nothing_written, assert_one_line_error
@@ -135,6 +137,15 @@ def test_prefill_splits_the_gap_in_three(vllm_probe, generated, tmp_path):
     assert s["rollout_vs_prefill_mean_abs_dlogp"] == pytest.approx(ref, rel=1e-12, abs=0)
     assert s["rollout_vs_train_mean_abs_dlogp"] == s["mean_abs_dlogp"] > 0
     assert not s["recorded_far"]
+    # the ratio's two factors here (no decode of score's own): they add up to delta_logprob to the bit (float32
+    # recordings, as this one), and the larger one is named
+    f = log_factors({"train": tokens.logprob_train, "prefill": tokens.logprob_prefill,
+                     "recorded": tokens.logprob_rollout})
+    assert list(f) == ["train_vs_prefill", "prefill_vs_recorded"]
+    assert (f["train_vs_prefill"] + f["prefill_vs_recorded"] == tokens.delta_logprob.to_numpy()).all()
+    for name, values in f.items():
+        assert s[f"{name}_mean_abs_dlogp"] == np.abs(values).mean() and s[f"{name}_mean_dlogp"] == values.mean()
+    assert s["dominant_factor"] == max(f, key=lambda name: np.abs(f[name]).mean())
 
 
 def _scored_with(vllm_probe, records, tmp_path, change, **options):
@@ -245,7 +256,7 @@ def test_wrong_tokens_are_named_when_they_carry_the_gap(tmp_path):
     def run(train_lp, rec_lp):
         tokens = [TokenScore(0, 1 + j, 5, "x", r, t, math.nan, 0, True)
                   for j, (r, t) in enumerate(zip(rec_lp, train_lp))]
-        return ScoreRun(None, [], tokens, None, None, {}, 0.2, 2.0).diagnosis()
+        return ScoreRun(None, [], tokens, None, {}, 0.2, 2.0).diagnosis()
 
     unlikely = UNLIKELY_LOGPROB - 3
     s = run([-0.1] * 8 + [unlikely] * 2, [-0.1] * 8 + [-0.2] * 2)
@@ -290,6 +301,10 @@ def test_report_of_a_score_run_shows_the_three_way_split(scored_cli, tmp_path):
     for key in ("rollout_vs_train_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
                 "rollout_vs_prefill_mean_abs_dlogp"):
         assert f" {sig(s[key])} nats" in text, key
+    from divergence_probe.reports.prose import FACTORS
+
+    dominant = s["dominant_factor"]
+    assert f"the larger factor is {FACTORS[dominant]} (signed mean log {sig(s[dominant + '_mean_dlogp'])} nats)" in text
     assert "within" in text and not s["recorded_far"]  # the tool's own decode path: numerics, not a problem
     assert (tmp_path / "report" / "figures" / "kl_by_position.png").is_file()  # the prefill gives every token a KL
 

@@ -79,6 +79,26 @@ SUMMARY_MEANINGS = {
                                                "one layer",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",
+    "train_vs_prefill_mean_abs_dlogp": "mean |logprob_train − logprob_prefill|: the trainer vs the engine's prefill of "
+                                       "the same sequence, the stacks' numerics (nats)",
+    "train_vs_prefill_mean_dlogp": "mean of logprob_train − logprob_prefill (nats)",
+    "prefill_vs_decode_mean_abs_dlogp": "mean |logprob_prefill − logprob_infer|: the engine's prefill vs its own decode "
+                                        "path (nats)",
+    "prefill_vs_decode_mean_dlogp": "mean of logprob_prefill − logprob_infer (nats)",
+    "decode_vs_recorded_mean_abs_dlogp": "mean |log factor| between the decode path and the recording (0: the decode "
+                                         "logprobs are the recording) (nats)",
+    "decode_vs_recorded_mean_dlogp": "its signed mean (nats)",
+    "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
+}
+# The factors of the RL ratio π_train/π_recorded (rl_metrics.ratio_split), in plain words: generate mode's three, and
+# score's prefill/recorded, which is prefill/decode × decode/recorded when the recording has no decode beside it.
+GENERATE_FACTORS = ("train_vs_prefill", "prefill_vs_decode", "decode_vs_recorded")
+FACTORS = {
+    "train_vs_prefill": "the trainer against the engine's prefill of the same sequences (the two stacks' numerics)",
+    "prefill_vs_decode": "the engine's prefill against its own decode path (KV cache, a token per step, other batches)",
+    "decode_vs_recorded": "the decode path against the recording",
+    "prefill_vs_recorded": "the engine's prefill against the recording (its decode path, and whatever the recording "
+                           "adds: score has no decode of its own)",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -297,11 +317,44 @@ def _headline(run: RunData) -> list:
     if rl:
         blocks.append(Paragraph("Other RL diagnostics from summary.csv (meanings in the summary table below): "
                                 + ", ".join(rl) + "."))
+    if "dominant_factor" in shipped and not run.is_score:  # a score run's split: "What the run saw"
+        blocks.append(_ratio_split(shipped))
     if not run.is_score:  # a score run's baseline is the engine's prefill: "What the run saw"
         blocks += _noise_floor(shipped)
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
+
+
+def _ratio_split(shipped: pd.Series) -> Paragraph:
+    """generate mode: π_train/π_recorded as three factors, which one is large, and the largest noise floor beside it
+    (a factor no larger than what one stack does to itself under a batch, kernel or mode change is noise)."""
+    parts = [f"{FACTORS[f]}: " + (f"mean |log| {_num(shipped[f + '_mean_abs_dlogp'])} nats (signed mean "
+                                  f"{_num(shipped[f + '_mean_dlogp'])})" if shipped[f + "_mean_abs_dlogp"] else
+                                  "exactly 1 on every token (bitwise equal logprobs)") for f in GENERATE_FACTORS[:2]]
+    text = ("Per response token the importance ratio π_train/π_recorded is the product of three factors, whose logs "
+            "add up to Δlogprob exactly: " + "; ".join(parts) + f"; and {FACTORS['decode_vs_recorded']}, 1 by "
+            "construction: the decode path's logprobs are this run's recording.")
+    dominant = str(shipped["dominant_factor"])
+    if dominant not in GENERATE_FACTORS:
+        return Paragraph(text + " Every factor is exactly 1: prefill, decode and trainer agree bitwise.")
+    text += f" The largest is {FACTORS[dominant]}"
+    text += {"train_vs_prefill": ": most of the gap is the two stacks' numerics, not the decode path.",
+             "prefill_vs_decode": ": the engine's decode-time logprobs are farther from its own prefill than the "
+                                  "prefill is from the trainer, so aligning the stacks' rounding alone will not close "
+                                  "the gap.",
+             "decode_vs_recorded": "."}[dominant]
+    floors = noise_floors(shipped)
+    engine = {name: v for name, v in floors.items() if name.startswith("noise_infer_")}
+    # the stacks' gap beside every floor measured; the engine's prefill/decode gap beside the engine's own floors
+    for factor, measured in (("train_vs_prefill", floors), ("prefill_vs_decode", engine)):
+        if measured and shipped[factor + "_mean_abs_dlogp"]:
+            name, floor = max(measured.items(), key=lambda item: item[1])
+            value = float(shipped[factor + "_mean_abs_dlogp"])
+            text += (f" Factor `{factor}` beside the largest {'engine ' if measured is engine else ''}noise floor "
+                     f"({NOISE_FLOORS[name]}, {_num(floor)} nats): "
+                     + (f"{_num(value / floor)}×." if floor > 0 else "that floor is 0."))
+    return Paragraph(text)
 
 
 def _noise_floor(shipped: pd.Series) -> list:

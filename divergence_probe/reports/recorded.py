@@ -15,7 +15,7 @@ import pandas as pd
 
 from .document import Heading, Paragraph
 from .load import RunData, row_of
-from .prose import _code, _get, _num
+from .prose import FACTORS, _code, _get, _num
 
 # summary.csv columns a score run adds, for the summary table's meaning column
 MEANINGS = {
@@ -24,6 +24,11 @@ MEANINGS = {
     "rollout_vs_prefill_mean_abs_dlogp": "mean |logprob_rollout − logprob_prefill|: the decode path, or the recording "
                                          "(nats)",
     "prefill_vs_train_mean_abs_dlogp": "mean |logprob_prefill − logprob_train|: the engine's numerics (nats)",
+    "prefill_vs_recorded_mean_abs_dlogp": "mean |log factor| of π_prefill/π_recorded: the decode path and the "
+                                          "recording together (nats)",
+    "prefill_vs_recorded_mean_dlogp": "mean of logprob_prefill − logprob_rollout (nats)",
+    "dominant_factor": "the factor of π_train/π_recorded (train_vs_prefill or prefill_vs_recorded) with the larger "
+                       "mean |log factor|",
     "far_bound": "how far (mean |Δlogprob|, nats) the recording may be from the trainer before it is called far",
     "recorded_far": "the recorded logprobs are farther than far_bound from the trainer (and the prefill)",
     "wrong_token_share": "share of the gap on tokens the model gives < 1e-4 that the recording calls likelier",
@@ -59,6 +64,10 @@ def recorded_section(run: RunData) -> list:
     if prefill is not None and not pd.isna(prefill):
         text += (f" The engine's prefill of the same sequences is {_num(engine)} nats from the trainer (the engine's "
                  f"numerics) and {_num(prefill)} nats from the recording (the decode path, or the recording itself).")
+        dominant = str(row.get("dominant_factor"))
+        if dominant in FACTORS:
+            text += (f" Of the ratio π_train/π_recorded = π_train/π_prefill × π_prefill/π_recorded, the larger factor "
+                     f"is {FACTORS[dominant]} (signed mean log {_num(row[dominant + '_mean_dlogp'])} nats).")
     else:
         text += (" Without `--infer vllm` the gap cannot be split into the engine's numerics and the decode path; "
                  "score the file again with it to see the split.")
