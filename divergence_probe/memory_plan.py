@@ -181,6 +181,7 @@ class PlanInputs:
     new_tokens: int = 0  # generate mode: most tokens sampled per response
     samples: int = 1  # generate mode: responses per prompt
     kv_cache_bytes_fixed: int | None = None  # the user's kv_cache_memory_bytes, or vLLM CPU's VLLM_CPU_KVCACHE_SPACE
+    engine_share: float | None = None  # the user's gpu_memory_utilization (in the manifest's spec already)
     kv_dtype_bytes: int | None = None  # None: the run's dtype
     reduction: str = "compiled"  # "compiled" or "eager" (DIVERGENCE_PROBE_EAGER=1)
     # --batch-invariance: after the run, the trainer's micro-batches of batch_tokens padded tokens and a second trainer
@@ -199,6 +200,7 @@ class PlanInputs:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
         record = asdict(self)
         del record["free_bytes"], record["free_source"], record["train_free_bytes"], record["train_free_source"]
+        del record["engine_share"]
         record["taps"] = sorted(self.taps)
         record["prompt_lengths"] = {"count": len(self.prompt_lengths), "total": sum(self.prompt_lengths),
                                     "longest": max(self.prompt_lengths, default=0)}
@@ -722,5 +724,11 @@ def out_of_memory_error(error: BaseException, p: MemoryPlan | None, phase: str) 
                    f"batch_tokens {p.batch_tokens}")
         fixes = (f"--batch-tokens {max(1, p.batch_tokens // 2)}, fewer --taps, shorter prompts (--max-prompt-tokens), "
                  f"a larger device, or {ENV}=BYTES set below what other processes leave free")
+        if p.inputs.engine_share is not None and "cache blocks" in detail.lower():
+            # vLLM measured its share (what is in use on the whole device counts against it, other processes'
+            # included) and found no room left for a KV cache: the user's share is the cause, not the plan
+            fixes = (f"--engine-args gpu_memory_utilization above {p.inputs.engine_share} (vLLM counts all memory in "
+                     "use on the device against it, other processes' included), or leave it out so that the memory "
+                     "plan sizes the KV cache")
     return DeviceMemoryError(f"out of {p.inputs.device if p else 'device'} memory in {where} ({type(error).__name__}: "
                              f"{detail}){planned}; nothing was written. Try {fixes}")

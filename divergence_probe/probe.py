@@ -267,6 +267,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         batch_tokens=cfg.batch_tokens, batch_tokens_fixed=cfg.batch_tokens != default_batch,
         max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
         infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
+        engine_share=user.get("gpu_memory_utilization") if settings.device == "cuda" else None,
         kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,

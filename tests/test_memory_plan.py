@@ -266,6 +266,20 @@ def test_vllm_start_up_memory_errors_are_recognised():
     assert not memory_plan.is_out_of_memory(StackError("vLLM could not start on m: ValueError: bad dtype"))
 
 
+def test_a_users_engine_share_too_small_for_a_kv_cache_names_that_share():
+    """vLLM counts everything in use on the device against gpu_memory_utilization (other processes' too): with the
+    user's share and no room for cache blocks, the fix is that share, not fewer taps."""
+    from divergence_probe.errors import StackError
+
+    error = StackError("vLLM could not start on m: ValueError: No available memory for the cache blocks. Try "
+                       "increasing `gpu_memory_utilization` when initializing the engine.")
+    theirs = str(memory_plan.out_of_memory_error(error, plan(inputs(engine_share=0.05)), "starting the inference stack"))
+    assert "gpu_memory_utilization above 0.05" in theirs and "--batch-tokens" not in theirs
+    ours = str(memory_plan.out_of_memory_error(error, plan(inputs()), "starting the inference stack"))
+    assert "gpu_memory_utilization" not in ours.split("Try", 1)[1] and "--batch-tokens" in ours
+    assert "engine_share" not in plan(inputs(engine_share=0.05)).inputs.record()
+
+
 # ------------------------------------------------------------------------------------------- the chunked reduction
 def _random_taps(seed: int, layers: int = 6, tokens: int = 37):
     g = torch.Generator().manual_seed(seed)
