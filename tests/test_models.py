@@ -131,3 +131,23 @@ def test_vllm_paths_resolve_on_the_engines_model(vllm_probe):
         assert [s.names for s in layer_seams(layer, family, sizes)] == [s.taps for s in family.vllm.seams]
     mapping = {k: tuple(v) for k, v in type(model).packed_modules_mapping.items()}
     assert family.packed == mapping
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_trainers_tensors_as_saved_are_the_checkpoints_bit_for_bit(arch, checkpoints):
+    """What rl pushes into the engine (Family.as_saved of transformers' state dict) is the checkpoint on disk: the same
+    names and the same values, so any vLLM loader that reads the checkpoint reads the push (a fused expert parameter
+    split in the wrong order, or under the wrong names, fails here)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = checkpoints[arch]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    saved = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        saved |= load_file(path)
+    pushed = dict(get_family(arch).as_saved(model.state_dict().items()))
+    tied = {n for n in pushed if n not in saved and model.config.tie_word_embeddings}
+    assert set(pushed) - tied == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(pushed[name], tensor), name

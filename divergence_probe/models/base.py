@@ -23,7 +23,7 @@ seams, widths and checkpoint names chosen per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Iterator, Mapping
 
 import re
 
@@ -118,6 +118,21 @@ class Family:
         local = name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
         local = re.sub(r"experts\.\d+\.", "experts.*.", local)  # one expert's tensor: sized like every expert's
         return self.checkpoint.get(local, ("hidden_size",))
+
+    def as_saved(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trainer's tensors by the names and shapes transformers saves a checkpoint with by default: each fused
+        expert parameter as its per-expert tensors (views of it, no copies). A weight push sends these because they
+        are what every vLLM's MoE loader reads; vLLM 0.24's Qwen3-MoE loader skips the fused name without a word,
+        which left an engine computing with its old experts after a push."""
+        for name, tensor in named:
+            experts = next((x for x in self.experts if name.endswith("." + x.fused)), None)
+            if experts is None:
+                yield name, tensor
+                continue
+            layer = name[: -len(experts.fused)]
+            for e in range(tensor.shape[0]):
+                for part, rows in zip(experts.parts, tensor[e].chunk(len(experts.parts))):
+                    yield layer + part.format(e=e), rows
 
     def checkpoint_shapes(self, expected: Mapping[str, tuple[int, ...]], found) -> dict[str, tuple[int, ...]]:
         """transformers' state-dict shapes (`expected`, from the model built on the meta device) as a checkpoint with

@@ -270,8 +270,9 @@ class WeightSync:
         self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load `named` (HF checkpoint names, the trainer's tensors) into the engine through vLLM's reload path."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named)),
+        """Load `named` (the trainer's tensors by name) into the engine through vLLM's reload path, as a checkpoint
+        saves them (a mixture of experts' fused parameters as per-expert tensors: Family.as_saved)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(self.family.as_saved(named))),
                                                           "is_checkpoint_format": True})
         head = find(self.model, self.family.vllm.model["lm_head"])
         if self.tied and head is not None and hasattr(head, "quant_method"):
