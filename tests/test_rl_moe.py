@@ -156,6 +156,19 @@ def test_padded_rows_of_a_step_are_no_requests_rows():
     assert recorder.routes({"a": (5, 6, 7, 9, 4)}, num_layers=1)["a"][:, 0, 0].tolist() == [10, 11, 12, 13]
 
 
+def test_a_recomputed_or_missing_position_is_one_line_naming_it():
+    """Generate mode pairs one engine computation per position: a request vLLM preempted and recomputed is refused
+    with the cause and the fix, and rows that do not spell the sequence say where they depart from it."""
+    preempted = _recorder([([("a-x", 0, 3)], [5, 6, 7]), ([("a-x", 0, 4)], [5, 6, 7, 9])], [[1]] * 7)
+    with pytest.raises(StackError, match="position 0 was computed twice .*preempted.*kv_cache_memory_bytes"):
+        preempted.stitch("a-x", (5, 6, 7, 9, 4), 0, lambda *_: None)
+    short = _recorder([([("a-x", 0, 3)], [5, 6, 7])], [[1]] * 3)
+    with pytest.raises(StackError, match=r"only positions 0-2 of 4 were fed"):
+        short.stitch("a-x", (5, 6, 7, 9, 4), 0, lambda *_: None)
+    with pytest.raises(StackError, match="position 2 was fed token 7, the sequence has 8"):
+        short.stitch("a-x", (5, 6, 8, 9), 0, lambda *_: None)
+
+
 def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them():
     # step 1: request a computes its prompt [5, 6, 7]; step 2: b (same prompt) was served 2 rows from the cache and
     # computes position 2, a decodes position 3; c shares only the first token and computes everything

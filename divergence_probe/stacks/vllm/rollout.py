@@ -187,8 +187,14 @@ class RolloutRecorder:
         """Emit this request's taps as [L-1, F] tensors and return its [L-1, V] logits (positions 0..L-2)."""
         rows = self._rows(req_id)
         fed = len(token_ids) - 1  # the last sampled token is never fed back
+        twice = next((p for (p, _, _), (q, _, _) in zip(rows, rows[1:]) if p == q), None)
+        if twice is not None:  # its logits and its taps could come from different computations: not one pairing
+            raise StackError(f"vLLM request {req_id}: position {twice} was computed twice (vLLM preempted the request "
+                             "and recomputed it, for want of KV cache blocks); give vLLM more KV cache (--engine-args "
+                             "kv_cache_memory_bytes) or run fewer sequences at once (--batch-tokens)")
         if [p for p, _, _ in rows] != list(range(fed)) or [t for _, _, t in rows] != list(token_ids[:fed]):
-            raise StackError(f"vLLM request {req_id}: the rows it was fed do not spell its sequence; seam moved")
+            raise StackError(f"vLLM request {req_id}: the rows it was fed do not spell its sequence "
+                             f"({_first_difference(rows, token_ids[:fed])}); seam moved")
         index = torch.tensor([r for _, r, _ in rows])
         for key in self.taps:
             whole = self._whole(key)
@@ -197,3 +203,16 @@ class RolloutRecorder:
         if sorted(by_position) != list(range(fed)):
             raise StackError(f"vLLM request {req_id}: logits missing for some positions; capture seam moved")
         return torch.stack([by_position[p] for p in range(fed)])
+
+
+def _first_difference(rows: list[tuple[int, int, int]], tokens: tuple[int, ...]) -> str:
+    """Where the fed rows (position, row, token), one per position, first depart from the sequence's tokens: what the
+    one-line error says, so that a capture seam that moved can be told from a scheduling it does not follow."""
+    for expected, (position, _, token) in enumerate(rows):
+        if position != expected:
+            return f"position {expected} was never fed; {len(rows)} of {len(tokens)} positions were"
+        if expected >= len(tokens):
+            return f"position {position} was fed but the sequence has {len(tokens)}"
+        if token != tokens[expected]:
+            return f"position {position} was fed token {token}, the sequence has {tokens[expected]}"
+    return f"only positions 0-{len(rows) - 1} of {len(tokens)} were fed"
