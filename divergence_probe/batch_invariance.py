@@ -125,6 +125,22 @@ class _KeptTaps:
         return torch.cat([self._taps[(layer, seq.prompt_id)] for seq in sequences])
 
 
+def _against(probe, variant, sequences: Sequence[Prompt], taps: frozenset[str] = frozenset(), mine_taps=_ignore,
+             theirs_taps=_ignore) -> tuple[list, list]:
+    """The run's trainer and `variant`'s (a probe beside it, closed here) on each sequence alone: per sequence
+    |Δlogprob| (variant − run) and the token KL."""
+    deltas, kls = [], []
+    try:
+        for seq in sequences:
+            [mine] = probe.train.score([seq], taps, mine_taps)
+            [theirs] = variant.train.score([seq], taps, theirs_taps)
+            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
+            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
+    finally:
+        variant.close()
+    return deltas, kls
+
+
 def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
                  ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """The training stack against itself with another SDPA kernel (math, or torch's own choice when math is the
@@ -136,18 +152,9 @@ def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
         return None, None
     other = "math" if config.train_sdpa != "math" else "auto"
     change = f"sdpa {other} vs {config.train_sdpa}"
-    variant = probe.with_trainer(train_sdpa=other)
     taps = ROUTER_TAPS if top_k else frozenset()
     mine_taps, theirs_taps = (_KeptTaps(), _KeptTaps()) if top_k else (_ignore, _ignore)
-    deltas, kls = [], []
-    try:
-        for seq in sequences:
-            [mine] = probe.train.score([seq], taps, mine_taps)
-            [theirs] = variant.train.score([seq], taps, theirs_taps)
-            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
-            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
-    finally:
-        variant.close()
+    deltas, kls = _against(probe, probe.with_trainer(train_sdpa=other), sequences, taps, mine_taps, theirs_taps)
     routes = None
     if top_k:
         routes = pd.DataFrame(_routing_rows(probe.train.name, "train", change, theirs_taps, mine_taps, sequences, top_k),
@@ -167,22 +174,7 @@ def train_parallel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | N
     ranks = probe.config.train_tp
     if ranks <= 1:
         return None
-    from dataclasses import replace
-
-    from .probe import train_settings
-    from .stacks import get_stack
-
-    whole = get_stack(probe.config.train)
-    deltas, kls = [], []
-    try:
-        whole.load(replace(train_settings(probe.config, probe.settings), train_tp=1))
-        for seq in sequences:
-            [mine] = probe.train.score([seq], frozenset(), _ignore)
-            [theirs] = whole.score([seq], frozenset(), _ignore)
-            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
-            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
-    finally:
-        whole.close()
+    deltas, kls = _against(probe, probe.with_trainer(train_tp=1), sequences)
     return _change_row(probe.train.name, "train", f"{TRAIN_TENSOR_PARALLEL_CHANGE} 1 vs {ranks}", deltas, kls)
 
 

@@ -354,9 +354,10 @@ class CompareRun:
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              g.clip_eps, g.tis_cap)
         row |= sequence_metrics(responses, g.clip_eps)
-        decode = responses["logprob_infer"].to_numpy()  # the decode logprobs are this run's recording
+        # the decode logprobs are this run's recording: the third factor, decode/recorded, is 1 by construction
         row |= ratio_split({"train": responses["logprob_train"].to_numpy(),
-                            "prefill": responses["logprob_prefill"].to_numpy(), "decode": decode, "recorded": decode})
+                            "prefill": responses["logprob_prefill"].to_numpy(),
+                            "decode": responses["logprob_infer"].to_numpy()})
         return row | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise)
 
     @property

@@ -27,7 +27,7 @@ from .model_source import ModelSource, resolve_model
 from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
-from .stacks.hf_tensor_parallel import check_shardable, stack_for as trainer_for
+from .stacks.hf_tensor_parallel import check_shardable, trainer_stack_for
 from .stacks.vllm.compiled_taps import tap_points_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -91,13 +91,13 @@ class Probe:
     def with_trainer(self, **changes) -> "Probe":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
         the engine is not reloaded, so two training configurations are compared against the very same engine."""
-        allowed = {"train", "train_attn", "train_sdpa", "train_state"}
+        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp"}
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)
         settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
                            batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = trainer_for(config.train, settings)
+        train = trainer_stack_for(config.train, settings)
         train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
 
@@ -205,7 +205,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     if before_stacks is not None:
         before_stacks(source, tokenizer)
     plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
-    train = trainer_for(cfg.train, settings)
+    train = trainer_stack_for(cfg.train, settings)
     with _memory_errors(plan, "loading the training stack"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
     if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks

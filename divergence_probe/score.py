@@ -126,7 +126,9 @@ class ScoreRun:
             out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
             out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
             # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
-            out |= ratio_split({"train": train, "prefill": prefill, "recorded": rec})
+            split = ratio_split({"train": train, "prefill": prefill, "recorded": rec})
+            # their mean |log| are prefill_vs_train and rollout_vs_prefill above: not written twice
+            out |= {k: v for k, v in split.items() if not k.endswith("_mean_abs_dlogp")}
             bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
             unlikely &= prefill < UNLIKELY_LOGPROB
             far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound
@@ -306,8 +308,8 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
     from . import torch_state
     from .environment import environment, resolve_device
     from .model_source import resolve_model
-    from .probe import load, stack_settings
-    from .stacks import get_stack
+    from .probe import load, stack_settings, train_settings
+    from .stacks.hf_tensor_parallel import trainer_stack_for
 
     if prefill:
         probe = load(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
@@ -322,12 +324,12 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     if check is not None:
         check(source, tokenizer)
-    train = get_stack(spec.train)
-    train.load(settings)
+    train = trainer_stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
+    train.load(train_settings(spec, settings))
     manifest = {"model": {"spec": source.spec, "path": str(source.path), "arch": source.arch,
                           "num_layers": source.num_layers, "config_sha256": source.config_sha256},
                 "load": {k: getattr(spec, k) for k in ("train", "dtype", "train_attn", "train_sdpa", "train_state",
-                                                       "seed")} | {"device": settings.device,
+                                                       "train_device", "train_tp", "seed")} | {"device": settings.device,
                                                                    "max_model_len": settings.max_model_len},
                 "stacks": {"train": vars(train.info())}, "environment": environment(settings.device)}
     return Scorer(train, tokenizer, vocab_size(source.config, tokenizer), settings.max_model_len, settings.batch_tokens,

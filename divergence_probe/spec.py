@@ -124,6 +124,9 @@ class LoadSpec:
         if self.train_tp > 1 and self.train_precision == "amp":
             raise ProbeError(f"--train-precision amp is not built for a sharded trainer (--train-tp {self.train_tp}); "
                              "use --train-precision bf16 or --train-tp 1")
+        if self.train_tp > 1 and self.train_state == "inherited":  # its ranks are fresh processes without vLLM
+            raise ProbeError(f"--train-state inherited reads what vLLM left in this process, but --train-tp "
+                             f"{self.train_tp}'s ranks are fresh processes; use --train-state isolated or --train-tp 1")
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:

@@ -82,8 +82,7 @@ class Size:
 
 
 SIZES = {
-    # ~1.05 GFLOP a token (lm_training's 6N plus causal attention at 1024): 10 minutes at 25-35% of the H200's
-    # 989 dense BF16 TFLOP/s is 140-200M tokens, 1-2 passes over a 256 MiB corpus (docs/reference.md).
+    # sized for 10 minutes of an H200: the FLOP estimate and what it buys, docs/results/h200/trained/README.md
     "reference": Size(layers=10, overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048},
                       batch_tokens=262144, micro_batch_tokens=32768, seq_len=1024, long_seq_len=2048, lr=1e-3,
                       warmup=50, corpus_bytes=256 * 2**20, eval_tokens=2**20, stats_windows=4, steps=None,
@@ -117,7 +116,10 @@ def parse_args(argv=None):
         args.steps, args.minutes = size.steps, size.minutes
     if args.steps is not None and args.steps < 1 or args.minutes is not None and args.minutes <= 0:
         fail("--steps and --minutes must be positive")
-    args.corpus_bytes = args.corpus_bytes or size.corpus_bytes
+    for flag in ("corpus_bytes", "threads", "log_every", "eval_every"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    args.corpus_bytes = size.corpus_bytes if args.corpus_bytes is None else args.corpus_bytes
     # the names lm_training.train reads
     args.batch_tokens, args.seq_len, args.long_seq_len = size.batch_tokens, size.seq_len, size.long_seq_len
     args.lr, args.warmup, args.weight_decay = size.lr, size.warmup, 0.1
@@ -314,6 +316,8 @@ def main(argv=None):
     heldout_files = heldout_modules()
     heldout_texts = [f.read_text(encoding="utf-8") for f in heldout_files]
     files, corpus = gather_corpus(args.corpus_bytes, {hashlib.sha256(x.encode()).hexdigest() for x in heldout_texts})
+    if not files:
+        fail(f"no source file fits in --corpus-bytes {args.corpus_bytes}; raise it")
     train_stream = encode([text for _, _, text in files], tokenizer)
     heldout = encode(heldout_texts, tokenizer)[: size.eval_tokens]
     names_sha, contents_sha = corpus_hashes([(name, path) for name, path, _ in files])

@@ -166,7 +166,7 @@ def test_compiled_generate_mode_splits_the_ratio_with_the_prefix_cache_on(compil
     assert split["prefilled_rows"] == split["rows"] > 3 * compiled_run["block_size"]
     assert split["exact"]
     s = split["summary"]
-    assert s["decode_vs_recorded_mean_abs_dlogp"] == 0 and s["train_vs_prefill_mean_abs_dlogp"] > 0
+    assert "decode_vs_recorded_mean_abs_dlogp" not in s and s["train_vs_prefill_mean_abs_dlogp"] > 0
     assert s["dominant_factor"] in ("train_vs_prefill", "prefill_vs_decode")
     # had the pass read the cached prefix, its steps would miss rows: refused in one line, not a factor of 1
     assert "match no submitted prompt" in compiled_run["prefill_from_cache_error"]

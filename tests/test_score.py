@@ -144,7 +144,9 @@ def test_prefill_splits_the_gap_in_three(vllm_probe, generated, tmp_path):
     assert list(f) == ["train_vs_prefill", "prefill_vs_recorded"]
     assert (f["train_vs_prefill"] + f["prefill_vs_recorded"] == tokens.delta_logprob.to_numpy()).all()
     for name, values in f.items():
-        assert s[f"{name}_mean_abs_dlogp"] == np.abs(values).mean() and s[f"{name}_mean_dlogp"] == values.mean()
+        assert s[f"{name}_mean_dlogp"] == values.mean() and f"{name}_mean_abs_dlogp" not in s  # not written twice:
+    assert s["prefill_vs_train_mean_abs_dlogp"] == np.abs(f["train_vs_prefill"]).mean()  # their mean |log| are these
+    assert s["rollout_vs_prefill_mean_abs_dlogp"] == np.abs(f["prefill_vs_recorded"]).mean()
     assert s["dominant_factor"] == max(f, key=lambda name: np.abs(f[name]).mean())
 
 

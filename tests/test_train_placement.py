@@ -141,6 +141,7 @@ def test_the_plan_counts_every_cpu_rank_of_a_sharded_trainer_and_rank_zeros_gpu(
     (dict(graft=True), "--graft/--depth run the trainer's single ops in this process, but --train-tp 2 shards"),
     (dict(taps="none", align="rope", side="train"), "regions are patched into the trainer's modules"),
     (dict(taps="none", train_precision="amp"), "--train-precision amp is not built for a sharded trainer"),
+    (dict(taps="none", train_state="inherited"), "--train-state inherited reads what vLLM left in this process"),
 ])
 def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(flat, message):
     with pytest.raises(ProbeError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -151,7 +152,7 @@ def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(fla
 def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwen3_tiny, tmp_path, monkeypatch):
     import divergence_probe.probe as probe_module
 
-    monkeypatch.setattr(probe_module, "trainer_for", lambda *a: pytest.fail("a trainer was loaded"))
+    monkeypatch.setattr(probe_module, "trainer_stack_for", lambda *a: pytest.fail("a trainer was loaded"))
     out_dir = tmp_path / "run"
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-tp", "3",
                                  "--taps", "none", "--out", str(out_dir)], catch_exceptions=False)

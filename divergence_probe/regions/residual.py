@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ProbeError
 from ..stacks.hooks import Replacement
 from .base import Region, child, decoder_layers, layer_name, layout, model_part, part
-from .rmsnorm import hf_layer_forward, normalize
+from .rmsnorm import hf_layer_forward, normalize, vllm_norm
 
 NORMS = ("input_norm", "post_norm")  # the norms that read the stream in each layer; the final norm besides
 
@@ -45,13 +44,6 @@ def fp32_add(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     """The stream after a branch's output is added: FP32, never rounded (layer 0's stream is the BF16 embedding)."""
     return x.float() + stream.float()
 
-
-def stream_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """vLLM's fused add+norm with the FP32 stream: out, or (out, FP32 stream) when residual is given."""
-    if residual is None:
-        return normalize(x.float(), weight, eps, x.dtype)
-    s = fp32_add(x, residual)
-    return normalize(s, weight, eps, x.dtype), s
 
 
 def _norms(model, stack: str) -> list:
@@ -82,15 +74,9 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
 
 def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
     """The fused add+RMSNorm of each norm reading the stream (vLLM's layers pass `residual` through them alone)."""
-    found = []
-    for norm in _norms(model, "vllm"):
-        if type(norm).__name__ != "RMSNorm" or getattr(norm, "variance_size_override", None) is not None \
-                or not getattr(norm, "has_weight", True):
-            raise ProbeError(f"an FP32 residual stream needs vLLM's full-width weighted RMSNorm, found {norm!r}: leave "
-                             "residual out of the aligned regions")
-        found.append(Replacement(norm, "_forward_method", lambda x, residual=None, norm=norm:
-                                 stream_norm(x, norm.weight.data, norm.variance_epsilon, residual)))
-    return found
+    return [vllm_norm(norm, "an FP32 residual stream needs vLLM's full-width weighted RMSNorm, found {norm}: leave "
+                            "residual out of the aligned regions", stream_dtype=torch.float32)
+            for norm in _norms(model, "vllm")]
 
 
 RESIDUAL = Region(

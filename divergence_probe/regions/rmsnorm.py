@@ -31,12 +31,24 @@ def normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dt
     return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The aligned norm in vLLM's calling convention: out, or (out, new residual) when residual is given."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             stream_dtype: torch.dtype | None = None):
+    """The aligned norm in vLLM's calling convention: out, or (out, new residual) when residual is given, the new
+    residual in `stream_dtype` (x's by default: vLLM's stream; FP32 for the residual region's)."""
     if residual is None:
         return normalize(x.float(), weight, eps, x.dtype)
     s = x.float() + residual.float()
-    return normalize(s, weight, eps, x.dtype), s.to(x.dtype)
+    return normalize(s, weight, eps, x.dtype), s.to(stream_dtype or x.dtype)
+
+
+def vllm_norm(norm, refusal: str, **options) -> Replacement:
+    """vLLM's RMSNorm `norm` computing as `rms_norm(..., **options)`; any other norm (another class, a variance over
+    part of the width, no weight) is refused with `refusal` ({norm} names it)."""
+    if type(norm).__name__ != "RMSNorm" or getattr(norm, "variance_size_override", None) is not None \
+            or not getattr(norm, "has_weight", True):
+        raise ProbeError(refusal.format(norm=repr(norm)))
+    return Replacement(norm, "_forward_method", lambda x, residual=None: rms_norm(
+        x, norm.weight.data, norm.variance_epsilon, residual, **options))
 
 
 def residual_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -94,16 +106,8 @@ def patch_hf(model: torch.nn.Module) -> list[Replacement]:
 
 
 def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
-    found = []
-    for norm in model.modules():
-        if type(norm).__name__ != "RMSNorm":
-            continue
-        if getattr(norm, "variance_size_override", None) is not None or not getattr(norm, "has_weight", True):
-            raise ProbeError("aligned RMSNorm supports full-width weighted norms only: leave rmsnorm out of the "
-                             "aligned regions")
-        found.append(Replacement(norm, "_forward_method", lambda x, residual=None, norm=norm:
-                                 rms_norm(x, norm.weight.data, norm.variance_epsilon, residual)))
-    return found
+    return [vllm_norm(norm, "aligned RMSNorm supports full-width weighted norms only: leave rmsnorm out of the aligned "
+                            "regions") for norm in model.modules() if type(norm).__name__ == "RMSNorm"]
 
 
 RMSNORM = Region(

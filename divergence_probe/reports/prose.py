@@ -85,14 +85,11 @@ SUMMARY_MEANINGS = {
     "prefill_vs_decode_mean_abs_dlogp": "mean |logprob_prefill − logprob_infer|: the engine's prefill vs its own decode "
                                         "path (nats)",
     "prefill_vs_decode_mean_dlogp": "mean of logprob_prefill − logprob_infer (nats)",
-    "decode_vs_recorded_mean_abs_dlogp": "mean |log factor| between the decode path and the recording (0: the decode "
-                                         "logprobs are the recording) (nats)",
-    "decode_vs_recorded_mean_dlogp": "its signed mean (nats)",
     "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
 }
 # The factors of the RL ratio π_train/π_recorded (rl_metrics.ratio_split), in plain words: generate mode's three, and
 # score's prefill/recorded, which is prefill/decode × decode/recorded when the recording has no decode beside it.
-GENERATE_FACTORS = ("train_vs_prefill", "prefill_vs_decode", "decode_vs_recorded")
+GENERATE_FACTORS = ("train_vs_prefill", "prefill_vs_decode")  # the third, decode/recorded, is 1: the recording
 FACTORS = {
     "train_vs_prefill": "the trainer against the engine's prefill of the same sequences (the two stacks' numerics)",
     "prefill_vs_decode": "the engine's prefill against its own decode path (KV cache, a token per step, other batches)",
@@ -331,7 +328,7 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
     (a factor no larger than what one stack does to itself under a batch, kernel or mode change is noise)."""
     parts = [f"{FACTORS[f]}: " + (f"mean |log| {_num(shipped[f + '_mean_abs_dlogp'])} nats (signed mean "
                                   f"{_num(shipped[f + '_mean_dlogp'])})" if shipped[f + "_mean_abs_dlogp"] else
-                                  "exactly 1 on every token (bitwise equal logprobs)") for f in GENERATE_FACTORS[:2]]
+                                  "exactly 1 on every token (bitwise equal logprobs)") for f in GENERATE_FACTORS]
     text = ("Per response token the importance ratio π_train/π_recorded is the product of three factors, whose logs "
             "add up to Δlogprob exactly: " + "; ".join(parts) + f"; and {FACTORS['decode_vs_recorded']}, 1 by "
             "construction: the decode path's logprobs are this run's recording.")
@@ -343,7 +340,7 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
              "prefill_vs_decode": ": the engine's decode-time logprobs are farther from its own prefill than the "
                                   "prefill is from the trainer, so aligning the stacks' rounding alone will not close "
                                   "the gap.",
-             "decode_vs_recorded": "."}[dominant]
+}[dominant]
     floors = noise_floors(shipped)
     engine = {name: v for name, v in floors.items() if name.startswith("noise_infer_")}
     # the stacks' gap beside every floor measured; the engine's prefill/decode gap beside the engine's own floors

@@ -24,11 +24,9 @@ MEANINGS = {
     "rollout_vs_prefill_mean_abs_dlogp": "mean |logprob_rollout − logprob_prefill|: the decode path, or the recording "
                                          "(nats)",
     "prefill_vs_train_mean_abs_dlogp": "mean |logprob_prefill − logprob_train|: the engine's numerics (nats)",
-    "prefill_vs_recorded_mean_abs_dlogp": "mean |log factor| of π_prefill/π_recorded: the decode path and the "
-                                          "recording together (nats)",
     "prefill_vs_recorded_mean_dlogp": "mean of logprob_prefill − logprob_rollout (nats)",
-    "dominant_factor": "the factor of π_train/π_recorded (train_vs_prefill or prefill_vs_recorded) with the larger "
-                       "mean |log factor|",
+    "dominant_factor": "the factor of π_train/π_recorded with the larger mean |log factor|: train_vs_prefill "
+                       "(prefill_vs_train_mean_abs_dlogp) or prefill_vs_recorded (rollout_vs_prefill_mean_abs_dlogp)",
     "far_bound": "how far (mean |Δlogprob|, nats) the recording may be from the trainer before it is called far",
     "recorded_far": "the recorded logprobs are farther than far_bound from the trainer (and the prefill)",
     "wrong_token_share": "share of the gap on tokens the model gives < 1e-4 that the recording calls likelier",

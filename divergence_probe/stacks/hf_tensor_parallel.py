@@ -41,7 +41,7 @@ START_SECONDS = 600  # most a rank may take to load its shard and answer
 STOP_SECONDS = 30
 
 
-def stack_for(name: str, settings: StackSettings):
+def trainer_stack_for(name: str, settings: StackSettings):
     """A fresh, unloaded training stack for these settings: sharded at train_tp > 1."""
     from . import get_stack
 
@@ -158,7 +158,7 @@ class ShardedHFStack:
             if dead:
                 return (f"trainer rank {r} of {ranks} exited (code {proc.exitcode}) during {what}; rerun with -v for "
                         "its output, or lower --train-tp")
-        return f"trainer rank {rank} of {ranks} failed during {what}: {error}"
+        return f"trainer rank {rank} of {ranks} failed during {what}: {error or 'it closed its pipe without answering'}"
 
     def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
               on_scored: ScoresSink | None = None) -> list[PromptScores]:

@@ -215,4 +215,4 @@ def _first_difference(rows: list[tuple[int, int, int]], tokens: tuple[int, ...])
             return f"position {position} was fed but the sequence has {len(tokens)}"
         if token != tokens[expected]:
             return f"position {position} was fed token {token}, the sequence has {tokens[expected]}"
-    return f"only positions 0-{len(rows) - 1} of {len(tokens)} were fed"
+    return f"only positions 0-{len(rows) - 1} of {len(tokens)} were fed" if rows else "no position was fed"
