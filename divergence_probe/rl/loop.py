@@ -127,9 +127,8 @@ class Loop:
         eos = self.probe.train.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.moe = self.probe.source.family.top_k_field is not None  # rollouts record the engine's routes
-        if self.moe:  # an engine whose steps the recording cannot follow (or without route tap points): now, in one line
-            with engine.routes_recorded():
-                pass
+        if self.moe:
+            engine.check_routes_recordable()
         self.replay = False  # the run's setting replays them in the update (routing, R3)
 
     def reset(self) -> None:

@@ -569,6 +569,12 @@ class VLLMStack:
             results.append(SequenceScores(seq_id, prompt.prompt_id, k, tokens, len(prompt.token_ids), logits, reported_t))
         return results
 
+    def check_routes_recordable(self) -> None:
+        """Refuse now, in one line, an engine whose steps the route recording cannot follow (or one built without
+        route tap points): what `routes_recorded` checks on entry, before any rollout needs it."""
+        with self.routes_recorded():
+            pass
+
     @contextlib.contextmanager
     def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> Iterator[RolloutRecorder]:
         """For the block's generate calls, record the experts the engine's router sent every computed row to (the
