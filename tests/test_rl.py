@@ -79,8 +79,11 @@ def test_expected_tensors_stack_like_vllms_loader():
     engine = ["model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
     head = get_family("qwen2").tied_head
     want = expected_tensors(t, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied_head=head)
-    assert torch.equal(want["model.layers.0.self_attn.qkv_proj.weight"][0][2:4], torch.full((2, 3), 1.0))
-    assert want["lm_head.weight"][0] is t["model.embed_tokens.weight"]
+    qkv = want["model.layers.0.self_attn.qkv_proj.weight"]  # the sources in vLLM's stacking order, not a copy
+    assert [name for name, _ in qkv] == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert all(part is t[name] for name, part in qkv)
+    [(name, head_weight)] = want["lm_head.weight"]
+    assert name == "model.embed_tokens.weight" and head_weight is t[name]
     with pytest.raises(SyncError, match="model.extra.weight"):
         expected_tensors({**t, "model.extra.weight": torch.ones(1)}, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
                          tied_head=head)

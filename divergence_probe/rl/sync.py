@@ -17,14 +17,15 @@ Check: what the engine computes with, tensor by tensor, against the trainer's te
 them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture of experts' tensors as the family's
 `engine_experts` says its MoE loader fills them, then laid out by the experts kernel's own post-load processing run
 on a copy), compared exactly where both live: on the
-device, in this process (no host round trip). "Computes with", not "stores": on the CPU a linear layer's `weight` is
+device, in this process (no host round trip). A fused tensor is compared source by source, each trainer tensor
+against its rows of the engine's (a view), so the check copies no weight. "Computes with", not "stores": on the CPU a linear layer's `weight` is
 an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
 layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one dtype on both sides
 must be equal element for element; where the dtypes differ both are compared as float32 (exact for BF16/FP16), so
 an engine that keeps a bias in FP32 still matches. A mismatch raises SyncError naming the tensor: a wrong weight is a
 broken run, not a metric. An audit (`audit=True`, rl's --audit-every) also compares per-tensor sha256 of the bytes
 on the host, the same comparison through an independent path. Which tensors changed since the previous check is
-read from a float64 sum and norm per tensor (a diagnostic, not a proof: the equality is).
+read from each tensor's float64 L1 and L2 norms (a diagnostic, not a proof: the equality is).
 
 A compiled engine (rl --engine compiled) computes with the same tensors: vLLM's reload copies the new values into the
 tensors the engine already holds, so a graph captured with their addresses (CUDA graphs) reads the new values, and
@@ -116,13 +117,13 @@ def differing(have: list[torch.Tensor], want: list[torch.Tensor], chunk_bytes: i
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """Per tensor, its sum and its norm, accumulated in float64 without a widened copy: the norms in multi-tensor
-    kernels; one read-back for all."""
+    """Per tensor, its L1 and L2 norms accumulated in float64 without a widened copy, in two multi-tensor kernels and
+    one read-back (the L1 norm stands in for the signed sum, which torch has no multi-tensor kernel for: it took one
+    launch per tensor; either is a diagnostic of change, not a proof)."""
     if not tensors:
         return []
-    sums = [t.sum(dtype=torch.float64) for t in tensors]
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-    return [tuple(pair) for pair in torch.stack([torch.stack(sums), torch.stack(norms)], dim=1).tolist()]
+    norms = [torch._foreach_norm(tensors, order, dtype=torch.float64) for order in (1, 2)]
+    return [tuple(pair) for pair in torch.stack([torch.stack(n) for n in norms], dim=1).tolist()]
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -160,11 +161,13 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[str], packed: dict[str, Sequence[str]],
                      tied_head: tuple[str, str] | None,
-                     loaded_from: dict[str, str] | None = None) -> dict[str, tuple[torch.Tensor, str]]:
-    """engine name -> (the trainer's tensor as vLLM's loader would build it, the trainer names it came from).
-    `packed`: fused module -> the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding)
-    when the head is tied (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded
-    into it as it is, under another name (a MoE's experts: `expert_sources`)."""
+                     loaded_from: dict[str, str] | None = None) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """engine name -> the trainer's (name, tensor) pairs vLLM's loader builds it from, in the order it stacks them
+    along the first dimension (one pair for a tensor loaded as it is). The parts, not their concatenation: the check
+    compares each against its rows of the engine's tensor (views), so it copies no weight. `packed`: fused module ->
+    the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding) when the head is tied
+    (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded into it as it is,
+    under another name (a MoE's experts: `expert_sources`)."""
     out = {}
     used: set[str] = set()
     loaded_from = loaded_from or {}
@@ -173,7 +176,7 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
         parent, _, last = module.rpartition(".")
         if name in loaded_from:  # w13_weight <- gate_up_proj: vLLM's MoE loader, not packed_modules_mapping
             sources = [loaded_from[name]]
-        elif last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (concatenated along the output dim, in this order)
+        elif last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (stacked along the output dim, in this order)
             sources = [f"{parent}.{part}.{leaf}" for part in packed[last]]
         elif tied_head and name == tied_head[0] and name not in trainer:
             sources = [tied_head[1]]
@@ -184,8 +187,7 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
             raise SyncError(f"weight sync: the engine holds {name} but the trainer has no {missing[0]}; the trainer "
                             "and the engine load different architectures: point both at the same checkpoint")
         used.update(sources)
-        out[name] = (torch.cat([trainer[s] for s in sources]) if len(sources) > 1 else trainer[sources[0]],
-                     " + ".join(sources))
+        out[name] = [(s, trainer[s]) for s in sources]
     unused = sorted(set(trainer) - used)
     if unused:
         raise SyncError(f"weight sync: the trainer's {unused[0]} has no counterpart in the engine; the trainer and the "
@@ -294,37 +296,44 @@ class WeightSync:
                                 expert_sources(self.model, self.family.hf.model["layers"]))
         for path, module, _ in self.experts:  # what the experts kernel computes with: its layout of those tensors
             names = [f"{path}.{param}" for param in self.family.engine_experts.tensors]
-            laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0] for n in names})
-            want |= {n: (laid_out[n.rpartition(".")[2]], want[n][1]) for n in names}
-        names, haves, needs = [], [], []
+            laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0][1] for n in names})
+            want |= {n: [(want[n][0][0], laid_out[n.rpartition(".")[2]])] for n in names}
+        pairs, haves, needs, whole = [], [], [], []
         for name, tensor in held.items():
-            expected, sources = want[name]
-            if tensor.shape[0] > expected.shape[0] and tensor.shape[1:] == expected.shape[1:]:
-                tensor = tensor[: expected.shape[0]]  # vocabulary padding rows: never loaded, never sampled
-            if tensor.shape != expected.shape:
-                raise _not_the_trainers(name, sources, f"shapes {tuple(tensor.shape)} vs {tuple(expected.shape)}")
-            if audit:
-                have, need = digests(tensor, expected)
-                if have != need:
-                    raise _not_the_trainers(name, sources, f"sha256 {have[:12]} vs {need[:12]} on the host")
-            if expected.device != tensor.device:
-                expected = expected.to(tensor.device)
-            if expected.dtype != tensor.dtype:  # e.g. a bias the engine keeps in FP32: compared as float32 values
-                tensor, expected = tensor.float(), expected.float()
-            names.append((name, sources))
-            haves.append(tensor)
-            needs.append(expected)
-        if not names:
+            parts = want[name]
+            sources = " + ".join(source for source, _ in parts)
+            sizes = [part.shape[0] for _, part in parts]
+            stacked = (sum(sizes), *parts[0][1].shape[1:])  # the shape vLLM's loader stacks them into
+            if tensor.shape[0] > stacked[0] and tensor.shape[1:] == stacked[1:]:
+                tensor = tensor[: stacked[0]]  # vocabulary padding rows: never loaded, never sampled
+            views = tensor.split(sizes) if tensor.shape == stacked else ()  # each source's rows: views, no copy
+            if not views or any(view.shape != part.shape for view, (_, part) in zip(views, parts)):
+                shapes = " + ".join(str(tuple(part.shape)) for _, part in parts)
+                raise _not_the_trainers(name, sources, f"shapes {tuple(tensor.shape)} vs {shapes}")
+            for have, (_, need) in zip(views, parts):
+                if audit:
+                    digest, expected = digests(have, need)
+                    if digest != expected:
+                        raise _not_the_trainers(name, sources, f"sha256 {digest[:12]} vs {expected[:12]} on the host")
+                if need.device != have.device:
+                    need = need.to(have.device)
+                if need.dtype != have.dtype:  # e.g. a bias the engine keeps in FP32: compared as float32 values
+                    have, need = have.float(), need.float()
+                pairs.append((name, sources))
+                haves.append(have)
+                needs.append(need)
+            whole.append(tensor)
+        if not pairs:
             return SyncCheck(tensors=0, changed=0)
         for i in differing(haves, needs)[:1]:
-            name, sources = names[i]
+            name, sources = pairs[i]
             raise _not_the_trainers(name, sources, "values differ on the device")
         moved = moved_storage(self.addresses, self.model) if self.addresses is not None else []
         if moved:
             raise SyncError(f"weight sync: the push gave the engine's {moved[0]} new storage, but its captured CUDA "
                             "graphs still read the old one, so it does not compute with the tensor the check compared; "
                             "push through vLLM's in-place reload, or run rl with --engine eager")
-        now = fingerprints(haves)
+        now = fingerprints(whole)
         changed = sum(a != b for a, b in zip(now, self.previous)) if self.previous else 0
         self.previous = now
         return SyncCheck(tensors=len(now), changed=changed)
