@@ -2,7 +2,7 @@
 # Written at the end of the seventeenth session (2026-12-02), NOT run: the next session's H200 plan, on ../shared/gpu's
 # staging and install. Each case is sized for one device call (< 600 s); run `models` first.
 # usage: bash docs/results/h200/jobs/2026-12-02-d.sh models | moe-rl | gen-floor | precision | split |
-#        refmodel-start | refmodel-collect [seconds]
+#        moe-tap-points | refmodel-start | refmodel-collect [seconds]
 #   moe-rl:     issue 28/30: the tiny Qwen3-MoE rl arm that stopped at its weight check on vLLM 0.24 (fused expert names;
 #               rl now pushes per-expert tensors), eager with and without routing replay, then the compiled engine.
 #   gen-floor:  the compiled generate-mode floor that stopped ("rows it was fed do not spell its sequence"), now with
@@ -10,6 +10,9 @@
 #   precision:  issue 32 item 4: the regions lm_head and residual beside rope, trainer side, compiled engine (as
 #               deployed), with the floors; and --train-precision amp against bf16.
 #   split:      issue 32: the prefill/decode split in generate mode, eager and compiled, with the floors.
+#   moe-tap-points: issue 28: which compiled tap point moves the CUDA engine's logprobs (5.25e-3 at 16 layers,
+#               moe/compiled-16l/README.md): the engine with one kind of tap point at a time against the same engine
+#               without any (--engine-noise's `tap_points_mean_abs_dlogp`), 8 layers.
 #   refmodel-*: issue 34: train the reference model (10 minutes, in the background while the GPU is shared with
 #               the other cases), then compare it against the compiled engine with its floors.
 set -u
@@ -50,6 +53,14 @@ case "$1" in
         --samples-per-prompt 4 --max-new-tokens 64 --batch-invariance --taps none
     done
     tar czf $OUT/split.tgz -C $R split-eager split-compiled split-eager.log split-compiled.log
+    ;;
+  moe-tap-points)
+    [ -f $M/moe8/config.json ] || python3 docs/results/h200/moe/routing_job.py build 8 $M/moe8
+    for taps in router_logits attn_out resid_mid input_norm all; do
+      run tap-points-$taps 150 compare --model $M/moe8 --device cuda --engine compiled --taps $taps --engine-noise \
+        --num-prompts 16 --max-prompt-tokens 512 --batch-tokens 2048
+    done
+    tar czf $OUT/moe-tap-points.tgz -C $R $(cd $R && ls -d tap-points-*)
     ;;
   refmodel-start)  # about 12 minutes, past one call's limit: in the background; run other cases meanwhile
     setsid nohup bash -c "python3 scripts/train_reference_model.py --device cuda --minutes 10 --out $R/reference-model \
