@@ -56,7 +56,7 @@ case "$1" in
     ;;
   moe-tap-points)
     [ -f $M/moe8/config.json ] || python3 docs/results/h200/moe/routing_job.py build 8 $M/moe8
-    for taps in router_logits attn_out resid_mid input_norm all; do
+    for taps in router_logits attn_out mlp_out; do  # all: moe/compiled-16l (16 layers)
       run tap-points-$taps 150 compare --model $M/moe8 --device cuda --engine compiled --taps $taps --engine-noise \
         --num-prompts 16 --max-prompt-tokens 512 --batch-tokens 2048
     done
