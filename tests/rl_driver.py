@@ -12,6 +12,7 @@ import torch
 
 import divergence_probe.rl as rl
 from divergence_probe.cli import app
+from divergence_probe.errors import ProbeError
 from divergence_probe.rl.sync import WeightSync
 
 root = Path(sys.argv[1])
@@ -58,6 +59,15 @@ def skip_up_proj():
 
 
 seen["skipped_tensor"] = error_of(skip_up_proj)
+# That push left the fused gate_up_proj half-loaded: vLLM's layerwise reload materializes a layer it did not get every
+# tensor of with torch.empty and loads the parts it got, so up_proj's rows hold uninitialized memory (at times NaN).
+# A rollout on it writes NaN into the engine's logprobs (then, through the loss, into the trainer's weights) and into
+# KV blocks, whose stale slots later requests read after every reset and push: the sections below then failed at
+# random. Push every tensor again, before any engine call.
+weights = loop.trainer.named_weights()
+loop.sync.push(weights.items())
+loop.sync.reset_cache()
+seen["restored_after_skip"] = error_of(lambda: loop.sync.verify(weights))
 
 
 # 4. the tied head without its own reprocessing (vLLM's reload alone): the checksums name lm_head
@@ -128,4 +138,24 @@ for mode in ("step", "skip"):
         "second_signal": second["groups_with_signal"], "second_stepped": second["optimizer_stepped"],
         "changed": sorted(n for n in after if not torch.equal(after[n], before[n])),
         "sync_changed": second["sync_changed"]}
+
+# 8. a NaN among the engine's logprobs (what a rollout on a layer left uninitialized gives): refused before the update
+real_rollout = rl.Loop.rollout
+
+
+def nan_rollout(self, prompts, seed, step):
+    responses, logprobs, routes, moved = real_rollout(self, prompts, seed, step)
+    logprobs[0][0] = float("nan")
+    return responses, logprobs, routes, moved
+
+
+loop.spec = replace(loop.spec, no_signal_step="step")  # an update runs whatever the rewards
+before = {n: t.clone() for n, t in loop.trainer.named_weights().items()}
+with mock.patch.object(rl.Loop, "rollout", nan_rollout):
+    try:
+        loop.step(seed=0, step=3)
+        seen["nan_logprob"] = "no error"
+    except ProbeError as e:
+        seen["nan_logprob"] = f"{type(e).__name__}: {e}"
+seen["nan_logprob_weights_kept"] = all(torch.equal(t, before[n]) for n, t in loop.trainer.named_weights().items())
 print("RESULT " + json.dumps(seen))

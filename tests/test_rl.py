@@ -215,6 +215,15 @@ def test_skipped_tensor_is_caught(rl_process):
     _, seen = rl_process
     assert seen["skipped_tensor"].startswith("SyncError") and "model.layers.1.mlp.gate_up_proj.weight" in seen["skipped_tensor"]
     assert "up_proj" in seen["skipped_tensor"]
+    assert seen["restored_after_skip"] == "no error"  # the engine whole again before the sections after it
+
+
+def test_a_nan_engine_logprob_is_refused_before_the_update(rl_process):
+    """NaN among the rollout's engine logprobs stops the step before the update writes NaN into every trainer weight
+    (which the weight check then reported as a push that missed the embedding: NaN != NaN)."""
+    _, seen = rl_process
+    assert seen["nan_logprob"].startswith("NumericsError") and "NaN or inf" in seen["nan_logprob"]
+    assert seen["nan_logprob_weights_kept"]
 
 
 def test_tied_head_left_to_vllms_reload_is_caught_where_it_is_stale(rl_process):

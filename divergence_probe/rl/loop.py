@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 from .. import align as align_api
-from ..errors import ProbeError
+from ..errors import NumericsError, ProbeError
 from ..regions import aligned, check_regions_exist, from_engine
 from ..rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
@@ -201,6 +201,11 @@ class Loop:
         lp_infer = torch.zeros_like(lp_train)
         for row, (n, lps) in enumerate(zip(n_prompt, lp_engine)):
             lp_infer[row, n - 1 : n - 1 + len(lps)] = torch.tensor(lps)
+        if not torch.isfinite(lp_infer).all():  # else the update writes NaN into every trainer weight
+            raise NumericsError(f"rl step {step}: the engine's logprob of {int((~torch.isfinite(lp_infer)).sum())} "
+                                "sampled tokens is NaN or inf, so the engine computes non-finite logits and the update "
+                                "would write NaN into every trainer weight; load the engine again (a push that did not "
+                                "complete leaves uninitialized memory in a layer)")
         loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps, spec.correction,
                                        spec.tis_cap)
         with_signal = rewards.view(-1, g).std(dim=1) > 0  # per group: not every response scored alike
