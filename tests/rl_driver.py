@@ -144,9 +144,9 @@ real_rollout = rl.Loop.rollout
 
 
 def nan_rollout(self, prompts, seed, step):
-    responses, logprobs, routes, moved = real_rollout(self, prompts, seed, step)
+    responses, logprobs, routes = real_rollout(self, prompts, seed, step)
     logprobs[0][0] = float("nan")
-    return responses, logprobs, routes, moved
+    return responses, logprobs, routes
 
 
 loop.spec = replace(loop.spec, no_signal_step="step")  # an update runs whatever the rewards
