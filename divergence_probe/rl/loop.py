@@ -134,11 +134,13 @@ class Loop:
     def reset(self) -> None:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
         self.trainer.reset()
-        self.push_and_check(audit=self.spec.audit_every > 0)  # its probe leaves the probe prompt cached
+        self.push_and_check(audit=self.spec.audit_every > 0)
+        self.cache_probe.check()  # alone: the step that follows needs the probe's blocks cached for its own push
 
     def push_and_check(self, audit: bool = False) -> dict:
         """Push the trainer's weights, then prove the engine computes with them (on the device; `audit`: by sha256
-        on the host too) and that its prefix cache serves nothing computed before the push."""
+        on the host too). That its prefix cache serves nothing computed before the push, the stale-cache probe proves
+        in the next engine call: the next rollout carries it (or `cache_probe.check()` scores it alone)."""
         t0 = time.perf_counter()
         self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
         t_control = time.perf_counter() - t0
@@ -149,11 +151,9 @@ class Loop:
         t1 = time.perf_counter()
         check = self.sync.verify(weights, audit=audit)
         t2 = time.perf_counter()
-        moved = self.cache_probe.check()
-        t3 = time.perf_counter()
-        return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": moved,
-                "sync_audited": audit, "t_sync": t1 - t0, "t_check": t3 - t1 + t_control, "t_verify": t2 - t1,
-                "t_probe": t3 - t2 + t_control}
+        self.cache_probe.pushed()
+        return {"sync_tensors": check.tensors, "sync_changed": check.changed, "sync_audited": audit,
+                "t_sync": t1 - t0, "t_check": t2 - t1 + t_control, "t_verify": t2 - t1, "t_probe": t_control}
 
     def rollout(self, prompts, seed: int, step: int):
         from vllm import SamplingParams
@@ -167,9 +167,16 @@ class Loop:
                 params.append(SamplingParams(max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0,
                                              seed=(seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31, logprobs=0,
                                              detokenize=False))
+        carry_probe = self.cache_probe.due  # the push before this rollout: proven fresh by this engine call
+        if carry_probe:
+            request, param = self.cache_probe.request()
+            requests.append(request)
+            params.append(param)
         with ExitStack() as scope:
             recorder = scope.enter_context(self.probe.infer.routes_recorded()) if self.moe else None
             outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if carry_probe:
+            self.cache_probe.verdict(outputs.pop())
         responses, logprobs = [], []
         for out in outputs:
             c = out.outputs[0]
@@ -232,13 +239,16 @@ class Loop:
         if routing is not None:
             row["frac_response_any_flip"] = response_flip_frac(*routing, mask)
         t4 = time.perf_counter()
+        row["stale_probe_moved"] = self.cache_probe.moved  # the probe of the push this step's rollout sampled after
         row |= self.push_and_check(audit=spec.audit_every > 0 and step % spec.audit_every == 0)
         row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
         row["overhead_frac"] = sum(row[k] for k in OVERHEAD) / sum(row[k] for k in WORK)
         return row
 
     def run(self, setting: str, seed: int, on_row: Callable[[dict], None]) -> None:
-        """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row."""
+        """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row once the
+        stale-cache probe has proven its push (in the next step's rollout; the last step's alone), so a stale cache
+        leaves no row of a step whose push it follows."""
         regions = parse_setting(setting)
         self.replay = bool(from_engine(regions))  # routing: R3 in the update's forward
         torch.manual_seed(seed)
@@ -248,8 +258,15 @@ class Loop:
                 stack.enter_context(align_api.apply(self.trainer.model, regions))
             if regions and self.spec.side == "both":
                 stack.enter_context(aligned([self.probe.infer], regions))
+            held = None
             for step in range(1, self.spec.steps + 1):
-                on_row({"setting": setting, "seed": seed, "step": step, **self.step(seed, step)})
+                row = {"setting": setting, "seed": seed, "step": step, **self.step(seed, step)}
+                if held is not None:
+                    on_row(held)
+                held = row
+            if held is not None:
+                self.cache_probe.check()
+                on_row(held)
 
 
 

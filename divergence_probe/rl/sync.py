@@ -37,16 +37,20 @@ replaces instead of copying) would be read by the check while the graphs read th
 
 Stale-cache probe: with prefix caching on, KV blocks computed before a push are served after it unless the cache is
 reset. A fixed prompt of a little over two KV blocks (random token ids: no rollout shares its prefix) is scored once
-per check, through the prefix cache, and vLLM's own count of the prompt tokens it served from the cache
+per push, through the prefix cache, and vLLM's own count of the prompt tokens it served from the cache
 (`RequestOutput.num_cached_tokens`) must be 0: then every token was computed with the engine's current weights (the
-comparison proves those are the trainer's), which is what a fresh engine with these weights computes. One engine call,
-and no comparison of logprobs, so it cannot false-alarm on rounding (two copies of one prompt in one engine step can
-come out of the CPU kernels with different roundings). A count that vLLM does not report (None) is an error, not a
-pass. Positive control, without an engine call: before the push, the probe's full blocks must be in the engine's
-prefix cache (the scheduler's KV cache manager looks the prompt's block hashes up in its block pool, as it does for
-an arriving request); else a missing reset would go unseen (rollouts evicted the blocks) and the check would prove
-nothing, so that is an error too. Whether the score moved from the previous check's is reported, not required (BF16
-activations can absorb a small update).
+comparison proves those are the trainer's), which is what a fresh engine with these weights computes. No comparison
+of logprobs, so it cannot false-alarm on rounding (two copies of one prompt in one engine step can come out of the
+CPU kernels with different roundings). A count that vLLM does not report (None) is an error, not a pass. The probe
+rides the next rollout's generate call (`request`, then `verdict` on its output: one more short prompt in a batch the
+engine runs anyway) rather than costing an engine call of its own; the same call is what would read a stale block,
+so the rollout that follows a push is the one it proves. `check` scores it alone, where no rollout follows (a run's
+reset, its last push). Positive control, without an engine call: before the push, the probe's full blocks must be in
+the engine's prefix cache (the scheduler's KV cache manager looks the prompt's block hashes up in its block pool, as
+it does for an arriving request); else a missing reset would go unseen (rollouts evicted the blocks) and the check
+would prove nothing, so that is an error too. Whether the score moved from the previous check's is reported, not
+required (BF16 activations can absorb a small update; scored inside a rollout's batch, kernels that are not
+batch-invariant move it too).
 """
 
 from __future__ import annotations
@@ -345,8 +349,9 @@ def _not_the_trainers(name: str, sources: str, how: str) -> SyncError:
 
 
 class StaleCacheProbe:
-    """Scores a fixed prompt of a little over two KV blocks through the prefix cache, once per check (module docstring).
-    Call `prime()` once first: the probe prompt must have been scored (its blocks cached) before a check's push."""
+    """Scores a fixed prompt of a little over two KV blocks through the prefix cache, once per push (module docstring):
+    in the next rollout's engine call (`request`, `verdict`) or alone (`check`). Call `prime()` once first: the probe
+    prompt must have been scored (its blocks cached) before a check's push."""
 
     def __init__(self, llm, vocab_size: int, top_k: int = 20, seed: int = 0) -> None:
         self.llm = llm
@@ -356,24 +361,40 @@ class StaleCacheProbe:
         self.token_ids = torch.randint(3, vocab_size, (2 * self.block + 3,), generator=g).tolist()
         self.top_k = top_k
         self.before: tuple | None = None
+        self.due = False  # a push happened that no probe has scored since
+        self.moved: bool | None = None  # the last verdict's: whether the score moved from the one before
 
-    def score(self) -> tuple[tuple, int]:
-        """The probe prompt's greedy next token and top-k logprobs, and how many of its tokens vLLM served from the
-        prefix cache; the prompt alone in its engine call."""
+    def request(self):
+        """The probe as one more request of an engine call: (prompt, sampling params)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False)
-        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=self.token_ids)], params, use_tqdm=False)
+        return (TokensPrompt(prompt_token_ids=self.token_ids),
+                SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top_k, detokenize=False))
+
+    def _score(self, out) -> tuple[tuple, int]:
+        """The probe's greedy next token and top-k logprobs in `out` (its RequestOutput), and how many of its tokens
+        vLLM served from the prefix cache."""
         cached = getattr(out, "num_cached_tokens", None)
         if cached is None:
             raise SyncError("stale-cache probe: this vLLM does not report RequestOutput.num_cached_tokens, so a stale "
                             "prefix cache cannot be detected; use a vLLM whose RequestOutput reports it (0.8 or later)")
         return tuple(sorted((tok, lp.logprob) for tok, lp in out.outputs[0].logprobs[0].items())), cached
 
+    def _alone(self):
+        prompt, params = self.request()
+        [out] = self.llm.generate([prompt], [params], use_tqdm=False)
+        return out
+
     def prime(self) -> None:
-        """Score the probe once so that its blocks are cached: the first check's positive control needs them."""
-        self.before, _ = self.score()
+        """Score the probe alone so that its blocks are cached: the next push's positive control needs them. A push
+        made before it goes unchecked by the probe (the score cached it)."""
+        self.before, _ = self._score(self._alone())
+        self.due = False
+
+    def pushed(self) -> None:
+        """A push and its cache reset happened: the next engine call must carry the probe (or `check` it alone)."""
+        self.due = True
 
     def cached_tokens(self) -> int:
         """How many of the probe prompt's tokens the prefix cache would serve now, looked up as the scheduler looks up
@@ -407,19 +428,27 @@ class StaleCacheProbe:
                             "tokens are in the prefix cache (evicted by the rollouts), so a missing cache reset could "
                             "not be seen; give the engine more KV cache memory (--engine-args)")
 
-    def check(self) -> bool:
-        """After a push and a cache reset: the probe prompt scored through the prefix cache must have been served
-        none of its tokens from it, else StaleCacheError. Returns whether the score moved from the previous check's
-        (reported, not required: a small update can leave every BF16 activation of the probe, and so its score,
-        unchanged; that the engine computes with the new weights is what the comparison proves)."""
+    def verdict(self, out) -> bool:
+        """The probe's output after a push and a cache reset (from a rollout's engine call or `check`): none of its
+        tokens may have been served from the prefix cache, else StaleCacheError. Returns whether the score moved from
+        the previous one (reported, not required: a small update can leave every BF16 activation of the probe, and so
+        its score, unchanged; that the engine computes with the new weights is what the comparison proves)."""
         if self.before is None:
             raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
                             "probe's blocks cached)")
-        now, cached = self.score()
+        now, cached = self._score(out)
         if cached != 0:
             raise StaleCacheError(f"stale prefix cache: after the weight push, {cached} of the probe prompt's "
                                   f"{len(self.token_ids)} tokens were served from KV cached with the previous "
                                   "weights; call llm.reset_prefix_cache() after every push")
-        moved = now != self.before
+        self.moved = now != self.before
         self.before = now  # its blocks, now cached, hold the current weights: the next check's positive control
-        return moved
+        self.due = False
+        return self.moved
+
+    def check(self) -> bool:
+        """`verdict` on the probe scored alone: for a push no rollout follows."""
+        if self.before is None:
+            raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
+                            "probe's blocks cached)")
+        return self.verdict(self._alone())

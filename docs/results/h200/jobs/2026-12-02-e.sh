@@ -13,7 +13,11 @@
 #   finish:      the split on the compiled engine (the compiled generate mode that stopped in 2026-12-02-c.sh), then the
 #                reference model's training result, compare on it against the compiled engine with the floors, and
 #                ablate --side train with the three shipped regions.
-# Every run writes straight under $OUT, so a call cut short still brings back what finished.
+# As it ran: setup-bench and concurrent in the first machine session; the device brings back at most a few files a
+# call, so concurrent's run folders stayed behind (only its logs, rl.csv and ablate's two tables came back) and the
+# machine was released with the reference model half trained. The second machine session: stage and install again,
+# then `second` (the benchmark with the stale-cache probe riding the rollout, the reference model trained for 6
+# minutes, the split on both engines, each run as one tar) and `finish2`.
 set -u
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
 M=/tmp/dp-models; R=/tmp/res; mkdir -p $M $R
@@ -62,5 +66,35 @@ case "$1" in
       --batch-invariance --taps none
     run refmodel-ablate 150 ablate --model $R/reference-model --device cuda --engine compiled --side train --taps none \
       --engine-noise
+    ;;
+  second)
+    [ -f $M/1.5b/config.json ] || python3 docs/results/h200/scale/gpu_build.py qwen2.5-1.5b $M/1.5b
+    s=$(date +%s)
+    timeout -k 10 240 python3 benchmarks/bench_rl.py --model $M/1.5b --device cuda --reward letters --steps 12 \
+      --rounds 2 --align rope --engine-args '{"gpu_memory_utilization": 0.3}' --out $OUT/bench_rl_qwen2.5-1.5b_ride.json \
+      > $OUT/bench_rl_ride.log 2>&1
+    echo "== bench_rl rc=$? $(( $(date +%s) - s )) s"; grep -v "it/s" $OUT/bench_rl_ride.log | tail -6
+    setsid nohup bash -c "python3 scripts/train_reference_model.py --device cuda --minutes 6 --out $R/reference-model \
+      > $R/refmodel.log 2>&1; echo rc=\$? >> $R/refmodel.log" < /dev/null > /dev/null 2>&1 &
+    sleep 45  # its allocations settled before an engine profiles memory
+    for engine in eager compiled; do
+      name=split-$engine; s=$(date +%s)
+      timeout -k 10 170 $DP compare --model $M/1.5b --device cuda --engine $engine --mode generate --num-prompts 8 \
+        --samples-per-prompt 4 --max-new-tokens 64 --batch-invariance --taps none --out $R/$name > $R/$name.log 2>&1
+      echo "== $name rc=$? $(( $(date +%s) - s )) s"; grep -v "it/s" $R/$name.log | tail -4
+      tar czf $OUT/$name.tgz -C $R $name.log $(cd $R && ls -d $name 2>/dev/null)
+    done
+    tail -3 $R/refmodel.log
+    ;;
+  finish2)
+    for i in $(seq 1 ${2:-300}); do grep -q "^rc=" $R/refmodel.log && break; sleep 1; done
+    tail -22 $R/refmodel.log
+    run() { name=$1; limit=$2; shift 2; s=$(date +%s)
+            timeout -k 10 $limit $DP "$@" --out $R/$name > $R/$name.log 2>&1
+            echo "== $name rc=$? $(( $(date +%s) - s )) s"; grep -v "it/s" $R/$name.log | tail -25
+            tar czf $OUT/$name.tgz -C $R $name.log $(cd $R && ls -d $name 2>/dev/null); }
+    cp $R/refmodel.log $R/reference-model/training.json $R/reference-model/config.json $OUT/ 2>/dev/null
+    run refmodel-compare 160 compare --model $R/reference-model --device cuda --engine compiled --engine-noise \
+      --batch-invariance --taps none
     ;;
 esac
