@@ -98,9 +98,9 @@ def section(raw: dict) -> str:
         f"tokens per step) with `--align {spec['align']}`; one engine; {raw['rounds']} rounds, each one run of "
         f"{spec['steps']} steps per side in turn; the first step of each run left out; medians over the steps. "
         f"{raw['cpu_count']} CPUs, 1-minute load average {first:.1f} at the start and {last:.1f} at the end (a shared "
-        "machine: wall-clock figures are upper bounds). The stale-cache probe is one engine call per step (vLLM's "
-        "`num_cached_tokens` must be 0 after the reset) plus its positive control (a block-pool lookup, no engine "
-        "call). Raw numbers: `bench_rl.json`.",
+        "machine: wall-clock figures are upper bounds). The stale-cache probe rides the next rollout's engine call "
+        "(vLLM's `num_cached_tokens` must be 0 after the reset; its cost is inside `rollout`); `probe` is its positive "
+        "control (a block-pool lookup, no engine call). Raw numbers: `bench_rl.json`.",
         "",
         "| side | steps | s/step | rollout | update | metrics | sync | verify | probe | overhead / work (per-step "
         "median) | steps above 15% | (verify + probe) / (rollout + update) |",
