@@ -5,8 +5,9 @@
 
 Work: rollout (vLLM sampling) + reward + update (trainer forward, backward, optimizer step). Overhead: metrics
 (rl_metrics on the step's tokens) + sync (the push through vLLM's reload and the prefix-cache reset) + check
-(the exact per-tensor comparison and the stale-cache probe's positive control; the probe itself rides the next rollout, inside t_rollout). Target (issue 16): overhead <= 15% of work
-per step on the CPU, by the median of the per-step `overhead_frac`. Issue 30's target for the weight check alone:
+(the exact per-tensor comparison and the stale-cache probe's positive control; the probe itself rides the next
+rollout, inside t_rollout). Target (issue 16): overhead <= 15% of work per step on the CPU, by the median of the
+per-step `overhead_frac`. Issue 30's target for the weight check alone:
 verification + stale-cache probe (`t_verify` + `t_probe`) <= 5% of rollout + update at the 1.5B shape on the H200
 and <= 15% on the built-in model on the CPU (`verify_over_work`, the ratio of the medians, in the same run).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -24,7 +25,7 @@ code = app(["rl", *small, "--steps", "1", "--setting", "none", "--setting", "rop
            standalone_mode=False)
 seen["cli_exit"] = code or 0
 
-# 2. the API on the same engine: rows on disk as each step ends; weights change; checksums pass after every push
+# 2. the API on the same engine: rows on disk as each step's push is proven; weights change; checksums pass after every push
 spec = rl.RLSpec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu", audit_every=2)
 probe = rl.load(spec)
 on_disk = []
@@ -97,7 +98,8 @@ def head_is_stale(model) -> bool:
 
 seen["tied_head_stale"] = head_is_stale(loop.sync.model)
 
-# 5. the prefix cache not reset after the first step's push: the stale-cache probe fails, the first row is kept
+# 5. the prefix cache not reset after step 2's push: the probe riding step 3's rollout fails, step 1's row is kept
+# (step 2's push never proven: no row; with 2 steps the run's closing check alone would catch it, so 3 steps)
 calls = {"n": 0}
 real_reset = WeightSync.reset_cache
 
@@ -109,7 +111,7 @@ def reset_once(self):
 
 
 with mock.patch.object(WeightSync, "reset_cache", reset_once):
-    seen["stale_cache"] = error_of(lambda: rl.run(spec, root / "stale", probe=probe))
+    seen["stale_cache"] = error_of(lambda: rl.run(replace(spec, steps=3), root / "stale", probe=probe))
 rows_file = root / "stale" / "rl.csv"
 seen["stale_rows"] = len(rows_file.read_text().splitlines()) - 1 if rows_file.exists() else 0
 seen["stale_manifest"] = (root / "stale" / "manifest.json").exists()
@@ -123,8 +125,6 @@ seen["control_uncached"] = error_of(loop.push_and_check)
 
 # 7. a step where no group has signal (a constant reward), after a step with signal (AdamW has momentum): `step`
 # moves the weights on the momentum, `skip` leaves them bitwise as they are
-from dataclasses import replace
-
 for mode in ("step", "skip"):
     loop = rl.Loop(probe, replace(spec, no_signal_step=mode))
     loop.reset()

@@ -186,6 +186,10 @@ def test_the_row_async_scheduling_feeds_after_a_stop_belongs_to_no_position():
         _recorder(steps, ids).routes({"a": (5, 6, 7, 9, 8)}, num_layers=1)
     with pytest.raises(StackError, match="do not spell its sequence"):
         _recorder(steps, ids).stitch("a-x", (5, 6, 7, 9, 8), 0, lambda *_: None)
+    synchronous = _recorder(steps, ids)  # an engine that schedules synchronously never feeds it: a seam that moved
+    synchronous.async_scheduling = False
+    with pytest.raises(StackError, match="position 4 was fed but the sequence has 4"):
+        synchronous.routes({"a": (5, 6, 7, 9, 4)}, num_layers=1)
 
 
 def test_routes_of_prefix_cached_rows_come_from_the_request_that_computed_them():

@@ -51,7 +51,7 @@ from ..rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
 from .spec import RLSpec, parse_setting
-from .sync import StaleCacheProbe, WeightSync
+from .sync import StaleCacheProbe, SyncError, WeightSync
 from .trainer import Trainer
 
 ENGINE_ARGS = {"enable_prefix_caching": True}
@@ -130,17 +130,21 @@ class Loop:
         if self.moe:
             engine.check_routes_recordable()
         self.replay = False  # the run's setting replays them in the update (routing, R3)
+        self.on_proven: Callable[[], None] | None = None  # run(): called when a rollout's probe proved the last push
 
     def reset(self) -> None:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
         self.trainer.reset()
         self.push_and_check(audit=self.spec.audit_every > 0)
-        self.cache_probe.check()  # alone: the step that follows needs the probe's blocks cached for its own push
+        self.cache_probe.check()  # alone: a loop just reset holds no unproven push (the drivers push again at once)
 
     def push_and_check(self, audit: bool = False) -> dict:
         """Push the trainer's weights, then prove the engine computes with them (on the device; `audit`: by sha256
         on the host too). That its prefix cache serves nothing computed before the push, the stale-cache probe proves
         in the next engine call: the next rollout carries it (or `cache_probe.check()` scores it alone)."""
+        if self.cache_probe.due:  # else this push's probe could not be told from the previous push's
+            raise SyncError("stale-cache probe: a push before the previous push was proven (no engine call scored the "
+                            "probe in between); run a rollout or cache_probe.check() after every push")
         t0 = time.perf_counter()
         self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
         t_control = time.perf_counter() - t0
@@ -148,11 +152,13 @@ class Loop:
         weights = self.trainer.named_weights()
         self.sync.push(weights.items())
         self.sync.reset_cache()
+        self.cache_probe.pushed()  # unproven until an engine call scores the probe, whatever verify says
         t1 = time.perf_counter()
         check = self.sync.verify(weights, audit=audit)
         t2 = time.perf_counter()
-        self.cache_probe.pushed()
-        return {"sync_tensors": check.tensors, "sync_changed": check.changed, "sync_audited": audit,
+        # stale_probe_moved: filled in by run() once the probe of this push has been scored
+        return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": None,
+                "sync_audited": audit,
                 "t_sync": t1 - t0, "t_check": t2 - t1 + t_control, "t_verify": t2 - t1, "t_probe": t_control}
 
     def rollout(self, prompts, seed: int, step: int):
@@ -176,7 +182,9 @@ class Loop:
             recorder = scope.enter_context(self.probe.infer.routes_recorded()) if self.moe else None
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         if carry_probe:
-            self.cache_probe.verdict(outputs.pop())
+            self.cache_probe.verdict(outputs.pop())  # outputs come in request order: the probe's is the last
+            if self.on_proven is not None:
+                self.on_proven()
         responses, logprobs = [], []
         for out in outputs:
             c = out.outputs[0]
@@ -239,16 +247,17 @@ class Loop:
         if routing is not None:
             row["frac_response_any_flip"] = response_flip_frac(*routing, mask)
         t4 = time.perf_counter()
-        row["stale_probe_moved"] = self.cache_probe.moved  # the probe of the push this step's rollout sampled after
         row |= self.push_and_check(audit=spec.audit_every > 0 and step % spec.audit_every == 0)
         row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
         row["overhead_frac"] = sum(row[k] for k in OVERHEAD) / sum(row[k] for k in WORK)
         return row
 
     def run(self, setting: str, seed: int, on_row: Callable[[dict], None]) -> None:
-        """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row once the
-        stale-cache probe has proven its push (in the next step's rollout; the last step's alone), so a stale cache
-        leaves no row of a step whose push it follows."""
+        """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row the moment
+        the stale-cache probe has proven its push (in the next step's rollout, before anything else of that step; the
+        last step's alone), so a stale cache leaves no row of a step whose push it follows, and a later failure of
+        the next step does not take a proven row with it. A row reaches on_row (and the progress bar) one rollout
+        after its step ends."""
         regions = parse_setting(setting)
         self.replay = bool(from_engine(regions))  # routing: R3 in the update's forward
         torch.manual_seed(seed)
@@ -258,15 +267,21 @@ class Loop:
                 stack.enter_context(align_api.apply(self.trainer.model, regions))
             if regions and self.spec.side == "both":
                 stack.enter_context(aligned([self.probe.infer], regions))
-            held = None
+            held: list[dict] = []  # the last step's row, until its push is proven
+
+            def proven() -> None:
+                if held:
+                    row = held.pop()
+                    row["stale_probe_moved"] = self.cache_probe.moved  # the probe of this row's own push
+                    on_row(row)
+
+            stack.callback(setattr, self, "on_proven", None)
+            self.on_proven = proven
             for step in range(1, self.spec.steps + 1):
-                row = {"setting": setting, "seed": seed, "step": step, **self.step(seed, step)}
-                if held is not None:
-                    on_row(held)
-                held = row
-            if held is not None:
+                held.append({"setting": setting, "seed": seed, "step": step, **self.step(seed, step)})
+            if self.cache_probe.due:
                 self.cache_probe.check()
-                on_row(held)
+                proven()
 
 
 

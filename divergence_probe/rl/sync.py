@@ -433,9 +433,10 @@ class StaleCacheProbe:
         tokens may have been served from the prefix cache, else StaleCacheError. Returns whether the score moved from
         the previous one (reported, not required: a small update can leave every BF16 activation of the probe, and so
         its score, unchanged; that the engine computes with the new weights is what the comparison proves)."""
-        if self.before is None:
-            raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
-                            "probe's blocks cached)")
+        self._require_primed()
+        if list(out.prompt_token_ids) != self.token_ids:
+            raise SyncError("stale-cache probe: the output scored as the probe is another request's; the engine "
+                            "returned its outputs out of request order")
         now, cached = self._score(out)
         if cached != 0:
             raise StaleCacheError(f"stale prefix cache: after the weight push, {cached} of the probe prompt's "
@@ -448,7 +449,10 @@ class StaleCacheProbe:
 
     def check(self) -> bool:
         """`verdict` on the probe scored alone: for a push no rollout follows."""
+        self._require_primed()
+        return self.verdict(self._alone())
+
+    def _require_primed(self) -> None:
         if self.before is None:
             raise SyncError("stale-cache probe: prime() it before the first check (the positive control needs the "
                             "probe's blocks cached)")
-        return self.verdict(self._alone())

@@ -13,7 +13,8 @@ A sequence's last token is never fed back, except once: under vLLM's async sched
 turns it off, platforms/cpu.py) the scheduler plans step N+1 before it reads what step N sampled, so a request that
 samples a stop token at step N is fed that token in step N+1 and vLLM discards what it computes (it foresees only
 max_tokens: scheduler.py). That one row, and the sampler's logits row of it, belong to no position of the sequence
-(`_fed`); any other row past the sequence is still refused.
+(`_fed`); any other row past the sequence is still refused, and so is that one where the engine schedules
+synchronously (then it would be a seam that moved).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class _Span:
 class RolloutRecorder:
     def __init__(self, runner, hooks: HookSet) -> None:
         self.layout = step_layout(runner, hooks)
+        # None where the runner does not say (a hand-fed test runner): the stop-token row is then allowed
+        scheduler = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
+        self.async_scheduling = getattr(scheduler, "async_scheduling", None)
         self.steps: list[list[_Span]] = []
         self.step_ids: list[list[int]] = []  # the input ids of each step, to check the stitching
         self.taps: dict[TapKey, list[torch.Tensor]] = defaultdict(list)
@@ -149,8 +153,8 @@ class RolloutRecorder:
         """`_rows` of a request whose sequence is `tokens`, less the row async scheduling feeds after a stop (the
         module docstring): its last token at its last position, once. Returns the rows and whether one was dropped."""
         rows, last = self._rows(req_id), len(tokens) - 1
-        after_stop = (bool(rows) and rows[-1][0] == last and rows[-1][2] == tokens[last]
-                      and (len(rows) < 2 or rows[-2][0] < last))
+        after_stop = (self.async_scheduling is not False and bool(rows) and rows[-1][0] == last
+                      and rows[-1][2] == tokens[last] and (len(rows) < 2 or rows[-2][0] < last))
         return (rows[:-1] if after_stop else rows), after_stop
 
     def request_ids(self) -> dict[str, str]:
@@ -215,8 +219,10 @@ class RolloutRecorder:
             whole = self._whole(key)
             sink(seq_id, key, whole.index_select(0, index.to(whole.device)))
         by_position = dict(self.logits.get(req_id, {}))
-        if after_stop:  # the sampler's row of the discarded step
-            by_position.pop(fed, None)
+        if after_stop:  # the sampler's row of the discarded step: the sampler scores every request of a step
+            if by_position.pop(fed, None) is None:
+                raise StackError(f"vLLM request {req_id}: the step that fed its stop token again has no sampler row; "
+                                 "capture seam moved")
         if sorted(by_position) != list(range(fed)):
             raise StackError(f"vLLM request {req_id}: logits missing for some positions; capture seam moved")
         return torch.stack([by_position[p] for p in range(fed)])
@@ -234,4 +240,4 @@ def _first_difference(rows: list[tuple[int, int, int]], tokens: tuple[int, ...],
             return f"position {position} was fed but the sequence has {len(tokens)}"
         if token != tokens[expected]:
             return f"position {position} was fed token {token}, the sequence has {tokens[expected]}"
-    return f"only positions 0-{len(rows) - 1} of {len(tokens)} were fed" if rows else "no position was fed"
+    return f"only positions {start}-{start + len(rows) - 1} of {len(tokens)} were fed" if rows else "no position was fed"
