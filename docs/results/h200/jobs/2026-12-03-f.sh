@@ -7,14 +7,16 @@
 #     run under $OUT;
 #   - the machine and all it holds go 30 s after a call ends: anything left running (the reference model's training)
 #     must finish inside the calls that follow back to back.
-# usage (in this order, back to back): bash docs/results/h200/jobs/2026-12-03-f.sh setup | moe-rl | refmodel-runs | qwen3-precision
+# usage (in this order, back to back): bash docs/results/h200/jobs/2026-12-03-f.sh setup | moe-rl | refmodel-runs |
+#        refmodel-both | qwen3-precision   (all commands dry-run on the CPU at tiny sizes, 2026-12-02)
 #   setup:          the models (Qwen3-1.7B shape, tiny Qwen3-MoE), then the reference model starts training (10 min).
 #   moe-rl:         issue 30's MoE arm (tiny Qwen3-MoE, shipped vs routing replay, 3 seeds x 100 steps), compiled
 #                   engine, then the eager engine, staggered; both stopped on 2026-12-02 at the row vLLM's async
 #                   scheduling feeds after an EOS, which the recorder now drops (rl.csv `eos_frac` > 0 shows it met it).
 #   refmodel-runs:  issue 34's remaining runs on the reference model once trained: graft (local error by family),
-#                   ablate --side both, and rl from it (the built-in bracket task: it was trained on Python), shipped
+#                   and rl from it (the built-in bracket task: it was trained on Python), shipped
 #                   vs the three regions in the trainer.
+#   refmodel-both:  ablate --side both on it (a compiled engine build per combination).
 #   qwen3-precision: issue 32's arms on the second dense shape (Qwen3-1.7B), as 2026-12-02-e.sh ran them at 1.5B.
 set -u
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
@@ -52,9 +54,11 @@ case "$1" in
       --side train --setting none --setting rope,swiglu,rmsnorm "--engine-args '{\"gpu_memory_utilization\": 0.15}'"
     sleep 75
     run refmodel-graft 150 compare --model $R/reference-model --device cuda --graft --depth --num-prompts 16
-    run refmodel-ablate-both 200 ablate --model $R/reference-model --device cuda --engine compiled --side both \
+    wait_for refmodel-rl 300
+    ;;
+  refmodel-both)  # one compiled engine build per combination (8; on the CPU this took 406 s at 2 prompts)
+    run refmodel-ablate-both 540 ablate --model $R/reference-model --device cuda --engine compiled --side both \
       --taps none --engine-noise --num-prompts 16
-    wait_for refmodel-rl 120
     ;;
   qwen3-precision)
     run qwen3-precision-ablate 240 ablate --model $M/1.7b --device cuda --engine compiled --regions rope,lm_head,residual \
