@@ -11,8 +11,9 @@
 #        refmodel-both | qwen3-precision   (all commands dry-run on the CPU at tiny sizes, 2026-12-02)
 #   setup:          the models (Qwen3-1.7B shape, tiny Qwen3-MoE), then the reference model starts training (10 min).
 #   moe-rl:         issue 30's MoE arm (tiny Qwen3-MoE, shipped vs routing replay, 3 seeds x 100 steps), compiled
-#                   engine, then the eager engine, staggered; both stopped on 2026-12-02 at the row vLLM's async
-#                   scheduling feeds after an EOS, which the recorder now drops (rl.csv `eos_frac` > 0 shows it met it).
+#                   engine, then the eager engine, staggered; the compiled one stopped on 2026-12-02 at the row vLLM's
+#                   async scheduling feeds after an EOS (the eager engine schedules asynchronously too), which the
+#                   recorder now drops (rows with `eos_frac` > 0 show it met that row).
 #   refmodel-runs:  issue 34's remaining runs on the reference model once trained: graft (local error by family),
 #                   and rl from it (the built-in bracket task: it was trained on Python), shipped
 #                   vs the three regions in the trainer.
