@@ -17,7 +17,9 @@
 # call, so concurrent's run folders stayed behind (only its logs, rl.csv and ablate's two tables came back) and the
 # machine was released with the reference model half trained. The second machine session: stage and install again,
 # then `second` (the benchmark with the stale-cache probe riding the rollout, the reference model trained for 6
-# minutes, the split on both engines, each run as one tar) and `finish2`.
+# minutes, the split on both engines, each run as one tar) and `finish2`, then this command, typed in the same session:
+#   timeout -k 5 200 python3 -m divergence_probe ablate --model /tmp/res/reference-model --device cuda --engine compiled \
+#     --side train --taps none --engine-noise --num-prompts 16 --out /tmp/res/refmodel-ablate   (then one tar of it)
 set -u
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR
 M=/tmp/dp-models; R=/tmp/res; mkdir -p $M $R
