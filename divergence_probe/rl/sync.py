@@ -428,10 +428,10 @@ class StaleCacheProbe:
                             "tokens are in the prefix cache (evicted by the rollouts), so a missing cache reset could "
                             "not be seen; give the engine more KV cache memory (--engine-args)")
 
-    def verdict(self, out) -> bool:
+    def verdict(self, out) -> None:
         """The probe's output after a push and a cache reset (from a rollout's engine call or `check`): none of its
-        tokens may have been served from the prefix cache, else StaleCacheError. Returns whether the score moved from
-        the previous one (reported, not required: a small update can leave every BF16 activation of the probe, and so
+        tokens may have been served from the prefix cache, else StaleCacheError. Sets `moved`: whether the score moved
+        from the previous one (reported, not required: a small update can leave every BF16 activation of the probe, and so
         its score, unchanged; that the engine computes with the new weights is what the comparison proves)."""
         self._require_primed()
         if list(out.prompt_token_ids) != self.token_ids:
@@ -445,12 +445,11 @@ class StaleCacheProbe:
         self.moved = now != self.before
         self.before = now  # its blocks, now cached, hold the current weights: the next check's positive control
         self.due = False
-        return self.moved
 
-    def check(self) -> bool:
+    def check(self) -> None:
         """`verdict` on the probe scored alone: for a push no rollout follows."""
-        self._require_primed()
-        return self.verdict(self._alone())
+        self._require_primed()  # before the engine call
+        self.verdict(self._alone())
 
     def _require_primed(self) -> None:
         if self.before is None:
