@@ -78,7 +78,9 @@ def measure(args) -> dict:
             "verify_over_work": round(verify, 4),
             "meets_verify_target": verify <= VERIFY_TARGET[args.device == "cuda"],
         }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # "-dirty": the tree that ran is not the commit (a device copy carries the working tree beside its start commit)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                            text=True)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit.stdout.strip(), "command": " ".join(sys.argv),

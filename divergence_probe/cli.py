@@ -766,7 +766,7 @@ def _print_score(run) -> None:
 def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
     arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
-    preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB; with --arch qwen3_moe: 32 experts, top-4), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, qwen3-0.6b, qwen3-1.7b or qwen3-30b-a3b (real shapes, random weights)."),
+    preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB; with --arch qwen3_moe: 32 experts, top-4), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b, qwen3-0.6b, qwen3-1.7b or qwen3-30b-a3b (real shapes, random weights)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; same seed, same bytes."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty folder."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Number of decoder layers; default: the preset's. Cuts a real shape's depth to fit one device."),

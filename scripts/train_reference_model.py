@@ -13,7 +13,7 @@ SwiGLU 3072, QK-norm, tied embeddings, RoPE theta 1e6), so the GEMMs and attenti
 sizes; only the depth (10 of 28 layers, what the H200 trains in 10 minutes), the vocabulary (the built-in tokenizer's
 2000 tokens padded to 2048) and the context (2048, the longest window trained on) differ. `--size tiny` keeps the
 ratios (head_dim 128, two query heads per KV head, query width 2x hidden, SwiGLU 3x hidden) at 2.5M parameters for
-the CPU smoke test.
+the CPU smoke test, in FP32 (the reference size trains under BF16 autocast).
 
 Data: the standard library's *.py files (recursively, without its site-packages), then those of the interpreter's
 site directories (sysconfig's purelib and platlib, site.getsitepackages()), each tree walked in sorted order, files
@@ -79,6 +79,7 @@ class Size:
     stats_windows: int  # held-out windows of EVAL_WINDOW tokens the activation statistics are taken on
     steps: int | None  # default --steps; None: --minutes
     minutes: float | None
+    amp: bool = True  # BF16 autocast over FP32 weights; False: FP32 throughout
 
 
 SIZES = {
@@ -90,7 +91,10 @@ SIZES = {
     "tiny": Size(layers=2, overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048, "hidden_size": 256,
                                       "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2},
                  batch_tokens=2048, micro_batch_tokens=1024, seq_len=64, long_seq_len=128, lr=3e-3, warmup=12,
-                 corpus_bytes=2**20, eval_tokens=2048, stats_windows=1, steps=30, minutes=None),
+                 corpus_bytes=2**20, eval_tokens=2048, stats_windows=1, steps=30, minutes=None,
+                 # FP32 on the CPU: a CPU without BF16 instructions (AVX2 only) runs BF16 GEMMs several times slower
+                 # than FP32 ones, and the smoke test is about the script's logic, not the H200's precision
+                 amp=False),
 }
 
 
@@ -335,7 +339,7 @@ def main(argv=None):
 
     long_cost = flops_per_token(config, args.long_seq_len) / flops_per_token(config, args.seq_len)
     model, log, evals, final = train(
-        args, config, train_stream, heldout, val_tokens=size.eval_tokens, device=device, amp=True,
+        args, config, train_stream, heldout, val_tokens=size.eval_tokens, device=device, amp=size.amp,
         micro_batch_tokens=size.micro_batch_tokens, budget_s=None if args.steps else args.minutes * 60,
         long_cost=long_cost)
     params = sum(p.numel() for p in model.parameters())
@@ -358,7 +362,8 @@ def main(argv=None):
                       "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_word_embeddings,
                       "train_gflop_per_token": flops_per_token(config, args.seq_len) / 1e9},
             "recipe": asdict(size) | {"steps": steps, "minutes": args.minutes, "seed": args.seed, "weight_decay": args.weight_decay,
-                                      "precision": "FP32 master weights, BF16 autocast", "deterministic": True},
+                                      "precision": "FP32 master weights, BF16 autocast" if size.amp else "FP32",
+                                      "deterministic": True},
             "corpus": corpus,
             "train": {"tokens": tokens, "long_from": long_from, "epochs_short": final["epochs_short"],
                       "epochs_long": final["epochs_long"], "final_train_loss": final["train_loss"],

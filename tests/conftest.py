@@ -24,6 +24,32 @@ def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
+COLLECTED_MODULES = pytest.StashKey[set]()
+
+
+def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED_MODULES] = {item.module.__name__ for item in items}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_engine_builds(request):
+    """The slowest engine builds, started when the session begins if their module's tests were collected: a vLLM CPU
+    engine serves on one thread, so on the CI's two cores they run beside the tests before them."""
+    started = []
+    if "test_compiled_align" in request.config.stash.get(COLLECTED_MODULES, set()):
+        import test_compiled_align
+
+        test_compiled_align.start_builds(request.getfixturevalue("qwen3_tiny"),
+                                         request.getfixturevalue("prompts_file"),
+                                         request.getfixturevalue("tmp_path_factory"))
+        started.append(test_compiled_align._STARTED["proc"])
+    yield
+    for proc in started:  # a session stopped early leaves no engine behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="session")
 def qwen3_tiny(models_dir) -> Path:
     return make_model(models_dir / "qwen3-tiny", arch="qwen3", preset="tiny", seed=0)

@@ -75,15 +75,30 @@ json.dump(result, open(out, "w"), default=str)
 '''
 
 
-@pytest.fixture(scope="module")
-def builds(qwen3_tiny, prompts_file, tmp_path_factory) -> dict:
+_STARTED: dict = {}  # the builds' process once started (conftest starts it at the session's start)
+
+
+def start_builds(qwen3_tiny: Path, prompts_file: Path, tmp_path_factory) -> None:
+    """Start the builds' process (single-threaded, like every vLLM CPU engine): conftest does this when the session
+    begins, so that on the CI's two cores it runs beside the tests before this module."""
+    if _STARTED:
+        return
     folder = tmp_path_factory.mktemp("compiled-align")
     out = folder / "result.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CACHE_ROOT": str(folder / "vllm-cache")}
-    proc = subprocess.run([sys.executable, "-c", BUILDS, str(qwen3_tiny), str(prompts_file), str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=1500, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(folder / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would stall the process
+        proc = subprocess.Popen([sys.executable, "-c", BUILDS, str(qwen3_tiny), str(prompts_file), str(out)],
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
+    _STARTED.update(proc=proc, folder=folder, out=out)
+
+
+@pytest.fixture(scope="module")
+def builds(qwen3_tiny, prompts_file, tmp_path_factory) -> dict:
+    start_builds(qwen3_tiny, prompts_file, tmp_path_factory)  # already running when the whole suite runs
+    proc, folder, out = _STARTED["proc"], _STARTED["folder"], _STARTED["out"]
+    proc.wait(timeout=1500)
+    assert proc.returncode == 0, (folder / "stderr.txt").read_text()[-4000:]
     return json.loads(out.read_text()) | {"_logits": torch.load(str(out) + ".pt"), "_cache": str(folder / "vllm-cache")}
 
 

@@ -89,25 +89,45 @@ json.dump(result, open(out, "w"))
 '''
 
 
-def _engine(model: Path, prompts: Path, out: Path, taps: str, cache_root: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CACHE_ROOT": str(cache_root)}
-    proc = subprocess.run([sys.executable, "-c", ENGINE, str(model), str(prompts), str(out), taps],
-                          capture_output=True, text=True, cwd=REPO, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+ARCHS = ("qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny")
 
 
-@pytest.fixture(scope="module", params=["qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny"])
-def engines(request, prompts_file, tmp_path_factory) -> dict:
-    model = request.getfixturevalue(request.param)
-    folder = tmp_path_factory.mktemp(f"ctaps_{request.param}")
-    cache_root = folder / "vllm_cache"
-    tapped = _engine(model, prompts_file, folder / "tapped.json", "all", cache_root)
-    artifacts_after_tapped = sorted(str(p.relative_to(cache_root)) for p in cache_root.rglob("*") if p.is_file())
-    plain = _engine(model, prompts_file, folder / "plain.json", "none", cache_root)
-    return {"tapped": tapped, "plain": plain, "raw": torch.load(folder / "tapped.json.pt"), "model": request.param,
-            "steps": torch.load(folder / "tapped.json.steps.pt"), "artifacts_after_tapped": artifacts_after_tapped}
+def _engines(models: dict[str, Path], prompts: Path, folders: dict[str, Path], taps: str) -> dict[str, dict]:
+    """One engine process per model, started together: a vLLM CPU engine serves on one thread, so on the CI's two
+    cores the three builds overlap. Each model's processes share the vLLM cache root in its folder."""
+    procs = {}
+    for arch, model in models.items():
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CACHE_ROOT": str(folders[arch] / "vllm_cache")}
+        out = folders[arch] / f"{taps}.json"
+        with open(f"{out}.stderr", "w") as err:  # a file, not a pipe: a full pipe would stall the process
+            procs[arch] = (out, subprocess.Popen([sys.executable, "-c", ENGINE, str(model), str(prompts), str(out),
+                                                  taps], stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env))
+    results = {}
+    for arch, (out, proc) in procs.items():
+        proc.wait(timeout=1200)
+        assert proc.returncode == 0, f"{arch} ({taps}):\n{Path(f'{out}.stderr').read_text()[-4000:]}"
+        results[arch] = json.loads(out.read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def all_engines(prompts_file, tmp_path_factory, request) -> dict:
+    """Every model built tapped (`taps="all"`), then plain (no tap points), into one fresh vLLM cache root each."""
+    models = {arch: request.getfixturevalue(arch) for arch in ARCHS}
+    folders = {arch: tmp_path_factory.mktemp(f"ctaps_{arch}") for arch in ARCHS}
+    tapped = _engines(models, prompts_file, folders, "all")
+    artifacts = {arch: sorted(str(p.relative_to(folders[arch] / "vllm_cache"))
+                              for p in (folders[arch] / "vllm_cache").rglob("*") if p.is_file()) for arch in ARCHS}
+    plain = _engines(models, prompts_file, folders, "none")
+    return {arch: {"tapped": tapped[arch], "plain": plain[arch], "raw": torch.load(folders[arch] / "all.json.pt"),
+                   "model": arch, "steps": torch.load(folders[arch] / "all.json.steps.pt"),
+                   "artifacts_after_tapped": artifacts[arch]} for arch in ARCHS}
+
+
+@pytest.fixture(params=ARCHS)
+def engines(request, all_engines) -> dict:
+    return all_engines[request.param]
 
 
 def test_tap_points_leave_the_logprobs_bitwise_equal(engines):
