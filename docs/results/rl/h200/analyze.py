@@ -1,4 +1,5 @@
-"""The tables of docs/results/rl/h200/README.md, from the run folders' rl.csv (the CPU study's per-run table, reused).
+"""The tables and the figure (runs.png) of docs/results/rl/h200/README.md, from the run folders' rl.csv (the CPU
+study's per-run table, reused).
 
     PYTHONPATH=/work/main /work/main/.venv/bin/python docs/results/rl/h200/analyze.py
 """
@@ -53,6 +54,49 @@ def replay_pairs(all_rows: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index().rename(columns={"none": "dlogp none", "routing": "dlogp routing"})
 
 
+# The figure's panels: which runs share one (the same engine mode and side: their first steps are paired), and the
+# largest noise floor measured against that engine at the starting checkpoint (generate mode, rl's sampling shape).
+PANELS = {
+    "0.5B, compiled engine, side train": (["train-none", "train-rope", "train-all3"],
+                                          "floor-compiled-generate/summary.csv"),
+    "0.5B, eager engine, side both": (["both-all3"], "floor-eager-generate/summary.csv"),
+    "tiny MoE, compiled engine": (["moe-compiled"], None),
+    "tiny MoE, eager engine": (["moe-eager"], None),
+}
+COLORS = {"none": "black", "rope": "tab:blue", "rope,swiglu,rmsnorm": "tab:orange", "routing": "tab:green"}
+FLOORS = ["noise_infer_mean_abs_dlogp", "noise_train_mean_abs_dlogp", "noise_train_kernel_mean_abs_dlogp",
+          "noise_infer_engine_mode_mean_abs_dlogp"]
+
+
+def figure(all_rows: pd.DataFrame, path: Path) -> None:
+    """Reward and mean |Δlogp| per step: the median over seeds of a 10-step rolling mean, the band from the lowest to
+    the highest seed, and the largest noise floor as a dashed line where one was measured."""
+    plt = cpu_analyze.plt
+    fig, axes = plt.subplots(2, len(PANELS), figsize=(4.2 * len(PANELS), 6.0), sharex=True, sharey="row")
+    for col, (title, (runs, floor_csv)) in enumerate(PANELS.items()):
+        for (run, setting), part in all_rows[all_rows.run.isin(runs)].groupby(["run", "setting"], sort=False):
+            for row, (column, log) in enumerate([("reward_mean", False), ("mean_abs_dlogp", True)]):
+                smooth = part.pivot(index="step", columns="seed", values=column).rolling(10, min_periods=1).mean()
+                ax = axes[row][col]
+                color = COLORS.get(setting, "grey")
+                ax.fill_between(smooth.index, smooth.min(axis=1), smooth.max(axis=1), color=color, alpha=0.2,
+                                linewidth=0)
+                ax.plot(smooth.index, smooth.median(axis=1), color=color, linewidth=1,
+                        label=f"{setting} ({part.seed.nunique()} seeds)")
+                ax.set_yscale("log" if log else "linear")
+        if floor_csv:
+            summary = pd.read_csv(HERE / floor_csv).iloc[0]
+            floor = max(summary[c] for c in FLOORS if c in summary and pd.notna(summary[c]))
+            axes[1][col].axhline(floor, color="red", linestyle="--", linewidth=1, label="largest noise floor, step 0")
+        axes[0][col].set_title(title, fontsize=9)
+        axes[1][col].set_xlabel("step")
+        axes[1][col].legend(fontsize=6, frameon=False, loc="lower left")
+    axes[0][0].set_ylabel("mean reward")
+    axes[1][0].set_ylabel("mean |Δlogp| (sampled tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main() -> None:
     all_rows = rows()
     pd.set_option("display.width", 250)
@@ -63,6 +107,7 @@ def main() -> None:
     print(cpu_analyze.markdown(first_steps(all_rows).astype(object).fillna("-")))
     print("\n### routing replay at step 1 (paired)\n")
     print(cpu_analyze.markdown(replay_pairs(all_rows)))
+    figure(all_rows, HERE / "runs.png")
 
 
 if __name__ == "__main__":
