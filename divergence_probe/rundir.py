@@ -260,14 +260,18 @@ def claim_out_dir(out_dir: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------------------------- atomic folder
-def _new_dir(parent: Path, prefix: str) -> Path:
-    """A new folder with the mode the umask gives (mkdtemp's 0700 would hide a shared output from its readers)."""
+def _new_dir(parent: Path, prefix: str, ours: list[Path]) -> Path:
+    """A new folder with the mode the umask gives (mkdtemp's 0700 would hide a shared output from its readers).
+    Its path is in `ours` from just before it is made: a signal raised the moment mkdir returns (a stop lands at the
+    first bytecode after a system call) still finds it there to remove."""
     while True:
         path = parent / f"{prefix}{secrets.token_hex(4)}"
+        ours[:] = [path]
         try:
             path.mkdir()
             return path
-        except FileExistsError:
+        except FileExistsError:  # another's folder of that name: not ours to remove
+            ours.clear()
             continue
 
 
@@ -280,8 +284,9 @@ def atomic_dir(out_dir: Path, replaces: str | None = None) -> Iterator[Path]:
     out_dir = Path(out_dir)
     check_out_dir(out_dir, replaces)
     parent = out_dir.absolute().parent
-    tmp = _new_dir(parent, f".{out_dir.name}.partial-")
+    ours: list[Path] = []
     try:
+        tmp = _new_dir(parent, f".{out_dir.name}.partial-", ours)
         yield tmp
         if out_dir.is_dir() and any(out_dir.iterdir()):
             if not (replaces and marked(out_dir, replaces)):  # files were added while the new one was made
@@ -301,7 +306,8 @@ def atomic_dir(out_dir: Path, replaces: str | None = None) -> Iterator[Path]:
                 out_dir.rmdir()  # empty, checked above
             tmp.rename(out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for path in ours:
+            shutil.rmtree(path, ignore_errors=True)
         raise
 
 

@@ -290,7 +290,7 @@ def run_folder(tmp_path_factory, qwen3_tiny):
 def test_signal_during_report_leaves_nothing(signum, run_folder, tmp_path):
     before = {p.name for p in run_folder.iterdir()}
     proc = cli("report", run_folder, tmpdir=tmp_path)
-    wait_for(lambda: any(p.name.startswith(".report.") for p in run_folder.iterdir()), proc)
+    wait_for(lambda: any(p.name.startswith(".report.") and p.name not in before for p in run_folder.iterdir()), proc)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err

@@ -353,6 +353,24 @@ def test_shipped_run_folders_read(tmp_path):
         assert "summary.csv" in folder.tables
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_stop_the_moment_the_hidden_folder_is_made_leaves_nothing(interrupt, tmp_path, monkeypatch):
+    """A signal is raised at the first bytecode after a system call: here, right after mkdir of the hidden folder,
+    before any code of the block runs (what a SIGTERM sent as soon as the folder appears meets)."""
+    real_mkdir = Path.mkdir
+
+    def mkdir_then_stop(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.name.startswith(".out.partial-"):
+            raise interrupt()
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_stop)
+    with pytest.raises(interrupt):
+        with rundir.atomic_dir(tmp_path / "out"):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------- report writer
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_interrupted_render_leaves_nothing(interrupt, tmp_path, monkeypatch):
