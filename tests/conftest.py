@@ -39,10 +39,9 @@ def early_engine_builds(request):
     if "test_compiled_align" in request.config.stash.get(COLLECTED_MODULES, set()):
         import test_compiled_align
 
-        test_compiled_align.start_builds(request.getfixturevalue("qwen3_tiny"),
-                                         request.getfixturevalue("prompts_file"),
-                                         request.getfixturevalue("tmp_path_factory"))
-        started.append(test_compiled_align._STARTED["proc"])
+        started.append(test_compiled_align.start_builds(request.getfixturevalue("qwen3_tiny"),
+                                                        request.getfixturevalue("prompts_file"),
+                                                        request.getfixturevalue("tmp_path_factory")))
     yield
     for proc in started:  # a session stopped early leaves no engine behind
         if proc.poll() is None:

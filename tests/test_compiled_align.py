@@ -78,11 +78,11 @@ json.dump(result, open(out, "w"), default=str)
 _STARTED: dict = {}  # the builds' process once started (conftest starts it at the session's start)
 
 
-def start_builds(qwen3_tiny: Path, prompts_file: Path, tmp_path_factory) -> None:
+def start_builds(qwen3_tiny: Path, prompts_file: Path, tmp_path_factory) -> subprocess.Popen:
     """Start the builds' process (single-threaded, like every vLLM CPU engine): conftest does this when the session
     begins, so that on the CI's two cores it runs beside the tests before this module."""
     if _STARTED:
-        return
+        return _STARTED["proc"]
     folder = tmp_path_factory.mktemp("compiled-align")
     out = folder / "result.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -91,6 +91,7 @@ def start_builds(qwen3_tiny: Path, prompts_file: Path, tmp_path_factory) -> None
         proc = subprocess.Popen([sys.executable, "-c", BUILDS, str(qwen3_tiny), str(prompts_file), str(out)],
                                 stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
     _STARTED.update(proc=proc, folder=folder, out=out)
+    return proc
 
 
 @pytest.fixture(scope="module")
