@@ -9,7 +9,7 @@ forwards per sequence), so it has no such target.
 
 One `dp.load`, one warm-up call of each setting, then `--reps` rounds in which every setting runs once, in turn
 (interleaved, so a slow spell of the shared machine hits all settings alike); medians. Writes its section of
-docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/bench_graft.json, or
+docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/benchmarks/bench_graft.json, or
 only the raw numbers to --out.
 """
 
@@ -77,7 +77,7 @@ def section(result: dict) -> str:
     lines = [
         "## compare --graft: cost of the local error (and of --depth)",
         "",
-        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: `docs/bench_graft.json`). The "
+        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: `docs/benchmarks/bench_graft.json`). The "
         "machine is shared: compare ratios, not seconds.",
         "",
         f"- Machine: {result['machine']}; versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items())}",
@@ -114,7 +114,7 @@ def main() -> None:
     result = measure(args)
     print(section(result))
     write_section("bench_graft", section(result), result, args.out)
-    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_graft.json'}", file=sys.stderr)
+    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/benchmarks/bench_graft.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ One engine, the default spec (or --model/--device/--reward/--engine-args, for a 
 --side. `--rounds` rounds, each running one `--steps` run per side in turn (interleaved, so a slow spell of a shared
 machine hits both sides alike). The first step of each run is left out (first-call costs: oneDNN primitives,
 allocator growth); medians over the rest. The load average is recorded: on a shared machine every wall-clock figure
-is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and docs/bench_rl.json,
+is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and docs/benchmarks/bench_rl.json,
 or only the raw numbers to --out.
 """
 
@@ -140,7 +140,7 @@ def main() -> None:
     raw = measure(args)
     print(section(raw))
     write_section("bench_rl", section(raw), raw, args.out)
-    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_rl.json'}", file=sys.stderr)
+    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/benchmarks/bench_rl.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":
