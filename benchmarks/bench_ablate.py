@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_ablate.py [--num-prompts 16] [--reps 3]
     .venv/bin/python benchmarks/bench_ablate.py --num-prompts 2 --reps 1 --out /tmp/a.json   # the CI smoke size
 
-Target (from the issue): ablate over three regions costs at most 1.3 x (one load of each model + 8 x one
+Target: ablate over three regions costs at most 1.3 x (one load of each model + 8 x one
 compare), both measured side by side in this one process, on the tiny Qwen3 with every tap. The patches are
 toggled on loaded stacks, so the ratio shows what patching, bootstrap and bookkeeping add to 8 plain runs.
 Writes its section of docs/benchmarks.md (between the bench_ablate markers) and docs/benchmarks/bench_ablate.json.

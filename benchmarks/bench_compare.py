@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/bench_compare.py --arch qwen3_moe --plan quick --reps 9   # the tiny Qwen3-MoE
     .venv/bin/python benchmarks/bench_compare.py --plan tiny --out /tmp/c.json   # the CI smoke size, docs untouched
 
-Targets (from the issues): with every tap, compare costs at most TARGET_RATIO[arch] times the same run with
-`--taps none` on the tiny model of that arch (dense: issue 1; MoE, whose taps add the routing capture: issue 28);
+Targets: with every tap, compare costs at most TARGET_RATIO[arch] times the same run with
+`--taps none` on the tiny model of that arch (dense and MoE, whose taps add the routing capture);
 peak memory does not grow with the number of prompts.
 
 The measurements run in child processes of this script (`--child`): vLLM's CPU backend hosts one engine per

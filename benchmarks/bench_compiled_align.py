@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_compiled_align.py [--num-prompts 8] [--no-prefetch]
     .venv/bin/python benchmarks/bench_compiled_align.py --regions rope --num-prompts 1 --out /tmp/c.json  # CI smoke
 
-Target (issue 13): the 2^3 ablation costs at most 1.5 x (8 compiled loads + 8 forwards). Measured in this one
+Target: the 2^3 ablation costs at most 1.5 x (8 compiled loads + 8 forwards). Measured in this one
 process: the probe's own compiled load (cold caches), one compare on it, and one cold compiled load of a fresh
 worker process (process start, imports, engine build; the unit of the ablation's seven other builds); then the
 ablation over rope, swiglu and rmsnorm with `--side both`, each aligned combination on its own freshly built engine

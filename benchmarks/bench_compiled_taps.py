@@ -5,7 +5,7 @@ without taps, and the engine build (compile) time with and without tap points, r
     .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1  # quicker, noisier
     .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1 --num-prompts 1 --out /tmp/t.json   # CI smoke size
 
-Target (issue 13): compare with taps all <= 1.3x the untapped compare, in compiled mode.
+Target: compare with taps all <= 1.3x the untapped compare, in compiled mode.
 
 Children, one engine each (vLLM's CPU backend hosts one per process), one after another, each printing JSON on its
 last stdout line:

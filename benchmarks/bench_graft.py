@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/bench_graft.py [--reps 5]
     ... benchmarks/bench_graft.py --model CKPT --device cuda --num-prompts 59 --out g.json   # on a GPU: docs/ untouched
 
-Target (issue 15): a grafted compare costs at most 2x an ordinary `--taps all` compare (one extra op per seam,
+Target: a grafted compare costs at most 2x an ordinary `--taps all` compare (one extra op per seam,
 no second forward per seam). `--depth` is measured too; it runs a partial forward per layer (about L/2 full
 forwards per sequence), so it has no such target.
 
