@@ -145,11 +145,12 @@ def test_docs_stay_a_library_a_clone_can_afford():
     assert not [n for n in listed if n.endswith((".log", ".jsonl", ".py", ".sh"))], "docs/ holds logs or scripts"
 
 
-REPO_PATH = re.compile(r"(?<![\w./-])((?:docs|benchmarks|scripts|tests|divergence_probe|sample_prompts)/[\w./-]*[\w/])")
+REPO_PATH = re.compile(r"(?<![\w./:-])((?:docs|benchmarks|scripts|tests|divergence_probe|sample_prompts)/[\w./-]*[\w/])")
 
 
 def cited_paths(path: Path) -> list[tuple[int, str]]:
-    """Repository paths a file cites in prose (`docs/results/...`, `benchmarks/x.py`), placeholders left out."""
+    """Repository paths a file cites in prose (`docs/results/...`, `benchmarks/x.py`), placeholders and paths in a
+    git object name (`COMMIT:path`: a file of an earlier commit) left out."""
     return [(n, match) for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1)
             for match in REPO_PATH.findall(line) if not re.search(r"[<>{}*]|\.\.\.|[/_-]$|/\.", match)]
 
