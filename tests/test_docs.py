@@ -17,22 +17,18 @@ TEXT_SUFFIXES = {".md", ".py", ".sh", ".txt", ".toml", ".cfg", ".html", ".tex"}
 # narrates, so the same word in its technical sense passes: "pytest session fixture", "round to BF16",
 # "helper function", "issue a warning", a "#" in a colour or a shell comment.
 NARRATION = re.compile(
-    r"\b(?:(?:this|that|the|an?|earlier|later|next|previous|last|first|second|third|[a-z]+teenth|[a-z]+tieth"
-    r"|each|every|one|same|own|work|working)\s+(?:session|sitting)s?(?![\w-]|\s+(?:fixture|scope))"
-    r"|sessions?\s+(?:\d+|one|two|three|four|five|later|earlier|ago)"
-    r"|(?:sitting|session)\s+(?:of|on)\s+\d{4}-\d\d-\d\d"
-    r"|round\s+(?:one|two|three|four|five|six)\b"
-    r"|(?:first|second|third|fourth|fifth|next|last|previous|earlier|later|this)\s+round\b(?!\s+(?:to|of\s+rounding|trip))"
-    r"|helpers?\s+(?:ran|run|measured|found|wrote|session|report)"
-    r"|(?:a|the|another|our|my)\s+helper\b(?!\s+(?:function|module|class|method|script|that|which|for|to|in|of))"
-    r"|lent\s+(?:H200|GPU|machine|device|accelerator)s?"
-    r"|(?:was|were|is|when|while)\s+(?:lent|available)\s+(?:to|for)\s+(?:us|me|this|the\s+session)"
-    r"|device\s+time\s+(?:left|budget|was|ran\s+out)"
-    r"|(?:budget|lease)\s+(?:of|left|ran\s+out)"
-    r"|issues?\s+#?\d+"
-    r"|(?:PR|pull\s+request)\s+#?\d+"
-    r"|tracker"
-    r")"
+    r"\bsessions?\b(?![\w-]|\s+(?:fixture|scope))"  # a pytest session fixture is the tool's own vocabulary
+    r"|\bsittings?\b"
+    r"|\bround\s+(?:one|two|three|four|five|six)\b"
+    r"|\b(?:first|second|third|fourth|fifth|next|last|previous|earlier|later|this)\s+round\b(?!\s+(?:to|of|trip))"
+    r"|\bhelpers?\s+(?:of|ran|run|measured|found|wrote|session|report)\b"
+    r"|\b(?:a|the|another|our|my)\s+helper\b(?!\s+(?:function|module|class|method|script|that|which|for|to|in|of))"
+    r"|\blent\b"
+    r"|\bdevice\s+time\b"
+    r"|(?-i:\bnvidia-h200(?:-x\d)?\b)"  # a machine kind of the lending tool, not the device's name
+    r"|\bissues?\s+#?\d+|\bissue's\b"
+    r"|\b(?:PR|pull\s+request)\s+#?\d+"
+    r"|\btracker\b"
     r"|(?<![\w&/#])#\d{1,4}\b(?![\w;-])",  # not a CSS colour (#111;)
     re.IGNORECASE,
 )
@@ -52,8 +48,13 @@ def narrating_lines(path: Path) -> list[str]:
     return hits
 
 
+def prose_files() -> list[Path]:
+    """The scanned files less the package's data (the built-in tokenizer's training corpus is text, not prose)."""
+    return [path for path in scanned_files() if "data" not in path.relative_to(ROOT).parts]
+
+
 def test_no_line_narrates_how_the_work_was_organised():
-    hits = [hit for path in scanned_files() for hit in narrating_lines(path)]
+    hits = [hit for path in prose_files() for hit in narrating_lines(path)]
     assert not hits, "lines that narrate the work instead of describing the tool:\n" + "\n".join(hits)
 
 
@@ -64,6 +65,8 @@ def test_no_line_narrates_how_the_work_was_organised():
     "The helper ran it on a lent H200 while device time was left.",
     "Fixed in issue 33; see #30.",
     "Tracked as issue #29.",
+    "Run A ran on nvidia-h200-x2 at d11ab12.",
+    "A helper of the fifth session measured it.",
 ])
 def test_a_narrating_line_is_caught(line, tmp_path):
     planted = tmp_path / "page.md"
@@ -76,7 +79,7 @@ def test_a_narrating_line_is_caught(line, tmp_path):
     "Each op rounds to BF16 once; round to nearest even; a round trip through FP32.",
     "A helper function reads the manifest; issue a warning when a prompt is cut.",
     "Colours #1f77b4 and `#!/usr/bin/env bash`; the first token (id 0).",
-    "The engine is available to every rank.",
+    "The engine is available to every rank; the NVIDIA H200 has 141 GB.",
 ])
 def test_the_same_words_in_their_technical_sense_pass(line, tmp_path):
     planted = tmp_path / "page.md"
@@ -157,7 +160,6 @@ def cited_paths(path: Path) -> list[tuple[int, str]]:
 
 def test_every_repository_path_the_text_cites_exists():
     """A page or docstring that names `docs/results/x/y.csv` or `benchmarks/z.py` names a file a clone has."""
-    prose = [path for path in scanned_files() if "data" not in path.relative_to(ROOT).parts]  # data: a corpus
-    missing = [f"{path.relative_to(ROOT)}:{n}: {cited}" for path in prose for n, cited in cited_paths(path)
+    missing = [f"{path.relative_to(ROOT)}:{n}: {cited}" for path in prose_files() for n, cited in cited_paths(path)
                if not (ROOT / cited).exists()]
     assert not missing, "paths cited that are not in the repository:\n" + "\n".join(missing)
