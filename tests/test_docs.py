@@ -20,11 +20,10 @@ NARRATION = re.compile(
     r"\bsessions?\b(?![\w-]|\s+(?:fixture|scope))"  # a pytest session fixture is the tool's own vocabulary
     r"|\bsittings?\b"
     r"|\bround\s+(?:one|two|three|four|five|six)\b"
-    r"|\b(?:first|second|third|fourth|fifth|next|last|previous|earlier|later|this)\s+round\b(?!\s+(?:to|of|trip))"
     r"|\bhelpers?\s+(?:of|ran|run|measured|found|wrote|session|report)\b"
     r"|\b(?:a|the|another|our|my)\s+helper\b(?!\s+(?:function|module|class|method|script|that|which|for|to|in|of))"
     r"|\blent\b"
-    r"|\bdevice\s+time\b"
+    r"|\b(?:device|GPU)\s+time\s+(?:left|was\s+left|ran\s+out|allowed|went)\b|\(device\s+time\)|;\s*device\s+time\b"
     r"|(?-i:\bnvidia-h200(?:-x\d)?\b)"  # a machine kind of the lending tool, not the device's name
     r"|\bissues?\s+#?\d+|\bissue's\b"
     r"|\b(?:PR|pull\s+request)\s+#?\d+"
@@ -62,7 +61,8 @@ def test_no_line_narrates_how_the_work_was_organised():
     "Measured in the seventeenth session on the H200.",
     "The next session should rerun the floors.",
     "Round two added the compiled engine.",
-    "The helper ran it on a lent H200 while device time was left.",
+    "The helper ran it on a lent H200.",
+    "Not run (device time).",
     "Fixed in issue 33; see #30.",
     "Tracked as issue #29.",
     "Run A ran on nvidia-h200-x2 at d11ab12.",
