@@ -15,7 +15,8 @@ last stdout line:
   Inductor's FX cache, keyed by the graph, stays on), build time only.
 Ratios: taps all on the tapped engine over taps none on the plain engine (what a user pays for taps), and taps none
 on the tapped engine over the plain engine (what the idle tap points cost). Medians of `--reps` calls after one
-warm-up call. The parent writes its section of docs/benchmarks.md (between the markers) and docs/benchmarks/bench_compiled_taps.json.
+warm-up call. The parent writes its section of docs/benchmarks.md (between the markers) and
+docs/benchmarks/bench_compiled_taps.json.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def section(result: dict) -> str:
     lines = [
         "## compare --graft: cost of the local error (and of --depth)",
         "",
-        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: `docs/benchmarks/bench_graft.json`). The "
-        "machine is shared: compare ratios, not seconds.",
+        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: "
+        "`docs/benchmarks/bench_graft.json`). The machine is shared: compare ratios, not seconds.",
         "",
         f"- Machine: {result['machine']}; versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items())}",
         f"- Model: {result['model_label']} "
@@ -114,7 +114,7 @@ def main() -> None:
     result = measure(args)
     print(section(result))
     write_section("bench_graft", section(result), result, args.out)
-    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/benchmarks/bench_graft.json'}", file=sys.stderr)
+    print(f"wrote {args.out or 'docs/benchmarks.md and docs/benchmarks/bench_graft.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ One engine, the default spec (or --model/--device/--reward/--engine-args, for a 
 --side. `--rounds` rounds, each running one `--steps` run per side in turn (interleaved, so a slow spell of a shared
 machine hits both sides alike). The first step of each run is left out (first-call costs: oneDNN primitives,
 allocator growth); medians over the rest. The load average is recorded: on a shared machine every wall-clock figure
-is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and docs/benchmarks/bench_rl.json,
-or only the raw numbers to --out.
+is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and
+docs/benchmarks/bench_rl.json, or only the raw numbers to --out.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ def test_docs_stay_a_library_a_clone_can_afford():
     assert not [n for n in listed if n.endswith((".log", ".jsonl", ".py", ".sh"))], "docs/ holds logs or scripts"
 
 
-REPO_PATH = re.compile(r"(?<![\w./:-])((?:docs|benchmarks|scripts|tests|divergence_probe|sample_prompts)/[\w./-]*[\w/])")
+REPO_PATH = re.compile(
+    r"(?<![\w./:-])((?:docs|benchmarks|scripts|tests|divergence_probe|sample_prompts)/[\w./-]*[\w/])")
 
 
 def cited_paths(path: Path) -> list[tuple[int, str]]:

@@ -82,8 +82,8 @@ def test_a_manifest_spec_from_another_version_is_refused():
 
 
 def test_a_manifest_written_before_a_later_field_reruns_as_it_ran():
-    """A spec recorded before --train-precision existed (tests/fixtures/recorded_specs.jsonl holds such specs) is read as bf16, what
-    every run did then; a field that is not a later addition stays required."""
+    """A spec recorded before --train-precision existed (tests/fixtures/recorded_specs.jsonl holds such specs) is read
+    as bf16, what every run did then; a field that is not a later addition stays required."""
     from divergence_probe.spec import LATER_FIELDS, RunSpec
 
     recorded = RunSpec().to_dict()
