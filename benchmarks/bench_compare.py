@@ -13,7 +13,7 @@ The measurements run in child processes of this script (`--child`): vLLM's CPU b
 process, so each model needs its own. A child prints its result as JSON on its last stdout line. The parent builds
 the models, runs the children one after another, and writes its section of docs/benchmarks.md (between the
 bench_compare markers, so other benchmarks can share the file; bench_compare_<arch> for an arch other than qwen3)
-and the raw numbers to docs/benchmarks/bench_compare[_<arch>].json; with --out, only the JSON, there.
+and the raw numbers to docs/benchmarks/bench_compare.json (bench_compare_<arch>.json); with --out, only the JSON, there.
 
 Peak memory of one compare call: the kernel's RSS high-water mark is reset just before the call (`5` into
 /proc/self/clear_refs) and read after it. Two things make that reading noisy, and the design works around both:
