@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/bench_ablate.py [--num-prompts 16] [--reps 3]
     .venv/bin/python benchmarks/bench_ablate.py --num-prompts 2 --reps 1 --out /tmp/a.json   # the CI smoke size
 
-Target (from the issue): ablate over three regions costs at most 1.3 x (one load of each model + 8 x one
+Target: ablate over three regions costs at most 1.3 x (one load of each model + 8 x one
 compare), both measured side by side in this one process, on the tiny Qwen3 with every tap. The patches are
 toggled on loaded stacks, so the ratio shows what patching, bootstrap and bookkeeping add to 8 plain runs.
-Writes its section of docs/benchmarks.md (between the bench_ablate markers) and docs/bench_ablate.json.
+Writes its section of docs/benchmarks.md (between the bench_ablate markers) and docs/benchmarks/bench_ablate.json.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
            "num_prompts": args.num_prompts, "torch": torch.__version__, "cpu_count": torch.get_num_threads()}
     md = f"""## ablate: three regions against 8 compares
 
-Written by `benchmarks/bench_ablate.py` (raw numbers: `docs/bench_ablate.json`). One process, tiny Qwen3
+Written by `benchmarks/bench_ablate.py` (raw numbers: `docs/benchmarks/bench_ablate.json`). One process, tiny Qwen3
 (4 layers), vLLM CPU vs transformers, all taps, {args.num_prompts} sample prompts, bootstrap 1000;
 {args.reps} interleaved repetitions, medians. Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}.
 

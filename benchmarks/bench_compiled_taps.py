@@ -5,7 +5,7 @@ without taps, and the engine build (compile) time with and without tap points, r
     .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1  # quicker, noisier
     .venv/bin/python benchmarks/bench_compiled_taps.py --reps 1 --num-prompts 1 --out /tmp/t.json   # CI smoke size
 
-Target (issue 13): compare with taps all <= 1.3x the untapped compare, in compiled mode.
+Target: compare with taps all <= 1.3x the untapped compare, in compiled mode.
 
 Children, one engine each (vLLM's CPU backend hosts one per process), one after another, each printing JSON on its
 last stdout line:
@@ -15,7 +15,8 @@ last stdout line:
   Inductor's FX cache, keyed by the graph, stays on), build time only.
 Ratios: taps all on the tapped engine over taps none on the plain engine (what a user pays for taps), and taps none
 on the tapped engine over the plain engine (what the idle tap points cost). Medians of `--reps` calls after one
-warm-up call. The parent writes its section of docs/benchmarks.md (between the markers) and docs/bench_compiled_taps.json.
+warm-up call. The parent writes its section of docs/benchmarks.md (between the markers) and
+docs/benchmarks/bench_compiled_taps.json.
 """
 
 from __future__ import annotations

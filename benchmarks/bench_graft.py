@@ -3,13 +3,13 @@
     PYTHONPATH=$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/bench_graft.py [--reps 5]
     ... benchmarks/bench_graft.py --model CKPT --device cuda --num-prompts 59 --out g.json   # on a GPU: docs/ untouched
 
-Target (issue 15): a grafted compare costs at most 2x an ordinary `--taps all` compare (one extra op per seam,
+Target: a grafted compare costs at most 2x an ordinary `--taps all` compare (one extra op per seam,
 no second forward per seam). `--depth` is measured too; it runs a partial forward per layer (about L/2 full
 forwards per sequence), so it has no such target.
 
 One `dp.load`, one warm-up call of each setting, then `--reps` rounds in which every setting runs once, in turn
 (interleaved, so a slow spell of the shared machine hits all settings alike); medians. Writes its section of
-docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/bench_graft.json, or
+docs/benchmarks.md (between the bench_graft markers) and the raw numbers to docs/benchmarks/bench_graft.json, or
 only the raw numbers to --out.
 """
 
@@ -77,8 +77,8 @@ def section(result: dict) -> str:
     lines = [
         "## compare --graft: cost of the local error (and of --depth)",
         "",
-        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: `docs/bench_graft.json`). The "
-        "machine is shared: compare ratios, not seconds.",
+        "Written by `benchmarks/bench_graft.py` (method: its docstring; raw numbers: "
+        "`docs/benchmarks/bench_graft.json`). The machine is shared: compare ratios, not seconds.",
         "",
         f"- Machine: {result['machine']}; versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items())}",
         f"- Model: {result['model_label']} "
@@ -114,7 +114,7 @@ def main() -> None:
     result = measure(args)
     print(section(result))
     write_section("bench_graft", section(result), result, args.out)
-    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_graft.json'}", file=sys.stderr)
+    print(f"wrote {args.out or 'docs/benchmarks.md and docs/benchmarks/bench_graft.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 Work: rollout (vLLM sampling) + reward + update (trainer forward, backward, optimizer step). Overhead: metrics
 (rl_metrics on the step's tokens) + sync (the push through vLLM's reload and the prefix-cache reset) + check
 (the exact per-tensor comparison and the stale-cache probe's positive control; the probe itself rides the next
-rollout, inside t_rollout). Target (issue 16): overhead <= 15% of work per step on the CPU, by the median of the
-per-step `overhead_frac`. Issue 30's target for the weight check alone:
+rollout, inside t_rollout). Target: overhead <= 15% of work per step on the CPU, by the median of the
+per-step `overhead_frac`. The target for the weight check alone:
 verification + stale-cache probe (`t_verify` + `t_probe`) <= 5% of rollout + update at the 1.5B shape on the H200
 and <= 15% on the built-in model on the CPU (`verify_over_work`, the ratio of the medians, in the same run).
 
@@ -15,8 +15,8 @@ One engine, the default spec (or --model/--device/--reward/--engine-args, for a 
 --side. `--rounds` rounds, each running one `--steps` run per side in turn (interleaved, so a slow spell of a shared
 machine hits both sides alike). The first step of each run is left out (first-call costs: oneDNN primitives,
 allocator growth); medians over the rest. The load average is recorded: on a shared machine every wall-clock figure
-is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and docs/bench_rl.json,
-or only the raw numbers to --out.
+is an upper bound. Writes its section of docs/benchmarks.md (between the bench_rl markers) and
+docs/benchmarks/bench_rl.json, or only the raw numbers to --out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from docs_section import add_out_argument, write_section  # noqa: E402  the one marked section of docs/benchmarks.md it owns
 
 TARGET = 0.15
-VERIFY_TARGET = {False: 0.15, True: 0.05}  # issue 30: (t_verify + t_probe) / (t_rollout + t_update), CPU / CUDA
+VERIFY_TARGET = {False: 0.15, True: 0.05}  # (t_verify + t_probe) / (t_rollout + t_update), CPU / CUDA
 WORK = ("t_rollout", "t_reward", "t_update")
 OVERHEAD = ("t_metrics", "t_sync", "t_check")
 PARTS = (*WORK, *OVERHEAD, "t_verify", "t_probe")
@@ -117,8 +117,8 @@ def section(raw: dict) -> str:
                      f"{100 * r['steps_above_target_frac']:.0f}% | {100 * r['verify_over_work']:.1f}% |")
     verdict = ", ".join(f"side {s}: {'met' if r['meets_target'] else 'NOT met'}, verification "
                         f"{'met' if r['meets_verify_target'] else 'NOT met'}" for s, r in raw["results"].items())
-    lines += ["", f"Targets: overhead <= 15% of work by the per-step median (issue 16); verification + probe <= "
-                  f"{100 * VERIFY_TARGET[raw['spec']['device'] == 'cuda']:.0f}% of rollout + update (issue 30); {verdict}. "
+    lines += ["", f"Targets: overhead <= 15% of work by the per-step median; verification + probe <= "
+                  f"{100 * VERIFY_TARGET[raw['spec']['device'] == 'cuda']:.0f}% of rollout + update; {verdict}. "
                   "Times in seconds "
                   "(medians of each part; s/step is the median of the per-step sums)."]
     return "\n".join(lines)
@@ -140,7 +140,7 @@ def main() -> None:
     raw = measure(args)
     print(section(raw))
     write_section("bench_rl", section(raw), raw, args.out)
-    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/bench_rl.json'}", file=sys.stderr)
+    print(f"wrote {args.out or 'its section of docs/benchmarks.md and docs/benchmarks/bench_rl.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
 
 def write_section(name: str, markdown: str, raw: dict, out: Path | None = None) -> None:
     """Replace the `<!-- name:start -->`..`<!-- name:end -->` block (appending it the first time) and save the
-    raw numbers as docs/<name>.json; with `out`, only the raw numbers, there."""
+    raw numbers as docs/benchmarks/<name>.json; with `out`, only the raw numbers, there."""
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
@@ -31,4 +31,4 @@ def write_section(name: str, markdown: str, raw: dict, out: Path | None = None) 
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     DOCS_MD.write_text(text)
-    (ROOT / "docs" / f"{name}.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    (ROOT / "docs" / "benchmarks" / f"{name}.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

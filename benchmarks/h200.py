@@ -9,7 +9,7 @@ One process per model (one vLLM engine per process). `--part prefill` writes, un
   timings.json         seconds for each step and the ratios the benchmark targets are stated in
 `--part rollout` writes noise-prefill/ (compare --taps none --batch-invariance) and generate/
 (compare --mode generate --batch-invariance, all taps) and timings.json.
-`--part perf` is the issue's performance workload: --num-prompts prompts of exactly --max-prompt-tokens tokens
+`--part perf` is the performance workload: --num-prompts prompts of exactly --max-prompt-tokens tokens
 (each built from the shipped sample prompts, concatenated from a different starting prompt until long enough):
 first `divergence-probe compare` in a fresh process, timed from start to files (cli-compare/, cli-compare.log);
 then in this process loads, compare all taps vs none (interleaved, --reps each, with host-CPU, GC and allocator

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On a lent GPU machine, from the repo root, after ../shared/gpu's stage.sh has staged every part (and .gpu/deps is
-# carried): ../shared/gpu/install.sh, but the vLLM wheel (only vllm/ and its dist-info) is unzipped into $HOME/site
-# instead of going through pip: about 20 s instead of about 125 s of device time. The small dependencies still use pip.
-# usage: bash benchmarks/h200_install.sh   (then PYTHONPATH=$HOME/site, as docs/results/h200/compiled/h200_compiled_job.sh sets it)
+# On a GPU machine without network, from the repo root, with the vLLM wheel staged in parts under $HOME/parts and
+# its dependency wheels in .gpu/deps: the vLLM wheel (only vllm/ and its dist-info) is unzipped into $HOME/site
+# instead of going through pip: about 20 s instead of about 125 s. The small dependencies still use pip.
+# usage: bash benchmarks/h200_install.sh   (then PYTHONPATH=$HOME/site, as benchmarks/h200_job.sh sets it)
 set -e
 name=$(cat $HOME/parts/vllm.name); whl="$HOME/parts/$name"
 cat $HOME/parts/part.* > "$whl"

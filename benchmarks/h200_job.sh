@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent H200, after ../shared/gpu's install.sh: run benchmarks/h200.py for one preset and pack the
+# On a GPU machine, after benchmarks/h200_install.sh: run benchmarks/h200.py for one preset and pack the
 # results into $OUT/PRESET.tgz (packed even when the run is cut short, so partial results come back).
 # usage: bash benchmarks/h200_job.sh PRESET [NUM_PROMPTS] [SECONDS] [PART] [h200.py options...]   (PART: prefill | rollout | perf)
 set -u

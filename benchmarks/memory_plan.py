@@ -17,7 +17,7 @@ What is measured, and how honest each number is:
   libraries and glibc's heap): the process's ru_maxrss is reported beside the plan's total, for scale only.
 
 Each model runs in a child process (`--child`): vLLM's CPU backend hosts one engine per process. The results go to
-docs/memory_plan.json (or --out); docs/benchmarks.md has the section that reads them.
+docs/benchmarks/memory_plan.json (or --out); docs/benchmarks.md has the section that reads them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "memory_plan.json"
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "memory_plan.json"
 # preset:layers (None: the preset's depth). CPU sizes: the tiny shape at three depths, and the 0.5B shape's widths
 # (its vocabulary and MLP) cut to two layers.
 CPU_PRESETS = ("tiny:2", "tiny", "tiny:8", "qwen2.5-0.5b:2")

@@ -228,7 +228,7 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
     """vLLM against itself in the other engine mode, with the same engine-side `regions` aligned, in a worker
     process: both engines score the sequences batched as compare runs them, with no taps. An engine at
     tensor_parallel_size N > 1 is scored against the same engine at 1 instead (the parallelism floor: a TP change
-    alone moves logprobs by about the whole engine-vs-trainer gap, ../shared/NUMERICS.md). A compiled engine built
+    alone moves logprobs by about the whole engine-vs-trainer gap, docs/numerics.md). A compiled engine built
     with tap points is also scored against the same engine built without them (row `tap points vs none`): the tap
     points are meant to leave the graph's numerics alone, which depends on Inductor's fusions for this model and
     these shapes, so it is measured here rather than assumed. `engines`: shared by the runs of an ablation (closed

@@ -142,7 +142,7 @@ def check_config(folder: Path, config: dict, family: Family) -> None:
     for name, value in family.fixed_config.items():
         if config.get(name, value) != value:
             raise ModelError(f"{folder / 'config.json'} sets {name}={config[name]!r}: {family.model_type} layers other "
-                             f"than the default ({name}={value!r}) are not supported yet (issue 28); use a checkpoint "
+                             f"than the default ({name}={value!r}) are not supported yet; use a checkpoint "
                              "whose every layer is sparse")
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and not (isinstance(rope, dict) and "rope_theta" in rope):

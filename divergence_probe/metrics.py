@@ -97,12 +97,12 @@ def blocks_first(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     those of `_row_sums`), then each pair's blocks merged in FP64 (sums add, maxima take the max).
 
     A GPU reduction runs one thread block per output row: with one row per pair (a logits tap is one row of
-    150M elements) most of the device sat idle; docs/results/h200/compiled/reduction_variants.py compares the layouts.
+    150M elements) most of the device sat idle; docs/results/h200/compiled/README.md compares the layouts.
 
     Each pair is cut into blocks within itself (`[pairs, -1, 64]`), a view of any pair whose rows are contiguous:
     a compiled engine hands over its taps as `[taps, tokens, features]` slices of larger buffers, and flattening
     those across pairs (`[-1, 64]`) cannot be a view, so inductor indexed every element through a division by the
-    symbolic token count (docs/results/h200/compiled/strided_reduction.py measures it).
+    symbolic token count (docs/results/h200/compiled/strided_reduction.json measures it).
     """
     blocks = (len(test), -1, _BLOCK)
     per_block = row_diff_sums(test.reshape(blocks), ref.reshape(blocks), lambda x: x.sum(-1).double())

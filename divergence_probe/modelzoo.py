@@ -99,7 +99,7 @@ PRESETS: dict[str, Shape] = {
         head_dim=128, intermediate_size=13824, vocab_size=152064, max_position_embeddings=131072,
         rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
-    # Qwen/Qwen2.5-32B (base) config.json: the dense shape of the several-GPU runs (issue 33), 65 GB in BF16.
+    # Qwen/Qwen2.5-32B (base) config.json: the dense shape of the several-GPU runs, 65 GB in BF16.
     "qwen2.5-32b": Shape(
         arch="qwen2", hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
         head_dim=128, intermediate_size=27648, vocab_size=152064, max_position_embeddings=131072,

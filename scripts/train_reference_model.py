@@ -1,5 +1,5 @@
 """Train the reference model: Qwen3-0.6B's decoder layer at 10 layers (~160M parameters), on the Python sources of
-this machine, in about 10 minutes of an H200 (issue 34).
+this machine, in about 10 minutes of an H200.
 
     .venv/bin/python scripts/train_reference_model.py --device cuda --minutes 10 --out runs/reference-model
     .venv/bin/python scripts/train_reference_model.py --size tiny --steps 30 --out /tmp/ref-tiny   # CPU, seconds

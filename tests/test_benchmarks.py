@@ -92,7 +92,7 @@ def test_bench_compiled_align_writes_its_ratio(tmp_path):
 
 
 def test_the_gpu_lane_runs_its_perf_part_on_the_cpu(tmp_path):
-    """benchmarks/h200.py --part perf (docs/benchmarks.md's GPU section) and the code the GPU jobs under
+    """benchmarks/h200.py --part perf (docs/benchmarks.md's GPU section) and the code the GPU job scripts of
     docs/results/h200/ import from it, at the tiny preset on the CPU."""
     out = tmp_path / "perf"
     run(REPO / "benchmarks" / "h200.py", "--preset", "tiny", "--device", "cpu", "--part", "perf", "--num-prompts", 2,

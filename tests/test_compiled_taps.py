@@ -359,7 +359,7 @@ def test_a_call_copies_only_the_taps_it_reads_unless_a_graph_is_captured(op_stat
     assert torch.equal(compiled_taps._BUFFERS[other], 3 * x)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has none; docs/results/h200/compiled/h200_cgtaps.py runs it)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has none; docs/results/h200/compiled/ has it)")
 def test_cuda_graph_replay_repeats_the_copy(op_state):
     """Under CUDA-graph capture the Python impl runs once; every replay must repeat its copy into the static buffer.
     As in vLLM: one graph per padded size over a dynamic-shape compile, all writing the first rows of one buffer."""

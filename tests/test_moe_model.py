@@ -2,7 +2,7 @@
 hub (which vLLM's loader reads), the qwen3-30b-a3b preset has the published shape, --layers cuts depth, and the
 same seed gives the same bytes.
 
-No vLLM here (an engine takes a minute to start): docs/design/moe_probe.py runs the tiny MoE in vLLM.
+No vLLM here (an engine takes a minute to start): docs/design/moe.md has the tiny MoE in vLLM.
 """
 
 import json

@@ -551,15 +551,14 @@ def test_taps_none_run_has_no_layer_figure(tmp_path):
     assert "`--taps none`" in text and not (run / "report" / "figures" / "layers.png").exists()
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200"
+LEGACY_RUNS = Path(__file__).resolve().parent / "fixtures" / "legacy_runs"
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-1.5b/ablate-both", "qwen2.5-1.5b-rollout/generate"])
+@pytest.mark.parametrize("name", ["ablate-both", "generate"])
 def test_real_h200_runs_render(name, tmp_path):
-    """Runs the tool wrote on a GPU: no tokens file (ablate), tokens.csv.gz with every RL column (generate)."""
-    run = RESULTS / name
-    if not run.is_dir():
-        pytest.skip(f"{run} is not in this checkout")
+    """Runs the tool wrote on a GPU (cut to two prompts): no tokens file (ablate), tokens.csv.gz with every RL
+    column (generate)."""
+    run = LEGACY_RUNS / name
     text = write_report(run, tmp_path / "out").read_text()
     assert "`input_norm@0`" in text and "NVIDIA H200" in text
     assert ("no tokens.csv" in text) == name.endswith("ablate-both")
@@ -677,14 +676,13 @@ def test_compare_and_ablate_report_flag(qwen3_tiny, prompts_file, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- MoE routing
-MOE = RESULTS / "moe" / "qwen3-30b-a3b-24l"
+MOE = Path(__file__).resolve().parent / "fixtures" / "moe_runs"
 
 
 def _moe_copy(name: str, tmp_path: Path) -> Path:
-    """A copy of an H200 Qwen3-30B-A3B run folder (24 layers, tokens.csv.gz), so nothing is written beside the original."""
+    """A copy of an H200 Qwen3-30B-A3B run folder (24 layers; its layers and prompts cut to two, tokens.csv left
+    out), so nothing is written beside the original."""
     run = MOE / name
-    if not run.is_dir():
-        pytest.skip(f"{run} is not in this checkout")
     return Path(shutil.copytree(run, tmp_path / name))
 
 

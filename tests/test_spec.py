@@ -82,8 +82,8 @@ def test_a_manifest_spec_from_another_version_is_refused():
 
 
 def test_a_manifest_written_before_a_later_field_reruns_as_it_ran():
-    """A spec recorded before --train-precision existed (docs/results/ holds such manifests) is read as bf16, what
-    every run did then; a field that is not a later addition stays required."""
+    """A spec recorded before --train-precision existed (tests/fixtures/recorded_specs.jsonl holds such specs) is read
+    as bf16, what every run did then; a field that is not a later addition stays required."""
     from divergence_probe.spec import LATER_FIELDS, RunSpec
 
     recorded = RunSpec().to_dict()
@@ -94,16 +94,15 @@ def test_a_manifest_written_before_a_later_field_reruns_as_it_ran():
         RunSpec.from_dict(recorded)
 
 
-def test_every_run_spec_recorded_under_docs_still_reads():
-    """The manifests committed under docs/ were written by earlier versions; each must still read (rerun's first
-    step), its missing fields being LATER_FIELDS only."""
+def test_every_recorded_run_spec_still_reads():
+    """Specs recorded by earlier versions (tests/fixtures/recorded_specs.jsonl: every distinct one of the GPU runs
+    the results pages rest on) must still read (rerun's first step), their missing fields being LATER_FIELDS only."""
     from pathlib import Path
 
     from divergence_probe.spec import RunSpec
 
-    docs = Path(__file__).resolve().parents[1] / "docs"
-    specs = [json.loads(m.read_text()).get("spec") for m in sorted(docs.rglob("manifest.json"))]
-    specs = [s for s in specs if isinstance(s, dict) and "capture" in s]  # compare/ablate runs (rl and score differ)
+    recorded = Path(__file__).resolve().parent / "fixtures" / "recorded_specs.jsonl"
+    specs = [json.loads(line) for line in recorded.read_text().splitlines()]
     assert len(specs) >= 40
     for spec in specs:
         RunSpec.from_dict(spec)

@@ -152,7 +152,7 @@ def test_logprobs_are_vllms_own_and_the_floor_is_the_tp_change(tp2, tp1):
         assert torch.equal(recomputed, s.logprobs), s.prompt_id
         deltas.append((s.logprobs.double() - by_id[s.prompt_id].logprobs.double()).abs())
     tp_change = torch.cat(deltas).mean().item()
-    assert tp_change > 0  # a TP change moves logprobs (1.1e-3 on a tiny Qwen2: ../shared/NUMERICS.md)
+    assert tp_change > 0  # a TP change moves logprobs (1.1e-3 on a tiny Qwen2: docs/numerics.md)
 
     noise = pd.read_csv(tp2["run"] / "engine_noise.csv")
     assert list(noise.change) == ["tensor_parallel_size 1 vs 2"]

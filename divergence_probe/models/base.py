@@ -15,7 +15,7 @@ Seams say *where* a tap is read; *how* a read kind is done is the stack's code (
 so this package imports nothing above it: no stacks, no regions, no orchestration.
 
 A mixture-of-experts family (Qwen3-MoE) adds roles for the router (`mlp.gate` on both stacks) and the experts, a
-`router_logits` seam, and its experts' checkpoint tensors. TODO(issue 28): every layer of a family reads the same
+`router_logits` seam, and its experts' checkpoint tensors. TODO: every layer of a family reads the same
 seams today; a family with dense layers among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) needs the
 seams, widths and checkpoint names chosen per layer.
 """

@@ -1,6 +1,6 @@
 """Qwen2 (Qwen2.5): pre-norm decoder layer, GQA attention with q/k/v biases, SwiGLU MLP, residual RMSNorm.
 
-transformers 5.x `models/qwen2/modeling_qwen2.py` and vLLM `model_executor/models/qwen2.py` (../shared/NUMERICS.md
+transformers 5.x `models/qwen2/modeling_qwen2.py` and vLLM `model_executor/models/qwen2.py` (docs/numerics.md
 has the map of both). vLLM fuses q/k/v into one GEMM and gate/up into another (its packed_modules_mapping), fuses
 each residual add into the next RMSNorm (so the residual stream is read from the norm's second output), and
 receives q/k after RoPE as the inputs of its Attention module; transformers has no module boundary there, so its

@@ -64,7 +64,7 @@ EXPERTS = (ExpertTensors("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj
 ENGINE_EXPERTS = EngineExperts("routed_experts", {"w13_weight": "mlp.experts.gate_up_proj",
                                                   "w2_weight": "mlp.experts.down_proj"})
 
-_WHY = "is not supported for Qwen3-MoE yet (issue 28)"
+_WHY = "is not supported for Qwen3-MoE yet"
 QWEN3_MOE = replace(
     QWEN3, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", layer_taps=LAYER_TAPS, widths=WIDTHS, hf=HF,
     vllm=VLLM, fused=(Fused("qkv_proj", ("q_proj", "k_proj", "v_proj"), ("q", "kv", "kv")),), checkpoint=CHECKPOINT,

@@ -1,6 +1,6 @@
 """The Region type: an aligned reference implementation plus one planning patcher per stack.
 
-"Aligned" (../shared/NUMERICS.md) means: keep the region's intermediates in FP32 and round once, to
+"Aligned" (docs/numerics.md) means: keep the region's intermediates in FP32 and round once, to
 nearest even, at the region's output. The same aligned function runs on both stacks, so a region patched
 on both sides maps bitwise-equal inputs to bitwise-equal outputs, whatever each stack shipped.
 

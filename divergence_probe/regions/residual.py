@@ -4,7 +4,7 @@
     S = S + float(branch)                                one FP32 add per attention / MLP output (both BF16 GEMMs)
     norm(S) = R(S * rsqrt(mean(S²) + eps) * float(w))    every layer norm and the final norm: one rounding
 
-The fix of prime-rl #1167 (FP32 residuals beside matching RoPE), as a trainer keeps its residual stream in FP32:
+The fix of prime-rl's pull 1167 (FP32 residuals beside matching RoPE), as a trainer keeps its residual stream in FP32:
 transformers' RMSNorm handed an FP32 stream multiplies by its weight in FP32 (type promotion), and the cast into the
 next GEMM rounds once. Which tensors become FP32: the residual stream only (on vLLM `residual`, the fused add+norm's
 second argument and output, passed from layer to layer; on transformers the decoder layers' `hidden_states` between

@@ -4,7 +4,7 @@ Each prompt runs alone (batch 1, no padding), with `AutoModelForCausalLM` in the
 configured attention implementation; logprobs are `log_softmax` of the FP32-upcast logits, the way
 trainers compute the policy they differentiate.
 
-Tap seams: the family's (models/, `family.hf.seams`; ../shared/NUMERICS.md has the map): module outputs for
+Tap seams: the family's (models/, `family.hf.seams`; docs/numerics.md has the map): module outputs for
 norms, projections and the decoder layer; `resid_mid` is the input of the post-attention norm; `swiglu` the
 input of down_proj. `q_rope`, `k_rope` and `attn_core` have no module boundary, so while a capture runs the
 model's attention function is wrapped through transformers' own AttentionInterface registry (and restored

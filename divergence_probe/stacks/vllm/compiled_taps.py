@@ -79,7 +79,7 @@ ROUTER = ("router_logits", *ROUTE_RECORDS)
 ROUTE_DTYPES = {"expert_ids": torch.int64, "expert_weights": torch.float32}
 # Taken outside the graph: final_norm and logits as in an untapped compiled engine; embed is a lookup (no arithmetic),
 # so the embedding rows of the step's input ids are the graph's values bit for bit, and a tap point there changed
-# Inductor's fusion of the first add+norm on the CPU build (docs/results/tap_points/tap_points_bisect.py).
+# Inductor's fusion of the first add+norm on the CPU build (docs/results/tap_points/README.md).
 OUTSIDE = ("embed", "final_norm", "logits")
 EMBED = TapKey.of("embed", -1)
 _FP32_STREAM = ("not captured under --engine compiled: Inductor keeps the residual stream in FP32 inside its fused "

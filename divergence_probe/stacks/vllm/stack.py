@@ -23,7 +23,7 @@ Engine settings and why:
 vLLM's CPU backend cannot host two engines in one process (the second one crashes with an illegal
 instruction on these machines), so one engine is kept per process and reused for identical settings.
 
-Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; ../shared/NUMERICS.md has the map): norms return
+Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; docs/numerics.md has the map): norms return
 `(normed, residual)` when fused with the residual add, and write both in place, so a tap whose buffer a later
 op overwrites is cloned at capture (once per engine step, `REWRITTEN`); `q_rope`/`k_rope` are the query/key
 arguments of the `Attention` module; `resid_out` is formed as R(float(mlp_out) + float(residual)), which is
