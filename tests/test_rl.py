@@ -45,6 +45,23 @@ def test_reward_plugin(tmp_path, monkeypatch):
         score(load_reward("my_reward:bad"), "p", "r")
 
 
+@pytest.mark.parametrize("steps, width", [(1, 1), (2, 1), (12, 6), (19, 9), (20, 10), (60, 10)])
+def test_summary_start_and_end_never_share_a_step(steps, width):
+    """A reward that falls every step reads as a fall in rl_summary.csv at any length: the start and the end average
+    disjoint steps, named in the printed table."""
+    from divergence_probe.rl.table import summarize, window_label
+
+    times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
+    rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
+                          "mean_abs_dlogp": 1e-3 * s, "k3": 0.0, "ppo_clip_frac": 0.0, "entropy": 1.0,
+                          "grad_norm": 1.0, **times} for s in range(1, steps + 1)])
+    row = summarize(rows).iloc[0]
+    assert row.window == width and (steps < 2 or 2 * row.window <= steps)
+    if steps > 1:
+        assert row.reward_end < row.reward_start and row.mean_abs_dlogp_end > row.mean_abs_dlogp_start
+    assert window_label(1, 20, 5) == "steps 1-5 -> steps 16-20" and window_label(1, 2, 1) == "step 1 -> step 2"
+
+
 def test_group_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     adv = group_advantages(rewards, 4)
@@ -200,6 +217,15 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     assert manifest["stacks"]["infer"]["settings"]["enable_prefix_caching"] is True
     assert manifest["spec"]["no_signal_step"] == "step"
     assert (root / "cli" / "report" / "figures" / "rl.png").is_file()
+
+
+def test_rerun_of_an_rl_folder_makes_the_same_rows(rl_process):
+    """`rerun RL_RUN` replays the manifest's spec: the same steps, rewards, mismatch and checks, column for column
+    (the timings aside), and the same spec recorded."""
+    _, seen = rl_process
+    assert seen["rerun_exit"] == 0
+    assert seen["rerun_rows"] == 2 and seen["rerun_differs"] == []
+    assert seen["rerun_spec_same"]
 
 
 def test_api_rows_on_disk_per_step_and_weights_verified(rl_process):
