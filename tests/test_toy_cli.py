@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 
 CSVS = ("tokens.csv", "layers.csv", "summary.csv", "ablation.csv", "attribution.csv", "buckets.csv",
-        "batch_invariance.csv")
+        "batch_invariance.csv", "rollouts.jsonl")
 
 
 def cli(*args):
