@@ -456,7 +456,7 @@ def _ablate_command():
 
 @app.command()
 def rerun(
-    run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate or score (its manifest.json)."),
+    run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate, score or rl (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
@@ -467,18 +467,21 @@ def rerun(
 
     The prompt files (of a score run: the rollout file) and the model's config must be the ones the run used
     (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
-    engine args that could load or run code are refused unless --allow-engine-arg names them, and what will run is
-    shown before anything loads.
+    engine args that could load or run code are refused unless --allow-engine-arg names them (an rl run's reward
+    plug-in is refused: rerun replays the built-in rewards alone), and what will run is shown before anything loads.
     """
     from .replay import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
+    target = out_dir or default_out_dir()
+    if (Path(run_dir) / "rl.csv").is_file():  # an rl run folder: rl.csv and rl_summary.csv, no summary.csv
+        _rerun_rl(run_dir, where, target, report, allow_engine_arg or ())
+        return
     try:
         manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
     except ProbeError as e:
         _fail(e)
-    target = out_dir or default_out_dir()
     if manifest.get("kind") == "score":
         _rerun_score(manifest, run_dir, where, target, report)
         return
@@ -554,6 +557,27 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
     _closing(out_dir, report, after_score(call, load, run.summary))
 
 
+def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -> None:
+    """rerun of an rl run folder: its rows checked against the manifest's sha256 (a finished, unchanged run), its
+    recorded RLSpec checked and shown, then run again on the checkpoint it was made with."""
+    from .replay import describe_rl, recorded_rl
+    from .reports.rl import read_rows
+    from .rundir import read_manifest
+
+    try:
+        read_rows(run_dir)  # refuses a run that did not finish and a changed rl.csv
+        manifest = read_manifest(run_dir)
+        if manifest.get("kind") != "rl":
+            raise ProbeError(f"{where} is not an rl run's manifest (kind {manifest.get('kind')!r}) although the "
+                             "folder holds rl.csv; pass the --out folder of an rl run")
+        spec = recorded_rl(manifest, where, allowed)
+    except ProbeError as e:
+        _fail(e)
+    for line in describe_rl(spec, out_dir):  # before anything loads: what this folder makes the tool run
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    _rl_run(spec, out_dir, report, lambda source: _same_model(manifest, source, run_dir, "rl"))
+
+
 def _print_ablation(run) -> None:
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
@@ -623,17 +647,27 @@ def _rl_options() -> list[inspect.Parameter]:
 
 
 def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) -> None:
+    from . import rl
+    from .rundir import default_out_dir
+
+    try:
+        spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
+                            or k in ("model", "prompts", "reward")})
+    except ProbeError as e:
+        _fail(e)
+    _rl_run(spec, out_dir or default_out_dir(), report)
+
+
+def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
+    """Shared by rl and rerun: run the experiment with one bar per (setting, seed) run, print its summary and the
+    closing lines; a ProbeError is one line (rl/experiment.py leaves no folder, or saves the rows it made)."""
     from transformers.utils import logging as hf_logging
 
     from . import rl
     from .next_steps import after_rl
-    from .rundir import default_out_dir
 
     hf_logging.disable_progress_bar()
     try:
-        spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
-                            or k in ("model", "prompts", "reward")})
-        out_dir = out_dir or default_out_dir()
         runs = len(spec.settings) * len(spec.seed_list)
         with _phases() as phases:
             phases.phase("loading the engine and the trainer")
@@ -647,19 +681,28 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
                 phases.note(f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
                             f"|Δlogp| {row['mean_abs_dlogp']:.2e}")
 
-            result = rl.run(spec, out_dir, progress)
+            result = rl.run(spec, out_dir, progress, check=check)
             phases.end()
     except ProbeError as e:
         _fail(e)
-    table = Table(title="rl: first -> last steps (rl_summary.csv)")
-    for col in ("setting", "seed", "reward", "mean |Δlogp|", "s/step", "overhead"):
-        table.add_column(col, justify="left" if col == "setting" else "right")
-    for row in result.summary.itertuples():
-        table.add_row(row.setting, str(row.seed), f"{row.reward_start:.2f} -> {row.reward_end:.2f}",
+    _print_rl_summary(result.summary)
+    _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
+
+
+def _print_rl_summary(summary) -> None:
+    """rl_summary.csv as a table: each run's mean reward and mismatch over its first steps and over its last ones,
+    the steps named (rl/table.py window: the two never overlap)."""
+    from .rl.table import window_label
+
+    table = Table(title="rl: the first steps against the last (rl_summary.csv)")
+    for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "s/step", "overhead"):
+        table.add_column(col, justify="left" if col in ("setting", "steps averaged") else "right")
+    for row in summary.itertuples():
+        table.add_row(row.setting, str(row.seed), window_label(1, row.steps, row.window),
+                      f"{row.reward_start:.2f} -> {row.reward_end:.2f}",
                       f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
                       f"{row.overhead_frac:.0%}")
     out.print(table)
-    _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
 
 
 _RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are

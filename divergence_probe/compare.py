@@ -33,6 +33,7 @@ from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_pr
 from .regions import from_engine
 from .route_capture import RouteCapture, RunRouting
 from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
+from .rundir import ROLLOUTS
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
 from .tables import layers_frame, summary_row, tokens_frame
@@ -326,6 +327,22 @@ class CompareRun:
         return df
 
     @property
+    def rollouts_table(self) -> pd.DataFrame:
+        """generate mode: one row per sample in the generic rollout layout `score` reads (rollouts/adapters.py
+        GENERIC_FIELDS): the prompt's ids, the sampled ids and the engine's decode logprob of each (this run's
+        recording), the prompt id as the group. `score` on it scores the same tokens against the same recording."""
+        from .rollouts.adapters import GENERIC_FIELDS as names
+
+        prompts = {p.prompt_id: p for p in self.prompts}
+        records = []
+        for (prompt_id, _), part in self.responses_table.groupby(["prompt_id", "sample_id"], sort=True):
+            part = part.sort_values("position")
+            records.append({names["prompt_ids"]: list(prompts[prompt_id].token_ids),
+                            names["response_ids"]: part.token_id.tolist(),
+                            names["logprobs"]: part.logprob_infer.tolist(), names["group"]: int(prompt_id)})
+        return pd.DataFrame(records, columns=[names[k] for k in ("prompt_ids", "response_ids", "logprobs", "group")])
+
+    @property
     def summary(self) -> dict:
         return self._summary() | self._routing_summary()
 
@@ -374,6 +391,7 @@ class CompareRun:
                   "summary.csv": pd.DataFrame([self.summary])}
         if self.mode == "generate":
             tables["buckets.csv"] = self.buckets_table
+            tables[ROLLOUTS] = self.rollouts_table
         if self.batch_invariance is not None:
             tables["batch_invariance.csv"] = self.batch_invariance
         if self.kernel_noise is not None:

@@ -11,8 +11,11 @@ from vLLM's EngineArgs. Anything else needs `--allow-engine-arg NAME` from the p
     check_replayable(spec, allowed=())   # ProbeError naming the first engine arg that needs asking
     command_line(spec)                   # ["divergence-probe", "compare", "--model", ...]
     recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
+    recorded_rl(manifest, where)         # an rl run's RLSpec: its engine args, reward and prompt files checked
 
 A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
+An rl run's reward plug-in (`--reward module:function`) is code to import, so rerun replays the built-in rewards
+alone.
 """
 
 from __future__ import annotations
@@ -92,10 +95,14 @@ def refused_engine_args(engine_args: dict, allowed: Iterable[str] = ()) -> list[
 def check_replayable(spec: RunSpec, allowed: Iterable[str], where: str) -> None:
     """ProbeError, one line naming the manifest field and the flag that allows it, for the first engine arg of
     `spec` that rerun does not replay without asking."""
-    refused = refused_engine_args(spec.load.engine_args, allowed)
+    _check_engine_args(spec.load.engine_args, "spec.load.engine_args", allowed, where)
+
+
+def _check_engine_args(engine_args: dict, field: str, allowed: Iterable[str], where: str) -> None:
+    refused = refused_engine_args(engine_args, allowed)
     if refused:
         more = f" (and {', '.join(refused[1:])})" if len(refused) > 1 else ""
-        raise ProbeError(f"{where} sets spec.load.engine_args.{refused[0]}{more}, which rerun does not replay without "
+        raise ProbeError(f"{where} sets {field}.{refused[0]}{more}, which rerun does not replay without "
                          "asking: it can load or run code, or is not one of the numerics, scheduling and compile "
                          f"settings rerun replays; if you trust whoever made the run folder, pass "
                          + " ".join(f"{ALLOW_FLAG} {name}" for name in refused))
@@ -177,6 +184,48 @@ def recorded_score(manifest: dict, where: str):
     return call, load
 
 
+def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
+    """The RLSpec that re-makes the rl run of `manifest`, each field checked as its flag is, its engine args as
+    compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
+    file must have the sha256 the run recorded."""
+    from .prompts import file_hashes
+    from .rl.reward import BUILT_IN
+    from .rl.spec import RLSpec
+
+    if "spec" not in manifest:
+        raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
+                         "`command` instead")
+    spec = recorded(RLSpec, manifest["spec"], "spec")
+    _check_engine_args(spec.engine_args, "spec.engine_args", allowed, where)
+    if spec.reward is not None and spec.reward not in BUILT_IN:
+        raise ProbeError(f"{where} sets spec.reward to the plug-in {spec.reward!r}, Python code rerun does not import "
+                         "from a run folder; if you trust whoever made it, run "
+                         f"`{shlex.join(rl_command_line(spec))}` yourself")
+    if spec.prompts is not None:
+        path = Path(spec.prompts)
+        if path.exists() and not (path.is_dir() or path.is_file()):
+            raise ProbeError(f"{where}: spec.prompts {path} is not a file or folder (a pipe or device would block or "
+                             "never end); point it at the prompt files the run used")
+        section = manifest.get("rl")
+        want = section.get("prompt_files_sha256") if isinstance(section, dict) else None
+        if not isinstance(want, dict):
+            raise ProbeError(f"{where} lacks the prompt hashes a rerun checks (rl.prompt_files_sha256); re-run its "
+                             "`command` instead")
+        if file_hashes(path) != want:
+            raise ProbeError(f"the prompt files under {path} changed since the run was made (their sha256 are not "
+                             f"those {where} records); restore them")
+    return spec
+
+
+def describe_rl(spec, out_dir) -> list[str]:
+    """What rerun is about to run for an rl run folder, in lines for the console."""
+    argv = rl_command_line(spec) + (["--out", str(out_dir)] if out_dir is not None else [])
+    return [f"rerun: rl of model {spec.model or 'builtin:default'} ({len(spec.settings)} setting(s) x "
+            f"{spec.seeds} seed(s), {spec.steps} steps, engine {spec.engine}, on {spec.device})",
+            f"  engine args: {json.dumps(spec.engine_args, sort_keys=True) if spec.engine_args else 'none'}",
+            f"  same as: {shlex.join(argv)}"]
+
+
 def rl_command_line(spec) -> list[str]:
     """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated, as
     --setting is given)."""
@@ -219,4 +268,5 @@ def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
 
 
 __all__ = ["ALLOW_FLAG", "REPLAYED", "COMPILATION_REPLAYED", "check_replayable", "command_line", "describe",
-           "describe_score", "recorded_score", "refused_engine_args", "score_command_line"]
+           "describe_rl", "describe_score", "recorded_rl", "recorded_score", "refused_engine_args", "rl_command_line",
+           "score_command_line"]

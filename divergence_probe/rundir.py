@@ -26,6 +26,8 @@ from .errors import OutputError, ProbeError, one_line
 
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.jsonl"
+# generate mode's samples as rollouts `score` reads back (checked by sha256 and line count like any listed file)
+ROLLOUTS = "rollouts.jsonl"
 KINDS = ("compare", "ablate")
 WRITTEN_KINDS = (*KINDS, "score")  # run folders write_run makes; score (score.py) has no RunSpec kind
 # Files a run folder may hold, with the columns a reader relies on. tokens.csv may be gzipped (tokens.csv.gz)
@@ -328,6 +330,13 @@ def write_csv(df: pd.DataFrame, path: Path) -> None:
     df.to_csv(path, index=False, lineterminator="\n", compression=compression)
 
 
+def write_jsonl(df: pd.DataFrame, path: Path) -> None:
+    """One JSON object per row (list cells stay lists): generate mode's rollouts.jsonl, in a layout `score` reads."""
+    with path.open("w", encoding="utf-8") as f:
+        for record in df.to_dict("records"):
+            f.write(json.dumps(record) + "\n")
+
+
 def write_json(obj, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, default=str) + "\n")
 
@@ -344,7 +353,8 @@ def _write_files(folder: Path, manifest: dict, prompts, tables: dict[str, pd.Dat
     """Every file of a run, the manifest last (it records the others). An OSError leaves with `run_file`, the
     name of the file being written, so the message can name it under --out rather than the temporary folder."""
     steps = [(PROMPTS, lambda path: write_prompts(prompts, path), len(prompts))]
-    steps += [(name, lambda path, df=df: write_csv(df, path), len(df)) for name, df in tables.items()]
+    steps += [(name, lambda path, df=df, write=write_jsonl if name.endswith(".jsonl") else write_csv: write(df, path),
+               len(df)) for name, df in tables.items()]
     files = {}
     for name, write, rows in steps + [(MANIFEST, None, None)]:
         try:
@@ -377,7 +387,7 @@ def write_run(out_dir: str | Path, manifest: dict, prompts, tables: dict[str, pd
     written to a rescue folder in the temp folder if possible, and the message says where."""
     if manifest.get("kind") not in WRITTEN_KINDS:
         raise ValueError(f"manifest['kind'] is {manifest.get('kind')!r}; the caller must set one of {WRITTEN_KINDS}")
-    unknown = [n for n in tables if n.removesuffix(".gz") not in COLUMNS]
+    unknown = [n for n in tables if n.removesuffix(".gz") not in COLUMNS and n != ROLLOUTS]
     if unknown:
         raise ValueError(f"unknown run files {unknown}; add them to rundir.COLUMNS")
     out_dir = Path(out_dir)

@@ -9,8 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
+import pandas as pd
 import torch
 
+import divergence_probe
 import divergence_probe.rl as rl
 from divergence_probe.cli import app
 from divergence_probe.errors import ProbeError
@@ -35,6 +37,23 @@ seen["rows_on_disk_after_each_step"] = on_disk
 seen["sync_tensors"] = result.rows.sync_tensors.tolist()
 seen["sync_changed"] = result.rows.sync_changed.tolist()
 seen["sync_audited"] = result.rows.sync_audited.tolist()
+
+
+# 2b. rerun of the CLI's folder, on this engine (dp.load answers with it, after running rerun's checks of the
+# checkpoint): the same rows as the first run, every column but the timings (t_*, and overhead_frac, their ratio)
+def loaded(spec, before_stacks, routes):
+    before_stacks(probe.source, probe.tokenizer)
+    return probe
+
+
+with mock.patch.object(divergence_probe, "load", loaded):
+    seen["rerun_exit"] = app(["rerun", str(root / "cli"), "--out", str(root / "rerun")], standalone_mode=False) or 0
+first, again = (pd.read_csv(root / name / "rl.csv") for name in ("cli", "rerun"))
+seen["rerun_rows"] = len(again)
+timings = [c for c in first if c.startswith("t_") or c == "overhead_frac"]
+seen["rerun_differs"] = sorted(c for c in first.drop(columns=timings) if not first[c].equals(again.get(c)))
+seen["rerun_spec_same"] = json.loads((root / "rerun" / "manifest.json").read_text())["spec"] == json.loads(
+    (root / "cli" / "manifest.json").read_text())["spec"]
 loop = rl.Loop(probe, spec)  # a fresh trainer (the checkpoint) on the same engine
 initial = {n: t.clone() for n, t in loop.trainer.named_weights().items()}
 loop.step(seed=0, step=1)  # one update and a verified push

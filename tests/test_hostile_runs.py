@@ -408,10 +408,40 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
     assert not (tmp_path / "again").exists()
 
 
-def test_rerun_of_an_rl_folder_is_one_line(tmp_path, no_load):
-    rl = make_rl(tmp_path / "rl")
-    assert_refused(invoke("rerun", rl, "--out", tmp_path / "again"), "not a divergence-probe run folder")
-    assert not (tmp_path / "again").exists()
+def rl_with_spec(path: Path, **changes) -> Path:
+    """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`), as a forger would."""
+    from divergence_probe.rl.spec import RLSpec
+
+    run = make_rl(path)
+    edit(run / "manifest.json", lambda m: m.update(spec={**json.loads(json.dumps(RLSpec().to_dict())), **changes}))
+    return run
+
+
+RL_REFUSALS = {
+    "no-spec": (lambda p: make_rl(p), "lacks the recorded rl spec"),
+    "reward-plugin": (lambda p: rl_with_spec(p, reward="evil_rewards:score"), "spec.reward"),
+    "engine-arg-code": (lambda p: rl_with_spec(p, engine_args={"worker_cls": "evil.Worker"}),
+                        "spec.engine_args.worker_cls"),
+    "unknown-field": (lambda p: rl_with_spec(p, warp_drive=True), "unknown field(s) spec.warp_drive"),
+    "bad-value": (lambda p: rl_with_spec(p, steps=0), "--steps must be from 1"),
+    "wrong-type": (lambda p: rl_with_spec(p, seeds="many"), "spec.seeds (--seeds) is 'many'"),
+    "prompts-unrecorded": (lambda p: rl_with_spec(p, prompts=str(p.parent / "prompts.txt")), "rl.prompt_files_sha256"),
+    "rows-changed": (lambda p: (rl_with_spec(p), (p / "rl.csv").open("a").write("plain,0,4\n")), "sha256"),
+    "not-finished": (lambda p: (rl_with_spec(p), (p / "manifest.json").unlink()), "did not finish"),
+}
+
+
+@pytest.mark.parametrize("name", RL_REFUSALS)
+def test_rerun_of_an_rl_folder_checks_its_manifest_before_loading(tmp_path, no_load, name):
+    """An rl manifest is untrusted as compare's is: every spec field checked, code-loading engine args and reward
+    plug-ins refused, the rows the manifest hashed, before any engine starts."""
+    make, needle = RL_REFUSALS[name]
+    (tmp_path / "prompts.txt").write_text("Close this: (\n")
+    make(tmp_path / "rl")
+    before = snapshot(tmp_path)
+    assert_refused(invoke("rerun", tmp_path / "rl", "--out", tmp_path / "again"), needle)
+    assert not (tmp_path / "evil_rewards.py").exists()
+    assert snapshot(tmp_path) == before
 
 
 def test_every_engine_arg_rerun_replays_is_one_vllm_takes():

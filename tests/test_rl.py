@@ -45,6 +45,61 @@ def test_reward_plugin(tmp_path, monkeypatch):
         score(load_reward("my_reward:bad"), "p", "r")
 
 
+@pytest.mark.parametrize("steps, width", [(1, 1), (2, 1), (12, 6), (19, 9), (20, 10), (60, 10)])
+def test_summary_start_and_end_never_share_a_step(steps, width):
+    """A reward that falls every step reads as a fall in rl_summary.csv at any length: the start and the end average
+    disjoint steps, named in the printed table."""
+    from divergence_probe.rl.table import summarize, window_label
+
+    times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
+    rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
+                          "mean_abs_dlogp": 1e-3 * s, "k3": 0.0, "ppo_clip_frac": 0.0, "entropy": 1.0,
+                          "grad_norm": 1.0, **times} for s in range(1, steps + 1)])
+    row = summarize(rows).iloc[0]
+    assert row.window == width and (steps < 2 or 2 * row.window <= steps)
+    if steps > 1:
+        assert row.reward_end < row.reward_start and row.mean_abs_dlogp_end > row.mean_abs_dlogp_start
+    assert window_label(1, 20, 5) == "steps 1-5 -> steps 16-20" and window_label(1, 2, 1) == "step 1 -> step 2"
+
+
+def _rl_folder(path, steps: int, seeds: int, fall: bool):
+    """An rl run folder written by the rl command's own writer: a reward that falls (or rises) every step, a mismatch
+    that grows, one row per (seed, step), the manifest the rl command records (its spec)."""
+    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.rl.table import rl_folder, summarize
+
+    times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
+    rows = [{"setting": "none", "seed": seed, "step": s, "reward_mean": (1 - s / steps if fall else s / steps) / (seed + 1),
+             "mean_abs_dlogp": 1e-3 * s, "k3": 1e-6, "ppo_clip_frac": 0.0, "entropy": 1.0, "grad_norm": 1.0, **times}
+            for seed in range(seeds) for s in range(1, steps + 1)]
+    with rl_folder(path) as writer:
+        for row in rows:
+            writer.add(row)
+        writer.finish({"kind": "rl", "spec": RLSpec(steps=steps, seeds=seeds).to_dict(),
+                       "model": {"spec": "builtin:default", "arch": "qwen3", "num_layers": 2}},
+                      summarize(pd.DataFrame(rows)))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["md", "html", "latex"])
+def test_rl_report_has_setup_verdict_band_and_every_format(tmp_path, fmt):
+    from divergence_probe.reports.rl import write_rl_report
+
+    run = _rl_folder(tmp_path / "run", steps=20, seeds=2, fall=True)
+    main = write_rl_report(run, fmt=fmt)
+    text = main.read_text()
+    for needle in ("Setup", "builtin:default", "eager", "lr 0.001", "2 seed(s)", "20 GRPO step(s)",
+                   "steps 1-10", "steps 11-20", "the reward fell in every seed", "the mismatch grew in every seed",
+                   "min to max", "Noise floor", "GRPO step"[:4]):
+        assert needle in text, needle
+    assert (main.parent / "figures" / "rl.pdf").is_file()
+    if fmt == "latex":
+        assert (main.parent / "rl_summary.tex").is_file()
+    if fmt == "md":
+        rising = write_rl_report(_rl_folder(tmp_path / "up", steps=12, seeds=1, fall=False)).read_text()
+        assert "the reward rose" in rising and "steps 7-12" in rising
+
+
 def test_group_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     adv = group_advantages(rewards, 4)
@@ -202,6 +257,15 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     assert (root / "cli" / "report" / "figures" / "rl.png").is_file()
 
 
+def test_rerun_of_an_rl_folder_makes_the_same_rows(rl_process):
+    """`rerun RL_RUN` replays the manifest's spec: the same steps, rewards, mismatch and checks, column for column
+    (the timings aside), and the same spec recorded."""
+    _, seen = rl_process
+    assert seen["rerun_exit"] == 0
+    assert seen["rerun_rows"] == 2 and seen["rerun_differs"] == []
+    assert seen["rerun_spec_same"]
+
+
 def test_api_rows_on_disk_per_step_and_weights_verified(rl_process):
     _, seen = rl_process
     assert seen["rows_on_disk_after_each_step"] == [[1, 1], [2, 2]]
@@ -262,15 +326,15 @@ def test_no_signal_step_skip_keeps_weights_and_step_moves_them(rl_process):
     assert seen["no_signal_skip"]["changed"] == [] and seen["no_signal_skip"]["sync_changed"] == 0
 
 
-def test_rl_report_refuses_a_changed_rl_csv_and_other_formats(rl_process, tmp_path):
+def test_rl_report_shows_the_setup_and_refuses_a_changed_rl_csv(rl_process, tmp_path):
     import shutil
 
     root, _ = rl_process
     run = tmp_path / "run"
     shutil.copytree(root / "cli", run, ignore=shutil.ignore_patterns("report"))
     runner = CliRunner()
-    assert_one_line_error(runner.invoke(app, ["report", str(run), "--format", "html"]), "markdown")
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    assert "`eager` mode" in (run / "report" / "report.md").read_text()  # the setup, from the real manifest
     with (run / "rl.csv").open("a") as f:
         f.write("none,0,3\n")
     assert_one_line_error(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r2")]), "sha256")

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 
 CSVS = ("tokens.csv", "layers.csv", "summary.csv", "ablation.csv", "attribution.csv", "buckets.csv",
-        "batch_invariance.csv")
+        "batch_invariance.csv", "rollouts.jsonl")
 
 
 def cli(*args):
@@ -105,3 +105,21 @@ def test_probe_methods_refuse_load_settings(toy, qwen3_tiny, prompts_file):
     assert variant.compare(prompts=prompts_file, taps="none").summary["mean_abs_dlogp"] == 0  # the same roundings
     variant.close()
     assert probe.compare(prompts=prompts_file, taps="none").summary["mean_abs_dlogp"] > 0  # its engine still open
+
+
+def test_a_generate_run_exports_rollouts_that_score_reads_back(toy_args, qwen3_tiny, tmp_path):
+    """rollouts.jsonl of a generate run is a rollout file `score` takes as it is (auto-detected): the scored tokens
+    are the run's sampled ones, with the run's decode logprobs as the recording, to the last digit."""
+    cli("compare", *toy_args, "--mode", "generate", "--max-new-tokens", "5", "--samples-per-prompt", "2",
+        "--temperature", "0.7", "--out", tmp_path / "gen")
+    manifest = json.loads((tmp_path / "gen" / "manifest.json").read_text())
+    assert manifest["files"]["rollouts.jsonl"]["rows"] == len((tmp_path / "gen" / "rollouts.jsonl").read_text().splitlines())
+    cli("score", tmp_path / "gen" / "rollouts.jsonl", "--model", qwen3_tiny, "--device", "cpu", "--out",
+        tmp_path / "scored")
+    generated = pd.read_csv(tmp_path / "gen" / "tokens.csv", dtype=str, keep_default_na=False)
+    generated = generated[generated.is_response == "True"].reset_index(drop=True)
+    scored = pd.read_csv(tmp_path / "scored" / "tokens.csv", dtype=str, keep_default_na=False)
+    for column in ("prompt_id", "sample_id", "position", "token_id"):
+        assert scored[column].tolist() == generated[column].tolist(), column
+    assert scored.logprob_rollout.tolist() == generated.logprob_infer.tolist()
+    assert json.loads((tmp_path / "scored" / "manifest.json").read_text())["score"]["format"] == "generic"

@@ -40,12 +40,17 @@ def _render(run: RunData, out: Path, fmt: str) -> None:
     for spec in specs:
         fig = spec.draw()
         F.save(fig, out / doc.FIGURE_DIR, spec.stem)
-    blocks = build_document(run, specs, skipped)
-    heading = title(run)
+    write_document(out, build_document(run, specs, skipped), fmt, title(run))
+
+
+def write_document(out: Path, blocks, fmt: str, heading: str) -> None:
+    """`blocks` as out/report.md, one report.html (the PNG of every Figure block, saved under out/figures, inlined)
+    or report.tex and a .tex per table. Shared by every run kind's report (the rl report too)."""
     if fmt == "md":
         (out / FORMATS["md"]).write_text(doc.to_markdown(blocks), encoding="utf-8")
     elif fmt == "html":
-        images = {s.stem: (out / doc.FIGURE_DIR / f"{s.stem}.png").read_bytes() for s in specs}
+        images = {b.stem: (out / doc.FIGURE_DIR / f"{b.stem}.png").read_bytes() for b in blocks
+                  if isinstance(b, doc.Figure)}
         (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
     else:
         main, tables = doc.to_latex(blocks, heading)

@@ -12,7 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from ..errors import OutputError
-from ..prompts import read_prompt_sources
+from ..prompts import file_hashes, read_prompt_sources
 from ..rundir import MANIFEST
 from .loop import Loop, load, load_spec
 from .reward import load_reward
@@ -31,13 +31,17 @@ class RLResult:
     out_dir: Path
 
 
-def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, probe=None) -> RLResult:
+def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, probe=None,
+        check: Callable | None = None) -> RLResult:
     """Every (setting, seed) run of `spec` on one engine; rows go to OUT/rl.csv as they are made.
-    `probe`: an already loaded rl probe (`rl.loop.load(spec)`); default: load one."""
+    `probe`: an already loaded rl probe (`rl.loop.load(spec)`); default: load one, calling `check(source)` before
+    either stack loads (rl.loop.load)."""
     out_dir = Path(out_dir)
     load_reward(spec.reward)  # a bad plug-in, prompt file or engine arg fails in seconds, before the engine starts
+    prompt_hashes = {}  # what rerun checks before it replays the run on prompt files of the user's
     if spec.prompts is not None:
         read_prompt_sources(Path(spec.prompts))
+        prompt_hashes = {"prompt_files_sha256": file_hashes(Path(spec.prompts))}
     if probe is None and spec.engine_args:
         from ..stacks.vllm.stack import check_engine_args
 
@@ -51,7 +55,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
         except OSError as e:  # the folder could not be made or marked (a full disk): none is left behind
             raise OutputError(f"cannot write {out_dir} ({e.strerror or e}); free space there or choose another "
                               "--out") from e
-        probe = probe or load(spec)
+        probe = probe or load(spec, check)
         loop = Loop(probe, spec)
         rows: list[dict] = []
         total = len(spec.settings) * len(spec.seed_list) * spec.steps
@@ -73,7 +77,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
             manifest = {"kind": "rl", "spec": spec.to_dict(), "command": list(sys.argv), **probe.manifest(),
                         "rl": {"engine_args": dict(probe.config.engine_args), "settings": list(spec.settings),
                                "seeds": list(spec.seed_list), "trainer": "FP32 master weights, AdamW (0.9, 0.95), "
-                               "BF16 compute model; BF16 weights pushed"}}
+                               "BF16 compute model; BF16 weights pushed", **prompt_hashes}}
             finished = (manifest, summary)
             with _writing(f"{SUMMARY} or {MANIFEST}"):
                 writer.finish(manifest, summary)

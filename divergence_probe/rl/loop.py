@@ -59,12 +59,15 @@ WORK = ("t_rollout", "t_reward", "t_update")  # what the loop is for
 OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it costs
 
 
-def load(spec: RLSpec):
+def load(spec: RLSpec, check: Callable | None = None):
     """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
-    prompt pool is checked against the model's context once the tokenizer is known, before either stack loads."""
+    prompt pool is checked against the model's context once the tokenizer is known, before either stack loads.
+    `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
     import divergence_probe as dp
 
     def before_stacks(source, tokenizer):
+        if check is not None:
+            check(source)
         if "rl" in source.family.unsupported:  # a family whose weights rl's sync check does not know
             raise ProbeError(f"rl {source.family.unsupported['rl']}; use another model")
         for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
