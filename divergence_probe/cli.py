@@ -102,6 +102,9 @@ console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one 
 out = Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<date>-<time>-<microseconds>.")
+FAIL_IF_HELP = ("Exit 1 (after writing everything) when METRIC OP VALUE holds, e.g. mean_kl>1e-3, "
+                "mismatch_over_floor>2, first_inexact!=attn_core@0 (OP: > >= < <= == !=; METRIC: a summary column); "
+                "repeatable. The verdict is recorded in manifest.json (gate).")
 VERBOSE = ("-v", "--verbose")
 
 
@@ -368,7 +371,53 @@ def _options(kind: str) -> list[inspect.Parameter]:
                                                              rich_help_panel=_panel(kind, component, name))))
     out_opt = typer.Option(None, "--out", "-o", help=OutOpt.help, rich_help_panel=_PANELS[None])
     params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=out_opt))
+    params.append(inspect.Parameter("fail_if", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
+                                    default=typer.Option(None, "--fail-if", help=FAIL_IF_HELP,
+                                                         rich_help_panel=_PANELS[None])))
     return params
+
+
+def _gate(texts, kind: str):
+    """The --fail-if conditions of a `kind` run, checked before anything loads (one line, exit 2, on a bad one)."""
+    if not texts:
+        return None
+    from .gate import Gate
+
+    try:
+        return Gate.parse(texts, kind)
+    except ProbeError as e:
+        _fail(e)
+
+
+def _judged(gate, manifest: dict, rows):
+    """The gate's verdict on `rows` ((where, summary) pairs), recorded in the manifest before it is written."""
+    if gate is None:
+        return None
+    verdict = gate.judge(rows)
+    manifest["gate"] = verdict.record()
+    return verdict
+
+
+def _exit_by(verdict) -> None:
+    """After everything is written: the gate's failures, one line each, and exit code 1 (2 stays for user errors)."""
+    if verdict is None:
+        return
+    if verdict.passed:
+        out.print(f"gate passed: {', '.join(verdict.conditions)} held nowhere", highlight=False, markup=False)
+        return
+    for line in verdict.lines():
+        console.print(f"[bold red]{escape(line)}[/]", highlight=False, markup=True)
+    raise typer.Exit(1)
+
+
+def _summary_rows(run) -> list[tuple[str, dict]]:
+    """What a compare or ablate gate reads: the summary; of an ablation, its shipped combination's row."""
+    if run.spec.kind == "ablate":
+        from .shapley import SHIPPED
+
+        table = run.summary_table
+        return [(f"combo {SHIPPED}", table[table["combo"] == SHIPPED].iloc[0].to_dict())]
+    return [("run", run.summary)]
 
 
 def _command_doc(doc: str) -> str:
@@ -379,12 +428,14 @@ def _command_doc(doc: str) -> str:
 def _spec_command(kind: str, doc: str, after):
     """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
-    def command(out_dir: Optional[Path] = None, **flags) -> None:
+    def command(out_dir: Optional[Path] = None, fail_if: Optional[list[str]] = None, **flags) -> None:
         from .spec import spec_from_flat
 
-        run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
+        gate = _gate(fail_if, kind)
+        run, out_dir, verdict = _run(lambda: spec_from_flat(kind, **flags), out_dir, gate=gate)
         after(run)
         _closing(out_dir, run.spec.report, _next_step(run))
+        _exit_by(verdict)
 
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
@@ -394,10 +445,10 @@ def _spec_command(kind: str, doc: str, after):
     return command
 
 
-def _run(make_spec, out_dir: Optional[Path], check=None):
+def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
     """Shared by compare, ablate and rerun: build (and so validate) the spec and check --out before anything
-    loads, load once, run with a progress bar, write atomically. Any ProbeError on the way is one line and exit
-    code 2, and nothing is written."""
+    loads, load once, run with a progress bar, judge the --fail-if gate, write atomically. Any ProbeError on the
+    way is one line and exit code 2, and nothing is written. Returns the run, its folder and the gate's verdict."""
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
@@ -425,10 +476,11 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                 run = probe.run(spec, phases)
                 phases.end()
             run.manifest["command"] = sys.argv
+            verdict = _judged(gate, run.manifest, _summary_rows(run))
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
-    return run, out_dir
+    return run, out_dir, verdict
 
 
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
@@ -520,7 +572,7 @@ def rerun(
             raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
     recorded_spec: list = []
-    run, out_dir = _run(make_spec, target, check)
+    run, out_dir, _ = _run(make_spec, target, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
 
