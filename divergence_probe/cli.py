@@ -601,7 +601,7 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
         _fail(e)
     for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
+    run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
     _print_score(run)
     _closing(out_dir, report, after_score(call, load, run.summary))
 
@@ -731,13 +731,16 @@ def _rl_command():
 
 @app.command("score")
 def score_command(
-    rollouts: Path = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or .parquet."),
+    rollouts: list[Path] = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or "
+                                          ".parquet. Several files, a folder or a glob: one file per RL step, scored "
+                                          "step by step into steps.csv (the run's history)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="The checkpoint the rollouts were sampled from "
                                         "(folder or hub id). Default: the built-in tiny trained Qwen3."),
     fmt: str = typer.Option("auto", "--format", help="auto (from the field names), verl, openrlhf, slime, trl or "
                             "generic."),
     fields: Optional[str] = typer.Option(None, "--fields", help="Generic format's columns: prompt_ids=COL,"
-                                         "response_ids=COL,logprobs=COL[,group=COL]."),
+                                         "response_ids=COL,logprobs=COL[,group=COL]; in any format, the two logprob "
+                                         "columns: infer=COL,train=COL (with the trainer's, no model is needed)."),
     infer: Optional[str] = typer.Option(None, "--infer", help="vllm: also re-score every sequence with the engine's "
                                         "prefill (logprob_prefill; the three-way split)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="The run's sampling temperature: tests "
@@ -749,32 +752,80 @@ def score_command(
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
+    alarm: Optional[list[str]] = typer.Option(None, "--alarm", help="Several steps: mark the first step where METRIC "
+                                              ">VALUE (a steps.csv column); repeatable. Default: k3>1e-3 and "
+                                              "frac_abs_dlogp_over_ln2>1e-3."),
+    fail_if: Optional[list[str]] = typer.Option(None, "--fail-if", help=FAIL_IF_HELP + " Several steps: fails when "
+                                                "it holds at any step."),
     out_dir: Optional[Path] = OutOpt,
 ) -> None:
     """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
 
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
-    with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
+    with the RL metrics, manifest.json with the file's sha256 and the format read). A file that records the
+    trainer's logprobs too (verl old_log_probs, OpenRLHF action_log_probs, slime log_probs, TRL old_per_token_logps,
+    or --fields train=COL) needs no --model. Several files: steps.csv, alarms.csv and steps.png, one row per step.
+    See README "score".
     """
+    from .history import parse_alarms, step_files
     from .next_steps import after_score
     from .rundir import default_out_dir
     from .score import ScoreSpec
     from .spec import LoadSpec
 
     try:
-        call = ScoreSpec(rollouts=str(rollouts.absolute()), fmt=fmt, fields=fields, infer=infer,
+        files = step_files(rollouts)
+        many = len(files) > 1 or any(Path(p).is_dir() for p in rollouts)
+        gate = _gate(fail_if, "history" if many else "score")
+        alarms = parse_alarms(alarm) if many else None
+        if alarm and not many:
+            raise ProbeError("--alarm marks steps of a run's history; pass several rollout files (a folder or a "
+                             "glob), or drop --alarm")
+        call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()
-    run = _score_run(call, load, out_dir)
+    if many:
+        _score_history(files, call, load, out_dir, alarms, gate)
+        return
+    run, verdict = _score_run(call, load, out_dir, gate=gate)
     _print_score(run)
-    _closing(out_dir, False, after_score(call, load, run.summary))
+    paired = run.manifest["score"].get("trainer") == "recorded"  # no model: a split needs one (--model)
+    _closing(out_dir, False, None if paired else after_score(call, load, run.summary))
+    _exit_by(verdict)
 
 
-def _score_run(call, load, out_dir: Path, check=None):
-    """Shared by score and rerun: claim --out, score, write; a ProbeError is one line and nothing is written."""
+def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
+    """score over many steps (history.py): steps.csv, alarms.csv, steps.png; the alarms that fired; the gate."""
+    from transformers.utils import logging as hf_logging
+
+    from .history import score_steps
+    from .rundir import claim_out_dir
+
+    hf_logging.disable_progress_bar()
+    try:
+        with claim_out_dir(out_dir), _phases() as phases:
+            phases.phase(f"reading {len(files)} steps" + ("" if load.model is None else ", loading the trainer"))
+            history = score_steps(files, out_dir, call, load, alarms=alarms, gate=gate, progress=phases)
+            phases.end()
+    except ProbeError as e:
+        _fail(e)
+    table = Table(title=f"{history.n_steps} steps (steps.csv); alarms (alarms.csv)")
+    for col in ("alarm", "first step past it", "value"):
+        table.add_column(col, justify="left" if col == "alarm" else "right")
+    for a in history.alarms:
+        table.add_row(a.condition.text, "never" if a.first_step is None else str(a.first_step),
+                      "" if a.value is None else f"{a.value:.3e}")
+    out.print(table)
+    out.print(f"run: {out_dir}", highlight=False, markup=False, soft_wrap=True)
+    _exit_by(history.verdict)
+
+
+def _score_run(call, load, out_dir: Path, check=None, gate=None):
+    """Shared by score and rerun: claim --out, score, judge the gate, write; a ProbeError is one line and nothing
+    is written."""
     from transformers.utils import logging as hf_logging
 
     from .rundir import claim_out_dir
@@ -787,10 +838,11 @@ def _score_run(call, load, out_dir: Path, check=None):
             run = score_spec(call, load, check, phases)
             phases.end()
             run.manifest["command"] = sys.argv
+            verdict = _judged(gate, run.manifest, [("run", run.summary)])
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
-    return run
+    return run, verdict
 
 
 def _print_score(run) -> None:
