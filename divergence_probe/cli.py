@@ -61,7 +61,7 @@ class _LazyGroup(typer.core.TyperGroup):
             self._listing = False
 
 
-_ORDER = ("compare", "ablate", "rerun", "report", "rl", "score", "make-model")
+_ORDER = ("compare", "ablate", "rerun", "report", "diff", "rl", "score", "make-model")
 _LAZY: dict = {}  # name -> (docstring, function making the command's callback); filled where each command is defined
 
 
@@ -650,6 +650,43 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
     except ProbeError as e:
         _fail(e)
     out.print(f"report: {path}")
+
+
+@app.command("diff")
+def diff_command(
+    run_a: Path = typer.Argument(..., help="The first run folder (before: e.g. the old engine or trainer)."),
+    run_b: Path = typer.Argument(..., help="The second run folder, of the same prompts and model (after)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder for the diff's files. "
+                                           "Default: runs/<date>-<time>-<microseconds>."),
+) -> None:
+    """Show what moved between two runs of the same prompts and model: summary metrics with both runs' noise floors,
+    layers whose error grew, tokens whose |Δlogp| moved most, routing per layer, and the settings that differ.
+
+    Writes diff_summary.csv, diff_layers.csv, diff_tokens.csv, diff_manifest.csv (and diff_routing.csv for a
+    mixture of experts) and diff.md. Runs of other prompts or another model are refused.
+    """
+    from .diff import TOP, diff_runs
+    from .rundir import default_out_dir
+
+    try:
+        diff = diff_runs(run_a, run_b)
+        out_dir = diff.write(out_dir or default_out_dir())
+    except ProbeError as e:
+        _fail(e)
+    table = Table(title="A → B (diff_summary.csv)")
+    for col in ("metric", "A", "B", "B / A"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for row in diff.summary.itertuples():
+        shown = [f"{v:.3e}" if isinstance(v, float) else str(v) for v in (row.a, row.b)]
+        table.add_row(row.metric + (" (noise floor)" if row.noise_floor else ""), *shown,
+                      "" if row.ratio != row.ratio else f"{row.ratio:.3g}")
+    out.print(table)
+    grew = diff.layers[diff.layers["grew"]]
+    out.print(f"layers whose error grew: {len(grew)} of {len(diff.layers)}; tokens lined up: {len(diff.tokens)}; "
+              f"settings that differ: {len(diff.manifest)}", highlight=False)
+    for row in diff.manifest.head(TOP).itertuples():
+        out.print(f"  {row.key}: {row.a} -> {row.b}", highlight=False, markup=False, soft_wrap=True)
+    out.print(f"diff: {out_dir}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _rl_options() -> list[inspect.Parameter]:
