@@ -34,8 +34,9 @@ from .tables import NOISE_FLOORS
 
 DIFF = "diff"  # the output kind its folder is marked as (rundir.mark)
 GZIP_ROWS = 200_000
-# manifest entries that differ between any two runs and say nothing about what changed in the numerics
-IGNORED = ("command", "files", "compare.prompts", "score.rollouts", "score.spec.rollouts", "gate")
+# manifest entries that differ between any two runs and say nothing about what changed in the numerics (the free
+# memory at start, where the files lay, the verdict of a gate)
+IGNORED = ("command", "files", "compare.prompts", "score.rollouts", "score.spec.rollouts", "gate", "memory_plan.free")
 TOP = 10  # rows of each table in the printed and the markdown summary
 
 
