@@ -592,7 +592,6 @@ def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
 
 def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
     """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
-    from .next_steps import after_score
     from .replay import describe_score, recorded_score
 
     try:
@@ -603,7 +602,7 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
         out.print(line, highlight=False, markup=False, soft_wrap=True)
     run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
     _print_score(run)
-    _closing(out_dir, report, after_score(call, load, run.summary))
+    _closing(out_dir, report, _after_score(call, load, run))
 
 
 def _print_ablation(run) -> None:
@@ -805,7 +804,6 @@ def score_command(
     See README "score".
     """
     from .history import parse_alarms, step_files
-    from .next_steps import after_score
     from .rundir import default_out_dir
     from .score import ScoreSpec
     from .spec import LoadSpec
@@ -829,9 +827,19 @@ def score_command(
         return
     run, verdict = _score_run(call, load, out_dir, gate=gate)
     _print_score(run)
-    paired = run.manifest["score"].get("trainer") == "recorded"  # no model: a split needs one (--model)
-    _closing(out_dir, False, None if paired else after_score(call, load, run.summary))
+    _closing(out_dir, False, _after_score(call, load, run))
     _exit_by(verdict)
+
+
+def _after_score(call, load, run):
+    """score's next command; none after a model-free one (splitting its gap needs the checkpoint, which only the
+    user can name)."""
+    from .next_steps import after_score
+    from .paired import RECORDED_TRAINER
+
+    if run.manifest["score"].get("trainer") == RECORDED_TRAINER:
+        return None
+    return after_score(call, load, run.summary)
 
 
 def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:

@@ -73,3 +73,13 @@ def test_each_kind_names_its_own_metrics():
     assert "first_inexact" in METRICS["ablate"] and "k3" in METRICS["history"]
     with pytest.raises(ProbeError, match="score writes no metric 'first_inexact'"):
         Gate.parse(["first_inexact!=none"], "score")
+
+
+def test_an_ablation_gate_reads_the_shipped_combination(toy_args, tmp_path):
+    result = invoke("ablate", *toy_args, "--regions", "toy-align", "--side", "train", "--bootstrap", "0",
+                    "--fail-if", "mean_kl>0", "--out", tmp_path / "a")
+    assert result.exit_code == 1, result.output
+    ablation = pd.read_csv(tmp_path / "a" / "ablation.csv").set_index("combo")
+    assert ablation.loc["none", "mean_kl"] > 0 == ablation.loc["toy-align", "mean_kl"]  # only the shipped one fails
+    gate = json.loads((tmp_path / "a" / "manifest.json").read_text())["gate"]
+    assert gate["failed"] == [{"condition": "mean_kl>0", "value": ablation.loc["none", "mean_kl"], "where": "combo none"}]

@@ -159,3 +159,41 @@ def test_the_step_field_numbers_the_steps(tmp_path):
     result = invoke("score", folder, "--out", tmp_path / "h")
     assert result.exit_code == 0, result.output
     assert pd.read_csv(tmp_path / "h" / "steps.csv").step.tolist() == [100, 200]
+
+
+def test_a_one_file_score_gate(tmp_path):
+    path = _jsonl(tmp_path / "r.jsonl", layouts_with_train(records(3, 0.1))["trl"])
+    failing = invoke("score", path, "--fail-if", "k3>0", "--fail-if", "likely_cause==stale_weights",
+                     "--out", tmp_path / "f")
+    assert failing.exit_code == 1 and "gate failed: k3>0" in failing.output, failing.output
+    assert "likely_cause" not in failing.output.split("run:")[-1]  # a recording this close names no cause
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["gate"]["passed"] is False
+    assert (tmp_path / "f" / "tokens.csv").is_file()
+    passing = invoke("score", path, "--fail-if", "recorded_far==True", "--out", tmp_path / "p")
+    assert passing.exit_code == 0, passing.output
+    unknown = invoke("score", path, "--fail-if", "first_inexact!=none", "--out", tmp_path / "u")
+    assert unknown.exit_code == 2 and not (tmp_path / "u").exists()
+
+
+def test_a_history_with_a_model_scores_each_step_as_score_does(qwen3_tiny, tmp_path):
+    """With --model the training stack scores every step, loaded once: each steps.csv row is score's summary of that
+    file alone."""
+    from divergence_probe.history import parse_alarms, score_steps, step_files
+    from divergence_probe.score import ScoreSpec, score
+    from divergence_probe.spec import LoadSpec
+
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for i in range(2):
+        rows = layouts_with_train(records(20 + i, 0.1))["openrlhf"]
+        _jsonl(folder / f"step_{i}.jsonl", rows)
+    files = step_files([folder])
+    load = LoadSpec(model=str(qwen3_tiny), dtype="float32")
+    score_steps(files, tmp_path / "h", ScoreSpec(rollouts=str(files[0])), load, alarms=parse_alarms(None))
+    steps = pd.read_csv(tmp_path / "h" / "steps.csv")
+    for i, path in enumerate(files):
+        alone = score(path, model=str(qwen3_tiny), dtype="float32").summary
+        assert steps.loc[i, "mean_abs_dlogp"] == alone["mean_abs_dlogp"]
+        assert steps.loc[i, "k3"] == alone["k3"]
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["score"]["trainer"] == "scored" and manifest["model"]["config_sha256"]
