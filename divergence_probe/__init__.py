@@ -23,7 +23,7 @@ __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "
 # The API's names are imported on first use (PEP 562), so importing the package, or the CLI for its --help, does
 # not import torch.
 _LAZY = {"load": ".probe", "run": ".probe", "Probe": ".probe", "LoadConfig": ".probe", "write_report": ".reports",
-         "Gate": ".gate", "diff_runs": ".diff", "score_steps": ".history", "step_files": ".history",
+         "Gate": ".gate", "diff_runs": ".reports.diff", "score_steps": ".history", "step_files": ".history",
          **{name: ".spec" for name in ("RunSpec", "LoadSpec", "PromptSpec", "CaptureSpec", "GenerateSpec",
                                        "AlignSpec", "AblateSpec")}}
 

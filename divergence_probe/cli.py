@@ -664,7 +664,7 @@ def diff_command(
     Writes diff_summary.csv, diff_layers.csv, diff_tokens.csv, diff_manifest.csv (and diff_routing.csv for a
     mixture of experts) and diff.md. Runs of other prompts or another model are refused.
     """
-    from .diff import TOP, diff_runs
+    from .reports.diff import TOP, diff_runs
     from .rundir import default_out_dir
 
     try:
@@ -847,13 +847,15 @@ def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
     from transformers.utils import logging as hf_logging
 
     from .history import score_steps
+    from .reports.steps import draw_steps
     from .rundir import claim_out_dir
 
     hf_logging.disable_progress_bar()
     try:
         with claim_out_dir(out_dir), _phases() as phases:
             phases.phase(f"reading {len(files)} steps" + ("" if load.model is None else ", loading the trainer"))
-            history = score_steps(files, out_dir, call, load, alarms=alarms, gate=gate, progress=phases)
+            history = score_steps(files, out_dir, call, load, alarms=alarms, gate=gate, draw=draw_steps,
+                                  progress=phases)
             phases.end()
     except ProbeError as e:
         _fail(e)

@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -34,7 +35,10 @@ from .rundir import MANIFEST, atomic_dir, file_sha256, locked, write_csv, write_
 # more than one token in a thousand whose probability differs by over 2x between the two stacks. Set your own with
 # --alarm METRIC>VALUE (any steps.csv metric) once a healthy run has shown you its own level.
 DEFAULT_ALARMS = ("k3>1e-3", "frac_abs_dlogp_over_ln2>1e-3")
-STEPS, ALARMS, FIGURE = "steps.csv", "alarms.csv", "steps"
+STEPS, ALARMS = "steps.csv", "alarms.csv"
+# draws the history's figures into a folder holding steps.csv, from the alarms; returns the file names it wrote
+# (reports/steps.py: the presentation layer, which this module does not import)
+Draw = Callable[[Path, list], list[str]]
 
 
 def step_files(paths) -> list[Path]:
@@ -114,9 +118,11 @@ def step_row(step: int, batch: RolloutBatch, summary: dict) -> dict:
 
 
 def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, gate: Gate | None = None,
-                  manifest: dict | None = None, progress: Progress | None = None) -> History:
+                  manifest: dict | None = None, draw: Draw | None = None,
+                  progress: Progress | None = None) -> History:
     """Score every file (`score_one(batch_path) -> (batch, summary)`) in order and write the history folder: all or
-    nothing (atomic_dir), the manifest last. Steps are the files' `step` fields, else their order (0, 1, ...)."""
+    nothing (atomic_dir), the manifest last; `draw` adds the figures. Steps are the files' `step` fields, else
+    their order (0, 1, ...)."""
     watching = [Alarm(c) for c in alarms.conditions]
     watch = GateWatch(gate) if gate else None
     columns: list[str] | None = None
@@ -146,7 +152,7 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                 if progress is not None:
                     progress(n + 1, len(files))
         write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
-        figures = _figures(tmp, watching)
+        figures = draw(tmp, watching) if draw is not None else []
         verdict = watch.verdict if watch is not None else None
         record = dict(manifest or {}) | {"kind": "history", "command": sys.argv, "history": {
             "n_steps": len(files), "alarms": [a.row() for a in watching],
@@ -166,21 +172,9 @@ def _rows(path: Path) -> int:
         return max(sum(1 for _ in f) - 1, 0)
 
 
-def _figures(folder: Path, alarms: list[Alarm]) -> list[str]:
-    """steps.png/.pdf, read back from steps.csv: only the plotted columns come into memory."""
-    from .reports.figures import metrics_by_step, save
-
-    wanted = ["step", "reward_mean", *dict.fromkeys(a.condition.metric for a in alarms)]
-    steps = pd.read_csv(folder / STEPS, usecols=lambda c: c in wanted)
-    panels = [(a.condition.metric, float(a.condition.value), a.first_step) for a in alarms
-              if a.condition.metric in steps and pd.api.types.is_numeric_dtype(steps[a.condition.metric])]
-    reward = steps["reward_mean"] if steps["reward_mean"].notna().any() else None
-    return [p.name for p in save(metrics_by_step(steps["step"], steps, panels, reward), folder, FIGURE)]
-
-
 # ---------------------------------------------------------------------------------------------- scoring a step
 def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, gate: Gate | None = None,
-                progress: Progress | None = None) -> History:
+                draw: Draw | None = None, progress: Progress | None = None) -> History:
     """score's history mode: `call` (a ScoreSpec; its `rollouts` is the first file) and `load` (a LoadSpec) as for
     one file. Model-free when the files hold both logprob columns and no --model or --infer is given; otherwise
     the training stack loads once and scores every step."""
@@ -208,7 +202,7 @@ def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, g
                              "trainer": "recorded" if model_free else "scored", "prefill": call.infer == "vllm",
                              "format": first.format, "first_file": str(files[0]), "last_file": str(files[-1]),
                              "n_files": len(files)}
-        return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest,
+        return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest, draw=draw,
                              progress=progress)
     finally:
         if scorer is not None:

@@ -1,7 +1,7 @@
 """`diff RUN_A RUN_B`: what moved between two runs of the same prompts and model, e.g. before and after an engine,
 kernel or trainer upgrade, or with and without a region aligned.
 
-Both folders are read as untrusted input (reports/load.py, rundir.read_run: hashes checked, columns checked). Two
+Both folders are read as untrusted input (load.py, rundir.read_run: hashes checked, columns checked). Two
 runs are comparable only on the same prompts (prompt file hashes, or the rollout file's, and the prompts' token ids)
 and the same model (its config.json hash); anything else is refused in one line. Of an ablation, the shipped
 combination is compared. Written, all or nothing:
@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import ProbeError
-from .gate import MISMATCH_OVER_FLOOR, measured
-from .reports.load import RunData, layers_of, load_run, shipped_rows
-from .rundir import output_folder, write_csv
-from .shapley import SHIPPED
-from .tables import NOISE_FLOORS
+from ..errors import ProbeError
+from ..gate import MISMATCH_OVER_FLOOR, measured
+from ..rundir import output_folder, write_csv
+from ..shapley import SHIPPED
+from ..tables import NOISE_FLOORS
+from .load import RunData, layers_of, load_run, shipped_rows
 
 DIFF = "diff"  # the output kind its folder is marked as (rundir.mark)
 GZIP_ROWS = 200_000
