@@ -197,3 +197,12 @@ def test_a_history_with_a_model_scores_each_step_as_score_does(qwen3_tiny, tmp_p
         assert steps.loc[i, "k3"] == alone["k3"]
     manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
     assert manifest["score"]["trainer"] == "scored" and manifest["model"]["config_sha256"]
+
+
+def test_a_bad_step_file_writes_nothing(steps_folder, tmp_path):
+    folder, _ = steps_folder
+    (folder / "step_5.jsonl").write_text('{"prompts": [1], "responses": [2], "rollout_log_probs": [0.5]}\n')
+    result = invoke("score", folder, "--out", tmp_path / "h")
+    assert result.exit_code == 2 and "> 0" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "h").exists()
