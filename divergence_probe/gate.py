@@ -54,12 +54,13 @@ _SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_name
           "rollout_vs_train_mean_abs_dlogp", "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
           "far_bound", "recorded_far", "wrong_token_share", "tempered_mean_abs_dlogp", "likely_cause"]
 # The summary columns each run kind can write: the names --fail-if accepts. ablate's are compare's (its summary.csv
-# has one row per combination; the gate reads the shipped one); history's are score's, per step (steps.csv).
+# has one row per combination; the gate reads the shipped one); history's are score's, per step, and what steps.csv
+# adds to them (steps.csv).
 METRICS: dict[str, tuple[str, ...]] = {
     "compare": tuple(dict.fromkeys(_COMPARE)),
     "ablate": tuple(dict.fromkeys(_COMPARE)),
     "score": tuple(dict.fromkeys(_SCORE)),
-    "history": tuple(dict.fromkeys(_SCORE)),
+    "history": tuple(dict.fromkeys([*_SCORE, "n_rollouts", "reward_mean"])),  # + history.step_row's own columns
 }
 
 
