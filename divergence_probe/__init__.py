@@ -7,6 +7,8 @@ Python API (the CLI is a thin shell over it):
     run = probe.compare(prompts="sample_prompts", taps="all")            # diff every tap and token
     run.write("runs/my-run")                                             # CSVs + manifest, atomically
     dp.write_report("runs/my-run")                                       # figures + report.md
+    dp.Gate.parse(["mean_kl>1e-3"], "compare").judge([("run", run.summary)])  # a CI verdict (--fail-if)
+    dp.diff_runs("runs/before", "runs/after").write("runs/what-moved")    # what moved between two runs
 """
 
 
@@ -15,11 +17,13 @@ from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "RunSpec", "LoadSpec", "PromptSpec",
-           "CaptureSpec", "GenerateSpec", "AlignSpec", "AblateSpec", "__version__"]
+           "CaptureSpec", "GenerateSpec", "AlignSpec", "AblateSpec", "Gate", "diff_runs", "score_steps", "step_files",
+           "__version__"]
 
 # The API's names are imported on first use (PEP 562), so importing the package, or the CLI for its --help, does
 # not import torch.
 _LAZY = {"load": ".probe", "run": ".probe", "Probe": ".probe", "LoadConfig": ".probe", "write_report": ".reports",
+         "Gate": ".gate", "diff_runs": ".reports.diff", "score_steps": ".history", "step_files": ".history",
          **{name: ".spec" for name in ("RunSpec", "LoadSpec", "PromptSpec", "CaptureSpec", "GenerateSpec",
                                        "AlignSpec", "AblateSpec")}}
 

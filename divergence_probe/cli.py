@@ -61,7 +61,7 @@ class _LazyGroup(typer.core.TyperGroup):
             self._listing = False
 
 
-_ORDER = ("compare", "ablate", "rerun", "report", "rl", "score", "make-model")
+_ORDER = ("compare", "ablate", "rerun", "report", "diff", "rl", "score", "make-model")
 _LAZY: dict = {}  # name -> (docstring, function making the command's callback); filled where each command is defined
 
 
@@ -102,6 +102,9 @@ console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one 
 out = Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<date>-<time>-<microseconds>.")
+FAIL_IF_HELP = ("Exit 1 (after writing everything) when METRIC OP VALUE holds, e.g. mean_kl>1e-3, "
+                "mismatch_over_floor>2, first_inexact!=attn_core@0 (OP: > >= < <= == !=; METRIC: a summary column); "
+                "repeatable. The verdict is recorded in manifest.json (gate).")
 VERBOSE = ("-v", "--verbose")
 
 
@@ -368,7 +371,53 @@ def _options(kind: str) -> list[inspect.Parameter]:
                                                              rich_help_panel=_panel(kind, component, name))))
     out_opt = typer.Option(None, "--out", "-o", help=OutOpt.help, rich_help_panel=_PANELS[None])
     params.append(inspect.Parameter("out_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=out_opt))
+    params.append(inspect.Parameter("fail_if", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
+                                    default=typer.Option(None, "--fail-if", help=FAIL_IF_HELP,
+                                                         rich_help_panel=_PANELS[None])))
     return params
+
+
+def _gate(texts, kind: str):
+    """The --fail-if conditions of a `kind` run, checked before anything loads (one line, exit 2, on a bad one)."""
+    if not texts:
+        return None
+    from .gate import Gate
+
+    try:
+        return Gate.parse(texts, kind)
+    except ProbeError as e:
+        _fail(e)
+
+
+def _judged(gate, manifest: dict, rows):
+    """The gate's verdict on `rows` ((where, summary) pairs), recorded in the manifest before it is written."""
+    if gate is None:
+        return None
+    verdict = gate.judge(rows)
+    manifest["gate"] = verdict.record()
+    return verdict
+
+
+def _exit_by(verdict) -> None:
+    """After everything is written: the gate's failures, one line each, and exit code 1 (2 stays for user errors)."""
+    if verdict is None:
+        return
+    if verdict.passed:
+        out.print(f"gate passed: {', '.join(verdict.conditions)} held nowhere", highlight=False, markup=False)
+        return
+    for line in verdict.lines():
+        console.print(f"[bold red]{escape(line)}[/]", highlight=False, markup=True)
+    raise typer.Exit(1)
+
+
+def _summary_rows(run) -> list[tuple[str, dict]]:
+    """What a compare or ablate gate reads: the summary; of an ablation, its shipped combination's row."""
+    if run.spec.kind == "ablate":
+        from .shapley import SHIPPED
+
+        table = run.summary_table
+        return [(f"combo {SHIPPED}", table[table["combo"] == SHIPPED].iloc[0].to_dict())]
+    return [("run", run.summary)]
 
 
 def _command_doc(doc: str) -> str:
@@ -379,12 +428,14 @@ def _command_doc(doc: str) -> str:
 def _spec_command(kind: str, doc: str, after):
     """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
-    def command(out_dir: Optional[Path] = None, **flags) -> None:
+    def command(out_dir: Optional[Path] = None, fail_if: Optional[list[str]] = None, **flags) -> None:
         from .spec import spec_from_flat
 
-        run, out_dir = _run(lambda: spec_from_flat(kind, **flags), out_dir)
+        gate = _gate(fail_if, kind)
+        run, out_dir, verdict = _run(lambda: spec_from_flat(kind, **flags), out_dir, gate=gate)
         after(run)
         _closing(out_dir, run.spec.report, _next_step(run))
+        _exit_by(verdict)
 
     params = _options(kind)
     command.__signature__ = inspect.Signature(params)
@@ -394,10 +445,10 @@ def _spec_command(kind: str, doc: str, after):
     return command
 
 
-def _run(make_spec, out_dir: Optional[Path], check=None):
+def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
     """Shared by compare, ablate and rerun: build (and so validate) the spec and check --out before anything
-    loads, load once, run with a progress bar, write atomically. Any ProbeError on the way is one line and exit
-    code 2, and nothing is written."""
+    loads, load once, run with a progress bar, judge the --fail-if gate, write atomically. Any ProbeError on the
+    way is one line and exit code 2, and nothing is written. Returns the run, its folder and the gate's verdict."""
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
@@ -425,10 +476,11 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                 run = probe.run(spec, phases)
                 phases.end()
             run.manifest["command"] = sys.argv
+            verdict = _judged(gate, run.manifest, _summary_rows(run))
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
-    return run, out_dir
+    return run, out_dir, verdict
 
 
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
@@ -523,7 +575,7 @@ def rerun(
             raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
 
     recorded_spec: list = []
-    run, out_dir = _run(make_spec, target, check)
+    run, out_dir, _ = _run(make_spec, target, check)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
 
@@ -543,7 +595,6 @@ def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
 
 def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
     """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
-    from .next_steps import after_score
     from .replay import describe_score, recorded_score
 
     try:
@@ -552,9 +603,9 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
         _fail(e)
     for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    run = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
+    run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
     _print_score(run)
-    _closing(out_dir, report, after_score(call, load, run.summary))
+    _closing(out_dir, report, _after_score(call, load, run))
 
 
 def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -> None:
@@ -622,6 +673,43 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
     except ProbeError as e:
         _fail(e)
     out.print(f"report: {path}")
+
+
+@app.command("diff")
+def diff_command(
+    run_a: Path = typer.Argument(..., help="The first run folder (before: e.g. the old engine or trainer)."),
+    run_b: Path = typer.Argument(..., help="The second run folder, of the same prompts and model (after)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="New or empty folder for the diff's files. "
+                                           "Default: runs/<date>-<time>-<microseconds>."),
+) -> None:
+    """Show what moved between two runs of the same prompts and model: summary metrics with both runs' noise floors,
+    layers whose error grew, tokens whose |Δlogp| moved most, routing per layer, and the settings that differ.
+
+    Writes diff_summary.csv, diff_layers.csv, diff_tokens.csv, diff_manifest.csv (and diff_routing.csv for a
+    mixture of experts) and diff.md. Runs of other prompts or another model are refused.
+    """
+    from .reports.diff import TOP, diff_runs
+    from .rundir import default_out_dir
+
+    try:
+        diff = diff_runs(run_a, run_b)
+        out_dir = diff.write(out_dir or default_out_dir())
+    except ProbeError as e:
+        _fail(e)
+    table = Table(title="A → B (diff_summary.csv)")
+    for col in ("metric", "A", "B", "B / A"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for row in diff.summary.itertuples():
+        shown = [f"{v:.3e}" if isinstance(v, float) else str(v) for v in (row.a, row.b)]
+        table.add_row(row.metric + (" (noise floor)" if row.noise_floor else ""), *shown,
+                      "" if row.ratio != row.ratio else f"{row.ratio:.3g}")
+    out.print(table)
+    grew = diff.layers[diff.layers["grew"]]
+    out.print(f"layers whose error grew: {len(grew)} of {len(diff.layers)}; tokens lined up: {len(diff.tokens)}; "
+              f"settings that differ: {len(diff.manifest)}", highlight=False)
+    for row in diff.manifest.head(TOP).itertuples():
+        out.print(f"  {row.key}: {row.a} -> {row.b}", highlight=False, markup=False, soft_wrap=True)
+    out.print(f"diff: {out_dir}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _rl_options() -> list[inspect.Parameter]:
@@ -722,13 +810,16 @@ def _rl_command():
 
 @app.command("score")
 def score_command(
-    rollouts: Path = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or .parquet."),
+    rollouts: list[Path] = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or "
+                                          ".parquet. Several files, a folder or a glob: one file per RL step, scored "
+                                          "step by step into steps.csv (the run's history)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="The checkpoint the rollouts were sampled from "
                                         "(folder or hub id). Default: the built-in tiny trained Qwen3."),
     fmt: str = typer.Option("auto", "--format", help="auto (from the field names), verl, openrlhf, slime, trl or "
                             "generic."),
     fields: Optional[str] = typer.Option(None, "--fields", help="Generic format's columns: prompt_ids=COL,"
-                                         "response_ids=COL,logprobs=COL[,group=COL]."),
+                                         "response_ids=COL,logprobs=COL[,group=COL]; in any format, the two logprob "
+                                         "columns: infer=COL,train=COL (with the trainer's, no model is needed)."),
     infer: Optional[str] = typer.Option(None, "--infer", help="vllm: also re-score every sequence with the engine's "
                                         "prefill (logprob_prefill; the three-way split)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="The run's sampling temperature: tests "
@@ -740,32 +831,91 @@ def score_command(
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
+    alarm: Optional[list[str]] = typer.Option(None, "--alarm", help="Several steps: mark the first step where METRIC "
+                                              ">VALUE (a steps.csv column); repeatable. Default: k3>1e-3 and "
+                                              "frac_abs_dlogp_over_ln2>1e-3."),
+    fail_if: Optional[list[str]] = typer.Option(None, "--fail-if", help=FAIL_IF_HELP + " Several steps: fails when "
+                                                "it holds at any step."),
     out_dir: Optional[Path] = OutOpt,
 ) -> None:
     """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
 
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
-    with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
+    with the RL metrics, manifest.json with the file's sha256 and the format read). A file that records the
+    trainer's logprobs too (verl old_log_probs, OpenRLHF action_log_probs, slime log_probs, TRL old_per_token_logps,
+    or --fields train=COL) needs no --model. Several files: steps.csv, alarms.csv and steps.png, one row per step.
+    See README "score".
     """
-    from .next_steps import after_score
+    from .history import parse_alarms, step_files
     from .rundir import default_out_dir
     from .score import ScoreSpec
     from .spec import LoadSpec
 
     try:
-        call = ScoreSpec(rollouts=str(rollouts.absolute()), fmt=fmt, fields=fields, infer=infer,
+        files = step_files(rollouts)
+        many = len(files) > 1 or any(Path(p).is_dir() for p in rollouts)
+        gate = _gate(fail_if, "history" if many else "score")
+        alarms = parse_alarms(alarm) if many else None
+        if alarm and not many:
+            raise ProbeError("--alarm marks steps of a run's history; pass several rollout files (a folder or a "
+                             "glob), or drop --alarm")
+        call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()
-    run = _score_run(call, load, out_dir)
+    if many:
+        _score_history(files, call, load, out_dir, alarms, gate)
+        return
+    run, verdict = _score_run(call, load, out_dir, gate=gate)
     _print_score(run)
-    _closing(out_dir, False, after_score(call, load, run.summary))
+    _closing(out_dir, False, _after_score(call, load, run))
+    _exit_by(verdict)
 
 
-def _score_run(call, load, out_dir: Path, check=None):
-    """Shared by score and rerun: claim --out, score, write; a ProbeError is one line and nothing is written."""
+def _after_score(call, load, run):
+    """score's next command; none after a model-free one (splitting its gap needs the checkpoint, which only the
+    user can name)."""
+    from .next_steps import after_score
+    from .paired import RECORDED_TRAINER
+
+    if run.manifest["score"].get("trainer") == RECORDED_TRAINER:
+        return None
+    return after_score(call, load, run.summary)
+
+
+def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
+    """score over many steps (history.py): steps.csv, alarms.csv, steps.png; the alarms that fired; the gate."""
+    from transformers.utils import logging as hf_logging
+
+    from .history import score_steps
+    from .reports.steps import draw_steps
+    from .rundir import claim_out_dir
+
+    hf_logging.disable_progress_bar()
+    try:
+        with claim_out_dir(out_dir), _phases() as phases:
+            phases.phase(f"reading {len(files)} steps" + ("" if load.model is None else ", loading the trainer"))
+            history = score_steps(files, out_dir, call, load, alarms=alarms, gate=gate, draw=draw_steps,
+                                  progress=phases)
+            phases.end()
+    except ProbeError as e:
+        _fail(e)
+    table = Table(title=f"{history.n_steps} steps (steps.csv); alarms (alarms.csv)")
+    for col in ("alarm", "first step past it", "value"):
+        table.add_column(col, justify="left" if col == "alarm" else "right")
+    for a in history.alarms:
+        table.add_row(a.condition.text, "never" if a.first_step is None else str(a.first_step),
+                      "" if a.value is None else f"{a.value:.3e}")
+    out.print(table)
+    out.print(f"run: {out_dir}", highlight=False, markup=False, soft_wrap=True)
+    _exit_by(history.verdict)
+
+
+def _score_run(call, load, out_dir: Path, check=None, gate=None):
+    """Shared by score and rerun: claim --out, score, judge the gate, write; a ProbeError is one line and nothing
+    is written."""
     from transformers.utils import logging as hf_logging
 
     from .rundir import claim_out_dir
@@ -778,10 +928,11 @@ def _score_run(call, load, out_dir: Path, check=None):
             run = score_spec(call, load, check, phases)
             phases.end()
             run.manifest["command"] = sys.argv
+            verdict = _judged(gate, run.manifest, [("run", run.summary)])
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
-    return run
+    return run, verdict
 
 
 def _print_score(run) -> None:

@@ -213,6 +213,14 @@ class Scorer:
     manifest: dict = field(default_factory=dict)
     infer: object | None = None
 
+    def close(self) -> None:
+        """Free the engine and the trainer (a stack without resources to free has no close)."""
+        if self.infer is not None:
+            self.infer.close()
+        close = getattr(self.train, "close", None)
+        if close is not None:
+            close()
+
     @classmethod
     def of_probe(cls, probe, prefill: bool = False) -> "Scorer":
         """A loaded Probe's training stack (and its engine, for `prefill`): no second load."""
@@ -351,6 +359,15 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
     """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
     resolved and before any stack loads (rerun: is it the recorded checkpoint?); `progress` as score_batch's."""
     batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+    if batch.has_train and spec.model is None and call.infer is None:  # both sides in the file: no model loads
+        from .paired import paired_run
+
+        if call.temperature is not None:
+            raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
+                             "--model to score with the training stack, or drop --temperature")
+        run = paired_run(batch, call.clip_eps, call.tis_cap)
+        run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
+        return run
 
     def before_stacks(source, tokenizer):
         if check is not None:
@@ -362,10 +379,6 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
         run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap,
                           progress=progress)
     finally:
-        if scorer.infer is not None:
-            scorer.infer.close()
-        close = getattr(scorer.train, "close", None)
-        if close is not None:
-            close()
+        scorer.close()
     run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
     return run

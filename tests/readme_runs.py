@@ -45,6 +45,12 @@ NOT_RUN = {
     "compare --align rope": "one process per GPU (CUDA_VISIBLE_DEVICES=1); test_compare aligns rope",
     """compare --engine-args '{"tensor_parallel_size": 2}' --engine-noise""": "two engines (TP 2 and its TP 1 floor) "
     "over two devices; test_tensor_parallel runs TP 2 on the CPU",
+    "score rollouts/": "needs your run's rollout files; test_history scores a many-step folder in each layout",
+    "score 'rollouts/step_*.parquet' --fields infer=rollout_lp,train=actor_lp --alarm 'k3>5e-4'": "needs your run's "
+    "rollout files; test_history names both columns with --fields and sets an alarm",
+    "compare --prompts ci/prompts.txt --taps none --batch-invariance --fail-if 'mismatch_over_floor>2' --fail-if "
+    "'mean_kl>1e-3'": "needs your CI's pinned prompts; test_gate runs --fail-if on toy stacks, failing and passing",
+    "diff runs/ci-last-good 'runs/ci-$GIT_SHA'": "needs two run folders of your CI; test_diff diffs two toy runs",
 }
 
 

@@ -14,6 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.gate import Gate
 from divergence_probe.spec import spec_from_flat
 from readme_runs import NOT_RUN, PLACEHOLDER, RENDERED, RUN, key, readme_commands
 
@@ -37,8 +38,9 @@ def test_readme_command_parses_and_builds_its_spec(line, words):
     command = group.get_command(root, words[0])
     ctx = command.make_context(words[0], list(words[1:]), parent=root)
     if words[0] in ("compare", "ablate"):
-        flags = {k: v for k, v in ctx.params.items() if k != "out_dir"}
+        flags = {k: v for k, v in ctx.params.items() if k not in ("out_dir", "fail_if")}
         spec_from_flat(words[0], **flags)
+        Gate.parse(ctx.params["fail_if"], words[0])
 
 
 def test_readme_recipes_run_on_the_builtin_model(cli_processes, tmp_path, monkeypatch):

@@ -394,3 +394,36 @@ def depth_curve(depth: pd.DataFrame, num_layers: int) -> Figure:
     axes[0].set_title("gap made by the layers from x on")
     axes[1].set_title(f"x = {num_layers}: final norm + lm_head; {num_layers + 1}: lm_head")
     return fig
+
+
+@_styled
+def metrics_by_step(step: pd.Series, steps: pd.DataFrame, panels: list[tuple[str, float, int | None]],
+                    reward: pd.Series | None = None) -> Figure:
+    """A run's history (score over many steps): one panel per alarm (metric, threshold, first step past it), the
+    metric against step on a log axis with its threshold dashed and its first crossing marked; the mean reward, when
+    the files recorded one, on a second axis of the first panel (the collapse it foreshadows)."""
+    fig, axes = _new_figure(max(len(panels), 1))
+    x = step.to_numpy()
+    for i, (ax, (metric, threshold, fired)) in enumerate(zip(axes, panels)):
+        y = _positive(steps[metric])
+        ax.plot(x, y, linewidth=1.2, markersize=3, markerfacecolor="none", label=metric, **style(0))
+        ax.axhline(threshold, color=COLORS[2], linestyle="--", linewidth=1.0, label=f"alarm: > {threshold:g}")
+        if fired is not None:
+            ax.axvline(fired, color=COLORS[2], linestyle=":", linewidth=1.0, label=f"first past it: step {fired}")
+        if np.isfinite(y).any():
+            ax.set_yscale("log")
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(f"{metric} (per token)")
+        ax.set_title(metric)
+        if i == 0 and reward is not None:
+            twin = ax.twinx()
+            twin.plot(x, reward.to_numpy(dtype=np.float64), linewidth=1.0, markersize=3, label="mean reward",
+                      **style(1))
+            twin.set_ylabel("mean reward")
+            twin.grid(False)
+            twin.legend(loc="lower right")
+        ax.legend(loc="upper left")
+    if not panels:
+        _note(axes[0], "no alarm metric was measured")
+    return fig

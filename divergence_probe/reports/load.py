@@ -31,6 +31,7 @@ class RunData:
     extra: dict = field(default_factory=dict)  # optional tables by file stem: buckets, batch_invariance, routing
     n_prompts: int | None = None
     n_truncated: int = 0
+    prompts: list[dict] | None = None  # prompts.jsonl's records (token_ids among them), when the folder has it
 
     @property
     def is_ablate(self) -> bool:
@@ -160,6 +161,7 @@ def load_run(run_dir: str | Path) -> RunData:
             run.extra[stem] = tables[f"{stem}.csv"]
 
     if folder.prompts is not None:
+        run.prompts = folder.prompts
         run.n_prompts = len(folder.prompts)
         run.n_truncated = sum(bool(r.get("truncated")) for r in folder.prompts)
     elif run.tokens is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .adapters import ADAPTERS, FORMATS, choose, parse_fields
+from .columns import read_row, row_step
 from ..rundir import file_sha256
 from .read import read_rows
 from .record import Rollout, RolloutError
@@ -23,6 +24,12 @@ class RolloutBatch:
     sha256: str
     format: str
     rollouts: list[Rollout]
+    step: int | None = None  # the rows' `step` field, when they record one
+
+    @property
+    def has_train(self) -> bool:
+        """Every row holds the trainer's logprobs too: the mismatch needs no model (columns.py)."""
+        return all(r.train_logprobs is not None for r in self.rollouts)
 
 
 def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None) -> RolloutBatch:
@@ -32,7 +39,15 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
     names = parse_fields(fields)
     rows = read_rows(path)
     adapter = choose(fmt, names, rows[0])
-    rollouts = [adapter.read(row, at) for at, row in enumerate(rows)]
+    rollouts = [read_row(adapter, row, at, names) for at, row in enumerate(rows)]
+    steps = {row_step(row, at) for at, row in enumerate(rows)}
+    if len(steps) > 1:
+        raise RolloutError(f"{path} holds rows of several steps ({', '.join(sorted(map(str, steps)))}); write one RL "
+                           "step per file")
+    trained = [r.train_logprobs is not None for r in rollouts]
+    if any(trained) and not all(trained):
+        raise RolloutError(f"rows 0 and {trained.index(not trained[0])} of {path} differ: one holds the trainer's "
+                           "logprobs, the other not; record them for every row or for none")
     for r in rollouts:
         if not r.prompt_ids or not r.response_ids:
             raise RolloutError(f"row {r.row} of {path} has an empty {'prompt' if not r.prompt_ids else 'response'}; "
@@ -43,4 +58,4 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
             raise RolloutError(f"row {r.row} of {path} is in group {r.group!r} with row {first[repr(r.group)].row} but "
                                "has another prompt; the group field does not group samples of one prompt: fix it or "
                                "leave it out (--fields)")
-    return RolloutBatch(path, file_sha256(path), adapter.name, rollouts)
+    return RolloutBatch(path, file_sha256(path), adapter.name, rollouts, steps.pop())

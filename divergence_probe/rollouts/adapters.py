@@ -18,6 +18,12 @@ class Adapter:
     name: str
     signature: tuple[str, ...]  # fields whose presence identifies the format (auto-detection)
     read: Callable[[dict, int], Rollout]
+    train: str = ""  # the field where the framework keeps its trainer's logprobs of the same tokens (columns.py)
+
+    @property
+    def logprobs(self) -> str:
+        """The field of the engine's logprobs (the last of the signature, in every format)."""
+        return self.signature[-1]
 
 
 def _kept(values: list, keep: list[bool] | None) -> list:
@@ -105,28 +111,38 @@ def generic(names: dict[str, str]) -> Adapter:
         return Rollout(at, tuple(prompt), tuple(response), tuple(lps), row.get(f["group"]),
                        row.get(f["routed_experts"]))
 
-    return Adapter("generic", (f["prompt_ids"], f["response_ids"], f["logprobs"]), read)
+    return Adapter("generic", (f["prompt_ids"], f["response_ids"], f["logprobs"]), read, "train_logprobs")
 
 
+# The trainer's logprobs of the same tokens, where each framework keeps them beside the engine's: verl's actor
+# recomputes `old_log_probs`; OpenRLHF's Experience holds `action_log_probs`; slime's training batch `log_probs`;
+# TRL's GRPOTrainer `old_per_token_logps`.
 ADAPTERS = {
-    "verl": Adapter("verl", ("prompts", "responses", "rollout_log_probs"), _verl),
-    "openrlhf": Adapter("openrlhf", ("sequences", "action_mask", "rollout_log_probs"), _openrlhf),
-    "slime": Adapter("slime", ("tokens", "response_length", "rollout_log_probs"), _slime),
-    "trl": Adapter("trl", ("prompt_ids", "completion_ids", "sampling_per_token_logps"), _trl),
+    "verl": Adapter("verl", ("prompts", "responses", "rollout_log_probs"), _verl, "old_log_probs"),
+    "openrlhf": Adapter("openrlhf", ("sequences", "action_mask", "rollout_log_probs"), _openrlhf, "action_log_probs"),
+    "slime": Adapter("slime", ("tokens", "response_length", "rollout_log_probs"), _slime, "log_probs"),
+    "trl": Adapter("trl", ("prompt_ids", "completion_ids", "sampling_per_token_logps"), _trl, "old_per_token_logps"),
 }
 FORMATS = ("auto", *ADAPTERS, "generic")
 
 
+# The two logprob columns, nameable in any format: `infer` (the engine's, in place of the format's own field) and
+# `train` (the trainer's, in place of Adapter.train).
+LOGPROB_FIELDS = ("infer", "train")
+
+
 def parse_fields(text: str | None) -> dict[str, str]:
-    """`prompt_ids=a,response_ids=b` -> {"prompt_ids": "a", ...}; only the generic fields may be named."""
+    """`prompt_ids=a,response_ids=b` -> {"prompt_ids": "a", ...}; only the generic fields and LOGPROB_FIELDS may be
+    named."""
     if not text:
         return {}
     names = {}
     for part in text.split(","):
         key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not value or key not in GENERIC_FIELDS:
+        if not eq or not value or key not in (*GENERIC_FIELDS, *LOGPROB_FIELDS):
             raise RolloutError(f"--fields {text!r}: each entry is NAME=COLUMN with NAME one of "
-                               f"{', '.join(GENERIC_FIELDS)} (e.g. prompt_ids=prompt,response_ids=ids,logprobs=lp)")
+                               f"{', '.join((*GENERIC_FIELDS, *LOGPROB_FIELDS))} (e.g. "
+                               "prompt_ids=prompt,response_ids=ids,logprobs=lp, or infer=COL,train=COL)")
         names[key] = value
     return names
 
@@ -136,13 +152,17 @@ def choose(fmt: str, fields: dict[str, str], first_row: dict) -> Adapter:
     several fit."""
     if fmt not in FORMATS:
         raise RolloutError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-    if fields and fmt not in ("auto", "generic"):
-        raise RolloutError(f"--fields names the columns of the generic format; drop --format {fmt} or --fields")
-    if fields or fmt == "generic":
-        return generic(fields)
+    generic_names = {k: v for k, v in fields.items() if k not in LOGPROB_FIELDS}
+    if generic_names and fmt not in ("auto", "generic"):
+        raise RolloutError(f"--fields {', '.join(generic_names)} name the columns of the generic format; drop --format "
+                           f"{fmt} or those --fields (infer= and train= fit any format)")
+    if generic_names or fmt == "generic":
+        return generic(generic_names)
     if fmt != "auto":
         return ADAPTERS[fmt]
-    fits = [a for a in [*ADAPTERS.values(), generic({})] if set(a.signature) <= set(first_row)]
+    renamed = "infer" in fields  # the engine's logprobs under another name: the format is told by its id fields
+    fits = [a for a in [*ADAPTERS.values(), generic({})]
+            if set(a.signature[:-1] if renamed else a.signature) <= set(first_row)]
     if len(fits) == 1:
         return fits[0]
     if not fits:

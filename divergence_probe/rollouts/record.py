@@ -16,7 +16,8 @@ class RolloutError(ProbeError):
 class Rollout:
     """`logprobs[j]` is the engine's logprob of `response_ids[j]` given the prompt and the response before it.
     `group` ties the samples of one prompt together (None: the row is its own prompt); `routed_experts` is kept
-    as the file gave it (MoE engines record it) and is not yet compared."""
+    as the file gave it (MoE engines record it) and is not yet compared. `train_logprobs[j]`, when the file holds
+    them, are the framework's trainer's logprob of the same token."""
 
     row: int
     prompt_ids: tuple[int, ...]
@@ -24,6 +25,8 @@ class Rollout:
     logprobs: tuple[float, ...]
     group: object = None
     routed_experts: object = None
+    train_logprobs: tuple[float, ...] | None = None  # the trainer's, when the file records them (columns.py)
+    reward: float | None = None
 
 
 def token_ids(row: dict, key: str, at: int) -> list[int]:

@@ -1,0 +1,85 @@
+"""--fail-if: a CI gate on a run's summary. A failing gate writes everything and exits 1; an unknown metric is one
+line and exit 2 before anything loads; the verdict is in manifest.json. Toy stacks, no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.errors import ProbeError
+from divergence_probe.gate import METRICS, Condition, Gate
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], terminal_width=400)
+
+
+@pytest.fixture
+def toy_args(toy, qwen3_tiny, prompts_file):
+    return ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts_file,
+            "--taps", "none"]
+
+
+def test_a_gate_that_holds_fails_the_run_after_writing_it(toy_args, tmp_path):
+    result = invoke("compare", *toy_args, "--fail-if", "mean_abs_dlogp>0", "--fail-if", "mean_kl<0",
+                    "--out", tmp_path / "run")
+    assert result.exit_code == 1, result.output
+    summary = pd.read_csv(tmp_path / "run" / "summary.csv")
+    assert "gate failed: mean_abs_dlogp>0" in result.output and f"{summary.mean_abs_dlogp[0]:.6g}" in result.output
+    assert "mean_kl<0" not in result.output.split("run:")[-1]
+    gate = json.loads((tmp_path / "run" / "manifest.json").read_text())["gate"]
+    assert gate["passed"] is False and [f["condition"] for f in gate["failed"]] == ["mean_abs_dlogp>0"]
+    assert gate["fail_if"] == ["mean_abs_dlogp>0", "mean_kl<0"]
+
+
+def test_a_gate_that_does_not_hold_passes(toy_args, tmp_path):
+    result = invoke("compare", *toy_args, "--fail-if", "mean_abs_dlogp>1e6", "--fail-if", "first_inexact==x@0",
+                    "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["gate"]["passed"] is True
+
+
+def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, monkeypatch):
+    import divergence_probe.probe as probe
+
+    monkeypatch.setattr(probe, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    result = invoke("compare", *toy_args, "--fail-if", "mean_kll>1", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and "no metric 'mean_kll'" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unmeasured_floor_fails_closed():
+    verdict = Gate.parse(["mismatch_over_floor>2"], "compare").judge([("run", {"mean_abs_dlogp": 1.0})])
+    assert not verdict.passed and verdict.failures[0].value == "not measured"
+    floor = {"mean_abs_dlogp": 1.0, "noise_infer_mean_abs_dlogp": 0.25, "noise_train_mean_abs_dlogp": 0.5}
+    assert Gate.parse(["mismatch_over_floor>2"], "compare").judge([("run", floor)]).passed  # 1 / 0.5 = 2
+    assert not Gate.parse(["mismatch_over_floor>=2"], "compare").judge([("run", floor)]).passed
+
+
+@pytest.mark.parametrize("text", ["mean_kl", "mean_kl>>1", "mean_kl=1", "mean_kl>", "1>mean_kl", "mean_kl>big",
+                                  "__import__('os')>1"])
+def test_bad_conditions_are_refused(text):
+    with pytest.raises(ProbeError, match="--fail-if"):
+        Condition.parse(text, "compare")
+
+
+def test_each_kind_names_its_own_metrics():
+    assert "likely_cause" in METRICS["score"] and "likely_cause" not in METRICS["compare"]
+    assert "first_inexact" in METRICS["ablate"] and "k3" in METRICS["history"]
+    with pytest.raises(ProbeError, match="score writes no metric 'first_inexact'"):
+        Gate.parse(["first_inexact!=none"], "score")
+
+
+def test_an_ablation_gate_reads_the_shipped_combination(toy_args, tmp_path):
+    result = invoke("ablate", *toy_args, "--regions", "toy-align", "--side", "train", "--bootstrap", "0",
+                    "--fail-if", "mean_kl>0", "--out", tmp_path / "a")
+    assert result.exit_code == 1, result.output
+    ablation = pd.read_csv(tmp_path / "a" / "ablation.csv").set_index("combo")
+    assert ablation.loc["none", "mean_kl"] > 0 == ablation.loc["toy-align", "mean_kl"]  # only the shipped one fails
+    gate = json.loads((tmp_path / "a" / "manifest.json").read_text())["gate"]
+    assert gate["failed"] == [{"condition": "mean_kl>0", "value": ablation.loc["none", "mean_kl"], "where": "combo none"}]

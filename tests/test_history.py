@@ -1,0 +1,208 @@
+"""score without a model: files that record the trainer's logprobs beside the engine's (each framework's own field),
+scored from the file alone; many files are a run's history (steps.csv, alarms, figures) with a gate. No stack loads:
+every test here runs on synthetic rollouts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.rl_metrics import token_metrics
+from divergence_probe.rollouts import RolloutError, read_rollouts
+from test_score import _jsonl, _layouts
+
+TRAIN_FIELD = {"generic": "train_logprobs", "verl": "old_log_probs", "openrlhf": "action_log_probs",
+               "slime": "log_probs", "trl": "old_per_token_logps"}
+ENGINE_FIELD = {"generic": "logprobs", "verl": "rollout_log_probs", "openrlhf": "rollout_log_probs",
+                "slime": "rollout_log_probs", "trl": "sampling_per_token_logps"}
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], terminal_width=400)
+
+
+def records(seed: int, scale: float, n: int = 6):
+    """Rollouts of a tiny vocabulary: engine logprobs, and trainer logprobs `scale` nats apart on average."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(3, 9))
+        infer = -rng.uniform(0.05, 3.0, length)
+        train = np.minimum(infer + rng.normal(0, scale, length), 0.0)
+        out.append({"group": i // 2, "prompt": [int(t) for t in rng.integers(1, 50, 4 + i // 2 * 0)],
+                    "response": [int(t) for t in rng.integers(1, 50, length)], "logprobs": infer.tolist(),
+                    "train": train.tolist()})
+    for r in out:  # a group's samples share their prompt
+        r["prompt"] = out[2 * r["group"]]["prompt"]
+    return out
+
+
+def layouts_with_train(recs):
+    """Each framework's layout, its trainer field beside its engine field (padded and masked alike)."""
+    engine = _layouts(recs)
+    trained = _layouts([r | {"logprobs": r["train"]} for r in recs])
+    return {fmt: [row | {TRAIN_FIELD[fmt]: t[ENGINE_FIELD[fmt]]} for row, t in zip(engine[fmt], trained[fmt])]
+            for fmt in engine}
+
+
+@pytest.mark.parametrize("fmt", list(TRAIN_FIELD))
+def test_each_framework_layout_scores_without_a_model(fmt, tmp_path, monkeypatch):
+    import divergence_probe.score as score
+
+    monkeypatch.setattr(score, "load_scorer", lambda *a, **k: pytest.fail("a model loaded"))
+    recs = records(0, 0.05)
+    path = _jsonl(tmp_path / f"{fmt}.jsonl", layouts_with_train(recs)[fmt])
+    result = invoke("score", path, "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    tokens = pd.read_csv(tmp_path / "run" / "tokens.csv")
+    infer = np.concatenate([r["logprobs"] for r in recs])
+    train = np.concatenate([r["train"] for r in recs])
+    assert tokens.logprob_rollout.tolist() == infer.tolist() and tokens.logprob_train.tolist() == train.tolist()
+    summary = pd.read_csv(tmp_path / "run" / "summary.csv").iloc[0]
+    expected = token_metrics(infer, train, 0.2, 2.0)
+    for name in ("mean_abs_dlogp", "k3", "frac_abs_dlogp_over_ln2", "ppo_clip_frac", "ess"):
+        assert summary[name] == pytest.approx(expected[name], rel=1e-12), name
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["score"]["trainer"] == "recorded" and manifest["score"]["format"] == fmt
+
+
+def test_fields_name_both_logprob_columns(tmp_path):
+    recs = records(1, 0.1)
+    rows = [{"prompt_ids": r["prompt"], "response_ids": r["response"], "lp_engine": r["logprobs"],
+             "lp_actor": r["train"]} for r in recs]
+    path = _jsonl(tmp_path / "r.jsonl", rows)
+    batch = read_rollouts(path, fields="infer=lp_engine,train=lp_actor")
+    assert batch.has_train and [list(r.train_logprobs) for r in batch.rollouts] == [r["train"] for r in recs]
+    with pytest.raises(RolloutError, match="no `nope`"):
+        read_rollouts(path, fields="infer=lp_engine,train=nope")
+
+
+def test_a_bad_trainer_column_is_named(tmp_path):
+    row = layouts_with_train(records(2, 0.1))["slime"][0]
+    row["log_probs"] = row["log_probs"][:-1]
+    with pytest.raises(RolloutError, match="`log_probs`"):
+        read_rollouts(_jsonl(tmp_path / "r.jsonl", [row]))
+
+
+SCALES = (0.002, 0.004, 0.05, 0.2, 0.4)  # the mismatch grows step by step, as before a collapse
+
+
+@pytest.fixture
+def steps_folder(tmp_path):
+    """A run's history: one verl file per step (numbered out of lexical order: step_2 before step_10), each with
+    the step's reward."""
+    folder = tmp_path / "steps"
+    folder.mkdir()
+    per_step = []
+    for i, scale in enumerate(SCALES):
+        recs = records(10 + i, scale)
+        rows = layouts_with_train(recs)["verl"]
+        for row in rows:
+            row["reward"] = 1.0 - i / 10
+        _jsonl(folder / f"step_{2 * i + 2}.jsonl", rows)
+        infer = np.concatenate([r["logprobs"] for r in recs])
+        train = np.concatenate([r["train"] for r in recs])
+        per_step.append(token_metrics(infer, train, 0.2, 2.0))
+    return folder, per_step
+
+
+def test_a_many_step_folder_is_a_history_with_alarms(steps_folder, tmp_path):
+    folder, per_step = steps_folder
+    threshold = (per_step[1]["k3"] + per_step[2]["k3"]) / 2  # crossed first at the third step
+    result = invoke("score", folder, "--alarm", f"k3>{threshold!r}", "--out", tmp_path / "h")
+    assert result.exit_code == 0, result.output
+    steps = pd.read_csv(tmp_path / "h" / "steps.csv")
+    assert steps.step.tolist() == [0, 1, 2, 3, 4]
+    assert steps.file.tolist() == [f"step_{2 * i + 2}.jsonl" for i in range(5)]
+    assert steps.k3.tolist() == pytest.approx([m["k3"] for m in per_step], rel=1e-12)
+    assert steps.reward_mean.tolist() == pytest.approx([1.0 - i / 10 for i in range(5)])
+    alarms = pd.read_csv(tmp_path / "h" / "alarms.csv")
+    assert alarms.set_index("metric").loc["k3", "first_step"] == 2
+    assert {"steps.png", "steps.pdf"} <= {p.name for p in (tmp_path / "h").iterdir()}
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["kind"] == "history" and manifest["history"]["n_steps"] == 5
+
+
+def test_a_history_gate_fails_after_writing_everything(steps_folder, tmp_path):
+    folder, per_step = steps_folder
+    threshold = (per_step[2]["k3"] + per_step[3]["k3"]) / 2
+    result = invoke("score", folder, "--fail-if", f"k3>{threshold!r}", "--out", tmp_path / "h")
+    assert result.exit_code == 1, result.output
+    assert f"gate failed: k3>{threshold!r} (step 3: {per_step[3]['k3']:.6g})" in result.output
+    assert len(pd.read_csv(tmp_path / "h" / "steps.csv")) == 5
+    gate = json.loads((tmp_path / "h" / "manifest.json").read_text())["gate"]
+    assert gate["passed"] is False and gate["failed"][0]["where"] == "step 3"
+    passing = invoke("score", folder, "--fail-if", f"k3>{per_step[-1]['k3'] * 2!r}", "--out", tmp_path / "ok")
+    assert passing.exit_code == 0, passing.output
+
+
+def test_an_unknown_history_metric_writes_nothing(steps_folder, tmp_path):
+    folder, _ = steps_folder
+    for flag in ("--fail-if", "--alarm"):
+        result = invoke("score", folder, flag, "k4>1", "--out", tmp_path / "h")
+        assert result.exit_code == 2 and "no metric 'k4'" in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert not (tmp_path / "h").exists()
+
+
+def test_the_step_field_numbers_the_steps(tmp_path):
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for i, step in enumerate((100, 200)):
+        rows = layouts_with_train(records(i, 0.1))["slime"]
+        _jsonl(folder / f"{i}.jsonl", [row | {"step": step} for row in rows])
+    result = invoke("score", folder, "--out", tmp_path / "h")
+    assert result.exit_code == 0, result.output
+    assert pd.read_csv(tmp_path / "h" / "steps.csv").step.tolist() == [100, 200]
+
+
+def test_a_one_file_score_gate(tmp_path):
+    path = _jsonl(tmp_path / "r.jsonl", layouts_with_train(records(3, 0.1))["trl"])
+    failing = invoke("score", path, "--fail-if", "k3>0", "--fail-if", "likely_cause==stale_weights",
+                     "--out", tmp_path / "f")
+    assert failing.exit_code == 1 and "gate failed: k3>0" in failing.output, failing.output
+    assert "likely_cause" not in failing.output.split("run:")[-1]  # a recording this close names no cause
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["gate"]["passed"] is False
+    assert (tmp_path / "f" / "tokens.csv").is_file()
+    passing = invoke("score", path, "--fail-if", "recorded_far==True", "--out", tmp_path / "p")
+    assert passing.exit_code == 0, passing.output
+    unknown = invoke("score", path, "--fail-if", "first_inexact!=none", "--out", tmp_path / "u")
+    assert unknown.exit_code == 2 and not (tmp_path / "u").exists()
+
+
+def test_a_history_with_a_model_scores_each_step_as_score_does(qwen3_tiny, tmp_path):
+    """With --model the training stack scores every step, loaded once: each steps.csv row is score's summary of that
+    file alone."""
+    from divergence_probe.history import parse_alarms, score_steps, step_files
+    from divergence_probe.score import ScoreSpec, score
+    from divergence_probe.spec import LoadSpec
+
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for i in range(2):
+        rows = layouts_with_train(records(20 + i, 0.1))["openrlhf"]
+        _jsonl(folder / f"step_{i}.jsonl", rows)
+    files = step_files([folder])
+    load = LoadSpec(model=str(qwen3_tiny), dtype="float32")
+    score_steps(files, tmp_path / "h", ScoreSpec(rollouts=str(files[0])), load, alarms=parse_alarms(None))
+    steps = pd.read_csv(tmp_path / "h" / "steps.csv")
+    for i, path in enumerate(files):
+        alone = score(path, model=str(qwen3_tiny), dtype="float32").summary
+        assert steps.loc[i, "mean_abs_dlogp"] == alone["mean_abs_dlogp"]
+        assert steps.loc[i, "k3"] == alone["k3"]
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["score"]["trainer"] == "scored" and manifest["model"]["config_sha256"]
+
+
+def test_a_bad_step_file_writes_nothing(steps_folder, tmp_path):
+    folder, _ = steps_folder
+    (folder / "step_5.jsonl").write_text('{"prompts": [1], "responses": [2], "rollout_log_probs": [0.5]}\n')
+    result = invoke("score", folder, "--out", tmp_path / "h")
+    assert result.exit_code == 2 and "> 0" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "h").exists()
