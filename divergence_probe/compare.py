@@ -512,7 +512,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
         capture = graft = GraftCapture(pairing, probe.train, probe.source.num_layers,
                                        probe.source.family.layer_taps, spec.capture.depth, _top_k(probe))
-    routes, infer_taps = _route_capture(probe, spec, capture, taps)
+    routes, infer_taps, train_taps = _route_capture(probe, spec, capture, taps)
     capture = routes or capture
     source = source_for(spec)
     tokens: list[TokenScore] = []
@@ -531,7 +531,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     if total_scale == 1:  # an ablation names each combination's phase itself
         phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):
-        ran = score_both(probe, prompts, source, infer_taps, taps, capture, collect, peaks)
+        ran = score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, peaks)
     if source.mode == "generate":
         if total_scale == 1:
             phase(progress, "the engine's prefill of every sampled sequence")
@@ -567,20 +567,22 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
                       engine_noise=engine, routing=run_routing, routing_noise=route_floor)
 
 
-def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]) -> tuple[RouteCapture | None, frozenset[str]]:
-    """For a mixture-of-experts model: the routing capture around the run's tap capture, and the inference side's
-    taps with the engine's route records added (checked against its router logits; replayed under the routing
-    region). Routing is compared wherever router_logits is among the taps."""
+def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]
+                   ) -> tuple[RouteCapture | None, frozenset[str], frozenset[str]]:
+    """For a mixture-of-experts model: the routing capture around the run's tap capture, the inference side's taps
+    with the engine's route records added (checked against its router logits; replayed under the routing region),
+    and the training side's with its router's expert ids added where routing is compared (the experts it ran, which
+    the flip counts compare with the engine's). Routing is compared wherever router_logits is among the taps."""
     family = probe.source.family
     replay = "routing" in from_engine(spec.align.regions)
     if family.top_k_field is None:
-        return None, taps
+        return None, taps, taps
     metrics = "router_logits" in taps
     if not (metrics or replay):
-        return None, taps
+        return None, taps, taps
     routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=_top_k(probe), metrics=metrics,
                           records=True)
-    return routes, taps | frozenset(ROUTE_RECORDS)
+    return routes, taps | frozenset(ROUTE_RECORDS), taps | frozenset({"expert_ids"} if metrics else ())
 
 
 def _top_k(probe) -> int | None:
