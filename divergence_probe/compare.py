@@ -12,6 +12,7 @@ trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +36,7 @@ from .route_capture import RouteCapture, RunRouting
 from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
-from .tables import layers_frame, summary_row, tokens_frame
+from .tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from .taps import ROUTE_RECORDS, TapKey, expected_taps
 
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
@@ -335,7 +336,8 @@ class CompareRun:
         tokens = self.tokens_table
         if self.mode == "generate":
             tokens = tokens[tokens["is_response"]]
-        return self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+        columns = self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+        return columns | routing_verdict_columns(columns)
 
     def _summary(self) -> dict:
         if self.mode != "generate":
@@ -420,15 +422,29 @@ def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
 
 def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
     """Each stack's own routing flips under a batch change, and the trainer's under a kernel change, beside the
-    cross-stack flip rate: the mean over layers of frac_topk_set_differs, and frac_tokens_any_flip (if measured)."""
+    cross-stack flip rate: the mean over layers of frac_experts_differ and of frac_topk_set_differs, and
+    frac_tokens_any_flip (if measured)."""
     if floor is None:
         return {}
     columns = {}
     for (side, change), rows in floor.groupby(["side", "change"], sort=False):
         prefix = f"noise_{side}_" if change == "batched vs alone" else f"noise_{side}_kernel_"
+        columns[f"{prefix}frac_experts_differ"] = float(rows["frac_experts_differ"].mean())
         columns[f"{prefix}frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
         columns[f"{prefix}frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
     return columns
+
+
+def routing_verdict_columns(summary: dict) -> dict:
+    """The cross-stack frac_tokens_any_flip against the largest routing noise floor measured, whichever change made
+    it (tables.ROUTING_NOISE_FLOORS: each stack's batch change, the trainer's kernel change): the floor's summary
+    column and the ratio. Empty when no floor was measured."""
+    largest = largest_noise_floor(summary, ROUTING_NOISE_FLOORS)
+    if largest is None:
+        return {}
+    flips = summary.get("frac_tokens_any_flip", math.nan)
+    ratio = flips / largest[1] if largest[1] > 0 else (math.inf if flips > 0 else math.nan)
+    return {"routing_largest_noise_floor": largest[0], "frac_tokens_any_flip_over_largest_floor": ratio}
 
 
 def source_for(spec: RunSpec) -> SequenceSource:

@@ -120,9 +120,9 @@ def kth_tie(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def ids_differ(infer_ids: torch.Tensor, train_ids: torch.Tensor) -> torch.Tensor:
-    """Per token [T] bool: do the two [T, k] lists of expert ids name different sets (the order is ignored: it
-    carries no meaning for which experts run)."""
-    if infer_ids.shape != train_ids.shape or infer_ids.dim() != 2:
+    """Per token [T] (or [..., T]) bool: do the two [T, k] ([..., T, k]) lists of expert ids name different sets (the
+    order is ignored: it carries no meaning for which experts run)."""
+    if infer_ids.shape != train_ids.shape or infer_ids.dim() < 2:
         raise ValueError(f"the two sides' expert ids differ in shape: {tuple(infer_ids.shape)} vs "
                          f"{tuple(train_ids.shape)}")
     a = infer_ids.long().sort(dim=-1).values
