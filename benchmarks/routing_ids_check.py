@@ -102,7 +102,8 @@ def main() -> int:
         b = torch.cat([train[(p, row.layer)].long().sort(-1).values for p in sequences])
         recount = (a != b).any(-1).double().mean().item()
         worst = max(worst, abs(recount - row.frac_experts_differ))
-        print(f"{row.layer:>5} {row.frac_experts_differ:>25.6f} {recount:>12.6f} {recount - row.frac_experts_differ:>11.2e}")
+        tool = row.frac_experts_differ
+        print(f"{row.layer:>5} {tool:>25.6f} {recount:>12.6f} {recount - tool:>11.2e}")
     print("agree" if worst == 0 else f"differ: largest difference {worst:.3e}")
     return 0 if worst == 0 else 1
 

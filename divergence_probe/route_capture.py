@@ -45,8 +45,8 @@ from .errors import NumericsError, StackError
 from .taps import ROUTE_RECORDS, TapKey
 
 ROUTING_COLUMNS = ["layer", "tokens", "frac_experts_differ", "frac_differ_strict_order", "frac_differ_tie_collision",
-                   "frac_kth_tie_infer", "frac_kth_tie_train", "frac_topk_set_differs", "frac_topk_order_differs", "mean_jaccard",
-                   "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
+                   "frac_kth_tie_infer", "frac_kth_tie_train", "frac_topk_set_differs", "frac_topk_order_differs",
+                   "mean_jaccard", "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
                    "margin_unflipped_q10", "margin_unflipped_q50", "margin_unflipped_q90"]
 TOKEN_ROUTING_COLUMNS = ["routing_flips", "first_flip_layer", "upstream_flip"]
 SUMMARY_ROUTING_COLUMNS = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_after_flip",
@@ -215,7 +215,8 @@ class RouteCapture:
         names = ["set_differs", "order_differs", "jaccard", "margin", "near_tie", "kth_tie_infer", "kth_tie_train",
                  "experts_differ"][:fields]
         flags_at = [j for j, name in enumerate(names) if name not in ("jaccard", "margin")]
-        per_field = dict(zip([names[j] for j in flags_at], host[flags_at].bool().view(len(flags_at), self.num_layers, n)))
+        flagged = host[flags_at].bool().view(len(flags_at), self.num_layers, n)
+        per_field = dict(zip([names[j] for j in flags_at], flagged))
         per_field |= dict(zip(("jaccard", "margin"), host[2:4].view(2, self.num_layers, n)))
         per_layer = [routing.LayerRouting(**dict(zip(per_field, values)))
                      for values in zip(*(f.unbind() for f in per_field.values()))]
