@@ -65,16 +65,19 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_topk_set_differs",
+ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_experts_differ",
+                         "frac_differ_strict_order", "frac_differ_tie_collision", "frac_topk_set_differs",
                          "frac_topk_order_differs", "frac_flipped_near_tie", "frac_tokens_any_flip"]
 
 
 def routing_noise(probe, sequences: Sequence[Prompt], top_k: int) -> pd.DataFrame:
     """Each stack's routing against itself (a mixture-of-experts model): the same sequences batched (as `measure`
-    batches them) vs one per call, their router logits compared as the two stacks' are (routing.py, the same tie
-    rule), one row per stack and layer. A batch change moves router logits in the last bits, and near-tied top-k
-    picks flip: the cross-stack flip rate means little without this beside it. frac_tokens_any_flip: the share of
-    positions flipped in at least one layer (the same in every row of a stack and change)."""
+    batches them) vs one per call, compared as the two stacks' routing is (routing.py): the experts its router
+    returned (frac_experts_differ, frac_tokens_any_flip) and, as the explanation, its router logits. One row per stack
+    and layer. A batch change moves router logits in the last bits, and near-tied top-k picks flip: the cross-stack
+    flip rate means little without this beside it. frac_tokens_any_flip: the share of positions run through other
+    experts in at least one layer (the same in every row of a stack and change; NaN where the stack hands over no
+    expert ids)."""
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
         alone, together = _KeptTaps(), _KeptTaps()
@@ -85,44 +88,45 @@ def routing_noise(probe, sequences: Sequence[Prompt], top_k: int) -> pd.DataFram
     return pd.DataFrame(rows, columns=ROUTING_NOISE_COLUMNS)
 
 
-ROUTER_TAPS = frozenset({"router_logits"})
+ROUTER_TAPS = frozenset({"router_logits", "expert_ids"})  # the logits and the experts the router returned
 
 
 def _routing_rows(stack: str, side: str, change: str, changed: "_KeptTaps", base: "_KeptTaps",
                   sequences: Sequence[Prompt], top_k: int) -> list[dict]:
-    """One routing_noise.csv row per layer: `changed`'s router logits against `base`'s, under routing.py's tie rule."""
+    """One routing_noise.csv row per layer: `changed`'s expert ids and router logits against `base`'s (routing.py)."""
     from . import routing
 
-    layers = sorted(base.layers())
-    per_layer = [routing.compare_layer(changed.rows(layer, sequences), base.rows(layer, sequences), top_k)
+    layers = sorted(base.layers("router_logits"))
+    recorded = base.layers("expert_ids") == changed.layers("expert_ids") == set(layers)
+    per_layer = [routing.compare_layer(changed.rows("router_logits", layer, sequences),
+                                       base.rows("router_logits", layer, sequences), top_k,
+                                       infer_ids=changed.rows("expert_ids", layer, sequences) if recorded else None,
+                                       train_ids=base.rows("expert_ids", layer, sequences) if recorded else None)
                  for layer in layers]
-    flips, _ = routing.token_flips(per_layer)
-    any_flip = routing.frac_tokens_any_flip(flips)
+    any_flip = routing.frac_tokens_any_flip(routing.token_flips(per_layer)[0]) if recorded else float("nan")
     rows = []
     for layer, r in zip(layers, per_layer):
         m = routing.layer_metrics(r)
-        rows.append({"stack": stack, "side": side, "change": change, "layer": layer, "tokens": m["tokens"],
-                     "frac_topk_set_differs": m["frac_topk_set_differs"],
-                     "frac_topk_order_differs": m["frac_topk_order_differs"],
-                     "frac_flipped_near_tie": m["frac_flipped_near_tie"], "frac_tokens_any_flip": any_flip})
+        rows.append({"stack": stack, "side": side, "change": change, "layer": layer,
+                     **{c: m[c] for c in ROUTING_NOISE_COLUMNS[4:-1]}, "frac_tokens_any_flip": any_flip})
     return rows
 
 
 class _KeptTaps:
-    """A tap sink that keeps a copy of each prompt's router logits (a stack's taps are valid only until its next
-    call), on the host."""
+    """A tap sink that keeps a copy of each prompt's router logits and expert ids (a stack's taps are valid only until
+    its next call), on the host."""
 
     def __init__(self) -> None:
-        self._taps: dict[tuple[int, int], torch.Tensor] = {}
+        self._taps: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def __call__(self, prompt_id: int, key, x: torch.Tensor) -> None:
-        self._taps[(key.layer, prompt_id)] = x.detach().to("cpu", copy=True)
+        self._taps[(key.name, key.layer, prompt_id)] = x.detach().to("cpu", copy=True)
 
-    def layers(self) -> set[int]:
-        return {layer for layer, _ in self._taps}
+    def layers(self, name: str) -> set[int]:
+        return {layer for tap, layer, _ in self._taps if tap == name}
 
-    def rows(self, layer: int, sequences: Sequence[Prompt]) -> torch.Tensor:
-        return torch.cat([self._taps[(layer, seq.prompt_id)] for seq in sequences])
+    def rows(self, name: str, layer: int, sequences: Sequence[Prompt]) -> torch.Tensor:
+        return torch.cat([self._taps[(name, layer, seq.prompt_id)] for seq in sequences])
 
 
 def _against(probe, variant, sequences: Sequence[Prompt], taps: frozenset[str] = frozenset(), mine_taps=_ignore,

@@ -295,15 +295,22 @@ def _print_summary(run) -> None:
 
 
 def _routing_rows(table, s: dict) -> None:
-    """A mixture-of-experts run: how often the stacks route a token differently, beside each stack's own rate under a
-    batch change, and |Δlogp| of the tokens right after a flipped position against the others (routing.csv: per
-    layer)."""
+    """A mixture-of-experts run: how often the stacks run a token through other experts, beside every routing noise
+    floor measured (each stack's batch change, the trainer's kernel change) and the ratio to the largest, and |Δlogp|
+    of the tokens right after a flipped position against the others (routing.csv: per layer)."""
+    from .tables import ROUTING_NOISE_FLOORS, noise_floors
+
     if "frac_tokens_any_flip" not in s:
         return
-    table.add_row("tokens routed differently (any layer)", f"{s['frac_tokens_any_flip']:.2%}")
-    for side in ("infer", "train"):
-        if f"noise_{side}_frac_tokens_any_flip" in s:
-            table.add_row(f"routing noise floor: {side} alone vs batched", f"{s[f'noise_{side}_frac_tokens_any_flip']:.2%}")
+    flips = s["frac_tokens_any_flip"]
+    table.add_row("tokens run through other experts (any layer)",
+                  "not recorded (manifest.json)" if flips != flips else f"{flips:.2%}")  # NaN: a side gave no ids
+    for name, value in noise_floors(s, ROUTING_NOISE_FLOORS).items():
+        table.add_row(f"routing noise floor: {ROUTING_NOISE_FLOORS[name]}", f"{value:.2%}")
+    if "routing_largest_noise_floor" in s:
+        table.add_row("routed differently / largest routing floor",
+                      f"{s['frac_tokens_any_flip_over_largest_floor']:.3g}x "
+                      f"({ROUTING_NOISE_FLOORS[s['routing_largest_noise_floor']]})")
     after, elsewhere = s["mean_abs_dlogp_after_flip"], s["mean_abs_dlogp_not_after_flip"]
     table.add_row("mean |Δlogp| after a flip / elsewhere",
                   "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip

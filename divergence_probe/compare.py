@@ -12,6 +12,7 @@ trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metri
 from .rundir import ROLLOUTS
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
-from .tables import layers_frame, summary_row, tokens_frame
+from .tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from .taps import ROUTE_RECORDS, TapKey, expected_taps
 
 Progress = Callable[[int, int], None]  # (prompts done, prompts total)
@@ -352,7 +353,8 @@ class CompareRun:
         tokens = self.tokens_table
         if self.mode == "generate":
             tokens = tokens[tokens["is_response"]]
-        return self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+        columns = self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+        return columns | routing_verdict_columns(columns)
 
     def _summary(self) -> dict:
         if self.mode != "generate":
@@ -438,15 +440,29 @@ def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
 
 def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
     """Each stack's own routing flips under a batch change, and the trainer's under a kernel change, beside the
-    cross-stack flip rate: the mean over layers of frac_topk_set_differs, and frac_tokens_any_flip (if measured)."""
+    cross-stack flip rate: the mean over layers of frac_experts_differ and of frac_topk_set_differs, and
+    frac_tokens_any_flip (if measured)."""
     if floor is None:
         return {}
     columns = {}
     for (side, change), rows in floor.groupby(["side", "change"], sort=False):
         prefix = f"noise_{side}_" if change == "batched vs alone" else f"noise_{side}_kernel_"
+        columns[f"{prefix}frac_experts_differ"] = float(rows["frac_experts_differ"].mean())
         columns[f"{prefix}frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
         columns[f"{prefix}frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
     return columns
+
+
+def routing_verdict_columns(summary: dict) -> dict:
+    """The cross-stack frac_tokens_any_flip against the largest routing noise floor measured, whichever change made
+    it (tables.ROUTING_NOISE_FLOORS: each stack's batch change, the trainer's kernel change): the floor's summary
+    column and the ratio. Empty when no floor was measured."""
+    largest = largest_noise_floor(summary, ROUTING_NOISE_FLOORS)
+    if largest is None:
+        return {}
+    flips = summary.get("frac_tokens_any_flip", math.nan)
+    ratio = flips / largest[1] if largest[1] > 0 else (math.inf if flips > 0 else math.nan)
+    return {"routing_largest_noise_floor": largest[0], "frac_tokens_any_flip_over_largest_floor": ratio}
 
 
 def source_for(spec: RunSpec) -> SequenceSource:
@@ -530,7 +546,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
         capture = graft = GraftCapture(pairing, probe.train, probe.source.num_layers,
                                        probe.source.family.layer_taps, spec.capture.depth, _top_k(probe))
-    routes, infer_taps = _route_capture(probe, spec, capture, taps)
+    routes, infer_taps, train_taps = _route_capture(probe, spec, capture, taps)
     capture = routes or capture
     source = source_for(spec)
     tokens: list[TokenScore] = []
@@ -549,7 +565,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     if total_scale == 1:  # an ablation names each combination's phase itself
         phase(progress, "scoring prompts, reducing taps")
     with _routes_replayed(probe, spec, routes):
-        ran = score_both(probe, prompts, source, infer_taps, taps, capture, collect, peaks)
+        ran = score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, peaks)
     if source.mode == "generate":
         if total_scale == 1:
             phase(progress, "the engine's prefill of every sampled sequence")
@@ -585,20 +601,22 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
                       engine_noise=engine, routing=run_routing, routing_noise=route_floor)
 
 
-def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]) -> tuple[RouteCapture | None, frozenset[str]]:
-    """For a mixture-of-experts model: the routing capture around the run's tap capture, and the inference side's
-    taps with the engine's route records added (checked against its router logits; replayed under the routing
-    region). Routing is compared wherever router_logits is among the taps."""
+def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]
+                   ) -> tuple[RouteCapture | None, frozenset[str], frozenset[str]]:
+    """For a mixture-of-experts model: the routing capture around the run's tap capture, the inference side's taps
+    with the engine's route records added (checked against its router logits; replayed under the routing region),
+    and the training side's with its router's expert ids added where routing is compared (the experts it ran, which
+    the flip counts compare with the engine's). Routing is compared wherever router_logits is among the taps."""
     family = probe.source.family
     replay = "routing" in from_engine(spec.align.regions)
     if family.top_k_field is None:
-        return None, taps
+        return None, taps, taps
     metrics = "router_logits" in taps
     if not (metrics or replay):
-        return None, taps
+        return None, taps, taps
     routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=_top_k(probe), metrics=metrics,
                           records=True)
-    return routes, taps | frozenset(ROUTE_RECORDS)
+    return routes, taps | frozenset(ROUTE_RECORDS), taps | frozenset({"expert_ids"} if metrics else ())
 
 
 def _top_k(probe) -> int | None:

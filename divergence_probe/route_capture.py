@@ -7,7 +7,11 @@ inference batch, the engine's own routes checked against its logits and kept for
     result = capture.result()                                 # routing.csv, tokens.csv's columns, summary.csv's
 
 It wraps the run's tap capture (capture.TapPairing): `router_logits` taps go on to be diffed like any tap and are
-also compared as routing (routing.py: which experts each side picks, under its tie rule). The engine's route records
+also compared as routing (routing.py: which experts each side picks, under its tie rule). Which experts each stack
+RAN is read from the ids its router returned: the engine's `expert_ids` record below, and the trainer's `expert_ids`
+(transformers' router returns (logits, weights, ids); stacks/hf.py hands the ids over as the same record). A side
+that hands over no ids leaves the experts columns empty and says so (`ids_recorded`), never a logit-based count in
+their place. The engine's route records
 (taps.ROUTE_RECORDS: the ids and weights its router returned, what its experts ran with and what vLLM's
 enable_return_routed_experts records) never reach the pairing: they are checked, kept for the trainer's replay of
 the same sequence, and dropped when its batch is done.
@@ -27,6 +31,8 @@ taps the batch parks. Nothing outlives the batch but a few numbers per token and
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -38,10 +44,14 @@ from . import routing
 from .errors import NumericsError, StackError
 from .taps import ROUTE_RECORDS, TapKey
 
-ROUTING_COLUMNS = ["layer", "tokens", "frac_topk_set_differs", "frac_topk_order_differs", "mean_jaccard",
-                   "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
+ROUTING_COLUMNS = ["layer", "tokens", "frac_experts_differ", "frac_differ_strict_order", "frac_differ_tie_collision",
+                   "frac_kth_tie_infer", "frac_kth_tie_train", "frac_topk_set_differs", "frac_topk_order_differs",
+                   "mean_jaccard", "frac_flipped_near_tie", "margin_flipped_q10", "margin_flipped_q50", "margin_flipped_q90",
                    "margin_unflipped_q10", "margin_unflipped_q50", "margin_unflipped_q90"]
 TOKEN_ROUTING_COLUMNS = ["routing_flips", "first_flip_layer", "upstream_flip"]
+SUMMARY_ROUTING_COLUMNS = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_after_flip",
+                           "mean_abs_dlogp_not_after_flip", "frac_tokens_upstream_flip", "mean_abs_dlogp_upstream_flip",
+                           "mean_abs_dlogp_no_upstream_flip"]
 # Rows (token-layers) per routing.compare_layer call. On an accelerator, where each op is a kernel launch, as many as
 # memory allows: the stacked logits and compare_layer's FP64 intermediates grow with rows x experts and rows x
 # (2 top_k)^2, so ROWS_PER_CALL, what one long sequence's layer took when each was compared on its own. On the CPU an
@@ -82,8 +92,10 @@ class RouteCapture:
         self._infer: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # key -> layer -> engine router logits
         self._train: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._routes: dict[int, dict[tuple[str, int], torch.Tensor]] = defaultdict(dict)  # key -> (record, layer)
+        self._train_ids: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # key -> layer -> trainer's expert ids
+        self.ids_recorded = {"infer": True, "train": True}  # did every batch's sequences come with the side's ids
         self._layers: list[list[routing.LayerRouting]] = [[] for _ in range(num_layers)]  # per layer, per batch
-        self._flips: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (routing_flips, first_flip_layer)
+        self._flips: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # key -> (routing_flips, first_flip_layer)
         self._sequences: dict[int, _Sequence] = {}
         self._waiting: set[int] = set()  # the batch's sequences the trainer has not finished yet
         self._finished: list[int] = []  # those it has, in run order, whose routing is not compared yet
@@ -103,6 +115,10 @@ class RouteCapture:
         self.inner.park(key, tap, tensor)
 
     def pair(self, key: int, tap: TapKey, tensor: torch.Tensor) -> None:
+        if tap.name in ROUTE_RECORDS:  # the trainer's own choice: compared, never diffed as a tap
+            if tap.name == "expert_ids" and self.metrics:
+                self._train_ids[key][tap.layer] = tensor
+            return
         if tap.name == "router_logits" and self.metrics:
             self._train[key][tap.layer] = tensor
         self.inner.pair(key, tap, tensor)
@@ -135,12 +151,16 @@ class RouteCapture:
         infer = [self._infer.pop(key, {}) for key in keys]
         train = [self._train.pop(key, {}) for key in keys]
         routes = [self._routes.pop(key, {}) for key in keys]
+        train_ids = [self._train_ids.pop(key, {}) for key in keys]
         if not self.metrics:
             return
         layers = range(self.num_layers)
         checked = self.records and any(routes)  # the engine's routes against its router logits
+        self.ids_recorded["infer"] &= bool(checked)
+        self.ids_recorded["train"] &= all(len(ids) == self.num_layers for ids in train_ids)
+        both = self.ids_recorded["infer"] and self.ids_recorded["train"]  # the experts each stack ran
         rows = [sequence[0].shape[0] for sequence in infer]
-        for key, i, t, r in zip(keys, infer, train, routes):
+        for key, i, t, r, tr in zip(keys, infer, train, routes, train_ids):
             for layer in layers:
                 if i[layer].shape != t[layer].shape or i[layer].shape[0] != i[0].shape[0]:
                     raise StackError(f"sequence {key}, layer {layer}: router logits of {tuple(i[layer].shape)} "
@@ -153,6 +173,10 @@ class RouteCapture:
                     raise RouteRecordError(f"the engine routed {ids.shape[0]} rows of sequence {key} in layer {layer} "
                                            f"but computed router logits for {i[layer].shape[0]}: its router ran on "
                                            "other rows than its gate (chunked MoE?); routing cannot be compared")
+                own = tr.get(layer) if both else None
+                if own is not None and own.shape != (t[layer].shape[0], self.top_k):
+                    raise StackError(f"sequence {key}, layer {layer}: the trainer's router returned expert ids of "
+                                     f"{tuple(own.shape)} for {t[layer].shape[0]} rows; report this as a bug")
         # the rows of every (layer, sequence), layer-major (each layer's rows are the batch's sequences in run order),
         # stacked per side in calls of whole sequences' layers, at most `limit` rows unless one alone is more
         pieces = [(layer, j) for layer in layers for j in range(len(keys))]
@@ -168,28 +192,39 @@ class RouteCapture:
         for call in calls:
             x = torch.cat([infer[j][layer] for layer, j in call])
             y = torch.cat([train[j][layer] for layer, j in call]).to(x.device)
-            c = routing.compare_layer(x, y, self.top_k, check_finite=False)  # finiteness: below, with the routes
-            columns = [c.set_differs, c.order_differs, c.jaccard, c.margin, c.near_tie,
-                       torch.isfinite(x).all(-1), torch.isfinite(y).all(-1)]
+            ids = torch.cat([routes[j][("expert_ids", layer)] for layer, j in call]).to(x.device) if checked else None
+            own = torch.cat([train_ids[j][layer] for layer, j in call]).to(x.device) if both else None
+            c = routing.compare_layer(x, y, self.top_k, check_finite=False,  # finiteness: below, with the routes
+                                      infer_ids=ids if both else None, train_ids=own)
+            columns = [c.set_differs, c.order_differs, c.jaccard, c.margin, c.near_tie, c.kth_tie_infer,
+                       c.kth_tie_train, *([c.experts_differ] if both else []), torch.isfinite(x).all(-1),
+                       torch.isfinite(y).all(-1)]
             if checked:
-                ids = torch.cat([routes[j][("expert_ids", layer)] for layer, j in call]).to(x.device)
                 columns.append(routing.is_admissible_topk(x, ids, check_finite=False))
             parts.append(torch.stack([col.double() for col in columns]))  # FP64 holds the bools and FP64 columns
         host = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).cpu()  # the batch's one read-back
         n = sum(rows)
-        flags = host[5:].bool()  # [finite infer, finite train, (admissible)] x [layers x rows]
+        fields = 8 if both else 7
+        flags = host[fields:].bool()  # [finite infer, finite train, (admissible)] x [layers x rows]
         if not flags.all():
             self._raise_first(keys, rows, routes, *flags)
         if checked:
             self.records_checked += flags.shape[1]
-        # per layer (views of the host copy, in the dtypes compare_layer returns): bools, FP64, FP64, bools
-        differ = host[[0, 1, 4]].bool().view(3, self.num_layers, n)
-        values = host[2:4].view(2, self.num_layers, n)
-        per_layer = [routing.LayerRouting(*fields) for fields in zip(differ[0].unbind(), differ[1].unbind(),
-                                                                     values[0].unbind(), values[1].unbind(),
-                                                                     differ[2].unbind())]
+        # per layer (views of the host copy, in the dtypes compare_layer returns): FP64 for jaccard and margin,
+        # bools for the rest, each converted once for every layer
+        names = ["set_differs", "order_differs", "jaccard", "margin", "near_tie", "kth_tie_infer", "kth_tie_train",
+                 "experts_differ"][:fields]
+        flags_at = [j for j, name in enumerate(names) if name not in ("jaccard", "margin")]
+        flagged = host[flags_at].bool().view(len(flags_at), self.num_layers, n)
+        per_field = dict(zip([names[j] for j in flags_at], flagged))
+        per_field |= dict(zip(("jaccard", "margin"), host[2:4].view(2, self.num_layers, n)))
+        per_layer = [routing.LayerRouting(**dict(zip(per_field, values)))
+                     for values in zip(*(f.unbind() for f in per_field.values()))]
         for kept, r in zip(self._layers, per_layer):
             kept.append(r)
+        if not self.ids_recorded["infer"] or not self.ids_recorded["train"]:
+            self._flips.update(dict.fromkeys(keys))  # which experts ran is unknown: no flips counted in its place
+            return
         flips, first = routing.token_flips(per_layer)
         for key, f, g in zip(keys, flips.split(rows), first.split(rows)):
             self._flips[key] = (f, g)
@@ -243,13 +278,16 @@ class RouteCapture:
         if not self.metrics or not self._flips:
             return None
         layers = [cat_routing(per_batch) for per_batch in self._layers]
-        return RunRouting(layers, dict(self._flips), dict(self._sequences), self.top_k, self.records_checked)
+        return RunRouting(layers, dict(self._flips), dict(self._sequences), self.top_k, self.records_checked,
+                          dict(self.ids_recorded))
 
 
 def cat_routing(parts: list[routing.LayerRouting]) -> routing.LayerRouting:
-    """One layer's comparisons of several sequences (or batches) as one, on the host."""
-    return routing.LayerRouting(*(torch.cat([getattr(p, f) for p in parts]).cpu()
-                                  for f in ("set_differs", "order_differs", "jaccard", "margin", "near_tie")))
+    """One layer's comparisons of several sequences (or batches) as one, on the host; experts_differ only where every
+    part has it (a part without a side's ids leaves the whole layer's unknown)."""
+    fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(routing.LayerRouting)}
+    return routing.LayerRouting(**{name: None if any(v is None for v in values) else torch.cat(values).cpu()
+                                   for name, values in fields.items()})
 
 
 def routing_table(layers: list[routing.LayerRouting]) -> pd.DataFrame:
@@ -263,10 +301,16 @@ class RunRouting:
     """Both stacks' routing over a run: per layer (every routed row of every sequence, in run order) and per token."""
 
     layers: list[routing.LayerRouting]
-    flips: dict[int, tuple[torch.Tensor, torch.Tensor]]  # sequence key -> (routing_flips, first_flip_layer) per row
+    flips: dict[int, tuple[torch.Tensor, torch.Tensor] | None]  # key -> (routing_flips, first_flip_layer) per row
     sequences: dict[int, _Sequence]
     top_k: int
     records_checked: int
+    ids_recorded: dict[str, bool]  # side -> did its router hand over the expert ids it returned, every sequence
+
+    @property
+    def experts_known(self) -> bool:
+        """Are the experts each stack ran known (both sides' ids recorded)? Without, no flip is counted at all."""
+        return all(self.ids_recorded.values())
 
     def table(self) -> pd.DataFrame:
         """routing.csv: one row per MoE layer (routing.layer_metrics)."""
@@ -276,7 +320,12 @@ class RunRouting:
         """tokens.csv with routing_flips and first_flip_layer (at the token's own position: how many layers, and the
         first, where the two stacks sent this token to different experts; empty where the engine never ran the
         token, a sampled sequence's last) and upstream_flip (a flip at any earlier position of its sequence, in any
-        layer: in the causal cone of the logits that scored this token)."""
+        layer: in the causal cone of the logits that scored this token). All three empty where a side's ids were not
+        recorded."""
+        if not self.experts_known:
+            return tokens.assign(routing_flips=pd.array([pd.NA] * len(tokens), dtype="Int64"),
+                                 first_flip_layer=pd.array([pd.NA] * len(tokens), dtype="Int64"),
+                                 upstream_flip=pd.array([pd.NA] * len(tokens), dtype="boolean"))
         parts = []
         for key, (flips, first) in self.flips.items():
             seq = self.sequences[key]
@@ -304,7 +353,9 @@ class RunRouting:
         """summary.csv's routing columns. `tokens`: the rows the summary describes, with token_columns' columns.
         frac_tokens_any_flip counts every routed position; the |Δlogp| columns split the scored tokens by whether the
         position just before them (whose logits scored them) flipped in some layer ("after_flip"), and by a flip
-        anywhere upstream in their sequence ("upstream_flip")."""
+        anywhere upstream in their sequence ("upstream_flip"). All NaN where a side's ids were not recorded."""
+        if not self.experts_known:
+            return dict.fromkeys(SUMMARY_ROUTING_COLUMNS, math.nan)
         flips = torch.cat([f for f, _ in self.flips.values()])
         abs_dlogp = torch.tensor(tokens["delta_logprob"].abs().to_numpy(), dtype=torch.float64)
         after = self._after_flip(tokens)
@@ -328,7 +379,15 @@ class RunRouting:
         return torch.tensor(out, dtype=torch.bool)
 
     def manifest(self) -> dict:
+        unknown = [{"infer": "inference", "train": "training"}[side] for side, ok in self.ids_recorded.items() if not ok]
         return {"top_k": self.top_k,
-                "tie_rule": "two sides' top-k differ only if no tie-break on either side makes them equal (routing.py)",
+                "flips_count": "the expert ids each stack's router returned (the experts it ran)",
+                "expert_ids_recorded": dict(self.ids_recorded),
+                **({"experts_not_compared": f"the {' and '.join(unknown)} stack handed over no expert ids: "
+                                            "frac_experts_differ, routing_flips and frac_tokens_any_flip are empty"}
+                   if unknown else {}),
+                "tie_rule": "logit comparison: two sides' top-k differ only if no tie-break on either side makes them "
+                            "equal; ids that differ where a tie-break could have made them equal are tie collisions "
+                            "(routing.py)",
                 "near_tie_ulps": routing.NEAR_TIE_ULPS,
                 "engine_routes_checked_token_layers": self.records_checked}

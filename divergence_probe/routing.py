@@ -1,7 +1,9 @@
-"""Routing metrics for mixture-of-experts layers: pure functions from the two sides' router logits (no model code).
+"""Routing metrics for mixture-of-experts layers: pure functions from the two sides' router logits and the experts
+each side's router returned (no model code).
 
     from divergence_probe import routing
-    per_layer = [routing.compare_layer(infer_logits[i], train_logits[i], top_k=8) for i in range(layers)]
+    per_layer = [routing.compare_layer(infer_logits[i], train_logits[i], top_k=8,
+                                       infer_ids=engine_ids[i], train_ids=trainer_ids[i]) for i in range(layers)]
     rows = [routing.layer_metrics(r) for r in per_layer]            # one routing.csv row per layer
     flips, first = routing.token_flips(per_layer)                   # tokens.csv: routing_flips, first_flip_layer
     upstream = routing.upstream_flips(flips > 0, sequence_ids, scope="prefix")
@@ -12,13 +14,21 @@ Conventions, as in metrics.py: `infer` is the engine's side, `train` the trainer
 [tokens, experts] in any floating dtype; they are compared in FP64, which holds every BF16/FP16/FP32 value
 exactly, so no rounding of ours can make or hide a flip.
 
-Ties. Both stacks pick experts with torch.topk (transformers on FP32 softmax probabilities, which keep the
+The experts that ran. The headline count (`experts_differ`, and token_flips' routing_flips built on it) compares the
+expert ids each stack's router returned, the experts each stack then ran: that is what a routing replay (R3) replays
+and what moves the output. Both stacks break an exact tie at the k-th place deterministically, each its own way, so
+where one side has experts 5 and 9 tied at the k-th place and runs 5 while the other ranks 9 a ULP above 5 and runs 9,
+different experts ran though no strict order of the logits differs: a "tie collision". The logit comparison below
+explains each difference: a strict order difference (`set_differs`: no tie-break could make the sets equal) or a tie
+collision (the sets differ though some tie-break would have made them equal).
+
+Ties in the logit comparison. Both stacks pick experts with torch.topk (transformers on FP32 softmax probabilities, which keep the
 order and the ties of the logits; vLLM's CPU router on the BF16 logits themselves, unsorted), and torch.topk
 does not specify which of equal values it returns. With BF16 logits, equal values at the k-th place do occur,
 so a side's top-k is then a *family* of admissible sets: every expert strictly above the k-th value, plus any
 choice among those equal to it. The rule here: two sides' top-k sets differ only if NO tie-break on either side
 makes them equal, and their orders differ only if no tie-breaks make the ordered top-k lists equal. So a metric
-never reports a flip that is only a tie-break; the Jaccard index is the largest over tie-breaks. Where a
+never reports a flip that is only a tie-break (those are the tie collisions, counted from the ids); the Jaccard index is the largest over tie-breaks. Where a
 single canonical pick is needed (replaying routes, a stable expert list), `topk_ids` ranks by value, then by
 ascending expert id.
 """
@@ -43,13 +53,17 @@ QUANTILES = (0.1, 0.5, 0.9)
 
 @dataclass(frozen=True)
 class LayerRouting:
-    """Per-token comparison of one MoE layer's routing; every field is a [tokens] tensor."""
+    """Per-token comparison of one MoE layer's routing; every field is a [tokens] tensor. `experts_differ` is None
+    where a side's router ids were not recorded: the logit fields then stand alone, never in its place."""
 
     set_differs: torch.Tensor  # bool: no tie-break makes the two top-k sets equal
     order_differs: torch.Tensor  # bool: no tie-break makes the two ordered top-k lists equal (implies set_differs)
     jaccard: torch.Tensor  # float64: |A ∩ B| / |A ∪ B| of the top-k sets, largest over tie-breaks
     margin: torch.Tensor  # float64: trainer's k-th minus (k+1)-th largest logit (inf when k == experts)
     near_tie: torch.Tensor  # bool: margin <= NEAR_TIE_ULPS BF16 ULPs (see compare_layer)
+    kth_tie_infer: torch.Tensor  # bool: the engine's k-th and (k+1)-th largest logits are equal (a tie-break decides)
+    kth_tie_train: torch.Tensor  # bool: the same on the trainer's side
+    experts_differ: torch.Tensor | None = None  # bool: the sets of expert ids the two routers returned differ
 
 
 def _check(logits: torch.Tensor, top_k: int, name: str, finite: bool = True) -> None:
@@ -96,6 +110,26 @@ def is_admissible_topk(logits: torch.Tensor, ids: torch.Tensor, *, check_finite:
     return distinct & ~(sure & ~chosen).any(-1) & ~(chosen & ~(sure | tied)).any(-1)
 
 
+def kth_tie(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per token [T] bool: is the k-th largest logit equal to the (k+1)-th, so that which experts run is decided by
+    the stack's tie-break, not by the logits (never, when every expert is chosen)."""
+    if top_k >= logits.shape[1]:
+        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    values = torch.topk(logits, top_k + 1, dim=-1).values
+    return values[:, -2] == values[:, -1]
+
+
+def ids_differ(infer_ids: torch.Tensor, train_ids: torch.Tensor) -> torch.Tensor:
+    """Per token [T] (or [..., T]) bool: do the two [T, k] ([..., T, k]) lists of expert ids name different sets (the
+    order is ignored: it carries no meaning for which experts run)."""
+    if infer_ids.shape != train_ids.shape or infer_ids.dim() < 2:
+        raise ValueError(f"the two sides' expert ids differ in shape: {tuple(infer_ids.shape)} vs "
+                         f"{tuple(train_ids.shape)}")
+    a = infer_ids.long().sort(dim=-1).values
+    b = train_ids.long().to(a.device).sort(dim=-1).values
+    return (a != b).any(dim=-1)
+
+
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """The spacing of BF16 values at |x| (FP64): 2^(exponent - 7) for normal x, the subnormal step near 0."""
     _, exponent = torch.frexp(x.double().abs())  # |x| = m * 2^e with m in [0.5, 1): the binade is [2^(e-1), 2^e)
@@ -105,9 +139,10 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def compare_layer(
     infer: torch.Tensor, train: torch.Tensor, top_k: int, *, near_tie_ulps: float = NEAR_TIE_ULPS,
-    check_finite: bool = True,
+    check_finite: bool = True, infer_ids: torch.Tensor | None = None, train_ids: torch.Tensor | None = None,
 ) -> LayerRouting:
-    """Compare one layer's routing token by token; the tie rule is the module docstring's.
+    """Compare one layer's routing token by token; the tie rule is the module docstring's. `infer_ids`,
+    `train_ids` ([T, k]): the experts each side's router returned; with both, `experts_differ` is set.
 
     Set: for each side the admissible top-k sets are S ∪ (a choice among the tied T), S the sure experts. The
     largest overlap over tie-breaks is reached greedily (an expert sure on one side and tied on the other costs
@@ -150,8 +185,10 @@ def compare_layer(
     else:  # every expert is chosen: nothing can flip
         margin = torch.full_like(kth_b, math.inf)
         near_tie = torch.zeros_like(set_differs)
+    both = infer_ids is not None and train_ids is not None
     return LayerRouting(set_differs=set_differs, order_differs=order_differs, jaccard=jaccard, margin=margin,
-                        near_tie=near_tie)
+                        near_tie=near_tie, kth_tie_infer=kth_tie(a, top_k), kth_tie_train=kth_tie(b, top_k),
+                        experts_differ=ids_differ(infer_ids, train_ids).to(a.device) if both else None)
 
 
 def _quantiles(x: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -161,8 +198,18 @@ def _quantiles(x: torch.Tensor, prefix: str) -> dict[str, float]:
     return {f"{prefix}_q{round(q * 100)}": v for q, v in zip(QUANTILES, values.tolist())}
 
 
+def _frac(mask: torch.Tensor | None) -> float:
+    return mask.double().mean().item() if mask is not None and mask.numel() else math.nan
+
+
 def layer_metrics(r: LayerRouting) -> dict[str, float]:
     """One routing.csv row (without the layer index).
+
+    frac_experts_differ is the share of tokens whose two routers returned different expert sets (NaN where a side's
+    ids were not recorded); it splits into frac_differ_strict_order (the logits' strict order differs: no tie-break
+    could make the sets equal) and frac_differ_tie_collision (an exact tie at the k-th place on a side, broken
+    otherwise than the other side's order). frac_kth_tie_infer / _train: how often a side's k-th place is an exact
+    tie at all. The frac_topk_* columns and the margins are the logit comparison (module docstring).
 
     frac_flipped_near_tie is the share of this layer's flipped tokens (set differs) whose trainer-side margin
     is a near tie (NaN if none flipped): how much of the flipping a last-bit rounding alone can explain. The
@@ -170,8 +217,14 @@ def layer_metrics(r: LayerRouting) -> dict[str, float]:
     """
     flipped = r.set_differs
     n_flipped = int(flipped.sum())
+    ran = r.experts_differ
     row = {
         "tokens": int(flipped.numel()),
+        "frac_experts_differ": _frac(ran),
+        "frac_differ_strict_order": _frac(None if ran is None else ran & flipped),
+        "frac_differ_tie_collision": _frac(None if ran is None else ran & ~flipped),
+        "frac_kth_tie_infer": _frac(r.kth_tie_infer),
+        "frac_kth_tie_train": _frac(r.kth_tie_train),
         "frac_topk_set_differs": flipped.double().mean().item(),
         "frac_topk_order_differs": r.order_differs.double().mean().item(),
         "mean_jaccard": r.jaccard.mean().item(),
@@ -183,11 +236,14 @@ def layer_metrics(r: LayerRouting) -> dict[str, float]:
 
 
 def token_flips(layers: list[LayerRouting]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, across the MoE layers in order: routing_flips (how many layers' top-k sets differ, int64) and
-    first_flip_layer (the index into `layers` of the first that does; -1 if none)."""
+    """Per token, across the MoE layers in order: routing_flips (in how many layers the two stacks ran different
+    experts, int64) and first_flip_layer (the index into `layers` of the first; -1 if none). The experts that ran,
+    never the logit comparison in their place: a layer without both sides' ids is an error."""
     if not layers:
         raise ValueError("no MoE layers to combine")
-    differs = torch.stack([r.set_differs for r in layers], dim=0)  # [layers, T]
+    if any(r.experts_differ is None for r in layers):
+        raise ValueError("routing flips count the experts each stack ran: a layer lacks a side's expert ids")
+    differs = torch.stack([r.experts_differ for r in layers], dim=0)  # [layers, T]
     flips = differs.sum(0)
     first = torch.where(flips > 0, differs.int().argmax(0), torch.full_like(flips, -1))  # argmax: the first True
     return flips, first

@@ -31,6 +31,14 @@ NOISE_FLOORS = {
     "noise_infer_tensor_parallel_mean_abs_dlogp": "the engine's own change of tensor parallelism",
     "noise_train_tensor_parallel_mean_abs_dlogp": "the training stack's own change of tensor parallelism",
 }
+# summary.csv's routing noise floors (compare.routing_noise_columns): the share of positions a stack runs through other
+# experts, in at least one layer, against itself under one change. The cross-stack frac_tokens_any_flip is read
+# against the largest one measured, as the logprob mismatch is against NOISE_FLOORS.
+ROUTING_NOISE_FLOORS = {
+    "noise_infer_frac_tokens_any_flip": "the inference stack's own batch change",
+    "noise_train_frac_tokens_any_flip": "the training stack's own batch change",
+    "noise_train_kernel_frac_tokens_any_flip": "the training stack's own attention-kernel change",
+}
 ROLLOUT_TOKEN_COLUMNS = ["prompt_id", "sample_id", "position", "token_id", "token", "is_response",
                          "logprob_infer", "logprob_prefill", "logprob_train", "delta_logprob", "kl"]
 
@@ -88,18 +96,19 @@ def worst_layer(tap_stats, tap: str = "resid_out") -> tuple[int, float] | None:
     return layer, rel
 
 
-def noise_floors(summary) -> dict[str, float]:
-    """The noise floors a run measured (summary column -> mean |Δlogp|), in NOISE_FLOORS order."""
+def noise_floors(summary, floors: dict[str, str] = NOISE_FLOORS) -> dict[str, float]:
+    """The noise floors a run measured (summary column -> value), in the order of `floors` (NOISE_FLOORS: mean
+    |Δlogp|; ROUTING_NOISE_FLOORS: the share of positions routed differently)."""
     found = {}
-    for name in NOISE_FLOORS:
+    for name in floors:
         value = summary.get(name)
         if value is not None and not pd.isna(value):
             found[name] = float(value)
     return found
 
 
-def largest_noise_floor(summary) -> tuple[str, float] | None:
-    """The largest noise floor a run measured, (summary column, mean |Δlogp|), or None when it measured none."""
-    floors = noise_floors(summary)
-    return max(floors.items(), key=lambda item: item[1]) if floors else None
+def largest_noise_floor(summary, floors: dict[str, str] = NOISE_FLOORS) -> tuple[str, float] | None:
+    """The largest of `floors` a run measured, (summary column, value), or None when it measured none."""
+    found = noise_floors(summary, floors)
+    return max(found.items(), key=lambda item: item[1]) if found else None
 

@@ -5,7 +5,8 @@ engine per process, and the pytest process's engine is the dense tiny Qwen3).
 
 Each run is written under OUT/<name>; the shipped run also grafts (--graft --depth), generate_r3 too (--graft).
 Beside them, evidence the tests check independently of the tool's own routing code paths: every router-logit tap
-of both stacks and the engine's post_norm (the router's input) captured through a sink of this script
+of both stacks, the engine's post_norm (the router's input) and both stacks' expert ids (the engine's through a sink of
+this script, the trainer's from a forward hook of this script on each transformers router, its third output)
 (OUT/<name>/taps.pt), and, for the replay runs, the expert ids and weights the trainer's experts were called with and the routes the engine
 handed over (OUT/<name>/replay.pt).
 """
@@ -58,18 +59,32 @@ def _router_taps(probe, name: str, out: Path) -> None:
     taps: dict = {}
     post_norm: dict = {}  # (prompt, layer) -> the engine's router input
 
+    ids: dict = {}  # (side, prompt, layer) -> the expert ids its router returned
+
     def keep(side):
         def sink(pid, key, x):
             if key.name == "post_norm":
                 post_norm[(pid, key.layer)] = x.clone()
+            elif key.name == "expert_ids":
+                ids[(side, pid, key.layer)] = x.clone()
             else:
                 taps[(side, pid, key.layer)] = x.clone()
         return sink
 
-    probe.infer.score_batched(prompts, frozenset({"router_logits", "post_norm"}), keep("infer"))
-    probe.train.score(prompts, frozenset({"router_logits"}), keep("train"))
-    torch.save({"taps": taps, "post_norm": post_norm, "lengths": {p.prompt_id: len(p.token_ids) for p in prompts}},
-               out / name / "taps.pt")
+    probe.infer.score_batched(prompts, frozenset({"router_logits", "post_norm", "expert_ids"}), keep("infer"))
+    running = []
+    hooks = [layer.mlp.gate.register_forward_hook(  # transformers' router returns (logits, weights, ids)
+        lambda m, args, out, i=i: ids.__setitem__(("train", running[-1], i), out[2].clone()))
+        for i, layer in enumerate(probe.train.model.model.layers)]
+    try:
+        for prompt in prompts:
+            running.append(prompt.prompt_id)
+            probe.train.score([prompt], frozenset({"router_logits"}), keep("train"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.save({"taps": taps, "post_norm": post_norm, "ids": ids,
+                "lengths": {p.prompt_id: len(p.token_ids) for p in prompts}}, out / name / "taps.pt")
 
 
 def main(model: str, out: str) -> None:

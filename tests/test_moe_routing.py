@@ -43,12 +43,35 @@ def _csv(run: Path, name: str) -> pd.DataFrame:
 
 
 def _recomputed(runs: Path) -> list[routing.LayerRouting]:
-    """Per layer, the routing of every prompt's rows in prompt order, from the script's own tap capture."""
+    """Per layer, the routing of every prompt's rows in prompt order, from the script's own capture of the router
+    logits and of the expert ids each stack's router returned."""
     saved = torch.load(runs / "shipped" / "taps.pt")
-    taps, prompts = saved["taps"], sorted(saved["lengths"])
-    return [routing.compare_layer(torch.cat([taps[("infer", p, layer)] for p in prompts]),
-                                  torch.cat([taps[("train", p, layer)] for p in prompts]), TOP_K)
+    taps, ids, prompts = saved["taps"], saved["ids"], sorted(saved["lengths"])
+
+    def rows(store, side, layer):
+        return torch.cat([store[(side, p, layer)] for p in prompts])
+
+    return [routing.compare_layer(rows(taps, "infer", layer), rows(taps, "train", layer), TOP_K,
+                                  infer_ids=rows(ids, "infer", layer), train_ids=rows(ids, "train", layer))
             for layer in range(LAYERS)]
+
+
+def test_frac_experts_differ_is_the_experts_each_stack_ran(runs):
+    """frac_experts_differ against a plain count of the ids the two routers returned (the script's own capture:
+    the trainer's from a hook on each transformers router), and never below the logit-based count: a token whose
+    logits' strict order differs runs through other experts whatever the tie-breaks."""
+    saved = torch.load(runs / "shipped" / "taps.pt")
+    ids, prompts = saved["ids"], sorted(saved["lengths"])
+    table = _csv(runs / "shipped", "routing.csv")
+    for layer in range(LAYERS):
+        a, b = (torch.cat([ids[(side, p, layer)] for p in prompts]) for side in ("infer", "train"))
+        differ = [set(x) != set(y) for x, y in zip(a.tolist(), b.tolist())]
+        row = table.iloc[layer]
+        assert row.frac_experts_differ == pytest.approx(sum(differ) / len(differ), rel=1e-12), layer
+        assert row.frac_experts_differ >= row.frac_topk_set_differs
+        assert row.frac_experts_differ == pytest.approx(row.frac_differ_strict_order + row.frac_differ_tie_collision)
+    manifest = json.loads((runs / "shipped" / "manifest.json").read_text())["compare"]["routing"]
+    assert manifest["expert_ids_recorded"] == {"infer": True, "train": True} and "experts_not_compared" not in manifest
 
 
 def test_routing_csv_equals_a_recomputation_from_the_taps(runs):
@@ -110,6 +133,33 @@ def test_routing_noise_floors_beside_the_flip_rate(runs):
             batched[batched.side == side].frac_topk_set_differs.mean())
     assert summary["noise_train_kernel_frac_topk_set_differs"] == pytest.approx(kernel.frac_topk_set_differs.mean())
     assert summary["noise_train_kernel_frac_tokens_any_flip"] == kernel.frac_tokens_any_flip.iloc[0]
+    assert summary["noise_train_kernel_frac_experts_differ"] == pytest.approx(kernel.frac_experts_differ.mean())
+    assert floor.frac_experts_differ.notna().all() and (floor.frac_experts_differ >= floor.frac_topk_set_differs).all()
+
+
+def test_the_routing_verdict_reads_every_floor(runs):
+    """The cross-stack flip rate against the largest routing floor, the trainer's kernel floor among them: in
+    summary.csv and in the printed table."""
+    from rich.table import Table
+
+    from divergence_probe.cli import _routing_rows
+    from divergence_probe.tables import ROUTING_NOISE_FLOORS
+
+    s = _csv(runs / "shipped", "summary.csv").iloc[0].to_dict()
+    floors = {name: s[name] for name in ROUTING_NOISE_FLOORS}
+    assert "noise_train_kernel_frac_tokens_any_flip" in floors and not any(math.isnan(v) for v in floors.values())
+    largest = max(floors, key=floors.get)
+    assert s["routing_largest_noise_floor"] == largest
+    assert s["frac_tokens_any_flip_over_largest_floor"] == pytest.approx(s["frac_tokens_any_flip"] / floors[largest])
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    _routing_rows(table, s)
+    printed = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    for name, change in ROUTING_NOISE_FLOORS.items():
+        assert printed[f"routing noise floor: {change}"] == f"{s[name]:.2%}"
+    assert printed["routed differently / largest routing floor"].startswith(
+        f"{s['frac_tokens_any_flip_over_largest_floor']:.3g}x ({ROUTING_NOISE_FLOORS[largest]}")
 
 
 @pytest.mark.parametrize("name", ["r3", "ids_weights"])
@@ -138,9 +188,14 @@ def test_replay_sends_every_token_to_the_engines_experts(runs, name):
 
 
 def test_replay_leaves_the_router_disagreement_visible(runs):
-    """Replay changes which experts run, not the router's logits: layer 0's routing row is the shipped run's."""
+    """Replay changes which experts run, not the router's logits: layer 0's logit columns are the shipped run's,
+    while the experts the two stacks ran agree on every token of every layer (the trainer ran the engine's)."""
     shipped, r3 = _csv(runs / "shipped", "routing.csv"), _csv(runs / "r3", "routing.csv")
-    pd.testing.assert_series_equal(shipped.iloc[0], r3.iloc[0])
+    logits = [c for c in shipped.columns if c not in ("frac_experts_differ", "frac_differ_strict_order",
+                                                       "frac_differ_tie_collision")]
+    pd.testing.assert_series_equal(shipped.iloc[0][logits], r3.iloc[0][logits])
+    assert shipped.frac_experts_differ[0] > 0 and (r3.frac_experts_differ == 0).all()
+    assert _csv(runs / "r3", "summary.csv").frac_tokens_any_flip[0] == 0
     manifest = json.loads((runs / "r3" / "manifest.json").read_text())
     assert manifest["compare"]["routing"]["replay"] == "ids"
     assert json.loads((runs / "ids_weights" / "manifest.json").read_text())["compare"]["routing"]["replay"] == \

@@ -51,9 +51,11 @@ def _logits(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a, torch.where(torch.rand(rows, 1, generator=g) < 0.3, redrawn, nudged)
 
 
-def _run(lengths: list[int], layers: int, batches: list[list[int]] | None, bad=None) -> tuple[RouteCapture, dict]:
+def _run(lengths: list[int], layers: int, batches: list[list[int]] | None, bad=None, train_ids: bool = True
+         ) -> tuple[RouteCapture, dict]:
     """Every sequence through a RouteCapture as the run loop drives it: park the engine's taps and routes, pair the
-    trainer's, finish; `batches`: the keys the run loop names per inference batch (None: never named). `bad`:
+    trainer's (its router's ids too, unless not `train_ids`), finish; both routers break ties by ascending id, as
+    both stacks do; `batches`: the keys the run loop names per inference batch (None: never named). `bad`:
     (key, layer, row) whose engine route is not a top-k of its logits."""
     capture = RouteCapture(_NoPairing(), num_layers=layers, top_k=TOP_K, metrics=True, records=True)
     taps = {}
@@ -73,6 +75,9 @@ def _run(lengths: list[int], layers: int, batches: list[list[int]] | None, bad=N
         for key in batch:
             for layer in range(layers):
                 capture.pair(key, TapKey.of("router_logits", layer), taps[(key, layer)][1])
+                if train_ids:
+                    own = routing.topk_ids(taps[(key, layer)][1].nan_to_num(), TOP_K)  # a NaN test's too
+                    capture.pair(key, TapKey.of("expert_ids", layer), own)
             capture.finish_prompt(key)
     return capture, taps
 
@@ -92,13 +97,20 @@ def test_batched_routing_equals_the_per_layer_calls(monkeypatch, batches, rows):
     layers = 3
     capture, taps = _run(LENGTHS, layers, batches)
     result = capture.result()
-    expected = [routing.compare_layer(torch.cat([taps[(k, layer)][0] for k in range(len(LENGTHS))]),
-                                      torch.cat([taps[(k, layer)][1] for k in range(len(LENGTHS))]), TOP_K)
-                for layer in range(layers)]
+    expected = []
+    for layer in range(layers):
+        a, b = (torch.cat([taps[(k, layer)][side] for k in range(len(LENGTHS))]) for side in (0, 1))
+        expected.append(routing.compare_layer(a, b, TOP_K, infer_ids=routing.topk_ids(a, TOP_K),
+                                              train_ids=routing.topk_ids(b, TOP_K)))
     for got, want in zip(result.layers, expected):
-        for field in ("set_differs", "order_differs", "jaccard", "margin", "near_tie"):
+        for field in ("set_differs", "order_differs", "jaccard", "margin", "near_tie", "kth_tie_infer",
+                      "kth_tie_train", "experts_differ"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert any(r.set_differs.any() for r in expected) and any(r.near_tie.any() for r in expected)
+    # the experts that ran differ wherever the logits' strict order does, and at tie collisions besides
+    assert all(bool((r.experts_differ >= r.set_differs).all()) for r in expected)
+    assert any(bool((r.experts_differ & ~r.set_differs).any()) for r in expected)
+    assert result.experts_known and result.manifest()["expert_ids_recorded"] == {"infer": True, "train": True}
     flips, first = routing.token_flips(expected)
     starts = [sum(LENGTHS[:k]) for k in range(len(LENGTHS))]
     for key, (start, n) in enumerate(zip(starts, LENGTHS)):
@@ -155,6 +167,22 @@ def test_the_first_failing_sequence_is_named(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_logits", with_nan)
     with pytest.raises(NumericsError, match=r"training stack's router logits of layer 0 hold NaN/Inf \(sequence 2\)"):
         _run([4, 5, 6], 2, [[0, 1, 2]], bad=(2, 1, 0))
+
+
+def test_without_the_trainers_ids_no_flip_is_counted_and_the_manifest_says_so():
+    """A side that hands over no expert ids: the logit comparison stays, the experts columns are empty, and no count
+    of the logits takes their name."""
+    import pandas as pd
+
+    result = _run([4, 5], 2, [[0, 1]], train_ids=False)[0].result()
+    assert not result.experts_known and result.ids_recorded == {"infer": True, "train": False}
+    table = result.table()
+    assert table["frac_experts_differ"].isna().all() and table["frac_topk_set_differs"].notna().all()
+    assert "training stack handed over no expert ids" in result.manifest()["experts_not_compared"]
+    tokens = pd.DataFrame({"prompt_id": [0, 1], "position": [1, 1], "delta_logprob": [0.1, 0.2]})
+    columns = result.token_columns(tokens)
+    assert columns[["routing_flips", "first_flip_layer", "upstream_flip"]].isna().all().all()
+    assert all(v != v for v in result.summary(columns).values())
 
 
 def test_a_batch_left_unfinished_is_an_error_not_a_silent_gap():

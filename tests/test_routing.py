@@ -169,13 +169,52 @@ def test_all_experts_chosen_never_flips():
 
 def test_token_flips_by_hand():
     def layer(flags):
-        return routing.LayerRouting(set_differs=torch.tensor(flags), order_differs=torch.tensor(flags),
-                                    jaccard=torch.ones(len(flags)), margin=torch.ones(len(flags)),
-                                    near_tie=torch.zeros(len(flags), dtype=torch.bool))
+        none = torch.zeros(len(flags), dtype=torch.bool)
+        return routing.LayerRouting(set_differs=none, order_differs=none, jaccard=torch.ones(len(flags)),
+                                    margin=torch.ones(len(flags)), near_tie=none, kth_tie_infer=none,
+                                    kth_tie_train=none, experts_differ=torch.tensor(flags))
 
     flips, first = routing.token_flips([layer([False, True, False]), layer([False, True, True])])
     assert flips.tolist() == [0, 2, 1] and first.tolist() == [-1, 0, 1]
     assert routing.frac_tokens_any_flip(flips) == pytest.approx(2 / 3)
+    unrecorded = layer([True, False, False])
+    object.__setattr__(unrecorded, "experts_differ", None)
+    with pytest.raises(ValueError, match="expert ids"):  # never the logit comparison under the same name
+        routing.token_flips([unrecorded])
+
+
+def test_a_tie_at_the_kth_place_on_one_side_is_a_flip_of_the_experts_that_ran():
+    """The trainer has experts 1 and 3 tied at the k-th place and runs 1 (lowest id first); the engine ranks 3 one
+    BF16 ULP above 1 and runs 3. No strict order of the logits differs, yet different experts ran: a tie collision."""
+    train = torch.tensor([[4.0, 1.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    infer = train.clone()
+    infer[0, 3] = 1.0 + 2.0**-7  # one BF16 ULP above 1
+    assert infer[0, 3] > infer[0, 1]
+    infer_ids, train_ids = routing.topk_ids(infer, 2), routing.topk_ids(train, 2)
+    assert infer_ids.tolist() == [[0, 3]] and train_ids.tolist() == [[0, 1]]
+    r = routing.compare_layer(infer, train, 2, infer_ids=infer_ids, train_ids=train_ids)
+    assert not r.set_differs.item()  # the logit comparison alone sees no flip: a tie-break could make them equal
+    assert r.experts_differ.item() and r.kth_tie_train.item() and not r.kth_tie_infer.item()
+    row = routing.layer_metrics(r)
+    assert row["frac_experts_differ"] == 1.0 and row["frac_differ_tie_collision"] == 1.0
+    assert row["frac_differ_strict_order"] == 0.0 and row["frac_topk_set_differs"] == 0.0
+    assert row["frac_kth_tie_train"] == 1.0 and row["frac_kth_tie_infer"] == 0.0
+    assert routing.token_flips([r])[0].tolist() == [1]
+
+    # the same tie on both sides, broken the same way (the same ids, listed in another order): no flip
+    same = routing.compare_layer(train, train, 2, infer_ids=train_ids.flip(-1), train_ids=train_ids)
+    assert not same.experts_differ.item() and same.kth_tie_infer.item() and same.kth_tie_train.item()
+    row = routing.layer_metrics(same)
+    assert row["frac_experts_differ"] == 0.0 and row["frac_differ_tie_collision"] == 0.0
+    assert routing.token_flips([same])[0].tolist() == [0]
+
+
+def test_without_ids_the_experts_columns_are_nan_not_the_logit_count():
+    infer, train = torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[1.0, 2.0, 0.0]])
+    row = routing.layer_metrics(routing.compare_layer(infer, train, 1))
+    assert row["frac_topk_set_differs"] == 1.0
+    assert all(math.isnan(row[c]) for c in ("frac_experts_differ", "frac_differ_strict_order",
+                                            "frac_differ_tie_collision"))
 
 
 def test_upstream_flips_by_hand():

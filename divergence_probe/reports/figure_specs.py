@@ -175,7 +175,7 @@ def _graft_specs(run: RunData) -> list[FigureSpec]:
 def _routing_specs(run: RunData) -> list[FigureSpec]:
     """A MoE run: the flip rate per layer (routing.csv) beside each stack's own (routing_noise.csv)."""
     from . import figures as F
-    from .moe import all_aligned_flips, flips_by_layer, has_routing, local_flips, noise_floors
+    from .moe import all_aligned_flips, flip_column, flips_by_layer, has_routing, local_flips, noise_floors
 
     if not has_routing(run):
         return []
@@ -190,9 +190,10 @@ def _routing_specs(run: RunData) -> list[FigureSpec]:
     top_k = run.manifest.get("compare", {}).get("routing", {}).get("top_k")
     return [FigureSpec(
         "routing", "Routing flips per MoE layer",
-        "Percentage of routed tokens whose top-k expert set differs between the two stacks at each MoE layer "
-        "(routing.csv); the floor lines are each stack against itself, one sequence per call vs one batch "
-        "(routing_noise.csv), where measured; with --graft, the local line is the trainer's router on the engine's "
+        "Percentage of routed tokens the two stacks ran through different top-k expert sets at each MoE layer "
+        "(routing.csv: the ids each router returned, frac_experts_differ; the router logits' top-k sets where a run "
+        "recorded no ids); the floor lines are each stack against itself under a batch change, and the trainer "
+        "under another attention kernel (routing_noise.csv), where measured; with --graft, the local line is the trainer's router on the engine's "
         "own router input (local_routing.csv). A mismatch line well above both floors means the stacks' different "
         "rounding changes routes beyond what a batch change alone does.",
-        lambda: F.routing_flips(series, top_k))]
+        lambda: F.routing_flips([(label, rows, flip_column(rows)) for label, rows in series], top_k))]

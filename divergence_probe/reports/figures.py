@@ -324,13 +324,14 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
 
 # ---------------------------------------------------------------------------------------------- (7) routing
 @_styled
-def routing_flips(series: list[tuple[str, pd.DataFrame]], top_k: int | None = None) -> Figure:
-    """Percentage of routed tokens whose top-k expert set differs, per MoE layer: one line per (label, frame with
-    `layer` and `frac_topk_set_differs`), the mismatch first, then each stack's own floor (linear: 0 is a flip rate)."""
+def routing_flips(series: list[tuple[str, pd.DataFrame, str]], top_k: int | None = None) -> Figure:
+    """Percentage of routed tokens run through a different top-k expert set, per MoE layer: one line per (label, frame
+    with `layer`, the frame's flip rate column), the mismatch first, then each stack's own floor (linear: 0 is a flip
+    rate)."""
     fig, (ax,) = _new_figure()
     flipped = 0
-    for i, (label, df) in enumerate(series):
-        y = 100 * df["frac_topk_set_differs"].to_numpy(dtype=np.float64)
+    for i, (label, df, column) in enumerate(series):
+        y = 100 * df[column].to_numpy(dtype=np.float64)
         ax.plot(df["layer"].to_numpy(), y, label=label, linewidth=1.4, markersize=4.5,
                 markevery=(i % 3, 3) if len(df) > 12 else None, markerfacecolor="none", **style(i))
         flipped += int((y > 0).any())

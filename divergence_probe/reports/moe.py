@@ -17,6 +17,7 @@ import pandas as pd
 from ..shapley import SHIPPED
 from .document import Column, Heading, Paragraph, Table
 from .load import RunData, row_of, shipped_rows
+from ..tables import ROUTING_NOISE_FLOORS
 from .prose import _code, _get, _num
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
@@ -41,6 +42,21 @@ def _finite(x) -> bool:
 
 def _stack(run: RunData, side: str) -> str:
     return str(_get(run.manifest, "stacks", side, "name", default=side))
+
+
+RAN = "frac_experts_differ"  # routing.csv: the experts each stack's router returned (ran) differ
+LOGITS = "frac_topk_set_differs"  # the router logits' top-k sets differ under every tie-break
+
+
+def flip_column(rows: pd.DataFrame) -> str:
+    """The column a flip rate is read from: the experts each stack ran where recorded, else (a run that recorded no
+    expert ids, or one from before they were compared; local_routing.csv) the router logits' top-k sets, named so."""
+    return RAN if RAN in rows and rows[RAN].notna().any() else LOGITS
+
+
+def floor_labels(shipped) -> dict[str, str]:
+    """Every routing noise floor the run measured (tables.ROUTING_NOISE_FLOORS: summary column -> the change)."""
+    return {name: label for name, label in ROUTING_NOISE_FLOORS.items() if _finite(shipped.get(name))}
 
 
 def flips_by_layer(run: RunData) -> pd.DataFrame:
@@ -85,28 +101,43 @@ def _table(run: RunData) -> Table:
     floors = noise_floors(run)
     aligned = all_aligned_flips(run)
     local = local_flips(run)
-    columns = [Column("layer", "int"), Column("frac_topk_set_differs", "num"), Column("frac_flipped_near_tie", "num")]
-    by_layer = [dict(zip(rows["layer"], rows["frac_topk_set_differs"])) for _, _, rows in floors]
+    metric = flip_column(flips)
+    explained = [c for c in ("frac_differ_tie_collision", "frac_kth_tie_infer", "frac_kth_tie_train")
+                 if metric == RAN and c in flips]
+    columns = [Column("layer", "int"), Column(metric, "num"), *(Column(c, "num") for c in explained)]
+    if metric == RAN:
+        columns.append(Column(LOGITS, "num"))
+    columns.append(Column("frac_flipped_near_tie", "num"))
+    by_layer = [dict(zip(rows["layer"], rows[flip_column(rows)])) for _, _, rows in floors]
     columns += [Column(label, "num") for label, _, _ in floors]
     if local is not None:
-        by_layer.append(dict(zip(local["layer"], local["frac_topk_set_differs"])))
-        columns.append(Column("local: frac_topk_set_differs", "num"))
+        by_layer.append(dict(zip(local["layer"], local[LOGITS])))
+        columns.append(Column(f"local: {LOGITS}", "num"))
     if aligned is not None:
-        by_layer.append(dict(zip(aligned["layer"], aligned["frac_topk_set_differs"])))
-        columns.append(Column(f"{run.all_aligned}: frac_topk_set_differs", "num"))
-    rows = tuple((int(r["layer"]), r["frac_topk_set_differs"],
+        by_layer.append(dict(zip(aligned["layer"], aligned[flip_column(aligned)])))
+        columns.append(Column(f"{run.all_aligned}: {flip_column(aligned)}", "num"))
+    rows = tuple((int(r["layer"]), r[metric], *(r[c] for c in explained), *([r[LOGITS]] if metric == RAN else []),
                   None if pd.isna(r["frac_flipped_near_tie"]) else r["frac_flipped_near_tie"],
                   *(values.get(r["layer"]) for values in by_layer))
                  for r in flips.to_dict("records"))
     k = _get(run.manifest, "compare", "routing", "top_k", default="k")
     ulps = _get(run.manifest, "compare", "routing", "near_tie_ulps", default=1)
     source = f"routing.csv, combination `{SHIPPED}`" if run.is_ablate else "routing.csv"
-    caption = (f"Routing flips per MoE layer ({source}): "
-               f"`frac_topk_set_differs`, the fraction of routed tokens whose top-{k} expert set differs between the "
-               f"stacks; `frac_flipped_near_tie`, the fraction of those flips whose trainer-side margin between the "
-               f"k-th and (k+1)-th router logit is at most {ulps:g} BF16 ULP (a dash: no flips).")
+    if metric == RAN:
+        caption = (f"Routing flips per MoE layer ({source}): `{RAN}`, the fraction of routed tokens the two stacks "
+                   f"ran through different top-{k} expert sets (the ids each router returned); "
+                   "`frac_differ_tie_collision`, those whose logits' order agrees but an exact tie at the k-th place "
+                   "was broken otherwise than the other side's order; `frac_kth_tie_*`, how often each side's k-th "
+                   f"place is an exact tie; `{LOGITS}`, the tokens whose router logits' top-{k} sets differ under "
+                   "every tie-break (strict order differences); ")
+    else:
+        caption = (f"Routing flips per MoE layer ({source}; this run recorded no expert ids, so the router logits "
+                   f"alone): `{LOGITS}`, the fraction of routed tokens whose top-{k} expert set of the router logits "
+                   "differs between the stacks under every tie-break; ")
+    caption += (f"`frac_flipped_near_tie`, the fraction of the `{LOGITS}` tokens whose trainer-side margin between "
+                f"the k-th and (k+1)-th router logit is at most {ulps:g} BF16 ULP (a dash: none).")
     if floors:
-        caption += (" Floor columns: `frac_topk_set_differs` of one stack against itself ("
+        caption += (f" Floor columns: `{metric}` of one stack against itself ("
                     + "; ".join(f"{label.removeprefix('floor: ')}: {change}" for label, change, _ in floors)
                     + "; routing_noise.csv).")
     if local is not None:
@@ -125,12 +156,13 @@ def _replay(run: RunData) -> str:
         text = ("Routes are replayed in every combination that aligns `routing`: there the trainer runs "
                 + (REPLAYS.get(variant) or f"the engine's routes (variant {_code(variant)})") + " for every token "
                 "and layer; the combinations without it let each stack route itself. Replay leaves the router "
-                "logits alone, so routing.csv still shows where the two routers disagree.")
+                "logits alone, so routing.csv's logit columns still show where the two routers disagree.")
     elif replay:
         text = ("Routes were replayed (`--align routing`): the trainer ran "
                 + (REPLAYS.get(replay) or f"the engine's routes (variant {_code(replay)})") + " for every token and "
-                "layer. Replay leaves the router logits alone, so the flips below are disagreements of the two "
-                "routers that the replay overrode: there the trainer used the engine's experts anyway.")
+                "layer, so the experts the two stacks ran agree (the trainer's router returned the engine's ids). "
+                "Replay leaves the router logits alone, so routing.csv's logit columns still show where the two "
+                "routers disagree: the replay overrode those.")
     else:
         text = ("Routes were not replayed: each stack ran the experts its own router chose, so every flip below is "
                 "a token that went through different experts in the two stacks.")
@@ -145,39 +177,48 @@ def _replay(run: RunData) -> str:
 def _flips(run: RunData) -> str:
     flips = flips_by_layer(run)
     shipped = row_of(run.summary, SHIPPED)
-    frac = flips["frac_topk_set_differs"].astype(float)
+    metric = flip_column(flips)
+    frac = flips[metric].astype(float)
     worst = flips.loc[frac.idxmax()]
-    n_flipped = flips["tokens"].astype(float) * frac
-    near = flips["frac_flipped_near_tie"].astype(float)
     scope = f"As shipped (`{SHIPPED}`), the" if run.is_ablate else "The"
+    what = "ran" if metric == RAN else "picked from their router logits (this run recorded no expert ids)"
     if not (frac > 0).any():
-        return f"{scope} two stacks send every routed token to the same experts in all {len(flips)} MoE layers."
-    text = (f"{scope} two stacks send {_pct(frac.min())} to {_pct(frac.max())} of the routed tokens of a layer to "
-            f"different expert sets (mean {_pct(frac.mean())} over {len(flips)} MoE layers, largest at layer "
-            f"{int(worst['layer'])})")
-    if near.notna().any():
+        return (f"{scope} two stacks ran every routed token through the same experts in all {len(flips)} MoE layers"
+                + ("." if metric == RAN else " (by their router logits' top-k sets: this run recorded no expert "
+                                             "ids)."))
+    text = (f"{scope} two stacks ran {_pct(frac.min())} to {_pct(frac.max())} of the routed tokens of a layer "
+            f"through different expert sets (mean {_pct(frac.mean())} over {len(flips)} MoE layers, largest at layer "
+            f"{int(worst['layer'])}; `{metric}`" + ("" if metric == RAN else f", the experts {what}") + ")")
+    tokens = flips["tokens"].astype(float)
+    if metric == RAN and "frac_differ_tie_collision" in flips:
+        collided = (flips["frac_differ_tie_collision"].astype(float) * tokens).sum() / (frac * tokens).sum()
+        ties = [f"{_pct(flips[f'frac_kth_tie_{side}'].astype(float).mean())} ({_stack(run, side)})" for side in SIDES]
+        text += (f". Of those, {_pct(collided)} are tie collisions: the k-th place was an exact tie on one side "
+                 "(on " + " and ".join(ties) + " of the token-layers on average), broken otherwise than the other "
+                 "side's order; the rest are strict order differences of the router logits")
+    n_strict = tokens * flips[LOGITS].astype(float)
+    near = flips["frac_flipped_near_tie"].astype(float)
+    if near.notna().any() and n_strict[near.notna()].sum() > 0:
         ulps = _get(run.manifest, "compare", "routing", "near_tie_ulps", default=1)
-        pooled = (near * n_flipped)[near.notna()].sum() / n_flipped[near.notna()].sum()
-        text += (f"; {_pct(pooled)} of the flipped tokens had a trainer-side margin between the k-th and (k+1)-th "
-                 f"router logit of at most {ulps:g} BF16 ULP, so a last-bit rounding alone explains them")
+        pooled = (near * n_strict)[near.notna()].sum() / n_strict[near.notna()].sum()
+        text += (f"; {_pct(pooled)} of the strict order differences had a trainer-side margin between the k-th and "
+                 f"(k+1)-th router logit of at most {ulps:g} BF16 ULP, so a last-bit rounding alone explains them")
     text += "."
     if not _finite(shipped.get("frac_tokens_any_flip")):
         return text
     any_flip = float(shipped["frac_tokens_any_flip"])
-    text += f" **{_pct(any_flip)}** of the routed positions flip in at least one layer (`frac_tokens_any_flip`)"
-    floors = {side: shipped.get(f"noise_{side}_frac_tokens_any_flip") for side in SIDES}
-    floors = {side: float(v) for side, v in floors.items() if _finite(v)}
+    text += (f" **{_pct(any_flip)}** of the routed positions ran through other experts in at least one layer "
+             "(`frac_tokens_any_flip`)")
+    floors = floor_labels(shipped)
     if not floors:
         return text + (". No routing noise floor was measured: a compare with `--batch-invariance` shows how often "
-                       "each stack flips against itself under a batch change (routing_noise.csv).")
-    text += "; each stack against itself, batched vs one sequence per call, flips " + " and ".join(
-        f"{_pct(v)} ({_stack(run, side)}; {_pct(shipped[f'noise_{side}_frac_topk_set_differs'])} per layer on average)"
-        if _finite(shipped.get(f"noise_{side}_frac_topk_set_differs")) else f"{_pct(v)} ({_stack(run, side)})"
-        for side, v in floors.items()) + "."
-    largest = max(floors.values())
+                       "each stack flips against itself under a batch or kernel change (routing_noise.csv).")
+    text += "; against itself, " + "; ".join(
+        f"{_pct(float(shipped[name]))} under {label}" for name, label in floors.items()) + "."
+    name, largest = max(((n, float(shipped[n])) for n in floors), key=lambda item: item[1])
     if largest > 0:
-        text += (f" The mismatch flips {_num(any_flip / largest)}× as many positions as the larger floor"
-                 + (": no more than a stack's own batch change does." if any_flip <= largest else "."))
+        text += (f" The mismatch flips {_num(any_flip / largest)}× as many positions as the largest floor ("
+                 f"{floors[name]})" + (": no more than a stack's own change does." if any_flip <= largest else "."))
     return text
 
 
@@ -235,8 +276,9 @@ def routing_section(run: RunData) -> list:
     top_k = _get(run.manifest, "compare", "routing", "top_k", default="k")
     blocks: list = [Heading("Routing"), Paragraph(
         f"Every MoE layer's router sends each token to its top-{top_k} experts. A flip is a token the two stacks "
-        "send to different expert sets in a layer, found from the `router_logits` taps; a tie-break between equal "
-        "logits is never counted as one."),
+        "ran through different expert sets in a layer: the expert ids each stack's router returned. The "
+        "`router_logits` taps explain each flip: a strict order difference of the logits, or a tie collision (an "
+        "exact tie at the k-th place on one side, broken otherwise than the other side's order)."),
         Paragraph(_replay(run)), Paragraph(_flips(run))]
     blocks += [Paragraph(text) for text in (_dlogp(run), _attribution(run)) if text]
     return blocks + [_table(run)]

@@ -57,26 +57,35 @@ SUMMARY_MEANINGS = {
                                                   "vs this run's",
     "noise_train_tensor_parallel_mean_abs_dlogp": "noise floor: mean |Δlogprob| of the training stack unsharded vs "
                                                   "this run's --train-tp",
-    "frac_tokens_any_flip": "routed positions whose top-k expert set differs between the stacks in at least one MoE "
-                            "layer",
+    "frac_tokens_any_flip": "routed positions the two stacks ran through different experts (the ids each router "
+                            "returned) in at least one MoE layer",
     "frac_tokens_after_flip": "scored tokens whose logits came from a position that flipped in some layer",
     "mean_abs_dlogp_after_flip": "mean |Δlogprob| of the tokens right after a flip (nats)",
     "mean_abs_dlogp_not_after_flip": "mean |Δlogprob| of the other tokens (nats)",
     "frac_tokens_upstream_flip": "scored tokens with a flip at any earlier position of their sequence",
     "mean_abs_dlogp_upstream_flip": "mean |Δlogprob| of the tokens with an upstream flip (nats)",
     "mean_abs_dlogp_no_upstream_flip": "mean |Δlogprob| of the tokens without one (nats)",
+    "noise_infer_frac_experts_differ": "routing noise floor: the inference stack against itself, one sequence per "
+                                       "call vs one batch: fraction of tokens it ran through other experts, mean over "
+                                       "layers",
+    "noise_train_frac_experts_differ": "routing noise floor: the same for the training stack",
+    "noise_train_kernel_frac_experts_differ": "routing noise floor: the training stack against itself under another "
+                                              "SDPA kernel: fraction of tokens it ran through other experts, mean over "
+                                              "layers",
     "noise_infer_frac_topk_set_differs": "routing noise floor: the inference stack against itself, one sequence per "
-                                         "call vs one batch: fraction of tokens whose expert set differs, mean over "
-                                         "layers",
+                                         "call vs one batch: fraction of tokens whose router logits' top-k set "
+                                         "differs under every tie-break, mean over layers",
     "noise_train_frac_topk_set_differs": "routing noise floor: the same for the training stack",
-    "noise_infer_frac_tokens_any_flip": "routing noise floor: positions the inference stack flips against itself in "
-                                        "at least one layer",
+    "noise_infer_frac_tokens_any_flip": "routing noise floor: positions the inference stack runs through other "
+                                        "experts against itself in at least one layer",
     "noise_train_frac_tokens_any_flip": "routing noise floor: the same for the training stack",
     "noise_train_kernel_frac_topk_set_differs": "routing noise floor: the training stack against itself under another "
                                                 "SDPA kernel (kernel_noise.csv's change): fraction of tokens whose "
-                                                "expert set differs, mean over layers",
+                                                "router logits' top-k set differs, mean over layers",
     "noise_train_kernel_frac_tokens_any_flip": "routing noise floor: positions that kernel change flips in at least "
                                                "one layer",
+    "routing_largest_noise_floor": "the largest routing noise floor measured (its summary column)",
+    "frac_tokens_any_flip_over_largest_floor": "frac_tokens_any_flip over the largest routing noise floor",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",
     "train_vs_prefill_mean_abs_dlogp": "mean |logprob_train − logprob_prefill|: the trainer vs the engine's prefill of "

@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from .. import align as align_api
+from .. import routing
 from ..errors import NumericsError, ProbeError
 from ..regions import aligned, check_regions_exist, from_engine
 from ..rl_metrics import sequence_metrics, token_metrics
@@ -294,6 +295,6 @@ def response_flip_frac(own: torch.Tensor, engine: torch.Tensor, mask: torch.Tens
     mask [B, L-1]. `own` is the router's own pick, before a replay replaces it: with routing replay on, what the
     replay hides (each layer's router sees the replayed layers before it). A tie at the k-th logit broken otherwise
     counts: the trainer does run other experts there."""
-    differs = (own.sort(dim=-1).values != engine.sort(dim=-1).values).any(dim=-1).any(dim=0)  # [B, L]
+    differs = routing.ids_differ(engine, own).any(dim=0)  # [B, L]: in some layer
     on = mask.bool()
     return float(differs[:, :-1][on].float().mean()) if on.any() else 0.0

@@ -224,7 +224,7 @@ class HFStack:
                       sink: TapSink | None = None) -> list[PromptScores]:
         """The prompts in right-padded micro-batches of at most --batch-tokens padded tokens (attention mask, positions
         from 0 per row): how a trainer batches sequences of different lengths, within the memory the plan gave the
-        trainer's forward. `taps`: only those read as rows of the flattened batch (a router's logits), handed to
+        trainer's forward. `taps`: only those read as rows of the flattened batch (a router's logits and ids), handed to
         `sink` per prompt without the padding rows."""
         return [s for group in self.batch_groups(prompts) for s in self._score_padded(group, taps, sink)]
 
@@ -241,7 +241,9 @@ class HFStack:
             ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
             mask[row, : len(p.token_ids)] = 1
         positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
-        rows_read = {t for seam in family_of(self.model).hf.seams if seam.read == "rows" for t in seam.taps}
+        # a router flattens the batch: its logits and its choice (the ids it returned) are rows of the flattened batch
+        rows_read = {t for seam in family_of(self.model).hf.seams if seam.read in ("rows", "router_choice")
+                     for t in seam.taps}
         if not taps <= rows_read:
             raise StackError(f"a batched transformers forward captures only {', '.join(sorted(rows_read)) or 'no'} "
                              f"taps, not {', '.join(sorted(taps - rows_read))}")
