@@ -56,6 +56,9 @@ def engine_ids_gpu(model: str, load: dict, sequences: dict) -> dict[tuple[int, i
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from divergence_probe.stacks.vllm.stack import _disable_flashinfer_sampler_if_missing
+
+    _disable_flashinfer_sampler_if_missing()  # as the tool's engine does: vLLM's CUDA sampler imports it unguarded
     llm = LLM(model, dtype=load["dtype"], seed=load["seed"], enforce_eager=load["engine"] == "eager",
               max_num_batched_tokens=load["batch_tokens"], enable_return_routed_experts=True,
               enable_prefix_caching=False, **load.get("engine_args", {}))
