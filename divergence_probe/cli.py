@@ -251,7 +251,8 @@ def _next_step(run):
 
 
 def _print_summary(run) -> None:
-    from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
+    from .noise_verdict import LEVEL, RATIO, in_words
+    from .tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -263,10 +264,12 @@ def _print_summary(run) -> None:
     table.add_row("p99 |Δlogp|", f"{s['p99_abs_dlogp']:.3e}")
     table.add_row("mean KL(infer‖train)", f"{s['mean_kl']:.3e}")
     table.add_row("max KL", f"{s['max_kl']:.3e}")
-    table.add_row("first inexact tap", s["first_inexact"])
-    table.add_row(f"first tap over rel_l2 {run.threshold:g}", s["first_over_threshold"])
+    if s["first_inexact"] != NOT_CAPTURED:  # --taps none: no tap rows to show
+        table.add_row("first inexact tap", s["first_inexact"])
+        table.add_row(f"first tap over rel_l2 {run.threshold:g}", s["first_over_threshold"])
     worst = worst_layer(run.tap_stats)
-    table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})" if worst else "not captured")
+    if worst:
+        table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})")
     for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
                        ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
                        ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
@@ -283,21 +286,25 @@ def _print_summary(run) -> None:
     largest = largest_noise_floor(s)
     if largest is None:  # a mismatch means little without it; say how to get it
         table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")
-    elif largest[1] > 0:
-        table.add_row("mismatch / largest noise floor",
-                      f"{s['mean_abs_dlogp'] / largest[1]:.3g}x ({NOISE_FLOORS[largest[0]]})")
-    _routing_rows(table, s)
+    else:
+        if largest[1] > 0:
+            table.add_row("mismatch / largest noise floor",
+                          f"{s[RATIO]:.3g}x, {LEVEL:.0%} CI [{s[RATIO + '_ci_low']:.3g}x, {s[RATIO + '_ci_high']:.3g}x] "
+                          f"({NOISE_FLOORS[largest[0]]})")
+        table.add_row("normal or not", in_words(s))
+    _routing_rows(table, s, "routing" in run.spec.align.regions)
     out.print(table)
-    _print_graft(getattr(run, "graft_tables", {}))
+    _print_graft(getattr(run, "graft_tables", {}), run.manifest.get("model", {}).get("num_layers"))
 
 
-def _routing_rows(table, s: dict) -> None:
+def _routing_rows(table, s: dict, replayed: bool) -> None:
     """A mixture-of-experts run: how often the stacks route a token differently, beside each stack's own rate under a
     batch change, and |Δlogp| of the tokens right after a flipped position against the others (routing.csv: per
-    layer)."""
+    layer). With routes replayed both stacks ran the engine's experts, so a flip is the routers' disagreement alone."""
     if "frac_tokens_any_flip" not in s:
         return
-    table.add_row("tokens routed differently (any layer)", f"{s['frac_tokens_any_flip']:.2%}")
+    table.add_row("routers disagree, routes replayed (any layer)" if replayed else
+                  "tokens routed differently (any layer)", f"{s['frac_tokens_any_flip']:.2%}")
     for side in ("infer", "train"):
         if f"noise_{side}_frac_tokens_any_flip" in s:
             table.add_row(f"routing noise floor: {side} alone vs batched", f"{s[f'noise_{side}_frac_tokens_any_flip']:.2%}")
@@ -306,17 +313,22 @@ def _routing_rows(table, s: dict) -> None:
                   "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip
 
 
-def _print_graft(tables: dict) -> None:
-    """compare --graft: the local error per op family beside the propagated one (local_families.csv)."""
+def _print_graft(tables: dict, num_layers: int | None) -> None:
+    """compare --graft / --depth: the local error per op family beside the propagated one (local_families.csv),
+    largest local error first, and in words which family and which step of the forward add most."""
+    from .graft_reading import amplification_text, families_by_local, findings
+
     families = tables.get("local_families.csv")
-    if families is None:
-        return
-    table = Table(title="local error per op family (local_families.csv)")
-    for column in ("family", "local rel_l2", "propagated rel_l2", "amplification"):
-        table.add_column(column, justify="left" if column == "family" else "right")
-    for row in families.itertuples():
-        table.add_row(row.family, f"{row.local_rel_l2:.3e}", f"{row.propagated_rel_l2:.3e}", f"{row.amplification:.3g}")
-    out.print(table)
+    if families is not None:
+        table = Table(title="local error per op family (local_families.csv), largest first")
+        for column in ("family", "local rel_l2", "propagated rel_l2", "amplification"):
+            table.add_column(column, justify="left" if column == "family" else "right")
+        for row in families_by_local(families).to_dict("records"):
+            table.add_row(row["family"], f"{row['local_rel_l2']:.3e}", f"{row['propagated_rel_l2']:.3e}",
+                          amplification_text(row))
+        out.print(table)
+    for line in findings({name.removesuffix(".csv"): t for name, t in tables.items()}, num_layers):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _cli_type(hint, default):
@@ -555,6 +567,8 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
 
 
 def _print_ablation(run) -> None:
+    from .shapley import CHANGE, SHARE, change_words
+
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
     table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
@@ -563,12 +577,16 @@ def _print_ablation(run) -> None:
     for row in combos.itertuples():
         table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}", row.first_inexact)
     out.print(table)
-    attr = Table(title=f"attribution of the reduction in {metric}")
-    for col in ("region", "shapley", "share", f"{run.spec.ablate.ci_level:.0%} CI", "main effect", "leave-one-out"):
+    shipped = run.metric_of()[frozenset()]
+    attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
+                       "(− removes mismatch, + adds)")
+    level = f"{run.spec.ablate.ci_level:.0%} CI"
+    for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
         attr.add_column(col, justify="left" if col == "region" else "right")
-    for row in run.attribution_table.itertuples():
-        attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
-                     f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
+    for row in run.attribution_table.to_dict("records"):
+        attr.add_row(row["region"], f"{row[CHANGE]:+.3e}", change_words(row[SHARE]),
+                     f"[{row['share_ci_low']:+.1%}, {row['share_ci_high']:+.1%}]",
+                     f"{row['main_effect_change']:+.3e}", f"{row['leave_one_out_change']:+.3e}")
     out.print(attr)
 
 

@@ -26,6 +26,8 @@ from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
 from divergence_probe.rl_metrics import ratio_split
+from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
+from divergence_probe.shapley import attribution as shapley_attribution
 
 runner = CliRunner()
 N_LAYERS = 4
@@ -140,16 +142,12 @@ def make_ablate(path: Path, with_tokens: bool = True) -> Path:
         ablation.append({"combo": combo, **{r: r in combo.split("+") for r in REGIONS}, **s})
     lead = lambda frames: (lambda df: df[["combo", *[c for c in df.columns if c != "combo"]]])(pd.concat(frames))  # noqa: E731
     m = {c["combo"]: c["mean_kl"] for c in summary}
-    v_all = m["none"] - m["rope+swiglu"]
-    attribution = pd.DataFrame([
-        {"region": "rope", "shapley": 0.7 * v_all, "share": 0.7, "main_effect": m["none"] - m["rope"],
-         "leave_one_out": m["swiglu"] - m["rope+swiglu"], "ci_low": 0.6 * v_all, "ci_high": 0.8 * v_all},
-        {"region": "swiglu", "shapley": 0.3 * v_all, "share": 0.3, "main_effect": m["none"] - m["swiglu"],
-         "leave_one_out": m["rope"] - m["rope+swiglu"], "ci_low": -0.1 * v_all, "ci_high": 0.5 * v_all},
-        {"region": "(remaining)", "shapley": m["rope+swiglu"], "share": m["rope+swiglu"] / m["none"],
-         "main_effect": float("nan"), "leave_one_out": float("nan"), "ci_low": 0.9 * m["rope+swiglu"],
-         "ci_high": 1.1 * m["rope+swiglu"]},
-    ])
+    attribution = shapley_attribution({frozenset(k.split("+")) if k != "none" else frozenset(): v
+                                       for k, v in m.items()}, REGIONS)
+    spread = attribution[CHANGE].abs() * [0.2, 1.3, 0.1]  # swiglu's interval contains 0
+    attribution["ci_low"], attribution["ci_high"] = attribution[CHANGE] - spread, attribution[CHANGE] + spread
+    attribution["share_ci_low"] = attribution["ci_low"] / m["none"]
+    attribution["share_ci_high"] = attribution["ci_high"] / m["none"]
     manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
                                  "seed": 0, "combos": list(COMBOS)})
     return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
@@ -269,7 +267,7 @@ def test_ablation_markdown_sorted_by_metric_and_explains_attribution(rendered):
     combos = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     expected = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")["combo"].tolist()
     assert combos == expected
-    assert "How to read the attribution" in text and "(remaining)" in text
+    assert "How to read the attribution" in text and f"`{ALL_REGIONS}`" in text
     assert "With every region aligned (`rope+swiglu`)" in text
 
 
@@ -424,11 +422,14 @@ def test_latex_tables_hold_the_csv_numbers_after_rounding(rendered):
     rows = _tex_rows(out / "attribution.tex")
     assert [r[0] for r in rows] == [f"\\texttt{{{r}}}" for r in attribution["region"]]
     for row, (_, expected) in zip(rows, attribution.iterrows()):
-        for cell, col in zip(row[1:], ["shapley", "share", "main_effect", "leave_one_out", "ci_low", "ci_high"]):
+        columns = [CHANGE, SHARE, "share_ci_low", "share_ci_high", "main_effect_change", "leave_one_out_change",
+                   "ci_low", "ci_high"]
+        assert len(row) == 1 + len(columns)
+        for cell, col in zip(row[1:], columns):
             if pd.isna(expected[col]):
                 assert cell == "--"
             else:
-                assert _number(cell) == pytest.approx(_rounded(expected[col], col == "share"), rel=1e-12)
+                assert _number(cell) == pytest.approx(_rounded(expected[col], "share" in col), rel=1e-12)
 
     ablation = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")
     rows = _tex_rows(out / "ablation.tex")
@@ -744,8 +745,9 @@ def test_an_ablation_with_routing_says_what_share_of_the_mismatch_routing_explai
     shipped_kl = pd.read_csv(run / "summary.csv").set_index("combo").loc["none", "mean_kl"]
     routing = pd.read_csv(run / "routing.csv")
     section = _routing_section(write_report(run, tmp_path / "md"))
-    assert f"**{_pct(attribution['share'])}** of the reduction in `mean_kl`" in section
-    assert f"{_pct(attribution['shapley'] / shipped_kl)} of the shipped `mean_kl`" in section
+    share = -attribution["shapley"] / shipped_kl  # a folder written before the signed changes, read as one
+    assert share < 0 and f"**{change_words(share)}** of the shipped `mean_kl`" in section
+    assert change_words(share).startswith("removes ")
     assert "Routes are replayed in every combination that aligns `routing`" in section
     # per layer: the shipped block, and the block with every region aligned, whose routers still disagree
     rows = _md_rows(section)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..shapley import REMAINING, SHIPPED
+from ..shapley import SHIPPED
 from .load import RunData, layers_of, response_rho, shipped_rows
 
 KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
@@ -122,10 +122,11 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
     if run.attribution is not None:
         specs.append(FigureSpec(
             "attribution", "Attribution to regions",
-            f"Bars: each region's Shapley value, its average reduction of `{run.metric}` when aligned; whiskers: "
-            f"{run.ci_level} bootstrap interval over prompts. Labels: share of the total reduction. The dotted grey "
-            "bar is the metric left with every region aligned, labelled with its fraction of the shipped metric.",
-            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level, REMAINING)))
+            f"Bars: each region's Shapley change of `{run.metric}` when aligned (its average over every order of "
+            "aligning the regions), as a percent of the shipped value: below 0 the region removes mismatch, above 0 "
+            f"it adds some; whiskers: {run.ci_level} bootstrap interval over prompts. The dotted grey bar is the "
+            "change of aligning every region together, the regions' bars added up.",
+            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level)))
     specs += _graft_specs(run)
     rho = response_rho(run)
     if rho is not None:

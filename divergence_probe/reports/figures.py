@@ -21,7 +21,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..shapley import REMAINING
+from ..shapley import ALL_REGIONS, SHARE, change_words
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 150  # PNG: 1200 x 675 pixels
@@ -255,40 +255,38 @@ def kl_by_position(panels: list[tuple[str, str, list[tuple[str, pd.DataFrame]]]]
 
 # ---------------------------------------------------------------------------------------------- (5) attribution
 @_styled
-def attribution_bars(attribution: pd.DataFrame, metric: str, level: str, remaining: str = REMAINING) -> Figure:
-    """Shapley value per region with its bootstrap interval (`level`, e.g. "95%"), and the metric left with
-    every region aligned."""
+def attribution_bars(attribution: pd.DataFrame, metric: str, level: str) -> Figure:
+    """Each region's Shapley change of the metric as a percent of the shipped metric (negative: removes mismatch,
+    positive: adds it) with its bootstrap interval (`level`, e.g. "95%"), and the change of aligning every region."""
     fig, (ax,) = _new_figure()
     labels = list(attribution["region"])
-    values = attribution["shapley"].to_numpy(dtype=np.float64)
-    low = attribution["ci_low"].to_numpy(dtype=np.float64)
-    high = attribution["ci_high"].to_numpy(dtype=np.float64)
+    values = 100 * attribution[SHARE].to_numpy(dtype=np.float64)
+    low = 100 * attribution["share_ci_low"].to_numpy(dtype=np.float64)
+    high = 100 * attribution["share_ci_high"].to_numpy(dtype=np.float64)
     x = np.arange(len(labels))
-    is_rest = np.array([r == remaining for r in labels])
+    is_all = np.array([r == ALL_REGIONS for r in labels])
     for i in range(len(labels)):
-        ax.bar(x[i], values[i], width=0.6, color="#bbbbbb" if is_rest[i] else "#ffffff",
-               edgecolor="#000000", linewidth=1.0, hatch="..." if is_rest[i] else HATCHES[i % 2])
+        ax.bar(x[i], values[i], width=0.6, color="#bbbbbb" if is_all[i] else "#ffffff",
+               edgecolor="#000000", linewidth=1.0, hatch="..." if is_all[i] else HATCHES[i % 2])
     ok = np.isfinite(low) & np.isfinite(high)
     if ok.any():
         err = np.vstack([np.maximum(values - low, 0), np.maximum(high - values, 0)])[:, ok]
         ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor="#000000", elinewidth=1.2, capsize=5)
-    shares = attribution["share"].to_numpy(dtype=np.float64)
     for i in range(len(labels)):
-        if np.isfinite(shares[i]):
-            text = f"{100 * shares[i]:.3g}%" + (" of shipped" if is_rest[i] else "")
-            top = max(values[i], high[i] if np.isfinite(high[i]) else values[i])
-            ax.annotate(text, (x[i], top if values[i] >= 0 else 0), xytext=(0, 4), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9)
+        if np.isfinite(values[i]):
+            up = values[i] >= 0
+            end = (high[i] if up else low[i]) if np.isfinite(low[i]) and np.isfinite(high[i]) else values[i]
+            ax.annotate(change_words(values[i] / 100), (x[i], end), xytext=(0, 4 if up else -4),
+                        textcoords="offset points", ha="center", va="bottom" if up else "top", fontsize=9)
     ax.axhline(0.0, color="#000000", linewidth=0.8)
-    if is_rest.any() and (~is_rest).any():
-        ax.axvline(x[is_rest][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
-    ax.set_xticks(x, [("remaining\n(with all aligned)" if r else lab) for lab, r in zip(labels, is_rest)])
-    ax.set_title(f"attribution of the reduction in {metric}"
+    if is_all.any() and (~is_all).any():
+        ax.axvline(x[is_all][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
+    ax.set_xticks(x, [("all regions\n(together)" if r else lab) for lab, r in zip(labels, is_all)])
+    ax.set_title(f"change in {metric} when aligned, % of shipped"
                  + (f" (whiskers: {level} bootstrap interval)" if ok.any() else ""))
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
     ax.set_xlabel("region (aligned: FP32 until its output)")
-    ax.set_ylabel(f"Shapley value: reduction in {metric} (nats)")
-    ax.margins(y=0.15)
+    ax.set_ylabel(f"Shapley change in {metric}, % of shipped\n(below 0: removes mismatch; above: adds)")
+    ax.margins(y=0.2)
     return fig
 
 
