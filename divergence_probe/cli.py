@@ -452,7 +452,8 @@ _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned re
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
 
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
-    attribution.csv (one row per region, and what remains with all aligned).
+    attribution.csv (one row per region and one for all regions together: each its change of the
+    metric as a signed share of the shipped value).
     """)
 
 
@@ -568,14 +569,17 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
 
 def _print_ablation(run) -> None:
     from .shapley import CHANGE, SHARE, change_words
+    from .tables import NOT_CAPTURED
 
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
     table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
-    for col in ("combo", metric, "mean_abs_dlogp", "first_inexact"):
+    taps = (combos["first_inexact"] != NOT_CAPTURED).any()  # --taps none: no first-divergence column
+    for col in ("combo", metric, "mean_abs_dlogp", *(["first_inexact"] if taps else [])):
         table.add_column(col, justify="left" if col in ("combo", "first_inexact") else "right")
     for row in combos.itertuples():
-        table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}", row.first_inexact)
+        table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}",
+                      *([row.first_inexact] if taps else []))
     out.print(table)
     shipped = run.metric_of()[frozenset()]
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
@@ -583,11 +587,19 @@ def _print_ablation(run) -> None:
     level = f"{run.spec.ablate.ci_level:.0%} CI"
     for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
         attr.add_column(col, justify="left" if col == "region" else "right")
-    for row in run.attribution_table.to_dict("records"):
-        attr.add_row(row["region"], f"{row[CHANGE]:+.3e}", change_words(row[SHARE]),
-                     f"[{row['share_ci_low']:+.1%}, {row['share_ci_high']:+.1%}]",
-                     f"{row['main_effect_change']:+.3e}", f"{row['leave_one_out_change']:+.3e}")
+    def signed(x: float, spec: str = "+.3e") -> str:
+        return "" if x != x else format(x, spec)
+
+    rows = run.attribution_table.to_dict("records")
+    for row in rows:
+        attr.add_row(row["region"], signed(row[CHANGE]), change_words(row[SHARE]),
+                     f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
+                     signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
+    total = rows[-1]  # the all-regions row: the headline
+    out.print(f"Aligning every region {change_words(total[SHARE])} of the shipped {metric} "
+              f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
+              highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command("report")

@@ -53,8 +53,13 @@ def manifest_record(summary: dict) -> dict:
     if VERDICT not in summary:
         return {}
     name, floor = largest_noise_floor(summary)
-    return {"noise_verdict": {"verdict": summary[VERDICT], "ratio": summary[RATIO],
-                              "ci": [summary[RATIO + "_ci_low"], summary[RATIO + "_ci_high"]], "level": LEVEL,
+
+    def number(key: str) -> float | None:  # no ratio over a floor of 0: null, not NaN, in JSON
+        value = float(summary[key])
+        return None if value != value else value
+
+    return {"noise_verdict": {"verdict": summary[VERDICT], "ratio": number(RATIO),
+                              "ci": [number(RATIO + "_ci_low"), number(RATIO + "_ci_high")], "level": LEVEL,
                               "draws": DRAWS, "floor": name, "floor_mean_abs_dlogp": floor}}
 
 
@@ -64,8 +69,10 @@ def in_words(summary) -> str | None:
     if v is None or (isinstance(v, float) and v != v):
         return None
     ratio, low, high = (float(summary.get(k, float("nan"))) for k in (RATIO, RATIO + "_ci_low", RATIO + "_ci_high"))
-    span = (f"{ratio:.3g}x its largest noise floor ({LEVEL:.0%} interval over prompts {low:.3g}x to {high:.3g}x)"
-            if ratio == ratio else "a noise floor of exactly 0")
+    if ratio != ratio:  # a floor of exactly 0: no ratio
+        return ("above the noise floor: the largest noise floor is exactly 0 and the mismatch is not" if v == ABOVE
+                else "within the noise floor: the mismatch and the largest noise floor are both exactly 0")
+    span = (f"{ratio:.3g}x its largest noise floor ({LEVEL:.0%} interval over prompts {low:.3g}x to {high:.3g}x)")
     return {ABOVE: f"above the noise floor: the mismatch is {span}",
             WITHIN: f"within the noise floor: the mismatch is {span}",
             CANNOT_TELL: f"cannot tell from noise: the mismatch is {span}, an interval that straddles 1; more "

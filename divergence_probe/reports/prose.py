@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
 from ..noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
-from ..tables import NOISE_FLOORS, largest_noise_floor, noise_floors
+from ..tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
 from ..graft_reading import amplification_text, families_by_local, findings
 from .load import RunData, layers_of, response_rho, row_of, shipped_rows
@@ -462,9 +462,15 @@ def _first_divergence(run: RunData) -> list:
     return blocks
 
 
+def _not_captured(frame: pd.DataFrame) -> list[str]:
+    """The tap columns of a run without taps (`--taps none`): they hold only "not captured", so they are left out."""
+    return [c for c in ("first_inexact", "first_over_threshold")
+            if c in frame and (frame[c].astype(str) == NOT_CAPTURED).all()]
+
+
 def _summary_table(run: RunData) -> Table:
     s = run.summary
-    cols = [c for c in s.columns if c != "combo"]
+    cols = [c for c in s.columns if c != "combo" and c not in _not_captured(s)]
 
     def meaning(c: str) -> str:
         if c == "first_over_threshold" and _get(run.manifest, "compare", "threshold") is not None:
@@ -521,7 +527,7 @@ def _ablation_table(run: RunData) -> Table:
         caption += f" Every combination scores the same {int(df['n_tokens'].iloc[0])} tokens."
         df = df.drop(columns=["n_tokens"])
     first = ["combo", *run.regions, run.metric]
-    df = df[first + [c for c in df.columns if c not in first]]
+    df = df[first + [c for c in df.columns if c not in first and c not in _not_captured(df)]]
     table = _generic_table("ablation", caption, df)
     return Table(table.name, table.caption, tuple(
         Column(c.title, "bool" if c.title in run.regions else c.kind) for c in table.columns), table.rows)
@@ -670,7 +676,9 @@ def _intro(run: RunData) -> Paragraph:
     return Paragraph(text + f" Run folder: {_code(run.path.name)}.")
 
 
-def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list:
+def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_files: bool = True) -> list:
+    """The report's blocks; `figure_files`: whether the figures are also saved as files (not in a self-contained
+    HTML report, whose figures are embedded)."""
     blocks: list = [Heading(title(run), 1), _intro(run)]
     from .moe import routing_section  # moe.py builds on this module's helpers
 
@@ -679,7 +687,7 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list
     blocks += _setup(run) + _headline(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
     blocks += routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
-    if figure_specs:
+    if figure_specs and figure_files:
         blocks.append(Paragraph("Each figure is also saved as a vector PDF beside its PNG in `figures/`."))
     blocks += [Paragraph(s) for s in skipped]
     blocks += [Figure(f.stem, f.title, f.caption) for f in figure_specs]

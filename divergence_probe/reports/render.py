@@ -2,7 +2,7 @@
 
     from divergence_probe.reports import write_report
     write_report("runs/qwen")                         # runs/qwen/report/report.md + figures/*.png|pdf
-    write_report("runs/qwen", fmt="html")             # one self-contained report.html (PNGs inlined)
+    write_report("runs/qwen", fmt="html")             # one self-contained report.html (PNGs inlined, no figures/)
     write_report("runs/qwen", "paper/", fmt="latex")  # report.tex, summary.tex, ablation.tex, ... + PDFs
 
 The run type is read from the files present: ablation.csv makes an ablate run; a `generate` manifest section
@@ -37,16 +37,17 @@ def _render(run: RunData, out: Path, fmt: str) -> None:
     from . import figures as F
 
     specs, skipped = figure_specs(run)
-    for spec in specs:
-        fig = spec.draw()
-        F.save(fig, out / doc.FIGURE_DIR, spec.stem)
-    blocks = build_document(run, specs, skipped)
     heading = title(run)
+    if fmt == "html":  # one file: the figures live in it as data URIs, no figures/ folder beside it
+        images = {spec.stem: F.png_bytes(spec.draw()) for spec in specs}
+        blocks = build_document(run, specs, skipped, figure_files=False)
+        (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
+        return
+    for spec in specs:
+        F.save(spec.draw(), out / doc.FIGURE_DIR, spec.stem)
+    blocks = build_document(run, specs, skipped)
     if fmt == "md":
         (out / FORMATS["md"]).write_text(doc.to_markdown(blocks), encoding="utf-8")
-    elif fmt == "html":
-        images = {s.stem: (out / doc.FIGURE_DIR / f"{s.stem}.png").read_bytes() for s in specs}
-        (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
     else:
         main, tables = doc.to_latex(blocks, heading)
         for name, source in tables.items():
