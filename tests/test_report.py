@@ -131,10 +131,10 @@ REGIONS = ("rope", "swiglu")
 COMBOS = {"none": 1.0, "rope": 0.9, "swiglu": 0.97, "rope+swiglu": 0.8}
 
 
-def make_ablate(path: Path, with_tokens: bool = True) -> Path:
+def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> Path:
     rng = np.random.default_rng(2)
     tokens, layers, summary, ablation = [], [], [], []
-    for combo, factor in COMBOS.items():
+    for combo, factor in combos.items():
         t = _tokens(rng, 0.01 * factor)
         tokens.append(t.assign(combo=combo))
         layers.append(_layers(rng, 0.01 * factor).assign(combo=combo))
@@ -150,7 +150,7 @@ def make_ablate(path: Path, with_tokens: bool = True) -> Path:
     attribution["share_ci_low"] = attribution["ci_low"] / m["none"]
     attribution["share_ci_high"] = attribution["ci_high"] / m["none"]
     manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
-                                 "seed": 0, "combos": list(COMBOS)})
+                                 "seed": 0, "combos": list(combos)})
     return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
                                    "ablation": pd.DataFrame(ablation), "attribution": attribution},
                   lead(tokens) if with_tokens else None)
@@ -796,3 +796,60 @@ def test_a_fresh_tiny_moe_run_has_a_routing_row_per_moe_layer(qwen3_moe_tiny, tm
     assert f"same experts in all {len(routing)} MoE layers" in section and "Routes were not replayed" in section
     image = mpimg.imread(main.parent / "figures" / "routing.png")
     assert image[..., :3].std() > 0.01
+
+
+# ---------------------------------------------------------------------------------------------- verdicts in words
+def test_attribution_words_say_adds_and_removes_with_signs_of_the_shipped_value(tmp_path):
+    """Aligning both regions adds mismatch while rope removes some: every share keeps its sign (a share of the total
+    change would flip both), the words say "removes"/"adds", the all-regions change leads."""
+    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1})
+    attribution = pd.read_csv(run / "attribution.csv").set_index("region")
+    assert attribution.loc["rope", SHARE] < 0 < attribution.loc["swiglu", SHARE]
+    assert attribution.loc[ALL_REGIONS, SHARE] > 0
+    text = write_report(run).read_text()
+    words = text.split("Aligning every region together")[1].split("\n")[0]
+    assert words.startswith(f" **{change_words(attribution.loc[ALL_REGIONS, SHARE])}** of the shipped `mean_kl`")
+    assert f"`rope` {change_words(attribution.loc['rope', SHARE])}" in words and "`rope` removes" in words
+    assert f"`swiglu` {change_words(attribution.loc['swiglu', SHARE])}" in words and "`swiglu` adds" in words
+    headline = text.split("With every region aligned")[1].split("\n")[0]
+    assert "aligning every region adds" in headline
+
+
+def test_graft_and_depth_findings_name_the_op_and_the_step_that_add_most(tmp_path):
+    """local_families sorted by local error with no inf shown, and the step that adds most of the gap in words: the
+    final norm here (0.8 -> 0.35 of a 1.0 gap)."""
+    run = make_compare(tmp_path / "run")
+    pd.DataFrame({"family": ["gemm", "norm", "rope"], "seams": [7, 4, 2], "local_rel_l2": [1e-3, 5e-3, 0.0],
+                  "local_frac_equal": [0.5, 0.2, 1.0], "local_max_ulp": [2.0, 4.0, 0.0],
+                  "propagated_rel_l2": [3e-3, 6e-3, 2e-3], "amplification": [3.0, 1.2, float("inf")]}
+                 ).to_csv(run / "local_families.csv", index=False)
+    n = json.loads((run / "manifest.json").read_text())["model"]["num_layers"]
+    gap = [1.0 - 0.2 * x / n for x in range(n + 1)] + [0.35]  # the decoder layers 0.2 in all, the final norm 0.45
+    pd.DataFrame({"layer": range(n + 2), "graft": ["embed", *(f"resid_out@{x}" for x in range(n)), f"final_norm@{n}"],
+                  "mean_abs_dlogp": gap, "max_abs_dlogp": 2.0, "mean_kl": 0.1, "max_kl": 0.2, "n_tokens": 30}
+                 ).to_csv(run / "depth.csv", index=False)
+    text = write_report(run).read_text()
+    assert "Adds most of the gap: the final norm, 45% of the mean |Δlogprob|" in text
+    assert "Largest error of its own: op family norm" in text
+    table = text.split("Local error per op family")[1].split("\n\n")[1]
+    assert [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]] == ["norm", "gemm", "rope"]
+    assert "no own error: passes on what it receives" in table and "inf" not in table
+
+
+def test_the_local_figure_has_one_legend_entry_per_family_beside_the_axes():
+    local = pd.DataFrame([{"layer": layer, "family": family, "local_rel_l2": 1e-3 * (i + 1),
+                           "propagated_rel_l2": 2e-3 * (i + 1)}
+                          for layer in range(3) for i, family in enumerate(("gemm", "norm", "rope", "attention"))])
+    fig = figures.local_vs_propagated(local, ("gemm", "attention", "norm", "rope", "swiglu"))
+    [ax] = fig.axes
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["gemm", "attention", "norm", "rope", "local (solid)",
+                                                          "propagated (dashed)"]
+    fig.canvas.draw()
+    box, axes_box = legend.get_window_extent(), ax.get_window_extent()
+    assert box.x0 >= axes_box.x1  # beside the data, not over it
+
+
+def test_a_score_runs_figures_name_the_rollout_logprob():
+    fig = figures.delta_histogram([("response tokens", np.array([0.1, -0.2]))], "rollout (engine) logprob")
+    assert fig.axes[0].get_xlabel() == "Δlogprob = logprob_train − rollout (engine) logprob (nats)"
