@@ -26,6 +26,7 @@ from divergence_probe.errors import OutputError, ProbeError
 from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
+from divergence_probe.noise_verdict import floor_columns
 from divergence_probe.rl_metrics import ratio_split
 from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
 from divergence_probe.shapley import attribution as shapley_attribution
@@ -322,6 +323,7 @@ def _noise_floor_paragraph(tmp_path, **noise) -> str:
     rng = np.random.default_rng(2)
     tokens = _tokens(rng, 0.01)
     summary = {**_summary(tokens, "q_rope@0"), **noise}
+    summary |= floor_columns(tokens, summary, seed=0)  # the ratio's interval and verdict, as compare writes them
     run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
                  tokens)
     text = write_report(run).read_text()
@@ -335,12 +337,13 @@ def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
     kernel = 2 * mismatch
     text = _noise_floor_paragraph(tmp_path / "a", noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-5,
                                   noise_train_kernel_mean_abs_dlogp=kernel)
-    assert f"is {sig(mismatch / kernel)}× the largest of these floors (the training stack's own attention-kernel " \
-           "change): no larger than what that change alone does" in text
+    assert ("set against the largest of these floors (the training stack's own attention-kernel change): "
+            f"**within the noise floor: the mismatch is {mismatch / kernel:.3g}x its largest noise floor (95% "
+            "interval over prompts") in text and "no larger than what that change alone does" in text
     text = _noise_floor_paragraph(tmp_path / "b", noise_infer_engine_mode_mean_abs_dlogp=mismatch / 4,
                                   tap_points_mean_abs_dlogp=0.0)
     assert text.startswith("Noise floor: the engine in its other mode") and "tap points left its logprobs" in text
-    assert f"is {sig(4.0)}× the largest of these floors (the engine's own change of mode)." in text
+    assert "floors (the engine's own change of mode): **above the noise floor: the mismatch is 4x" in text
     assert _noise_floor_paragraph(tmp_path / "c").startswith("No noise floor was measured")
 
 
@@ -355,16 +358,21 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
     def printed(**noise) -> str:
         buffer = io.StringIO()
         monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
-        summary = {**_summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
-        run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={})
+        tokens = _tokens(np.random.default_rng(2), 0.01)
+        summary = {**_summary(tokens, "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
+        summary |= floor_columns(tokens, summary, seed=0)
+        run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={},
+                              spec=SimpleNamespace(align=SimpleNamespace(regions=())))
         cli._print_summary(run)
         return buffer.getvalue()
 
     text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,
                    noise_train_kernel_mean_abs_dlogp=0.01)
-    assert "mismatch / largest noise floor" in text and "1.2x (the training stack's own attention-kernel change)" in text
+    assert "mismatch / largest noise floor" in text and "1.2x, 95% CI [" in text
+    assert "(the training stack's own attention-kernel change)" in text and "normal or not" in text
     text = printed(noise_infer_engine_mode_mean_abs_dlogp=0.024, tap_points_mean_abs_dlogp=0.0)
-    assert "0.5x (the engine's own change of mode)" in text and "engine with vs without tap points" in text
+    assert "0.5x, 95% CI [" in text and "(the engine's own change of mode)" in text
+    assert "engine with vs without tap points" in text
     assert "not measured (--batch-invariance, --engine-noise)" in printed()
 
 
@@ -773,6 +781,28 @@ def test_a_replayed_run_says_which_replay(name, tmp_path):
     section = _routing_section(write_report(run, tmp_path / "md"))
     assert "Routes were replayed" in section and REPLAYS[replay] in section
     assert all(text not in section for other, text in REPLAYS.items() if other != replay)
+    # both stacks ran the engine's experts: a flip is the routers' disagreement, not a token routed differently
+    assert "two stacks' routers pick different expert sets" in section
+    assert "of the routed tokens of a layer to different expert sets" not in section
+    assert "The routers disagree on **" in section and "routes replayed, so no token was routed differently" in section
+
+
+def test_the_terminal_row_names_the_routers_disagreement_after_replay():
+    from rich.console import Console
+    from rich.table import Table
+
+    from divergence_probe.cli import _routing_rows
+
+    s = {"frac_tokens_any_flip": 0.05, "mean_abs_dlogp_after_flip": 0.1, "mean_abs_dlogp_not_after_flip": 0.01}
+    rows = {}
+    for replayed in (False, True):
+        table = Table()
+        _routing_rows(table, s, replayed)
+        console = Console(width=200, record=True)
+        console.print(table)
+        rows[replayed] = console.export_text()
+    assert "tokens routed differently" in rows[False] and "routers disagree" not in rows[False]
+    assert "routers disagree, routes replayed" in rows[True] and "tokens routed differently" not in rows[True]
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))
