@@ -17,7 +17,8 @@ import pandas as pd
 from .batch_invariance import NoiseEngines
 from .compare import CompareRun, Progress, phase, run_compare
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
-from .shapley import METRICS, REMAINING, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
+from .noise_verdict import manifest_record
+from .shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from .spec import RunSpec
 
 
@@ -75,20 +76,15 @@ class AblationRun:
     @cached_property
     def attribution_table(self) -> pd.DataFrame:  # cached: its bootstrap is the slow part of writing a run
         options = self.spec.ablate
-        metric_of = self.metric_of()
-        table = attribution(metric_of, self.regions)
-        everything, nothing = frozenset(self.regions), frozenset()
-        remaining = {"region": REMAINING, "shapley": metric_of[everything],
-                     "share": metric_of[everything] / metric_of[nothing] if metric_of[nothing] else float("nan"),
-                     "main_effect": float("nan"), "leave_one_out": float("nan")}
-        table = pd.concat([table, pd.DataFrame([remaining])], ignore_index=True)
+        table = attribution(self.metric_of(), self.regions)
         if options.bootstrap:
             ci = bootstrap_intervals(self._per_prompt(), self.regions, options.metric, options.bootstrap,
                                      self.spec.load.seed, options.ci_level)
-            table["ci_low"] = [ci[r if r != REMAINING else "remaining"][0] for r in table["region"]]
-            table["ci_high"] = [ci[r if r != REMAINING else "remaining"][1] for r in table["region"]]
+            for suffix, key in (("", ""), ("share_", "/share")):
+                table[suffix + "ci_low"] = [ci[r + key][0] for r in table["region"]]
+                table[suffix + "ci_high"] = [ci[r + key][1] for r in table["region"]]
         else:
-            table["ci_low"] = table["ci_high"] = float("nan")
+            table["ci_low"] = table["ci_high"] = table["share_ci_low"] = table["share_ci_high"] = float("nan")
         return table
 
     def files(self) -> dict[str, pd.DataFrame]:
@@ -115,7 +111,8 @@ class AblationRun:
     def write(self, out_dir: str | Path) -> Path:
         from .rundir import write_run
 
-        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
+        shipped = next(iter(self.runs.values())).summary  # the stacks as shipped: combination `none`
+        return write_run(Path(out_dir), self.manifest | manifest_record(shipped), self.prompts, self.files())
 
 
 def combo_spec(spec: RunSpec, combo) -> RunSpec:

@@ -254,7 +254,8 @@ def _next_step(run):
 
 
 def _print_summary(run) -> None:
-    from .tables import NOISE_FLOORS, largest_noise_floor, worst_layer
+    from .noise_verdict import LEVEL, RATIO, in_words
+    from .tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -266,10 +267,12 @@ def _print_summary(run) -> None:
     table.add_row("p99 |Δlogp|", f"{s['p99_abs_dlogp']:.3e}")
     table.add_row("mean KL(infer‖train)", f"{s['mean_kl']:.3e}")
     table.add_row("max KL", f"{s['max_kl']:.3e}")
-    table.add_row("first inexact tap", s["first_inexact"])
-    table.add_row(f"first tap over rel_l2 {run.threshold:g}", s["first_over_threshold"])
+    if s["first_inexact"] != NOT_CAPTURED:  # --taps none: no tap rows to show
+        table.add_row("first inexact tap", s["first_inexact"])
+        table.add_row(f"first tap over rel_l2 {run.threshold:g}", s["first_over_threshold"])
     worst = worst_layer(run.tap_stats)
-    table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})" if worst else "not captured")
+    if worst:
+        table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})")
     for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
                        ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
                        ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
@@ -286,18 +289,23 @@ def _print_summary(run) -> None:
     largest = largest_noise_floor(s)
     if largest is None:  # a mismatch means little without it; say how to get it
         table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")
-    elif largest[1] > 0:
-        table.add_row("mismatch / largest noise floor",
-                      f"{s['mean_abs_dlogp'] / largest[1]:.3g}x ({NOISE_FLOORS[largest[0]]})")
-    _routing_rows(table, s)
+    else:
+        if largest[1] > 0:
+            table.add_row("mismatch / largest noise floor",
+                          f"{s[RATIO]:.3g}x, {LEVEL:.0%} CI [{s[RATIO + '_ci_low']:.3g}x, {s[RATIO + '_ci_high']:.3g}x] "
+                          f"({NOISE_FLOORS[largest[0]]})")
+        table.add_row("normal or not", in_words(s))
+    _routing_rows(table, s, "routing" in run.spec.align.regions)
     out.print(table)
-    _print_graft(getattr(run, "graft_tables", {}))
+    _print_graft(getattr(run, "graft_tables", {}), run.manifest.get("model", {}).get("num_layers"))
 
 
-def _routing_rows(table, s: dict) -> None:
+def _routing_rows(table, s: dict, replayed: bool) -> None:
     """A mixture-of-experts run: how often the stacks run a token through other experts, beside every routing noise
     floor measured (each stack's batch change, the trainer's kernel change) and the ratio to the largest, and |Δlogp|
-    of the tokens right after a flipped position against the others (routing.csv: per layer)."""
+    of the tokens right after a flipped position against the others (routing.csv: per layer). With routes replayed
+    the trainer ran the engine's experts, so the count is zero by construction and the routers' own disagreement is
+    in routing.csv's logit columns: the row says so rather than read as agreement."""
     from .tables import ROUTING_NOISE_FLOORS, noise_floors
 
     if "frac_tokens_any_flip" not in s:
@@ -305,6 +313,9 @@ def _routing_rows(table, s: dict) -> None:
     flips = s["frac_tokens_any_flip"]
     table.add_row("tokens run through other experts (any layer)",
                   "not recorded (manifest.json)" if flips != flips else f"{flips:.2%}")  # NaN: a side gave no ids
+    if replayed:
+        table.add_row("routers disagree", "routes replayed: both ran the engine's experts; where the routers' logits "
+                                          "still differ is routing.csv's frac_topk_set_differs")
     for name, value in noise_floors(s, ROUTING_NOISE_FLOORS).items():
         table.add_row(f"routing noise floor: {ROUTING_NOISE_FLOORS[name]}", f"{value:.2%}")
     if "routing_largest_noise_floor" in s:
@@ -316,17 +327,22 @@ def _routing_rows(table, s: dict) -> None:
                   "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip
 
 
-def _print_graft(tables: dict) -> None:
-    """compare --graft: the local error per op family beside the propagated one (local_families.csv)."""
+def _print_graft(tables: dict, num_layers: int | None) -> None:
+    """compare --graft / --depth: the local error per op family beside the propagated one (local_families.csv),
+    largest local error first, and in words which family and which step of the forward add most."""
+    from .graft_reading import amplification_text, families_by_local, findings
+
     families = tables.get("local_families.csv")
-    if families is None:
-        return
-    table = Table(title="local error per op family (local_families.csv)")
-    for column in ("family", "local rel_l2", "propagated rel_l2", "amplification"):
-        table.add_column(column, justify="left" if column == "family" else "right")
-    for row in families.itertuples():
-        table.add_row(row.family, f"{row.local_rel_l2:.3e}", f"{row.propagated_rel_l2:.3e}", f"{row.amplification:.3g}")
-    out.print(table)
+    if families is not None:
+        table = Table(title="local error per op family (local_families.csv), largest first")
+        for column in ("family", "local rel_l2", "propagated rel_l2", "amplification"):
+            table.add_column(column, justify="left" if column == "family" else "right")
+        for row in families_by_local(families).to_dict("records"):
+            table.add_row(row["family"], f"{row['local_rel_l2']:.3e}", f"{row['propagated_rel_l2']:.3e}",
+                          amplification_text(row))
+        out.print(table)
+    for line in findings({name.removesuffix(".csv"): t for name, t in tables.items()}, num_layers):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _cli_type(hint, default):
@@ -499,7 +515,8 @@ _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned re
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
 
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
-    attribution.csv (one row per region, and what remains with all aligned).
+    attribution.csv (one row per region and one for all regions together: each its change of the
+    metric as a signed share of the shipped value).
     """)
 
 
@@ -637,21 +654,38 @@ def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -
 
 
 def _print_ablation(run) -> None:
+    from .shapley import CHANGE, SHARE, change_words
+    from .tables import NOT_CAPTURED
+
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
     table = Table(title=f"ablation ({run.spec.align.side}), sorted by {metric}")
-    for col in ("combo", metric, "mean_abs_dlogp", "first_inexact"):
+    taps = (combos["first_inexact"] != NOT_CAPTURED).any()  # --taps none: no first-divergence column
+    for col in ("combo", metric, "mean_abs_dlogp", *(["first_inexact"] if taps else [])):
         table.add_column(col, justify="left" if col in ("combo", "first_inexact") else "right")
     for row in combos.itertuples():
-        table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}", row.first_inexact)
+        table.add_row(row.combo, f"{getattr(row, metric):.3e}", f"{row.mean_abs_dlogp:.3e}",
+                      *([row.first_inexact] if taps else []))
     out.print(table)
-    attr = Table(title=f"attribution of the reduction in {metric}")
-    for col in ("region", "shapley", "share", f"{run.spec.ablate.ci_level:.0%} CI", "main effect", "leave-one-out"):
+    shipped = run.metric_of()[frozenset()]
+    attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
+                       "(− removes mismatch, + adds)")
+    level = f"{run.spec.ablate.ci_level:.0%} CI"
+    for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
         attr.add_column(col, justify="left" if col == "region" else "right")
-    for row in run.attribution_table.itertuples():
-        attr.add_row(row.region, f"{row.shapley:.3e}", f"{row.share:.1%}", f"[{row.ci_low:.2e}, {row.ci_high:.2e}]",
-                     f"{row.main_effect:.3e}", f"{row.leave_one_out:.3e}")
+    def signed(x: float, spec: str = "+.3e") -> str:
+        return "" if x != x else format(x, spec)
+
+    rows = run.attribution_table.to_dict("records")
+    for row in rows:
+        attr.add_row(row["region"], signed(row[CHANGE]), change_words(row[SHARE]),
+                     f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
+                     signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
+    total = rows[-1]  # the all-regions row: the headline
+    out.print(f"Aligning every region {change_words(total[SHARE])} of the shipped {metric} "
+              f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
+              highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command("report")

@@ -37,6 +37,7 @@ from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metri
 from .rundir import ROLLOUTS
 from .spec import RunSpec
 from .stacks.base import PromptScores, TapSink
+from .noise_verdict import floor_columns, manifest_record
 from .tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from .taps import ROUTE_RECORDS, TapKey, expected_taps
 
@@ -345,7 +346,8 @@ class CompareRun:
 
     @property
     def summary(self) -> dict:
-        return self._summary() | self._routing_summary()
+        row = self._summary()
+        return row | floor_columns(self.tokens_table, row, self.spec.load.seed) | self._routing_summary()
 
     def _routing_summary(self) -> dict:
         if self.routing is None:
@@ -410,7 +412,7 @@ class CompareRun:
     def write(self, out_dir: str | Path) -> Path:
         from .rundir import write_run
 
-        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
+        return write_run(Path(out_dir), self.manifest | manifest_record(self.summary), self.prompts, self.files())
 
 
 def noise_floor_columns(floor, kernel=None, engine=None) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from .errors import ProbeError
 from .replay import command_line, rl_command_line, score_command_line
-from .tables import largest_noise_floor
+from .noise_verdict import ABOVE, CANNOT_TELL, VERDICT, in_words
 
 NUMERIC_REGIONS = ("rope", "swiglu", "rmsnorm")  # rl's setting with every one the family has, as the README's recipe
 MOE_REGIONS = ("rope", "rmsnorm", "routing")  # ablate on a mixture of experts, as the README's recipe runs it
@@ -72,16 +72,20 @@ def _step(spec, why: str, family=None) -> Step | None:
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
-    """No floor: measure it. Over its floor: where it starts (graft, depth), or on a MoE model whether routing or
-    rounding carries it (ablate with routing). Within its floor: what RL sees (generate mode), if not seen yet."""
-    largest = largest_noise_floor(summary)
-    if largest is None:
+    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): where it starts (graft,
+    depth), or on a MoE model whether routing or rounding carries it (ablate with routing). Within its floor: what RL
+    sees (generate mode), if not seen yet. An interval that straddles the floor: the same run on more prompts, which
+    narrows it (when the run used only some of its prompts; otherwise the user has to bring more)."""
+    verdict = summary.get(VERDICT)
+    if verdict is None:
         return _step(_changed(spec, capture={"batch_invariance": True}),
                      "no noise floor was measured, so the mismatch cannot be told from noise", family)
-    mismatch, floor = summary.get("mean_abs_dlogp", 0.0), largest[1]
-    if mismatch > floor:
-        why = (f"the mismatch is {mismatch / floor:.3g}x its largest noise floor" if floor > 0 else
-               "the mismatch is above a noise floor of 0")
+    if verdict == CANNOT_TELL:
+        prompts = spec.prompts.num_prompts
+        more = _changed(spec, prompts={"num_prompts": prompts * 4}) if prompts else None
+        return _step(more, in_words(summary), family) if more else None
+    if verdict == ABOVE:
+        why = in_words(summary)
         if "frac_tokens_any_flip" in summary:  # a mixture of experts: routing is one more factor
             step = _step(_as_ablate(spec, MOE_REGIONS, spec.capture.taps) if _can(family, "ablate") else None,
                          why + ": split it into routing and rounding", family)
@@ -124,11 +128,11 @@ def _rl_step(make, why: str, family=None) -> Step | None:
 
 def after_ablate(spec, attribution, family=None) -> Step | None:
     """Aligned on both stacks: what the trainer alone can adopt. On the trainer alone: whether the regions that
-    reduced the mismatch matter in training (rl, shipped vs those regions, the trainer aligned)."""
+    removed mismatch matter in training (rl, shipped vs those regions, the trainer aligned)."""
     if spec.align.side != "train":
         return _step(_changed(spec, align={"side": "train"}), "what aligning the trainer alone (the engine as "
                      "deployed) removes", family)
-    helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley > 0)
+    helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley_change < 0)
     if not helped or not _can(family, "rl"):
         return None
     from .rl.spec import RLSpec

@@ -37,7 +37,7 @@ COLUMNS = {
     "layers.csv": ("layer", "tap", "rel_l2"),
     "tokens.csv": ("prompt_id", "position", "logprob_infer", "delta_logprob", "kl"),
     "ablation.csv": ("combo",),
-    "attribution.csv": ("region", "shapley", "share"),
+    "attribution.csv": ("region",),  # older folders: `shapley`, `share` (reports/load.py reads both)
     "buckets.csv": (),
     "batch_invariance.csv": (),
     "kernel_noise.csv": (),

@@ -1,8 +1,11 @@
 """Shapley attribution for ablations: subsets, exact Shapley values, and bootstrap intervals over prompts.
 
-No model code here. The value of a set S of aligned regions is the *reduction* of the mismatch metric:
-v(S) = m(∅) - m(S). Shapley values split v(all) exactly among regions (efficiency), crediting
-interactions fairly; the main effect is v({r}), the leave-one-out loss is v(all) - v(all \\ {r}).
+No model code here. The value of a set S of aligned regions is the *change* of the mismatch metric it makes:
+v(S) = m(S) - m(∅), negative when aligning S removes mismatch and positive when it adds some. Shapley values split
+v(all) exactly among regions (efficiency), crediting interactions fairly; the main effect is v({r}), the
+leave-one-out change is v(all) - v(all \\ {r}). Each is also given as a share of the shipped metric m(∅): a share
+of the total change would flip sign whenever aligning everything makes the mismatch worse, so a region that helps
+would read as a negative share beside one that hurts as a positive one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import pandas as pd
 
 Combo = frozenset
 SHIPPED = "none"  # the combination with no region aligned
-REMAINING = "(remaining)"  # attribution row: what is left with every region aligned (not a region)
+ALL_REGIONS = "(all regions)"  # attribution row: the change of aligning every region at once (not a region)
+CHANGE = "shapley_change"  # a region's Shapley value of v: negative = removes mismatch, positive = adds it
+SHARE = "shapley_change_share_of_shipped"  # CHANGE / m(∅), same sign convention
 
 # Metrics that can be recomputed from per-prompt sums, so bootstrap resampling of prompts is exact.
 METRICS: dict[str, Callable[[pd.DataFrame, np.ndarray], float]] = {
@@ -66,39 +71,66 @@ def shapley(value: Mapping[Combo, float], players: Sequence[str]) -> dict[str, f
     return phi
 
 
+def change_words(share: float) -> str:
+    """A signed share of the shipped metric in words: "removes 24.7%" / "adds 89.2%" / "changes nothing"."""
+    if share != share:
+        return "n/a"
+    if share == 0:
+        return "changes nothing"
+    return f"{'removes' if share < 0 else 'adds'} {abs(100 * share):.3g}%"
+
+
+def _changes(metric_of: Mapping[Combo, float], regions: Sequence[str]) -> dict[str, float]:
+    """Each region's Shapley value of v and, under ALL_REGIONS, v(all)."""
+    none = metric_of[Combo()]
+    phi = shapley({c: m - none for c, m in metric_of.items()}, regions)
+    return phi | {ALL_REGIONS: metric_of[Combo(regions)] - none}
+
+
 def attribution(metric_of: Mapping[Combo, float], regions: Sequence[str]) -> pd.DataFrame:
-    """One row per region (shapley, share, main_effect, leave_one_out) from the metric of every combo."""
+    """One row per region and a last ALL_REGIONS row: CHANGE, SHARE (of the shipped metric), main_effect_change and
+    leave_one_out_change (regions only) from the metric of every combo."""
     none, everything = Combo(), Combo(regions)
-    reduction = {c: metric_of[none] - m for c, m in metric_of.items()}
-    phi = shapley(reduction, regions)
-    total = reduction[everything]
-    rows = [{
+    shipped = metric_of[none]
+    change = {c: m - shipped for c, m in metric_of.items()}
+    values = _changes(metric_of, regions)
+    return pd.DataFrame([{
         "region": r,
-        "shapley": phi[r],
-        "share": phi[r] / total if total else float("nan"),
-        "main_effect": reduction[Combo({r})],
-        "leave_one_out": total - reduction[everything - {r}],
-    } for r in regions]
-    return pd.DataFrame(rows)
+        CHANGE: values[r],
+        SHARE: values[r] / shipped if shipped else float("nan"),
+        "main_effect_change": change[Combo({r})] if r != ALL_REGIONS else float("nan"),
+        "leave_one_out_change": change[everything] - change[everything - {r}] if r != ALL_REGIONS else float("nan"),
+    } for r in (*regions, ALL_REGIONS)])
+
+
+def bootstrap(n_prompts: int, statistics: Callable[[np.ndarray], Mapping[str, float]], n_boot: int, seed: int,
+              level: float = 0.95) -> dict[str, tuple[float, float]]:
+    """Percentile intervals of named statistics of prompt weights (how often each prompt is drawn), resampling
+    prompts with replacement; a statistic that is NaN in a draw (a zero denominator) is left out of that draw."""
+    rng = np.random.default_rng(seed)
+    draws: dict[str, list[float]] = {}
+    for _ in range(n_boot):
+        weights = np.bincount(rng.integers(0, n_prompts, n_prompts), minlength=n_prompts)
+        for name, value in statistics(weights).items():
+            draws.setdefault(name, [])
+            if value == value:
+                draws[name].append(value)
+    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    return {k: (float(np.percentile(v, lo)), float(np.percentile(v, hi))) if v else (float("nan"), float("nan"))
+            for k, v in draws.items()}
 
 
 def bootstrap_intervals(per_combo: Mapping[Combo, pd.DataFrame], regions: Sequence[str], metric: str,
                         n_boot: int, seed: int, level: float = 0.95) -> dict[str, tuple[float, float]]:
-    """Percentile intervals of each region's Shapley value, resampling prompts with replacement.
-
-    Returns also the interval of the metric that remains with every region aligned, under key "remaining".
-    """
+    """Percentile intervals of each region's CHANGE (key: the region) and SHARE (key: region + "/share"), and of
+    v(all) and its share under ALL_REGIONS, resampling prompts with replacement."""
     fn = METRICS[metric]
     n_prompts = len(next(iter(per_combo.values())))
-    rng = np.random.default_rng(seed)
-    draws = {r: [] for r in regions} | {"remaining": []}
-    for _ in range(n_boot):
-        weights = np.bincount(rng.integers(0, n_prompts, n_prompts), minlength=n_prompts)
+
+    def statistics(weights: np.ndarray) -> dict[str, float]:
         metric_of = {c: fn(p, weights) for c, p in per_combo.items()}
-        phi = shapley({c: metric_of[Combo()] - m for c, m in metric_of.items()}, regions)
-        for r in regions:
-            draws[r].append(phi[r])
-        draws["remaining"].append(metric_of[Combo(regions)])
-    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
-    return {k: (float(np.percentile(v, lo)), float(np.percentile(v, hi))) if v else (float("nan"), float("nan"))
-            for k, v in draws.items()}
+        shipped = metric_of[Combo()]
+        values = _changes(metric_of, regions)
+        return values | {k + "/share": v / shipped if shipped else float("nan") for k, v in values.items()}
+
+    return bootstrap(n_prompts, statistics, n_boot, seed, level)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from divergence_probe.shapley import REMAINING
-from divergence_probe.shapley import Combo, attribution, bootstrap_intervals, shapley, subsets
+from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE
+from divergence_probe.shapley import Combo, attribution, bootstrap_intervals, change_words, shapley, subsets
 from divergence_probe.cli import app
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
@@ -38,33 +38,51 @@ def test_attribution_is_exact_on_an_additive_metric():
     base, effect = 10.0, {"rope": 3.0, "swiglu": 0.5, "rmsnorm": 1.5}
     metric = {c: base - sum(effect[r] for r in c) for c in subsets(REGIONS)}
     table = attribution(metric, REGIONS).set_index("region")
-    for r, e in effect.items():
-        assert table.loc[r, "shapley"] == pytest.approx(e)
-        assert table.loc[r, "main_effect"] == pytest.approx(e)
-        assert table.loc[r, "leave_one_out"] == pytest.approx(e)
-    assert table["share"].sum() == pytest.approx(1.0)
+    for r, e in effect.items():  # aligning a region removes mismatch: a negative change
+        assert table.loc[r, CHANGE] == pytest.approx(-e)
+        assert table.loc[r, "main_effect_change"] == pytest.approx(-e)
+        assert table.loc[r, "leave_one_out_change"] == pytest.approx(-e)
+        assert table.loc[r, SHARE] == pytest.approx(-e / base)
+    assert table.loc[ALL_REGIONS, CHANGE] == pytest.approx(-sum(effect.values()))
+    assert table.loc[list(REGIONS), SHARE].sum() == pytest.approx(table.loc[ALL_REGIONS, SHARE])
+
+
+def test_shares_keep_their_sign_when_aligning_everything_makes_it_worse():
+    """A region that removes mismatch reads negative and one that adds positive, even when the regions together
+    add mismatch (a share of the total change would flip both signs there), and every share is of the shipped
+    value, the all-regions row included."""
+    base, effect = 1.0, {"rope": -0.25, "swiglu": 0.0, "rmsnorm": 0.33}  # together: +8% of shipped
+    metric = {c: base + sum(effect[r] for r in c) for c in subsets(REGIONS)}
+    table = attribution(metric, REGIONS).set_index("region")
+    assert table.loc["rope", SHARE] == pytest.approx(-0.25) and table.loc["rmsnorm", SHARE] == pytest.approx(0.33)
+    assert table.loc[ALL_REGIONS, SHARE] == pytest.approx(0.08)
+    assert change_words(table.loc["rope", SHARE]) == "removes 25%"
+    assert change_words(table.loc["rmsnorm", SHARE]) == "adds 33%"
+    assert change_words(table.loc[ALL_REGIONS, SHARE]) == "adds 8%"
 
 
 def test_interaction_is_split_evenly():
     # aligning both rope and rmsnorm is needed to remove 2.0; either alone removes nothing
     metric = {c: 5.0 - (2.0 if {"rope", "rmsnorm"} <= c else 0.0) for c in subsets(REGIONS)}
     table = attribution(metric, REGIONS).set_index("region")
-    assert table.loc["rope", "shapley"] == pytest.approx(1.0) and table.loc["rmsnorm", "shapley"] == pytest.approx(1.0)
-    assert table.loc["swiglu", "shapley"] == pytest.approx(0.0)
-    assert table.loc["rope", "main_effect"] == 0 and table.loc["rope", "leave_one_out"] == pytest.approx(2.0)
+    assert table.loc["rope", CHANGE] == pytest.approx(-1.0) and table.loc["rmsnorm", CHANGE] == pytest.approx(-1.0)
+    assert table.loc["swiglu", CHANGE] == pytest.approx(0.0)
+    assert table.loc["rope", "main_effect_change"] == 0
+    assert table.loc["rope", "leave_one_out_change"] == pytest.approx(-2.0)
 
 
 def test_bootstrap_interval_brackets_the_estimate_and_is_seeded():
-    per_prompt = {c: pd.DataFrame({"n": [10, 10, 10, 10], "sum_kl": [4.0 - len(c), 3.0, 5.0 - 2 * len(c), 4.0],
+    per_prompt = {c: pd.DataFrame({"n": [10, 10, 10, 10], "sum_kl": [4.0 - len(c), 3.0 + 0.3 * len(c), 5.0 - 2 * len(c),
+                                                                4.1 - 0.7 * len(c)],
                                    "sum_abs_dlogp": [1.0] * 4, "max_kl": [1.0] * 4, "max_abs_dlogp": [1.0] * 4})
                   for c in subsets(REGIONS)}
     a = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
     b = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
     assert a == b
     point = attribution({c: (p["sum_kl"].sum() / p["n"].sum()) for c, p in per_prompt.items()}, REGIONS)
-    for r, estimate in zip(point.region, point.shapley):
+    for r, estimate, share in zip(point.region, point[CHANGE], point[SHARE]):
         assert a[r][0] <= estimate <= a[r][1]
-    assert a["remaining"][0] <= a["remaining"][1]
+        assert a[r + "/share"][0] <= share <= a[r + "/share"][1]
     assert bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=2) != a
 
 
@@ -129,9 +147,9 @@ def test_ablate_cli_writes_its_tables(qwen3_tiny, prompts_file, tmp_path):
     assert list(ablation.combo) == ["none", "rope", "rmsnorm", "rope+rmsnorm"]
     assert list(ablation.columns[:3]) == ["combo", "rope", "rmsnorm"]
     attribution_csv = pd.read_csv(out_dir / "attribution.csv")
-    assert list(attribution_csv.columns) == ["region", "shapley", "share", "main_effect", "leave_one_out",
-                                             "ci_low", "ci_high"]
-    assert list(attribution_csv.region) == ["rope", "rmsnorm", REMAINING]
+    assert list(attribution_csv.columns) == ["region", CHANGE, SHARE, "main_effect_change", "leave_one_out_change",
+                                             "ci_low", "ci_high", "share_ci_low", "share_ci_high"]
+    assert list(attribution_csv.region) == ["rope", "rmsnorm", ALL_REGIONS]
     for name in ("tokens.csv", "layers.csv", "summary.csv"):
         assert pd.read_csv(out_dir / name).columns[0] == "combo"
     assert json.loads((out_dir / "manifest.json").read_text())["ablate"]["combos"] == list(ablation.combo)

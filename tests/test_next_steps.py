@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.models import get_family
 from divergence_probe.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
+from divergence_probe.noise_verdict import ABOVE, CANNOT_TELL, RATIO, VERDICT, WITHIN, floor_columns, verdict
 from divergence_probe.rl.spec import RLSpec
+from divergence_probe.shapley import ALL_REGIONS, CHANGE
 from divergence_probe.score import ScoreSpec
 from divergence_probe.spec import LoadSpec, spec_from_flat
 
@@ -56,20 +58,61 @@ def _compare(**flags):
 FLOOR = {"noise_infer_mean_abs_dlogp": 1e-3, "noise_train_mean_abs_dlogp": 2e-3}
 
 
+def _measured(mismatch: float, spread: float = 0.1, **extra) -> dict:
+    """A summary with the floor, the ratio to the largest (2e-3) and an interval of ±spread around it."""
+    ratio = mismatch / 2e-3
+    low, high = ratio * (1 - spread), ratio * (1 + spread)
+    return {**FLOOR, "mean_abs_dlogp": mismatch, RATIO: ratio, RATIO + "_ci_low": low, RATIO + "_ci_high": high,
+            VERDICT: verdict(low, high), **extra}
+
+
 def test_after_compare_follows_the_recipes():
     spec = _compare(taps="none", batch_invariance=True)
-    within = after_compare(spec, {"mean_abs_dlogp": 1e-3, **FLOOR})
+    within = after_compare(spec, _measured(1e-3))
     assert "--mode generate" in shlex.join(within.argv) and "within" in within.why
-    assert after_compare(_compare(mode="generate", batch_invariance=True), {"mean_abs_dlogp": 1e-3, **FLOOR}) is None
-    over = after_compare(spec, {"mean_abs_dlogp": 8e-3, **FLOOR})
+    assert after_compare(_compare(mode="generate", batch_invariance=True), _measured(1e-3)) is None
+    over = after_compare(spec, _measured(8e-3))
     assert {"--graft", "--depth"} <= set(over.argv) and "--batch-invariance" not in over.argv
-    assert "4x its largest noise floor" in over.why
+    assert "4x its largest noise floor (95% interval over prompts 3.6x to 4.4x)" in over.why
     # a family that cannot graft (Qwen3-MoE), with routing compared: ablate with routing as a factor
-    moe = after_compare(spec, {"mean_abs_dlogp": 8e-3, "frac_tokens_any_flip": 0.1, **FLOOR}, get_family("qwen3_moe"))
+    moe = after_compare(spec, _measured(8e-3, frac_tokens_any_flip=0.1), get_family("qwen3_moe"))
     assert moe.argv[:2] == ["divergence-probe", "ablate"] and "rope,rmsnorm,routing" in moe.argv
     # graft already run: which region removes it
-    done = after_compare(_compare(graft=True, batch_invariance=True), {"mean_abs_dlogp": 8e-3, **FLOOR})
+    done = after_compare(_compare(graft=True, batch_invariance=True), _measured(8e-3))
     assert done.argv[:2] == ["divergence-probe", "ablate"] and "routing" not in shlex.join(done.argv)
+
+
+def test_a_ratio_over_1_whose_interval_straddles_1_asks_for_more_prompts_not_for_a_cause():
+    """The verdict follows the interval: a point ratio of 1.1 with an interval from 0.8 is no finding."""
+    straddles = _measured(2.2e-3, spread=0.3)
+    assert straddles[RATIO] > 1 and straddles[VERDICT] == CANNOT_TELL
+    step = after_compare(_compare(taps="none", batch_invariance=True, num_prompts=8), straddles)
+    assert shlex.join(step.argv).count("--num-prompts 32") == 1 and "--graft" not in step.argv
+    assert "cannot tell" in step.why and "more prompts" in step.why
+    # every prompt already used: no command can add more; the verdict's words say what would settle it
+    assert after_compare(_compare(taps="none", batch_invariance=True), straddles) is None
+    assert verdict(1.01, 2.0) == ABOVE and verdict(0.5, 1.0) == WITHIN and verdict(0.99, 1.2) == CANNOT_TELL
+
+
+def test_the_interval_resamples_prompts_and_decides_the_verdict():
+    """floor_columns: the ratio over the largest floor, its bootstrap interval over prompts (seeded), the verdict.
+    The same mean mismatch on prompts that agree is above the floor; spread over prompts that disagree, it is not
+    told from it."""
+    def tokens(per_prompt: list[float]) -> pd.DataFrame:
+        rows = [{"prompt_id": i, "delta_logprob": d * (-1) ** k, "kl": 0.0}
+                for i, d in enumerate(per_prompt) for k in range(5)]
+        return pd.DataFrame(rows)
+
+    floor = {"noise_train_mean_abs_dlogp": 1e-3}
+    steady = tokens([1.5e-3] * 6)
+    row = floor_columns(steady, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
+    assert row[RATIO] == pytest.approx(1.5) and row[RATIO + "_ci_low"] == pytest.approx(1.5)
+    assert row[VERDICT] == ABOVE
+    spread = tokens([0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 3.5e-3, 4.5e-3])  # mean 1.5e-3 too
+    row = floor_columns(spread, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
+    assert row[RATIO] == pytest.approx(1.5) and row[RATIO + "_ci_low"] < 1 < row[RATIO + "_ci_high"]
+    assert row[VERDICT] == CANNOT_TELL and row == floor_columns(spread, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
+    assert floor_columns(spread, {"mean_abs_dlogp": 1.5e-3}, seed=0) == {}  # no floor: no verdict
 
 
 def test_after_ablate_after_score_after_rl():
@@ -77,10 +120,12 @@ def test_after_ablate_after_score_after_rl():
     step = after_ablate(both, pd.DataFrame())
     assert step.argv[:2] == ["divergence-probe", "ablate"] and ["--side", "train"] == step.argv[2:4]
     train = replace(both, align=replace(both.align, side="train"))
-    shares = pd.DataFrame({"region": ["rope", "swiglu", "(remaining)"], "shapley": [2e-3, -1e-4, 5e-3]})
+    # rope removes mismatch (a negative change), swiglu adds some, together they add: only rope is trained with
+    shares = pd.DataFrame({"region": ["rope", "swiglu", ALL_REGIONS], CHANGE: [-2e-3, 3e-3, 1e-3]})
     step = after_ablate(train, shares)
-    assert step.argv[:2] == ["divergence-probe", "rl"] and step.argv.count("--setting") == 2 and "rope" in step.argv
-    assert after_ablate(train, shares.assign(shapley=0.0)) is None  # nothing helped: nothing to train with
+    assert step.argv[:2] == ["divergence-probe", "rl"] and step.argv.count("--setting") == 2
+    assert "none" in step.argv and "rope" in step.argv and not any("swiglu" in a for a in step.argv)
+    assert after_ablate(train, shares.assign(**{CHANGE: 0.0})) is None  # nothing helped: nothing to train with
     assert after_ablate(train, shares, get_family("qwen3_moe")).argv == step.argv  # rl runs on MoE (rope exists)
 
     call, load = ScoreSpec(rollouts="/data/r.jsonl"), LoadSpec(model="M", device="cpu")
@@ -104,11 +149,11 @@ def test_no_step_is_a_command_the_model_refuses():
     moe, dense = get_family("qwen3_moe"), get_family("qwen3")
     step = after_rl(RLSpec(model="M", steps=5), moe)
     assert step is not None and "rope,rmsnorm" in step.argv and not any("swiglu" in a for a in step.argv)
-    over = {**FLOOR, "mean_abs_dlogp": 1.0, "frac_tokens_any_flip": 0.5}
+    over = _measured(1.0, frac_tokens_any_flip=0.5)
     step = after_compare(_compare(model="M", taps="none", batch_invariance=True, side="infer", align="rope"), over, moe)
     assert step is None or not any("swiglu" in a for a in step.argv)
     tp = _compare(model="M", taps="none", batch_invariance=True, engine_args='{"tensor_parallel_size": 2}')
-    for summary in ({**FLOOR, "mean_abs_dlogp": 1.0}, {**FLOOR, "mean_abs_dlogp": 1e-4}):
+    for summary in (_measured(1.0), _measured(1e-4)):
         step = after_compare(tp, summary, dense)
         if step is not None:  # whatever it suggests passes the checks the command runs before loading
             suggested = spec_from_flat(step.argv[1], **_flags(step.argv))

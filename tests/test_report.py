@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import io
 import json
 import re
 import shutil
@@ -25,7 +26,10 @@ from divergence_probe.errors import OutputError, ProbeError
 from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
+from divergence_probe.noise_verdict import floor_columns
 from divergence_probe.rl_metrics import ratio_split
+from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
+from divergence_probe.shapley import attribution as shapley_attribution
 
 runner = CliRunner()
 N_LAYERS = 4
@@ -128,10 +132,10 @@ REGIONS = ("rope", "swiglu")
 COMBOS = {"none": 1.0, "rope": 0.9, "swiglu": 0.97, "rope+swiglu": 0.8}
 
 
-def make_ablate(path: Path, with_tokens: bool = True) -> Path:
+def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> Path:
     rng = np.random.default_rng(2)
     tokens, layers, summary, ablation = [], [], [], []
-    for combo, factor in COMBOS.items():
+    for combo, factor in combos.items():
         t = _tokens(rng, 0.01 * factor)
         tokens.append(t.assign(combo=combo))
         layers.append(_layers(rng, 0.01 * factor).assign(combo=combo))
@@ -140,18 +144,14 @@ def make_ablate(path: Path, with_tokens: bool = True) -> Path:
         ablation.append({"combo": combo, **{r: r in combo.split("+") for r in REGIONS}, **s})
     lead = lambda frames: (lambda df: df[["combo", *[c for c in df.columns if c != "combo"]]])(pd.concat(frames))  # noqa: E731
     m = {c["combo"]: c["mean_kl"] for c in summary}
-    v_all = m["none"] - m["rope+swiglu"]
-    attribution = pd.DataFrame([
-        {"region": "rope", "shapley": 0.7 * v_all, "share": 0.7, "main_effect": m["none"] - m["rope"],
-         "leave_one_out": m["swiglu"] - m["rope+swiglu"], "ci_low": 0.6 * v_all, "ci_high": 0.8 * v_all},
-        {"region": "swiglu", "shapley": 0.3 * v_all, "share": 0.3, "main_effect": m["none"] - m["swiglu"],
-         "leave_one_out": m["rope"] - m["rope+swiglu"], "ci_low": -0.1 * v_all, "ci_high": 0.5 * v_all},
-        {"region": "(remaining)", "shapley": m["rope+swiglu"], "share": m["rope+swiglu"] / m["none"],
-         "main_effect": float("nan"), "leave_one_out": float("nan"), "ci_low": 0.9 * m["rope+swiglu"],
-         "ci_high": 1.1 * m["rope+swiglu"]},
-    ])
+    attribution = shapley_attribution({frozenset(k.split("+")) if k != "none" else frozenset(): v
+                                       for k, v in m.items()}, REGIONS)
+    spread = attribution[CHANGE].abs() * [0.2, 1.3, 0.1]  # swiglu's interval contains 0
+    attribution["ci_low"], attribution["ci_high"] = attribution[CHANGE] - spread, attribution[CHANGE] + spread
+    attribution["share_ci_low"] = attribution["ci_low"] / m["none"]
+    attribution["share_ci_high"] = attribution["ci_high"] / m["none"]
     manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
-                                 "seed": 0, "combos": list(COMBOS)})
+                                 "seed": 0, "combos": list(combos)})
     return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
                                    "ablation": pd.DataFrame(ablation), "attribution": attribution},
                   lead(tokens) if with_tokens else None)
@@ -221,6 +221,16 @@ def test_every_run_type_in_every_format(kind, fmt, rendered):
     assert main == out / {"md": "report.md", "html": "report.html", "latex": "report.tex"}[fmt] and main.is_file()
     stems = {"layers", *TOKEN_FIGURES} | ({"attribution"} if kind == "ablate" else set()) \
         | ({"ratio_hist"} if kind == "generate" else set())
+    if fmt == "html":  # self-contained: every figure embedded, nothing written beside the page
+        text = main.read_text()
+        assert sorted(p.name for p in out.iterdir()) == [MARKER, "report.html"]
+        embedded = re.findall(r'<figure id="figure-([^"]+)">\n<img alt="[^"]*" src="data:image/png;base64,([^"]+)"',
+                              text)
+        assert {stem for stem, _ in embedded} == stems and 'src="figures/' not in text and "figures/" not in text
+        for _, data in embedded:
+            image = mpimg.imread(io.BytesIO(base64.b64decode(data)), format="png")
+            assert image.shape[:2] == (figures.PIXELS[1], figures.PIXELS[0]) and image[..., :3].std() > 0.01
+        return
     assert {p.name for p in (out / "figures").iterdir()} == {f"{s}.{e}" for s in stems for e in ("png", "pdf")}
     for stem in stems:
         image = mpimg.imread(out / "figures" / f"{stem}.png")
@@ -230,11 +240,6 @@ def test_every_run_type_in_every_format(kind, fmt, rendered):
     if fmt == "md":
         text = main.read_text()
         assert all(f"](figures/{s}.png)" in text for s in stems)
-    elif fmt == "html":
-        text = main.read_text()
-        assert text.count('src="data:image/png;base64,') == len(stems) and 'src="figures/' not in text
-        embedded = re.search(r'src="data:image/png;base64,([^"]+)"', text).group(1)
-        assert base64.b64decode(embedded) == (out / "figures" / "layers.png").read_bytes()
     else:
         tables = {"summary", "implementations"} | ({"ablation", "attribution"} if kind == "ablate" else set()) \
             | ({"buckets", "batch_invariance"} if kind == "generate" else set())
@@ -269,7 +274,7 @@ def test_ablation_markdown_sorted_by_metric_and_explains_attribution(rendered):
     combos = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     expected = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")["combo"].tolist()
     assert combos == expected
-    assert "How to read the attribution" in text and "(remaining)" in text
+    assert "How to read the attribution" in text and f"`{ALL_REGIONS}`" in text
     assert "With every region aligned (`rope+swiglu`)" in text
 
 
@@ -318,6 +323,7 @@ def _noise_floor_paragraph(tmp_path, **noise) -> str:
     rng = np.random.default_rng(2)
     tokens = _tokens(rng, 0.01)
     summary = {**_summary(tokens, "q_rope@0"), **noise}
+    summary |= floor_columns(tokens, summary, seed=0)  # the ratio's interval and verdict, as compare writes them
     run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
                  tokens)
     text = write_report(run).read_text()
@@ -331,12 +337,13 @@ def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
     kernel = 2 * mismatch
     text = _noise_floor_paragraph(tmp_path / "a", noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-5,
                                   noise_train_kernel_mean_abs_dlogp=kernel)
-    assert f"is {sig(mismatch / kernel)}× the largest of these floors (the training stack's own attention-kernel " \
-           "change): no larger than what that change alone does" in text
+    assert ("set against the largest of these floors (the training stack's own attention-kernel change): "
+            f"**within the noise floor: the mismatch is {mismatch / kernel:.3g}x its largest noise floor (95% "
+            "interval over prompts") in text and "no larger than what that change alone does" in text
     text = _noise_floor_paragraph(tmp_path / "b", noise_infer_engine_mode_mean_abs_dlogp=mismatch / 4,
                                   tap_points_mean_abs_dlogp=0.0)
     assert text.startswith("Noise floor: the engine in its other mode") and "tap points left its logprobs" in text
-    assert f"is {sig(4.0)}× the largest of these floors (the engine's own change of mode)." in text
+    assert "floors (the engine's own change of mode): **above the noise floor: the mismatch is 4x" in text
     assert _noise_floor_paragraph(tmp_path / "c").startswith("No noise floor was measured")
 
 
@@ -351,16 +358,21 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
     def printed(**noise) -> str:
         buffer = io.StringIO()
         monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
-        summary = {**_summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
-        run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={})
+        tokens = _tokens(np.random.default_rng(2), 0.01)
+        summary = {**_summary(tokens, "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
+        summary |= floor_columns(tokens, summary, seed=0)
+        run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={},
+                              spec=SimpleNamespace(align=SimpleNamespace(regions=())))
         cli._print_summary(run)
         return buffer.getvalue()
 
     text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,
                    noise_train_kernel_mean_abs_dlogp=0.01)
-    assert "mismatch / largest noise floor" in text and "1.2x (the training stack's own attention-kernel change)" in text
+    assert "mismatch / largest noise floor" in text and "1.2x, 95% CI [" in text
+    assert "(the training stack's own attention-kernel change)" in text and "normal or not" in text
     text = printed(noise_infer_engine_mode_mean_abs_dlogp=0.024, tap_points_mean_abs_dlogp=0.0)
-    assert "0.5x (the engine's own change of mode)" in text and "engine with vs without tap points" in text
+    assert "0.5x, 95% CI [" in text and "(the engine's own change of mode)" in text
+    assert "engine with vs without tap points" in text
     assert "not measured (--batch-invariance, --engine-noise)" in printed()
 
 
@@ -424,11 +436,14 @@ def test_latex_tables_hold_the_csv_numbers_after_rounding(rendered):
     rows = _tex_rows(out / "attribution.tex")
     assert [r[0] for r in rows] == [f"\\texttt{{{r}}}" for r in attribution["region"]]
     for row, (_, expected) in zip(rows, attribution.iterrows()):
-        for cell, col in zip(row[1:], ["shapley", "share", "main_effect", "leave_one_out", "ci_low", "ci_high"]):
+        columns = [CHANGE, SHARE, "share_ci_low", "share_ci_high", "main_effect_change", "leave_one_out_change",
+                   "ci_low", "ci_high"]
+        assert len(row) == 1 + len(columns)
+        for cell, col in zip(row[1:], columns):
             if pd.isna(expected[col]):
                 assert cell == "--"
             else:
-                assert _number(cell) == pytest.approx(_rounded(expected[col], col == "share"), rel=1e-12)
+                assert _number(cell) == pytest.approx(_rounded(expected[col], "share" in col), rel=1e-12)
 
     ablation = pd.read_csv(run / "ablation.csv").sort_values("mean_kl", kind="stable")
     rows = _tex_rows(out / "ablation.tex")
@@ -572,7 +587,7 @@ def test_rerender_replaces_a_previous_report_only(tmp_path):
     out = run / "report"
     (out / "report.md").write_text("stale")
     write_report(run, fmt="html")  # replaces the md report: the folder held exactly a previous report
-    assert sorted(p.name for p in out.iterdir()) == [MARKER, "figures", "report.html"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "report.html"]
     assert not leftovers(run)
 
     (out / "notes.txt").write_text("mine")
@@ -749,8 +764,9 @@ def test_an_ablation_with_routing_says_what_share_of_the_mismatch_routing_explai
     shipped_kl = pd.read_csv(run / "summary.csv").set_index("combo").loc["none", "mean_kl"]
     routing = pd.read_csv(run / "routing.csv")
     section = _routing_section(write_report(run, tmp_path / "md"))
-    assert f"**{_pct(attribution['share'])}** of the reduction in `mean_kl`" in section
-    assert f"{_pct(attribution['shapley'] / shipped_kl)} of the shipped `mean_kl`" in section
+    share = -attribution["shapley"] / shipped_kl  # a folder written before the signed changes, read as one
+    assert share < 0 and f"**{change_words(share)}** of the shipped `mean_kl`" in section
+    assert change_words(share).startswith("removes ")
     assert "Routes are replayed in every combination that aligns `routing`" in section
     # per layer: the shipped block, and the block with every region aligned, whose routers still disagree
     rows = _md_rows(section)
@@ -770,6 +786,28 @@ def test_a_replayed_run_says_which_replay(name, tmp_path):
     section = _routing_section(write_report(run, tmp_path / "md"))
     assert "Routes were replayed" in section and REPLAYS[replay] in section
     assert all(text not in section for other, text in REPLAYS.items() if other != replay)
+    # both stacks ran the engine's experts: a flip is the routers' disagreement, not a token routed differently
+    assert "two stacks' routers pick different expert sets" in section
+    assert "of the routed tokens of a layer to different expert sets" not in section
+    assert "The routers disagree on **" in section and "routes replayed, so no token was routed differently" in section
+
+
+def test_the_terminal_row_names_the_routers_disagreement_after_replay():
+    from rich.console import Console
+    from rich.table import Table
+
+    from divergence_probe.cli import _routing_rows
+
+    s = {"frac_tokens_any_flip": 0.05, "mean_abs_dlogp_after_flip": 0.1, "mean_abs_dlogp_not_after_flip": 0.01}
+    rows = {}
+    for replayed in (False, True):
+        table = Table()
+        _routing_rows(table, s, replayed)
+        console = Console(width=200, record=True)
+        console.print(table)
+        rows[replayed] = console.export_text()
+    assert "tokens run through other experts" in rows[False] and "routers disagree" not in rows[False]
+    assert "routers disagree" in rows[True] and "routes replayed" in rows[True]
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))
@@ -798,3 +836,60 @@ def test_a_fresh_tiny_moe_run_has_a_routing_row_per_moe_layer(qwen3_moe_tiny, tm
     assert f"same experts in all {len(routing)} MoE layers" in section and "Routes were not replayed" in section
     image = mpimg.imread(main.parent / "figures" / "routing.png")
     assert image[..., :3].std() > 0.01
+
+
+# ---------------------------------------------------------------------------------------------- verdicts in words
+def test_attribution_words_say_adds_and_removes_with_signs_of_the_shipped_value(tmp_path):
+    """Aligning both regions adds mismatch while rope removes some: every share keeps its sign (a share of the total
+    change would flip both), the words say "removes"/"adds", the all-regions change leads."""
+    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1})
+    attribution = pd.read_csv(run / "attribution.csv").set_index("region")
+    assert attribution.loc["rope", SHARE] < 0 < attribution.loc["swiglu", SHARE]
+    assert attribution.loc[ALL_REGIONS, SHARE] > 0
+    text = write_report(run).read_text()
+    words = text.split("Aligning every region together")[1].split("\n")[0]
+    assert words.startswith(f" **{change_words(attribution.loc[ALL_REGIONS, SHARE])}** of the shipped `mean_kl`")
+    assert f"`rope` {change_words(attribution.loc['rope', SHARE])}" in words and "`rope` removes" in words
+    assert f"`swiglu` {change_words(attribution.loc['swiglu', SHARE])}" in words and "`swiglu` adds" in words
+    headline = text.split("With every region aligned")[1].split("\n")[0]
+    assert "aligning every region adds" in headline
+
+
+def test_graft_and_depth_findings_name_the_op_and_the_step_that_add_most(tmp_path):
+    """local_families sorted by local error with no inf shown, and the step that adds most of the gap in words: the
+    final norm here (0.8 -> 0.35 of a 1.0 gap)."""
+    run = make_compare(tmp_path / "run")
+    pd.DataFrame({"family": ["gemm", "norm", "rope"], "seams": [7, 4, 2], "local_rel_l2": [1e-3, 5e-3, 0.0],
+                  "local_frac_equal": [0.5, 0.2, 1.0], "local_max_ulp": [2.0, 4.0, 0.0],
+                  "propagated_rel_l2": [3e-3, 6e-3, 2e-3], "amplification": [3.0, 1.2, float("inf")]}
+                 ).to_csv(run / "local_families.csv", index=False)
+    n = json.loads((run / "manifest.json").read_text())["model"]["num_layers"]
+    gap = [1.0 - 0.2 * x / n for x in range(n + 1)] + [0.35]  # the decoder layers 0.2 in all, the final norm 0.45
+    pd.DataFrame({"layer": range(n + 2), "graft": ["embed", *(f"resid_out@{x}" for x in range(n)), f"final_norm@{n}"],
+                  "mean_abs_dlogp": gap, "max_abs_dlogp": 2.0, "mean_kl": 0.1, "max_kl": 0.2, "n_tokens": 30}
+                 ).to_csv(run / "depth.csv", index=False)
+    text = write_report(run).read_text()
+    assert "Adds most of the gap: the final norm, 45% of the mean |Δlogprob|" in text
+    assert "Largest error of its own: op family norm" in text
+    table = text.split("Local error per op family")[1].split("\n\n")[1]
+    assert [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]] == ["norm", "gemm", "rope"]
+    assert "no own error: passes on what it receives" in table and "inf" not in table
+
+
+def test_the_local_figure_has_one_legend_entry_per_family_beside_the_axes():
+    local = pd.DataFrame([{"layer": layer, "family": family, "local_rel_l2": 1e-3 * (i + 1),
+                           "propagated_rel_l2": 2e-3 * (i + 1)}
+                          for layer in range(3) for i, family in enumerate(("gemm", "norm", "rope", "attention"))])
+    fig = figures.local_vs_propagated(local, ("gemm", "attention", "norm", "rope", "swiglu"))
+    [ax] = fig.axes
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["gemm", "attention", "norm", "rope", "local (solid)",
+                                                          "propagated (dashed)"]
+    fig.canvas.draw()
+    box, axes_box = legend.get_window_extent(), ax.get_window_extent()
+    assert box.x0 >= axes_box.x1  # beside the data, not over it
+
+
+def test_a_score_runs_figures_name_the_rollout_logprob():
+    fig = figures.delta_histogram([("response tokens", np.array([0.1, -0.2]))], "rollout (engine) logprob")
+    assert fig.axes[0].get_xlabel() == "Δlogprob = logprob_train − rollout (engine) logprob (nats)"

@@ -4,12 +4,14 @@ region is one file plus one registry line, and `rerun` re-makes a run byte for b
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE
 
 CSVS = ("tokens.csv", "layers.csv", "summary.csv", "ablation.csv", "attribution.csv", "buckets.csv",
         "batch_invariance.csv", "rollouts.jsonl")
@@ -44,14 +46,32 @@ def test_compare_with_a_toy_stack(toy_args, tmp_path):
 
 
 def test_ablate_with_a_toy_region_removes_the_mismatch(toy_args, tmp_path):
-    cli("ablate", *toy_args, "--regions", "toy-align", "--side", "train", "--bootstrap", "20", "--out", tmp_path / "a")
+    result = cli("ablate", *toy_args, "--regions", "toy-align", "--side", "train", "--bootstrap", "20",
+                 "--out", tmp_path / "a")
     ablation = pd.read_csv(tmp_path / "a" / "ablation.csv").set_index("combo")
     assert ablation.loc["none", "mean_kl"] > 0
     assert ablation.loc["toy-align", "mean_kl"] == 0 and ablation.loc["toy-align", "first_inexact"] == "none"
     attribution = pd.read_csv(tmp_path / "a" / "attribution.csv").set_index("region")
-    assert attribution.loc["toy-align", "share"] == 1.0
+    # removing all of the shipped mismatch: a change of -100% of it, the region's and all regions' alike
+    assert attribution.loc["toy-align", SHARE] == attribution.loc[ALL_REGIONS, SHARE] == -1.0
+    assert attribution.loc["toy-align", CHANGE] == pytest.approx(-ablation.loc["none", "mean_kl"], rel=1e-12)
+    assert "Aligning every region removes 100% of the shipped mean_kl" in result.output
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["stacks"]["train"]["implementations"]["layer"] == "2 R"  # what it ships, not what was aligned
+
+
+def test_a_compare_without_taps_shows_no_tap_rows_and_words_its_noise_verdict(toy_args, tmp_path):
+    """--taps none: no "not captured" rows. The toy stacks are batch invariant, so the floor is exactly 0: no ratio
+    (no inf, no interval), any mismatch above it, the same in summary.csv and the manifest."""
+    result = cli("compare", *toy_args, "--taps", "none", "--batch-invariance", "--out", tmp_path / "run")
+    assert "not captured" not in result.output and "first inexact tap" not in result.output
+    summary = pd.read_csv(tmp_path / "run" / "summary.csv").iloc[0]
+    assert summary["noise_infer_mean_abs_dlogp"] == summary["noise_train_mean_abs_dlogp"] == 0
+    assert summary["mean_abs_dlogp"] > 0 and summary["noise_verdict"] == "above_floor"
+    assert pd.isna(summary["mismatch_over_floor"]) and pd.isna(summary["mismatch_over_floor_ci_low"])
+    assert "normal or not" in result.output and "the largest noise floor is exactly 0 and the mismatch is not" in result.output and not re.search(r"\binf\b", result.output)
+    record = json.loads((tmp_path / "run" / "manifest.json").read_text())["noise_verdict"]
+    assert record["verdict"] == "above_floor" and record["ratio"] is None and record["ci"] == [None, None]
 
 
 @pytest.mark.parametrize("kind, extra", [

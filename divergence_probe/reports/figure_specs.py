@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..shapley import REMAINING, SHIPPED
+from ..shapley import SHIPPED
 from .load import RunData, layers_of, response_rho, shipped_rows
 
 KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
+# A score run's inference side is the logprob its RL run's engine recorded (load.py reads tokens.csv's
+# logprob_rollout as logprob_infer so every figure draws it): its axes name it as the user knows it.
+INFER_LABEL_SCORE = "rollout (engine) logprob"
 
 
 def _token_series(run: RunData) -> list[tuple[str, pd.DataFrame]]:
@@ -83,6 +86,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         skipped.append("No decoder-layer taps were captured, so the error-growth figure is not drawn.")
     specs += _routing_specs(run)
 
+    infer = INFER_LABEL_SCORE if run.is_score else "logprob_infer"
     if run.tokens is None:
         skipped.append("This run folder has no tokens.csv (nor tokens.csv.gz), so the token-level figures "
                        "(Δlogprob histogram, |Δlogprob| against probability, KL along the position) are not drawn.")
@@ -90,17 +94,17 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
         series = _token_series(run)
         specs.append(FigureSpec(
             "delta_hist", "Distribution of Δlogprob",
-            "Δlogprob = logprob_train − logprob_infer of every scored token, in nats. A narrow peak "
+            f"Δlogprob = logprob_train − {infer} of every scored token, in nats. A narrow peak "
             "symmetric about 0 means the stacks differ by rounding noise; a shifted peak means one stack "
             "systematically gives the scored tokens more probability.",
-            lambda: F.delta_histogram([(label, df["delta_logprob"].to_numpy()) for label, df in series])))
+            lambda: F.delta_histogram([(label, df["delta_logprob"].to_numpy()) for label, df in series], infer)))
         specs.append(FigureSpec(
             "delta_vs_prob", "|Δlogprob| against token probability",
             "Each point is one scored token (at most 20000 per series, sampled with a fixed seed): its probability "
             "under the inference stack against |Δlogprob|, log-log. Lines: the median |Δlogprob| per probability "
             "bin. Tokens with exactly equal logprobs cannot be drawn on a log axis; the legend counts them.",
             lambda: F.delta_vs_probability([(label, df["logprob_infer"].to_numpy(), df["delta_logprob"].to_numpy())
-                                            for label, df in series])))
+                                            for label, df in series], infer)))
         if run.tokens["kl"].isna().all():  # a score run without --infer vllm: no engine distribution to compare
             skipped.append("No token has a KL (tokens.csv's `kl` is empty: a score run measures it only with "
                            "`--infer vllm`), so the KL-by-position figure is not drawn.")
@@ -122,10 +126,11 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
     if run.attribution is not None:
         specs.append(FigureSpec(
             "attribution", "Attribution to regions",
-            f"Bars: each region's Shapley value, its average reduction of `{run.metric}` when aligned; whiskers: "
-            f"{run.ci_level} bootstrap interval over prompts. Labels: share of the total reduction. The dotted grey "
-            "bar is the metric left with every region aligned, labelled with its fraction of the shipped metric.",
-            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level, REMAINING)))
+            f"Bars: each region's Shapley change of `{run.metric}` when aligned (its average over every order of "
+            "aligning the regions), as a percent of the shipped value: below 0 the region removes mismatch, above 0 "
+            f"it adds some; whiskers: {run.ci_level} bootstrap interval over prompts. The dotted grey bar is the "
+            "change of aligning every region together, the regions' bars added up.",
+            lambda: F.attribution_bars(run.attribution, run.metric, run.ci_level)))
     specs += _graft_specs(run)
     rho = response_rho(run)
     if rho is not None:
@@ -135,7 +140,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
             f"Histogram of ρ = exp(Δlogprob) over response tokens, with the clip band "
             f"[1 − ε, 1 + ε], ε = {eps:g}, hatched. Any token outside the band is clipped by a PPO-style "
             "objective only because the two stacks round differently: the policy is the same.",
-            lambda: F.ratio_histogram(rho, eps)))
+            lambda: F.ratio_histogram(rho, eps, infer)))
     elif run.is_generate:
         skipped.append("No response tokens (tokens with is_response) are available, so the importance-ratio "
                        "figure is not drawn.")

@@ -12,6 +12,7 @@ subsampling with a fixed seed.
 from __future__ import annotations
 
 import functools
+import io
 from pathlib import Path
 
 import matplotlib as mpl
@@ -20,8 +21,9 @@ from matplotlib.ticker import MaxNLocator
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-from ..shapley import REMAINING
+from ..shapley import ALL_REGIONS, SHARE, change_words
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 150  # PNG: 1200 x 675 pixels
@@ -75,6 +77,14 @@ def _new_figure(ncols: int = 1) -> tuple[Figure, list]:
     FigureCanvasAgg(fig)  # the Agg canvas: no GUI backend, no pyplot registry
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     return fig, list(axes)
+
+
+@_styled
+def png_bytes(fig: Figure) -> bytes:
+    """The PNG save() writes, in memory: what a self-contained HTML report embeds."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, metadata=PNG_METADATA)
+    return buffer.getvalue()
 
 
 @_styled
@@ -157,8 +167,9 @@ def layer_growth(layers: pd.DataFrame, taps: tuple[str, ...], combos: tuple[str,
 
 # ---------------------------------------------------------------------------------------------- (2) Δlogprob
 @_styled
-def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
-    """Histogram of delta_logprob = logprob_train − logprob_infer; several series share the bins."""
+def delta_histogram(series: list[tuple[str, np.ndarray]], infer: str = "logprob_infer") -> Figure:
+    """Histogram of delta_logprob = logprob_train − logprob_infer; several series share the bins. `infer`: how the
+    inference side is named on the axis (a score run's is the rollout's recorded logprob)."""
     fig, (ax,) = _new_figure()
     values = [np.asarray(v, dtype=np.float64) for _, v in series]
     edges = np.histogram_bin_edges(np.concatenate(values), bins=80)
@@ -174,7 +185,7 @@ def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
         counts.append(n)
     ax.axvline(0.0, color="#555555", linewidth=0.8)
     ax.set_title("distribution of Δlogprob")
-    ax.set_xlabel("Δlogprob = logprob_train − logprob_infer (nats)")
+    ax.set_xlabel(f"Δlogprob = logprob_train − {infer} (nats)")
     _count_axis(ax, np.concatenate(counts))
     if all((v == 0).all() for v in values):
         _note(ax, "every Δlogprob is exactly 0")
@@ -184,12 +195,13 @@ def delta_histogram(series: list[tuple[str, np.ndarray]]) -> Figure:
 
 # ---------------------------------------------------------------------------------------------- (3) |Δ| vs p
 @_styled
-def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]]) -> Figure:
+def delta_vs_probability(series: list[tuple[str, np.ndarray, np.ndarray]], infer: str = "logprob_infer") -> Figure:
     """|Δlogprob| against the inference-side probability exp(logprob_infer), log-log, per series
-    (label, logprob_infer, delta_logprob); the line is the median |Δ| in each probability bin."""
+    (label, logprob_infer, delta_logprob); the line is the median |Δ| in each probability bin. `infer`: as in
+    delta_histogram."""
     fig, (ax,) = _new_figure()
     ax.set_title("|Δlogprob| against the token's inference probability")
-    ax.set_xlabel("inference-side token probability exp(logprob_infer) (log scale)")
+    ax.set_xlabel(f"inference-side token probability exp({infer}) (log scale)")
     ax.set_ylabel("|Δlogprob| (nats, log scale)")
     if not any((np.asarray(delta) != 0).any() for _, _, delta in series):
         _note(ax, "every Δlogprob is exactly 0")  # nothing to draw on log axes
@@ -255,47 +267,46 @@ def kl_by_position(panels: list[tuple[str, str, list[tuple[str, pd.DataFrame]]]]
 
 # ---------------------------------------------------------------------------------------------- (5) attribution
 @_styled
-def attribution_bars(attribution: pd.DataFrame, metric: str, level: str, remaining: str = REMAINING) -> Figure:
-    """Shapley value per region with its bootstrap interval (`level`, e.g. "95%"), and the metric left with
-    every region aligned."""
+def attribution_bars(attribution: pd.DataFrame, metric: str, level: str) -> Figure:
+    """Each region's Shapley change of the metric as a percent of the shipped metric (negative: removes mismatch,
+    positive: adds it) with its bootstrap interval (`level`, e.g. "95%"), and the change of aligning every region."""
     fig, (ax,) = _new_figure()
     labels = list(attribution["region"])
-    values = attribution["shapley"].to_numpy(dtype=np.float64)
-    low = attribution["ci_low"].to_numpy(dtype=np.float64)
-    high = attribution["ci_high"].to_numpy(dtype=np.float64)
+    values = 100 * attribution[SHARE].to_numpy(dtype=np.float64)
+    low = 100 * attribution["share_ci_low"].to_numpy(dtype=np.float64)
+    high = 100 * attribution["share_ci_high"].to_numpy(dtype=np.float64)
     x = np.arange(len(labels))
-    is_rest = np.array([r == remaining for r in labels])
+    is_all = np.array([r == ALL_REGIONS for r in labels])
     for i in range(len(labels)):
-        ax.bar(x[i], values[i], width=0.6, color="#bbbbbb" if is_rest[i] else "#ffffff",
-               edgecolor="#000000", linewidth=1.0, hatch="..." if is_rest[i] else HATCHES[i % 2])
+        ax.bar(x[i], values[i], width=0.6, color="#bbbbbb" if is_all[i] else "#ffffff",
+               edgecolor="#000000", linewidth=1.0, hatch="..." if is_all[i] else HATCHES[i % 2])
     ok = np.isfinite(low) & np.isfinite(high)
     if ok.any():
         err = np.vstack([np.maximum(values - low, 0), np.maximum(high - values, 0)])[:, ok]
         ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor="#000000", elinewidth=1.2, capsize=5)
-    shares = attribution["share"].to_numpy(dtype=np.float64)
     for i in range(len(labels)):
-        if np.isfinite(shares[i]):
-            text = f"{100 * shares[i]:.3g}%" + (" of shipped" if is_rest[i] else "")
-            top = max(values[i], high[i] if np.isfinite(high[i]) else values[i])
-            ax.annotate(text, (x[i], top if values[i] >= 0 else 0), xytext=(0, 4), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9)
+        if np.isfinite(values[i]):
+            up = values[i] >= 0
+            end = (high[i] if up else low[i]) if np.isfinite(low[i]) and np.isfinite(high[i]) else values[i]
+            ax.annotate(change_words(values[i] / 100), (x[i], end), xytext=(0, 4 if up else -4),
+                        textcoords="offset points", ha="center", va="bottom" if up else "top", fontsize=9)
     ax.axhline(0.0, color="#000000", linewidth=0.8)
-    if is_rest.any() and (~is_rest).any():
-        ax.axvline(x[is_rest][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
-    ax.set_xticks(x, [("remaining\n(with all aligned)" if r else lab) for lab, r in zip(labels, is_rest)])
-    ax.set_title(f"attribution of the reduction in {metric}"
+    if is_all.any() and (~is_all).any():
+        ax.axvline(x[is_all][0] - 0.5, color="#777777", linestyle="--", linewidth=0.8)
+    ax.set_xticks(x, [("all regions\n(together)" if r else lab) for lab, r in zip(labels, is_all)])
+    ax.set_title(f"change in {metric} when aligned, % of shipped"
                  + (f" (whiskers: {level} bootstrap interval)" if ok.any() else ""))
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
     ax.set_xlabel("region (aligned: FP32 until its output)")
-    ax.set_ylabel(f"Shapley value: reduction in {metric} (nats)")
-    ax.margins(y=0.15)
+    ax.set_ylabel(f"Shapley change in {metric}, % of shipped\n(below 0: removes mismatch; above: adds)")
+    ax.margins(y=0.2)
     return fig
 
 
 # ---------------------------------------------------------------------------------------------- (6) ratio
 @_styled
-def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
-    """Importance ratio ρ = exp(logprob_train − logprob_infer) on response tokens, with the clip band [1−ε, 1+ε]."""
+def ratio_histogram(rho: np.ndarray, eps: float, infer: str = "logprob_infer") -> Figure:
+    """Importance ratio ρ = exp(logprob_train − logprob_infer) on response tokens, with the clip band [1−ε, 1+ε].
+    `infer`: as in delta_histogram."""
     fig, (ax,) = _new_figure()
     rho = np.asarray(rho, dtype=np.float64)
     lo, hi = 1.0 - eps, 1.0 + eps
@@ -317,7 +328,7 @@ def ratio_histogram(rho: np.ndarray, eps: float) -> Figure:
         _note(ax, "no response tokens")
     ax.axvline(1.0, color="#000000", linewidth=0.8)
     ax.set_title("importance ratio on response tokens")
-    ax.set_xlabel("importance ratio ρ = exp(logprob_train − logprob_infer) (dimensionless)")
+    ax.set_xlabel(f"importance ratio ρ = exp(logprob_train − {infer}) (dimensionless)")
     ax.legend(loc="upper right")
     return fig
 
@@ -353,18 +364,25 @@ def local_vs_propagated(local: pd.DataFrame, families: tuple[str, ...]) -> Figur
     propagated error (dashed; today's per-tap diff), each the mean rel_l2 over the family's seams in that layer."""
     fig, [ax] = _new_figure()
     drawn = 0
+    handles = []
     for i, family in enumerate(families):
         rows = local[local["family"] == family]
         if rows.empty:
             continue
         by_layer = rows.groupby("layer")[["local_rel_l2", "propagated_rel_l2"]].mean().sort_index()
         s = style(i)
+        zero = True
         for column, linestyle, kind in (("local_rel_l2", "-", "local"), ("propagated_rel_l2", "--", "propagated")):
             y = _positive(by_layer[column])
-            label = f"{family} {kind}" + (" (all 0)" if np.isnan(y).all() else "")
-            ax.plot(by_layer.index.to_numpy(), y, label=label, linewidth=1.4, markersize=4.5, color=s["color"],
+            ax.plot(by_layer.index.to_numpy(), y, linewidth=1.4, markersize=4.5, color=s["color"],
                     linestyle=linestyle, marker=s["marker"], markerfacecolor="none" if kind == "local" else s["color"])
             drawn += int(not np.isnan(y).all())
+            zero &= bool(np.isnan(y).all())
+        # one legend entry per family (its colour and marker); the line style says local or propagated
+        handles.append(Line2D([], [], color=s["color"], marker=s["marker"], linestyle="none",
+                              label=family + (" (all 0)" if zero else "")))
+    handles += [Line2D([], [], color="#000000", linestyle="-", label="local (solid)"),
+                Line2D([], [], color="#000000", linestyle="--", label="propagated (dashed)")]
     ax.set_xlabel("layer (index; the last is the final norm and lm_head)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("relative L2 error ‖a−b‖/‖b‖ (dimensionless)")
@@ -373,7 +391,7 @@ def local_vs_propagated(local: pd.DataFrame, families: tuple[str, ...]) -> Figur
         ax.set_yscale("log")
     else:
         _note(ax, "every seam is bitwise equal (rel_l2 = 0)")
-    ax.legend(loc="best", ncol=2)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the data
     return fig
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..rundir import MANIFEST, RERUN, RunFolderError, read_run
-from ..shapley import SHIPPED
+from ..shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED
 
 ReportError = RunFolderError  # what `report` raises for a run folder it cannot use (and a bad --format)
 DEFAULT_CLIP_EPS = 0.2
@@ -122,6 +122,34 @@ def _check_sections(path: Path, manifest: dict) -> None:
                               f"damaged; restore it or {RERUN}")
 
 
+LEGACY_REMAINING = "(remaining)"  # attribution.csv's last row before it held the all-regions change
+
+
+def _from_reductions(old: pd.DataFrame, run: RunData) -> pd.DataFrame:
+    """An attribution.csv written before the signed changes (`shapley` = the reduction a region makes, `share` = of
+    the total reduction, a last `(remaining)` row holding the metric left) in today's columns: every value negated
+    into a change, shares of the shipped metric. The share intervals are the change intervals over the shipped
+    point value; the all-regions row, not recorded then, is the difference of the two combinations, no interval."""
+    if "shapley" not in old:
+        raise ReportError(f"{run.path / 'attribution.csv'} has neither {CHANGE!r} nor 'shapley'; rerun the ablation")
+    shipped = float(row_of(run.ablation, SHIPPED)[run.metric])
+    regions = old[old["region"] != LEGACY_REMAINING]
+
+    def negated(column: str) -> np.ndarray:
+        return -regions[column].to_numpy(np.float64) if column in regions else np.full(len(regions), np.nan)
+
+    table = pd.DataFrame({"region": regions["region"].to_numpy(), CHANGE: negated("shapley"),
+                          "main_effect_change": negated("main_effect"),
+                          "leave_one_out_change": negated("leave_one_out"),
+                          "ci_low": negated("ci_high"), "ci_high": negated("ci_low")})
+    if run.all_aligned:
+        change = float(row_of(run.ablation, run.all_aligned)[run.metric]) - shipped
+        table = pd.concat([table, pd.DataFrame([{"region": ALL_REGIONS, CHANGE: change}])], ignore_index=True)
+    for column, source in ((SHARE, CHANGE), ("share_ci_low", "ci_low"), ("share_ci_high", "ci_high")):
+        table[column] = table[source] / shipped if shipped else np.nan
+    return table
+
+
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run folder; ReportError when it is missing, is not one, or has a cut or changed file."""
     # The token strings are not needed and can be anything; they are not read.
@@ -142,10 +170,13 @@ def load_run(run_dir: str | Path) -> RunData:
             raise ReportError(f"{path / 'ablation.csv'} has no column {run.metric!r} (the manifest's ablate "
                               "metric); rerun the ablation")
     if "attribution.csv" in tables:
-        run.attribution = tables["attribution.csv"]
-        for col in ("main_effect", "leave_one_out", "ci_low", "ci_high"):
-            if col not in run.attribution:
-                run.attribution[col] = np.nan
+        attribution = tables["attribution.csv"]
+        if CHANGE not in attribution:
+            attribution = _from_reductions(attribution, run)
+        for col in ("main_effect_change", "leave_one_out_change", "ci_low", "ci_high", "share_ci_low", "share_ci_high"):
+            if col not in attribution:
+                attribution[col] = np.nan
+        run.attribution = attribution
 
     run.tokens_file = folder.file_of("tokens.csv")
     if run.tokens_file is not None:

@@ -10,15 +10,13 @@ docs/reference.md, "MoE routing".
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
-from ..shapley import SHIPPED
+from ..shapley import CHANGE, SHARE, SHIPPED, change_words
 from .document import Column, Heading, Paragraph, Table
 from .load import RunData, row_of, shipped_rows
 from ..tables import ROUTING_NOISE_FLOORS
-from .prose import _code, _get, _num
+from .prose import _code, _finite, _get, _num, _signed_pct
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
 REPLAYS = {  # manifest compare.routing.replay / spec.align.routing_replay -> what the trainer ran
@@ -34,10 +32,6 @@ def has_routing(run: RunData) -> bool:
 
 def _pct(x) -> str:
     return _num(100 * float(x)) + "%"
-
-
-def _finite(x) -> bool:
-    return x is not None and not pd.isna(x) and math.isfinite(float(x))
 
 
 def _stack(run: RunData, side: str) -> str:
@@ -182,13 +176,26 @@ def _flips(run: RunData) -> str:
     worst = flips.loc[frac.idxmax()]
     scope = f"As shipped (`{SHIPPED}`), the" if run.is_ablate else "The"
     what = "ran" if metric == RAN else "picked from their router logits (this run recorded no expert ids)"
+    # with routes replayed the trainer ran the engine's experts: the count is zero by construction, and the routers'
+    # own disagreement is only in the logit columns
+    replayed = not run.is_ablate and bool(_get(run.manifest, "compare", "routing", "replay"))
+    if replayed and metric == RAN:
+        return (f"{scope} routes were replayed: the trainer ran the engine's experts for every routed token. Its own "
+                f"router still picks another top-k set than the engine's on {_pct(flips[LOGITS].astype(float).min())} "
+                f"to {_pct(flips[LOGITS].astype(float).max())} of the routed tokens of a layer (`{LOGITS}`): the "
+                "routers disagree, but no token went through other experts.")
     if not (frac > 0).any():
         return (f"{scope} two stacks ran every routed token through the same experts in all {len(flips)} MoE layers"
                 + ("." if metric == RAN else " (by their router logits' top-k sets: this run recorded no expert "
                                              "ids)."))
-    text = (f"{scope} two stacks ran {_pct(frac.min())} to {_pct(frac.max())} of the routed tokens of a layer "
-            f"through different expert sets (mean {_pct(frac.mean())} over {len(flips)} MoE layers, largest at layer "
-            f"{int(worst['layer'])}; `{metric}`" + ("" if metric == RAN else f", the experts {what}") + ")")
+    spread = (f"{_pct(frac.min())} to {_pct(frac.max())} of the routed tokens of a layer (mean {_pct(frac.mean())} "
+              f"over {len(flips)} MoE layers, largest at layer {int(worst['layer'])}; `{metric}`")
+    if replayed:  # an older run without ids: its logit count is the routers' disagreement, not experts that ran
+        text = (f"{scope} two stacks' routers pick different expert sets for {spread}; the routes were replayed, so "
+                "those tokens still went through the engine's experts in both stacks)")
+    else:
+        text = (f"{scope} two stacks ran {spread.replace(' (mean', ' through different expert sets (mean', 1)}"
+                + ("" if metric == RAN else f", the experts {what}") + ")")
     tokens = flips["tokens"].astype(float)
     if metric == RAN and "frac_differ_tie_collision" in flips:
         collided = (flips["frac_differ_tie_collision"].astype(float) * tokens).sum() / (frac * tokens).sum()
@@ -207,7 +214,9 @@ def _flips(run: RunData) -> str:
     if not _finite(shipped.get("frac_tokens_any_flip")):
         return text
     any_flip = float(shipped["frac_tokens_any_flip"])
-    text += (f" **{_pct(any_flip)}** of the routed positions ran through other experts in at least one layer "
+    text += (f" The routers disagree on **{_pct(any_flip)}** of the routed positions in at least one layer "
+             "(`frac_tokens_any_flip`; routes replayed, so no token was routed differently)" if replayed else
+             f" **{_pct(any_flip)}** of the routed positions ran through other experts in at least one layer "
              "(`frac_tokens_any_flip`)")
     floors = floor_labels(shipped)
     if not floors:
@@ -251,21 +260,21 @@ def _attribution(run: RunData) -> str | None:
     r = a[a["region"] == ROUTING].iloc[0]
     m = run.metric
     shipped = float(row_of(run.summary, SHIPPED)[m])
-    text = (f"In the ablation, replaying the routes (region `routing`) accounts for **{_pct(r['share'])}** of the "
-            f"reduction in `{m}` that aligning every region achieves (Shapley value {_num(r['shapley'])}")
-    if _finite(r["ci_low"]) and _finite(r["ci_high"]):
-        text += (f", {run.ci_level} interval {_num(r['ci_low'])} to {_num(r['ci_high'])}"
+    text = (f"In the ablation, replaying the routes (region `routing`) **{change_words(float(r[SHARE]))}** of the "
+            f"shipped `{m}` ({_num(shipped)}; Shapley change {_num(r[CHANGE])}")
+    if _finite(r["share_ci_low"]) and _finite(r["share_ci_high"]):
+        low, high = float(r["share_ci_low"]), float(r["share_ci_high"])
+        text += (f", {run.ci_level} interval {_signed_pct(low)} to {_signed_pct(high)} of shipped"
                  + ("; it contains 0, so routing's effect is not distinguishable from prompt-to-prompt noise"
-                    if float(r["ci_low"]) <= 0 <= float(r["ci_high"]) else ""))
+                    if low <= 0 <= high else ""))
     text += ")"
-    if shipped:
-        text += f", that is {_pct(float(r['shapley']) / shipped)} of the shipped `{m}` ({_num(shipped)})"
     others = [x for x in run.regions if x != ROUTING]
     if others:
-        rest = a[a["region"].isin(others)]["share"].astype(float).sum()
-        text += f"; the other regions ({', '.join(_code(x) for x in others)}) account for {_pct(rest)}"
-    if _finite(r.get("main_effect")):
-        text += f". Replaying the routes alone lowers `{m}` by {_num(r['main_effect'])}"
+        rest = a[a["region"].isin(others)][SHARE].astype(float).sum()
+        text += f"; the other regions ({', '.join(_code(x) for x in others)}) together {change_words(rest)}"
+    if _finite(r.get("main_effect_change")) and shipped:
+        text += (f". Replaying the routes alone {change_words(float(r['main_effect_change']) / shipped)} of "
+                 "the shipped value")
     return text + "."
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..shapley import REMAINING, SHIPPED
-from ..tables import NOISE_FLOORS, largest_noise_floor, noise_floors
+from ..shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
+from ..noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
+from ..tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
-from .load import RunData, layers_of, response_rho, row_of
+from ..graft_reading import amplification_text, families_by_local, findings
+from .load import RunData, layers_of, response_rho, row_of, shipped_rows
 
 # Column meanings as the README documents them ("Output files", "Reading the RL metrics", "The noise floor").
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
@@ -95,6 +97,12 @@ SUMMARY_MEANINGS = {
                                         "path (nats)",
     "prefill_vs_decode_mean_dlogp": "mean of logprob_prefill − logprob_infer (nats)",
     "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
+    "mismatch_over_floor": "mean_abs_dlogp / the largest noise floor measured",
+    "mismatch_over_floor_ci_low": "low end of the 95% bootstrap interval of that ratio (prompts resampled, the floor "
+                                  "held)",
+    "mismatch_over_floor_ci_high": "high end of that interval",
+    "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1) or cannot_tell "
+                     "(it straddles 1: more prompts would narrow it)",
 }
 # The factors of the RL ratio π_train/π_recorded (rl_metrics.ratio_split), in plain words: generate mode's three, and
 # score's prefill/recorded, which is prefill/decode × decode/recorded when the recording has no decode beside it.
@@ -161,8 +169,9 @@ EXTRA_TABLES = {
                     "two.",
     "local_families": "Local error per op family (local_families.csv, from compare --graft): the training stack's op "
                       "on the inference stack's inputs of each seam (`local_*`) and the ordinary per-tap diff "
-                      "(`propagated_*`), pooled over the family's seams; `amplification` = propagated / local rel_l2 "
-                      "(inf: the family makes no error of its own). local.csv has every seam and layer.",
+                      "(`propagated_*`), pooled over the family's seams, largest local error first; `amplification` = "
+                      "propagated / local rel_l2 (where the local error is 0 there is no ratio: the family makes no "
+                      "error of its own and passes on what it receives). local.csv has every seam and layer.",
     "depth": "Depth attribution (depth.csv, from compare --depth): the training forward continued from the inference "
              "stack's `graft` tensor, scored against the inference logits.",
     "engine_noise": "Noise floor (engine_noise.csv): a second vLLM engine in the other engine mode (eager vs compiled, "
@@ -300,8 +309,8 @@ def _headline(run: RunData) -> list:
     if run.is_ablate and run.all_aligned:
         full = row_of(run.ablation, run.all_aligned)
         m, before, after = run.metric, float(shipped[run.metric]), float(full[run.metric])
-        change = (f" ({sig(100 * abs(after - before) / before)}% {'lower' if after < before else 'higher'} than "
-                  "shipped)" if before and after != before else "")
+        change = f": aligning every region {change_words((after - before) / before)} of the shipped value" \
+            if before else ""
         best = run.ablation.sort_values(m, kind="stable").iloc[0]
         blocks.append(Paragraph(
             f"With every region aligned (`{run.all_aligned}`), {sentence(full)}. The ablation metric `{m}` goes "
@@ -397,12 +406,17 @@ def _noise_floor(shipped: pd.Series) -> list:
                  "untapped engine computes.")
     mismatch = float(shipped.get("mean_abs_dlogp", float("nan")))
     name, largest = largest_noise_floor(shipped)
-    if largest > 0 and not math.isnan(mismatch):
-        ratio = mismatch / largest
-        text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(ratio)}× the largest of these "
-                 f"floors ({NOISE_FLOORS[name]})" +
-                 (": no larger than what that change alone does, so it is no evidence of a numerics bug in either "
-                  "stack." if ratio <= 1 else "."))
+    verdict = shipped.get(VERDICT)
+    if isinstance(verdict, str):  # the ratio's bootstrap interval over prompts decides, not the point ratio
+        text += (f" The mismatch between the stacks, {_num(mismatch)} nats, set against the largest of these floors "
+                 f"({NOISE_FLOORS[name]}): **{in_words(shipped)}**" + {
+                     ABOVE: ".",
+                     WITHIN: ": no larger than what that change alone does, so it is no evidence of a numerics bug in "
+                             "either stack.",
+                     CANNOT_TELL: "."}[verdict])
+    elif largest > 0 and not math.isnan(mismatch):  # a run folder from before the verdict was recorded
+        text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(mismatch / largest)}× the "
+                 f"largest of these floors ({NOISE_FLOORS[name]}); this run recorded no interval for that ratio.")
     return [Paragraph(text)]
 
 
@@ -457,9 +471,15 @@ def _first_divergence(run: RunData) -> list:
     return blocks
 
 
+def _not_captured(frame: pd.DataFrame) -> list[str]:
+    """The tap columns of a run without taps (`--taps none`): they hold only "not captured", so they are left out."""
+    return [c for c in ("first_inexact", "first_over_threshold")
+            if c in frame and (frame[c].astype(str) == NOT_CAPTURED).all()]
+
+
 def _summary_table(run: RunData) -> Table:
     s = run.summary
-    cols = [c for c in s.columns if c != "combo"]
+    cols = [c for c in s.columns if c != "combo" and c not in _not_captured(s)]
 
     def meaning(c: str) -> str:
         if c == "first_over_threshold" and _get(run.manifest, "compare", "threshold") is not None:
@@ -516,7 +536,7 @@ def _ablation_table(run: RunData) -> Table:
         caption += f" Every combination scores the same {int(df['n_tokens'].iloc[0])} tokens."
         df = df.drop(columns=["n_tokens"])
     first = ["combo", *run.regions, run.metric]
-    df = df[first + [c for c in df.columns if c not in first]]
+    df = df[first + [c for c in df.columns if c not in first and c not in _not_captured(df)]]
     table = _generic_table("ablation", caption, df)
     return Table(table.name, table.caption, tuple(
         Column(c.title, "bool" if c.title in run.regions else c.kind) for c in table.columns), table.rows)
@@ -524,31 +544,76 @@ def _ablation_table(run: RunData) -> Table:
 
 def _attribution_table(run: RunData) -> Table:
     a = run.attribution
-    cols = [("region", "code"), ("shapley", "num"), ("share", "pct"), ("main_effect", "num"),
-            ("leave_one_out", "num"), ("ci_low", "num"), ("ci_high", "num")]
+    cols = [("region", "code"), (CHANGE, "num"), (SHARE, "pct"), ("share_ci_low", "pct"), ("share_ci_high", "pct"),
+            ("main_effect_change", "num"), ("leave_one_out_change", "num"), ("ci_low", "num"), ("ci_high", "num")]
+    cols = [(c, k) for c, k in cols if c in a]
     rows = tuple(tuple(None if pd.isna(r[c]) else r[c] for c, _ in cols) for _, r in a.iterrows())
     return Table("attribution",
-                 f"Attribution of the reduction in `{run.metric}` to regions (attribution.csv); share in percent; "
-                 f"ci_low/ci_high: {run.ci_level} bootstrap interval of shapley.",
+                 f"Change in `{run.metric}` when each region is aligned (attribution.csv): below 0 the region removes "
+                 f"mismatch, above 0 it adds some; `{SHARE}` is that change in percent of the shipped value, "
+                 f"share_ci_low/share_ci_high its {run.ci_level} bootstrap interval; ci_low/ci_high the interval of "
+                 f"`{CHANGE}`. The last row, `{ALL_REGIONS}`, is every region aligned together.",
                  tuple(Column(c, k) for c, k in cols), rows)
+
+
+def _attribution_words(run: RunData) -> Paragraph | None:
+    """The attribution as sentences: what aligning everything does to the shipped metric, then each region, the one
+    that removes most first, and which of them the bootstrap cannot tell from no effect."""
+    a = run.attribution
+    if a is None or SHARE not in a:
+        return None
+    m = run.metric
+    total = a[a["region"] == ALL_REGIONS]
+    regions = a[a["region"] != ALL_REGIONS].sort_values(SHARE, kind="stable")
+    text = ""
+    if len(total):
+        t = total.iloc[0]
+        text += f"Aligning every region together **{change_words(float(t[SHARE]))}** of the shipped `{m}`"
+        text += (f" ({run.ci_level} interval {_signed_pct(t['share_ci_low'])} to {_signed_pct(t['share_ci_high'])})."
+                 if _finite(t.get("share_ci_low")) else ".")
+    parts = []
+    for r in regions.itertuples(index=False):
+        row = r._asdict()
+        part = f"`{row['region']}` {change_words(float(row[SHARE]))}"
+        low, high = row.get("share_ci_low"), row.get("share_ci_high")
+        if _finite(low) and _finite(high):
+            part += f" ({_signed_pct(low)} to {_signed_pct(high)}" + (
+                ", not distinguishable from no effect)" if float(low) <= 0 <= float(high) else ")")
+        parts.append(part)
+    if parts:
+        text += " Of that, as Shapley values: " + "; ".join(parts) + "."
+    return Paragraph(text.strip())
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def _signed_pct(share) -> str:
+    """A share of the shipped metric in percent with its sign (the attribution's convention: − removes, + adds)."""
+    return f"{100 * float(share):+.3g}%"
 
 
 def _attribution_reading(run: RunData) -> Paragraph:
     m = run.metric
     draws = _get(run.manifest, "ablate", "bootstrap", default="the")
     return Paragraph(
-        f"**How to read the attribution.** Write m for `{m}` and v(S) = m(`none`) − m(S) for how much aligning "
-        "the set of regions S reduces it. A region's `shapley` value is its average marginal reduction over "
-        "every order in which the regions could be aligned; the regions' values add up exactly to v(all), and "
-        "`share` is a region's fraction of that total. `main_effect` is the reduction from aligning the region "
-        "alone, `leave_one_out` what is lost by leaving it out of the full alignment: a large main effect with "
-        "a small leave-one-out means its effect overlaps other regions', the reverse that it only matters "
-        "together with them. A negative value means aligning the region makes the stacks disagree more. "
-        f"`ci_low`–`ci_high` is a {run.ci_level} percentile bootstrap interval ({draws} resamples of prompts with "
-        "replacement); an interval that contains 0 means the effect is not distinguishable from "
-        f"prompt-to-prompt noise. The last row, `{REMAINING}`, is not a region: its `shapley` is the metric left "
-        "with every region aligned (GEMMs, attention kernels and everything outside the regions) and its "
-        "`share` that remainder as a fraction of the shipped metric.")
+        f"**How to read the attribution.** Write m for `{m}` and v(S) = m(S) − m(`none`) for how much aligning "
+        "the set of regions S changes it: below 0 aligning S removes mismatch, above 0 it adds some. A region's "
+        f"`{CHANGE}` is its average marginal change over every order in which the regions could be aligned; the "
+        f"regions' values add up exactly to v(all), the `{ALL_REGIONS}` row. `{SHARE}` divides each by the shipped "
+        "m(`none`), so every row of that column is a share of the same quantity and keeps its sign whatever the "
+        "total does: −25% means the region removes a quarter of the shipped mismatch, +90% that it adds nine "
+        "tenths of it. `main_effect_change` is the change from aligning the region alone, `leave_one_out_change` "
+        "the change from adding it last to the others: a large main effect with a small leave-one-out means its "
+        "effect overlaps other regions', the reverse that it only matters together with them. "
+        f"The intervals are {run.ci_level} percentile bootstrap intervals ({draws} resamples of prompts with "
+        "replacement); an interval that contains 0 means the effect is not distinguishable from prompt-to-prompt "
+        f"noise. What is left with every region aligned is m(`none`) + v(all): the GEMMs, attention kernels and "
+        "everything outside the regions.")
 
 
 def _tables(run: RunData) -> list:
@@ -556,7 +621,8 @@ def _tables(run: RunData) -> list:
     if run.is_ablate:
         blocks.append(_ablation_table(run))
     if run.attribution is not None:
-        blocks += [_attribution_table(run), _attribution_reading(run)]
+        words = _attribution_words(run)
+        blocks += [*([words] if words else []), _attribution_table(run), _attribution_reading(run)]
     if "buckets" in run.extra:
         b = run.extra["buckets"]
         shown = b[[c for c in BUCKET_COLUMNS if c in b.columns]]
@@ -568,10 +634,25 @@ def _tables(run: RunData) -> list:
             "(`group` p_infer) and per response-position range (`group` response_position), from buckets.csv"
             + (f"; {empty} empty buckets left out" if empty else "") + ". The CSV has every token metric per bucket.",
             shown))
+    graft = findings({stem: shipped_rows(run.extra[stem]) for stem in ("local_families", "depth")
+                      if stem in run.extra}, run.num_layers)
+    if graft:
+        blocks.append(Paragraph("**Where the gap comes from" + (" (stacks as shipped)" if run.is_ablate else "")
+                                + ".** " + " ".join(graft)))
     for stem, caption in EXTRA_TABLES.items():
-        if stem in run.extra:
+        if stem == "local_families" and stem in run.extra:
+            blocks.append(_families_table(caption, run.extra[stem]))
+        elif stem in run.extra:
             blocks.append(_generic_table(stem, caption, run.extra[stem]))
     return blocks
+
+
+def _families_table(caption: str, families: pd.DataFrame) -> Table:
+    """local_families.csv largest local error first, its amplification in words where the local error is 0."""
+    table = _generic_table("local_families", caption, families_by_local(families).drop(columns=["amplification"]))
+    rows = tuple((*row, amplification_text(record)) for row, record in
+                 zip(table.rows, families_by_local(families).to_dict("records")))
+    return Table(table.name, table.caption, (*table.columns, Column("amplification", "auto")), rows)
 
 
 # ---------------------------------------------------------------------------------------------- document
@@ -604,7 +685,9 @@ def _intro(run: RunData) -> Paragraph:
     return Paragraph(text + f" Run folder: {_code(run.path.name)}.")
 
 
-def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list:
+def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_files: bool = True) -> list:
+    """The report's blocks; `figure_files`: whether the figures are also saved as files (not in a self-contained
+    HTML report, whose figures are embedded)."""
     blocks: list = [Heading(title(run), 1), _intro(run)]
     from .moe import routing_section  # moe.py builds on this module's helpers
 
@@ -613,7 +696,7 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str]) -> list
     blocks += _setup(run) + _headline(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
     blocks += routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
-    if figure_specs:
+    if figure_specs and figure_files:
         blocks.append(Paragraph("Each figure is also saved as a vector PDF beside its PNG in `figures/`."))
     blocks += [Paragraph(s) for s in skipped]
     blocks += [Figure(f.stem, f.title, f.caption) for f in figure_specs]

@@ -2,7 +2,7 @@
 
     from divergence_probe.reports import write_report
     write_report("runs/qwen")                         # runs/qwen/report/report.md + figures/*.png|pdf
-    write_report("runs/qwen", fmt="html")             # one self-contained report.html (PNGs inlined)
+    write_report("runs/qwen", fmt="html")             # one self-contained report.html (PNGs inlined, no figures/)
     write_report("runs/qwen", "paper/", fmt="latex")  # report.tex, summary.tex, ablation.tex, ... + PDFs
 
 The run type is read from the files present: ablation.csv makes an ablate run; a `generate` manifest section
@@ -37,20 +37,25 @@ def _render(run: RunData, out: Path, fmt: str) -> None:
     from . import figures as F
 
     specs, skipped = figure_specs(run)
+    if fmt == "html":  # one file: the figures live in it as data URIs, no figures/ folder beside it
+        images = {spec.stem: F.png_bytes(spec.draw()) for spec in specs}
+        write_document(out, build_document(run, specs, skipped, figure_files=False), fmt, title(run), images)
+        return
     for spec in specs:
-        fig = spec.draw()
-        F.save(fig, out / doc.FIGURE_DIR, spec.stem)
+        F.save(spec.draw(), out / doc.FIGURE_DIR, spec.stem)
     write_document(out, build_document(run, specs, skipped), fmt, title(run))
 
 
-def write_document(out: Path, blocks, fmt: str, heading: str) -> None:
-    """`blocks` as out/report.md, one report.html (the PNG of every Figure block, saved under out/figures, inlined)
-    or report.tex and a .tex per table. Shared by every run kind's report (the rl report too)."""
+def write_document(out: Path, blocks, fmt: str, heading: str, images: dict[str, bytes] | None = None) -> None:
+    """`blocks` as out/report.md, one report.html (every Figure block's PNG inlined: `images`, stem -> PNG bytes, or
+    read from out/figures when not given) or report.tex and a .tex per table. Shared by every run kind's report (the
+    rl report too)."""
     if fmt == "md":
         (out / FORMATS["md"]).write_text(doc.to_markdown(blocks), encoding="utf-8")
     elif fmt == "html":
-        images = {b.stem: (out / doc.FIGURE_DIR / f"{b.stem}.png").read_bytes() for b in blocks
-                  if isinstance(b, doc.Figure)}
+        if images is None:
+            images = {b.stem: (out / doc.FIGURE_DIR / f"{b.stem}.png").read_bytes() for b in blocks
+                      if isinstance(b, doc.Figure)}
         (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
     else:
         main, tables = doc.to_latex(blocks, heading)
