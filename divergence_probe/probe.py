@@ -2,7 +2,7 @@
 
     import divergence_probe as dp
     probe = dp.load("Qwen/Qwen2.5-1.5B", infer="vllm", dtype="bfloat16")
-    run = probe.compare(prompts="sample_prompts", taps="all")
+    run = probe.compare(taps="all")  # the packaged sample prompts; prompts="my_prompts/" for your own
     print(run.summary)
     run.write("runs/qwen")
 

@@ -144,7 +144,7 @@ class PromptSpec:
     """Which prompts are scored."""
 
     prompts: str | None = option(None, ".txt (blank-line or --- separated), .jsonl (prompt or chat messages), or a "
-                                       "folder of them. Default: the shipped sample_prompts/.", short="-p")
+                                       "folder of them. Default: the packaged sample prompts (divergence_probe/data/sample_prompts/).", short="-p")
     num_prompts: int | None = option(None, "Use only the first N prompts.", short="-n")
     max_prompt_tokens: int | None = option(None, "Truncate prompts to N tokens (otherwise a prompt longer than the "
                                                  "context is an error).")

@@ -219,7 +219,7 @@ def test_not_utf8(tmp_path):
 
 def test_default_prompts_path():
     path = default_prompts_path()
-    assert path == Path(__file__).resolve().parents[1] / "sample_prompts"
+    assert path == Path(__file__).resolve().parents[1] / "divergence_probe" / "data" / "sample_prompts"
 
 
 def test_default_prompts_path_missing(tmp_path, monkeypatch):
