@@ -23,6 +23,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Table
 
 from .errors import ProbeError, one_line
+from .versions import ALLOW_HELP
 
 # Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
 # command that takes its options from it is run or asked for its own --help (_LazyGroup), and every other import of
@@ -697,6 +698,8 @@ def score_command(
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
+    allow_untested_versions: bool = typer.Option(False, "--allow-untested-versions",
+                                                 help=ALLOW_HELP),
     out_dir: Optional[Path] = OutOpt,
 ) -> None:
     """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
@@ -712,7 +715,8 @@ def score_command(
     try:
         call = ScoreSpec(rollouts=str(rollouts.absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
-        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
+        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
+                        allow_untested_versions=allow_untested_versions)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from . import memory_plan, torch_state
+from . import memory_plan, torch_state, versions
 from .compare import Progress, load_run_prompts, run_compare
 from .environment import environment, resolve_device, resolve_train_device, same_device
 from .errors import DeviceMemoryError, ProbeError
@@ -190,6 +190,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     if spec is not None and (model is not None or config):
         raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
     cfg = spec or LoadSpec(model=model, **config)
+    versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
     # after both stacks have loaded
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)

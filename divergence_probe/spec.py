@@ -20,6 +20,7 @@ from .errors import ProbeError
 from .options import option
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
+from .versions import ALLOW_HELP
 from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
@@ -99,6 +100,7 @@ class LoadSpec:
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
+    allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
         _choice(self.infer, INFER_STACKS, "--infer")
@@ -440,7 +442,8 @@ def _hints(cls) -> dict:
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
-    ("load", "train_device"): None, ("load", "train_tp"): 1}
+    ("load", "train_device"): None, ("load", "train_tp"): 1,
+    ("load", "allow_untested_versions"): False}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
