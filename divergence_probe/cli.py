@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import os
 import sys
+import time
 import typing
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
-from rich.table import Table
+from rich.table import Column, Table
 
 from .errors import ProbeError, one_line
 from .versions import ALLOW_HELP
@@ -169,9 +170,12 @@ def _fail(error: ProbeError) -> None:
 
 def _progress() -> Progress:
     # transient: the bars are for a person watching; they leave no lines in a log, where an error stays one line (off
-    # outside a terminal, where rich would still end them with an empty line)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("left"), TimeRemainingColumn(compact=True), console=console, transient=True,
+    # outside a terminal, where rich would still end them with an empty line, and _Phases writes lines instead).
+    # The description takes the width the rest leaves (cut with an ellipsis): on a narrow terminal the counts and the
+    # times stay whole.
+    return Progress(TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    BarColumn(bar_width=12), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+                    TimeRemainingColumn(compact=True), console=console, transient=True, expand=True,
                     disable=not console.is_terminal)
 
 
@@ -179,15 +183,24 @@ class _Phases:
     """One bar per long phase of a run (load, scoring, each noise floor, each ablate combination, each rl run), each
     with its elapsed time and, once it has a total, the time left. The API takes it as its progress callback:
     `(done, total)` calls move the current bar, `phase(name)` (compare.phase) ends it and starts the next. A phase
-    that ended stays on screen, done, until the command ends (then all go: transient)."""
+    that ended stays on screen, done, until the command ends (then all go: transient).
+
+    Outside a terminal (a CI log, a batch job, `| tee`) there are no bars, so a run would say nothing for minutes:
+    each phase writes a line when it starts and one with its duration when it ends. `timings` (phase name ->
+    seconds) goes into the run's manifest either way."""
 
     def __init__(self, bar: Progress) -> None:
         self.bar, self.task, self.offset, self.scale = bar, None, 0, 1
+        self.log = not bar.console.is_terminal
+        self.timings: dict[str, float] = {}
+        self.name, self.described, self.started = "", "", 0.0
 
     def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
         self.end()
         self.task = self.bar.add_task(name, total=total)
         self.offset, self.scale = offset, scale
+        self.name, self.described, self.started = name, name, time.monotonic()
+        self._line(f"{name}…")
 
     def __call__(self, done: int, total: int) -> None:
         if self.task is not None:
@@ -197,6 +210,7 @@ class _Phases:
         """Replace the current bar's description (rl: the last step's reward and mismatch)."""
         if self.task is not None:
             self.bar.update(self.task, description=text)
+            self.described = text
 
     def end(self) -> None:
         """The current bar, done: a phase without counts (a load, a noise floor) fills its bar when it ends."""
@@ -206,6 +220,13 @@ class _Phases:
             self.bar.update(self.task, total=total, completed=total)
             self.bar.stop_task(self.task)
             self.task = None
+            seconds = time.monotonic() - self.started
+            self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 3)
+            self._line(f"{self.described}: done in {seconds:.1f} s")
+
+    def _line(self, text: str) -> None:
+        if self.log:
+            self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -426,6 +447,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
                 run = probe.run(spec, phases)
                 phases.end()
             run.manifest["command"] = sys.argv
+            run.manifest["phases"] = phases.timings
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
@@ -739,6 +761,7 @@ def _score_run(call, load, out_dir: Path, check=None):
             run = score_spec(call, load, check, phases)
             phases.end()
             run.manifest["command"] = sys.argv
+            run.manifest["phases"] = phases.timings
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
