@@ -32,6 +32,21 @@ from .versions import ALLOW_HELP
 # score and make-model need no torch from this module (the package's __init__, which runs first, is another matter).
 
 
+def _untyped_flags(params: list) -> list:
+    """An on/off flag takes no value, so --help shows no type beside it (typer would show `<bool>`)."""
+    for param in params:
+        if param.param_type_name == "option" and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """Every command's click class: flags shown without a type."""
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
+
+
 class _LazyGroup(typer.core.TyperGroup):
     """The app's click group. compare, ablate and rl take their options from spec fields, which means importing
     torch; they are listed (name and summary) from a placeholder, and built only when resolved to run or to show
@@ -54,6 +69,9 @@ class _LazyGroup(typer.core.TyperGroup):
         if getattr(command, "_placeholder", False) and not self._listing:
             command = self.commands[cmd_name] = _build_command(cmd_name, _LAZY[cmd_name][1]())
         return command
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
 
     def format_help(self, ctx, formatter) -> None:
         self._listing = True  # the list of commands reads the placeholders; nothing is built for it
@@ -90,7 +108,7 @@ def _build_command(name: str, callback):
     """The click command typer makes of `callback`, as app.command(name) would."""
     single = typer.Typer(add_completion=False, rich_markup_mode=app.rich_markup_mode,
                          pretty_exceptions_short=app.pretty_exceptions_short)
-    single.command(name)(callback)
+    single.command(name, cls=_Command)(callback)
     return typer.main.get_command(single)
 
 
@@ -394,8 +412,17 @@ def _options(kind: str) -> list[inspect.Parameter]:
 
 
 def _command_doc(doc: str) -> str:
-    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
-    return " ".join(summary.split()) + "\n\n" + details  # the summary is one paragraph in --help
+    """A command's help as --help shows it: each paragraph on one line, which rich wraps at the terminal's width (a
+    docstring's own line breaks would break sentences mid-line there), but the `Examples:` paragraph keeps its lines,
+    one command each."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.startswith("Examples:") else " ".join(p.split()) for p in paragraphs)
+
+
+def _help_from_doc(function):
+    """A command function whose docstring is shaped for --help by _command_doc."""
+    function.__doc__ = _command_doc(function.__doc__)
+    return function
 
 
 def _spec_command(kind: str, doc: str, after):
@@ -457,13 +484,27 @@ def _run(make_spec, out_dir: Optional[Path], check=None):
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
-    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
+    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference.md,
+    "Output files"). Without --model, the built-in model and the packaged sample prompts: it runs offline.
+
+    Examples:
+      divergence-probe compare --batch-invariance --report
+      divergence-probe compare --model Qwen/Qwen2.5-1.5B --taps all
+      divergence-probe compare --model M --engine compiled --engine-noise
+      divergence-probe compare --model M --graft --depth
+      divergence-probe compare --model M --mode generate --prompts my.jsonl
     """)
 _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
 
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
     attribution.csv (one row per region, and what remains with all aligned).
+
+    Examples:
+      divergence-probe ablate --taps none
+      divergence-probe ablate --model M --taps none --side train --out runs/fix
+      divergence-probe ablate --model M --regions rope,swiglu,rmsnorm,lm_head
+      divergence-probe ablate --model M --regions rope,rmsnorm,routing
     """)
 
 
@@ -477,14 +518,15 @@ def _ablate_command():
     return _spec_command("ablate", _ABLATE_DOC, _print_ablation)
 
 
-@app.command()
+@app.command(cls=_Command)
+@_help_from_doc
 def rerun(
     run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate or score (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
         None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
-        "without asking (see README 'rerun'); repeatable. Only for a run folder whose maker you trust."),
+        "without asking (docs/reference.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -492,6 +534,10 @@ def rerun(
     (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
     engine args that could load or run code are refused unless --allow-engine-arg names them, and what will run is
     shown before anything loads.
+
+    Examples:
+      divergence-probe rerun runs/normal
+      divergence-probe rerun runs/normal --report --out runs/normal-again
     """
     from .replay import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
@@ -595,7 +641,8 @@ def _print_ablation(run) -> None:
     out.print(attr)
 
 
-@app.command("report")
+@app.command(cls=_Command, name="report")
+@_help_from_doc
 def report_command(
     run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare, ablate, score or rl)."),
     fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
@@ -603,6 +650,10 @@ def report_command(
 ) -> None:
     """Render a run folder as a report a reader understands without the tool: setup, headline numbers,
     first divergence, tables and figures (error growth across layers, Δlogprob, KL by position, attribution).
+
+    Examples:
+      divergence-probe report runs/normal
+      divergence-probe report runs/normal --format html --out reports/normal
     """
     _write_report(run_dir, out_dir, fmt)
 
@@ -685,12 +736,22 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
     _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
 
 
-_RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
-    pushed into the running engine and verified every step (per-tensor checksums, stale prefix-cache probe).
+_RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, and the
+    new weights are pushed into the running engine and verified every step.
+
+    The push is vLLM's in-place reload (no restart). The check compares every tensor the engine computes with, exactly
+    and on the device, with the trainer's; a stale prefix-cache probe checks that no KV block from before the push is
+    served. --audit-every N adds a sha256 comparison of the weights on the host.
 
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
-    """
+
+    Examples:
+      divergence-probe rl --steps 20 --report
+      divergence-probe rl --setting none --setting rope,swiglu,rmsnorm --seeds 2
+      divergence-probe rl --model M --reward letters --engine compiled
+      divergence-probe rl --model M --setting none --setting routing
+    """)
 rl_command.__doc__ = _RL_DOC
 
 
@@ -700,7 +761,8 @@ def _rl_command():
     return rl_command
 
 
-@app.command("score")
+@app.command(cls=_Command, name="score")
+@_help_from_doc
 def score_command(
     rollouts: Path = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or .parquet."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="The checkpoint the rollouts were sampled from "
@@ -727,7 +789,13 @@ def score_command(
     """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
 
     Writes generate mode's files (tokens.csv with logprob_rollout beside logprob_train, buckets.csv, summary.csv
-    with the RL metrics, manifest.json with the file's sha256 and the format read). See README "score".
+    with the RL metrics, manifest.json with the file's sha256 and the format read). See docs/reference.md, "score:
+    what your RL run saw".
+
+    Examples:
+      divergence-probe score rollouts/step_120.parquet --model M
+      divergence-probe score r.jsonl.gz --model M --infer vllm --temperature 0.7
+      divergence-probe score rollouts.parquet --format verl --dtype float16
     """
     from .next_steps import after_score
     from .rundir import default_out_dir
@@ -789,7 +857,8 @@ def _print_score(run) -> None:
         out.print(f"likely cause ({s['likely_cause']}, a flag, not a verdict): {CAUSES[s['likely_cause']]}")
 
 
-@app.command("make-model")
+@app.command(cls=_Command, name="make-model")
+@_help_from_doc
 def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
     arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
@@ -801,6 +870,12 @@ def make_model(
     """Write a Hugging Face-format Qwen checkpoint with seeded random weights and a real BPE tokenizer.
 
     Real weights need a network; these models let you run everything offline, at real shapes.
+
+    Examples:
+      divergence-probe make-model models/tiny
+      divergence-probe make-model models/moe --arch qwen3_moe
+      divergence-probe make-model models/q7 --preset qwen2.5-7b --layers 4
+      divergence-probe compare --model models/q7 --device cuda
     """
     from .modelzoo import make_model as build
 
