@@ -24,6 +24,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Column, Table
 
 from .errors import ProbeError, one_line
+from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
 
 # Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
@@ -129,21 +130,10 @@ VERBOSE = ("-v", "--verbose")
 def _app_options(verbose: bool = typer.Option(False, *VERBOSE, help="Show the libraries' own output (vLLM, transformers, "
                                           "torch: start-up logs, progress bars, warnings); by default stderr holds "
                                           "the tool's lines alone. DP_RAISE_ERRORS=1 implies it.")) -> None:
-    if not (verbose or os.environ.get("DP_RAISE_ERRORS")):
-        _quiet_libraries()
-
-
-def _quiet_libraries() -> None:
-    """The libraries' log levels, set where they read them: environment variables, read when a library is first
-    imported and inherited by the processes it starts (vLLM's engine core, the engine workers), which a logger
-    level set here would not reach. Set only where the user has not."""
-    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TRANSFORMERS_VERBOSITY", "error"),
-                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
-        os.environ.setdefault(name, value)
-    if "transformers" in sys.modules:  # imported already (the API before the CLI): its level is read at import
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
+    if verbose or os.environ.get("DP_RAISE_ERRORS"):
+        show_libraries()
+    else:
+        quiet_libraries()
 
 
 def _wants_verbose(argv: list[str]) -> bool:
