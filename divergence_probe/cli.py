@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import os
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -194,21 +195,28 @@ class _Phases:
     that ended stays on screen, done, until the command ends (then all go: transient).
 
     Outside a terminal (a CI log, a batch job, `| tee`) there are no bars, so a run would say nothing for minutes:
-    each phase writes a line when it starts and one with its duration when it ends. `timings` (phase name ->
-    seconds) goes into the run's manifest either way."""
+    a phase still running after LOG_AFTER seconds writes a line saying it runs, and one with its duration when it
+    ends. A shorter phase writes none, so an error found in the first seconds (every check made before the loads)
+    stays the one line on stderr. `timings` (phase name -> seconds) goes into the run's manifest either way."""
+
+    LOG_AFTER = 10.0
 
     def __init__(self, bar: Progress) -> None:
         self.bar, self.task, self.offset, self.scale = bar, None, 0, 1
         self.log = not bar.console.is_terminal
         self.timings: dict[str, float] = {}
         self.name, self.described, self.started = "", "", 0.0
+        self.announced, self.timer, self.lock = False, None, threading.Lock()
 
     def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
         self.end()
         self.task = self.bar.add_task(name, total=total)
         self.offset, self.scale = offset, scale
-        self.name, self.described, self.started = name, name, time.monotonic()
-        self._line(f"{name}…")
+        self.name, self.described, self.started, self.announced = name, name, time.monotonic(), False
+        if self.log:  # the line comes while the phase runs, from a timer: a log shows what a long run is doing
+            self.timer = threading.Timer(self.LOG_AFTER, self._announce, args=(self.task,))
+            self.timer.daemon = True
+            self.timer.start()
 
     def __call__(self, done: int, total: int) -> None:
         if self.task is not None:
@@ -230,17 +238,37 @@ class _Phases:
             self.task = None
             seconds = time.monotonic() - self.started
             self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 3)
-            self._line(f"{self.described}: done in {seconds:.1f} s")
+            self.stop_timer()
+            with self.lock:
+                if self.log and seconds >= self.LOG_AFTER:
+                    if not self.announced:  # the timer had not yet written its line
+                        self._line(f"{self.name}…")
+                    self._line(f"{self.described}: done in {seconds:.1f} s")
+                self.announced = True  # the task ended: a late timer writes nothing
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _announce(self, task) -> None:
+        with self.lock:
+            if self.task == task and not self.announced:
+                self.announced = True
+                self._line(f"{self.name}…")
 
     def _line(self, text: str) -> None:
-        if self.log:
-            self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
 def _phases():
     with _progress() as bar:
-        yield _Phases(bar)
+        phases = _Phases(bar)
+        try:
+            yield phases
+        finally:  # an error's line comes after the block: no phase line may follow it
+            phases.stop_timer()
 
 
 def _closing(out_dir: Path, report: bool, step) -> None:

@@ -68,12 +68,14 @@ def test_an_80_column_terminal_keeps_the_counts_and_the_time_left(monkeypatch):
 
 
 def test_outside_a_terminal_each_phase_writes_lines_and_the_manifest_its_seconds(toy, qwen3_tiny, prompts_file,
-                                                                                   tmp_path):
-    """CliRunner's streams are no terminal, as a CI log or `| tee` is not: no bars, a line per phase start and end."""
+                                                                                   tmp_path, monkeypatch):
+    """CliRunner's streams are no terminal, as a CI log or `| tee` is not: no bars, a line as a long phase runs and
+    one as it ends (every phase is long here: the toy stacks are fast)."""
     import json
 
     from typer.testing import CliRunner
 
+    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.0)
     result = CliRunner().invoke(cli.app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-fused", "--train",
                                           "toy", "--prompts", str(prompts_file), "--taps", "none",
                                           "--batch-invariance", "--out", str(tmp_path / "run")])
@@ -88,3 +90,22 @@ def test_outside_a_terminal_each_phase_writes_lines_and_the_manifest_its_seconds
     assert sorted(phases) == sorted(names) and list(phases)[0] == names[0]
     assert all(isinstance(s, float) and s >= 0 for s in phases.values())
     assert phases[names[0]] > 0  # the load takes time
+
+
+def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
+    """The line that says a phase runs comes from a timer, before the phase ends; a short phase writes no line."""
+    import time
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    monkeypatch.setattr(cli, "console", console)
+    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
+    with cli._phases() as shown:
+        shown.phase("short")
+        shown.phase("long")
+        deadline = time.monotonic() + 30
+        while "long…" not in console.file.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert console.file.getvalue().splitlines() == ["long…"]  # written while the phase runs; "short" wrote none
+        shown.end()
+    lines = console.file.getvalue().splitlines()
+    assert lines[0] == "long…" and re.fullmatch(r"long: done in \d+\.\d s", lines[1]) and len(lines) == 2
