@@ -738,8 +738,10 @@ def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) ->
                 phases(done, total)
                 phases.note(f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
                             f"|Δlogp| {row['mean_abs_dlogp']:.2e}")
+                if done == total:  # the last run's phase ends with its last step, before the manifest is written
+                    phases.end()
 
-            result = rl.run(spec, out_dir, progress)
+            result = rl.run(spec, out_dir, progress, recorded=lambda: {"phases": phases.timings})
             phases.end()
     except ProbeError as e:
         _fail(e)
