@@ -453,7 +453,7 @@ def _fields_of(data, known: dict, where: str) -> dict:
     unknown = sorted(map(str, set(data) - set(known)))
     if unknown:
         raise _SpecError(f"unknown field(s) {', '.join(f'{where}.{n}' for n in unknown)}")
-    component = where.rpartition(".")[2]  # "spec.load" -> "load"
+    component = where.rpartition(".")[2].removesuffix("_spec")  # "spec.load", score's "score.load_spec" -> "load"
     later = {n: LATER_FIELDS[(component, n)] for n in known if n not in data and (component, n) in LATER_FIELDS}
     missing = [n for n in known if n not in data and n not in later]
     if missing:

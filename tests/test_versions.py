@@ -71,3 +71,18 @@ def test_cli_refuses_before_loading_and_the_flag_runs_and_is_recorded(toy, qwen3
     manifest = json.loads((tmp_path / "ran" / "manifest.json").read_text())
     assert manifest["spec"]["load"]["allow_untested_versions"] is True
     assert manifest["environment"]["untested_versions"] == {"transformers": "4.57.1"}
+
+
+def test_a_manifest_from_before_the_flag_reads_as_without_it():
+    """Run folders made before the flag existed rerun as they ran: the field is filled in as False, in a run's spec
+    and in a score run's recorded LoadSpec alike."""
+    import dataclasses
+
+    from divergence_probe.spec import LoadSpec, RunSpec, recorded
+
+    spec = RunSpec(kind="compare").to_dict()
+    del spec["load"]["allow_untested_versions"]
+    assert RunSpec.from_dict(spec).load.allow_untested_versions is False
+    load = dataclasses.asdict(LoadSpec())
+    del load["allow_untested_versions"]
+    assert recorded(LoadSpec, load, "score.load_spec").allow_untested_versions is False
