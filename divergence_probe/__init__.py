@@ -4,7 +4,7 @@ Python API (the CLI is a thin shell over it):
 
     import divergence_probe as dp
     probe = dp.load("path/or/hub-id", infer="vllm", dtype="bfloat16")   # both stacks, loaded once
-    run = probe.compare(prompts="sample_prompts", taps="all")            # diff every tap and token
+    run = probe.compare(taps="all")            # diff every tap and token of the packaged sample prompts
     run.write("runs/my-run")                                             # CSVs + manifest, atomically
     dp.write_report("runs/my-run")                                       # figures + report.md
     dp.Gate.parse(["mean_kl>1e-3"], "compare").judge([("run", run.summary)])  # a CI verdict (--fail-if)

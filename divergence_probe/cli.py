@@ -11,6 +11,8 @@ import dataclasses
 import inspect
 import os
 import sys
+import threading
+import time
 import typing
 from pathlib import Path
 from typing import Optional
@@ -20,14 +22,31 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
-from rich.table import Table
+from rich.table import Column, Table
 
 from .errors import ProbeError, one_line
+from .quiet import quiet_libraries, show_libraries
+from .versions import ALLOW_HELP
 
 # Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
 # command that takes its options from it is run or asked for its own --help (_LazyGroup), and every other import of
 # the library is inside the function that needs it. So `divergence-probe --help` and the --help of rerun, report,
 # score and make-model need no torch from this module (the package's __init__, which runs first, is another matter).
+
+
+def _untyped_flags(params: list) -> list:
+    """An on/off flag takes no value, so --help shows no type beside it (typer would show `<bool>`)."""
+    for param in params:
+        if param.param_type_name == "option" and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """Every command's click class: flags shown without a type."""
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
 
 
 class _LazyGroup(typer.core.TyperGroup):
@@ -52,6 +71,9 @@ class _LazyGroup(typer.core.TyperGroup):
         if getattr(command, "_placeholder", False) and not self._listing:
             command = self.commands[cmd_name] = _build_command(cmd_name, _LAZY[cmd_name][1]())
         return command
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
 
     def format_help(self, ctx, formatter) -> None:
         self._listing = True  # the list of commands reads the placeholders; nothing is built for it
@@ -88,7 +110,7 @@ def _build_command(name: str, callback):
     """The click command typer makes of `callback`, as app.command(name) would."""
     single = typer.Typer(add_completion=False, rich_markup_mode=app.rich_markup_mode,
                          pretty_exceptions_short=app.pretty_exceptions_short)
-    single.command(name)(callback)
+    single.command(name, cls=_Command)(callback)
     return typer.main.get_command(single)
 
 
@@ -112,21 +134,10 @@ VERBOSE = ("-v", "--verbose")
 def _app_options(verbose: bool = typer.Option(False, *VERBOSE, help="Show the libraries' own output (vLLM, transformers, "
                                           "torch: start-up logs, progress bars, warnings); by default stderr holds "
                                           "the tool's lines alone. DP_RAISE_ERRORS=1 implies it.")) -> None:
-    if not (verbose or os.environ.get("DP_RAISE_ERRORS")):
-        _quiet_libraries()
-
-
-def _quiet_libraries() -> None:
-    """The libraries' log levels, set where they read them: environment variables, read when a library is first
-    imported and inherited by the processes it starts (vLLM's engine core, the engine workers), which a logger
-    level set here would not reach. Set only where the user has not."""
-    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TRANSFORMERS_VERBOSITY", "error"),
-                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
-        os.environ.setdefault(name, value)
-    if "transformers" in sys.modules:  # imported already (the API before the CLI): its level is read at import
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
+    if verbose or os.environ.get("DP_RAISE_ERRORS"):
+        show_libraries()
+    else:
+        quiet_libraries()
 
 
 def _wants_verbose(argv: list[str]) -> bool:
@@ -171,9 +182,12 @@ def _fail(error: ProbeError) -> None:
 
 def _progress() -> Progress:
     # transient: the bars are for a person watching; they leave no lines in a log, where an error stays one line (off
-    # outside a terminal, where rich would still end them with an empty line)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("left"), TimeRemainingColumn(compact=True), console=console, transient=True,
+    # outside a terminal, where rich would still end them with an empty line, and _Phases writes lines instead).
+    # The description takes the width the rest leaves (cut with an ellipsis): on a narrow terminal the counts and the
+    # times stay whole.
+    return Progress(TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    BarColumn(bar_width=12), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+                    TimeRemainingColumn(compact=True), console=console, transient=True, expand=True,
                     disable=not console.is_terminal)
 
 
@@ -181,15 +195,31 @@ class _Phases:
     """One bar per long phase of a run (load, scoring, each noise floor, each ablate combination, each rl run), each
     with its elapsed time and, once it has a total, the time left. The API takes it as its progress callback:
     `(done, total)` calls move the current bar, `phase(name)` (compare.phase) ends it and starts the next. A phase
-    that ended stays on screen, done, until the command ends (then all go: transient)."""
+    that ended stays on screen, done, until the command ends (then all go: transient).
+
+    Outside a terminal (a CI log, a batch job, `| tee`) there are no bars, so a run would say nothing for minutes:
+    a phase still running after LOG_AFTER seconds writes a line saying it runs, and one with its duration when it
+    ends. A shorter phase writes none, so an error found in the first seconds (every check made before the loads)
+    stays the one line on stderr. `timings` (phase name -> seconds) goes into the run's manifest either way."""
+
+    LOG_AFTER = 10.0
 
     def __init__(self, bar: Progress) -> None:
         self.bar, self.task, self.offset, self.scale = bar, None, 0, 1
+        self.log = not bar.console.is_terminal
+        self.timings: dict[str, float] = {}
+        self.name, self.described, self.started = "", "", 0.0
+        self.announced, self.timer, self.lock = False, None, threading.Lock()
 
     def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
         self.end()
         self.task = self.bar.add_task(name, total=total)
         self.offset, self.scale = offset, scale
+        self.name, self.described, self.started, self.announced = name, name, time.monotonic(), False
+        if self.log:  # the line comes while the phase runs, from a timer: a log shows what a long run is doing
+            self.timer = threading.Timer(self.LOG_AFTER, self._announce, args=(self.task,))
+            self.timer.daemon = True
+            self.timer.start()
 
     def __call__(self, done: int, total: int) -> None:
         if self.task is not None:
@@ -199,6 +229,7 @@ class _Phases:
         """Replace the current bar's description (rl: the last step's reward and mismatch)."""
         if self.task is not None:
             self.bar.update(self.task, description=text)
+            self.described = text
 
     def end(self) -> None:
         """The current bar, done: a phase without counts (a load, a noise floor) fills its bar when it ends."""
@@ -208,12 +239,39 @@ class _Phases:
             self.bar.update(self.task, total=total, completed=total)
             self.bar.stop_task(self.task)
             self.task = None
+            seconds = time.monotonic() - self.started
+            self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 3)
+            self.stop_timer()
+            with self.lock:
+                if self.log and seconds >= self.LOG_AFTER:
+                    if not self.announced:  # the timer had not yet written its line
+                        self._line(f"{self.name}…")
+                    self._line(f"{self.described}: done in {seconds:.1f} s")
+                self.announced = True  # the task ended: a late timer writes nothing
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _announce(self, task) -> None:
+        with self.lock:
+            if self.task == task and not self.announced:
+                self.announced = True
+                self._line(f"{self.name}…")
+
+    def _line(self, text: str) -> None:
+        self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
 def _phases():
     with _progress() as bar:
-        yield _Phases(bar)
+        phases = _Phases(bar)
+        try:
+            yield phases
+        finally:  # an error's line comes after the block: no phase line may follow it
+            phases.stop_timer()
 
 
 def _closing(out_dir: Path, report: bool, step) -> None:
@@ -444,8 +502,17 @@ def _summary_rows(run) -> list[tuple[str, dict]]:
 
 
 def _command_doc(doc: str) -> str:
-    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
-    return " ".join(summary.split()) + "\n\n" + details  # the summary is one paragraph in --help
+    """A command's help as --help shows it: each paragraph on one line, which rich wraps at the terminal's width (a
+    docstring's own line breaks would break sentences mid-line there), but the `Examples:` paragraph keeps its lines,
+    one command each."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.startswith("Examples:") else " ".join(p.split()) for p in paragraphs)
+
+
+def _help_from_doc(function):
+    """A command function whose docstring is shaped for --help by _command_doc."""
+    function.__doc__ = _command_doc(function.__doc__)
+    return function
 
 
 def _spec_command(kind: str, doc: str, after):
@@ -499,6 +566,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
                 run = probe.run(spec, phases)
                 phases.end()
             run.manifest["command"] = sys.argv
+            run.manifest["phases"] = phases.timings
             verdict = _judged(gate, run.manifest, _summary_rows(run))
             run.write(out_dir)
     except ProbeError as e:
@@ -509,7 +577,15 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
-    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (see README for columns).
+    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference.md,
+    "Output files"). Without --model, the built-in model and the packaged sample prompts: it runs offline.
+
+    Examples:
+      divergence-probe compare --batch-invariance --report
+      divergence-probe compare --model Qwen/Qwen2.5-1.5B --taps all
+      divergence-probe compare --model M --engine compiled --engine-noise
+      divergence-probe compare --model M --graft --depth
+      divergence-probe compare --model M --mode generate --prompts my.jsonl
     """)
 _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned regions (RoPE, SwiGLU, residual RMSNorm) and attribute
     the vLLM-vs-transformers mismatch to regions with Shapley values and bootstrap intervals.
@@ -517,6 +593,12 @@ _ABLATE_DOC = _command_doc("""Rerun compare with every combination of aligned re
     Writes compare's files with a combo column, plus ablation.csv (one row per combination) and
     attribution.csv (one row per region and one for all regions together: each its change of the
     metric as a signed share of the shipped value).
+
+    Examples:
+      divergence-probe ablate --taps none
+      divergence-probe ablate --model M --taps none --side train --out runs/fix
+      divergence-probe ablate --model M --regions rope,swiglu,rmsnorm,lm_head
+      divergence-probe ablate --model M --regions rope,rmsnorm,routing
     """)
 
 
@@ -530,14 +612,15 @@ def _ablate_command():
     return _spec_command("ablate", _ABLATE_DOC, _print_ablation)
 
 
-@app.command()
+@app.command(cls=_Command)
+@_help_from_doc
 def rerun(
     run_dir: Path = typer.Argument(..., help="A run folder written by compare, ablate, score or rl (its manifest.json)."),
     out_dir: Optional[Path] = OutOpt,
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
         None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
-        "without asking (see README 'rerun'); repeatable. Only for a run folder whose maker you trust."),
+        "without asking (docs/reference.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -545,6 +628,10 @@ def rerun(
     (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
     engine args that could load or run code are refused unless --allow-engine-arg names them (an rl run's reward
     plug-in is refused: rerun replays the built-in rewards alone), and what will run is shown before anything loads.
+
+    Examples:
+      divergence-probe rerun runs/normal
+      divergence-probe rerun runs/normal --report --out runs/normal-again
     """
     from .replay import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
@@ -688,7 +775,8 @@ def _print_ablation(run) -> None:
               highlight=False, markup=False, soft_wrap=True)
 
 
-@app.command("report")
+@app.command(cls=_Command, name="report")
+@_help_from_doc
 def report_command(
     run_dir: Path = typer.Argument(..., help="A run folder (the --out of compare, ablate, score or rl)."),
     fmt: str = typer.Option("md", "--format", "-f", help="md (report.md + PNG/PDF figures), html (one self-contained report.html) or latex (report.tex, booktabs tables, PDF figures)."),
@@ -696,6 +784,10 @@ def report_command(
 ) -> None:
     """Render a run folder as a report a reader understands without the tool: setup, headline numbers,
     first divergence, tables and figures (error growth across layers, Δlogprob, KL by position, attribution).
+
+    Examples:
+      divergence-probe report runs/normal
+      divergence-probe report runs/normal --format html --out reports/normal
     """
     _write_report(run_dir, out_dir, fmt)
 
@@ -809,8 +901,11 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
                 phases(done, total)
                 phases.note(f"{row['setting']} seed {row['seed']} step {row['step']}: reward {row['reward_mean']:.2f}, "
                             f"|Δlogp| {row['mean_abs_dlogp']:.2e}")
+                if done == total:  # the last run's phase ends with its last step, before the manifest is written
+                    phases.end()
 
-            result = rl.run(spec, out_dir, progress, check=check)
+            result = rl.run(spec, out_dir, progress, check=check,
+                            recorded=lambda: {"phases": phases.timings})
             phases.end()
     except ProbeError as e:
         _fail(e)
@@ -834,12 +929,22 @@ def _print_rl_summary(summary) -> None:
     out.print(table)
 
 
-_RL_DOC = """A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, the weights are
-    pushed into the running engine and verified every step (per-tensor checksums, stale prefix-cache probe).
+_RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, and the
+    new weights are pushed into the running engine and verified every step.
+
+    The push is vLLM's in-place reload (no restart). The check compares every tensor the engine computes with, exactly
+    and on the device, with the trainer's; a stale prefix-cache probe checks that no KV block from before the push is
+    served. --audit-every N adds a sha256 comparison of the weights on the host.
 
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
-    """
+
+    Examples:
+      divergence-probe rl --steps 20 --report
+      divergence-probe rl --setting none --setting rope,swiglu,rmsnorm --seeds 2
+      divergence-probe rl --model M --reward letters --engine compiled
+      divergence-probe rl --model M --setting none --setting routing
+    """)
 rl_command.__doc__ = _RL_DOC
 
 
@@ -849,7 +954,8 @@ def _rl_command():
     return rl_command
 
 
-@app.command("score")
+@app.command(cls=_Command, name="score")
+@_help_from_doc
 def score_command(
     rollouts: list[Path] = typer.Argument(..., help="Rollout file your RL run recorded: .jsonl, .jsonl.gz or "
                                           ".parquet. Several files, a folder or a glob: one file per RL step, scored "
@@ -877,6 +983,8 @@ def score_command(
                                               "frac_abs_dlogp_over_ln2>1e-3."),
     fail_if: Optional[list[str]] = typer.Option(None, "--fail-if", help=FAIL_IF_HELP + " Several steps: fails when "
                                                 "it holds at any step."),
+    allow_untested_versions: bool = typer.Option(False, "--allow-untested-versions",
+                                                 help=ALLOW_HELP),
     out_dir: Optional[Path] = OutOpt,
 ) -> None:
     """Score the rollouts your RL run recorded with the training stack, as generate mode's trainer side does.
@@ -885,7 +993,13 @@ def score_command(
     with the RL metrics, manifest.json with the file's sha256 and the format read). A file that records the
     trainer's logprobs too (verl old_log_probs, OpenRLHF action_log_probs, slime log_probs, TRL old_per_token_logps,
     or --fields train=COL) needs no --model. Several files: steps.csv, alarms.csv and steps.png, one row per step.
-    See README "score".
+    See docs/reference.md, "score:
+    what your RL run saw".
+
+    Examples:
+      divergence-probe score rollouts/step_120.parquet --model M
+      divergence-probe score r.jsonl.gz --model M --infer vllm --temperature 0.7
+      divergence-probe score rollouts.parquet --format verl --dtype float16
     """
     from .history import parse_alarms, step_files
     from .rundir import default_out_dir
@@ -902,7 +1016,8 @@ def score_command(
                              "glob), or drop --alarm")
         call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
-        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa)
+        load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
+                        allow_untested_versions=allow_untested_versions)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()
@@ -969,6 +1084,7 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None):
             run = score_spec(call, load, check, phases)
             phases.end()
             run.manifest["command"] = sys.argv
+            run.manifest["phases"] = phases.timings
             verdict = _judged(gate, run.manifest, [("run", run.summary)])
             run.write(out_dir)
     except ProbeError as e:
@@ -997,7 +1113,8 @@ def _print_score(run) -> None:
         out.print(f"likely cause ({s['likely_cause']}, a flag, not a verdict): {CAUSES[s['likely_cause']]}")
 
 
-@app.command("make-model")
+@app.command(cls=_Command, name="make-model")
+@_help_from_doc
 def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
     arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
@@ -1009,6 +1126,12 @@ def make_model(
     """Write a Hugging Face-format Qwen checkpoint with seeded random weights and a real BPE tokenizer.
 
     Real weights need a network; these models let you run everything offline, at real shapes.
+
+    Examples:
+      divergence-probe make-model models/tiny
+      divergence-probe make-model models/moe --arch qwen3_moe
+      divergence-probe make-model models/q7 --preset qwen2.5-7b --layers 4
+      divergence-probe compare --model models/q7 --device cuda
     """
     from .modelzoo import make_model as build
 

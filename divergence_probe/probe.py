@@ -2,7 +2,7 @@
 
     import divergence_probe as dp
     probe = dp.load("Qwen/Qwen2.5-1.5B", infer="vllm", dtype="bfloat16")
-    run = probe.compare(prompts="sample_prompts", taps="all")
+    run = probe.compare(taps="all")  # the packaged sample prompts; prompts="my_prompts/" for your own
     print(run.summary)
     run.write("runs/qwen")
 
@@ -19,11 +19,12 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from . import memory_plan, torch_state
+from . import memory_plan, torch_state, versions
 from .compare import Progress, load_run_prompts, run_compare
 from .environment import environment, resolve_device, resolve_train_device, same_device
 from .errors import DeviceMemoryError, ProbeError
 from .model_source import ModelSource, resolve_model
+from .quiet import libraries_quieted
 from .spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
 from .stacks import Stack, StackSettings, get_stack
 from .stacks.base import freeze_engine_args
@@ -46,6 +47,7 @@ class Probe:
     owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
     memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (memory_plan.py)
     load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
+    quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
 
     def run(self, spec: RunSpec, progress: Progress | None = None):
         """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with. An
@@ -54,7 +56,7 @@ class Probe:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
         check_family(spec, self.config, self.source.family)
-        with _memory_errors(self.memory_plan, "run"):
+        with libraries_quieted(self.quiet), _memory_errors(self.memory_plan, "run"):
             return self._run(spec, progress)
 
     def _run(self, spec: RunSpec, progress: Progress | None):
@@ -172,7 +174,7 @@ def train_settings(cfg: LoadSpec, settings: StackSettings) -> StackSettings:
 
 
 def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
-         plan_for: RunSpec | None = None, routes: bool = False, **config) -> Probe:
+         plan_for: RunSpec | None = None, routes: bool = False, quiet: bool = True, **config) -> Probe:
     """Resolve the model, load it into the training stack (checking weights) and the inference stack.
     `config`: the fields of `divergence_probe.spec.LoadSpec` (infer, dtype, device, engine, ...).
     `taps` (e.g. "all"): the layer taps later runs will ask for. Only a compiled engine cares: it is then built with
@@ -184,12 +186,22 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
     `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (memory_plan.py) sizes
     vLLM's KV cache, the tap batch and the reduction for its prompts, taps and mode, or fails in one line when nothing
-    fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens."""
-    from transformers import AutoTokenizer
-
+    fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens.
+    `quiet`: the libraries' own output (vLLM's and transformers' logs, the hub's progress bars) is quieted while
+    the probe loads and runs, as the CLI quiets it (quiet.py); quiet=False shows it."""
     if spec is not None and (model is not None or config):
         raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
-    cfg = spec or LoadSpec(model=model, **config)
+    with libraries_quieted(quiet):
+        probe = _load(spec or LoadSpec(model=model, **config), before_stacks, taps, plan_for, routes)
+    probe.quiet = quiet
+    return probe
+
+
+def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool) -> Probe:
+    """load()'s work, under its quieting."""
+    from transformers import AutoTokenizer
+
+    versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
     # after both stacks have loaded
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
@@ -297,7 +309,8 @@ def _memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
         raise
 
 
-def run(spec: RunSpec, progress: Progress | None = None):
-    """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun)."""
-    probe = load(spec=spec.load, taps=spec.capture.taps, plan_for=spec)
+def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True):
+    """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun). `quiet`: as
+    load's."""
+    probe = load(spec=spec.load, taps=spec.capture.taps, plan_for=spec, quiet=quiet)
     return probe.run(spec, progress)

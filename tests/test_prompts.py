@@ -219,7 +219,20 @@ def test_not_utf8(tmp_path):
 
 def test_default_prompts_path():
     path = default_prompts_path()
-    assert path == Path(__file__).resolve().parents[1] / "sample_prompts"
+    assert path == Path(__file__).resolve().parents[1] / "divergence_probe" / "data" / "sample_prompts"
+
+
+def test_default_prompts_are_package_data():
+    """A wheel or `pip install .` carries the default prompts: every file of the folder is matched by the package-data
+    globs of pyproject.toml (as setuptools globs them: `*` stops at a folder)."""
+    import tomllib
+
+    package = Path(prompts_mod.__file__).resolve().parent
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    shipped = {p for pattern in pyproject["tool"]["setuptools"]["package-data"]["divergence_probe"]
+               for p in package.glob(pattern) if p.is_file()}
+    prompts = {p for p in default_prompts_path().iterdir() if p.is_file()}
+    assert prompts and prompts <= shipped, sorted(p.name for p in prompts - shipped)
 
 
 def test_default_prompts_path_missing(tmp_path, monkeypatch):

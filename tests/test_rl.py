@@ -253,6 +253,8 @@ def test_cli_experiment_writes_rows_summary_manifest_and_report(rl_process):
     manifest = json.loads((root / "cli" / "manifest.json").read_text())
     assert manifest["kind"] == "rl" and manifest["files"]["rl.csv"]["rows"] == 2
     assert manifest["stacks"]["infer"]["settings"]["enable_prefix_caching"] is True
+    assert list(manifest["phases"]) == ["loading the engine and the trainer", "none seed 0", "rope seed 0"]
+    assert all(seconds > 0 for seconds in manifest["phases"].values())  # each phase's seconds, the last one's too
     assert manifest["spec"]["no_signal_step"] == "step"
     assert (root / "cli" / "report" / "figures" / "rl.png").is_file()
 

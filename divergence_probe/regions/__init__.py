@@ -83,7 +83,7 @@ def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Repla
                              "aligned regions")
         where = f"region {name} cannot be aligned on the {stack_name} stack ({library(model)})"
         fix = f"this version's modeling code moved the seam: leave {name} out of the aligned regions or use a " \
-              "transformers/vLLM version the README lists"
+              "supported transformers/vLLM version (docs/reference.md, 'Supported versions')"
         try:
             found = region.patchers[stack_name](model)
         except SeamMissing as e:

@@ -15,7 +15,7 @@ from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
 from ..graft_reading import amplification_text, families_by_local, findings
 from .load import RunData, layers_of, response_rho, row_of, shipped_rows
 
-# Column meanings as the README documents them ("Output files", "Reading the RL metrics", "The noise floor").
+# Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
 SUMMARY_MEANINGS = {
     "mean_abs_dlogp": "mean |Δlogprob| over scored tokens (nats)",

