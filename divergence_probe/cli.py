@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import os
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer._click import exceptions as click  # typer's own copy of click: its usage errors
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -1143,6 +1145,19 @@ def make_model(
     out.print(f"model: {path}")
 
 
+def _usage_line(error: click.UsageError) -> str:
+    """A mistyped command line as one line: an unknown option names the command's nearest one (difflib), every other
+    usage error keeps click's words; both say where the valid options are listed."""
+    ctx = error.ctx
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    if isinstance(error, click.NoSuchOption) and ctx is not None:
+        names = [o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+        nearest = difflib.get_close_matches(error.option_name, names, n=1, cutoff=0)
+        if nearest:
+            return f"{ctx.info_name} has no option {error.option_name}; the nearest is {nearest[0]}{where}"
+    return one_line(error.format_message()) + where
+
+
 def main() -> None:
     """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N;
     the libraries' own output is silenced unless -v (`_libraries_silenced`)."""
@@ -1151,7 +1166,21 @@ def main() -> None:
     quiet = contextlib.nullcontext() if _wants_verbose(sys.argv[1:]) else _libraries_silenced()
     try:
         with stop_on_signals(), quiet:
-            app()
+            try:  # not standalone: click's own usage message would go to the silenced stderr, and be a panel
+                code = app(standalone_mode=False)
+            except click.NoArgsIsHelpError as e:
+                e.show()  # the help, on stdout
+                code = e.exit_code
+            except click.UsageError as e:
+                console.print(f"[bold red]error:[/] {escape(_usage_line(e))}", highlight=False)
+                code = e.exit_code
+            except click.ClickException as e:
+                console.print(f"[bold red]error:[/] {escape(one_line(e.format_message()))}", highlight=False)
+                code = e.exit_code
+            except typer.Abort:
+                console.print("[bold red]stopped:[/] aborted", highlight=False)
+                code = 1
+        raise SystemExit(code if isinstance(code, int) else 0)
     except Stopped as e:
         console.print(f"[bold red]stopped:[/] {e.name} received; nothing was left half-written", highlight=False)
         raise SystemExit(e.code) from None

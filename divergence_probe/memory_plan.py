@@ -39,6 +39,7 @@ from .errors import DeviceMemoryError
 
 ENV = "DIVERGENCE_PROBE_DEVICE_MEMORY"
 GiB = 1 << 30
+MAX_DEVICE_BYTES = 1 << 60  # an override above any device's memory is a typo
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
 # default 16), plus one block per sequence, so that a batch's step never waits for blocks (stacks/vllm/stack.py needs one step).
 KV_BLOCK = 128
@@ -508,15 +509,17 @@ def _gib(n: int) -> str:
 # ------------------------------------------------------------------------------------------- the device's memory
 def parse_bytes(text: str) -> int:
     """`80000000000`, `8e10`, `80GB`, `74.5GiB`, `512MiB`: a byte count."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    m = re.fullmatch(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
     if not m:
         raise DeviceMemoryError(f"{ENV}={text!r} is not a byte count; give bytes (80000000000) or e.g. 80GB, 74.5GiB")
     scale = {None: 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
              "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": GiB, "gib": GiB, "ti": 1 << 40,
              "tib": 1 << 40}[m.group(2)]
-    value = int(float(m.group(1)) * scale)
-    if value <= 0:
-        raise DeviceMemoryError(f"{ENV}={text!r} must be positive")
+    count = float(m.group(1)) * scale
+    if not 0 < count <= MAX_DEVICE_BYTES:  # 1e999 is inf: no int holds it, and no device is that large
+        raise DeviceMemoryError(f"{ENV}={text!r} must be positive and at most {MAX_DEVICE_BYTES >> 50} PiB; give "
+                                "the device's bytes (e.g. 80GB)")
+    value = int(count)
     return value
 
 

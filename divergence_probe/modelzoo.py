@@ -32,6 +32,7 @@ from divergence_probe.errors import ModelError, OutputError
 ARCHS = ("qwen2", "qwen3")  # the dense archs, which share the `tiny` shape
 MOE_ARCHS = ("qwen3_moe",)  # mixture-of-experts archs: each has its own `tiny` (MOE_TINY)
 MODEL = "model"  # the kind of output a checkpoint folder is marked as (rundir.mark)
+SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed takes
 BUILD_VERSION = 1  # bump when the weights or tokenizer recipe changes, so cached default models are rebuilt
 
 # arch -> config class in transformers; AutoModelForCausalLM maps each to Qwen2ForCausalLM / Qwen3ForCausalLM /
@@ -334,6 +335,10 @@ def make_model(
 
     out_dir = Path(out_dir).expanduser().absolute()
     arch = _resolve_arch(arch, preset)
+    if not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ModelError(f"--seed {seed} is outside the seeds torch takes ({SEEDS[0]} to {SEEDS[1]}); pass a smaller "
+                         "seed")
+    _check_fits(out_dir, arch, preset, num_layers)
     if out_dir.exists():
         if not out_dir.is_dir():
             raise OutputError(f"{out_dir} is a file; choose a directory path")
@@ -386,6 +391,36 @@ def make_model(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None) -> None:
+    """Refuse, before anything is allocated, a build this machine cannot finish: the weights in bfloat16 (safetensors
+    writes them from the tensors' own memory, no copy) and the libraries' allowance against the available RAM, the
+    weights again against the disk's free space. The parameters are counted on a one-layer config scaled to the depth: a config of
+    a billion layers would itself take gigabytes."""
+    from dataclasses import replace
+
+    from .memory_plan import CPU_RUNTIME, ENV, ModelSize, device_memory
+
+    one = make_config(arch=arch, preset=preset, num_layers=1)
+    depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers
+    size = replace(ModelSize.of(one.to_dict()), layers=depth)
+    weights = 2 * size.parameters_from_config(bool(one.tie_word_embeddings), arch == "qwen2")
+    available, _, source = device_memory("cpu")
+    what = f"{preset} with {depth} layers" if num_layers is not None else preset
+    if weights + CPU_RUNTIME > available:
+        raise ModelError(f"building {what} needs about {_gib(weights + CPU_RUNTIME)} of RAM (its bfloat16 weights and "
+                         f"the libraries), and {_gib(available)} is available ({source}); choose a smaller --preset or "
+                         f"fewer --layers, or run on a machine with more memory ({ENV}=BYTES if the count is wrong)")
+    parent = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    free = shutil.disk_usage(parent).free
+    if weights > free:
+        raise OutputError(f"{what}'s weights take about {_gib(weights)} on disk, and {parent} has {_gib(free)} free; "
+                          "free space on that disk or choose another path")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def _os_error(e: BaseException) -> str | None:

@@ -38,6 +38,7 @@ SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = ("a .txt file (prompts separated by blank lines or `---` lines), a .jsonl file "
             "(one {\"prompt\": ...} or {\"messages\": [...]} object per line), or a folder of them")
 SEPARATOR = "---"
+MAX_FILE_BYTES = 256 * 2**20  # a prompts file is read whole; a run scores thousands of prompts at most
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,15 @@ def default_prompts_path() -> Path:
     return path
 
 
+def check_kind(path: Path) -> None:
+    """Refuse a prompts path that exists but is neither a regular file nor a folder: reading a FIFO or a device would
+    block, or never end. Cheap, so the commands call it before anything loads."""
+    path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise PromptError(f"Prompts path {path} is not a regular file or folder (a FIFO, device or socket); pass "
+                          f"--prompts with {ACCEPTED}.")
+
+
 def _prompt_files(path: Path) -> list[tuple[str, Path]]:
     """(name relative to the prompts root, path) for every prompt file that `path` stands for."""
     path = Path(path)
@@ -90,6 +100,7 @@ def _prompt_files(path: Path) -> list[tuple[str, Path]]:
         if not files:
             raise PromptError(f"Folder {path} has no .txt or .jsonl prompt files; pass --prompts with {ACCEPTED}.")
         return [(p.name, p) for p in files]
+    check_kind(path)
     if path.suffix.lower() not in SUFFIXES:
         raise PromptError(f"Prompts file {path} has an unsupported type {path.suffix or '(no suffix)'!r}; "
                           f"pass --prompts with {ACCEPTED}.")
@@ -98,10 +109,15 @@ def _prompt_files(path: Path) -> list[tuple[str, Path]]:
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise PromptError(f"Cannot read prompts file {path}: {e.strerror or e}. Check that it exists "
                           f"and is readable.") from e
+    if len(data) > MAX_FILE_BYTES:
+        raise PromptError(f"Prompts file {path} is over {MAX_FILE_BYTES // 2**20} MiB, the bound on a prompts file "
+                          "(it is read whole); pass fewer prompts (split the file, or --num-prompts on a shorter one).")
+    return data
 
 
 def file_hashes(path: Path) -> dict[str, str]:

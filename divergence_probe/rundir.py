@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -56,6 +57,9 @@ RERUN = "rerun the command that made the run folder"
 MARK = ".divergence-probe"  # in every output folder the tool makes: which output it is, and the files it wrote
 TOOL = "divergence-probe"
 MANIFEST_LIMIT = 16 * 2**20  # a manifest is a few kB; a larger one is not one the tool wrote, and is not read whole
+# A run's largest file, tokens.csv, holds ~150 bytes a scored token (per combination in an ablation); past this bound
+# (on disk and once decompressed) a file is not one the tool wrote, and is not read: pandas holds several times it.
+FILE_LIMIT = 2**30
 
 
 class RunFolderError(ProbeError):
@@ -486,14 +490,22 @@ def parse_csv(path: Path, data: bytes, columns: Iterable[str] = (), drop: Iterab
     return df
 
 
-def _raw(path: Path) -> bytes:
-    """A file's content, gunzipped for .gz; RunFolderError when it cannot be read."""
+def read_file(path: Path) -> bytes:
+    """A file's content, gunzipped for .gz, read no further than FILE_LIMIT (on disk and once decompressed: a few
+    MB of gzip can hold GBs); RunFolderError when it cannot be read or passes the bound."""
     try:
-        data = path.read_bytes()
-        return gzip.decompress(data) if path.name.endswith(".gz") else data
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        if path.stat().st_size > FILE_LIMIT:
+            raise RunFolderError(f"{path} is {path.stat().st_size / 2**30:.1f} GiB, over the {FILE_LIMIT // 2**30} "
+                                 f"GiB of a run folder's file; it is not a file {TOOL} wrote: {RERUN}")
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            data = f.read(FILE_LIMIT + 1)
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise RunFolderError(f"cannot read {path} ({e}); it is not a file divergence-probe wrote, or it was "
                              f"cut short: {RERUN}") from e
+    if len(data) > FILE_LIMIT:
+        raise RunFolderError(f"{path} holds over {FILE_LIMIT // 2**30} GiB once decompressed, over the bound on a run "
+                             f"folder's file; it is not a file {TOOL} wrote: {RERUN}")
+    return data
 
 
 def _columns(manifest: dict) -> dict[str, tuple]:
@@ -565,7 +577,7 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
             if (base in listed or f"{base}.gz" in listed) and base not in OPTIONAL:
                 raise _cut(path / base, "is listed in the manifest but missing")
             continue
-        data = _raw(stored)
+        data = read_file(stored)
         if stored.name in listed:
             record, hashed = listed[stored.name], stored.read_bytes()
         elif base in listed:  # gzipped after the run: its content is what the manifest hashed

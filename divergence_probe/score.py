@@ -180,8 +180,10 @@ def numbered(batch: RolloutBatch) -> list[tuple[int, int]]:
     return ids
 
 
-def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: int) -> None:
-    """Every id is one of the model's tokens and decodes; every sequence fits the context."""
+def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: int, engine: bool = False) -> None:
+    """Every id is one of the model's tokens and decodes; every sequence fits the context, and with the `engine`'s
+    prefill one position less: vLLM keeps one for the token it samples after the prompt (as compare's prompts)."""
+    limit = max_model_len - 1 if engine else max_model_len
     for r in batch.rollouts:
         for name, ids in (("prompt", r.prompt_ids), ("response", r.response_ids)):
             top = max(ids)
@@ -189,10 +191,14 @@ def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: i
                 raise RolloutError(f"row {r.row}: {name} token id {top} is past the model's vocabulary of "
                                    f"{vocab_size}; the rollouts were made with another model or tokenizer: pass that "
                                    "--model")
-        if len(r.prompt_ids) + len(r.response_ids) > max_model_len:
-            raise RolloutError(f"row {r.row}: {len(r.prompt_ids) + len(r.response_ids)} tokens are more than the "
-                               f"model's context of {max_model_len}; the rollouts were made with another model: pass "
-                               "that --model")
+        n = len(r.prompt_ids) + len(r.response_ids)
+        if n > max_model_len:
+            raise RolloutError(f"row {r.row}: {n} tokens are more than the model's context of {max_model_len}; the "
+                               "rollouts were made with another model: pass that --model")
+        if n > limit:
+            raise RolloutError(f"row {r.row}: {n} tokens do not fit the engine's prefill with the model's context of "
+                               f"{max_model_len} tokens (one position is kept for the sampled token); use at most "
+                               f"{limit} tokens per row, or score it without --infer vllm")
         try:  # an id the tokenizer lacks but the embedding has (padded vocabularies) is a token the model can sample
             tokenizer.decode(list(r.prompt_ids + r.response_ids))
         except Exception as e:  # tokenizers raise OverflowError, TypeError, ... for ids they cannot map
@@ -242,7 +248,7 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     g = GenerateSpec(**{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
     if temperature is not None and not temperature > 0:
         raise ProbeError(f"--temperature {temperature} must be > 0: it is the sampling temperature to test against")
-    check_fits(batch, scorer.tokenizer, scorer.vocab_size, scorer.max_model_len)
+    check_fits(batch, scorer.tokenizer, scorer.vocab_size, scorer.max_model_len, engine=scorer.infer is not None)
     ids = numbered(batch)
     sequences = [Prompt(i, f"{batch.path.name} row {r.row}", "", r.prompt_ids + r.response_ids)
                  for i, r in enumerate(batch.rollouts)]
@@ -374,7 +380,8 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
     def before_stacks(source, tokenizer):
         if check is not None:
             check(source)
-        check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len)
+        check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len,
+                   engine=call.infer == "vllm")
 
     scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
     try:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import Field, asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ProbeError
+from .errors import ProbeError, one_line
 from .options import option
+from .prompts import check_kind
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
 from .versions import ALLOW_HELP
@@ -56,6 +58,9 @@ def parse_engine_args(text: str | Mapping | None) -> dict:
     except json.JSONDecodeError as e:
         raise ProbeError(f"--engine-args is not valid JSON ({e.msg} at column {e.colno}); "
                          "pass an object such as '{\"max_num_seqs\": 64}'") from e
+    except (RecursionError, ValueError) as e:  # nested past Python's recursion limit; an int of 5000 digits
+        raise ProbeError(f"--engine-args is not JSON the tool reads ({one_line(e, 80)}); pass a flat object such as "
+                         "'{\"max_num_seqs\": 64}'") from e
     if not isinstance(value, dict):
         raise ProbeError("--engine-args must be a JSON object of vllm.LLM keyword arguments, "
                          "such as '{\"max_num_seqs\": 64}'")
@@ -155,6 +160,7 @@ class PromptSpec:
     def __post_init__(self) -> None:
         if self.prompts is not None:
             object.__setattr__(self, "prompts", str(self.prompts))
+            check_kind(Path(self.prompts))
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ProbeError(f"--num-prompts must be at least 1, got {self.num_prompts}.")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 2:

@@ -312,6 +312,23 @@ def test_python_m_help_exits_0():
     assert "compare" in result.stdout and "score" in result.stdout
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["compare", "--bogus-flag"], "compare has no option --bogus-flag; the nearest is --"),
+    (["compare", "--num-promts", "3"], "compare has no option --num-promts; the nearest is --num-prompts"),
+    (["-v", "rl", "--step", "3"], "rl has no option --step; the nearest is --steps"),
+    (["make-model", "m", "--seed", "1e23"], "Invalid value for '--seed'"),
+])
+def test_a_mistyped_command_line_is_one_line(argv, says, tmp_path):
+    """The parser's message reaches the user (the libraries' stderr is silenced while a command runs) as one line
+    that names the option and the nearest valid one, exit code 2, in a pipe as in a terminal."""
+    result = subprocess.run([sys.executable, "-m", "divergence_probe", *argv], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2, result
+    assert result.stdout == "" and result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result
+    assert says in result.stderr and "--help" in result.stderr, result.stderr
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("argv, light", [
     (["--help"], ("torch", "transformers", "vllm", "pandas")),
     *[([command, "--help"], ("torch", "transformers", "vllm")) for command in ("compare", "ablate", "rl")],

@@ -206,6 +206,26 @@ def test_flash_attention_without_flash_attn_names_the_fix(qwen3_tiny):
                                      train_attn="flash_attention_2"))
 
 
+@pytest.mark.parametrize("command", [["compare", "--infer", "hf"], ["rl", "--reward", "brackets"]])
+def test_prompts_that_are_a_pipe_are_refused_before_loading(command, tmp_path):
+    """Reading a FIFO waits for a writer that never comes: it is refused by its kind before anything is read."""
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+
+    def hung(*args):
+        raise AssertionError("the command opened the pipe and waited on it")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        result = runner.invoke(app, [*command, "--prompts", str(fifo), "--out", str(tmp_path / "out")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert_one_error_line(result, "is not a regular file or folder", str(fifo))
+    assert not (tmp_path / "out").exists()
+
+
 def test_markup_in_a_message_is_printed_as_is(tmp_path):
     """A path with rich markup in it ([red]) must appear verbatim, not be eaten as a style tag."""
     missing = tmp_path / "[red]model"

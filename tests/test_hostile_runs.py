@@ -9,9 +9,11 @@ anything loads, so no vLLM engine starts. The one full rerun here runs `--infer 
 from __future__ import annotations
 
 import errno
+import gzip
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 from pathlib import Path
@@ -366,6 +368,31 @@ def test_report_on_a_damaged_folder_is_one_line(tmp_path, name):
     before = snapshot(tmp_path)
     assert_refused(invoke("report", run), needle)
     assert snapshot(tmp_path) == before  # no report folder, no hidden partial folder
+
+
+def test_a_tokens_file_that_expands_past_the_bound_is_one_line_in_a_capped_process(tmp_path):
+    """A run folder's tokens.csv.gz of a few MB that decompresses to GBs: `report` reads no further than the bound
+    on a run folder's file, within an address space capped at 3 GiB (reading it whole would take 4 GiB)."""
+    import subprocess
+    import sys
+
+    from divergence_probe.rundir import FILE_LIMIT
+
+    run = make_compare(tmp_path / "run", tokens_as="gz")
+    member = gzip.compress(b"0" * 2**20)
+    with (run / "tokens.csv.gz").open("wb") as f:
+        for _ in range(4096):
+            f.write(member)
+    before = snapshot(tmp_path)
+    cap = 3 * 2**30
+    proc = subprocess.run([sys.executable, "-m", "divergence_probe", "report", str(run)], text=True,
+                          capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(divergence_probe.__file__).parents[1])},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
+    assert f"holds over {FILE_LIMIT // 2**30} GiB once decompressed" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_report_out_on_a_mount_point_unwritable_place_or_full_disk_is_one_line(tmp_path, monkeypatch):

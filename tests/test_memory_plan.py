@@ -188,6 +188,14 @@ def test_both_vllm_builds_accept_the_kv_budget():
 
 
 # ------------------------------------------------------------------------------------------- failing in one line
+@pytest.mark.parametrize("value", ["1e999", "...", "1.2.3GB", "0", "1e30"])
+def test_a_device_memory_override_that_is_no_byte_count_is_one_line(value, tmp_path, monkeypatch):
+    monkeypatch.setenv(memory_plan.ENV, value)
+    result = runner.invoke(app, ["make-model", str(tmp_path / "m")])
+    one_line_error(result, f"{memory_plan.ENV}={value!r}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     import divergence_probe.probe as probe_module
 

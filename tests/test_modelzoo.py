@@ -130,6 +130,21 @@ def test_num_layers_overrides_only_the_depth(tmp_path):
         make_model(tmp_path / "none", num_layers=0)
 
 
+@pytest.mark.parametrize("options, says", [
+    ({"num_layers": 10**9}, "tiny with 1000000000 layers needs about"),
+    ({"preset": "qwen2.5-7b"}, "qwen2.5-7b needs about"),
+    ({"seed": 10**23}, "outside the seeds torch takes"),
+])
+def test_a_build_that_cannot_finish_is_refused_before_anything_is_allocated(options, says, tmp_path, monkeypatch):
+    """The weights' bytes, counted from the config, against the RAM (here a machine with 4 GB); a seed torch refuses.
+    Nothing is built: the refusal comes before the weights, and before the config of a billion layers."""
+    monkeypatch.setenv("DIVERGENCE_PROBE_DEVICE_MEMORY", "4GB")
+    monkeypatch.setattr(modelzoo, "_random_model", lambda *a: pytest.fail("the build started"))
+    with pytest.raises(ModelError, match=says):
+        make_model(tmp_path / "m", **options)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_preset_arch_mismatch(tmp_path):
     with pytest.raises(ModelError, match="qwen2"):
         make_model(tmp_path / "m", arch="qwen3", preset="qwen2.5-0.5b")

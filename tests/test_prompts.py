@@ -203,9 +203,9 @@ def test_unsupported_suffix(tmp_path):
 def test_unreadable_file(tmp_path, monkeypatch):
     f = write(tmp_path / "p.txt", "hi\n")
 
-    def deny(self):
+    def deny(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(Path, "read_bytes", deny)  # chmod does not stop root, which CI often is
+    monkeypatch.setattr(Path, "open", deny)  # chmod does not stop root, which CI often is
     with pytest.raises(PromptError, match=r"Cannot read prompts file .*p\.txt: Permission denied"):
         read_prompt_sources(f)
 
@@ -339,3 +339,13 @@ def test_sample_prompts_load(chat_tok):
     assert any("\n\n" in t for t in code)  # `---` kept the blank lines inside functions
     long = [p.text for p in prompts if p.source.startswith("long.txt")]
     assert all(600 <= len(t.split()) <= 1200 for t in long)
+
+
+def test_a_file_past_the_bound_is_refused_before_it_is_held(tmp_path, monkeypatch):
+    """A prompts file is read whole: past the bound (lowered here) it is refused, naming the bound."""
+    import divergence_probe.prompts as prompts
+
+    monkeypatch.setattr(prompts, "MAX_FILE_BYTES", 2**20)
+    f = write(tmp_path / "p.txt", "hi\n" * 2**19)
+    with pytest.raises(PromptError, match="is over 1 MiB, the bound on a prompts file"):
+        read_prompt_sources(f)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +25,7 @@ from divergence_probe.rollouts import RolloutError, read_rollouts
 from divergence_probe.score import Scorer, score_batch
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
+REPO = Path(__file__).resolve().parents[1]
 GEN = dict(max_new_tokens=8, samples_per_prompt=2, temperature=1.0)
 PAD = 0
 # columns of tokens.csv that score must reproduce byte for byte (generate's logprob_infer is score's logprob_rollout)
@@ -193,6 +198,7 @@ HOSTILE = {
                               {"prompt_ids": [1, 9], "response_ids": [3], "logprobs": [-1.0], "group": 7}],
                              "has another prompt"),
     "slime_length": ({"tokens": [1, 2], "response_length": 5, "rollout_log_probs": [-1.0]}, "ragged"),
+    "huge_int_logprob": ({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-10**400]}, "integer of 401 digits"),
 }
 
 
@@ -382,3 +388,92 @@ def test_rerun_of_a_score_run_on_another_checkpoint_is_one_line(scored_cli, tmp_
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "config.json changed" in lines[0], result.stderr
     assert_nothing_written(tmp_path / "again")
+
+
+# ------------------------------------------------------------------------------------ files small on disk, huge in memory
+def _gzip_bomb(path: Path, chunk: bytes, times: int) -> Path:
+    """`times` gzip members of `chunk` each (a reader joins them): kilobytes on disk, times x len(chunk) decompressed."""
+    member = gzip.compress(chunk)
+    with path.open("wb") as f:
+        for _ in range(times):
+            f.write(member)
+    return path
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with path.open("wb") as f:
+        f.truncate(size)  # no byte on disk
+    return path
+
+
+def _parquet_bomb(path: Path, values: int) -> Path:
+    """One row whose list holds `values` zeros: run-length encoded, a few kB on disk."""
+    zeros = pa.array(np.zeros(values, np.int8))
+    column = pa.ListArray.from_arrays(pa.array([0, values], pa.int32()), zeros)
+    pq.write_table(pa.table({"prompt_ids": column, "response_ids": [[3]], "logprobs": [[-1.0]]}), path)
+    return path
+
+
+ONE_ROW = b'{"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8], "response_ids": [3], "logprobs": [-1.0]}\n'
+# The reader in a process of its own, its bounds set from argv[1] (lowered, so the test stays fast), and an address
+# space capped below what reading any of these files whole would take.
+READ_CAPPED = """
+import json, sys
+from divergence_probe.errors import one_line
+from divergence_probe.rollouts import RolloutError, read, read_rollouts
+for name, value in json.loads(sys.argv[1]).items():
+    setattr(read, name, value)
+for path in sys.argv[2:]:
+    try:
+        read_rollouts(path)
+        print("read", path)
+    except RolloutError as e:
+        print(one_line(e))
+"""
+
+
+def test_files_that_expand_in_memory_are_refused_at_a_bound(tmp_path):
+    """Each file takes a few MB on disk and GBs read whole: each is refused at the bound it passes, in one line, by a
+    reader whose address space is capped at 2 GiB."""
+    bounds = {"MAX_ROW_BYTES": 2**20, "MAX_ROWS": 2**10, "MAX_VALUES": 2**16}
+    files = {
+        "line": (_gzip_bomb(tmp_path / "line.jsonl.gz", b"0" * 2**20, 4096), "line 1 is over 1 MiB"),
+        "rows": (_gzip_bomb(tmp_path / "rows.jsonl.gz", ONE_ROW * 2**14, 2**11), "over 1024 rows"),
+        "sparse": (_sparse(tmp_path / "sparse.jsonl", 4 * 2**30), "4.0 GiB, over the 2 GiB"),
+        "parquet": (_parquet_bomb(tmp_path / "values.parquet", 2**20), "over the 65536 values"),
+    }
+    cap = 2 * 2**30
+    proc = subprocess.run([sys.executable, "-c", READ_CAPPED, json.dumps(bounds), *(str(p) for p, _ in files.values())],
+                          text=True, capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(files), proc.stdout
+    for line, (name, (path, says)) in zip(lines, files.items()):
+        assert str(path) in line and says in line, (name, line)
+
+
+def test_rows_past_the_decompressed_bound_are_refused(tmp_path, monkeypatch):
+    """The bound on a file's decompressed bytes, lowered so that a test file passes it with rows of usual size."""
+    from divergence_probe.rollouts import read
+
+    monkeypatch.setattr(read, "MAX_BYTES", 10 * len(ONE_ROW))  # over the gzip file's size on disk
+    with pytest.raises(RolloutError, match="GiB of rows once decompressed"):
+        read_rollouts(_gzip_bomb(tmp_path / "r.jsonl.gz", ONE_ROW * 11, 1))
+    assert len(read_rollouts(_gzip_bomb(tmp_path / "ok.jsonl.gz", ONE_ROW * 10, 1)).rollouts) == 10
+
+
+def test_a_row_at_the_context_is_refused_before_the_engine_loads(qwen3_tiny, tmp_path, monkeypatch):
+    """vLLM keeps one position of the context for the token it samples: a row of exactly max_model_len tokens is
+    refused by `score --infer vllm` before any stack loads (compare's prompts have the same limit)."""
+    import divergence_probe.probe as probe
+    from divergence_probe.model_source import resolve_model
+
+    context = resolve_model(str(qwen3_tiny)).max_model_len
+    row = {"prompt_ids": [5] * (context - 1), "response_ids": [6], "logprobs": [-1.0]}
+    path = _jsonl(tmp_path / "r.jsonl", [row])
+    monkeypatch.setattr(probe, "trainer_stack_for", lambda *a, **k: pytest.fail("a stack loaded"))
+    result = CliRunner().invoke(app, ["score", str(path), "--model", str(qwen3_tiny), "--device", "cpu",
+                                      "--infer", "vllm", "--out", str(tmp_path / "out")])
+    assert_one_line_error(result, f"row 0: {context} tokens", f"use at most {context - 1}")
+    assert not (tmp_path / "out").exists()

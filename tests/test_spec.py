@@ -41,6 +41,7 @@ def test_flat_names_are_unique_and_every_one_is_a_flag(kind):
 @pytest.mark.parametrize("flat, message", [
     ({"dtype": "int8"}, "--dtype"), ({"side": "left"}, "--side"), ({"mode": "decode"}, "--mode"),
     ({"taps": "nope"}, "unknown tap"), ({"engine_args": "[1]"}, "--engine-args"), ({"engine_args": "{"}, "JSON"),
+    ({"engine_args": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}, "--engine-args is not JSON the tool reads"),
     ({"align": "rope,bogus"}, "unknown region"), ({"top_p": 0.0}, "--top-p"), ({"threshold": -1.0}, "--threshold"),
     ({"engine": "fast"}, "--engine"), ({"train_sdpa": "x"}, "--train-sdpa"), ({"num_prompts": 0}, "--num-prompts"),
     ({"nonsense": 1}, "unknown option"), ({"seed": -1}, "--seed"),

@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..rl.table import summarize, window_label
-from ..rundir import MANIFEST, inside, output_folder, parse_csv, read_manifest
+from ..rundir import MANIFEST, inside, output_folder, parse_csv, read_file, read_manifest
 from . import document as doc
 from . import figures as F
 from .load import ReportError
@@ -66,10 +66,7 @@ def _read(run_dir: Path, name: str, files: dict | None) -> bytes:
     """The bytes of run_dir/name, a file of the run folder itself; with `files` (the manifest's), they must have the
     sha256 it records."""
     path = inside(run_dir, name)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ReportError(f"cannot read {path} ({e.strerror or e}); rerun the rl command") from e
+    data = read_file(path)
     if files is not None:
         record = files.get(name)
         if not isinstance(record, dict) or hashlib.sha256(data).hexdigest() != record.get("sha256"):

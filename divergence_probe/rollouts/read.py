@@ -1,7 +1,10 @@
 """Rows of a rollout file: JSONL (optionally gzipped) or Parquet, each row a JSON object / a table row.
 
-A rollout file is the user's data, possibly cut short or not a rollout file at all: it is read with a size cap,
-and every way it can fail is one RolloutError naming the file, the row and what to do.
+A rollout file is the user's data, possibly cut short, not a rollout file at all, or built to be small on disk and
+huge in memory (a gzip or Parquet file that expands a thousandfold, a sparse file): it is read as a stream, row by
+row, and refused at the first bound it passes (bytes on disk, bytes once decompressed, bytes of one row, rows, values
+a Parquet file's metadata declares), before what passes the bound is held. Every way it can fail is one RolloutError
+naming the file, the row and what to do.
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ from pathlib import Path
 from ..errors import one_line
 from .record import RolloutError
 
-# Rollouts of one RL step are megabytes to a few GB; above this the file is not read whole into memory.
-MAX_BYTES = 8 * 2**30
+# Rollouts of one RL step are megabytes to a few hundred MB. Each bound holds the Python objects the rows become to
+# a few GiB (a JSON number becomes an object of tens of bytes); past one, the file is split or is not a rollout file.
+MAX_BYTES = 2 * 2**30  # of the file on disk, and of its rows once decompressed
+MAX_ROW_BYTES = 256 * 2**20  # of one row (a JSONL line): a million tokens with their logprobs take ~30 MB
+MAX_ROWS = 2**20
+MAX_VALUES = 2**27  # values in a Parquet file (each list element counted), as its metadata declares them
+SPLIT = "split it (e.g. one RL step per file)"
 JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 PARQUET = (".parquet", ".pq")
 
@@ -31,7 +39,7 @@ def read_rows(path: Path) -> list[dict]:
         raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
     if size > MAX_BYTES:
         raise RolloutError(f"rollout file {path} is {size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} GiB this "
-                           "command reads; split it (e.g. one RL step per file)")
+                           f"command reads; {SPLIT}")
     name = path.name.lower()
     if name.endswith(PARQUET):
         rows = _parquet(path)
@@ -50,13 +58,21 @@ def _jsonl(path: Path, gzipped: bool) -> list[dict]:
     line_no = 0
     try:
         with opener(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
+            # readline(limit): a line is never read past the row bound, however long it runs (a newline-free
+            # gzip bomb, a sparse file of zeros)
+            while line := f.readline(MAX_ROW_BYTES + 1):
+                line_no += 1
                 total += len(line)
+                if len(line) > MAX_ROW_BYTES:
+                    raise RolloutError(f"{path} line {line_no} is over {MAX_ROW_BYTES // 2**20} MiB (the bound on one "
+                                       "row); it is not a rollout row: pass the file your RL run wrote")
                 if total > MAX_BYTES:
-                    raise RolloutError(f"{path} holds over {MAX_BYTES // 2**30} GiB of rows once decompressed; "
-                                       "split it (e.g. one RL step per file)")
+                    raise RolloutError(f"{path} holds over {MAX_BYTES // 2**30} GiB of rows once decompressed "
+                                       f"(the bound on a rollout file); {SPLIT}")
                 if not line.strip():
                     continue
+                if len(rows) == MAX_ROWS:
+                    raise RolloutError(f"{path} holds over {MAX_ROWS} rows (the bound on a rollout file); {SPLIT}")
                 try:
                     row = json.loads(line)
                 except (ValueError, RecursionError) as e:
@@ -75,14 +91,31 @@ def _jsonl(path: Path, gzipped: bool) -> list[dict]:
 
 
 def _parquet(path: Path) -> list[dict]:
+    """The rows, read a record batch at a time after the metadata's row and value counts are checked: a few kB of
+    run-length-encoded Parquet can declare a billion values, which would otherwise be decoded before any check."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise RolloutError("reading Parquet needs pyarrow, which is not installed: `pip install pyarrow`, or "
                            "convert the file to JSONL") from e
     try:
-        table = pq.read_table(path)
+        file = pq.ParquetFile(path)
+        meta = file.metadata
+        if meta.num_rows > MAX_ROWS:
+            raise RolloutError(f"{path} holds {meta.num_rows} rows, over the {MAX_ROWS} of a rollout file; {SPLIT}")
+        chunks = [meta.row_group(g).column(c) for g in range(meta.num_row_groups)
+                  for c in range(meta.num_columns)]
+        values = sum(chunk.num_values for chunk in chunks)
+        expanded = sum(chunk.total_uncompressed_size for chunk in chunks)
+        if values > MAX_VALUES or expanded > MAX_BYTES:
+            raise RolloutError(f"{path} declares {values} values ({expanded / 2**30:.1f} GiB decoded), over the "
+                               f"{MAX_VALUES} values or {MAX_BYTES // 2**30} GiB of a rollout file; {SPLIT}")
+        rows = []
+        for batch in file.iter_batches(batch_size=1024):
+            rows.extend(batch.to_pylist())
+        return rows
+    except RolloutError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for every unreadable file
         raise RolloutError(f"cannot read {path} as Parquet ({one_line(e, 160)}); it is cut short or not a "
                            "Parquet file") from e
-    return table.to_pylist()

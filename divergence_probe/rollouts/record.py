@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from ..errors import ProbeError
+
+
+_LARGEST_FLOAT = int(sys.float_info.max)
 
 
 class RolloutError(ProbeError):
@@ -48,6 +52,9 @@ def logprobs(row: dict, key: str, at: int) -> list[float]:
         raise RolloutError(f"row {at}: `{key}` is {_kind(value)}, not a list of logprobs; the file's column types do "
                            "not match its format (pass --format or --fields for the right columns)")
     for j, v in enumerate(value):
+        if type(v) is int and abs(v) > _LARGEST_FLOAT:  # JSON ints have any number of digits; no float holds them
+            raise RolloutError(f"row {at}: `{key}`[{j}] is an integer of {len(str(abs(v)))} digits, which no logprob "
+                               "is; the column holds something else: pass the logprob column with --fields")
         if not math.isfinite(v):
             raise RolloutError(f"row {at}: `{key}`[{j}] is {v}; the engine recorded a non-finite logprob, so this "
                                "rollout cannot be scored: drop the row or fix the recording")
