@@ -347,10 +347,15 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
     return score_spec(call, LoadSpec(model=model, **load))
 
 
-def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None) -> ScoreRun:
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None,
+               rollouts_sha256: str | None = None) -> ScoreRun:
     """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
-    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `progress` as score_batch's."""
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `rollouts_sha256` (rerun: the
+    recorded one) is what the bytes read must hash to; `progress` as score_batch's."""
     batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+    if rollouts_sha256 is not None and batch.sha256 != rollouts_sha256:
+        raise ProbeError(f"the rollout file {batch.path} changed since the run was made (its sha256 is not the one "
+                         "the run folder records); restore it, or score it again with `divergence-probe score`")
 
     def before_stacks(source, tokenizer):
         if check is not None:

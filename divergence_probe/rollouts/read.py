@@ -7,7 +7,11 @@ and every way it can fail is one RolloutError naming the file, the row and what 
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
+import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -20,36 +24,55 @@ JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 PARQUET = (".parquet", ".pq")
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Every row of the file, as dicts; RolloutError for a missing, empty, oversized or malformed file."""
+def read_rows(path: Path) -> tuple[list[dict], str]:
+    """Every row of the file, as dicts, and the sha256 of the bytes they were parsed from (read once: a file
+    replaced meanwhile cannot have its hash recorded beside another file's rows); RolloutError for a missing, empty,
+    oversized or malformed file."""
     path = Path(path)
-    if not path.is_file():
-        raise RolloutError(f"rollout file {path} does not exist or is not a file; pass a .jsonl, .jsonl.gz or "
-                           ".parquet file")
-    size = path.stat().st_size
-    if size == 0:
-        raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
-    if size > MAX_BYTES:
-        raise RolloutError(f"rollout file {path} is {size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} GiB this "
-                           "command reads; split it (e.g. one RL step per file)")
+    data = _read_once(path)
     name = path.name.lower()
     if name.endswith(PARQUET):
-        rows = _parquet(path)
+        rows = _parquet(path, data)
     elif name.endswith(JSONL):
-        rows = _jsonl(path, gzipped=name.endswith(".gz"))
+        rows = _jsonl(path, data, gzipped=name.endswith(".gz"))
     else:
         raise RolloutError(f"{path}: unknown rollout file type; name it .jsonl, .jsonl.gz or .parquet")
     if not rows:
         raise RolloutError(f"rollout file {path} holds no rows; pass the file your RL run wrote")
-    return rows
+    return rows, hashlib.sha256(data).hexdigest()
 
 
-def _jsonl(path: Path, gzipped: bool) -> list[dict]:
+def _read_once(path: Path) -> bytes:
+    """The file's bytes from one open file, which must be a regular file (a pipe or device would block or never
+    end: opened without waiting, refused by what the descriptor is)."""
+    missing = RolloutError(f"rollout file {path} does not exist or is not a file; pass a .jsonl, .jsonl.gz or "
+                           ".parquet file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise missing from None
+    except OSError as e:
+        raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise missing
+        if info.st_size == 0:
+            raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
+        if info.st_size > MAX_BYTES:
+            raise RolloutError(f"rollout file {path} is {info.st_size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} "
+                               "GiB this command reads; split it (e.g. one RL step per file)")
+        try:
+            return f.read(MAX_BYTES + 1)
+        except OSError as e:
+            raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
+
+
+def _jsonl(path: Path, data: bytes, gzipped: bool) -> list[dict]:
     rows, total = [], 0
-    opener = gzip.open if gzipped else open
     line_no = 0
     try:
-        with opener(path, "rb") as f:
+        with (gzip.GzipFile(fileobj=io.BytesIO(data)) if gzipped else io.BytesIO(data)) as f:
             for line_no, line in enumerate(f, 1):
                 total += len(line)
                 if total > MAX_BYTES:
@@ -69,19 +92,17 @@ def _jsonl(path: Path, gzipped: bool) -> list[dict]:
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise RolloutError(f"{path} is not a complete gzip file ({one_line(e, 120)}, after line {line_no}); it was "
                            "cut short: copy it again") from e
-    except OSError as e:
-        raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
     return rows
 
 
-def _parquet(path: Path) -> list[dict]:
+def _parquet(path: Path, data: bytes) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise RolloutError("reading Parquet needs pyarrow, which is not installed: `pip install pyarrow`, or "
                            "convert the file to JSONL") from e
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(io.BytesIO(data))
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for every unreadable file
         raise RolloutError(f"cannot read {path} as Parquet ({one_line(e, 160)}); it is cut short or not a "
                            "Parquet file") from e
