@@ -27,7 +27,7 @@ import torch
 
 from .compare import Progress, TokenScore, phase
 from .errors import NumericsError, ProbeError, one_line
-from .options import option
+from .options import check_finite, option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
 from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
@@ -64,6 +64,7 @@ class ScoreSpec:
     tis_cap: float = option(GenerateSpec.tis_cap)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.infer not in (None, "vllm"):
             raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
                              "leave it out")
