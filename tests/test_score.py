@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -382,3 +383,25 @@ def test_rerun_of_a_score_run_on_another_checkpoint_is_one_line(scored_cli, tmp_
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "config.json changed" in lines[0], result.stderr
     assert_nothing_written(tmp_path / "again")
+
+
+def test_the_recorded_sha256_is_of_the_bytes_read(tmp_path, monkeypatch):
+    """A rollout file replaced while score reads it: the batch carries the hash of the rows it holds, never the
+    replacement's (which rerun would then accept for a file nobody scored)."""
+    import hashlib
+
+    import divergence_probe.rollouts as rollouts
+
+    good = {"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-1.0]}
+    path = _jsonl(tmp_path / "r.jsonl", [good])
+    read = hashlib.sha256(path.read_bytes()).hexdigest()
+    other = _jsonl(tmp_path / "other.jsonl", [good, good])
+    choose = rollouts.choose
+
+    def swapped(*args):  # after the rows were read, before the batch is made
+        os.replace(other, path)
+        return choose(*args)
+
+    monkeypatch.setattr(rollouts, "choose", swapped)
+    batch = read_rollouts(path)
+    assert len(batch.rollouts) == 1 and batch.sha256 == read
