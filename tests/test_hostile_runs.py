@@ -91,6 +91,9 @@ def no_load(monkeypatch):
         raise AssertionError("a model was loaded before the refusal")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    import divergence_probe.rl.experiment as rl_experiment
+
+    monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
 
 
 def evil_model(src: Path, dst: Path) -> Path:
@@ -157,6 +160,9 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
         raise ProbeError("stopped where the model would load")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    import divergence_probe.rl.experiment as rl_experiment
+
+    monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
     edit(run / "manifest.json", lambda m: m["spec"]["load"].update(infer="vllm", engine_args={"trust_remote_code": True}))
     monkeypatch.setattr("divergence_probe.stacks.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
     result = invoke("rerun", run, "--allow-engine-arg", "trust_remote_code", "--out", tmp_path / "again")
