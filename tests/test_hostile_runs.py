@@ -225,7 +225,7 @@ def test_report_never_replaces_a_users_folder_through_a_link(tmp_path):
     (mine / MARK).write_text(json.dumps({"tool": "divergence-probe", "output": "report", "files": files}))
     (run / "report").symlink_to(mine)  # the default --out of a shared run folder, pointing at the user's files
     before = snapshot(tmp_path)
-    assert_refused(invoke("report", run), "other than a previous report")
+    assert_refused(invoke("report", run), str(run / "report"), "is a link")
     assert snapshot(tmp_path) == before
 
 
