@@ -147,8 +147,9 @@ def describe(spec: RunSpec, out_dir) -> list[str]:
 
 def recorded_score(manifest: dict, where: str):
     """(ScoreSpec, LoadSpec, sha256) that re-make the score run of `manifest`, each field checked as its flag is; the
-    rollout file it names must be a regular file (a pipe or a device is refused in one line), and score_spec checks
-    the bytes it reads against the recorded sha256 before anything loads."""
+    rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
+    sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
+    from .rundir import file_sha256
     from .score import ScoreSpec
 
     section = manifest.get("score")
@@ -165,9 +166,14 @@ def recorded_score(manifest: dict, where: str):
         raise ProbeError(f"the rollout file {path} that {where} names is missing or not a regular file; restore it "
                          "there, or score it again with `divergence-probe score`")
     want = section.get("rollouts_sha256")
-    if not isinstance(want, str):
-        raise ProbeError(f"{where} lacks score.rollouts_sha256, the rollout file's hash a rerun checks; re-run its "
-                         "`command` instead")
+    try:
+        have = file_sha256(path)  # before the preview, so a stale file is refused at once; score_spec checks again
+    except OSError as e:
+        raise ProbeError(f"the rollout file {path} that {where} names cannot be read ({e.strerror}); make it readable, "
+                         "or score it again with `divergence-probe score`") from None
+    if not isinstance(want, str) or have != want:
+        raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
+                         "records); restore it, or score it again with `divergence-probe score`")
     return call, load, want
 
 
