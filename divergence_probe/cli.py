@@ -537,10 +537,12 @@ def _spec_command(kind: str, doc: str, after):
     return command
 
 
-def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
+def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=None):
     """Shared by compare, ablate and rerun: build (and so validate) the spec and check --out before anything
-    loads, load once, run with a progress bar, judge the --fail-if gate, write atomically. Any ProbeError on the
-    way is one line and exit code 2, and nothing is written. Returns the run, its folder and the gate's verdict."""
+    loads, load once, run with a progress bar, judge the --fail-if gate, write atomically. `check(source)` runs before
+    the stacks load, `check_run(manifest)` on the finished run before it is written (rerun: were these the recorded
+    inputs?). Any ProbeError on the way is one line and exit code 2, and nothing is written. Returns the run, its
+    folder and the gate's verdict."""
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
@@ -567,6 +569,8 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None):
                 probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
                 run = probe.run(spec, phases)
                 phases.end()
+            if check_run is not None:
+                check_run(run.manifest)
             run.manifest["command"] = sys.argv
             run.manifest["phases"] = phases.timings
             verdict = _judged(gate, run.manifest, _summary_rows(run))
@@ -673,22 +677,30 @@ def rerun(
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec
 
-    def check(source):
+    def same_prompts(hashes: dict) -> None:
         compared = manifest.get("compare")
         recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
         if not isinstance(recorded_prompts, dict):
             raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
                              "`command` instead")
-        _same_model(manifest, source, run_dir, "compare")
+        if hashes != recorded_prompts:
+            from .compare import prompts_path
+
+            raise ProbeError(f"the prompt files under {prompts_path(recorded_spec[0])} changed since {run_dir} was "
+                             "made; restore them")
+
+    def check(source):  # before anything loads: fails in seconds
         from .compare import prompts_path
         from .prompts import file_hashes
 
-        prompts = prompts_path(recorded_spec[0])  # the files this rerun reads, found as the run found them
-        if file_hashes(prompts) != recorded_prompts:
-            raise ProbeError(f"the prompt files under {prompts} changed since {run_dir} was made; restore them")
+        same_prompts(file_hashes(prompts_path(recorded_spec[0])))  # the files this rerun reads, found as the run did
+        _same_model(manifest, source, run_dir, "compare")
+
+    def check_run(made: dict) -> None:  # the hashes of the bytes the run read: a file swapped since `check` is caught
+        same_prompts(made["compare"]["prompt_files_sha256"])
 
     recorded_spec: list = []
-    run, out_dir, _ = _run(make_spec, target, check)
+    run, out_dir, _ = _run(make_spec, target, check, check_run=check_run)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
 
@@ -711,12 +723,13 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
     from .replay import describe_score, recorded_score
 
     try:
-        call, load = recorded_score(manifest, where)
+        call, load, rollouts_sha256 = recorded_score(manifest, where)
     except ProbeError as e:
         _fail(e)
     for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"))
+    run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"),
+                        rollouts_sha256=rollouts_sha256)
     _print_score(run)
     _closing(out_dir, report, _after_score(call, load, run))
 
@@ -1071,7 +1084,7 @@ def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
     _exit_by(history.verdict)
 
 
-def _score_run(call, load, out_dir: Path, check=None, gate=None):
+def _score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256: str | None = None):
     """Shared by score and rerun: claim --out, score, judge the gate, write; a ProbeError is one line and nothing
     is written."""
     from transformers.utils import logging as hf_logging
@@ -1083,7 +1096,7 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None):
     try:
         with claim_out_dir(out_dir), _phases() as phases:
             phases.phase("reading the rollouts, loading the trainer" + (" and the engine" if call.infer else ""))
-            run = score_spec(call, load, check, phases)
+            run = score_spec(call, load, check, phases, rollouts_sha256)
             phases.end()
             run.manifest["command"] = sys.argv
             run.manifest["phases"] = phases.timings

@@ -30,7 +30,7 @@ from .errors import NumericsError, ProbeError, StackError
 from .fused import backend as fused_backend
 from .memory_plan import Peaks, engine_report
 from .metrics import DiffStats, token_kl
-from .prompts import Prompt, batches, default_prompts_path, file_hashes, load_prompts
+from .prompts import Prompt, batches, default_prompts_path, load_prompts
 from .regions import from_engine
 from .route_capture import RouteCapture, RunRouting
 from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
@@ -497,7 +497,7 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
     manifest["compare"] = {
         "mode": spec.generate.mode,
         "prompts": str(prompts_path),
-        "prompt_files_sha256": file_hashes(prompts_path),
+        "prompt_files_sha256": prompts.file_sha256,  # of the bytes these prompts were read from
         "num_prompts": len(prompts),
         "max_prompt_tokens": spec.prompts.max_prompt_tokens,
         "taps": sorted(taps),

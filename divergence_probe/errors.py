@@ -4,9 +4,17 @@ Anything that is not a ProbeError is a bug in divergence-probe and keeps its tra
 """
 
 
+def printable(text: object) -> str:
+    """text with every character a terminal would act on (ESC, a newline, a carriage return, other control and
+    format characters) written as its Python escape, e.g. \\x1b: a string from a run folder or a file is data, and
+    shown as such it can neither clear the screen nor forge a line of its own."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def one_line(text: object, limit: int | None = None) -> str:
-    """A message that quotes a library's text can hold newlines; a log line must not."""
-    flat = " ".join(str(text).split())
+    """A message that quotes a library's text (or a file's) can hold newlines and escape sequences; a log line must
+    hold neither."""
+    flat = printable(" ".join(str(text).split()))
     return flat[:limit] if limit else flat
 
 

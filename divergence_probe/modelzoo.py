@@ -331,9 +331,10 @@ def make_model(
     num_layers replaces the preset's number of decoder layers (None: the preset's), e.g. to see how a cost
     scales with depth; every other size stays the preset's.
     """
-    from .rundir import mark, marked  # here: rundir imports pandas, which default_model_path() must not pay for
+    from .rundir import mark, marked, refuse_link  # here: rundir imports pandas; default_model_path() must not
 
     out_dir = Path(out_dir).expanduser().absolute()
+    refuse_link(out_dir)
     arch = _resolve_arch(arch, preset)
     if not SEEDS[0] <= seed <= SEEDS[1]:
         raise ModelError(f"--seed {seed} is outside the seeds torch takes ({SEEDS[0]} to {SEEDS[1]}); pass a smaller "

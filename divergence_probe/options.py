@@ -1,12 +1,17 @@
 """`option()`: a dataclass field that also describes its command-line flag, so a spec field is declared once.
 
 The CLI builds every command's options from these fields (cli.py), and the manifest records the same fields
-as data; a new option is one field. Kept free of imports so every layer, stacks included, can use it.
+as data; a new option is one field. Kept free of imports (but errors.py) so every layer, stacks included, can use
+it. `finite_number` is the one test of a number-valued option, for its flag (`check_finite`, from each spec's
+__post_init__) and for the manifest field a rerun or a report reads (spec._typed).
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, field
+import math
+from dataclasses import MISSING, field, fields
+
+from .errors import ProbeError
 
 
 def option(default=MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
@@ -17,3 +22,18 @@ def option(default=MISSING, help: str = "", *, flag: str | None = None, short: s
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def finite_number(value) -> bool:
+    """Whether value can be a number-valued option: a number (a bool is not one) that is finite. inf and nan pass
+    most range checks (inf > 1) or fail them all silently, and a run made with one could never be re-run."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_finite(spec) -> None:
+    """ProbeError naming the flag of the first float field of the dataclass `spec` that is not finite (inf, nan)."""
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if isinstance(value, float) and not finite_number(value):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            raise ProbeError(f"{flag} is {value}; it must be a finite number")

@@ -122,7 +122,16 @@ def _read_bytes(path: Path) -> bytes:
 
 def file_hashes(path: Path) -> dict[str, str]:
     """sha256 of every prompt file under `path`, keyed by relative name, so a run manifest pins its inputs."""
-    return {name: hashlib.sha256(_read_bytes(p)).hexdigest() for name, p in _prompt_files(path)}
+    return _read_sources(path)[1]
+
+
+class Prompts(list):
+    """The prompts load_prompts made, with `file_sha256`: the sha256 of the very bytes they were parsed from, keyed
+    by file name, for the manifest (hashing the files again could pin a file replaced in between)."""
+
+    def __init__(self, prompts, file_sha256: dict[str, str]) -> None:
+        super().__init__(prompts)
+        self.file_sha256 = file_sha256
 
 
 # -----------------------------------------------------------------------------
@@ -204,16 +213,24 @@ def _parse_jsonl(name: str, path: Path, text: str) -> list[PromptSource]:
 
 def read_prompt_sources(path: Path) -> list[PromptSource]:
     """Parse every prompt file under `path` in a fixed order. Needs no tokenizer, so it is cheap to validate early."""
+    return _read_sources(path)[0]
+
+
+def _read_sources(path: Path) -> tuple[list[PromptSource], dict[str, str]]:
+    """The prompts of every file under `path`, and each file's sha256, both of the one read of its bytes."""
     sources: list[PromptSource] = []
+    hashes: dict[str, str] = {}
     for name, p in _prompt_files(path):
+        data = _read_bytes(p)
+        hashes[name] = hashlib.sha256(data).hexdigest()
         try:
-            text = _read_bytes(p).decode("utf-8-sig")  # -sig: tolerate a BOM from Windows editors
+            text = data.decode("utf-8-sig")  # -sig: tolerate a BOM from Windows editors
         except UnicodeDecodeError as e:
             raise PromptError(f"Prompts file {p} is not UTF-8 (byte {e.start}); re-save it as UTF-8.") from e
         text = text.replace("\r\n", "\n").replace("\r", "\n")
         parse = _parse_txt if p.suffix.lower() == ".txt" else _parse_jsonl
         sources += parse(name, p, text)
-    return sources
+    return sources, hashes
 
 
 # -----------------------------------------------------------------------------
@@ -236,7 +253,7 @@ def _render(src: PromptSource, tokenizer) -> tuple[str, bool]:
 
 
 def load_prompts(path: Path | None, tokenizer, *, num_prompts: int | None = None,
-                 max_prompt_tokens: int | None = None, max_model_len: int) -> list[Prompt]:
+                 max_prompt_tokens: int | None = None, max_model_len: int) -> Prompts:
     """Read, render and tokenize prompts, taking the first `num_prompts` in file order.
 
     Every prompt must have >= 2 tokens (each token after the first is scored) and must leave one
@@ -256,7 +273,7 @@ def load_prompts(path: Path | None, tokenizer, *, num_prompts: int | None = None
                               f"use at most {limit}.")
 
     path = Path(path) if path is not None else default_prompts_path()
-    sources = read_prompt_sources(path)
+    sources, hashes = _read_sources(path)
     if num_prompts is not None:
         sources = sources[:num_prompts]
 
@@ -280,7 +297,7 @@ def load_prompts(path: Path | None, tokenizer, *, num_prompts: int | None = None
 
     if not prompts:
         raise PromptError(f"No prompts found in {path}; pass --prompts with {ACCEPTED}.")
-    return prompts
+    return Prompts(prompts, hashes)
 
 
 def batches(prompts: Sequence[Prompt], max_tokens: int, max_count: int | None = None) -> Iterator[list[Prompt]]:

@@ -27,7 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Iterable
 
-from .errors import ProbeError
+from .errors import ProbeError, printable
 from .spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
 
 ALLOW_FLAG = "--allow-engine-arg"
@@ -149,13 +149,13 @@ def describe(spec: RunSpec, out_dir) -> list[str]:
              f"  prompts: {spec.prompts.prompts or 'the packaged sample prompts'}",
              f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
              f"  same as: {shlex.join(command_line(spec, out_dir))}"]
-    return lines
+    return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
 
 
 def recorded_score(manifest: dict, where: str):
-    """(ScoreSpec, LoadSpec) that re-make the score run of `manifest`, each field checked as its flag is; the
-    rollout file it names must be a regular file with the sha256 the run recorded (checked before it is parsed, so
-    a pipe, a device or another file is refused in one line)."""
+    """(ScoreSpec, LoadSpec, sha256) that re-make the score run of `manifest`, each field checked as its flag is; the
+    rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
+    sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
     from .rundir import file_sha256
     from .score import ScoreSpec
 
@@ -174,14 +174,14 @@ def recorded_score(manifest: dict, where: str):
                          "there, or score it again with `divergence-probe score`")
     want = section.get("rollouts_sha256")
     try:
-        have = file_sha256(path)
+        have = file_sha256(path)  # before the preview, so a stale file is refused at once; score_spec checks again
     except OSError as e:
         raise ProbeError(f"the rollout file {path} that {where} names cannot be read ({e.strerror}); make it readable, "
                          "or score it again with `divergence-probe score`") from None
     if not isinstance(want, str) or have != want:
         raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
                          "records); restore it, or score it again with `divergence-probe score`")
-    return call, load
+    return call, load, want
 
 
 def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
@@ -262,9 +262,10 @@ def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
 
 def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
     """What rerun is about to run for a score run folder, in lines for the console."""
-    return [f"rerun: score of {call.rollouts} with model {load.model or 'builtin:default'} (trainer {load.train}, "
-            f"{load.dtype} on {load.device}" + (", engine prefill vllm)" if call.infer else ")"),
-            f"  same as: {shlex.join(score_command_line(call, load, out_dir))}"]
+    lines = [f"rerun: score of {call.rollouts} with model {load.model or 'builtin:default'} (trainer {load.train}, "
+             f"{load.dtype} on {load.device}" + (", engine prefill vllm)" if call.infer else ")"),
+             f"  same as: {shlex.join(score_command_line(call, load, out_dir))}"]
+    return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
 
 
 __all__ = ["ALLOW_FLAG", "REPLAYED", "COMPILATION_REPLAYED", "check_replayable", "command_line", "describe",

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import zlib
 from contextlib import contextmanager
@@ -85,7 +86,8 @@ def mark(folder: Path, output: str) -> None:
     compare/ablate run folders carry none: they are never replaced (check_out_dir without `replaces`), and their
     manifest already lists their files."""
     record = {"tool": TOOL, "output": output, "files": _files(Path(folder))}
-    (Path(folder) / MARK).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    with open_to_write(Path(folder) / MARK, "w") as f:
+        f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def marked(folder: Path, output: str) -> bool:
@@ -140,13 +142,21 @@ def _make_parent(out_dir: Path) -> Path:
     return parent
 
 
+def refuse_link(out_dir: Path) -> None:
+    """An output folder is never reached through a link: the tool writes, renames and removes in the folder --out
+    names, and a link (planted, or to a folder elsewhere) would move all of that to another place, or make the
+    final rename fail after the whole run."""
+    if Path(out_dir).is_symlink():
+        raise OutputError(f"--out {out_dir} is a link (to {os.readlink(out_dir)}); {TOOL} writes only into the folder "
+                          "--out names: pass the folder itself, or another --out")
+
+
 def check_out_dir(out_dir: Path, replaces: str | None = None) -> None:
     """Fail before any expensive work if out_dir cannot become the output folder: it must be new or empty
     (or, with `replaces`, an output of that kind the tool marked and nobody added to, see `marked`), not a
     mount point (the folder is renamed into place), and its parent writable."""
     out_dir = Path(out_dir)
-    if out_dir.is_symlink() and not out_dir.exists():
-        raise OutputError(f"--out {out_dir} is a link to nothing; remove the link or choose another --out")
+    refuse_link(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"--out {out_dir} is a file, not a folder; choose another --out or remove the file")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (replaces and marked(out_dir, replaces)):
@@ -170,7 +180,7 @@ def default_out_dir(base: Path = Path("runs")) -> Path:
     that is taken (or claimed by a running run) gets a -2, -3, ... suffix."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     candidate, n = base / stamp, 1
-    while candidate.exists() or candidate.is_symlink() or _lock_path(candidate).exists():
+    while candidate.exists() or candidate.is_symlink() or os.path.lexists(_lock_path(candidate)):
         n += 1
         candidate = base / f"{stamp}-{n}"
     return candidate
@@ -185,6 +195,25 @@ def _lock_path(out_dir: Path) -> Path:
     return Path(os.path.realpath(out_dir.parent)) / f".{out_dir.name}.lock"  # one key however it is spelled
 
 
+def _open_lock(lock: Path) -> int:
+    """The lock file's descriptor, opened without following a link: a link planted at the lock's name (in a shared
+    run folder, say) would otherwise have the pid written into, or a new file created at, whatever it points to.
+    A file with other names (hard links) or that is not a plain file is refused too: it is someone else's."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OutputError(f"the lock file {lock} is a link (to {os.readlink(lock)}), which {TOOL} never opens; "
+                              "remove the link, or choose another --out") from None
+        raise OutputError(f"cannot create the lock file {lock} ({e.strerror}); choose a writable --out") from e
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise OutputError(f"the lock file {lock} is not a plain file of its own (a hard link, a pipe or a device), "
+                          f"which {TOOL} never writes; remove it, or choose another --out")
+    return fd
+
+
 @contextmanager
 def locked(out_dir: Path) -> Iterator[Path]:
     """Hold an exclusive lock on out_dir (a hidden sibling `.NAME.lock`) until the block ends; a second
@@ -197,24 +226,18 @@ def locked(out_dir: Path) -> Iterator[Path]:
     created = _missing_folders(out_dir.absolute().parent)  # made for this run: removed again if it writes nothing
     _make_parent(out_dir)
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputError(f"cannot create the lock file {lock} ({e.strerror}); choose a writable --out") from e
+        fd = _open_lock(lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise OutputError(f"cannot lock {lock} ({e.strerror}); choose another --out") from e
-            try:
-                holder = lock.read_text().strip() or "unknown"
-            except OSError:
-                holder = "unknown"
             raise OutputError(f"--out {out_dir} is being written by another run (process {holder}, lock {lock}); "
                               "wait for it to finish or choose another --out") from None
         try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+            same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -327,11 +350,22 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def open_to_write(path: Path, mode: str):
+    """path opened for writing (mode "w" or "wb"), never through a link: the output files of the tool are made in
+    folders it just made, and a link found there was planted to redirect the write elsewhere (OSError ELOOP)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8", "newline": ""}))
+
+
 def write_csv(df: pd.DataFrame, path: Path) -> None:
     # Shortest round-trip float repr and "\n" line ends: same numbers, same bytes, on every platform.
     # A .gz name is gzipped without a timestamp, so the bytes stay reproducible.
-    compression = {"method": "gzip", "mtime": 0} if path.name.endswith(".gz") else None
-    df.to_csv(path, index=False, lineterminator="\n", compression=compression)
+    with open_to_write(path, "wb") as f:
+        if path.name.endswith(".gz"):
+            with gzip.GzipFile(filename=path.name, mode="wb", fileobj=f, mtime=0) as packed:
+                df.to_csv(packed, index=False, lineterminator="\n")
+        else:
+            df.to_csv(f, index=False, lineterminator="\n")
 
 
 def write_jsonl(df: pd.DataFrame, path: Path) -> None:
@@ -342,11 +376,12 @@ def write_jsonl(df: pd.DataFrame, path: Path) -> None:
 
 
 def write_json(obj, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, default=str) + "\n")
+    with open_to_write(path, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, default=str) + "\n")
 
 
 def write_prompts(prompts, path: Path) -> None:
-    with path.open("w", encoding="utf-8") as f:
+    with open_to_write(path, "w") as f:
         for p in prompts:
             record = {"prompt_id": p.prompt_id, "source": p.source, "text": p.text,
                       "token_ids": list(p.token_ids), "truncated": p.truncated}

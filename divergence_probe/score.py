@@ -27,7 +27,7 @@ import torch
 
 from .compare import Progress, TokenScore, phase
 from .errors import NumericsError, ProbeError, one_line
-from .options import option
+from .options import check_finite, option
 from .metrics import token_kl, token_logprobs
 from .prompts import Prompt, batches
 from .rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
@@ -64,6 +64,7 @@ class ScoreSpec:
     tis_cap: float = option(GenerateSpec.tis_cap)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.infer not in (None, "vllm"):
             raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
                              "leave it out")
@@ -363,10 +364,15 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
     return score_spec(call, LoadSpec(model=model, **load))
 
 
-def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None) -> ScoreRun:
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None,
+               rollouts_sha256: str | None = None) -> ScoreRun:
     """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
-    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `progress` as score_batch's."""
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `rollouts_sha256` (rerun: the
+    recorded one) is what the bytes read must hash to; `progress` as score_batch's."""
     batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+    if rollouts_sha256 is not None and batch.sha256 != rollouts_sha256:
+        raise ProbeError(f"the rollout file {batch.path} changed since the run was made (its sha256 is not the one "
+                         "the run folder records); restore it, or score it again with `divergence-probe score`")
     if batch.has_train and spec.model is None and call.infer is None:  # both sides in the file: no model loads
         from .paired import paired_run
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ProbeError, one_line
-from .options import option
+from .options import check_finite, finite_number, option
 from .prompts import check_kind
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
@@ -193,6 +193,7 @@ class CaptureSpec:
                                        "engine at 1 instead (the parallelism floor). Costs one or two engine builds.")
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not self.threshold >= 0:
             raise ProbeError("--threshold must be a non-negative number")
         parse_tap_selection(self.taps)
@@ -212,6 +213,7 @@ class GenerateSpec(SamplingSpec):
     tis_cap: float = option(2.0, "generate mode: TIS truncation cap C (token MIS band [1/C, C]).")
 
     def __post_init__(self) -> None:
+        check_finite(self)
         _choice(self.mode, MODES, "--mode")
         checks = [
             (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
@@ -248,6 +250,7 @@ class AlignSpec:
                                         "engine's gate weights too.")
 
     def __post_init__(self) -> None:
+        check_finite(self)
         object.__setattr__(self, "regions", _regions(self.regions))
         _choice(self.side, SIDES, "--side")
         _choice(self.routing_replay, ROUTING_REPLAYS, "--routing-replay")
@@ -269,6 +272,7 @@ class AblateSpec:
                                            "other's allocations as their own in vLLM's memory profiling).")
 
     def __post_init__(self) -> None:
+        check_finite(self)
         object.__setattr__(self, "regions", _regions(self.regions))
         if self.build_ahead is not None and self.build_ahead < 0:
             raise ProbeError("--build-ahead must be >= 0")
@@ -469,7 +473,6 @@ def _fields_of(data, known: dict, where: str) -> dict:
 
 def _typed(value, hint, where: str, flag: str):
     """value as the CLI would have parsed it for a field of type `hint`, or _SpecError naming the field."""
-    import math
     import typing
 
     args = typing.get_args(hint)
@@ -487,7 +490,7 @@ def _typed(value, hint, where: str, flag: str):
         ok = isinstance(value, int) and not isinstance(value, bool) and -_INT_LIMIT < value < _INT_LIMIT
         kind = "a whole number (below 2^63)"
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = finite_number(value)
         value, kind = float(value) if ok else value, "a finite number"
     elif hint in (str, dict):
         ok, kind = isinstance(value, hint), _KIND_WORDS[hint]
@@ -520,6 +523,23 @@ def recorded(cls, values, where: str):
     except _SpecError as e:
         raise ProbeError(f"the recorded {where} does not fit this version of divergence-probe ({e}); fix the "
                          "manifest or re-run the command from its `command` instead") from None
+
+
+def recorded_value(cls, name: str, value, where: str):
+    """One field of the spec class `cls` as a manifest recorded it, for a reader that uses a few (report): of its
+    flag's type, and passing the class's own checks with its other fields at their defaults. The ProbeError names the
+    field, as `recorded`'s does."""
+    f = next(f for f in fields(cls) if f.name == name)
+    try:
+        typed = _typed(value, _hints(cls)[name], where, flag_of(f))
+        try:
+            cls(**{name: typed})
+        except ProbeError as e:
+            raise _SpecError(f"{where}: {e}") from e
+    except _SpecError as e:
+        raise ProbeError(f"the recorded {where} does not fit this version of divergence-probe ({e}); fix the "
+                         "manifest or re-run the command from its `command` instead") from None
+    return typed
 
 
 def flat_fields(kind: str) -> list[tuple[str | None, Field, str]]:

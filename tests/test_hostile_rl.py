@@ -45,6 +45,10 @@ runner = CliRunner()
     (["--prompts-per-step", "100000"], "--prompts-per-step must be from 1 to"),
     (["--group-size", "256", "--prompts-per-step", "1024"], "responses per step"),
     (["--max-new-tokens", "10000000"], "--max-new-tokens must be from 1 to"),
+    (["--lr", "inf"], "--lr is inf; it must be a finite number"),
+    (["--lr", "nan"], "--lr is nan; it must be a finite number"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--grad-clip", "inf"], "--grad-clip is inf"),
 ])
 def test_rl_counts_are_bounded(flags, message, tmp_path):
     assert_one_line_error(runner.invoke(app, ["rl", *flags, "--out", str(tmp_path / "x")]), message)
@@ -412,3 +416,24 @@ def test_max_new_tokens_past_the_context_is_refused_before_any_load(tmp_path, mo
     result = runner.invoke(app, ["rl", "--device", "cpu", "--max-new-tokens", "30000", "--out", str(tmp_path / "x")])
     assert_one_line_error(result, "--max-new-tokens 30000", "the model's context")
     assert not (tmp_path / "x").exists()
+
+
+def test_an_update_that_breaks_the_weights_is_blamed_not_the_push(hf_probe):
+    """A learning rate that overflows the update leaves NaN in the trainer's weights: the step says so, naming the
+    learning rate, instead of the weight check after the push reporting a tensor the push 'missed or cast'."""
+    from dataclasses import replace
+
+    from divergence_probe.errors import NumericsError
+    from divergence_probe.rl.trainer import Trainer
+    from divergence_probe.stacks.hf import HFStack
+
+    stack = HFStack()
+    stack.load(replace(hf_probe.settings))
+    try:
+        trainer = Trainer(stack, lr=float("inf"), grad_clip=1.0)
+        logp, _, mask, _ = trainer.forward([(1, 5, 9, 3, 7), (2, 4, 6)], [2, 2])
+        with pytest.raises(NumericsError, match="learning rate inf") as e:
+            trainer.step(-(logp * mask).sum() / mask.sum())
+        assert "not the weight push" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        stack.close()

@@ -93,6 +93,9 @@ def no_load(monkeypatch):
         raise AssertionError("a model was loaded before the refusal")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    import divergence_probe.rl.experiment as rl_experiment
+
+    monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
 
 
 def evil_model(src: Path, dst: Path) -> Path:
@@ -159,6 +162,9 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
         raise ProbeError("stopped where the model would load")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    import divergence_probe.rl.experiment as rl_experiment
+
+    monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
     edit(run / "manifest.json", lambda m: m["spec"]["load"].update(infer="vllm", engine_args={"trust_remote_code": True}))
     monkeypatch.setattr("divergence_probe.stacks.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
     result = invoke("rerun", run, "--allow-engine-arg", "trust_remote_code", "--out", tmp_path / "again")
@@ -221,7 +227,7 @@ def test_report_never_replaces_a_users_folder_through_a_link(tmp_path):
     (mine / MARK).write_text(json.dumps({"tool": "divergence-probe", "output": "report", "files": files}))
     (run / "report").symlink_to(mine)  # the default --out of a shared run folder, pointing at the user's files
     before = snapshot(tmp_path)
-    assert_refused(invoke("report", run), "other than a previous report")
+    assert_refused(invoke("report", run), str(run / "report"), "is a link")
     assert snapshot(tmp_path) == before
 
 
@@ -484,3 +490,150 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     assert REPLAYED <= _llm_keywords(vllm), REPLAYED - _llm_keywords(vllm)
     compilation = {f.name for f in dataclasses.fields(CompilationConfig)}
     assert COMPILATION_REPLAYED <= compilation, COMPILATION_REPLAYED - compilation
+
+
+# ---------------------------------------------------------------------------------------------- 7. no write through links
+def _writer_argv(command: str, tmp_path: Path, qwen3_tiny, prompts_file, rerun_source) -> tuple[list, Path]:
+    """(argv, the folder it writes) of one writer, aimed into tmp_path/shared, each on its cheapest path: every
+    refusal below comes before anything loads."""
+    shared = tmp_path / "shared"
+    shared.mkdir(exist_ok=True)
+    out = shared / "out"
+    model = ["--model", qwen3_tiny, "--infer", "hf", "--device", "cpu"]
+    if command == "report":
+        run = make_compare(shared / "run")
+        return ["report", run], run / "report"
+    argv = {"compare": ["compare", *model, "--prompts", prompts_file],
+            "ablate": ["ablate", *model, "--prompts", prompts_file, "--regions", "rope"],
+            "score": ["score", tmp_path / "rollouts.jsonl", "--model", qwen3_tiny],
+            "rerun": ["rerun", rerun_source],
+            "rl": ["rl", "--model", qwen3_tiny, "--steps", "1"],
+            "make-model": ["make-model"]}[command]
+    return ([*argv, out] if command == "make-model" else [*argv, "--out", out]), out
+
+
+WRITERS = ["compare", "ablate", "score", "report", "rerun", "rl"]
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "dangling"])
+@pytest.mark.parametrize("command", WRITERS)
+def test_a_link_planted_as_the_lock_file_is_never_followed(command, dangling, run, tmp_path, qwen3_tiny, prompts_file,
+                                                           no_load):
+    argv, out = _writer_argv(command, tmp_path, qwen3_tiny, prompts_file, run)
+    victim = tmp_path / ("nowhere" if dangling else "victim")
+    if not dangling:
+        victim.write_text("precious\n")
+    lock = out.parent / f".{out.name}.lock"
+    lock.symlink_to(os.path.relpath(victim, lock.parent))
+    before = snapshot(tmp_path)
+    assert_refused(invoke(*argv), str(lock), "is a link")
+    assert snapshot(tmp_path) == before  # the victim unchanged (or still absent), no output, no partial folder
+
+
+@pytest.mark.parametrize("command", [*WRITERS, "make-model"])
+def test_out_that_is_a_link_is_refused_before_anything_runs(command, run, tmp_path, qwen3_tiny, prompts_file, no_load):
+    argv, out = _writer_argv(command, tmp_path, qwen3_tiny, prompts_file, run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out.symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    assert_refused(invoke(*argv), str(out), "is a link")
+    assert snapshot(tmp_path) == before and not any(elsewhere.iterdir())
+
+
+def test_rerun_shows_the_manifests_strings_escaped(run, tmp_path, no_load):
+    """A tampered manifest's escape sequences and line breaks cannot clear the screen or forge a line of the preview."""
+    forged = "\x1b[2J\x1b[H\nrun: /home/you/trusted-run\n  same as: divergence-probe compare"
+    edit(run / "manifest.json", lambda m: m["spec"]["prompts"].update(prompts=forged))
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("x")  # a refusal after the preview: nothing loads
+    result = invoke("rerun", run, "--out", taken)
+    assert "\x1b" not in result.output and "\x1b" not in result.stderr
+    assert "\\x1b[2J" in result.stdout and "\\nrun: /home/you/trusted-run" in result.stdout
+    assert not any(line.startswith(("run:", "  same as: divergence-probe compare\n")) for line in result.stdout.splitlines())
+    assert len(result.stdout.splitlines()) == 4  # the preview's own four lines
+
+
+def test_a_swapped_prompt_file_is_caught_before_rerun_writes(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
+    """rerun checks the prompt files before anything loads and again on the bytes the run read: a file replaced in
+    between makes no run recorded as if made of the original prompts."""
+    import divergence_probe.compare as compare
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(prompts_file.read_text())
+    args = ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts, "--taps", "none"]
+    assert invoke("compare", *args, "--out", tmp_path / "first").exit_code == 0
+    load_run_prompts = compare.load_run_prompts
+
+    def swapped(*a, **kw):  # first called right after rerun's check, before the stacks load and the run reads them
+        if not swapped.done:
+            prompts.write_text(prompts_file.read_text() + "\n\nanother prompt\n")
+            swapped.done = True
+        return load_run_prompts(*a, **kw)
+
+    swapped.done = False
+    monkeypatch.setattr(compare, "load_run_prompts", swapped)
+    assert_refused(invoke("rerun", tmp_path / "first", "--out", tmp_path / "again"), "changed since")
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_manifest_hashes_the_prompt_bytes_the_run_read(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
+    import divergence_probe.compare as compare
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(prompts_file.read_bytes())
+    read = hashlib.sha256(prompts.read_bytes()).hexdigest()
+    capturable = compare.capturable_taps
+
+    def swapped(*a, **kw):
+        prompts.write_text("a prompt nobody scored\n")
+        return capturable(*a, **kw)
+
+    monkeypatch.setattr(compare, "capturable_taps", swapped)
+    args = ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts, "--taps", "none"]
+    assert invoke("compare", *args, "--out", tmp_path / "run").exit_code == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["compare"]["prompt_files_sha256"] == {"prompts.txt": read}
+
+
+# ---------------------------------------------------------------------------------------------- 8. numbers a rerun takes
+@pytest.mark.parametrize("argv, needle", [
+    (["score", "r.jsonl", "--temperature", "inf"], "--temperature is inf"),
+    (["score", "r.jsonl", "--tis-cap", "inf"], "--tis-cap is inf"),
+    (["score", "r.jsonl", "--clip-eps", "nan"], "--clip-eps is nan"),
+    (["compare", "--threshold", "inf"], "--threshold is inf"),
+    (["compare", "--mode", "generate", "--tis-cap", "inf"], "--tis-cap is inf"),
+    (["ablate", "--ci-level", "nan"], "--ci-level is nan"),
+])
+def test_a_number_rerun_would_refuse_is_refused_as_a_flag(argv, needle, tmp_path, no_load):
+    before = snapshot(tmp_path)
+    assert_refused(invoke(*argv, "--out", tmp_path / "out"), needle, "finite number")
+    assert snapshot(tmp_path) == before
+
+
+def _as_score(run: Path, clip_eps) -> None:
+    """make_generate's folder as a score run whose manifest records clip_eps."""
+    tokens = pd.read_csv(run / "tokens.csv").rename(columns={"logprob_infer": "logprob_rollout"})
+    tokens.to_csv(run / "tokens.csv", index=False, lineterminator="\n")
+    edit(run / "manifest.json", lambda m: m.update(kind="score", score={"clip_eps": clip_eps}))
+
+
+@pytest.mark.parametrize("value", ["abc", [1], 1e308, float("inf")], ids=["text", "list", "huge", "inf"])
+@pytest.mark.parametrize("where", ["score.clip_eps", "generate.clip_eps", "ablate.ci_level"])
+def test_report_checks_the_manifests_numbers_as_their_flags(where, value, tmp_path):
+    from test_report import make_ablate, make_generate
+
+    section, name = where.split(".")
+    if section == "ablate":
+        run = make_ablate(tmp_path / "run")
+        edit(run / "manifest.json", lambda m: m["ablate"].update(ci_level=value))
+    else:
+        run = make_generate(tmp_path / "run")
+        if section == "score":
+            _as_score(run, value)
+        else:
+            edit(run / "manifest.json", lambda m: m["generate"].update(clip_eps=value))
+    before = snapshot(tmp_path)
+    assert_refused(invoke("report", run), where)
+    assert snapshot(tmp_path) == before

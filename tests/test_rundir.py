@@ -10,6 +10,7 @@ import errno
 import gzip
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,12 +23,12 @@ from typer.testing import CliRunner
 
 from divergence_probe import rundir
 from divergence_probe.cli import app
-from divergence_probe.errors import OutputError, ProbeError
+from divergence_probe.errors import OutputError, ProbeError, one_line
 from divergence_probe.prompts import Prompt
 from divergence_probe.reports import ReportError, write_report
 from divergence_probe.reports import figures
-from divergence_probe.rundir import (RunFolderError, check_out_dir, claim_out_dir, default_out_dir, read_run,
-                                     write_run)
+from divergence_probe.rundir import (RunFolderError, check_out_dir, claim_out_dir, default_out_dir, locked, read_run,
+                                     write_csv, write_run)
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -400,3 +401,28 @@ def test_a_failed_claim_leaves_no_parent_folders_behind(tmp_path):
     with claim_out_dir(tmp_path / "kept" / "a" / "b" / "run") as out:
         out.mkdir()
     assert (tmp_path / "kept" / "a" / "b" / "run").is_dir()
+
+
+def test_a_lock_file_with_other_names_is_never_written(tmp_path):
+    """A hard link planted at the lock's name shares its bytes with a file elsewhere: the pid would land there."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.link(victim, tmp_path / ".out.lock")
+    with pytest.raises(OutputError, match="not a plain file of its own"):
+        with locked(tmp_path / "out"):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+def test_an_output_file_is_never_written_through_a_link(tmp_path):
+    """The writers open their files without following links: one planted in a folder being written is refused."""
+    victim = tmp_path / "victim.csv"
+    victim.write_text("precious\n")
+    (tmp_path / "summary.csv").symlink_to(victim)
+    with pytest.raises(OSError) as e:
+        write_csv(pd.DataFrame({"a": [1]}), tmp_path / "summary.csv")
+    assert e.value.errno == errno.ELOOP and victim.read_text() == "precious\n"
+
+
+def test_a_message_holds_no_control_characters():
+    assert one_line("bad \x1b[2J value\r\nrun: forged\x07") == "bad \\x1b[2J value run: forged\\x07"

@@ -477,3 +477,25 @@ def test_a_row_at_the_context_is_refused_before_the_engine_loads(qwen3_tiny, tmp
                                       "--infer", "vllm", "--out", str(tmp_path / "out")])
     assert_one_line_error(result, f"row 0: {context} tokens", f"use at most {context - 1}")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_recorded_sha256_is_of_the_bytes_read(tmp_path, monkeypatch):
+    """A rollout file replaced while score reads it: the batch carries the hash of the rows it holds, never the
+    replacement's (which rerun would then accept for a file nobody scored)."""
+    import hashlib
+
+    import divergence_probe.rollouts as rollouts
+
+    good = {"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-1.0]}
+    path = _jsonl(tmp_path / "r.jsonl", [good])
+    read = hashlib.sha256(path.read_bytes()).hexdigest()
+    other = _jsonl(tmp_path / "other.jsonl", [good, good])
+    choose = rollouts.choose
+
+    def swapped(*args):  # after the rows were read, before the batch is made
+        os.replace(other, path)
+        return choose(*args)
+
+    monkeypatch.setattr(rollouts, "choose", swapped)
+    batch = read_rollouts(path)
+    assert len(batch.rollouts) == 1 and batch.sha256 == read

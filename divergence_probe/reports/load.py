@@ -87,13 +87,23 @@ class RunData:
 
     @property
     def clip_eps(self) -> float:
-        return float(self.manifest.get("score" if self.is_score else "generate", {}).get("clip_eps", DEFAULT_CLIP_EPS))
+        return _recorded(self.manifest, "score" if self.is_score else "generate", "clip_eps", DEFAULT_CLIP_EPS)
 
     @property
     def ci_level(self) -> str:
         """The bootstrap interval's level as the captions say it, e.g. "95%"."""
-        level = self.manifest.get("ablate", {}).get("ci_level", DEFAULT_CI_LEVEL)
-        return f"{100 * float(level):g}%"
+        return f"{100 * _recorded(self.manifest, 'ablate', 'ci_level', DEFAULT_CI_LEVEL):g}%"
+
+
+def _recorded(manifest: dict, section: str, name: str, default):
+    """A number the report reads from the manifest, checked as its flag is (spec.recorded_value: the spec class's
+    own checks), or `default` for a run recorded without it."""
+    value = manifest.get(section, {}).get(name)
+    if value is None:
+        return default
+    from ..spec import AblateSpec, GenerateSpec, recorded_value
+
+    return recorded_value({"ablate": AblateSpec}.get(section, GenerateSpec), name, value, f"{section}.{name}")
 
 
 def _as_bool(series: pd.Series) -> pd.Series:
@@ -104,7 +114,7 @@ def _as_bool(series: pd.Series) -> pd.Series:
 
 # The manifest sections the report reads into, and the objects inside `stacks.<side>`: each must be a JSON object
 # when present (an edited manifest with `"model": 5` is refused here, not met as a traceback while writing prose).
-SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files", "score")
+SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files", "score", "generate")
 STACK_SECTIONS = ("settings", "implementations", "versions")
 
 
@@ -161,6 +171,7 @@ def load_run(run_dir: str | Path) -> RunData:
         raise ReportError(f"{path / 'summary.csv'} has no rows; rerun the command that made the run folder")
     layers = tables.get("layers.csv", pd.DataFrame(columns=["layer", "tap", "rel_l2"]))
     run = RunData(path=path, manifest=folder.manifest, summary=summary, layers=layers)
+    _ = run.clip_eps, run.ci_level  # the manifest's numbers, checked before anything is drawn or written
 
     if "ablation.csv" in tables:
         run.ablation = tables["ablation.csv"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import ProbeError
-from ..options import option
+from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
 from ..spec import TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
@@ -101,6 +101,7 @@ class RLSpec:
     def __post_init__(self) -> None:
         from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
 
+        check_finite(self)
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
             (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),

@@ -20,7 +20,8 @@ from typing import Iterator
 import pandas as pd
 
 from ..errors import ProbeError
-from ..rundir import MANIFEST, file_sha256, atomic_dir, check_out_dir, locked, mark, write_csv, write_json
+from ..rundir import (MANIFEST, atomic_dir, check_out_dir, file_sha256, locked, mark, open_to_write, write_csv,
+                      write_json)
 
 ROWS = "rl.csv"
 SUMMARY = "rl_summary.csv"
@@ -54,7 +55,7 @@ class RLWriter:
         try:
             if self._file is None:
                 self.columns = list(row)
-                self._file = (self.out_dir / ROWS).open("w", newline="")
+                self._file = open_to_write(self.out_dir / ROWS, "w")
                 self._csv = csv.DictWriter(self._file, self.columns, lineterminator="\n")
                 self._csv.writeheader()
             self._csv.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})

@@ -19,6 +19,8 @@ from contextlib import ExitStack
 
 import torch
 
+from ..errors import NumericsError
+
 
 class Trainer:
     def __init__(self, stack, lr: float, grad_clip: float, weight_decay: float = 0.0) -> None:
@@ -106,11 +108,25 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_finite(float(norm))
         with torch.no_grad():
             for m, p in zip(self.master, self.params):
                 p.copy_(m)  # FP32 -> BF16, round to nearest even
                 p.grad = None
         return float(norm)
+
+
+    def _check_finite(self, norm: float) -> None:
+        """NumericsError when the update just made a master weight NaN or inf: the step is what broke them (an
+        overflowing learning rate, a non-finite gradient), and the push that follows would carry them into the engine
+        and be blamed for what it faithfully copied."""
+        finite = torch.stack([torch.isfinite(m).all() for m in self.master]).tolist()  # one device sync
+        if all(finite):
+            return
+        broken = [n for n, ok in zip(self.names, finite) if not ok]
+        raise NumericsError(f"the optimizer step made {len(broken)} of {len(self.names)} trainer weights NaN or inf "
+                            f"(first: {broken[0]}; learning rate {self.lr:g}, gradient norm {norm:.3g} before "
+                            "clipping): the update, not the weight push, broke them; lower --lr or --grad-clip")
 
 
 def _batch_routes(routes: list[torch.Tensor], batch: int, longest: int) -> torch.Tensor:

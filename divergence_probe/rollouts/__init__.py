@@ -11,7 +11,6 @@ from pathlib import Path
 
 from .adapters import ADAPTERS, FORMATS, choose, parse_fields
 from .columns import read_row, row_step
-from ..rundir import file_sha256
 from .read import read_rows
 from .record import Rollout, RolloutError
 
@@ -37,7 +36,7 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
     logprobs, empty responses); RolloutError, one line, on the first problem."""
     path = Path(path)
     names = parse_fields(fields)
-    rows = read_rows(path)
+    rows, sha256 = read_rows(path)
     adapter = choose(fmt, names, rows[0])
     rollouts = [read_row(adapter, row, at, names) for at, row in enumerate(rows)]
     steps = {row_step(row, at) for at, row in enumerate(rows)}
@@ -58,4 +57,4 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
             raise RolloutError(f"row {r.row} of {path} is in group {r.group!r} with row {first[repr(r.group)].row} but "
                                "has another prompt; the group field does not group samples of one prompt: fix it or "
                                "leave it out (--fields)")
-    return RolloutBatch(path, file_sha256(path), adapter.name, rollouts, steps.pop())
+    return RolloutBatch(path, sha256, adapter.name, rollouts, steps.pop())

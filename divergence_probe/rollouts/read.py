@@ -10,7 +10,11 @@ naming the file, the row and what to do.
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
+import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -28,36 +32,55 @@ JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 PARQUET = (".parquet", ".pq")
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Every row of the file, as dicts; RolloutError for a missing, empty, oversized or malformed file."""
+def read_rows(path: Path) -> tuple[list[dict], str]:
+    """Every row of the file, as dicts, and the sha256 of the bytes they were parsed from (read once: a file
+    replaced meanwhile cannot have its hash recorded beside another file's rows); RolloutError for a missing, empty,
+    oversized or malformed file."""
     path = Path(path)
-    if not path.is_file():
-        raise RolloutError(f"rollout file {path} does not exist or is not a file; pass a .jsonl, .jsonl.gz or "
-                           ".parquet file")
-    size = path.stat().st_size
-    if size == 0:
-        raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
-    if size > MAX_BYTES:
-        raise RolloutError(f"rollout file {path} is {size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} GiB this "
-                           f"command reads; {SPLIT}")
+    data = _read_once(path)
     name = path.name.lower()
     if name.endswith(PARQUET):
-        rows = _parquet(path)
+        rows = _parquet(path, data)
     elif name.endswith(JSONL):
-        rows = _jsonl(path, gzipped=name.endswith(".gz"))
+        rows = _jsonl(path, data, gzipped=name.endswith(".gz"))
     else:
         raise RolloutError(f"{path}: unknown rollout file type; name it .jsonl, .jsonl.gz or .parquet")
     if not rows:
         raise RolloutError(f"rollout file {path} holds no rows; pass the file your RL run wrote")
-    return rows
+    return rows, hashlib.sha256(data).hexdigest()
 
 
-def _jsonl(path: Path, gzipped: bool) -> list[dict]:
+def _read_once(path: Path) -> bytes:
+    """The file's bytes from one open file, which must be a regular file (a pipe or device would block or never
+    end: opened without waiting, refused by what the descriptor is)."""
+    missing = RolloutError(f"rollout file {path} does not exist or is not a file; pass a .jsonl, .jsonl.gz or "
+                           ".parquet file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise missing from None
+    except OSError as e:
+        raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise missing
+        if info.st_size == 0:
+            raise RolloutError(f"rollout file {path} is empty; pass the file your RL run wrote")
+        if info.st_size > MAX_BYTES:
+            raise RolloutError(f"rollout file {path} is {info.st_size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} "
+                               f"GiB this command reads; {SPLIT}")
+        try:
+            return f.read(MAX_BYTES + 1)
+        except OSError as e:
+            raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
+
+
+def _jsonl(path: Path, data: bytes, gzipped: bool) -> list[dict]:
     rows, total = [], 0
-    opener = gzip.open if gzipped else open
     line_no = 0
     try:
-        with opener(path, "rb") as f:
+        with (gzip.GzipFile(fileobj=io.BytesIO(data)) if gzipped else io.BytesIO(data)) as f:
             # readline(limit): a line is never read past the row bound, however long it runs (a newline-free
             # gzip bomb, a sparse file of zeros)
             while line := f.readline(MAX_ROW_BYTES + 1):
@@ -90,7 +113,7 @@ def _jsonl(path: Path, gzipped: bool) -> list[dict]:
     return rows
 
 
-def _parquet(path: Path) -> list[dict]:
+def _parquet(path: Path, data: bytes) -> list[dict]:
     """The rows, read a record batch at a time after the metadata's row and value counts are checked: a few kB of
     run-length-encoded Parquet can declare a billion values, which would otherwise be decoded before any check."""
     try:
@@ -99,7 +122,7 @@ def _parquet(path: Path) -> list[dict]:
         raise RolloutError("reading Parquet needs pyarrow, which is not installed: `pip install pyarrow`, or "
                            "convert the file to JSONL") from e
     try:
-        file = pq.ParquetFile(path)
+        file = pq.ParquetFile(io.BytesIO(data))
         meta = file.metadata
         if meta.num_rows > MAX_ROWS:
             raise RolloutError(f"{path} holds {meta.num_rows} rows, over the {MAX_ROWS} of a rollout file; {SPLIT}")
