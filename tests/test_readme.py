@@ -17,6 +17,8 @@ from divergence_probe.cli import app
 from divergence_probe.spec import spec_from_flat
 from readme_runs import NOT_RUN, PLACEHOLDER, RENDERED, RUN, key, readme_commands
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 COMMANDS = readme_commands()
 
 
