@@ -26,9 +26,60 @@ def models_dir(tmp_path_factory) -> Path:
 
 COLLECTED_MODULES = pytest.StashKey[set]()
 
+# Session fixtures that start an engine: a test using one is marked `engine` without saying so itself.
+ENGINE_FIXTURES = frozenset({"vllm_probe", "cli_processes"})
 
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    config.stash[COLLECTED_MODULES] = {item.module.__name__ for item in items}
+    for item in items:
+        if ENGINE_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.engine)
+
+
+def pytest_collection_finish(session):
+    session.config.stash[COLLECTED_MODULES] = {item.module.__name__ for item in session.items}  # after `-m`, `-k`
+
+
+def _runs_the_tool(args) -> bool:
+    """Whether a child process's command line runs divergence-probe, which may start an engine: the CLI (by its
+    script or `-m divergence_probe`) or one of the tests' driver scripts, which call its API; `--help` starts none. A
+    `python -c` snippet is not read: the few tests that use one import the package for a helper, not a run."""
+    words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    words = [os.fsdecode(w) if isinstance(w, (bytes, os.PathLike)) else str(w) for w in words]
+    if "--help" in words:
+        return False
+    named = any(Path(w).name in ("divergence-probe",) or w.endswith(("_driver.py", "_runs.py")) for w in words)
+    as_module = any(a == "-m" and b == "divergence_probe" for a, b in zip(words, words[1:]))
+    return named or as_module
+
+
+@pytest.fixture(autouse=True)
+def engine_marker_is_honoured(request, monkeypatch):
+    """A test that starts a vLLM engine, in this process or in a child running the tool, must carry the `engine`
+    marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises to be."""
+    if request.node.get_closest_marker("engine"):
+        return
+    import subprocess
+
+    from divergence_probe.stacks.vllm.stack import VLLMStack
+
+    def refuse(what):
+        pytest.fail(f"{request.node.nodeid} {what} but is not marked `engine`: add @pytest.mark.engine "
+                    f"(or pytestmark for the module)", pytrace=False)
+
+    def load(self, settings):
+        refuse("starts a vLLM engine")
+
+    popen_init = subprocess.Popen.__init__
+
+    def start_child(self, args, *rest, **kwargs):
+        if _runs_the_tool(args):
+            refuse("runs divergence-probe in a child process")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(VLLMStack, "load", load)
+    monkeypatch.setattr(subprocess.Popen, "__init__", start_child)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # each starts at least one vLLM engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # each starts at least one vLLM engine
 # The benchmarks that build several engines each (compiled ones: three compiled builds) would take CI past its time
 # budget on a fresh machine; they run with DP_ALL_BENCHMARKS=1 (docs/benchmarks.md says what each costs).
 every_benchmark = pytest.mark.skipif(not os.environ.get("DP_ALL_BENCHMARKS"),

@@ -17,6 +17,8 @@ from divergence_probe.models import get_family
 from divergence_probe.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
 from divergence_probe.taps import ALL_TAPS, expected_taps
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
 

@@ -27,6 +27,8 @@ from divergence_probe.errors import StackError
 from divergence_probe.stacks.hooks import Replacement
 from divergence_probe.stacks.vllm.aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 
 BUILDS = r'''

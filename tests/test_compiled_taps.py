@@ -23,6 +23,8 @@ from divergence_probe.errors import ProbeError
 
 from divergence_probe.models import get_family
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 
 # In the engine's process. With tap points: a compare with every tap, the raw taps of one scoring call, the taps of

@@ -20,6 +20,8 @@ from divergence_probe import torch_state
 from divergence_probe.errors import StackError
 from divergence_probe.stacks.base import StackSettings, freeze_engine_args
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 # the tokenizer loaded (RL frameworks load it), prefix caching left at vLLM's default (on): the same prompts are
 # scored several times below, so a prompt token served from the cache would break the capture

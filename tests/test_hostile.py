@@ -32,6 +32,8 @@ from divergence_probe.signals import Stopped, stop_on_signals
 from divergence_probe.stacks.base import StackSettings
 from divergence_probe.stacks.hf import HFStack
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 

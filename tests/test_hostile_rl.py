@@ -33,6 +33,8 @@ from divergence_probe.signals import Stopped
 from test_compare_cli import assert_one_line_error
 from test_hostile import dist_files
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 

@@ -23,6 +23,8 @@ from divergence_probe.reports import write_report
 from divergence_probe.rundir import read_run
 from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

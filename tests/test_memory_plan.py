@@ -53,7 +53,7 @@ def nothing_written(out_dir) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- the arithmetic
-@pytest.mark.parametrize("which", ["hf_probe", "vllm_probe"])
+@pytest.mark.parametrize("which", ["hf_probe", pytest.param("vllm_probe", marks=pytest.mark.engine)])
 def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file):
     """The plan's infer_taps, infer_logits and train_taps against an independent count: the bytes of every tensor the
     stacks hand to a counting sink, for the largest inference batch and the longest training sequence."""

@@ -16,6 +16,8 @@ import pytest
 
 from divergence_probe.models import get_family
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 FAMILY = get_family("qwen3_moe")
 
 

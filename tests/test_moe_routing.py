@@ -25,6 +25,8 @@ from divergence_probe.errors import ProbeError
 from divergence_probe.models import get_family
 from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 TOP_K, LAYERS = 4, 2  # the tiny MoE preset
 HERE = Path(__file__).parent
 

@@ -18,6 +18,8 @@ from divergence_probe.gate import Gate
 from divergence_probe.spec import spec_from_flat
 from readme_runs import NOT_RUN, PLACEHOLDER, RENDERED, RUN, key, readme_commands
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 COMMANDS = readme_commands()
 
 

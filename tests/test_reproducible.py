@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "generate"])

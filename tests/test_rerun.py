@@ -6,6 +6,8 @@ import pytest
 
 from test_toy_cli import cli, same_csvs
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, extra", [

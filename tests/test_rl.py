@@ -20,6 +20,8 @@ from divergence_probe.models import get_family
 from divergence_probe.rl.sync import SyncError, differing, digests, expected_tensors, fingerprints, same_values
 from test_compare_cli import assert_one_line_error
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,8 @@ from divergence_probe.stacks.hooks import HookSet
 from divergence_probe.stacks.vllm.rollout import RolloutRecorder
 from divergence_probe.taps import TapKey
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 REPO = Path(__file__).resolve().parents[1]
 
 

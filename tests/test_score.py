@@ -26,6 +26,9 @@ from divergence_probe.score import Scorer, score_batch
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 GEN = dict(max_new_tokens=8, samples_per_prompt=2, temperature=1.0)
 PAD = 0
 # columns of tokens.csv that score must reproduce byte for byte (generate's logprob_infer is score's logprob_rollout)

@@ -27,6 +27,8 @@ from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
 from divergence_probe.taps import ALL_TAPS, TapKey
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
+pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
+
 TP2 = {"tensor_parallel_size": 2}
 
 _DRIVER = """
