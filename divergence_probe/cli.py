@@ -823,7 +823,8 @@ def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md"
     out.print(f"report: {path}")
 
 
-@app.command("diff")
+@app.command(cls=_Command, name="diff")
+@_help_from_doc
 def diff_command(
     run_a: Path = typer.Argument(..., help="The first run folder (before: e.g. the old engine or trainer)."),
     run_b: Path = typer.Argument(..., help="The second run folder, of the same prompts and model (after)."),
@@ -835,6 +836,10 @@ def diff_command(
 
     Writes diff_summary.csv, diff_layers.csv, diff_tokens.csv, diff_manifest.csv (and diff_routing.csv for a
     mixture of experts) and diff.md. Runs of other prompts or another model are refused.
+
+    Examples:
+      divergence-probe diff runs/before runs/after
+      divergence-probe diff runs/shipped runs/rope-aligned --out runs/what-rope-moved
     """
     from .reports.diff import TOP, diff_runs
     from .rundir import default_out_dir

@@ -312,6 +312,7 @@ def test_python_m_help_exits_0():
     assert "compare" in result.stdout and "score" in result.stdout
 
 
+@pytest.mark.engine  # the CLI in a child process: its stderr, as a user's terminal or log gets it, is the point
 @pytest.mark.parametrize("argv, says", [
     (["compare", "--bogus-flag"], "compare has no option --bogus-flag; the nearest is --"),
     (["compare", "--num-promts", "3"], "compare has no option --num-promts; the nearest is --num-prompts"),
