@@ -330,19 +330,18 @@ class CompareRun:
 
     @property
     def rollouts_table(self) -> pd.DataFrame:
-        """generate mode: one row per sample in the generic rollout layout `score` reads (rollouts/adapters.py
-        GENERIC_FIELDS): the prompt's ids, the sampled ids and the engine's decode logprob of each (this run's
-        recording), the prompt id as the group. `score` on it scores the same tokens against the same recording."""
-        from .rollouts.adapters import GENERIC_FIELDS as names
+        """generate mode: one row per sample in the rollout layout of --rollouts-format (rollouts/adapters.py): the
+        prompt's ids, the sampled ids and the engine's decode logprob of each (this run's recording), the prompt id as
+        the group. `score` on it scores the same tokens against the same recording."""
+        from .rollouts.adapters import export_row
 
         prompts = {p.prompt_id: p for p in self.prompts}
         records = []
         for (prompt_id, _), part in self.responses_table.groupby(["prompt_id", "sample_id"], sort=True):
             part = part.sort_values("position")
-            records.append({names["prompt_ids"]: list(prompts[prompt_id].token_ids),
-                            names["response_ids"]: part.token_id.tolist(),
-                            names["logprobs"]: part.logprob_infer.tolist(), names["group"]: int(prompt_id)})
-        return pd.DataFrame(records, columns=[names[k] for k in ("prompt_ids", "response_ids", "logprobs", "group")])
+            records.append(export_row(self.spec.generate.rollouts_format, list(prompts[prompt_id].token_ids),
+                                      part.token_id.tolist(), part.logprob_infer.tolist(), int(prompt_id)))
+        return pd.DataFrame.from_records(records)
 
     @property
     def summary(self) -> dict:

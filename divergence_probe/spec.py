@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from .errors import ProbeError, one_line
 from .options import check_finite, finite_number, option
 from .prompts import check_kind
+from .rollouts.adapters import EXPORT_FORMATS
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
 from .shapley import METRICS
 from .versions import ALLOW_HELP
@@ -211,10 +212,14 @@ class GenerateSpec(SamplingSpec):
                                   "through vLLM's decode path and compare what RL sees.")
     clip_eps: float = option(0.2, "generate mode: PPO clip band [1-eps, 1+eps] for the ratio metrics.")
     tis_cap: float = option(2.0, "generate mode: TIS truncation cap C (token MIS band [1/C, C]).")
+    rollouts_format: str = option("generic", "generate mode: the layout of rollouts.jsonl, the samples with the "
+                                             "engine's logprobs that `score` reads back: " + ", ".join(EXPORT_FORMATS)
+                                             + " (each framework's own field names).")
 
     def __post_init__(self) -> None:
         check_finite(self)
         _choice(self.mode, MODES, "--mode")
+        _choice(self.rollouts_format, EXPORT_FORMATS, "--rollouts-format")
         checks = [
             (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
             (self.samples_per_prompt >= 1, "--samples-per-prompt must be at least 1"),
@@ -454,7 +459,7 @@ LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
     ("load", "train_device"): None, ("load", "train_tp"): 1,
-    ("load", "allow_untested_versions"): False}
+    ("load", "allow_untested_versions"): False, ("generate", "rollouts_format"): "generic"}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:

@@ -128,10 +128,11 @@ def test_probe_methods_refuse_load_settings(toy, qwen3_tiny, prompts_file):
 
 
 def test_a_generate_run_exports_rollouts_that_score_reads_back(toy_args, qwen3_tiny, tmp_path):
-    """rollouts.jsonl of a generate run is a rollout file `score` takes as it is (auto-detected): the scored tokens
-    are the run's sampled ones, with the run's decode logprobs as the recording, to the last digit."""
+    """rollouts.jsonl of a generate run, in a framework's layout (--rollouts-format), is a rollout file `score` takes
+    as it is (auto-detected as that layout): the scored tokens are the run's sampled ones, with the run's decode
+    logprobs as the recording, to the last digit."""
     cli("compare", *toy_args, "--mode", "generate", "--max-new-tokens", "5", "--samples-per-prompt", "2",
-        "--temperature", "0.7", "--out", tmp_path / "gen")
+        "--temperature", "0.7", "--rollouts-format", "slime", "--out", tmp_path / "gen")
     manifest = json.loads((tmp_path / "gen" / "manifest.json").read_text())
     assert manifest["files"]["rollouts.jsonl"]["rows"] == len((tmp_path / "gen" / "rollouts.jsonl").read_text().splitlines())
     cli("score", tmp_path / "gen" / "rollouts.jsonl", "--model", qwen3_tiny, "--device", "cpu", "--out",
@@ -142,4 +143,4 @@ def test_a_generate_run_exports_rollouts_that_score_reads_back(toy_args, qwen3_t
     for column in ("prompt_id", "sample_id", "position", "token_id"):
         assert scored[column].tolist() == generated[column].tolist(), column
     assert scored.logprob_rollout.tolist() == generated.logprob_infer.tolist()
-    assert json.loads((tmp_path / "scored" / "manifest.json").read_text())["score"]["format"] == "generic"
+    assert json.loads((tmp_path / "scored" / "manifest.json").read_text())["score"]["format"] == "slime"

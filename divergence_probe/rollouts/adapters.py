@@ -19,6 +19,9 @@ class Adapter:
     signature: tuple[str, ...]  # fields whose presence identifies the format (auto-detection)
     read: Callable[[dict, int], Rollout]
     train: str = ""  # the field where the framework keeps its trainer's logprobs of the same tokens (columns.py)
+    # one sample as a row of this layout (prompt ids, response ids, their logprobs, the group): what a generate-mode
+    # run exports, so that a user sees their own framework's layout and `score` reads it back as such
+    write: Callable[[list, list, list, object], dict] | None = None
 
     @property
     def logprobs(self) -> str:
@@ -100,6 +103,11 @@ GENERIC_FIELDS = {"prompt_ids": "prompt_ids", "response_ids": "response_ids", "l
                   "group": "group", "routed_experts": "routed_experts"}
 
 
+def _write_generic(prompt: list, response: list, lps: list, group) -> dict:
+    f = GENERIC_FIELDS
+    return {f["prompt_ids"]: prompt, f["response_ids"]: response, f["logprobs"]: lps, f["group"]: group}
+
+
 def generic(names: dict[str, str]) -> Adapter:
     """Prompt ids, response ids and their logprobs in fields of any name (`--fields prompt_ids=a,...`)."""
     f = GENERIC_FIELDS | names
@@ -111,19 +119,35 @@ def generic(names: dict[str, str]) -> Adapter:
         return Rollout(at, tuple(prompt), tuple(response), tuple(lps), row.get(f["group"]),
                        row.get(f["routed_experts"]))
 
-    return Adapter("generic", (f["prompt_ids"], f["response_ids"], f["logprobs"]), read, "train_logprobs")
+    return Adapter("generic", (f["prompt_ids"], f["response_ids"], f["logprobs"]), read, "train_logprobs",
+                   _write_generic if not names else None)
 
 
 # The trainer's logprobs of the same tokens, where each framework keeps them beside the engine's: verl's actor
 # recomputes `old_log_probs`; OpenRLHF's Experience holds `action_log_probs`; slime's training batch `log_probs`;
 # TRL's GRPOTrainer `old_per_token_logps`.
+# A sample written in each layout, unpadded (every mask entry 1), grouped by the field the layout groups by.
 ADAPTERS = {
-    "verl": Adapter("verl", ("prompts", "responses", "rollout_log_probs"), _verl, "old_log_probs"),
-    "openrlhf": Adapter("openrlhf", ("sequences", "action_mask", "rollout_log_probs"), _openrlhf, "action_log_probs"),
-    "slime": Adapter("slime", ("tokens", "response_length", "rollout_log_probs"), _slime, "log_probs"),
-    "trl": Adapter("trl", ("prompt_ids", "completion_ids", "sampling_per_token_logps"), _trl, "old_per_token_logps"),
+    "verl": Adapter("verl", ("prompts", "responses", "rollout_log_probs"), _verl, "old_log_probs",
+                    lambda p, r, lps, g: {"prompts": p, "responses": r, "rollout_log_probs": lps, "uid": g}),
+    "openrlhf": Adapter("openrlhf", ("sequences", "action_mask", "rollout_log_probs"), _openrlhf, "action_log_probs",
+                        lambda p, r, lps, g: {"sequences": p + r, "action_mask": [1] * len(r),
+                                              "rollout_log_probs": lps, "group": g}),
+    "slime": Adapter("slime", ("tokens", "response_length", "rollout_log_probs"), _slime, "log_probs",
+                     lambda p, r, lps, g: {"tokens": p + r, "response_length": len(r), "rollout_log_probs": lps,
+                                           "group_index": g}),
+    "trl": Adapter("trl", ("prompt_ids", "completion_ids", "sampling_per_token_logps"), _trl, "old_per_token_logps",
+                   lambda p, r, lps, g: {"prompt_ids": p, "completion_ids": r, "sampling_per_token_logps": lps,
+                                         "group": g}),
 }
 FORMATS = ("auto", *ADAPTERS, "generic")
+EXPORT_FORMATS = (*ADAPTERS, "generic")  # the layouts a generate-mode run writes its rollouts.jsonl in
+
+
+def export_row(fmt: str, prompt: list, response: list, lps: list, group) -> dict:
+    """One sample as a row of layout `fmt` (EXPORT_FORMATS)."""
+    adapter = ADAPTERS[fmt] if fmt in ADAPTERS else generic({})
+    return adapter.write(list(prompt), list(response), list(lps), group)
 
 
 # The two logprob columns, nameable in any format: `infer` (the engine's, in place of the format's own field) and
