@@ -201,8 +201,7 @@ class _Phases:
 
     Outside a terminal (a CI log, a batch job, `| tee`) there are no bars, so a run would say nothing for minutes:
     a phase still running after LOG_AFTER seconds writes a line saying it runs, and one with its duration when it
-    ends. A shorter phase writes none, so an error found in the first seconds (every check made before the loads)
-    stays the one line on stderr. `timings` (phase name -> seconds) goes into the run's manifest either way."""
+    ends, on stdout, so that an error stays the one line on stderr however long the run went before it. `timings` (phase name -> seconds) goes into the run's manifest either way."""
 
     LOG_AFTER = 10.0
 
@@ -242,7 +241,7 @@ class _Phases:
             self.bar.stop_task(self.task)
             self.task = None
             seconds = time.monotonic() - self.started
-            self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 3)
+            self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 6)
             self.stop_timer()
             with self.lock:
                 if self.log and seconds >= self.LOG_AFTER:
@@ -263,7 +262,7 @@ class _Phases:
                 self._line(f"{self.name}…")
 
     def _line(self, text: str) -> None:
-        self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        out.print(text, highlight=False, markup=False, soft_wrap=True)  # stdout: stderr holds an error's one line
 
 
 @contextlib.contextmanager

@@ -325,9 +325,9 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
     from .model_source import resolve_model
     from .probe import load, stack_settings, train_settings
     from .stacks.hf_tensor_parallel import trainer_stack_for
-    from .versions import check
+    from .versions import check as check_versions
 
-    check(prefill, spec.allow_untested_versions)  # before anything loads
+    check_versions(prefill, spec.allow_untested_versions)  # before anything loads
     if prefill:
         probe = load(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
         return Scorer.of_probe(probe, prefill=True)

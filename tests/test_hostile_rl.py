@@ -189,7 +189,7 @@ class FakeLoop:
 def fake_loop(monkeypatch, tmp_path):
     """rl.run's loop and probe faked; the temp folder (where rescue folders go) is tmp_path/scratch."""
     monkeypatch.setattr(rl_experiment, "Loop", FakeLoop)
-    monkeypatch.setattr(rl_experiment, "load", lambda spec: FakeProbe())
+    monkeypatch.setattr(rl_experiment, "load", lambda spec, check=None: FakeProbe())
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))

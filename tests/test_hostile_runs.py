@@ -376,6 +376,7 @@ def test_report_on_a_damaged_folder_is_one_line(tmp_path, name):
     assert snapshot(tmp_path) == before  # no report folder, no hidden partial folder
 
 
+@pytest.mark.engine  # the CLI in a child process, under an address-space cap
 def test_a_tokens_file_that_expands_past_the_bound_is_one_line_in_a_capped_process(tmp_path):
     """A run folder's tokens.csv.gz of a few MB that decompresses to GBs: `report` reads no further than the bound
     on a run folder's file, within an address space capped at 3 GiB (reading it whole would take 4 GiB)."""
@@ -437,7 +438,7 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    assert_refused(result, "is not a file or folder", str(fifo))
+    assert_refused(result, "is not a regular file or folder", str(fifo))
     assert not (tmp_path / "again").exists()
 
 

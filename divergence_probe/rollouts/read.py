@@ -71,7 +71,7 @@ def _read_once(path: Path) -> bytes:
             raise RolloutError(f"rollout file {path} is {info.st_size / 2**30:.1f} GiB, over the {MAX_BYTES // 2**30} "
                                f"GiB this command reads; {SPLIT}")
         try:
-            return f.read(MAX_BYTES + 1)
+            return f.read(info.st_size + 1)  # the size it had when opened (a buffer is not sized by the bound)
         except OSError as e:
             raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
 
