@@ -96,8 +96,9 @@ def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
     """The line that says a phase runs comes from a timer, before the phase ends; a short phase writes no line."""
     import time
 
-    console = Console(file=io.StringIO(), force_terminal=False, width=80)
-    monkeypatch.setattr(cli, "console", console)
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), force_terminal=False, width=80))  # no terminal
+    console = Console(file=io.StringIO(), width=80)  # stdout, where the phase lines go
+    monkeypatch.setattr(cli, "out", console)
     monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
     with cli._phases() as shown:
         shown.phase("short")
