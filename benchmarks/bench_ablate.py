@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import divergence_probe as dp  # noqa: E402
-from divergence_probe.modelzoo import make_model  # noqa: E402
+from divergence_probe.models.modelzoo import make_model  # noqa: E402
 
 from docs_section import add_out_argument, write_section  # noqa: E402
 

@@ -70,13 +70,13 @@ PLANS = {
 
 # divergence_probe functions whose cumulative time the profile of one tapped compare reports
 PROFILED = {
-    "compare.py": ("run_compare", "score_prompt"),
+    "runs/compare.py": ("run_compare", "score_prompt"),
     "vllm.py": ("score",),
     "hf.py": ("score",),
-    "capture.py": ("park", "pair", "finish_prompt"),
-    "fused.py": ("fused_diff_sums",),
-    "metrics.py": ("token_kl",),
-    "route_capture.py": ("park", "pair", "finish_prompt"),
+    "runs/capture.py": ("park", "pair", "finish_prompt"),
+    "numerics/fused.py": ("fused_diff_sums",),
+    "numerics/metrics.py": ("token_kl",),
+    "runs/route_capture.py": ("park", "pair", "finish_prompt"),
 }
 
 # -----------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def profile_tapped(probe, **compare_options) -> dict:
     for (path, _, func), (_, _, _, cumtime, _) in pstats.Stats(profiler).stats.items():
         name = Path(path).name
         if "divergence_probe" in path and func in PROFILED.get(name, ()):
-            label = f"stacks/{name}:{func}" if name in ("vllm.py", "hf.py") else f"{name}:{func}"
+            label = f"engines/{name}:{func}" if name in ("vllm.py", "hf.py") else f"{name}:{func}"
             found[label] = round(cumtime, 3)
     return {"wall_s": round(wall, 3), "cumulative_s": found}
 
@@ -130,7 +130,7 @@ def measure_overhead(probe, spec: dict) -> dict:
             start = time.perf_counter()
             run = probe.compare(num_prompts=n, taps=taps)
             times[taps].append(round(time.perf_counter() - start, 4))
-    from divergence_probe.fused import backend
+    from divergence_probe.numerics.fused import backend
 
     result = {"times_s": times, "num_prompts": len(run.prompts), "tap_reduction": backend(),
               "prompt_tokens": sum(len(p.token_ids) for p in run.prompts),
@@ -215,7 +215,7 @@ def write_prompt_sets(model: Path, out: Path, copies: tuple[int, ...]) -> dict[s
 
     from divergence_probe import LoadSpec
     from divergence_probe.prompts import batches
-    from divergence_probe.modelzoo import PRESETS
+    from divergence_probe.models.modelzoo import PRESETS
     from divergence_probe.prompts import default_prompts_path, load_prompts, read_prompt_sources
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -374,12 +374,12 @@ def reading(data: dict) -> str:
             f"({s['median_s']['all']:.2f} s against {s['median_s']['none']:.2f} s for {o['num_prompts']} prompts), "
             f"so the {data['targets']['max_ratio']}x target is {'met' if s['meets_ratio_target'] else 'missed'}")
     prof = o.get("profile", {}).get("cumulative_s", {})
-    if "fused.py:fused_diff_sums" in prof:
+    if "numerics/fused.py:fused_diff_sums" in prof:
         wall = o["profile"]["wall_s"]
-        text += (f"; {prof['fused.py:fused_diff_sums'] / wall:.0%} of a tapped run goes to reducing tap pairs to their "
+        text += (f"; {prof['numerics/fused.py:fused_diff_sums'] / wall:.0%} of a tapped run goes to reducing tap pairs to their "
                  f"statistics (`fused_diff_sums`, {o.get('tap_reduction', 'one fused kernel')}), "
-                 f"{(prof.get('capture.py:finish_prompt', 0) - prof['fused.py:fused_diff_sums']) / wall:.0%} to stacking "
-                 f"them, against {prof.get('stacks/vllm/stack.py:score', 0) / wall:.0%} for the whole vLLM side")
+                 f"{(prof.get('runs/capture.py:finish_prompt', 0) - prof['numerics/fused.py:fused_diff_sums']) / wall:.0%} to stacking "
+                 f"them, against {prof.get('engines/vllm/stack.py:score', 0) / wall:.0%} for the whole vLLM side")
     text += ". "
     rows = data["by_prompts"]
     if s["meets_memory_target"] is None:
@@ -422,7 +422,7 @@ def main() -> None:
     started, cpu_at_start = time.perf_counter(), cpu_seconds()
     plan = PLANS[args.plan]
     name = "bench_compare" if args.arch == "qwen3" else f"bench_compare_{args.arch}"
-    from divergence_probe.modelzoo import make_model
+    from divergence_probe.models.modelzoo import make_model
 
     with tempfile.TemporaryDirectory(prefix="bench_compare-") as tmp:
         tmp = Path(tmp)

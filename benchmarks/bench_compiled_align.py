@@ -49,8 +49,8 @@ def main() -> None:
     import torch
 
     import divergence_probe as dp
-    from divergence_probe.modelzoo import make_model
-    from divergence_probe.stacks.vllm.worker import WorkerStack
+    from divergence_probe.models.modelzoo import make_model
+    from divergence_probe.engines.vllm.worker import WorkerStack
 
     model = make_model(tmp / "m", arch="qwen3", preset="tiny", seed=0)
     opts = dict(num_prompts=args.num_prompts, taps="all")

@@ -33,7 +33,7 @@ def measure(args) -> dict:
     import torch
 
     import divergence_probe as dp
-    from divergence_probe.modelzoo import make_model
+    from divergence_probe.models.modelzoo import make_model
 
     model = args.model
     if model is None:

@@ -37,9 +37,9 @@ from bench_compare import profile_tapped
 from tap_anatomy import anatomy
 
 import divergence_probe as dp
-from divergence_probe.fused import backend
-from divergence_probe.model_source import resolve_model
-from divergence_probe.modelzoo import make_model
+from divergence_probe.numerics.fused import backend
+from divergence_probe.models.source import resolve_model
+from divergence_probe.models.modelzoo import make_model
 from divergence_probe.prompts import default_prompts_path, load_prompts
 
 

@@ -42,9 +42,9 @@ def child(model: str, infer: str, device: str, prompts: str | None, num_prompts:
     import torch
 
     import divergence_probe as dp
-    from divergence_probe.capture import TapPairing
-    from divergence_probe.compare import SequenceSource, load_run_prompts, score_both
-    from divergence_probe.memory_plan import CountingCapture, Peaks, engine_report
+    from divergence_probe.runs.capture import TapPairing
+    from divergence_probe.runs.compare import SequenceSource, load_run_prompts, score_both
+    from divergence_probe.models.memory_plan import CountingCapture, Peaks, engine_report
     from divergence_probe.spec import spec_from_flat
     from divergence_probe.taps import expected_taps
 
@@ -91,7 +91,7 @@ def child(model: str, infer: str, device: str, prompts: str | None, num_prompts:
 
 
 def build(preset_spec: str, where: Path) -> str:
-    from divergence_probe.modelzoo import make_model
+    from divergence_probe.models.modelzoo import make_model
 
     preset, _, layers = preset_spec.partition(":")
     path = where / preset_spec.replace(":", "-L")

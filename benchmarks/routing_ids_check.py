@@ -1,5 +1,5 @@
 """Check a Qwen3-MoE compare run's routing.csv `frac_experts_differ`, per layer, against the experts each stack ran,
-read here without the tool's routing code (routing.py, route_capture.py).
+read here without the tool's routing code (numerics/routing.py, runs/route_capture.py).
 
     python benchmarks/routing_ids_check.py RUN_FOLDER            # a prefill-mode `divergence-probe compare` run
 
@@ -38,7 +38,7 @@ def trainer_ids(model: str, dtype: torch.dtype, device: str, sequences: dict) ->
     """(prompt, layer) -> the ids transformers' router returned, each sequence alone."""
     from transformers import AutoModelForCausalLM
 
-    from divergence_probe.torch_state import trainer_numerics
+    from divergence_probe.engines.torch_state import trainer_numerics
 
     ids, running = {}, []
     with trainer_numerics():
@@ -58,7 +58,7 @@ def engine_ids_gpu(model: str, load: dict, sequences: dict) -> dict[tuple[int, i
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from divergence_probe.stacks.vllm.stack import _disable_flashinfer_sampler_if_missing
+    from divergence_probe.engines.vllm.stack import _disable_flashinfer_sampler_if_missing
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, as the tool's engine runs, so that
     _disable_flashinfer_sampler_if_missing()  # this reaches it: vLLM's CUDA sampler imports flashinfer unguarded

@@ -18,9 +18,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-import divergence_probe.capture as capture
-from divergence_probe.capture import TapPairing
-from divergence_probe.compare import PendingScores, SequenceSource, capturable_taps, score_both
+import divergence_probe.runs.capture as capture
+from divergence_probe.runs.capture import TapPairing
+from divergence_probe.runs.compare import PendingScores, SequenceSource, capturable_taps, score_both
 from divergence_probe.taps import expected_taps
 
 CONFIGS = ("none", "infer hooks", "train hooks", "both hooks", "pairing", "all")

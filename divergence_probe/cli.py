@@ -277,7 +277,7 @@ def _phases():
 
 def _closing(out_dir: Path, report: bool, step) -> None:
     """The last lines of every run: its folder, its report (rendered now with --report, else the command that
-    renders it) and the next command to try with why (next_steps.py), each on a line of its own to copy."""
+    renders it) and the next command to try with why (runs/next_steps.py), each on a line of its own to copy."""
     import shlex
 
     out.print(f"run: {out_dir}", highlight=False, markup=False, soft_wrap=True)
@@ -303,8 +303,8 @@ def _family(manifest: dict):
 
 
 def _next_step(run):
-    """A compare or ablate run's next command (next_steps.py)."""
-    from .next_steps import after_ablate, after_compare
+    """A compare or ablate run's next command (runs/next_steps.py)."""
+    from .runs.next_steps import after_ablate, after_compare
 
     family = _family(run.manifest)
     if run.spec.kind == "ablate":
@@ -313,8 +313,8 @@ def _next_step(run):
 
 
 def _print_summary(run) -> None:
-    from .noise_verdict import LEVEL, RATIO, in_words
-    from .tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
+    from .numerics.noise_verdict import LEVEL, RATIO, in_words
+    from .numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -365,7 +365,7 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
     of the tokens right after a flipped position against the others (routing.csv: per layer). With routes replayed
     the trainer ran the engine's experts, so the count is zero by construction and the routers' own disagreement is
     in routing.csv's logit columns: the row says so rather than read as agreement."""
-    from .tables import ROUTING_NOISE_FLOORS, noise_floors
+    from .numerics.tables import ROUTING_NOISE_FLOORS, noise_floors
 
     if "frac_tokens_any_flip" not in s:
         return
@@ -389,7 +389,7 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
 def _print_graft(tables: dict, num_layers: int | None) -> None:
     """compare --graft / --depth: the local error per op family beside the propagated one (local_families.csv),
     largest local error first, and in words which family and which step of the forward add most."""
-    from .graft_reading import amplification_text, families_by_local, findings
+    from .numerics.graft_reading import amplification_text, families_by_local, findings
 
     families = tables.get("local_families.csv")
     if families is not None:
@@ -463,7 +463,7 @@ def _gate(texts, kind: str):
     """The --fail-if conditions of a `kind` run, checked before anything loads (one line, exit 2, on a bad one)."""
     if not texts:
         return None
-    from .gate import Gate
+    from .reports.gate import Gate
 
     try:
         return Gate.parse(texts, kind)
@@ -495,7 +495,7 @@ def _exit_by(verdict) -> None:
 def _summary_rows(run) -> list[tuple[str, dict]]:
     """What a compare or ablate gate reads: the summary; of an ablation, its shipped combination's row."""
     if run.spec.kind == "ablate":
-        from .shapley import SHIPPED
+        from .numerics.shapley import SHIPPED
 
         table = run.summary_table
         return [(f"combo {SHIPPED}", table[table["combo"] == SHIPPED].iloc[0].to_dict())]
@@ -545,7 +545,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
-    from .compare import load_run_prompts
+    from .runs.compare import load_run_prompts
     from .rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
@@ -554,7 +554,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
             if spec.load.infer == "vllm" and spec.load.engine_args:
-                from .stacks.vllm.stack import check_engine_args
+                from .engines.vllm.stack import check_engine_args
 
                 check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
 
@@ -638,7 +638,7 @@ def rerun(
       divergence-probe rerun runs/normal
       divergence-probe rerun runs/normal --report --out runs/normal-again
     """
-    from .replay import check_replayable, describe
+    from .runs.rerun import check_replayable, describe
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
@@ -665,7 +665,7 @@ def rerun(
         except ProbeError as e:
             raise ProbeError(f"{where}: {e}") from None
         check_replayable(spec, allow_engine_arg or (), where)
-        from .compare import prompts_path
+        from .runs.compare import prompts_path
 
         prompts = prompts_path(spec)
         if prompts.exists() and not (prompts.is_dir() or prompts.is_file()):
@@ -683,13 +683,13 @@ def rerun(
             raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
                              "`command` instead")
         if hashes != recorded_prompts:
-            from .compare import prompts_path
+            from .runs.compare import prompts_path
 
             raise ProbeError(f"the prompt files under {prompts_path(recorded_spec[0])} changed since {run_dir} was "
                              "made; restore them")
 
     def check(source):  # before anything loads: fails in seconds
-        from .compare import prompts_path
+        from .runs.compare import prompts_path
         from .prompts import file_hashes
 
         same_prompts(file_hashes(prompts_path(recorded_spec[0])))  # the files this rerun reads, found as the run did
@@ -719,7 +719,7 @@ def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
 
 def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
     """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
-    from .replay import describe_score, recorded_score
+    from .runs.rerun import describe_score, recorded_score
 
     try:
         call, load, rollouts_sha256 = recorded_score(manifest, where)
@@ -736,7 +736,7 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
 def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -> None:
     """rerun of an rl run folder: its rows checked against the manifest's sha256 (a finished, unchanged run), its
     recorded RLSpec checked and shown, then run again on the checkpoint it was made with."""
-    from .replay import describe_rl, recorded_rl
+    from .runs.rerun import describe_rl, recorded_rl
     from .reports.rl import read_rows
     from .rundir import read_manifest
 
@@ -755,8 +755,8 @@ def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -
 
 
 def _print_ablation(run) -> None:
-    from .shapley import CHANGE, SHARE, change_words
-    from .tables import NOT_CAPTURED
+    from .numerics.shapley import CHANGE, SHARE, change_words
+    from .numerics.tables import NOT_CAPTURED
 
     metric = run.spec.ablate.metric
     combos = run.ablation_table.sort_values(metric, kind="stable")
@@ -904,7 +904,7 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
     from transformers.utils import logging as hf_logging
 
     from . import rl
-    from .next_steps import after_rl
+    from .runs.next_steps import after_rl
 
     hf_logging.disable_progress_bar()
     try:
@@ -1020,9 +1020,9 @@ def score_command(
       divergence-probe score r.jsonl.gz --model M --infer vllm --temperature 0.7
       divergence-probe score rollouts.parquet --format verl --dtype float16
     """
-    from .history import parse_alarms, step_files
+    from .runs.history import parse_alarms, step_files
     from .rundir import default_out_dir
-    from .score import ScoreSpec
+    from .runs.score import ScoreSpec
     from .spec import LoadSpec
 
     try:
@@ -1052,8 +1052,8 @@ def score_command(
 def _after_score(call, load, run):
     """score's next command; none after a model-free one (splitting its gap needs the checkpoint, which only the
     user can name)."""
-    from .next_steps import after_score
-    from .paired import RECORDED_TRAINER
+    from .runs.next_steps import after_score
+    from .runs.paired import RECORDED_TRAINER
 
     if run.manifest["score"].get("trainer") == RECORDED_TRAINER:
         return None
@@ -1061,10 +1061,10 @@ def _after_score(call, load, run):
 
 
 def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
-    """score over many steps (history.py): steps.csv, alarms.csv, steps.png; the alarms that fired; the gate."""
+    """score over many steps (runs/history.py): steps.csv, alarms.csv, steps.png; the alarms that fired; the gate."""
     from transformers.utils import logging as hf_logging
 
-    from .history import score_steps
+    from .runs.history import score_steps
     from .reports.steps import draw_steps
     from .rundir import claim_out_dir
 
@@ -1094,7 +1094,7 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256
     from transformers.utils import logging as hf_logging
 
     from .rundir import claim_out_dir
-    from .score import score_spec
+    from .runs.score import score_spec
 
     hf_logging.disable_progress_bar()
     try:
@@ -1152,7 +1152,7 @@ def make_model(
       divergence-probe make-model models/q7 --preset qwen2.5-7b --layers 4
       divergence-probe compare --model models/q7 --device cuda
     """
-    from .modelzoo import make_model as build
+    from .models.modelzoo import make_model as build
 
     try:
         with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):

@@ -31,7 +31,7 @@ PROMPTS = "prompts.jsonl"
 # generate mode's samples as rollouts `score` reads back (checked by sha256 and line count like any listed file)
 ROLLOUTS = "rollouts.jsonl"
 KINDS = ("compare", "ablate")
-WRITTEN_KINDS = (*KINDS, "score")  # run folders write_run makes; score (score.py) has no RunSpec kind
+WRITTEN_KINDS = (*KINDS, "score")  # run folders write_run makes; score (runs/score.py) has no RunSpec kind
 # Files a run folder may hold, with the columns a reader relies on. tokens.csv may be gzipped (tokens.csv.gz)
 # or deleted to save space; every other file listed in the manifest must be there.
 COLUMNS = {

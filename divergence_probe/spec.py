@@ -22,11 +22,11 @@ from .options import check_finite, finite_number, option
 from .prompts import check_kind
 from .rollouts.adapters import EXPORT_FORMATS
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
-from .shapley import METRICS
+from .numerics.shapley import METRICS
 from .versions import ALLOW_HELP
 from .rundir import KINDS
-from .stacks import INFER_STACKS, TRAIN_STACKS
-from .stacks.base import SamplingSpec
+from .engines import INFER_STACKS, TRAIN_STACKS
+from .engines.protocol import SamplingSpec
 from .taps import ALL_TAPS, parse_tap_selection
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -114,7 +114,7 @@ class LoadSpec:
         _choice(self.train, TRAIN_STACKS, "--train")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
-        from .stacks.vllm.stack import ENGINES  # here, not at import: the CLI's --help reads this module without torch
+        from .engines.vllm.stack import ENGINES  # here, not at import: the CLI's --help reads this module without torch
 
         _choice(self.engine, ENGINES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
@@ -320,7 +320,7 @@ class RunSpec:
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
         compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
-        from .stacks.vllm.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
+        from .engines.vllm.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
 
         refused = sorted(self.capture.tap_names & set(REFUSED_COMPILED)) if self.capture.taps.strip() != "all" else []
         if compiled and refused:  # `all` captures what a compiled engine can and lists the rest in the manifest
@@ -383,7 +383,7 @@ class RunSpec:
                              "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
 
     def _check_train_tp(self) -> None:
-        """What a trainer sharded over processes (stacks/hf_tensor_parallel.py) cannot do, in one line each."""
+        """What a trainer sharded over processes (engines/hf/tensor_parallel.py) cannot do, in one line each."""
         ranks = self.load.train_tp
         if ranks == 1:
             return
@@ -596,7 +596,7 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
 
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), regions
-    its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (stacks/vllm/
+    its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (engines/vllm/
     tensor_parallel.py: REFUSED)."""
     check_regions_exist(family, () if run is None else run.ablate.regions if run.kind == "ablate" else run.align.regions)
     if load.train_tp > 1 and family.top_k_field is not None:  # its experts' plan shards the routed tokens: not built
@@ -615,8 +615,8 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     for feature in wanted:
         if feature in family.unsupported:
             raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")
-    if ranks > 1:  # what cannot run sharded (stacks/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
-        from .stacks.vllm.tensor_parallel import ENGINE_REGIONS, refuse
+    if ranks > 1:  # what cannot run sharded (engines/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
+        from .engines.vllm.tensor_parallel import ENGINE_REGIONS, refuse
 
         engine_regions = run is not None and run.align.side != "train" and bool(
             run.ablate.regions if run.kind == "ablate" else run.align.regions)

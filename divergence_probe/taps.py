@@ -47,7 +47,7 @@ ALL_TAPS = MODEL_TAPS_BEFORE + LAYER_TAPS + MODEL_TAPS_AFTER
 # What an engine hands over beside its taps and that is never diffed against the trainer: the experts each token of a
 # mixture-of-experts layer was sent to and their weights, as the engine's router chose them ([tokens, top_k]). They
 # travel through the same sink as taps (a stack splits its step rows per sequence the same way) and are consumed by
-# the routing capture (route_capture.py), not by the tap pairing.
+# the routing capture (runs/route_capture.py), not by the tap pairing.
 ROUTE_RECORDS = ("expert_ids", "expert_weights")
 _ORDER = {name: i for i, name in enumerate(ALL_TAPS + ROUTE_RECORDS)}
 

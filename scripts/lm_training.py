@@ -27,7 +27,7 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from divergence_probe import modelzoo  # noqa: E402
+from divergence_probe.models import modelzoo# noqa: E402
 
 HOLDOUT_EVERY = 20  # every 20th top-level stdlib file (by sorted name) is the built-in model's validation data
 LONG_FRACTION = 0.15  # the last 15% of the steps train on long windows

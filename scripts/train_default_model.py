@@ -42,7 +42,7 @@ import transformers
 from lm_training import (HOLDOUT_EVERY, ROOT, check_out, corpus_hashes, cpu_name, encode, save, stdlib_modules,
                          train, write_folder)
 
-from divergence_probe import modelzoo  # noqa: E402  (lm_training put the checkout on sys.path)
+from divergence_probe.models import modelzoo# noqa: E402  (lm_training put the checkout on sys.path)
 from divergence_probe.prompts import default_prompts_path, load_prompts  # noqa: E402
 
 DEFAULT_OUT = ROOT / "divergence_probe" / "data" / "default_model"

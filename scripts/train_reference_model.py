@@ -55,7 +55,7 @@ import transformers  # noqa: E402
 from lm_training import (check_out, corpus_hashes, cpu_name, encode, fail, heldout_modules, mean_loss,  # noqa: E402
                          save, train, windows, write_folder)
 
-from divergence_probe import modelzoo  # noqa: E402
+from divergence_probe.models import modelzoo# noqa: E402
 from divergence_probe.models import family_of, find  # noqa: E402
 
 REPORT = "training.json"

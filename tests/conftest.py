@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub lookup must fail fast, not hang
 
 import divergence_probe as dp  # noqa: E402
-from divergence_probe.modelzoo import make_model  # noqa: E402
+from divergence_probe.models.modelzoo import make_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def engine_marker_is_honoured(request, monkeypatch):
         return
     import subprocess
 
-    from divergence_probe.stacks.vllm.stack import VLLMStack
+    from divergence_probe.engines.vllm.stack import VLLMStack
 
     def refuse(what):
         pytest.fail(f"{request.node.nodeid} {what} but is not marked `engine`: add @pytest.mark.engine "
@@ -149,7 +149,7 @@ def toy():
     """The toy stacks (`toy`, `toy-fused`) and region (`toy-align`) of tests/toy_stack.py, registered through the
     same registries as the shipped ones for the duration of a test."""
     from divergence_probe.regions import REGIONS
-    from divergence_probe.stacks import register_stack
+    from divergence_probe.engines import register_stack
 
     removers = [register_stack("toy", "toy_stack:ToyStack"), register_stack("toy-fused", "toy_stack:FusedToyStack")]
     REGIONS["toy-align"] = "toy_stack:TOY_ALIGN"
@@ -215,7 +215,7 @@ def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[
 def nan_on_forward(monkeypatch):
     """nan_on_forward(n): from now on, the n-th forward of a transformers model loaded by a stack returns NaN
     logits (counted over both stacks): a run that fails midway, after some prompts were scored and reduced."""
-    from divergence_probe.stacks.hf import HFStack
+    from divergence_probe.engines.hf.trainer import HFStack
 
     calls = {"n": 0, "fail_at": None}
     real_load = HFStack.load

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import divergence_probe.stacks.vllm.stack as vllm_stack
+import divergence_probe.engines.vllm.stack as vllm_stack
 from divergence_probe.cli import main
 
 HOLD_LIMIT_S = 300  # no signal by then: fail loudly (the engine start error is exit 2, not the 143 the test wants)

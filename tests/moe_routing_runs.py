@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import divergence_probe as dp
-from divergence_probe.route_capture import RouteCapture
+from divergence_probe.runs.route_capture import RouteCapture
 
 PROMPTS = {"num_prompts": 12, "max_prompt_tokens": 128}  # enough tokens that some routes flip on the tiny MoE
 
@@ -51,7 +51,7 @@ def _routes_handed() -> tuple[dict, callable]:
 def _router_taps(probe, name: str, out: Path) -> None:
     """Both stacks' router logits of the run's prompts, captured through a sink of this script and batched as compare
     batches them: the engine's steps of --batch-tokens, the trainer's one prompt per forward."""
-    from divergence_probe.compare import load_run_prompts
+    from divergence_probe.runs.compare import load_run_prompts
     from divergence_probe.spec import spec_from_flat
 
     spec = spec_from_flat("compare", load=probe.config, **PROMPTS)

@@ -22,7 +22,7 @@ from divergence_probe.errors import ProbeError
 from divergence_probe.models import family_of, find
 from divergence_probe.rl.sync import WeightSync
 from divergence_probe.rl.trainer import Trainer
-from divergence_probe.stacks.vllm.rollout import RolloutRecorder
+from divergence_probe.engines.vllm.rollout import RolloutRecorder
 
 model, root = sys.argv[1], Path(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "eager"
@@ -194,7 +194,7 @@ seen["reload_alone"] = error_of(reload_alone)
 # 4. (compiled) route buffers the graph did not write (zeroed before the host reads them after each step): the
 # replaying step refuses the rollout's routes instead of training on them
 if mode == "compiled":
-    from divergence_probe.stacks.vllm import compiled_taps
+    from divergence_probe.engines.vllm import compiled_taps
 
     real_deliver = compiled_taps.deliver
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE
-from divergence_probe.shapley import Combo, attribution, bootstrap_intervals, change_words, shapley, subsets
+from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE, SHARE
+from divergence_probe.numerics.shapley import Combo, attribution, bootstrap_intervals, change_words, shapley, subsets
 from divergence_probe.cli import app
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 

@@ -55,7 +55,7 @@ def test_bench_compare_on_the_tiny_moe_renders_its_section(tmp_path, benchmark_m
     assert data["model"]["arch"] == "qwen3_moe" and data["model"]["num_local_experts"] > 1
     assert set(data["overhead"]["times_s"]) == {"all", "none"} and data["summary"]["ratio"] > 0
     assert data["targets"]["max_ratio"] == benchmark_module("bench_compare").TARGET_RATIO["qwen3_moe"]
-    assert "route_capture.py:finish_prompt" in data["overhead"]["profile"]["cumulative_s"]
+    assert "runs/route_capture.py:finish_prompt" in data["overhead"]["profile"]["cumulative_s"]
     section = benchmark_module("bench_compare").render(data)
     assert "## compare: tap overhead and peak memory (qwen3_moe)" in section and "all / none" in section
 

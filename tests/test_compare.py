@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from divergence_probe.compare import PendingScores, ScoredSequence
+from divergence_probe.runs.compare import PendingScores, ScoredSequence
 from divergence_probe.errors import NumericsError, StackError
-from divergence_probe.metrics import token_logprobs
+from divergence_probe.numerics.metrics import token_logprobs
 from divergence_probe.models import get_family
 from divergence_probe.prompts import Prompt
 from divergence_probe.taps import ALL_TAPS, expected_taps
@@ -82,10 +82,10 @@ def _nudged(reported: torch.Tensor, position: int, steps: int, spacing: float) -
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_captured_logits_must_reproduce_reported_logprobs_within_the_documented_bound(device):
-    """stacks/vllm/stack.py checks the captured logits against vLLM's reported logprobs: on the CPU not one ULP may differ;
+    """engines/vllm/stack.py checks the captured logits against vLLM's reported logprobs: on the CPU not one ULP may differ;
     on a GPU up to 4 float32 ULPs of the larger of |logit| and |logsumexp| (the bound justified there), no more."""
 
-    from divergence_probe.stacks.vllm.stack import VLLMStack
+    from divergence_probe.engines.vllm.stack import VLLMStack
 
     stack = VLLMStack()
     stack.settings = SimpleNamespace(device=device)  # the check reads only the device (tensors stay on the CPU)
@@ -116,7 +116,7 @@ def test_taps_kept_without_a_clone_are_never_written_again(vllm_probe, prompts_f
     """vLLM's taps are cloned only where vLLM may overwrite the buffer later (vllm.REWRITTEN): with every tap
     cloned, every statistic is the same. A tap wrongly left out of REWRITTEN is paired after vLLM overwrote it
     (on this CPU build: q_norm and k_norm, which RoPE rotates in place; its fused add+norm is out of place)."""
-    from divergence_probe.stacks.vllm import stack as vllm_stack
+    from divergence_probe.engines.vllm import stack as vllm_stack
     from divergence_probe.taps import ALL_TAPS
 
     selective = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table
@@ -158,7 +158,7 @@ def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompt
     """Hooks are installed once per score call, every tap is filed under the prompt that made it, each prompt's
     scores arrive (in order) before the next prompt runs, and no hook outlives the call."""
     from divergence_probe.prompts import load_prompts
-    from divergence_probe.stacks.hooks import HookSet
+    from divergence_probe.engines.hooks import HookSet
     from divergence_probe.taps import parse_tap_selection
 
     prompts = load_prompts(prompts_file, hf_probe.tokenizer, max_model_len=hf_probe.settings.max_model_len)
@@ -184,7 +184,7 @@ def test_training_projection_taps_are_the_projections_in_and_out_and_leave_nothi
     projection's input and output; the wrappers are gone after the call, also when one of them could not be
     installed because another live patch holds that forward."""
     from divergence_probe.prompts import Prompt
-    from divergence_probe.stacks.hooks import HookSet, PatchConflict
+    from divergence_probe.engines.hooks import HookSet, PatchConflict
     from divergence_probe.taps import parse_tap_selection
 
     stack = hf_probe.train
@@ -227,7 +227,7 @@ def test_run_loop_callbacks_run_outside_the_sdpa_observer(hf_probe, prompts_file
 def test_run_loop_pauses_automatic_garbage_collection_and_restores_it(hf_probe, prompts_file, monkeypatch):
     import gc
 
-    from divergence_probe import compare
+    from divergence_probe.runs import compare
 
     seen, read = [], compare.PendingScores.read
     monkeypatch.setattr(compare.PendingScores, "read", lambda self: (seen.append(gc.isenabled()), read(self))[1])

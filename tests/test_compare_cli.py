@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.models import get_family
-from divergence_probe.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
+from divergence_probe.numerics.tables import LAYER_COLUMNS, SUMMARY_COLUMNS, TOKEN_COLUMNS
 from divergence_probe.taps import ALL_TAPS, expected_taps
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
@@ -229,7 +229,7 @@ def test_compare_failing_midway_writes_nothing(qwen3_tiny, prompts_file, tmp_pat
 
 
 def test_make_model_failing_midway_writes_nothing(tmp_path, monkeypatch):
-    from divergence_probe import modelzoo
+    from divergence_probe.models import modelzoo
     from divergence_probe.errors import OutputError
 
     def fail(*args, **kwargs):  # the config and tokenizer are written by then

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from divergence_probe.errors import StackError
-from divergence_probe.stacks.hooks import Replacement
-from divergence_probe.stacks.vllm.aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
+from divergence_probe.engines.hooks import Replacement
+from divergence_probe.engines.vllm.aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
@@ -35,7 +35,7 @@ BUILDS = r'''
 import json, sys, torch
 import divergence_probe as dp
 from divergence_probe.prompts import load_prompts
-from divergence_probe.stacks.vllm.worker import WorkerStack
+from divergence_probe.engines.vllm.worker import WorkerStack
 
 model, prompts_file, out = sys.argv[1:4]
 result = {}
@@ -55,7 +55,7 @@ with WorkerStack(probe.settings, ()) as again:                                  
     third = again.score(prompts, frozenset(), lambda *a: None)
     result["third_cache_root"] = again.info().settings["engine_process"]["vllm_cache_root"]
 
-from divergence_probe.batch_invariance import NoiseEngines, other_engine_settings                 # eager
+from divergence_probe.runs.batch_invariance import NoiseEngines, other_engine_settings                 # eager
 eager = other_engine_settings(probe.settings)
 with NoiseEngines() as engines:  # one eager engine, regions patched per call
     patched = engines.score(eager, ("rope",), prompts)
@@ -195,8 +195,8 @@ def test_a_region_missing_from_the_compiled_graph_is_refused():
 
 
 def test_engine_noise_builds_the_other_mode_with_the_run_s_engine_args():
-    from divergence_probe.batch_invariance import other_engine_settings
-    from divergence_probe.stacks.base import StackSettings, freeze_engine_args
+    from divergence_probe.runs.batch_invariance import other_engine_settings
+    from divergence_probe.engines.protocol import StackSettings, freeze_engine_args
 
     args = freeze_engine_args({"max_num_seqs": 8, "compilation_config": {"mode": 2}})
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled", engine_args=args)
@@ -233,7 +233,7 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from divergence_probe import ablate
+    from divergence_probe.runs import ablate
     from divergence_probe.spec import AblateSpec, RunSpec
 
     started, closed, seen = [], [], {}
@@ -295,8 +295,8 @@ def test_a_failed_aligned_build_removes_its_compile_cache(tmp_path, monkeypatch)
     """A build that failed (e.g. the regions never reached the graph) may have saved a graph without them; the next
     build of that region set must not load it (seen on the H200: a later run found the unpatched graph, refused)."""
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.vllm.worker import WorkerStack
+    from divergence_probe.engines.protocol import StackSettings
+    from divergence_probe.engines.vllm.worker import WorkerStack
 
     settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
     worker = WorkerStack(settings, ("rope",))

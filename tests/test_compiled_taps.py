@@ -34,7 +34,7 @@ import json, sys, torch
 import divergence_probe as dp
 from divergence_probe.errors import ProbeError
 from divergence_probe.prompts import load_prompts
-from divergence_probe.stacks.vllm import compiled_taps
+from divergence_probe.engines.vllm import compiled_taps
 from divergence_probe.taps import each_tap
 
 def keep(into, name=lambda pid, key: (pid, key.name, key.layer)):  # a sink that keeps every tap on its own
@@ -67,7 +67,7 @@ if taps != "none":
     # consecutive steps through the static buffers: P, then Q (P's tokens reversed), then P again, each a scoring call
     # of its own; and a generate-mode call whose decode steps (one row per sequence) are read one by one
     import dataclasses
-    from divergence_probe.stacks.base import SamplingSpec
+    from divergence_probe.engines.protocol import SamplingSpec
     wanted = frozenset({"embed", "mlp_out"})
     def scored(p):
         got = {}
@@ -140,7 +140,7 @@ def test_tap_points_leave_the_logprobs_bitwise_equal(engines):
 
 
 def test_taps_all_captures_the_neutral_set_and_lists_the_rest(engines):
-    from divergence_probe.stacks.vllm import compiled_taps
+    from divergence_probe.engines.vllm import compiled_taps
 
     tapped = engines["tapped"]
     family = get_family(tapped["model_type"])
@@ -222,7 +222,7 @@ def test_router_taps_are_what_the_graph_routed_with(engines):
     (its router's ids) are a top-k of the router_logits tap, and their weights are the softmax of those logits
     (norm_topk_prob: over the k chosen), so logits and routes are one step's, one row's. The compare checked its
     routes against its logits for every routed row (RouteRecordError otherwise)."""
-    from divergence_probe import routing
+    from divergence_probe.numerics import routing
 
     if engines["model"] != "qwen3_moe_tiny":
         pytest.skip("a dense model has no router")
@@ -268,7 +268,7 @@ def test_each_step_reads_what_that_step_wrote(engines):
 @pytest.fixture
 def op_state():
     """The op with an empty buffer registry; restored afterwards (the registry is per process)."""
-    from divergence_probe.stacks.vllm import compiled_taps
+    from divergence_probe.engines.vllm import compiled_taps
 
     compiled_taps.register_op()
     saved, saved_groups = dict(compiled_taps._BUFFERS), list(compiled_taps._GROUPS)
@@ -408,9 +408,9 @@ def test_tap_points_are_part_of_the_engine_key():
     (nor the reverse); eager engines need no tap points, whatever was asked."""
     from dataclasses import replace
 
-    from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.vllm.compiled_taps import wants_tap_points
-    from divergence_probe.stacks.vllm.stack import _engine_key
+    from divergence_probe.engines.protocol import StackSettings
+    from divergence_probe.engines.vllm.compiled_taps import wants_tap_points
+    from divergence_probe.engines.vllm.stack import _engine_key
     from divergence_probe.taps import parse_tap_selection
 
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
@@ -429,8 +429,8 @@ def test_tap_points_under_cuda_graphs_and_per_selection():
     made for the layer taps asked for at load only (the rest say so in the status); eager engines need none."""
     from dataclasses import replace
 
-    from divergence_probe.stacks.vllm import compiled_taps
-    from divergence_probe.stacks.base import StackSettings, freeze_engine_args
+    from divergence_probe.engines.vllm import compiled_taps
+    from divergence_probe.engines.protocol import StackSettings, freeze_engine_args
 
     def settings(device, args=None):
         return StackSettings(model_path="m", dtype=torch.bfloat16, device=device, engine="compiled",
@@ -458,9 +458,9 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
 
     import pandas as pd
 
-    from divergence_probe import batch_invariance
-    from divergence_probe.compare import noise_floor_columns
-    from divergence_probe.stacks.base import StackSettings
+    from divergence_probe.runs import batch_invariance
+    from divergence_probe.runs.compare import noise_floor_columns
+    from divergence_probe.engines.protocol import StackSettings
 
     built = []
 
@@ -555,8 +555,8 @@ def test_a_moe_engine_gets_its_route_records_with_its_router_logits():
     """Which tap points a compiled engine gets for a mixture of experts: the route records come with router_logits
     (the compare checks one against the other) or alone when a run replays them; a dense family's selection is what
     it was, and each family's status lists only the taps its layers have."""
-    from divergence_probe.stacks.base import StackSettings
-    from divergence_probe.stacks.vllm import compiled_taps
+    from divergence_probe.engines.protocol import StackSettings
+    from divergence_probe.engines.vllm import compiled_taps
 
     moe, dense = get_family("qwen3_moe"), get_family("qwen3")
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
@@ -579,7 +579,7 @@ def test_an_engine_whose_router_never_runs_is_refused(why):
     shared-expert gate, or an experts kernel that routes inside itself, is refused in one line."""
     from torch import nn
 
-    from divergence_probe.stacks.vllm import compiled_taps
+    from divergence_probe.engines.vllm import compiled_taps
 
     layer = nn.Module()
     layer.mlp = nn.Module()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from divergence_probe import torch_state
+from divergence_probe.engines import torch_state
 from divergence_probe.errors import StackError
-from divergence_probe.stacks.base import StackSettings, freeze_engine_args
+from divergence_probe.engines.protocol import StackSettings, freeze_engine_args
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
@@ -34,7 +34,7 @@ IN_ENGINE = r'''
 import json, sys, torch
 from pathlib import Path
 import divergence_probe as dp
-from divergence_probe import torch_state
+from divergence_probe.engines import torch_state
 from divergence_probe.prompts import load_prompts
 from divergence_probe.errors import ProbeError
 
@@ -77,7 +77,7 @@ result["align_train_rows"] = len(probe.compare(prompts=prompts_file, taps="none"
 manifest = probe.compare(prompts=prompts_file, taps="none").manifest
 result["infer_settings"] = manifest["stacks"]["infer"]["settings"]
 from dataclasses import replace
-from divergence_probe.stacks.vllm.stack import VLLMStack
+from divergence_probe.engines.vllm.stack import VLLMStack
 result["other_engine_error"] = error_of(lambda: VLLMStack().load(replace(probe.settings, engine="eager")))
 VLLMStack().load(replace(probe.settings, train_sdpa="math", train_attn="eager"))  # the same engine: reused
 
@@ -224,7 +224,7 @@ def test_isolated_trainer_equals_a_fresh_process_bitwise(compiled_run, qwen3_tin
     ({"compilation_config": {"no_such_field": 1}}, "compiled", "compilation config"),
 ])
 def test_bad_engine_args_are_one_line_errors(args, engine, words):
-    from divergence_probe.stacks.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.stack import check_engine_args
 
     with pytest.raises(StackError) as e:
         check_engine_args(args, engine)
@@ -232,7 +232,7 @@ def test_bad_engine_args_are_one_line_errors(args, engine, words):
 
 
 def test_good_engine_args_pass():
-    from divergence_probe.stacks.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.stack import check_engine_args
 
     check_engine_args({"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 8,
                        "compilation_config": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}, "compiled")

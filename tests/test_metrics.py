@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.metrics import DiffStats, blocks_first, diff_sums, token_kl, token_logprobs, ulp_distance
+from divergence_probe.numerics.metrics import DiffStats, blocks_first, diff_sums, token_kl, token_logprobs, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -145,7 +145,7 @@ def test_diff_sums_within_documented_error_of_float64(reduce, dtype):
 
 
 def test_reduction_falls_back_to_eager_when_compiling_fails(monkeypatch):
-    from divergence_probe import fused
+    from divergence_probe.numerics import fused
 
     def broken(fn, **_):
         def run(*args):
@@ -175,7 +175,7 @@ def test_dot_from_three_sums_is_accurate_for_nearly_equal_tensors():
 
 def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
     """Inductor's deterministic mode: kernel configs are not chosen by timing, so sums repeat across runs."""
-    from divergence_probe import fused
+    from divergence_probe.numerics import fused
 
     monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
     monkeypatch.setattr(fused, "_compiled", None)
@@ -188,7 +188,7 @@ def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
 def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
     """Past fused.PATTERN_LIMIT compiled graphs a new pattern of groups is reduced eagerly, and the manifest's
     backend says so (torch alone would switch to eager silently)."""
-    from divergence_probe import fused
+    from divergence_probe.numerics import fused
 
     monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
     monkeypatch.setattr(fused, "_compiled", None)
@@ -208,7 +208,7 @@ def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
 def test_reduction_compiles_once_when_a_token_count_equals_a_feature_width(monkeypatch):
     """A prompt whose token count happens to equal a tap's width must not pin the two together in the compiled
     graph: the next prompt would compile it again (with one pattern allowed, it would run eagerly and say so)."""
-    from divergence_probe import fused
+    from divergence_probe.numerics import fused
 
     monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
     monkeypatch.setattr(fused, "_compiled", None)
@@ -297,7 +297,7 @@ def test_token_kl_at_full_vocabulary_with_large_logits_equals_an_extended_precis
 
 def test_gpu_layout_reduces_a_strided_hand_over_as_its_contiguous_copy():
     """A compiled engine hands a prompt's taps over as rows of larger buffers ([taps, tokens, features], the other
-    prompts' rows between its taps). The GPU's layout of the reduction, compiled as fused.py compiles it (run here on
+    prompts' rows between its taps). The GPU's layout of the reduction, compiled as numerics/fused.py compiles it (run here on
     the CPU), gives such a view the sums of its contiguous copy, bit for bit, at every offset: it is the same
     computation whatever the offset. (On a GPU, Inductor's kernel for a view may sum in another order than the one for
     a copy: the last bits differ there, within the bound metrics._row_sums states.)"""

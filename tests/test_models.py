@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from divergence_probe.checkpoint import checkpoint_tensors, expected_tensors
+from divergence_probe.models.checkpoint import checkpoint_tensors, expected_tensors
 from divergence_probe.errors import ModelError, StackError
 from divergence_probe.models import FAMILIES, dims, find, get_family
-from divergence_probe.stacks.vllm.seams import layer_seams
+from divergence_probe.engines.vllm.seams import layer_seams
 from divergence_probe.taps import LAYER_TAPS, ROUTE_RECORDS
 
 ARCHS = sorted(FAMILIES)

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from divergence_probe import modelzoo
+from divergence_probe.models import modelzoo
 from divergence_probe.errors import ModelError, OutputError
-from divergence_probe.modelzoo import ARCHS, PRESETS, make_config, make_model
+from divergence_probe.models.modelzoo import ARCHS, PRESETS, make_config, make_model
 from divergence_probe.rundir import MARK
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

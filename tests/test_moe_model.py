@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.errors import ModelError
-from divergence_probe.modelzoo import make_config, make_model
+from divergence_probe.models.modelzoo import make_config, make_model
 
 # Qwen/Qwen3-30B-A3B config.json, copied by hand independently of modelzoo.PRESETS.
 PUBLISHED_30B_A3B = {

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import divergence_probe as dp
-from divergence_probe import routing
+from divergence_probe.numerics import routing
 from divergence_probe.errors import ProbeError
 from divergence_probe.models import get_family
 from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
@@ -145,7 +145,7 @@ def test_the_routing_verdict_reads_every_floor(runs):
     from rich.table import Table
 
     from divergence_probe.cli import _routing_rows
-    from divergence_probe.tables import ROUTING_NOISE_FLOORS
+    from divergence_probe.numerics.tables import ROUTING_NOISE_FLOORS
 
     s = _csv(runs / "shipped", "summary.csv").iloc[0].to_dict()
     floors = {name: s[name] for name in ROUTING_NOISE_FLOORS}
@@ -266,7 +266,7 @@ def test_graft_on_the_same_stack_is_the_forward_bitwise(hf_runs):
 def test_moe_seams_depend_only_on_their_inputs(hf_moe, prompts_file):
     """The router and experts seams read only what local.seam_inputs names (the experts: post_norm and the engine's
     routes): with every other tap NaN (ids: -1), the same bits; and the experts follow the routes they are handed."""
-    from divergence_probe.local import seam_inputs
+    from divergence_probe.runs.graft import seam_inputs
     from divergence_probe.prompts import load_prompts
     from divergence_probe.taps import ALL_TAPS, ROUTE_RECORDS, TapKey
 
@@ -338,7 +338,7 @@ def test_graft_separates_the_routers_from_the_experts(runs, qwen3_moe_tiny):
     state); every seam's local error is finite, and the router's propagated error is its layers.csv row."""
     from safetensors.torch import load_file
 
-    from divergence_probe.torch_state import trainer_numerics
+    from divergence_probe.engines.torch_state import trainer_numerics
 
     saved = torch.load(runs / "shipped" / "taps.pt")
     prompts = sorted(saved["lengths"])
@@ -407,8 +407,8 @@ def test_regions_a_family_lacks_refused_before_loading(arch, kind, options, mess
 def test_engine_routes_that_are_not_its_top_k_stop_the_run_in_one_line():
     """An engine whose recorded experts are not a top-k of its own router logits (what an RL framework would replay
     is then not what its router computed) is a one-line error naming sequence, layer and token."""
-    from divergence_probe.capture import TapPairing
-    from divergence_probe.route_capture import RouteCapture, RouteRecordError
+    from divergence_probe.runs.capture import TapPairing
+    from divergence_probe.runs.route_capture import RouteCapture, RouteRecordError
     from divergence_probe.taps import TapKey
 
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]], dtype=torch.bfloat16)
@@ -426,8 +426,8 @@ def test_engine_routes_that_are_not_its_top_k_stop_the_run_in_one_line():
 def test_ablate_replays_weights_only_in_combinations_with_routing():
     """--routing-replay ids+weights applies to the combinations that align routing; the others (the shipped one
     included) are plain compares, which a replay option would make invalid."""
-    from divergence_probe.ablate import combo_spec
-    from divergence_probe.shapley import subsets
+    from divergence_probe.runs.ablate import combo_spec
+    from divergence_probe.numerics.shapley import subsets
 
     spec = spec_from_flat("ablate", load=LoadSpec(model="m"), regions="rope,routing", routing_replay="ids+weights")
     replays = {combo: combo_spec(spec, combo).align.routing_replay for combo in subsets(spec.ablate.regions)}

@@ -1,4 +1,4 @@
-"""The closing lines of a run (next_steps.py): the run folder, the report and the next command, from the run's own
+"""The closing lines of a run (runs/next_steps.py): the run folder, the report and the next command, from the run's own
 numbers; the suggested commands run as printed."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.models import get_family
-from divergence_probe.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
-from divergence_probe.noise_verdict import ABOVE, CANNOT_TELL, RATIO, VERDICT, WITHIN, floor_columns, verdict
+from divergence_probe.runs.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
+from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, RATIO, VERDICT, WITHIN, floor_columns, verdict
 from divergence_probe.rl.spec import RLSpec
-from divergence_probe.shapley import ALL_REGIONS, CHANGE
-from divergence_probe.score import ScoreSpec
+from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE
+from divergence_probe.runs.score import ScoreSpec
 from divergence_probe.spec import LoadSpec, spec_from_flat
 
 

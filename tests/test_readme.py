@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.gate import Gate
+from divergence_probe.reports.gate import Gate
 from divergence_probe.spec import spec_from_flat
 from readme_runs import NOT_RUN, PLACEHOLDER, RENDERED, RUN, key, readme_commands
 

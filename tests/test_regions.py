@@ -16,7 +16,7 @@ from divergence_probe import align
 from divergence_probe.errors import StackError
 from divergence_probe.regions import ALL_REGIONS, REGIONS, Region, aligned, patch, plan, rmsnorm
 from divergence_probe.regions.base import decoder_layers
-from divergence_probe.stacks.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
+from divergence_probe.engines.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
 
 SHAPES = [1, 7, 64]  # tokens
 DTYPES = [torch.bfloat16, torch.float16]
@@ -141,7 +141,7 @@ def test_side_train_leaves_vllm_untouched(vllm_probe, prompts_file):
     vm = vllm_probe.infer.model
     methods = {id(m): m._forward_method for m in vm.modules() if hasattr(m, "_forward_method")}
     shipped = vllm_probe.compare(prompts=prompts_file, taps="none")
-    from divergence_probe.ablate import stacks_for
+    from divergence_probe.runs.ablate import stacks_for
 
     with aligned(stacks_for(vllm_probe, "train"), ["rope", "swiglu", "rmsnorm"]):
         assert methods == {id(m): m._forward_method for m in vm.modules() if hasattr(m, "_forward_method")}
@@ -592,9 +592,9 @@ def test_lm_head_fp32_is_the_float64_product_on_both_stacks_and_undone_bitwise(v
 def test_lm_head_logprobs_come_from_the_fp32_logits_on_both_stacks(vllm_probe, prompts_file):
     """A compare with lm_head aligned takes both stacks' logprobs from FP32 logits with no rounding in between: each
     stack's scores carry FP32 logits whose FP32 log_softmax is the run's logprob (on the engine, vLLM's own reported
-    logprobs must equal it at a gap of 0: the logits check in stacks/vllm/stack.py), and the BF16-rounded logits
+    logprobs must equal it at a gap of 0: the logits check in engines/vllm/stack.py), and the BF16-rounded logits
     would give other logprobs."""
-    from divergence_probe.metrics import token_logprobs
+    from divergence_probe.numerics.metrics import token_logprobs
     from divergence_probe.prompts import load_prompts
 
     shipped = vllm_probe.compare(prompts=prompts_file, taps="none")

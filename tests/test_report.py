@@ -26,10 +26,10 @@ from divergence_probe.errors import OutputError, ProbeError
 from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
-from divergence_probe.noise_verdict import floor_columns
-from divergence_probe.rl_metrics import ratio_split
-from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
-from divergence_probe.shapley import attribution as shapley_attribution
+from divergence_probe.numerics.noise_verdict import floor_columns
+from divergence_probe.numerics.rl_metrics import ratio_split
+from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
+from divergence_probe.numerics.shapley import attribution as shapley_attribution
 
 runner = CliRunner()
 N_LAYERS = 4
@@ -377,10 +377,10 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
 
 
 def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
-    from divergence_probe.batch_invariance import TAP_POINTS_CHANGE
-    from divergence_probe.compare import noise_floor_columns
+    from divergence_probe.runs.batch_invariance import TAP_POINTS_CHANGE
+    from divergence_probe.runs.compare import noise_floor_columns
     from divergence_probe.reports.prose import SUMMARY_MEANINGS
-    from divergence_probe.tables import NOISE_FLOORS
+    from divergence_probe.numerics.tables import NOISE_FLOORS
 
     floor = pd.DataFrame({"side": ["infer", "train"], "mean_abs_dlogp": [0.0, 1e-4]})
     kernel = pd.DataFrame({"change": ["sdpa math vs auto", "train_tp 1 vs 2"], "mean_abs_dlogp": [1e-2, 3e-3]})

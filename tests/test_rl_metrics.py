@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe.rl_metrics import bucket_table, log_factors, ratio_split, sequence_metrics, token_metrics
+from divergence_probe.numerics.rl_metrics import bucket_table, log_factors, ratio_split, sequence_metrics, token_metrics
 
 logprobs = st.lists(st.floats(-12, 0), min_size=1, max_size=40)
 

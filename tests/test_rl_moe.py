@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from divergence_probe.errors import StackError
-from divergence_probe.stacks.hooks import HookSet
-from divergence_probe.stacks.vllm.rollout import RolloutRecorder
+from divergence_probe.engines.hooks import HookSet
+from divergence_probe.engines.vllm.rollout import RolloutRecorder
 from divergence_probe.taps import TapKey
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
@@ -99,7 +99,7 @@ def test_compiled_rollout_routes_are_the_eager_engines_up_to_rounding(rl_moe_eag
     in every row whose compiled top-k margin (k-th minus (k+1)-th logit) is over twice the largest difference between
     the two engines' logits of that row, no logit can overtake another, so both records must name the same experts
     (a row filed under another position or sequence would not); every set that differs lies within that bound."""
-    from divergence_probe import routing
+    from divergence_probe.numerics import routing
 
     eager, compiled = (torch.load(root / "same_tokens.pt") for root, _ in (rl_moe_eager, rl_moe_compiled))
     assert compiled["cached_rows"] == eager["cached_rows"] and max(eager["cached_rows"]) > 0

@@ -1,5 +1,5 @@
 """route_capture: a batch's routing compared on stacks of every layer of every sequence (one read-back per inference
-batch) equals routing.py's per-layer calls bit for bit, in calls of any size; its ops do not grow with the sequences
+batch) equals numerics/routing.py's per-layer calls bit for bit, in calls of any size; its ops do not grow with the sequences
 or layers of a batch; and a failing check still names the first sequence, layer and token. Synthetic router logits
 on a coarse BF16 grid (ties and one-ULP near-ties everywhere), no model: this file runs in about a second."""
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from divergence_probe import route_capture, routing
+from divergence_probe.runs import route_capture
+from divergence_probe.numerics import routing
 from divergence_probe.errors import NumericsError
-from divergence_probe.route_capture import RouteCapture, RouteRecordError
+from divergence_probe.runs.route_capture import RouteCapture, RouteRecordError
 from divergence_probe.taps import TapKey
 
 EXPERTS, TOP_K = 8, 3

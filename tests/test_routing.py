@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from divergence_probe import routing
+from divergence_probe.numerics import routing
 
 # -----------------------------------------------------------------------------
 # the independent reference: enumerate every order each side's logits admit

@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.rl_metrics import log_factors
+from divergence_probe.numerics.rl_metrics import log_factors
 from divergence_probe.rollouts import RolloutError, read_rollouts
-from divergence_probe.score import Scorer, score_batch
+from divergence_probe.runs.score import Scorer, score_batch
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,8 +261,8 @@ def test_score_cli(qwen3_tiny, generated, tmp_path):
 def test_wrong_tokens_are_named_when_they_carry_the_gap(tmp_path):
     """The rule on its own (a tiny random model finds every token unlikely, so no model run can show it): recorded
     logprobs that call likely tokens the model would hardly sample, against a trainer that agrees elsewhere."""
-    from divergence_probe.compare import TokenScore
-    from divergence_probe.score import UNLIKELY_LOGPROB, ScoreRun
+    from divergence_probe.runs.compare import TokenScore
+    from divergence_probe.runs.score import UNLIKELY_LOGPROB, ScoreRun
 
     def run(train_lp, rec_lp):
         tokens = [TokenScore(0, 1 + j, 5, "x", r, t, math.nan, 0, True)
@@ -364,7 +364,7 @@ SCORE_EDITS = {  # an edited or stale score run folder: what rerun must refuse b
 def test_rerun_of_an_edited_score_run_is_one_line(scored_cli, tmp_path, monkeypatch, name):
     import shutil
 
-    from divergence_probe import score as score_module
+    from divergence_probe.runs import score as score_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
@@ -469,8 +469,8 @@ def test_rows_past_the_decompressed_bound_are_refused(tmp_path, monkeypatch):
 def test_a_row_at_the_context_is_refused_before_the_engine_loads(qwen3_tiny, tmp_path, monkeypatch):
     """vLLM keeps one position of the context for the token it samples: a row of exactly max_model_len tokens is
     refused by `score --infer vllm` before any stack loads (compare's prompts have the same limit)."""
-    import divergence_probe.probe as probe
-    from divergence_probe.model_source import resolve_model
+    import divergence_probe.runs.probe as probe
+    from divergence_probe.models.source import resolve_model
 
     context = resolve_model(str(qwen3_tiny)).max_model_len
     row = {"prompt_ids": [5] * (context - 1), "response_ids": [6], "logprobs": [-1.0]}

@@ -1,4 +1,4 @@
-"""vLLM at tensor_parallel_size 2 (stacks/vllm/tensor_parallel.py) on the CPU's two cores: gathered taps against the
+"""vLLM at tensor_parallel_size 2 (engines/vllm/tensor_parallel.py) on the CPU's two cores: gathered taps against the
 session's in-process engine at 1, vLLM's own logprobs, the parallelism floor, the manifest, and what is refused.
 
 One TP=2 engine in the whole file: a module fixture runs it in a process of its own (its ranks are spawned, which
@@ -36,10 +36,10 @@ import sys, time, torch
 
 def main():
     import divergence_probe as dp
-    from divergence_probe.compare import load_run_prompts
+    from divergence_probe.runs.compare import load_run_prompts
     from divergence_probe.errors import ProbeError
     from divergence_probe.spec import spec_from_flat
-    from divergence_probe.stacks.vllm import tensor_parallel
+    from divergence_probe.engines.vllm import tensor_parallel
     from divergence_probe.taps import ALL_TAPS
 
     model, prompts, out = sys.argv[1:4]
@@ -87,7 +87,7 @@ def tp2(tmp_path_factory, qwen3_tiny, prompts_file):
 @pytest.fixture(scope="module")
 def tp1(tp2, vllm_probe, prompts_file):
     """The same prompts through the session's in-process engine at tensor_parallel_size 1, batched alike."""
-    from divergence_probe.compare import load_run_prompts
+    from divergence_probe.runs.compare import load_run_prompts
 
     spec = spec_from_flat("compare", model=str(vllm_probe.source.path), prompts=str(prompts_file), device="cpu")
     _, sequences = load_run_prompts(spec, vllm_probe.tokenizer, vllm_probe.source.max_model_len)
@@ -161,7 +161,7 @@ def test_logprobs_are_vllms_own_and_the_floor_is_the_tp_change(tp2, tp1):
     assert noise.mean_abs_dlogp.iloc[0] == pytest.approx(tp_change, rel=1e-9)
     summary = pd.read_csv(tp2["run"] / "summary.csv").iloc[0]
     assert summary["noise_infer_tensor_parallel_mean_abs_dlogp"] == noise.mean_abs_dlogp.iloc[0]
-    from divergence_probe.tables import largest_noise_floor
+    from divergence_probe.numerics.tables import largest_noise_floor
 
     assert largest_noise_floor(summary)[0] == "noise_infer_tensor_parallel_mean_abs_dlogp"
 
@@ -174,7 +174,7 @@ def _targets(tp2, scores) -> torch.Tensor:
 
 
 def test_the_manifest_records_the_tp_size_and_rerun_replays_it(tp2):
-    from divergence_probe.replay import command_line, refused_engine_args
+    from divergence_probe.runs.rerun import command_line, refused_engine_args
     from divergence_probe.spec import RunSpec
 
     manifest = json.loads((tp2["run"] / "manifest.json").read_text())

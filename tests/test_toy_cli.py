@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.shapley import ALL_REGIONS, CHANGE, SHARE
+from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE, SHARE
 
 CSVS = ("tokens.csv", "layers.csv", "summary.csv", "ablation.csv", "attribution.csv", "buckets.csv",
         "batch_invariance.csv", "rollouts.jsonl")
@@ -100,7 +100,7 @@ def test_rerun_refuses_changed_prompts(toy_args, tmp_path, prompts_file):
 
 @pytest.mark.parametrize("prompt_text, message", [("", "No prompts found"), ("x" * 5000 + "\n", "context")])
 def test_bad_prompts_fail_before_any_stack_loads(qwen3_tiny, tmp_path, monkeypatch, prompt_text, message):
-    import divergence_probe.probe as probe
+    import divergence_probe.runs.probe as probe
 
     def no_stack(name):
         raise AssertionError(f"stack {name} was loaded before the prompts were checked")

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 import divergence_probe as dp
-from divergence_probe import memory_plan
+from divergence_probe.models import memory_plan
 from divergence_probe.cli import app
 from divergence_probe.errors import DeviceMemoryError, ProbeError
-from divergence_probe.memory_plan import plan
+from divergence_probe.models.memory_plan import plan
 from divergence_probe.spec import RunSpec, spec_from_flat
 
 from test_memory_plan import inputs, nothing_written, one_line_error
@@ -23,7 +23,7 @@ runner = CliRunner()
                                              ("cuda:7", "--train-device cuda:7, but this torch sees")])
 def test_a_train_device_that_is_not_there_is_one_line_before_anything_loads(device, message, qwen3_tiny, tmp_path,
                                                                            monkeypatch):
-    import divergence_probe.probe as probe_module
+    import divergence_probe.runs.probe as probe_module
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with two GPUs, as far as the check sees
@@ -150,7 +150,7 @@ def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(fla
 
 
 def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwen3_tiny, tmp_path, monkeypatch):
-    import divergence_probe.probe as probe_module
+    import divergence_probe.runs.probe as probe_module
 
     monkeypatch.setattr(probe_module, "trainer_stack_for", lambda *a: pytest.fail("a trainer was loaded"))
     out_dir = tmp_path / "run"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import divergence_probe as dp
 from divergence_probe.errors import ProbeError
-from divergence_probe.memory_plan import ModelSize, PlanInputs, plan
+from divergence_probe.models.memory_plan import ModelSize, PlanInputs, plan
 from divergence_probe.prompts import load_prompts
 from divergence_probe.spec import spec_from_flat
 
@@ -108,7 +108,7 @@ def test_rl_trainer_under_amp_pushes_what_it_computes_with(amp_probe):
     from divergence_probe.rl.spec import RLSpec
     from divergence_probe.rl.loop import load_spec
     from divergence_probe.rl.trainer import Trainer
-    from divergence_probe.stacks.hf import HFStack
+    from divergence_probe.engines.hf.trainer import HFStack
 
     assert load_spec(RLSpec(train_precision="amp")).train_precision == "amp"
     stack = HFStack()

@@ -33,7 +33,7 @@ def script():
 def test_tiny_reference_model_trains_and_is_a_checkpoint_compare_loads(script, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from divergence_probe.model_source import resolve_model
+    from divergence_probe.models.source import resolve_model
 
     out = tmp_path / "ref"
     report = script.main(["--size", "tiny", "--steps", "14", "--corpus-bytes", "200000", "--device", "cpu",

@@ -11,7 +11,7 @@ decoder layer (`self_attn.q_proj`). Consumers (stacks, regions, rl's sync check,
 never spell a path, so a new family is one module here plus one registry line (torchtitan's model_spec and
 state-dict adapter, vLLM's `packed_modules_mapping`, are the models for this).
 
-Seams say *where* a tap is read; *how* a read kind is done is the stack's code (stacks/hf.py, stacks/vllm/seams.py),
+Seams say *where* a tap is read; *how* a read kind is done is the stack's code (engines/hf/trainer.py, engines/vllm/seams.py),
 so this package imports nothing above it: no stacks, no regions, no orchestration.
 
 A mixture-of-experts family (Qwen3-MoE) adds roles for the router (`mlp.gate` on both stacks) and the experts, a

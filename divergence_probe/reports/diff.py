@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ProbeError
-from ..gate import MISMATCH_OVER_FLOOR, measured
+from .gate import MISMATCH_OVER_FLOOR, measured
 from ..rundir import output_folder, write_csv
-from ..shapley import SHIPPED
-from ..tables import NOISE_FLOORS
+from ..numerics.shapley import SHIPPED
+from ..numerics.tables import NOISE_FLOORS
 from .load import RunData, layers_of, load_run, shipped_rows
 
 DIFF = "diff"  # the output kind its folder is marked as (rundir.mark)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..shapley import SHIPPED
+from ..numerics.shapley import SHIPPED
 from .load import RunData, layers_of, response_rho, shipped_rows
 
 KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
@@ -150,7 +150,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
 def _graft_specs(run: RunData) -> list[FigureSpec]:
     """compare --graft / --depth: local vs propagated error by family and layer, and the depth curve."""
     from . import figures as F
-    from ..local import FAMILIES
+    from ..runs.graft import FAMILIES
 
     specs = []
     if "local" in run.extra:

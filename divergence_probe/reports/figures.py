@@ -23,7 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from ..shapley import ALL_REGIONS, SHARE, change_words
+from ..numerics.shapley import ALL_REGIONS, SHARE, change_words
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 150  # PNG: 1200 x 675 pixels

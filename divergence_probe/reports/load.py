@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..rundir import MANIFEST, RERUN, RunFolderError, read_run
-from ..shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED
+from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED
 
 ReportError = RunFolderError  # what `report` raises for a run folder it cannot use (and a bad --format)
 DEFAULT_CLIP_EPS = 0.2

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..shapley import CHANGE, SHARE, SHIPPED, change_words
+from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words
 from .document import Column, Heading, Paragraph, Table
 from .load import RunData, row_of, shipped_rows
-from ..tables import ROUTING_NOISE_FLOORS
+from ..numerics.tables import ROUTING_NOISE_FLOORS
 from .prose import _code, _finite, _get, _num, _signed_pct
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
-from ..noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
-from ..tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
+from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
+from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
+from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
-from ..graft_reading import amplification_text, families_by_local, findings
+from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .load import RunData, layers_of, response_rho, row_of, shipped_rows
 
 # Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").

@@ -3,7 +3,7 @@ engine's prefill of the same sequences.
 
 A score run has no taps and no noise floor of its own; what it has instead is the three-way split (recorded vs
 prefill: the decode path or the recording; prefill vs trainer: the engine's numerics; recorded vs trainer: what the
-run's importance ratios saw) and, when the recording is far from both, the explanation that fits (score.py
+run's importance ratios saw) and, when the recording is far from both, the explanation that fits (runs/score.py
 `diagnosis`). Throughout the report the recorded logprobs stand where a compare run has the engine's (tokens.csv's
 `logprob_rollout` is read as `logprob_infer`), so the figures and ratios read the same way. Columns:
 docs/reference.md, "score".

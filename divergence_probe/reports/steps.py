@@ -1,4 +1,4 @@
-"""A run's history drawn (score over many steps, history.py): steps.png/.pdf beside steps.csv."""
+"""A run's history drawn (score over many steps, runs/history.py): steps.png/.pdf beside steps.csv."""
 
 from __future__ import annotations
 

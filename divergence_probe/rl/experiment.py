@@ -44,10 +44,10 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
         read_prompt_sources(Path(spec.prompts))
         prompt_hashes = {"prompt_files_sha256": file_hashes(Path(spec.prompts))}
     if probe is None and spec.engine_args:
-        from ..stacks.vllm.stack import check_engine_args
+        from ..engines.vllm.stack import check_engine_args
 
         check_engine_args(load_spec(spec).engine_args, spec.engine)  # imports vLLM, starts nothing
-        from ..stacks.vllm.tensor_parallel import refuse, size
+        from ..engines.vllm.tensor_parallel import refuse, size
 
         refuse(["rl"], size(spec.engine_args))
     with ExitStack() as claim:

@@ -9,7 +9,7 @@ loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaul
 Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the engine's logprob of each sampled
 token is what the policy ratio uses. On a mixture of experts the rollout also records, at the router's
 select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
-records; stacks/vllm/stack.py `routes_recorded`): by a hook in the eager engine, and in the compiled one from the route
+records; engines/vllm/stack.py `routes_recorded`): by a hook in the eager engine, and in the compiled one from the route
 tap points its graph (and CUDA graphs) copy into static buffers (load builds the engine with them; compiled_taps.py),
 read after each step and filed by request and position like the eager hook's rows. The update's forward compares its
 own router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
@@ -45,10 +45,10 @@ import pandas as pd
 import torch
 
 from .. import align as align_api
-from .. import routing
+from ..numerics import routing
 from ..errors import NumericsError, ProbeError
 from ..regions import aligned, check_regions_exist, from_engine
-from ..rl_metrics import sequence_metrics, token_metrics
+from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
 from .spec import RLSpec, parse_setting

@@ -23,7 +23,7 @@ MAX_GROUP_SIZE = 256
 MAX_PROMPTS_PER_STEP = 1024
 MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
 MAX_NEW_TOKENS = 32_768
-# vllm.LLM keywords rl sets itself. The reasons compare gives for them (stacks/vllm/stack.py OWNED_ENGINE_ARGS) name flags rl does not
+# vllm.LLM keywords rl sets itself. The reasons compare gives for them (engines/vllm/stack.py OWNED_ENGINE_ARGS) name flags rl does not
 # have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
 # by the generic reason.
 ENGINE_ARGS_OWNED = {
@@ -139,7 +139,7 @@ class RLSpec:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
-        from ..stacks.vllm.stack import OWNED_ENGINE_ARGS  # here, not at import: rl --help needs no torch
+        from ..engines.vllm.stack import OWNED_ENGINE_ARGS  # here, not at import: rl --help needs no torch
 
         for key, value in self.engine_args.items():
             if key == "enable_prefix_caching" and value is True:  # what rl sets anyway
@@ -155,7 +155,7 @@ class RLSpec:
             patched = [r for r in parse_setting(s) if not (get_region(r).from_engine or get_region(r).outside_graph)]
             if patched and self.engine == "compiled" and self.side == "both":
                 # every setting runs on one engine, built once; a compiled engine takes a region only when built
-                # with it (compare builds one per combination: stacks/vllm/aligned.py), rl reuses one across settings
+                # with it (compare builds one per combination: engines/vllm/aligned.py), rl reuses one across settings
                 raise ProbeError(f"--engine compiled cannot align {','.join(patched)} on the engine (setting {s!r}): "
                                  "rl runs every setting on one engine, and a compiled engine takes a region patch "
                                  "only when it is built; use --side train (the engine as deployed) or --engine eager")

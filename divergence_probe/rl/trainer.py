@@ -7,9 +7,9 @@ BF16 copy, as trainers do and as the mismatch study needs: the trainer's logprob
 engine receives, so the weights are identical on both sides and the only difference left is how each stack computes.
 After each optimizer step the masters are rounded (to nearest even) into the compute model, whose tensors are pushed.
 
-The compute model is the training stack's transformers model (stacks/hf.py), run under the trainer's torch numerics;
+The compute model is the training stack's transformers model (engines/hf/trainer.py), run under the trainer's torch numerics;
 regions are aligned on it with `align.apply`, exactly as a user's trainer would. Under --train-precision amp that
-model holds the weights in FP32 and runs under torch.autocast to BF16 (stacks/hf.py): its GEMMs see the masters rounded
+model holds the weights in FP32 and runs under torch.autocast to BF16 (engines/hf/trainer.py): its GEMMs see the masters rounded
 to BF16, which is what the engine receives (`named_weights`), so the weights are identical on both sides there too.
 """
 

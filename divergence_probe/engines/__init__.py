@@ -1,0 +1,46 @@
+"""Stack registry. A new stack (SGLang, Megatron) is one module plus one line here.
+
+Entries are "module:Class" strings so a heavy engine is imported only when it is chosen.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from ..errors import ProbeError
+from .protocol import PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings, TapSink
+
+STACKS: dict[str, str] = {
+    "vllm": "divergence_probe.engines.vllm.stack:VLLMStack",
+    "hf": "divergence_probe.engines.hf.trainer:HFStack",
+}
+INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison
+TRAIN_STACKS = ["hf"]  # may sit on the training side (a trainer's forward: transformers)
+
+
+def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "train")):
+    """Add a stack ("module:Class") on the given sides; returns a function that removes it again (tests use this
+    for a toy stack; a stack that ships with the tool is a line in STACKS instead)."""
+    STACKS[name] = target
+    lists = [lst for side, lst in (("infer", INFER_STACKS), ("train", TRAIN_STACKS)) if side in sides]
+    for lst in lists:
+        lst.append(name)
+
+    def unregister() -> None:
+        STACKS.pop(name, None)
+        for lst in lists:
+            lst.remove(name)
+
+    return unregister
+
+
+def get_stack(name: str) -> Stack:
+    """A fresh, unloaded stack instance by registry name."""
+    if name not in STACKS:
+        raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join(STACKS)}")
+    module, cls = STACKS[name].split(":")
+    return getattr(import_module(module), cls)()
+
+
+__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACKS", "get_stack", "register_stack", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
+           "StackSettings", "TapSink"]

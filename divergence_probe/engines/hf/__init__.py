@@ -1,0 +1,1 @@
+"""The transformers trainer: its forward with taps, routing replay, tensor parallelism."""

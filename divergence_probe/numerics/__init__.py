@@ -1,0 +1,1 @@
+"""The numbers: tap metrics, routing counts, Shapley shares, noise verdicts, reductions."""

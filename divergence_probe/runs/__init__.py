@@ -1,0 +1,1 @@
+"""The runs: compare, ablate, score, their capture and noise floors, rerun and history."""

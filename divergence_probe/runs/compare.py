@@ -1,0 +1,651 @@
+"""compare: the one run loop. Feed both stacks the same token sequences and diff every tap and token logprob.
+
+Prefill and generate mode differ only in where the sequences come from (`SequenceSource`): the prompts
+themselves, scored by the inference stack's prefill, or prompt+response sequences the inference stack sampled
+through its decode path. Either way an inference batch runs first and parks its taps; then the training stack
+runs the batch's sequences, and as each is done its taps are paired and reduced (runs/capture.py) and its logits
+scored against the inference logits at every position. Nothing per-layer outlives its sequence. In generate mode the
+engine then scores every sampled sequence once more in one prefill (`engine_prefill`), which splits the RL ratio into
+trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pandas as pd
+import torch
+
+from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
+    groups_of, kernel_noise, routing_noise, train_parallel_noise
+from .batch_invariance import measure as measure_batch_invariance
+from .capture import TapPairing
+from ..environment import to_device
+from ..errors import NumericsError, ProbeError, StackError
+from ..numerics.fused import backend as fused_backend
+from ..models.memory_plan import Peaks, engine_report
+from ..numerics.metrics import DiffStats, token_kl
+from ..prompts import Prompt, batches, default_prompts_path, load_prompts
+from ..regions import from_engine
+from .route_capture import RouteCapture, RunRouting
+from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
+from ..rundir import ROLLOUTS
+from ..spec import RunSpec
+from ..engines.protocol import PromptScores, TapSink
+from ..numerics.noise_verdict import floor_columns, manifest_record
+from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
+from ..taps import ROUTE_RECORDS, TapKey, expected_taps
+
+Progress = Callable[[int, int], None]  # (prompts done, prompts total)
+
+
+def phase(progress: Progress | None, name: str, *, offset: int = 0, scale: int = 1) -> None:
+    """Tell a progress display that shows phases (the CLI's: one bar per long phase, with the time left) that a new
+    one starts: the calls that follow count from `offset` and their total is `scale` times this phase's. A plain
+    (done, total) callback has no `phase` and sees the same calls as ever."""
+    start = getattr(progress, "phase", None)
+    if start is not None:
+        start(name, offset=offset, scale=scale)
+
+
+@dataclass
+class TokenScore:
+    """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
+    also belongs to a sample, and is either part of the prompt or of the sampled response."""
+
+    prompt_id: int
+    position: int
+    token_id: int
+    token: str
+    logprob_infer: float
+    logprob_train: float
+    kl: float
+    sample_id: int | None = None
+    is_response: bool | None = None
+    logprob_prefill: float | None = None  # generate mode: the engine's prefill of the whole sampled sequence
+
+
+@dataclass
+class ScoredSequence:
+    """One token sequence the inference stack ran, and what the training stack must run and score for it.
+
+    `key` files its taps and scores (unique within a run); `fed` is how many of its rows the engine actually
+    computed: all of them for a prompt, all but the last for a sampled sequence (the engine never feeds its last
+    sample back, so that row has no inference-side taps)."""
+
+    key: int
+    prompt: Prompt
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+    prompt_id: int
+    fed: int
+    sample_id: int | None = None
+    n_prompt: int | None = None
+
+
+class SequenceSource:
+    """Where a mode's sequences come from: the inference stack runs a group of prompts and returns sequences."""
+
+    mode = "prefill"
+
+    def batch_tokens(self, probe) -> int:
+        return probe.settings.batch_tokens
+
+    def batch_count(self, probe) -> int | None:
+        """At most so many sequences per inference batch: what the engine schedules in one step."""
+        return getattr(probe.infer, "max_sequences_per_step", None)
+
+    def run(self, probe, group: list[Prompt], taps: frozenset[str], park: TapSink, first_key: int) -> list[ScoredSequence]:
+        scores = probe.infer.score(group, taps, park)
+        if [s.prompt_id for s in scores] != [p.prompt_id for p in group]:
+            raise StackError("the inference stack returned scores out of prompt order")
+        return [ScoredSequence(p.prompt_id, p, s.logits, s.logprobs, p.prompt_id, len(p.token_ids))
+                for p, s in zip(group, scores)]
+
+
+class SampledSource(SequenceSource):
+    """generate mode: the inference stack samples responses (decode path, KV cache) and reports raw logprobs."""
+
+    mode = "generate"
+
+    def __init__(self, sampling) -> None:
+        self.sampling = sampling
+
+    def batch_tokens(self, probe) -> int:
+        return max(1, probe.settings.batch_tokens // self.sampling.samples_per_prompt)
+
+    def batch_count(self, probe) -> int | None:
+        most = super().batch_count(probe)
+        return None if most is None else max(1, most // self.sampling.samples_per_prompt)
+
+    def run(self, probe, group, taps, park, first_key):
+        def park_keyed(seq_id, key, x):  # the stack numbers a call's sequences from 0; a run numbers them once
+            park(first_key + seq_id, key, x)
+
+        sequences = probe.infer.sample(group, self.sampling, taps, park_keyed)
+        return [ScoredSequence(first_key + s.seq_id,
+                          Prompt(first_key + s.seq_id, f"prompt {s.prompt_id} sample {s.sample_id}", "", s.token_ids),
+                          s.logits, s.logprobs, s.prompt_id, len(s.token_ids) - 1, s.sample_id, s.n_prompt)
+                for s in sequences]
+
+
+def engine_prefill(stack, sequences: Sequence[Prompt]) -> list[list[float]]:
+    """generate mode's `logprob_prefill`: the inference stack scores every sampled sequence, prompt and response, in
+    one prefill (no taps, its steps as the noise floor batches them), after the run loop, so that no tap still parked
+    lives in a buffer this pass writes. It must not be served from the decode's cached KV, which would make the
+    prefill/decode factor 1 by construction: vLLM computes every prompt token of such a request (`score` asks for prompt
+    logprobs and sets skip_reading_prefix_cache, prefix caching on or off), and `score` refuses a step whose rows are
+    not whole sequences."""
+    prefill: list[list[float]] = []
+    for group in groups_of(stack, sequences):
+        scores = stack.score(group, frozenset(), lambda *_: None)
+        if [s.prompt_id for s in scores] != [seq.prompt_id for seq in group]:
+            raise StackError("the inference stack returned its prefill scores out of order")
+        prefill += [s.logprobs.double().cpu().tolist() for s in scores]  # float32 values, exact in float64
+    return prefill
+
+
+def with_prefill(tokens: list[TokenScore], sequences: Sequence[Prompt], prefill: list[list[float]]) -> None:
+    """File each sequence's prefill logprobs on its tokens (the run loop collects tokens sequence by sequence, each
+    sequence's positions 1..L-1 in order)."""
+    if len(prefill) != len(sequences):
+        raise StackError(f"the inference stack's prefill scored {len(prefill)} of {len(sequences)} sampled sequences")
+    at = 0
+    for seq, logprobs in zip(sequences, prefill):
+        if len(logprobs) != len(seq.token_ids) - 1:
+            raise StackError(f"the inference stack's prefill of sequence {seq.prompt_id} scored {len(logprobs)} of "
+                             f"its {len(seq.token_ids) - 1} positions")
+        for token, lp in zip(tokens[at : at + len(logprobs)], logprobs):
+            token.logprob_prefill = lp
+        at += len(logprobs)
+    if at != len(tokens):
+        raise StackError(f"{len(tokens)} tokens were scored but the sampled sequences hold {at}")
+
+
+class PendingScores:
+    """One sequence's token scores, computed on the device and on their way to the host; `read()` waits for them.
+
+    On a GPU every read-back waits for all the work queued before it. Reading a sequence's scores only after the
+    next one's forward has been queued lets the device finish this one (and its tap reductions) while the host is
+    busy queueing the next, instead of the host idling at every sequence.
+    """
+
+    def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
+        # keep what names the tokens, not the logits: a sequence's tensors must not outlive its own turn
+        self.seq, self.tokenizer = replace(seq, logits=None, logprobs=None), tokenizer
+        device = seq.logits.device  # the comparison's: the engine's (--train-device: the trainer's side moves here)
+        train_logits = train_logits.to(device)
+        finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
+        kl = token_kl(seq.logits, train_logits)
+        # float64 holds the float32 logprobs exactly, so one transfer carries everything
+        values = torch.cat([finite.double(), kl, to_device(seq.logprobs, device).double(),
+                            to_device(train_logprobs, device).double()])
+        self._host = values.to("cpu", non_blocking=True)  # pinned and asynchronous from a GPU
+        self._ready = None
+        if values.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self) -> list[TokenScore]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        seq = self.seq
+        for side, ok in zip(("inference", "training"), values[:2]):
+            if not ok:
+                raise NumericsError(
+                    f"the {side} stack produced NaN/Inf logits on prompt {seq.prompt_id} ({seq.prompt.source}); "
+                    "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
+                )
+        ids = seq.prompt.token_ids
+        n = len(ids) - 1
+        kl, infer, train = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids[1:]))
+        sampled = seq.sample_id is not None
+        return [TokenScore(seq.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos],
+                           seq.sample_id if sampled else None, pos + 1 >= seq.n_prompt if sampled else None)
+                for pos in range(n)]
+
+
+def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_taps: frozenset[str],
+               train_taps: frozenset[str], capture, collect: Callable[[PendingScores], None],
+               peaks: Peaks | None = None) -> list[Prompt]:
+    """The run loop: each inference batch, then its sequences on the training stack under one capture; as each is
+    done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
+    (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
+    park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them. `peaks` records the
+    device's peak memory of each engine step and of each batch's training and reduction (memory_plan.Peaks)."""
+    with _collected_per_batch() as batch_done:
+        return _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done,
+                           peaks or Peaks("cpu"))
+
+
+@contextmanager
+def _collected_per_batch() -> Iterator[Callable[[], None]]:
+    """Python's automatic garbage collection paused for the run loop, which collects the young generations itself after
+    each inference batch (as torchtitan's GarbageCollection does between training steps). The loop makes objects by the
+    tens of thousands (views of every tap, vLLM's per-position logprobs), and the collections they trigger would
+    otherwise walk them again and again in the middle of a forward; nothing in the loop relies on cycles being freed
+    sooner."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda: gc.collect(1)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done, peaks) -> list[Prompt]:
+    pending: PendingScores | None = None
+    ran: list[Prompt] = []
+    for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
+        peaks.start()
+        sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
+        peaks.end("engine_step")
+        if hasattr(capture, "add_sequences"):  # a grafting capture (runs/graft.py) scores against the inference logits
+            capture.add_sequences(sequences)
+        fed = {seq.key: seq.fed for seq in sequences}
+        trained = 0
+
+        def trimmed(key: int, tap: TapKey, x: torch.Tensor) -> None:  # the rows the engine fed, of a sampled sequence
+            capture.pair(key, tap, x[: fed[key]])
+
+        # (a prompt's taps go straight to the capture: this runs for every tap, between two kernels of the forward)
+        pair = trimmed if any(seq.fed < len(seq.prompt.token_ids) for seq in sequences) else capture.pair
+
+        def finish(train: PromptScores) -> None:  # each sequence, as soon as the training stack has run it
+            nonlocal pending, trained
+            seq = sequences[trained]
+            if train.prompt_id != seq.key:
+                raise StackError("a stack returned scores out of order")
+            scores = PendingScores(probe.tokenizer, seq, train.logits, train.logprobs)
+            capture.finish_prompt(seq.key)
+            if pending is not None:
+                collect(pending)
+            pending, trained = scores, trained + 1
+
+        peaks.start()
+        probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
+        peaks.end("train_and_reduce")
+        if trained != len(sequences):
+            raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")
+        ran += [seq.prompt for seq in sequences]
+        batch_done()
+    if pending is not None:
+        collect(pending)
+    return ran
+
+
+@dataclass
+class CompareRun:
+    """The result of one comparison (prefill or generate mode); `write` puts it on disk as CSVs and a manifest."""
+
+    spec: RunSpec
+    prompts: list[Prompt]
+    tokens: list[TokenScore]
+    tap_stats: dict[TapKey, DiffStats]
+    manifest: dict = field(default_factory=dict)
+    batch_invariance: pd.DataFrame | None = None
+    kernel_noise: pd.DataFrame | None = None
+    graft_tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # local.csv, ... (--graft, --depth)
+    engine_noise: pd.DataFrame | None = None
+    routing: RunRouting | None = None  # a mixture-of-experts model's routing comparison (runs/route_capture.py)
+    routing_noise: pd.DataFrame | None = None  # each stack's own routing under a batch change (--batch-invariance)
+
+    @property
+    def mode(self) -> str:
+        return self.spec.generate.mode
+
+    @property
+    def threshold(self) -> float:
+        return self.spec.capture.threshold
+
+    @property
+    def tokens_table(self) -> pd.DataFrame:
+        df = tokens_frame(self.tokens, sampled=self.mode == "generate")
+        return self.routing.token_columns(df) if self.routing is not None else df
+
+    @property
+    def layers_table(self) -> pd.DataFrame:
+        return layers_frame(self.tap_stats)
+
+    @property
+    def routing_table(self) -> pd.DataFrame | None:
+        """routing.csv (a mixture-of-experts model with router_logits among the taps), else None."""
+        return self.routing.table() if self.routing is not None else None
+
+    @property
+    def responses_table(self) -> pd.DataFrame:
+        """generate mode: the response tokens, with their position in the response."""
+        df = self.tokens_table
+        df = df[df["is_response"]].copy()
+        df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
+        return df
+
+    @property
+    def rollouts_table(self) -> pd.DataFrame:
+        """generate mode: one row per sample in the rollout layout of --rollouts-format (rollouts/adapters.py): the
+        prompt's ids, the sampled ids and the engine's decode logprob of each (this run's recording), the prompt id as
+        the group. `score` on it scores the same tokens against the same recording."""
+        from ..rollouts.adapters import export_row
+
+        prompts = {p.prompt_id: p for p in self.prompts}
+        records = []
+        for (prompt_id, _), part in self.responses_table.groupby(["prompt_id", "sample_id"], sort=True):
+            part = part.sort_values("position")
+            records.append(export_row(self.spec.generate.rollouts_format, list(prompts[prompt_id].token_ids),
+                                      part.token_id.tolist(), part.logprob_infer.tolist(), int(prompt_id)))
+        return pd.DataFrame.from_records(records)
+
+    @property
+    def summary(self) -> dict:
+        row = self._summary()
+        return row | floor_columns(self.tokens_table, row, self.spec.load.seed) | self._routing_summary()
+
+    def _routing_summary(self) -> dict:
+        if self.routing is None:
+            return {}
+        tokens = self.tokens_table
+        if self.mode == "generate":
+            tokens = tokens[tokens["is_response"]]
+        columns = self.routing.summary(tokens) | routing_noise_columns(self.routing_noise)
+        return columns | routing_verdict_columns(columns)
+
+    def _summary(self) -> dict:
+        if self.mode != "generate":
+            return (summary_row(self.tokens, self.tap_stats, self.threshold)
+                    | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise))
+        response = [t for t in self.tokens if t.is_response]
+        prompt = [t for t in self.tokens if not t.is_response]
+        if not response:
+            raise ProbeError("no response tokens were sampled (every sample ended at once); raise --max-new-tokens")
+        row = summary_row(response, self.tap_stats, self.threshold)
+        prompt_row = summary_row(prompt, {}, self.threshold) if prompt else {}
+        row["prompt_mean_abs_dlogp"] = prompt_row.get("mean_abs_dlogp", float("nan"))
+        row["prompt_mean_kl"] = prompt_row.get("mean_kl", float("nan"))
+        g = self.spec.generate
+        responses = self.responses_table
+        row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
+                             g.clip_eps, g.tis_cap)
+        row |= sequence_metrics(responses, g.clip_eps)
+        # the decode logprobs are this run's recording: the third factor, decode/recorded, is 1 by construction
+        row |= ratio_split({"train": responses["logprob_train"].to_numpy(),
+                            "prefill": responses["logprob_prefill"].to_numpy(),
+                            "decode": responses["logprob_infer"].to_numpy()})
+        return row | noise_floor_columns(self.batch_invariance, self.kernel_noise, self.engine_noise)
+
+    @property
+    def buckets_table(self) -> pd.DataFrame | None:
+        """generate mode: the token metrics per bucket of inference-side probability and of response position."""
+        if self.mode != "generate":
+            return None
+        g = self.spec.generate
+        return bucket_table(self.responses_table, g.clip_eps, g.tis_cap)
+
+    def files(self) -> dict[str, pd.DataFrame]:
+        """The run folder's tables, by file name, in the order they are written."""
+        tables = {"tokens.csv": self.tokens_table, "layers.csv": self.layers_table,
+                  "summary.csv": pd.DataFrame([self.summary])}
+        if self.mode == "generate":
+            tables["buckets.csv"] = self.buckets_table
+            tables[ROLLOUTS] = self.rollouts_table
+        if self.batch_invariance is not None:
+            tables["batch_invariance.csv"] = self.batch_invariance
+        if self.kernel_noise is not None:
+            tables["kernel_noise.csv"] = self.kernel_noise
+        tables |= self.graft_tables
+        if self.engine_noise is not None:
+            tables["engine_noise.csv"] = self.engine_noise
+        if self.routing is not None:
+            tables["routing.csv"] = self.routing_table
+        if self.routing_noise is not None:
+            tables["routing_noise.csv"] = self.routing_noise
+        return tables
+
+    def write(self, out_dir: str | Path) -> Path:
+        from ..rundir import write_run
+
+        return write_run(Path(out_dir), self.manifest | manifest_record(self.summary), self.prompts, self.files())
+
+
+def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
+    """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel and
+    unsharded (at --train-tp > 1), and the engine's in its other mode (eager vs compiled) or at tensor_parallel_size
+    1, for the summary beside the mismatch (if measured)."""
+    columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
+    if kernel is not None:
+        sdpa = kernel[~kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
+        if len(sdpa):
+            columns["noise_train_kernel_mean_abs_dlogp"] = float(sdpa.mean_abs_dlogp.iloc[0])
+        sharded = kernel[kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
+        if len(sharded):
+            columns["noise_train_tensor_parallel_mean_abs_dlogp"] = float(sharded.mean_abs_dlogp.iloc[0])
+    if engine is not None:
+        mode = engine[engine.change.str.startswith("engine ")]
+        if len(mode):
+            columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(mode.mean_abs_dlogp.iloc[0])
+        parallel = engine[engine.change.str.startswith(TENSOR_PARALLEL_CHANGE)]
+        if len(parallel):
+            columns["noise_infer_tensor_parallel_mean_abs_dlogp"] = float(parallel.mean_abs_dlogp.iloc[0])
+        tap_points = engine[engine.change.str.startswith(TAP_POINTS_CHANGE)]
+        if len(tap_points):  # 0 when the tap points left the compiled graph's numerics alone, as they should
+            columns["tap_points_mean_abs_dlogp"] = float(tap_points.mean_abs_dlogp.iloc[0])
+    return columns
+
+
+def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
+    """Each stack's own routing flips under a batch change, and the trainer's under a kernel change, beside the
+    cross-stack flip rate: the mean over layers of frac_experts_differ and of frac_topk_set_differs, and
+    frac_tokens_any_flip (if measured)."""
+    if floor is None:
+        return {}
+    columns = {}
+    for (side, change), rows in floor.groupby(["side", "change"], sort=False):
+        prefix = f"noise_{side}_" if change == "batched vs alone" else f"noise_{side}_kernel_"
+        columns[f"{prefix}frac_experts_differ"] = float(rows["frac_experts_differ"].mean())
+        columns[f"{prefix}frac_topk_set_differs"] = float(rows["frac_topk_set_differs"].mean())
+        columns[f"{prefix}frac_tokens_any_flip"] = float(rows["frac_tokens_any_flip"].iloc[0])
+    return columns
+
+
+def routing_verdict_columns(summary: dict) -> dict:
+    """The cross-stack frac_tokens_any_flip against the largest routing noise floor measured, whichever change made
+    it (tables.ROUTING_NOISE_FLOORS: each stack's batch change, the trainer's kernel change): the floor's summary
+    column and the ratio. Empty when no floor was measured."""
+    largest = largest_noise_floor(summary, ROUTING_NOISE_FLOORS)
+    if largest is None:
+        return {}
+    flips = summary.get("frac_tokens_any_flip", math.nan)
+    ratio = flips / largest[1] if largest[1] > 0 else (math.inf if flips > 0 else math.nan)
+    return {"routing_largest_noise_floor": largest[0], "frac_tokens_any_flip_over_largest_floor": ratio}
+
+
+def source_for(spec: RunSpec) -> SequenceSource:
+    return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
+
+
+def prompts_path(spec: RunSpec) -> Path:
+    return Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
+
+
+def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
+    """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
+    path = prompts_path(spec)
+    context = max_model_len
+    if spec.generate.generates:
+        if spec.generate.max_new_tokens >= context - 1:
+            raise ProbeError(f"--max-new-tokens {spec.generate.max_new_tokens} leaves no room for a prompt in the "
+                             f"context of {context} tokens")
+        context -= spec.generate.max_new_tokens
+    prompts = load_prompts(path, tokenizer, num_prompts=spec.prompts.num_prompts,
+                           max_prompt_tokens=spec.prompts.max_prompt_tokens, max_model_len=context)
+    return path, prompts
+
+
+def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dict:
+    """The probe's manifest plus what this run scored and captured, and the spec that re-makes it."""
+    manifest = probe.manifest()
+    manifest["kind"] = spec.kind
+    manifest["spec"] = spec.to_dict()
+    manifest["compare"] = {
+        "mode": spec.generate.mode,
+        "prompts": str(prompts_path),
+        "prompt_files_sha256": prompts.file_sha256,  # of the bytes these prompts were read from
+        "num_prompts": len(prompts),
+        "max_prompt_tokens": spec.prompts.max_prompt_tokens,
+        "taps": sorted(taps),
+        "threshold": spec.capture.threshold,
+        "batch_invariance": spec.capture.batch_invariance,
+        "engine_noise": spec.capture.engine_noise,
+        "tap_reduction": fused_backend() if taps else None,
+    }
+    if spec.generate.generates:
+        g = spec.generate
+        manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
+                                "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
+                                "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)",
+                                "logprob_prefill": "the engine's prefill of every sampled sequence after the run loop, "
+                                                   "no taps, prefix cache not read"}
+    if spec.align.regions:
+        manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
+    return manifest
+
+
+def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str]]:
+    """The taps this run captures, and why the others of `--taps all` are not (e.g. inside a compiled graph): `all`
+    means every tap both stacks can capture; a list that names one a stack cannot capture is that stack's error."""
+    taps = spec.capture.tap_names
+    if spec.capture.taps.strip() != "all":
+        return taps, {}
+    status = {}
+    for stack in (probe.infer, probe.train):
+        if hasattr(stack, "tap_status"):
+            status |= {name: why for name, why in stack.tap_status().items() if why != "captured"}
+    return frozenset(taps - set(status)), dict(sorted(status.items()))
+
+
+def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
+                total_scale: int = 1, noise_engines=None) -> CompareRun:
+    """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate). `noise_engines`: the
+    other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines)."""
+    prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
+    taps, not_captured = capturable_taps(probe, spec)
+    pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
+    capture = graft = pairing
+    plan = getattr(probe, "memory_plan", None)
+    if spec.capture.graft or spec.capture.depth:
+        from .graft import GRAFT_TAPS, GraftCapture, check_graftable
+
+        check_graftable(probe.train)
+        taps = taps | GRAFT_TAPS
+        pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
+        capture = graft = GraftCapture(pairing, probe.train, probe.source.num_layers,
+                                       probe.source.family.layer_taps, spec.capture.depth, _top_k(probe))
+    routes, infer_taps, train_taps = _route_capture(probe, spec, capture, taps)
+    capture = routes or capture
+    source = source_for(spec)
+    tokens: list[TokenScore] = []
+    per_prompt = spec.generate.samples_per_prompt if source.mode == "generate" else 1
+    done = 0
+
+    def collect(scores: PendingScores) -> None:
+        nonlocal done
+        tokens.extend(scores.read())
+        done += 1
+        if progress and done % per_prompt == 0:
+            progress(done_before + done // per_prompt, len(prompts) * total_scale)
+
+    pairing.chunk_elements = plan.reduction_chunk_elements if plan is not None else None
+    peaks = Peaks(probe.settings.device, plan.inputs.train_device if plan is not None else None)
+    if total_scale == 1:  # an ablation names each combination's phase itself
+        phase(progress, "scoring prompts, reducing taps")
+    with _routes_replayed(probe, spec, routes):
+        ran = score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, peaks)
+    if source.mode == "generate":
+        if total_scale == 1:
+            phase(progress, "the engine's prefill of every sampled sequence")
+        with_prefill(tokens, ran, engine_prefill(probe.infer, ran))
+    manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    if "memory_plan" in manifest:
+        manifest["memory_plan"]["measured"] = peaks.record() | {"engine": engine_report(probe.infer)}
+    run_routing = routes.result() if routes is not None else None
+    if routes is not None:
+        manifest["compare"]["routing"] = _routing_manifest(probe, spec, routes, run_routing)
+    graft_tables = graft.tables(spec.align.regions if spec.align.side != "infer" else ()) \
+        if graft is not pairing else {}
+    if graft_tables:
+        manifest["compare"]["graft"] = {"local": "the training stack's op on the inference stack's input of each seam",
+                                        "depth": spec.capture.depth}
+    if not_captured:
+        manifest["compare"]["taps_not_captured"] = not_captured
+    if spec.capture.batch_invariance:
+        phase(progress, "noise floor: each stack alone vs batched, another SDPA kernel")
+    floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
+    top_k = routes.top_k if run_routing is not None else None
+    kernel, kernel_routes = kernel_noise(probe, ran, top_k) if spec.capture.batch_invariance else (None, None)
+    parallel = train_parallel_noise(probe, ran) if spec.capture.batch_invariance else None
+    if parallel is not None:  # the trainer's parallelism floor beside its kernel floor
+        kernel = parallel if kernel is None else pd.concat([kernel, parallel], ignore_index=True)
+    engine_regions = spec.align.regions if spec.align.side != "train" else ()
+    if spec.capture.engine_noise:
+        phase(progress, "noise floor: the engine in its other mode")
+    engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
+    route_floor = pd.concat([routing_noise(probe, ran, top_k), kernel_routes], ignore_index=True) \
+        if spec.capture.batch_invariance and run_routing is not None else None
+    return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
+                      engine_noise=engine, routing=run_routing, routing_noise=route_floor)
+
+
+def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]
+                   ) -> tuple[RouteCapture | None, frozenset[str], frozenset[str]]:
+    """For a mixture-of-experts model: the routing capture around the run's tap capture, the inference side's taps
+    with the engine's route records added (checked against its router logits; replayed under the routing region),
+    and the training side's with its router's expert ids added where routing is compared (the experts it ran, which
+    the flip counts compare with the engine's). Routing is compared wherever router_logits is among the taps."""
+    family = probe.source.family
+    replay = "routing" in from_engine(spec.align.regions)
+    if family.top_k_field is None:
+        return None, taps, taps
+    metrics = "router_logits" in taps
+    if not (metrics or replay):
+        return None, taps, taps
+    routes = RouteCapture(capture, num_layers=probe.source.num_layers, top_k=_top_k(probe), metrics=metrics,
+                          records=True)
+    return routes, taps | frozenset(ROUTE_RECORDS), taps | frozenset({"expert_ids"} if metrics else ())
+
+
+def _top_k(probe) -> int | None:
+    """A mixture-of-experts model's router top-k (None: a dense model)."""
+    field_name = probe.source.family.top_k_field
+    return None if field_name is None else int(probe.source.config[field_name])
+
+
+@contextmanager
+def _routes_replayed(probe, spec: RunSpec, routes: RouteCapture | None) -> Iterator[None]:
+    """The routing region: the trainer runs every sequence with the engine's experts (and with --routing-replay
+    ids+weights, the engine's gate weights) for it."""
+    if routes is None or "routing" not in spec.align.regions:
+        yield
+        return
+    with_weights = spec.align.routing_replay == "ids+weights"
+
+    def engine_routes(key: int, layer: int):
+        ids, weights = routes.routes(key, layer)
+        return ids, weights if with_weights else None
+
+    with probe.train.routes_replayed(engine_routes):
+        yield
+
+
+def _routing_manifest(probe, spec: RunSpec, routes: RouteCapture, run_routing: RunRouting | None) -> dict:
+    record = {"top_k": routes.top_k, "compared": run_routing is not None,
+              "engine_routes": f"{probe.infer.name}: the ids and weights its router returned (vLLM: "
+                               "router.select_experts, whose ids are what enable_return_routed_experts records)",
+              "replay": spec.align.routing_replay if "routing" in spec.align.regions else None}
+    return record | (run_routing.manifest() if run_routing is not None else {})

@@ -1,0 +1,209 @@
+"""A whole RL run's mismatch, step by step, from the rollout files it wrote: `score` over a folder or a glob, one
+file per step. With both logprob columns in the files (rollouts/columns.py) no model loads, so a 235B run is read on
+any machine; with --model the training stack (and --infer vllm's prefill) scores each step as `score` does.
+
+Writes steps.csv (one row per step: score's summary columns, generate mode's RL metrics among them), alarms.csv
+(per alarm: the first step at which the metric rose past its threshold) and steps.png/.pdf (each alarm's metric
+against step, its threshold and first crossing marked, the reward beside it when the files record one). Files are
+read and scored one at a time and each step's row goes to disk as it is made: memory does not grow with the steps.
+
+Published collapses of RL runs (the training–inference mismatch reports of 2025) were preceded by a rising k3 KL
+and a growing tail of tokens whose two probabilities differ by more than a factor of two, before the reward fell:
+DEFAULT_ALARMS watch those two.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from .compare import Progress, phase
+from ..errors import ProbeError
+from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
+from ..rollouts import RolloutBatch, RolloutError, read_rollouts
+from ..rollouts.read import JSONL, PARQUET
+from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, write_csv, write_json
+
+# Starting points, not verdicts: k3 (the KL(π_infer‖π_train) estimate a trainer sees) past 1e-3 nats per token, and
+# more than one token in a thousand whose probability differs by over 2x between the two stacks. Set your own with
+# --alarm METRIC>VALUE (any steps.csv metric) once a healthy run has shown you its own level.
+DEFAULT_ALARMS = ("k3>1e-3", "frac_abs_dlogp_over_ln2>1e-3")
+STEPS, ALARMS = "steps.csv", "alarms.csv"
+# draws the history's figures into a folder holding steps.csv, from the alarms; returns the file names it wrote
+# (reports/steps.py: the presentation layer, which this module does not import)
+Draw = Callable[[Path, list], list[str]]
+
+
+def step_files(paths) -> list[Path]:
+    """The rollout files of a run, in step order: each path is a file, a folder (its rollout files, in natural
+    order: step_2 before step_10) or a glob a shell did not expand. One line when none is found."""
+    found: list[Path] = []
+    for path in paths:
+        text = str(path)
+        if any(c in text for c in "*?[") and not Path(text).exists():
+            matches = [Path(m) for m in glob.glob(text)]
+            if not matches:
+                raise RolloutError(f"{text} matches no file; pass a folder of rollout files, a glob or the files")
+            found += sorted((m for m in matches if m.is_file()), key=_natural)
+        elif Path(text).is_dir():
+            inside = [p for p in Path(text).iterdir() if p.is_file() and p.name.lower().endswith((*JSONL, *PARQUET))]
+            if not inside:
+                raise RolloutError(f"folder {text} holds no rollout files (.jsonl, .jsonl.gz, .parquet); pass the "
+                                   "folder your RL run dumped its steps to")
+            found += sorted(inside, key=_natural)
+        else:
+            found.append(Path(text))
+    if len(set(found)) != len(found):
+        raise RolloutError("a rollout file is named twice among the paths; pass each step once")
+    return found
+
+
+def _natural(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
+def parse_alarms(texts) -> Gate:
+    """--alarm METRIC>VALUE (default DEFAULT_ALARMS), checked as --fail-if is: a metric steps.csv can hold."""
+    alarms = Gate.parse(texts or DEFAULT_ALARMS, "history")
+    for c in alarms.conditions:
+        if c.op not in (">", ">="):
+            raise ProbeError(f"--alarm {c.text!r}: an alarm fires where a metric rises past a threshold; write "
+                             f"{c.metric}>VALUE")
+    return alarms
+
+
+@dataclass
+class Alarm:
+    """One alarm as the steps stream by: the first step where its metric rose past the threshold."""
+
+    condition: Condition
+    first_step: int | None = None
+    value: float | None = None
+
+    def see(self, step: int, summary: dict) -> None:
+        if self.first_step is None and measured(summary, self.condition.metric) is not None:
+            holds, value = self.condition.check(summary)
+            if holds:
+                self.first_step, self.value = step, value
+
+    def row(self) -> dict:
+        c = self.condition
+        return {"metric": c.metric, "op": c.op, "threshold": c.value, "fired": self.first_step is not None,
+                "first_step": self.first_step, "value": self.value}
+
+
+@dataclass
+class History:
+    """What a history run wrote, for the CLI's table and exit code."""
+
+    out_dir: Path
+    n_steps: int
+    alarms: list[Alarm]
+    verdict: Verdict | None
+    last: dict = field(default_factory=dict)  # the last step's row
+
+
+def step_row(step: int, batch: RolloutBatch, summary: dict) -> dict:
+    """steps.csv's row of one step: where it came from, its reward when recorded, score's summary."""
+    rewards = [r.reward for r in batch.rollouts if r.reward is not None]
+    return {"step": step, "file": batch.path.name, "sha256": batch.sha256, "n_rollouts": len(batch.rollouts),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan, **summary}
+
+
+def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, gate: Gate | None = None,
+                  manifest: dict | None = None, draw: Draw | None = None,
+                  progress: Progress | None = None) -> History:
+    """Score every file (`score_one(batch_path) -> (batch, summary)`) in order and write the history folder: all or
+    nothing (atomic_dir), the manifest last; `draw` adds the figures. Steps are the files' `step` fields, else
+    their order (0, 1, ...)."""
+    watching = [Alarm(c) for c in alarms.conditions]
+    watch = GateWatch(gate) if gate else None
+    columns: list[str] | None = None
+    seen: set[int] = set()
+    from_field = False
+    last: dict = {}
+    with locked(out_dir), atomic_dir(out_dir) as tmp:
+        phase(progress, "scoring the steps")
+        with (tmp / STEPS).open("w", encoding="utf-8", newline="") as f:
+            for n, path in enumerate(files):
+                batch, summary = score_one(path)
+                step = n if batch.step is None else batch.step
+                from_field |= batch.step is not None
+                if step in seen:
+                    raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
+                seen.add(step)
+                row = step_row(step, batch, summary)
+                frame = pd.DataFrame([row])
+                if columns is None:
+                    columns = list(frame.columns)
+                frame.reindex(columns=columns).to_csv(f, header=n == 0, index=False, lineterminator="\n")
+                for alarm in watching:
+                    alarm.see(step, row)
+                if watch is not None:
+                    watch.see(f"step {step}", row)
+                last = row
+                if progress is not None:
+                    progress(n + 1, len(files))
+        write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
+        figures = draw(tmp, watching) if draw is not None else []
+        verdict = watch.verdict if watch is not None else None
+        record = dict(manifest or {}) | {"kind": "history", "command": sys.argv, "history": {
+            "n_steps": len(files), "alarms": [a.row() for a in watching],
+            "steps_from": "the rows' step field" if from_field else "the file order"}}
+        if verdict is not None:
+            record["gate"] = verdict.record()
+        record["files"] = {name: {"rows": _rows(tmp / name), "sha256": file_sha256(tmp / name)}
+                           for name in (STEPS, ALARMS, *figures)}
+        write_json(record, tmp / MANIFEST)
+    return History(out_dir, len(files), watching, verdict, last)
+
+
+def _rows(path: Path) -> int:
+    if not path.name.endswith(".csv"):
+        return 0
+    with path.open("rb") as f:
+        return max(sum(1 for _ in f) - 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------- scoring a step
+def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, gate: Gate | None = None,
+                draw: Draw | None = None, progress: Progress | None = None) -> History:
+    """score's history mode: `call` (a ScoreSpec; its `rollouts` is the first file) and `load` (a LoadSpec) as for
+    one file. Model-free when the files hold both logprob columns and no --model or --infer is given; otherwise
+    the training stack loads once and scores every step."""
+    from .paired import paired_run
+    from .score import load_scorer, score_batch
+
+    first = read_rollouts(files[0], call.fmt, call.fields)
+    model_free = first.has_train and load.model is None and call.infer is None
+    if model_free and call.temperature is not None:
+        raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
+                         "--model to score with the training stack, or drop --temperature")
+    scorer = None if model_free else load_scorer(load, call.infer == "vllm")
+    try:
+        def score_one(path: Path):
+            batch = first if path == files[0] else read_rollouts(path, call.fmt, call.fields)
+            if model_free:
+                run = paired_run(batch, call.clip_eps, call.tis_cap)
+            else:
+                run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps,
+                                  tis_cap=call.tis_cap)
+            return batch, run.summary
+
+        manifest = {} if scorer is None else {k: v for k, v in scorer.manifest.items() if k != "kind"}
+        manifest["score"] = {"spec": asdict(replace(call, rollouts=str(files[0]))), "load_spec": asdict(load),
+                             "trainer": "recorded" if model_free else "scored", "prefill": call.infer == "vllm",
+                             "format": first.format, "first_file": str(files[0]), "last_file": str(files[-1]),
+                             "n_files": len(files)}
+        return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest, draw=draw,
+                             progress=progress)
+    finally:
+        if scorer is not None:
+            scorer.close()

@@ -1,0 +1,273 @@
+"""What `rerun` replays from a run folder without asking, and the command line it amounts to.
+
+A run folder is data from whoever made it: folders are shared, copied and edited. Most of a recorded spec can only
+choose among the tool's own options, but `engine_args` go to `vllm.LLM` as given, and some of vLLM's engine
+arguments load or run code: `trust_remote_code` with a model folder whose config has an `auto_map`, a worker or
+scheduler class, a plugin, a model loader, hf_overrides, a tokenizer or download path elsewhere, a compile backend
+or inductor pass named by its Python path. So rerun replays, without asking, only the engine args that set
+numerics, scheduling or compilation and take plain values (numbers, booleans, mode names): REPLAYED below, read
+from vLLM's EngineArgs. Anything else needs `--allow-engine-arg NAME` from the person running rerun.
+
+    check_replayable(spec, allowed=())   # ProbeError naming the first engine arg that needs asking
+    command_line(spec)                   # ["divergence-probe", "compare", "--model", ...]
+    recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
+    recorded_rl(manifest, where)         # an rl run's RLSpec: its engine args, reward and prompt files checked
+
+A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
+An rl run's reward plug-in (`--reward module:function`) is code to import, so rerun replays the built-in rewards
+alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import fields
+from pathlib import Path
+from typing import Iterable
+
+from ..errors import ProbeError, printable
+from ..spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
+
+ALLOW_FLAG = "--allow-engine-arg"
+
+# vllm.LLM / EngineArgs keywords that change how the engine schedules, caches or compiles the same model, and that
+# take plain values only. Read from vllm/engine/arg_utils.py EngineArgs (0.32); the ones divergence-probe sets
+# itself (dtype, seed, max_model_len, enforce_eager, ...) are refused by stacks.vllm.stack.check_engine_args anyway.
+REPLAYED = frozenset({
+    "compilation_config",  # its keys are checked too: COMPILATION_REPLAYED
+    "max_num_seqs", "max_num_scheduled_tokens", "block_size", "enable_prefix_caching", "prefix_caching_hash_algo",
+    "enable_chunked_prefill", "long_prefill_token_threshold", "gpu_memory_utilization", "kv_cache_memory_bytes",
+    "num_gpu_blocks_override", "kv_cache_dtype", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+    "disable_cascade_attn", "disable_sliding_window", "attention_backend", "async_scheduling", "scheduling_policy",
+    "max_logprobs", "logprobs_mode", "disable_log_stats", "optimization_level", "performance_mode",
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_flashinfer_autotune",
+})
+# CompilationConfig fields that choose modes and sizes. Not: backend other than inductor/eager (a Python path
+# to import), inductor_passes (Python paths), inductor_compile_config (inductor options include the C++ compiler
+# to run), cache_dir and debug_dump_path (paths outside the run: a cache holds compiled code that is loaded),
+# splitting_ops.
+COMPILATION_REPLAYED = frozenset({
+    "mode", "cudagraph_mode", "custom_ops", "compile_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+    "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "use_inductor_graph_partition", "pass_config",
+    "dynamic_shapes_config", "compile_ranges_endpoints", "backend",
+})
+_BACKENDS = ("", "inductor", "eager")
+_NAME = re.compile(r"[A-Za-z0-9_+\-]*")  # a mode or op name; no path, no module.attribute, no URL
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A number, a boolean, null, a name, or a list (or, one level down, an object) of those."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return _NAME.fullmatch(value) is not None
+    if isinstance(value, list):
+        return depth < 2 and all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return depth < 1 and all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def refused_engine_args(engine_args: dict, allowed: Iterable[str] = ()) -> list[str]:
+    """The engine args (dotted for a compilation_config key) that rerun does not replay without asking."""
+    allowed = set(allowed)
+    refused = []
+    for key, value in engine_args.items():
+        if key in allowed:
+            continue
+        if key not in REPLAYED:
+            refused.append(key)
+        elif key == "compilation_config" and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                name = f"{key}.{sub}"
+                if name in allowed:
+                    continue
+                if sub not in COMPILATION_REPLAYED or not _plain(sub_value) \
+                        or (sub == "backend" and sub_value not in _BACKENDS):
+                    refused.append(name)
+        elif not _plain(value) or (key == "compilation_config" and not isinstance(value, int)):
+            refused.append(key)
+    return refused
+
+
+def check_replayable(spec: RunSpec, allowed: Iterable[str], where: str) -> None:
+    """ProbeError, one line naming the manifest field and the flag that allows it, for the first engine arg of
+    `spec` that rerun does not replay without asking."""
+    _check_engine_args(spec.load.engine_args, "spec.load.engine_args", allowed, where)
+
+
+def _check_engine_args(engine_args: dict, field: str, allowed: Iterable[str], where: str) -> None:
+    refused = refused_engine_args(engine_args, allowed)
+    if refused:
+        more = f" (and {', '.join(refused[1:])})" if len(refused) > 1 else ""
+        raise ProbeError(f"{where} sets {field}.{refused[0]}{more}, which rerun does not replay without "
+                         "asking: it can load or run code, or is not one of the numerics, scheduling and compile "
+                         f"settings rerun replays; if you trust whoever made the run folder, pass "
+                         + " ".join(f"{ALLOW_FLAG} {name}" for name in refused))
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _flag_words(f, value) -> list[str]:
+    """One field's value as command-line words: a bool as --flag / --no-flag, anything else as the flag and its value."""
+    flag = flag_of(f)
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{flag[2:]}"]
+    return [flag, _flag_value(value)]
+
+
+def command_line(spec: RunSpec, out_dir=None) -> list[str]:
+    """The compare/ablate command line that makes the same run as `spec` (the flags that differ from their
+    defaults), for a person to read before rerun runs it."""
+    argv = ["divergence-probe", spec.kind]
+    for component, f, _name in flat_fields(spec.kind):
+        if component is None:  # --report: rerun's own flag
+            continue
+        default_owner = COMPONENTS[component]()
+        value, default = getattr(getattr(spec, component), f.name), getattr(default_owner, f.name)
+        if value == default or value is None:
+            continue
+        argv += _flag_words(f, value)
+    if out_dir is not None:
+        argv += ["--out", str(out_dir)]
+    return argv
+
+
+def describe(spec: RunSpec, out_dir) -> list[str]:
+    """What rerun is about to run, in lines for the console: the model, the prompts, the engine args, the command."""
+    load = spec.load
+    lines = [f"rerun: {spec.kind} of model {load.model or 'builtin:default'} ({load.infer} vs {load.train}, "
+             f"{load.dtype} on {load.device}, engine {load.engine if load.infer == 'vllm' else 'none'})",
+             f"  prompts: {spec.prompts.prompts or 'the packaged sample prompts'}",
+             f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
+             f"  same as: {shlex.join(command_line(spec, out_dir))}"]
+    return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
+
+
+def recorded_score(manifest: dict, where: str):
+    """(ScoreSpec, LoadSpec, sha256) that re-make the score run of `manifest`, each field checked as its flag is; the
+    rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
+    sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
+    from ..rundir import file_sha256
+    from .score import ScoreSpec
+
+    section = manifest.get("score")
+    if not isinstance(section, dict) or "spec" not in section or "load_spec" not in section:
+        raise ProbeError(f"{where} lacks the recorded score spec (score.spec, score.load_spec): the run was made "
+                         "before score runs recorded it; re-run its `command` instead")
+    call = recorded(ScoreSpec, section["spec"], "score.spec")
+    load = recorded(LoadSpec, section["load_spec"], "score.load_spec")
+    if load.engine_args:
+        raise ProbeError(f"{where} sets score.load_spec.engine_args, which the score command never records (it takes "
+                         "no engine args): the manifest was edited; restore it or re-run its `command`")
+    path = Path(call.rollouts)
+    if not path.is_file():
+        raise ProbeError(f"the rollout file {path} that {where} names is missing or not a regular file; restore it "
+                         "there, or score it again with `divergence-probe score`")
+    want = section.get("rollouts_sha256")
+    try:
+        have = file_sha256(path)  # before the preview, so a stale file is refused at once; score_spec checks again
+    except OSError as e:
+        raise ProbeError(f"the rollout file {path} that {where} names cannot be read ({e.strerror}); make it readable, "
+                         "or score it again with `divergence-probe score`") from None
+    if not isinstance(want, str) or have != want:
+        raise ProbeError(f"the rollout file {path} changed since the run was made (its sha256 is not the one {where} "
+                         "records); restore it, or score it again with `divergence-probe score`")
+    return call, load, want
+
+
+def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
+    """The RLSpec that re-makes the rl run of `manifest`, each field checked as its flag is, its engine args as
+    compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
+    file must have the sha256 the run recorded."""
+    from ..prompts import file_hashes
+    from ..rl.reward import BUILT_IN
+    from ..rl.spec import RLSpec
+
+    if "spec" not in manifest:
+        raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
+                         "`command` instead")
+    spec = recorded(RLSpec, manifest["spec"], "spec")
+    _check_engine_args(spec.engine_args, "spec.engine_args", allowed, where)
+    if spec.reward is not None and spec.reward not in BUILT_IN:
+        raise ProbeError(f"{where} sets spec.reward to the plug-in {spec.reward!r}, Python code rerun does not import "
+                         "from a run folder; if you trust whoever made it, run "
+                         f"`{shlex.join(rl_command_line(spec))}` yourself")
+    if spec.prompts is not None:
+        path = Path(spec.prompts)
+        if path.exists() and not (path.is_dir() or path.is_file()):
+            raise ProbeError(f"{where}: spec.prompts {path} is not a file or folder (a pipe or device would block or "
+                             "never end); point it at the prompt files the run used")
+        section = manifest.get("rl")
+        want = section.get("prompt_files_sha256") if isinstance(section, dict) else None
+        if not isinstance(want, dict):
+            raise ProbeError(f"{where} lacks the prompt hashes a rerun checks (rl.prompt_files_sha256); re-run its "
+                             "`command` instead")
+        if file_hashes(path) != want:
+            raise ProbeError(f"the prompt files under {path} changed since the run was made (their sha256 are not "
+                             f"those {where} records); restore them")
+    return spec
+
+
+def describe_rl(spec, out_dir) -> list[str]:
+    """What rerun is about to run for an rl run folder, in lines for the console."""
+    argv = rl_command_line(spec) + (["--out", str(out_dir)] if out_dir is not None else [])
+    return [f"rerun: rl of model {spec.model or 'builtin:default'} ({len(spec.settings)} setting(s) x "
+            f"{spec.seeds} seed(s), {spec.steps} steps, engine {spec.engine}, on {spec.device})",
+            f"  engine args: {json.dumps(spec.engine_args, sort_keys=True) if spec.engine_args else 'none'}",
+            f"  same as: {shlex.join(argv)}"]
+
+
+def rl_command_line(spec) -> list[str]:
+    """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated, as
+    --setting is given)."""
+    plain = type(spec)()
+    argv = ["divergence-probe", "rl"]
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if value == getattr(plain, f.name):
+            continue
+        for item in value if isinstance(value, tuple) else (value,):
+            argv += _flag_words(f, item)
+    return argv
+
+
+def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
+    """The score command line that makes the same run as (call, load), for a person to read before rerun runs it;
+    the trainer settings score has no flag for (set through the Python API) follow as `name=value` words."""
+    argv = ["divergence-probe", "score", call.rollouts]
+    defaults = type(call)(rollouts=call.rollouts)
+    for f in fields(call):
+        value = getattr(call, f.name)
+        if f.name != "rollouts" and value != getattr(defaults, f.name):
+            argv += [flag_of(f), str(value)]
+    flags = ("model", "dtype", "device", "train_attn", "train_sdpa")  # score's own trainer flags
+    plain = LoadSpec()
+    for f in fields(load):
+        value = getattr(load, f.name)
+        if f.name != "infer" and value != getattr(plain, f.name):
+            argv += [flag_of(f), str(value)] if f.name in flags else [f"{f.name}={_flag_value(value)}"]
+    if out_dir is not None:
+        argv += ["--out", str(out_dir)]
+    return argv
+
+
+def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
+    """What rerun is about to run for a score run folder, in lines for the console."""
+    lines = [f"rerun: score of {call.rollouts} with model {load.model or 'builtin:default'} (trainer {load.train}, "
+             f"{load.dtype} on {load.device}" + (", engine prefill vllm)" if call.infer else ")"),
+             f"  same as: {shlex.join(score_command_line(call, load, out_dir))}"]
+    return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
+
+
+__all__ = ["ALLOW_FLAG", "REPLAYED", "COMPILATION_REPLAYED", "check_replayable", "command_line", "describe",
+           "describe_rl", "describe_score", "recorded_rl", "recorded_score", "refused_engine_args", "rl_command_line",
+           "score_command_line"]

@@ -1,0 +1,399 @@
+"""score: what the user's own RL run saw. Read the rollouts it recorded (prompt and response token ids, the
+engine's logprobs), score every response token with the training stack exactly as generate mode's trainer side
+does, and write generate mode's files with the recorded logprobs where generate mode has the engine's.
+
+    from divergence_probe.runs.score import score
+    run = score("rollouts/step_12.parquet", model="Qwen/Qwen3-0.6B")   # trainer only
+    run = score("dump.jsonl.gz", model=..., infer="vllm")              # + the engine's prefill of each sequence
+    run.write("runs/step12")
+
+With `infer="vllm"` the engine re-scores the exact sequences in one prefill, which splits the run's mismatch in
+three: recorded vs prefill (the decode path, or the recording), prefill vs trainer (the engine's numerics), and
+recorded vs trainer (what the run's importance ratios saw). When the recorded logprobs are far from both, the
+summary names the explanation that fits (a flag, not a verdict): a sampling temperature applied on one side only,
+tokens the model would hardly sample (wrong tokens), or other weights than these (stale weights).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .compare import Progress, TokenScore, phase
+from ..errors import NumericsError, ProbeError, one_line
+from ..options import check_finite, option
+from ..numerics.metrics import token_kl, token_logprobs
+from ..prompts import Prompt, batches
+from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
+from ..rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
+from ..rollouts.adapters import parse_fields
+from ..spec import GenerateSpec, LoadSpec
+from ..numerics.tables import summary_row, tokens_frame
+from ..rollouts.causes import CAUSES
+
+# The recorded logprobs are "far" when their mean |Δ| to the trainer is this many times the engine's own gap to the
+# trainer on the same sequences (prefill, --infer vllm): numerics differences between two correct stacks are that
+# gap's size, so ten times it is something else. Without a prefill, at least FAR_FLOOR nats per token: numerics
+# alone move a BF16 logprob by a small fraction of that.
+FAR_FACTOR = 10.0
+FAR_FLOOR = 0.1
+# "wrong tokens": tokens the model gives less than this probability (trainer, and engine prefill when measured)
+# while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
+UNLIKELY_LOGPROB = math.log(1e-4)
+WRONG_TOKEN_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreSpec:
+    """What score reads and how it scores it, beside the LoadSpec of its trainer: the manifest records both
+    (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
+
+    rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
+                           flag="ROLLOUTS")
+    fmt: str = option("auto", flag="--format")
+    fields: str | None = option(None)
+    infer: str | None = option(None)
+    temperature: float | None = option(None)
+    clip_eps: float = option(GenerateSpec.clip_eps)
+    tis_cap: float = option(GenerateSpec.tis_cap)
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        if self.infer not in (None, "vllm"):
+            raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
+                             "leave it out")
+        if self.fmt not in FORMATS:
+            raise ProbeError(f"--format {self.fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+        parse_fields(self.fields)
+        if self.temperature is not None and not self.temperature > 0:
+            raise ProbeError(f"--temperature {self.temperature} must be > 0: it is the sampling temperature to test "
+                             "against")
+        GenerateSpec(clip_eps=self.clip_eps, tis_cap=self.tis_cap)  # their checks
+
+
+@dataclass
+class ScoreRun:
+    """The scored rollouts; `write` puts them on disk as generate mode's files."""
+
+    batch: RolloutBatch
+    prompts: list[Prompt]
+    tokens: list[TokenScore]  # logprob_prefill: the engine's prefill logprob (--infer vllm), else None
+    tempered: list[float] | None  # the trainer's logprob at --temperature, in `tokens` order
+    manifest: dict
+    clip_eps: float
+    tis_cap: float
+    temperature: float | None = None
+
+    @property
+    def responses_table(self) -> pd.DataFrame:
+        df = tokens_frame(self.tokens, sampled=True)
+        df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
+        return df
+
+    @property
+    def tokens_table(self) -> pd.DataFrame:
+        """tokens.csv: generate mode's response rows, `logprob_rollout` (from the file) for `logprob_infer`."""
+        return tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
+
+    @property
+    def summary(self) -> dict:
+        row = summary_row(self.tokens, {}, 0.0)
+        for name in ("first_inexact", "first_over_threshold"):  # no taps: nothing to localise
+            row.pop(name)
+        responses = self.responses_table
+        row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
+                             self.clip_eps, self.tis_cap)
+        row |= sequence_metrics(responses, self.clip_eps)
+        return row | self.diagnosis()
+
+    def diagnosis(self) -> dict:
+        """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
+        the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
+        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
+        rec = np.array([t.logprob_infer for t in self.tokens])
+        train = np.array([t.logprob_train for t in self.tokens])
+        gap = np.abs(rec - train)
+        out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
+        bound = FAR_FLOOR
+        unlikely = train < UNLIKELY_LOGPROB
+        if self.tokens and self.tokens[0].logprob_prefill is not None:
+            prefill = np.array([t.logprob_prefill for t in self.tokens])
+            out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
+            out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
+            # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
+            split = ratio_split({"train": train, "prefill": prefill, "recorded": rec})
+            # their mean |log| are prefill_vs_train and rollout_vs_prefill above: not written twice
+            out |= {k: v for k, v in split.items() if not k.endswith("_mean_abs_dlogp")}
+            bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
+            unlikely &= prefill < UNLIKELY_LOGPROB
+            far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound
+        else:
+            far = gap.mean() > bound
+        out["far_bound"] = bound
+        out["recorded_far"] = bool(far)
+        wrong_share = float(gap[unlikely & (rec > train)].sum() / gap.sum()) if gap.sum() else 0.0
+        out["wrong_token_share"] = wrong_share
+        cause = ""
+        if self.tempered is not None:
+            out["tempered_mean_abs_dlogp"] = tempered = float(np.abs(rec - np.array(self.tempered)).mean())
+        if far:
+            if self.tempered is not None and tempered * FAR_FACTOR < gap.mean():
+                cause = "temperature"
+            elif wrong_share > WRONG_TOKEN_SHARE:
+                cause = "wrong_tokens"
+            else:
+                cause = "stale_weights"
+        out["likely_cause"] = cause
+        return out
+
+    @property
+    def buckets_table(self) -> pd.DataFrame:
+        return bucket_table(self.responses_table, self.clip_eps, self.tis_cap)
+
+    def files(self) -> dict[str, pd.DataFrame]:
+        return {"tokens.csv": self.tokens_table, "summary.csv": pd.DataFrame([self.summary]),
+                "buckets.csv": self.buckets_table}
+
+    def write(self, out_dir: str | Path) -> Path:
+        from ..rundir import write_run
+
+        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
+
+
+
+
+def numbered(batch: RolloutBatch) -> list[tuple[int, int]]:
+    """(prompt_id, sample_id) per rollout: prompts numbered by their group's first row, samples by order in it."""
+    groups: dict = {}
+    seen: dict[int, int] = {}
+    ids = []
+    for r in batch.rollouts:
+        key = ("row", r.row) if r.group is None else ("group", repr(r.group))
+        pid = groups.setdefault(key, len(groups))
+        ids.append((pid, seen.get(pid, 0)))
+        seen[pid] = seen.get(pid, 0) + 1
+    return ids
+
+
+def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: int, engine: bool = False) -> None:
+    """Every id is one of the model's tokens and decodes; every sequence fits the context, and with the `engine`'s
+    prefill one position less: vLLM keeps one for the token it samples after the prompt (as compare's prompts)."""
+    limit = max_model_len - 1 if engine else max_model_len
+    for r in batch.rollouts:
+        for name, ids in (("prompt", r.prompt_ids), ("response", r.response_ids)):
+            top = max(ids)
+            if top >= vocab_size:
+                raise RolloutError(f"row {r.row}: {name} token id {top} is past the model's vocabulary of "
+                                   f"{vocab_size}; the rollouts were made with another model or tokenizer: pass that "
+                                   "--model")
+        n = len(r.prompt_ids) + len(r.response_ids)
+        if n > max_model_len:
+            raise RolloutError(f"row {r.row}: {n} tokens are more than the model's context of {max_model_len}; the "
+                               "rollouts were made with another model: pass that --model")
+        if n > limit:
+            raise RolloutError(f"row {r.row}: {n} tokens do not fit the engine's prefill with the model's context of "
+                               f"{max_model_len} tokens (one position is kept for the sampled token); use at most "
+                               f"{limit} tokens per row, or score it without --infer vllm")
+        try:  # an id the tokenizer lacks but the embedding has (padded vocabularies) is a token the model can sample
+            tokenizer.decode(list(r.prompt_ids + r.response_ids))
+        except Exception as e:  # tokenizers raise OverflowError, TypeError, ... for ids they cannot map
+            raise RolloutError(f"row {r.row}: the token ids do not decode with the model's tokenizer "
+                               f"({one_line(e, 80)}); the rollouts were made with another tokenizer: pass that "
+                               "--model") from e
+
+
+@dataclass
+class Scorer:
+    """What scoring needs: the training stack, the tokenizer and the model's limits; `infer` for the prefill."""
+
+    train: object
+    tokenizer: object
+    vocab_size: int
+    max_model_len: int
+    batch_tokens: int
+    manifest: dict = field(default_factory=dict)
+    infer: object | None = None
+
+    def close(self) -> None:
+        """Free the engine and the trainer (a stack without resources to free has no close)."""
+        if self.infer is not None:
+            self.infer.close()
+        close = getattr(self.train, "close", None)
+        if close is not None:
+            close()
+
+    @classmethod
+    def of_probe(cls, probe, prefill: bool = False) -> "Scorer":
+        """A loaded Probe's training stack (and its engine, for `prefill`): no second load."""
+        return cls(probe.train, probe.tokenizer, vocab_size(probe.source.config, probe.tokenizer),
+                   probe.settings.max_model_len, probe.settings.batch_tokens, probe.manifest(),
+                   probe.infer if prefill else None)
+
+
+def vocab_size(config: dict, tokenizer) -> int:
+    text = config.get("text_config", config)
+    return int(text.get("vocab_size") or len(tokenizer))
+
+
+def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | None = None, clip_eps: float | None = None,
+                tis_cap: float | None = None, progress: Progress | None = None) -> ScoreRun:
+    """Score `batch` (checked against the model first) on the scorer's training stack, sequence by sequence as
+    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine.
+    `progress(done, total)`: after each sequence (compare.Progress)."""
+    g = GenerateSpec(**{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
+    if temperature is not None and not temperature > 0:
+        raise ProbeError(f"--temperature {temperature} must be > 0: it is the sampling temperature to test against")
+    check_fits(batch, scorer.tokenizer, scorer.vocab_size, scorer.max_model_len, engine=scorer.infer is not None)
+    ids = numbered(batch)
+    sequences = [Prompt(i, f"{batch.path.name} row {r.row}", "", r.prompt_ids + r.response_ids)
+                 for i, r in enumerate(batch.rollouts)]
+    tokens: list[TokenScore] = []
+    tempered: list[float] | None = [] if temperature is not None else None
+    phase(progress, "scoring sequences")
+    finished = 0  # sequences of earlier groups
+    for group in batches(sequences, scorer.batch_tokens, getattr(scorer.infer, "max_sequences_per_step", None)):
+        engine = scorer.infer.score(group, frozenset(), _no_taps) if scorer.infer is not None else None
+        done = 0
+
+        def scored(train) -> None:
+            nonlocal done
+            seq = group[done]
+            r, (pid, sid) = batch.rollouts[seq.prompt_id], ids[seq.prompt_id]
+            start = len(r.prompt_ids) - 1  # the logit row that predicts the first response token
+            logits = train.logits[start:]
+            if not torch.isfinite(logits).all():
+                raise NumericsError(f"the training stack's logits for row {r.row} are not finite; the model or its "
+                                    "dtype is broken: try --dtype float32")
+            lp_train = train.logprobs[start:].double().tolist()
+            kl = [math.nan] * len(lp_train)
+            prefill = [None] * len(lp_train)
+            if engine is not None:
+                e = engine[done]
+                prefill = e.logprobs[start:].double().tolist()
+                kl = token_kl(e.logits[start:], logits.to(e.logits.device)).tolist()
+            if tempered is not None:
+                target = torch.tensor(r.response_ids, device=logits.device)
+                tempered.extend(token_logprobs(logits.float() / temperature, target).double().tolist())
+            names = scorer.tokenizer.convert_ids_to_tokens(list(r.response_ids))
+            tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], r.logprobs[j], lp_train[j], kl[j], sid,
+                                     True, prefill[j]) for j, tok in enumerate(r.response_ids))
+            done += 1
+            if progress is not None:
+                progress(finished + done, len(sequences))
+
+        scorer.train.score(group, frozenset(), _no_taps, on_scored=scored)
+        if done != len(group):
+            raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
+        finished += done
+    prompts = _prompts(batch, ids, scorer.tokenizer)
+    manifest = dict(scorer.manifest) | {"kind": "score", "score": {
+        "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
+        "n_rollouts": len(batch.rollouts), "prefill": scorer.infer is not None, "temperature": temperature,
+        "clip_eps": g.clip_eps, "tis_cap": g.tis_cap, "far_factor": FAR_FACTOR, "far_floor": FAR_FLOOR,
+        "routed_experts_recorded": sum(r.routed_experts is not None for r in batch.rollouts),
+        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}}
+    if scorer.infer is None:
+        manifest.get("load", {}).pop("infer", None)
+        manifest.get("stacks", {}).pop("infer", None)
+    return ScoreRun(batch, prompts, tokens, tempered, manifest, g.clip_eps, g.tis_cap, temperature)
+
+
+def _no_taps(*_):
+    pass
+
+
+def _prompts(batch: RolloutBatch, ids, tokenizer) -> list[Prompt]:
+    """prompts.jsonl: each prompt once (the first row of its group)."""
+    out = {}
+    for r, (pid, _) in zip(batch.rollouts, ids):
+        if pid not in out:
+            out[pid] = Prompt(pid, f"{batch.path.name} row {r.row}", tokenizer.decode(list(r.prompt_ids)), r.prompt_ids)
+    return list(out.values())
+
+
+def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
+    """The training stack alone (the engine too for `prefill`, through divergence_probe.load). `check(source,
+    tokenizer)` runs before any stack loads, so a file that does not fit the model fails in seconds."""
+    from ..engines import torch_state
+    from ..environment import environment, resolve_device
+    from ..models.source import resolve_model
+    from .probe import load, stack_settings, train_settings
+    from ..engines.hf.tensor_parallel import trainer_stack_for
+    from ..versions import check as check_versions
+
+    check_versions(prefill, spec.allow_untested_versions)  # before anything loads
+    if prefill:
+        probe = load(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
+        return Scorer.of_probe(probe, prefill=True)
+    from transformers import AutoTokenizer
+
+    torch_state.check_sdpa(spec.train_sdpa, resolve_device(spec.device), spec.train_attn)
+    source = resolve_model(spec.model)
+    settings = stack_settings(spec, source)
+    random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    if check is not None:
+        check(source, tokenizer)
+    train = trainer_stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
+    train.load(train_settings(spec, settings))
+    manifest = {"model": {"spec": source.spec, "path": str(source.path), "arch": source.arch,
+                          "num_layers": source.num_layers, "config_sha256": source.config_sha256},
+                "load": {k: getattr(spec, k) for k in ("train", "dtype", "train_attn", "train_sdpa", "train_state",
+                                                       "train_device", "train_tp", "seed")} | {"device": settings.device,
+                                                                   "max_model_len": settings.max_model_len},
+                "stacks": {"train": vars(train.info())}, "environment": environment(settings.device)}
+    return Scorer(train, tokenizer, vocab_size(source.config, tokenizer), settings.max_model_len, settings.batch_tokens,
+                  manifest)
+
+
+def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", fields: str | None = None,
+          infer: str | None = None, temperature: float | None = None, clip_eps: float | None = None,
+          tis_cap: float | None = None, **load) -> ScoreRun:
+    """Read a rollout file and score it (see the module docstring). `infer`: None (trainer only) or "vllm" (also
+    the engine's prefill). `load`: LoadSpec's training-side settings (dtype, device, train_attn, train_sdpa, ...)."""
+    call = ScoreSpec(rollouts=str(Path(rollouts).absolute()), fmt=fmt, fields=fields, infer=infer,
+                     temperature=temperature,
+                     **{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
+    return score_spec(call, LoadSpec(model=model, **load))
+
+
+def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None,
+               rollouts_sha256: str | None = None) -> ScoreRun:
+    """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
+    resolved and before any stack loads (rerun: is it the recorded checkpoint?); `rollouts_sha256` (rerun: the
+    recorded one) is what the bytes read must hash to; `progress` as score_batch's."""
+    batch = read_rollouts(call.rollouts, call.fmt, call.fields)
+    if rollouts_sha256 is not None and batch.sha256 != rollouts_sha256:
+        raise ProbeError(f"the rollout file {batch.path} changed since the run was made (its sha256 is not the one "
+                         "the run folder records); restore it, or score it again with `divergence-probe score`")
+    if batch.has_train and spec.model is None and call.infer is None:  # both sides in the file: no model loads
+        from .paired import paired_run
+
+        if call.temperature is not None:
+            raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
+                             "--model to score with the training stack, or drop --temperature")
+        run = paired_run(batch, call.clip_eps, call.tis_cap)
+        run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
+        return run
+
+    def before_stacks(source, tokenizer):
+        if check is not None:
+            check(source)
+        check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len,
+                   engine=call.infer == "vllm")
+
+    scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
+    try:
+        run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap,
+                          progress=progress)
+    finally:
+        scorer.close()
+    run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
+    return run
