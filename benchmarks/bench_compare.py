@@ -71,8 +71,8 @@ PLANS = {
 # divergence_probe functions whose cumulative time the profile of one tapped compare reports
 PROFILED = {
     "runs/compare.py": ("run_compare", "score_prompt"),
-    "vllm.py": ("score",),
-    "hf.py": ("score",),
+    "engines/vllm/stack.py": ("score",),
+    "engines/hf/trainer.py": ("score",),
     "runs/capture.py": ("park", "pair", "finish_prompt"),
     "numerics/fused.py": ("fused_diff_sums",),
     "numerics/metrics.py": ("token_kl",),
@@ -112,10 +112,9 @@ def profile_tapped(probe, **compare_options) -> dict:
     wall = time.perf_counter() - start
     found = {}
     for (path, _, func), (_, _, _, cumtime, _) in pstats.Stats(profiler).stats.items():
-        name = Path(path).name
-        if "divergence_probe" in path and func in PROFILED.get(name, ()):
-            label = f"engines/{name}:{func}" if name in ("vllm.py", "hf.py") else f"{name}:{func}"
-            found[label] = round(cumtime, 3)
+        _, inside, name = Path(path).as_posix().rpartition("divergence_probe/")
+        if inside and func in PROFILED.get(name, ()):
+            found[f"{name}:{func}"] = round(cumtime, 3)
     return {"wall_s": round(wall, 3), "cumulative_s": found}
 
 
@@ -315,7 +314,7 @@ def render(data: dict) -> str:
         p = o["profile"]
         out += ["", f"Where one tapped compare spends its time (cProfile, cumulative, {p['wall_s']:.2f} s under the "
                 "profiler; nested rows overlap: `park` and `pair` file the taps, `finish_prompt` stacks a prompt's pairs by "
-                "shape and reduces all the stacks with one `fused_diff_sums` call; `hf.py:score` includes each prompt's "
+                "shape and reduces all the stacks with one `fused_diff_sums` call; `engines/hf/trainer.py:score` includes each prompt's "
                 "finishing, which the compare loop runs from inside it through `on_scored`):", "",
                 "| function | s | share |", "|---|---:|---:|"]
         ranked = sorted(p["cumulative_s"].items(), key=lambda kv: -kv[1])  # the JSON file stores them by name
