@@ -50,7 +50,7 @@ def benchmark_module(monkeypatch):
 
 
 def test_bench_compare_on_the_tiny_moe_renders_its_section(tmp_path, benchmark_module):
-    """The MoE arch is the one with a target of its own (issue 28); the dense arch runs the same code."""
+    """The MoE arch is the one with a target of its own; the dense arch runs the same code."""
     data = raw_numbers(tmp_path, "bench_compare.py", "--plan", "tiny", "--arch", "qwen3_moe")
     assert data["model"]["arch"] == "qwen3_moe" and data["model"]["num_local_experts"] > 1
     assert set(data["overhead"]["times_s"]) == {"all", "none"} and data["summary"]["ratio"] > 0

@@ -57,6 +57,18 @@ def test_no_line_narrates_how_the_work_was_organised():
     assert not hits, "lines that narrate the work instead of describing the tool:\n" + "\n".join(hits)
 
 
+TRACKER_NUMBER = re.compile(r"\bissues?\s+#?\d+|\b(?:PR|pull\s+request)\s+#?\d+", re.IGNORECASE)
+
+
+def test_no_test_cites_a_tracker_number():
+    """Tests say "session" in pytest's sense, so only the tracker numbers are looked for there: a reader has no tracker."""
+    tests = ROOT / "tests"
+    hits = [f"{path.relative_to(ROOT)}:{number}"
+            for path in sorted(tests.rglob("*.py")) if path.name != Path(__file__).name
+            for number, line in enumerate(path.read_text().splitlines(), start=1) if TRACKER_NUMBER.search(line)]
+    assert not hits, "tests that cite a tracker number:\n" + "\n".join(hits)
+
+
 @pytest.mark.parametrize("line", [
     "Measured in the seventeenth session on the H200.",
     "The next session should rerun the floors.",

@@ -1,4 +1,4 @@
-"""Routing on the tiny Qwen3-MoE (issue 28): routing.csv and the token/summary columns against a recomputation from
+"""Routing on the tiny Qwen3-MoE: routing.csv and the token/summary columns against a recomputation from
 router-logit taps captured outside the tool's routing code, the engine's routes checked, routing replay (R3 and
 ids+weights) reaching the trainer's experts for every token and layer while routing.csv still shows the router
 disagreement, generate mode and ablate with the routing region, and what routing refuses in one line.
