@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("README.md", "docs", "divergence_probe", "benchmarks", "scripts")
 TEXT_SUFFIXES = {".md", ".py", ".sh", ".txt", ".toml", ".cfg", ".html", ".tex"}
 # Words that say how the work was organised rather than what the tool does. Each is anchored to the phrasing that

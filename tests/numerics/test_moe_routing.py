@@ -28,13 +28,13 @@ from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
 TOP_K, LAYERS = 4, 2  # the tiny MoE preset
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def runs(qwen3_moe_tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("moe-routing")
-    done = subprocess.run([sys.executable, str(HERE / "moe_routing_runs.py"), str(qwen3_moe_tiny), str(out)],
+    done = subprocess.run([sys.executable, str(HELPERS / "moe_routing_runs.py"), str(qwen3_moe_tiny), str(out)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return out
