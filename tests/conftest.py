@@ -49,27 +49,34 @@ def pytest_collection_finish(session):
 
 
 def _runs_the_tool(args) -> bool:
-    """Whether a child process's command line runs divergence-probe, which may start an engine: the CLI (by its
-    script or `-m divergence_probe`) or one of the tests' driver scripts, which call its API; `--help` starts none. A
-    `python -c` snippet is not read: the few tests that use one import the package for a helper, not a run."""
+    """Whether a child process's command line runs divergence-probe, which may start an engine or compile: the CLI
+    (by its script or `-m divergence_probe`), one of the tests' driver scripts or a benchmark, which call its API;
+    `--help` starts none. A `python -c` snippet is not read: the few tests that use one import the package for a
+    helper, not a run."""
     words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
     words = [os.fsdecode(w) if isinstance(w, (bytes, os.PathLike)) else str(w) for w in words]
     if "--help" in words:
         return False
-    named = any(Path(w).name in ("divergence-probe",) or w.endswith(("_driver.py", "_runs.py")) for w in words)
+    named = any(Path(w).name in ("divergence-probe",) or w.endswith(("_driver.py", "_runs.py"))
+                or (w.endswith(".py") and Path(w).parent.name == "benchmarks") for w in words)
     as_module = any(a == "-m" and b == "divergence_probe" for a, b in zip(words, words[1:]))
     return named or as_module
 
 
 @pytest.fixture(autouse=True)
 def engine_marker_is_honoured(request, monkeypatch):
-    """A test that starts a vLLM engine, in this process or in a child running the tool, must carry the `engine`
-    marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises to be."""
+    """A test that starts a vLLM engine or compiles with torch.compile, in this process or in a child running the
+    tool, must carry the `engine` marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises
+    to be. The tap reduction compiles once per process and keeps what it compiled: an unmarked test starts from an
+    uncompiled reduction, so that it is refused whichever tests ran before it."""
     if request.node.get_closest_marker("engine"):
         return
     import subprocess
 
+    import torch
+
     from divergence_probe.engines.vllm.stack import VLLMStack
+    from divergence_probe.numerics import fused
 
     def refuse(what):
         pytest.fail(f"{request.node.nodeid} {what} but is not marked `engine`: add @pytest.mark.engine "
@@ -85,8 +92,14 @@ def engine_marker_is_honoured(request, monkeypatch):
             refuse("runs divergence-probe in a child process")
         popen_init(self, args, *rest, **kwargs)
 
+    def compile_(*args, **kwargs):
+        refuse("compiles with torch.compile")
+
     monkeypatch.setattr(VLLMStack, "load", load)
     monkeypatch.setattr(subprocess.Popen, "__init__", start_child)
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
