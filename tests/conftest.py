@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub lookup must fail fast, not hang
 
@@ -63,17 +64,21 @@ def _runs_the_tool(args) -> bool:
     return named or as_module
 
 
+_unmarked_test: list = []  # while a test without the `engine` marker runs: how to refuse what it must not do
+_TORCH_COMPILE = torch.compile  # the real one: the guard below stands in for it while an unmarked test runs
+
+
 @pytest.fixture(autouse=True)
 def engine_marker_is_honoured(request, monkeypatch):
     """A test that starts a vLLM engine or compiles with torch.compile, in this process or in a child running the
     tool, must carry the `engine` marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises
-    to be. The tap reduction compiles once per process and keeps what it compiled: an unmarked test starts from an
-    uncompiled reduction, so that it is refused whichever tests ran before it."""
+    to be. torch.compile compiles at a compiled function's first call, so that call is refused, not the wrapping (a
+    library may wrap its functions when imported); the tap reduction keeps what it compiled for the process, so an
+    unmarked test starts from an uncompiled one, refused whichever tests ran before it."""
     if request.node.get_closest_marker("engine"):
+        yield
         return
     import subprocess
-
-    import torch
 
     from divergence_probe.engines.vllm.stack import VLLMStack
     from divergence_probe.numerics import fused
@@ -92,14 +97,26 @@ def engine_marker_is_honoured(request, monkeypatch):
             refuse("runs divergence-probe in a child process")
         popen_init(self, args, *rest, **kwargs)
 
-    def compile_(*args, **kwargs):
-        refuse("compiles with torch.compile")
+    def compile_(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) as a decorator
+            return lambda fn: compile_(fn, **kwargs)
+        compiled = _TORCH_COMPILE(model, **kwargs)
+
+        def call(*args, **kw):
+            if _unmarked_test:
+                _unmarked_test[-1]("compiles with torch.compile")
+            return compiled(*args, **kw)
+
+        return call
 
     monkeypatch.setattr(VLLMStack, "load", load)
     monkeypatch.setattr(subprocess.Popen, "__init__", start_child)
     monkeypatch.setattr(torch, "compile", compile_)
     monkeypatch.setattr(fused, "_compiled", None)
     monkeypatch.setattr(fused, "_backend", None)
+    _unmarked_test.append(refuse)
+    yield
+    _unmarked_test.pop()
 
 
 @pytest.fixture(scope="session", autouse=True)

