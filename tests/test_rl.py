@@ -17,7 +17,8 @@ from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
 from divergence_probe.models import get_family
-from divergence_probe.rl.sync import SyncError, differing, digests, expected_tensors, fingerprints, same_values
+from divergence_probe.engines.weight_check import differing, digests, expected_tensors, fingerprints, same_values
+from divergence_probe.errors import SyncError
 from test_compare_cli import assert_one_line_error
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
@@ -369,7 +370,7 @@ def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
 
 def test_moved_storage_names_a_parameter_given_new_storage():
     """What a captured CUDA graph would miss: a tensor replaced rather than copied into."""
-    from divergence_probe.rl.sync import moved_storage, storage
+    from divergence_probe.engines.vllm.weights import moved_storage, storage
 
     layer = torch.nn.Linear(4, 4)
     before = storage(layer)
