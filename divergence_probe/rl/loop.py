@@ -8,11 +8,12 @@ The engine is vLLM with prefix caching on, as production rollouts run (the tool'
 loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaults, as RL frameworks deploy it).
 The loop reaches the engine only through its RolloutEngine protocol (engines/rollout_protocol.py): rollouts are
 plain sampling calls (vLLM's `LLM.generate`: no prompt logprobs, no capture hooks), the engine's logprob of each
-sampled token is what the policy ratio uses, and the push and its proofs are the engine's weight sync. On a mixture of experts the rollout also records, at the router's
-select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
-records; engines/vllm/stack.py `routes_recorded`): by a hook in the eager engine, and in the compiled one from the route
-tap points its graph (and CUDA graphs) copy into static buffers (load builds the engine with them; compiled_taps.py),
-read after each step and filed by request and position like the eager hook's rows. The update's forward compares its
+sampled token is what the policy ratio uses, and the push and its proofs are the engine's weight sync. On a mixture
+of experts the rollout also records, at the router's select_experts, the experts the engine sent every row of every
+sequence to (what vLLM's enable_return_routed_experts records; engines/vllm/stack.py `routes_recorded`): by a hook in
+the eager engine, and in the compiled one from the route tap points its graph (and CUDA graphs) copy into static
+buffers (load builds the engine with them; compiled_taps.py), read after each step and filed by request and position
+like the eager hook's rows. The update's forward compares its
 own router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
 
 Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
@@ -46,6 +47,7 @@ import pandas as pd
 import torch
 
 from .. import align as align_api
+from ..engines.rollout_protocol import RolloutSample
 from ..numerics import routing
 from ..errors import NumericsError, ProbeError
 from ..regions import aligned, check_regions_exist, from_engine
@@ -53,7 +55,6 @@ from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
 from .spec import RLSpec, parse_setting
-from ..engines.rollout_protocol import RolloutSample
 from .trainer import Trainer
 
 ENGINE_ARGS = {"enable_prefix_caching": True}

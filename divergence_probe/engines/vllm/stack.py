@@ -320,7 +320,7 @@ class VLLMStack:
     name = "vllm"
 
     def __init__(self) -> None:
-        self.llm = self.runner = self.model = self.weight_session = None
+        self.llm = self.runner = self.model = None
         self.settings: StackSettings | None = None
         self.recompute_gap = 0.0  # max |our log_softmax of captured logits - vLLM's reported logprob|
         self.weight_session: WeightSession | None = None  # an RL loop's weight sync, from start_weight_sync on
