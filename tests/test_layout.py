@@ -47,3 +47,22 @@ def test_no_module_and_package_share_a_stem():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert not modules & packages
     assert not {m for m in modules if m + "s" in packages or m.rstrip("s") in packages}
+
+
+def test_only_the_vllm_engine_imports_vllm():
+    """vLLM is the vLLM engine's business: everything else reaches it through the engine's protocols. Every import
+    counts, a lazy one inside a function too."""
+    engine = PACKAGE / "engines" / "vllm"
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        if engine in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            importers += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "vllm"]
+    assert not importers, importers

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import divergence_probe
 from divergence_probe.cli import app
-from divergence_probe.runs.rerun import refused_engine_args
+from divergence_probe.engines.vllm.replayable import refused_engine_args
 from divergence_probe.rundir import MARK, marked
 
 from test_report import make_compare
@@ -482,7 +482,7 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     """The allow-list names real keywords of this vLLM (a renamed one would be refused, never silently passed)."""
     import dataclasses
 
-    from divergence_probe.runs.rerun import COMPILATION_REPLAYED, REPLAYED
+    from divergence_probe.engines.vllm.replayable import COMPILATION_REPLAYED, REPLAYED
     from divergence_probe.engines.vllm.stack import _import_vllm, _llm_keywords
 
     vllm = _import_vllm()  # as the tool imports it: the trainer's torch state is recorded first

@@ -174,7 +174,8 @@ def _targets(tp2, scores) -> torch.Tensor:
 
 
 def test_the_manifest_records_the_tp_size_and_rerun_replays_it(tp2):
-    from divergence_probe.runs.rerun import command_line, refused_engine_args
+    from divergence_probe.engines.vllm.replayable import refused_engine_args
+    from divergence_probe.runs.rerun import command_line
     from divergence_probe.spec import RunSpec
 
     manifest = json.loads((tp2["run"] / "manifest.json").read_text())
