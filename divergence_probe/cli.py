@@ -30,7 +30,7 @@ from .errors import ProbeError, one_line
 from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
 
-# Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
+# Nothing torch-bound is imported here: the spec (spec/ and what it imports: torch, pandas) is read only when a
 # command that takes its options from it is run or asked for its own --help (_LazyGroup), and every other import of
 # the library is inside the function that needs it. So `divergence-probe --help` and the --help of rerun, report,
 # score and make-model need no torch from this module (the package's __init__, which runs first, is another matter).
@@ -438,8 +438,9 @@ def _panel(kind: str, component: str | None, name: str) -> str:
 
 
 def _options(kind: str) -> list[inspect.Parameter]:
-    """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec.py."""
-    from .spec import COMPONENTS, RunSpec, flag_of, flat_fields
+    """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec/."""
+    from .spec.run import COMPONENTS, RunSpec, flat_fields
+    from .spec.fields import flag_of
 
     params = []
     for component, f, name in flat_fields(kind):
@@ -520,7 +521,7 @@ def _spec_command(kind: str, doc: str, after):
     """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
     def command(out_dir: Optional[Path] = None, fail_if: Optional[list[str]] = None, **flags) -> None:
-        from .spec import spec_from_flat
+        from .spec.run import spec_from_flat
 
         gate = _gate(fail_if, kind)
         run, out_dir, verdict = _run(lambda: spec_from_flat(kind, **flags), out_dir, gate=gate)
@@ -658,7 +659,7 @@ def rerun(
         if "spec" not in manifest:
             raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
                              "from manifest.json instead")
-        from .spec import RunSpec
+        from .spec.run import RunSpec
 
         try:
             spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
@@ -865,9 +866,9 @@ def diff_command(
 
 
 def _rl_options() -> list[inspect.Parameter]:
-    """One typer option per RLSpec field (declared once, in rl/spec.py); a tuple field is a repeatable flag."""
-    from .rl.spec import RLSpec
-    from .spec import flag_of
+    """One typer option per RLSpec field (declared once, in spec/rl.py); a tuple field is a repeatable flag."""
+    from .spec.rl import RLSpec
+    from .spec.fields import flag_of
 
     hints = typing.get_type_hints(RLSpec)
     params = []
@@ -1022,8 +1023,8 @@ def score_command(
     """
     from .runs.history import parse_alarms, step_files
     from .rundir import default_out_dir
-    from .runs.score import ScoreSpec
-    from .spec import LoadSpec
+    from .spec.score import ScoreSpec
+    from .spec.load import LoadSpec
 
     try:
         files = step_files(rollouts)

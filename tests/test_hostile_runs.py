@@ -444,7 +444,7 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
 
 def rl_with_spec(path: Path, **changes) -> Path:
     """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`), as a forger would."""
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     run = make_rl(path)
     edit(run / "manifest.json", lambda m: m.update(spec={**json.loads(json.dumps(RLSpec().to_dict())), **changes}))

@@ -5,15 +5,15 @@
 
 Modules: reward (the task, plug-ins), grpo (advantages, loss), trainer (FP32 masters, BF16 compute), sync (push,
 the on-device weight comparison, stale-cache probe), loop (the steps), experiment (settings x seeds on one engine),
-table (the run folder), spec (the options).
+table (the run folder); its options are spec/rl.py.
 """
 
 from ..lazy import lazy_exports
 
 __all__ = ["Loop", "RLResult", "RLSpec", "StaleCacheError", "SyncError", "load", "run"]
 
-# The API's names are imported on first use (PEP 562): `rl --help` reads rl.spec alone, without torch or vLLM.
-_LAZY = {"run": ".experiment", "RLResult": ".experiment", "Loop": ".loop", "load": ".loop", "RLSpec": ".spec",
+# The API's names are imported on first use (PEP 562): `rl --help` reads spec/rl.py alone, without torch or vLLM.
+_LAZY = {"run": ".experiment", "RLResult": ".experiment", "Loop": ".loop", "load": ".loop", "RLSpec": "..spec.rl",
          "StaleCacheError": ".sync", "SyncError": ".sync"}
 
 

@@ -16,7 +16,7 @@ from ..prompts import file_hashes, read_prompt_sources
 from ..rundir import MANIFEST
 from .loop import Loop, load, load_spec
 from .reward import load_reward
-from .spec import RLSpec
+from ..spec.rl import RLSpec
 from .table import ROWS, SUMMARY, rescue, rl_folder, summarize
 
 Progress = Callable[[dict, int, int], None]  # (row, rows done, rows in all)

@@ -19,7 +19,7 @@ from .compare import CompareRun, Progress, phase, run_compare
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from ..spec import RunSpec
+from ..spec.run import RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run

@@ -35,7 +35,7 @@ from ..regions import from_engine
 from .route_capture import RouteCapture, RunRouting
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
-from ..spec import RunSpec
+from ..spec.run import RunSpec
 from ..engines.protocol import PromptScores, TapSink
 from ..numerics.noise_verdict import floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame

@@ -27,7 +27,8 @@ from ..environment import environment, resolve_device, resolve_train_device, sam
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
 from ..quiet import libraries_quieted
-from ..spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
+from ..spec.load import LoadSpec
+from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
 from ..engines import Stack, StackSettings, get_stack
 from ..engines.protocol import freeze_engine_args
 from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for

@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import ProbeError, printable
-from ..spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
+from ..spec.run import COMPONENTS, RunSpec, flat_fields
+from ..spec.load import LoadSpec
+from ..spec.fields import flag_of
+from ..spec.from_manifest import recorded
 
 ALLOW_FLAG = "--allow-engine-arg"
 
@@ -157,7 +160,7 @@ def recorded_score(manifest: dict, where: str):
     rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
     sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
     from ..rundir import file_sha256
-    from .score import ScoreSpec
+    from ..spec.score import ScoreSpec
 
     section = manifest.get("score")
     if not isinstance(section, dict) or "spec" not in section or "load_spec" not in section:
@@ -190,7 +193,7 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
     from ..rl.reward import BUILT_IN
-    from ..rl.spec import RLSpec
+    from ..spec.rl import RLSpec
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "

@@ -27,13 +27,13 @@ import torch
 
 from .compare import Progress, TokenScore, phase
 from ..errors import NumericsError, ProbeError, one_line
-from ..options import check_finite, option
 from ..numerics.metrics import token_kl, token_logprobs
 from ..prompts import Prompt, batches
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
-from ..rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
-from ..rollouts.adapters import parse_fields
-from ..spec import GenerateSpec, LoadSpec
+from ..rollouts import RolloutBatch, RolloutError, read_rollouts
+from ..spec.generate import GenerateSpec
+from ..spec.load import LoadSpec
+from ..spec.score import ScoreSpec
 from ..numerics.tables import summary_row, tokens_frame
 from ..rollouts.causes import CAUSES
 
@@ -47,34 +47,6 @@ FAR_FLOOR = 0.1
 # while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
 UNLIKELY_LOGPROB = math.log(1e-4)
 WRONG_TOKEN_SHARE = 0.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreSpec:
-    """What score reads and how it scores it, beside the LoadSpec of its trainer: the manifest records both
-    (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
-
-    rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
-                           flag="ROLLOUTS")
-    fmt: str = option("auto", flag="--format")
-    fields: str | None = option(None)
-    infer: str | None = option(None)
-    temperature: float | None = option(None)
-    clip_eps: float = option(GenerateSpec.clip_eps)
-    tis_cap: float = option(GenerateSpec.tis_cap)
-
-    def __post_init__(self) -> None:
-        check_finite(self)
-        if self.infer not in (None, "vllm"):
-            raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
-                             "leave it out")
-        if self.fmt not in FORMATS:
-            raise ProbeError(f"--format {self.fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-        parse_fields(self.fields)
-        if self.temperature is not None and not self.temperature > 0:
-            raise ProbeError(f"--temperature {self.temperature} must be > 0: it is the sampling temperature to test "
-                             "against")
-        GenerateSpec(clip_eps=self.clip_eps, tis_cap=self.tis_cap)  # their checks
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
-from ..spec import TRAIN_PRECISIONS, parse_engine_args
+from .load import TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
@@ -99,7 +99,7 @@ class RLSpec:
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
-        from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
+        from ..rl.grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
 
         check_finite(self)
         checks = [
