@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from .batch_invariance import NoiseEngines
-from .compare import CompareRun, Progress, phase, run_compare
+from .compare import CompareRun, run_compare
+from .progress import Progress, phase
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets

@@ -32,7 +32,9 @@ from ..models.memory_plan import Peaks, engine_report
 from ..numerics.metrics import DiffStats, token_kl
 from ..prompts import Prompt, batches, default_prompts_path, load_prompts
 from ..regions import from_engine
+from .progress import Progress, phase
 from .route_capture import RouteCapture, RunRouting
+from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
 from ..spec.run import RunSpec
@@ -40,35 +42,6 @@ from ..engines.protocol import PromptScores, TapSink
 from ..numerics.noise_verdict import floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
-
-Progress = Callable[[int, int], None]  # (prompts done, prompts total)
-
-
-def phase(progress: Progress | None, name: str, *, offset: int = 0, scale: int = 1) -> None:
-    """Tell a progress display that shows phases (the CLI's: one bar per long phase, with the time left) that a new
-    one starts: the calls that follow count from `offset` and their total is `scale` times this phase's. A plain
-    (done, total) callback has no `phase` and sees the same calls as ever."""
-    start = getattr(progress, "phase", None)
-    if start is not None:
-        start(name, offset=offset, scale=scale)
-
-
-@dataclass
-class TokenScore:
-    """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
-    also belongs to a sample, and is either part of the prompt or of the sampled response."""
-
-    prompt_id: int
-    position: int
-    token_id: int
-    token: str
-    logprob_infer: float
-    logprob_train: float
-    kl: float
-    sample_id: int | None = None
-    is_response: bool | None = None
-    logprob_prefill: float | None = None  # generate mode: the engine's prefill of the whole sampled sequence
-
 
 @dataclass
 class ScoredSequence:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import pandas as pd
 
-from .compare import Progress, phase
+from .progress import Progress, phase
 from ..errors import ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
 from ..rollouts import RolloutBatch, RolloutError, read_rollouts

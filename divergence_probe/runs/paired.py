@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import math
 
-from .compare import TokenScore
 from ..prompts import Prompt
 from ..rollouts import RolloutBatch, RolloutError
-from .score import FAR_FACTOR, FAR_FLOOR, ScoreRun, numbered
+from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
 
 # What manifest.json's score.trainer says of a run scored from the file's own trainer column.
 RECORDED_TRAINER = "recorded"

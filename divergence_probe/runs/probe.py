@@ -22,7 +22,8 @@ import torch
 from ..models import memory_plan
 from ..engines import torch_state
 from .. import versions
-from .compare import Progress, load_run_prompts, run_compare
+from .compare import load_run_prompts, run_compare
+from .progress import Progress
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
