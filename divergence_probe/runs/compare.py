@@ -30,7 +30,7 @@ from ..errors import NumericsError, ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from ..models.memory_plan import Peaks, engine_report
 from ..numerics.metrics import DiffStats, token_kl
-from ..prompts import Prompt, batches, default_prompts_path, load_prompts
+from ..prompts import Prompt, batches, load_prompts
 from ..regions import from_engine
 from .progress import Progress, phase
 from .route_capture import RouteCapture, RunRouting
@@ -443,13 +443,9 @@ def source_for(spec: RunSpec) -> SequenceSource:
     return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
 
 
-def prompts_path(spec: RunSpec) -> Path:
-    return Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
-
-
 def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
     """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
-    path = prompts_path(spec)
+    path = spec.prompts.path
     context = max_model_len
     if spec.generate.generates:
         if spec.generate.max_new_tokens >= context - 1:

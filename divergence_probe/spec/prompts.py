@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import ProbeError
 from ..options import option
-from ..prompts import check_kind
+from ..prompts import check_kind, default_prompts_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,3 +29,8 @@ class PromptSpec:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 2:
             raise ProbeError(f"--max-prompt-tokens must be at least 2 (every token after the first is scored), "
                              f"got {self.max_prompt_tokens}.")
+
+    @property
+    def path(self) -> Path:
+        """The prompt files a run reads: --prompts, or the packaged sample prompts."""
+        return Path(self.prompts) if self.prompts is not None else default_prompts_path()
