@@ -32,6 +32,7 @@ from ..models.memory_plan import Peaks, engine_report
 from ..numerics.metrics import DiffStats, token_kl
 from ..prompts import Prompt, batches, load_prompts
 from ..regions import from_engine
+from .manifest import build_manifest
 from .progress import Progress, phase
 from .route_capture import RouteCapture, RunRouting
 from .scored import TokenScore
@@ -459,10 +460,8 @@ def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path
 
 def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dict:
     """The probe's manifest plus what this run scored and captured, and the spec that re-makes it."""
-    manifest = probe.manifest()
-    manifest["kind"] = spec.kind
-    manifest["spec"] = spec.to_dict()
-    manifest["compare"] = {
+    sections = {}
+    sections["compare"] = {
         "mode": spec.generate.mode,
         "prompts": str(prompts_path),
         "prompt_files_sha256": prompts.file_sha256,  # of the bytes these prompts were read from
@@ -476,14 +475,14 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
     }
     if spec.generate.generates:
         g = spec.generate
-        manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
+        sections["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
                                 "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
                                 "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)",
                                 "logprob_prefill": "the engine's prefill of every sampled sequence after the run loop, "
                                                    "no taps, prefix cache not read"}
     if spec.align.regions:
-        manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
-    return manifest
+        sections["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
+    return build_manifest(spec.kind, probe.manifest(), sections, spec=spec.to_dict())
 
 
 def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str]]:

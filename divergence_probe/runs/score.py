@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .manifest import build_manifest, model_section
 from .progress import Progress, phase
 from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
 from ..errors import NumericsError, ProbeError, one_line
@@ -145,12 +146,12 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
             raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
         finished += done
     prompts = _prompts(batch, ids, scorer.tokenizer)
-    manifest = dict(scorer.manifest) | {"kind": "score", "score": {
+    manifest = build_manifest("score", scorer.manifest, {"score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
         "n_rollouts": len(batch.rollouts), "prefill": scorer.infer is not None, "temperature": temperature,
         "clip_eps": g.clip_eps, "tis_cap": g.tis_cap, "far_factor": FAR_FACTOR, "far_floor": FAR_FLOOR,
         "routed_experts_recorded": sum(r.routed_experts is not None for r in batch.rollouts),
-        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}}
+        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}})
     if scorer.infer is None:
         manifest.get("load", {}).pop("infer", None)
         manifest.get("stacks", {}).pop("infer", None)
@@ -196,8 +197,7 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
         check(source, tokenizer)
     train = trainer_stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
     train.load(train_settings(spec, settings))
-    manifest = {"model": {"spec": source.spec, "path": str(source.path), "arch": source.arch,
-                          "num_layers": source.num_layers, "config_sha256": source.config_sha256},
+    manifest = {"model": model_section(source),
                 "load": {k: getattr(spec, k) for k in ("train", "dtype", "train_attn", "train_sdpa", "train_state",
                                                        "train_device", "train_tp", "seed")} | {"device": settings.device,
                                                                    "max_model_len": settings.max_model_len},
