@@ -878,7 +878,7 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
 def _print_rl_summary(summary) -> None:
     """rl_summary.csv as a table: each run's mean reward and mismatch over its first steps and over its last ones,
     the steps named (rl/table.py window: the two never overlap)."""
-    from .rl.table import window_label
+    from .numerics.rl_summary import window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
     for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "s/step", "overhead"):

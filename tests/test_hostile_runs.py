@@ -187,7 +187,8 @@ def test_training_side_never_runs_a_model_folders_code(run, qwen3_tiny, tmp_path
 # ---------------------------------------------------------------------------------------------- 2. no data loss
 def make_rl(path: Path) -> Path:
     """An rl run folder written by the rl command's own writer (rl/table.py)."""
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "plain", "seed": 0, "step": step, "reward_mean": 0.1 * step, "mean_abs_dlogp": 1e-3,

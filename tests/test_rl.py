@@ -51,7 +51,7 @@ def test_reward_plugin(tmp_path, monkeypatch):
 def test_summary_start_and_end_never_share_a_step(steps, width):
     """A reward that falls every step reads as a fall in rl_summary.csv at any length: the start and the end average
     disjoint steps, named in the printed table."""
-    from divergence_probe.rl.table import summarize, window_label
+    from divergence_probe.numerics.rl_summary import summarize, window_label
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
@@ -68,7 +68,8 @@ def _rl_folder(path, steps: int, seeds: int, fall: bool):
     """An rl run folder written by the rl command's own writer: a reward that falls (or rises) every step, a mismatch
     that grows, one row per (seed, step), the manifest the rl command records (its spec)."""
     from divergence_probe.spec.rl import RLSpec
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "none", "seed": seed, "step": s, "reward_mean": (1 - s / steps if fall else s / steps) / (seed + 1),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..rl.table import summarize, window_label
+from ..numerics.rl_summary import summarize, window_label
 from ..rundir import MANIFEST, inside, output_folder, parse_csv, read_file, read_manifest
 from . import document as doc
 from . import figures as F

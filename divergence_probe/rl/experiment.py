@@ -18,7 +18,8 @@ from ..runs.manifest import build_manifest
 from .loop import Loop, load, load_spec
 from .reward import load_reward
 from ..spec.rl import RLSpec
-from .table import ROWS, SUMMARY, rescue, rl_folder, summarize
+from ..numerics.rl_summary import summarize
+from .table import ROWS, SUMMARY, rescue, rl_folder
 
 Progress = Callable[[dict, int, int], None]  # (row, rows done, rows in all)
 

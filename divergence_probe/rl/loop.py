@@ -64,7 +64,7 @@ def load(spec: RLSpec, check: Callable | None = None):
     """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads.
     `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
-    import divergence_probe as dp
+    from ..runs.probe import load as load_probe
 
     def before_stacks(source, tokenizer):
         if check is not None:
@@ -76,7 +76,7 @@ def load(spec: RLSpec, check: Callable | None = None):
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
-    return dp.load(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
+    return load_probe(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
 def load_spec(spec: RLSpec):

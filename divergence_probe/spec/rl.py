@@ -13,6 +13,7 @@ from ..versions import ALLOW_HELP
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
+CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 DEVICES = ("auto", "cpu", "cuda")
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
@@ -99,8 +100,6 @@ class RLSpec:
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
-        from ..rl.grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
-
         check_finite(self)
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
