@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .regions import ALL_REGIONS, parse_regions, patch
-from .hooks import HookSet
+from .engines.hooks import HookSet
 
 
 def apply(model, regions: Sequence[str] | str = ALL_REGIONS) -> HookSet:

@@ -158,7 +158,7 @@ def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompt
     """Hooks are installed once per score call, every tap is filed under the prompt that made it, each prompt's
     scores arrive (in order) before the next prompt runs, and no hook outlives the call."""
     from divergence_probe.prompts import load_prompts
-    from divergence_probe.hooks import HookSet
+    from divergence_probe.engines.hooks import HookSet
     from divergence_probe.taps import parse_tap_selection
 
     prompts = load_prompts(prompts_file, hf_probe.tokenizer, max_model_len=hf_probe.settings.max_model_len)
@@ -184,7 +184,7 @@ def test_training_projection_taps_are_the_projections_in_and_out_and_leave_nothi
     projection's input and output; the wrappers are gone after the call, also when one of them could not be
     installed because another live patch holds that forward."""
     from divergence_probe.prompts import Prompt
-    from divergence_probe.hooks import HookSet, PatchConflict
+    from divergence_probe.engines.hooks import HookSet, PatchConflict
     from divergence_probe.taps import parse_tap_selection
 
     stack = hf_probe.train

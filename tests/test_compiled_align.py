@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from divergence_probe.errors import StackError
-from divergence_probe.hooks import Replacement
+from divergence_probe.engines.hooks import Replacement
 from divergence_probe.engines.vllm.aligned import CACHE_SUBDIR, _check_compiled, cache_namespace
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child

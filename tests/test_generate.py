@@ -138,7 +138,7 @@ def test_step_layout_reads_both_vllm_runner_kinds():
 
     import numpy as np
 
-    from divergence_probe.hooks import HookSet
+    from divergence_probe.engines.hooks import HookSet
     from divergence_probe.engines.vllm.rollout import step_layout
 
     v1 = SimpleNamespace(

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from divergence_probe.hooks import HookSet, PatchConflict, Replacement
+from divergence_probe.engines.hooks import HookSet, PatchConflict, Replacement
 
 
 class Thing:

@@ -16,7 +16,7 @@ from divergence_probe import align
 from divergence_probe.errors import StackError
 from divergence_probe.regions import ALL_REGIONS, REGIONS, Region, aligned, patch, plan, rmsnorm
 from divergence_probe.regions.base import decoder_layers
-from divergence_probe.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
+from divergence_probe.engines.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
 
 SHAPES = [1, 7, 64]  # tokens
 DTYPES = [torch.bfloat16, torch.float16]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from divergence_probe.errors import StackError
-from divergence_probe.hooks import HookSet
+from divergence_probe.engines.hooks import HookSet
 from divergence_probe.engines.vllm.rollout import RolloutRecorder
 from divergence_probe.taps import TapKey
 

@@ -17,7 +17,7 @@ import torch
 
 from divergence_probe.regions.base import Region
 from divergence_probe.engines.protocol import PromptScores, SequenceScores, StackInfo
-from divergence_probe.hooks import Replacement
+from divergence_probe.engines.hooks import Replacement
 from divergence_probe.models import get_family
 from divergence_probe.taps import TapKey
 

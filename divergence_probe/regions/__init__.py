@@ -13,7 +13,7 @@ from importlib import import_module
 from typing import Iterator, Sequence
 
 from ..errors import ProbeError, StackError
-from ..hooks import HookSet, Replacement
+from ..engines.hooks import HookSet, Replacement
 from .base import Region, SeamMissing
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
     import torch
 
 from ..models import StackLayout, family_of
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 
 Patcher = Callable[["torch.nn.Module"], list[Replacement]]
 

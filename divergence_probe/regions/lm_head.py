@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ProbeError
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, child, model_part
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, child, decoder_layers, layer_name, layout, model_part, part
 from .rmsnorm import hf_layer_forward, normalize, vllm_norm
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ProbeError
 from ..models import StackLayout, find
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, SeamMissing, child, decoder_layers, layer_name, layout, part
 
 _FP32_SUM = "_divergence_probe_fp32_sum"

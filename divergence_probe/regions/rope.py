@@ -14,7 +14,7 @@ import sys
 import torch
 
 from ..errors import ProbeError
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, SeamMissing, child, decoder_layers, layer_name, layout, part
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..errors import ProbeError
 from ..models import find
-from ..hooks import Replacement
+from ..engines.hooks import Replacement
 from .base import Region, decoder_layers, layer_name, layout, part
 
 

@@ -32,7 +32,7 @@ from ...prompts import Prompt, padded_batches
 from ...taps import TapKey
 from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
 from .replay import HFReplay
-from ...hooks import HookSet, PatchConflict, arg, first_tensor
+from ..hooks import HookSet, PatchConflict, arg, first_tensor
 
 
 # (prompt_id, layer) -> the experts a replay sends that prompt's tokens to in that layer: ids [T, k], weights or None

@@ -26,7 +26,7 @@ import torch
 
 from ...errors import StackError
 from ..protocol import StackSettings
-from ...hooks import HookSet
+from ..hooks import HookSet
 
 CACHE_SUBDIR = "divergence_probe_aligned"  # under VLLM_CACHE_ROOT; one folder per aligned-region set
 

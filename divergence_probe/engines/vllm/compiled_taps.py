@@ -63,7 +63,7 @@ import torch
 from ...errors import StackError
 from ...taps import ALL_TAPS, LAYER_TAPS, ROUTE_RECORDS, Tap, TapKey
 from ...models import dims, family_of, find
-from ...hooks import after_call
+from ..hooks import after_call
 from .seams import decoder_layers, model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the

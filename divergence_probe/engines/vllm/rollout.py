@@ -27,7 +27,7 @@ import torch
 
 from ...errors import StackError
 from ...taps import Tap, TapKey, each_tap
-from ...hooks import HookSet
+from ..hooks import HookSet
 
 Layout = tuple[list[str], list[int], list[int]]  # request ids, their first rows (+ the end), tokens computed before
 

@@ -17,7 +17,7 @@ import torch
 
 from ...errors import StackError
 from ...models import Family, dims, family_of, find
-from ...hooks import arg, first_tensor
+from ..hooks import arg, first_tensor
 
 Read = Callable[[tuple, dict, object], dict[str, torch.Tensor]]  # (args, kwargs, output or None) -> {tap: tensor}
 

@@ -49,7 +49,7 @@ from ...prompts import Prompt, batches
 from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
 from . import compiled_taps
 from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
-from ...hooks import HookSet, after_call, arg, first_tensor
+from ..hooks import HookSet, after_call, arg, first_tensor
 from .rollout import RolloutRecorder
 from .seams import decoder_layers, model_seams
 

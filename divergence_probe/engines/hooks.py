@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
 
-from .errors import StackError
+from ..errors import StackError
 
 
 class PatchConflict(StackError):
