@@ -877,7 +877,7 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
 
 def _print_rl_summary(summary) -> None:
     """rl_summary.csv as a table: each run's mean reward and mismatch over its first steps and over its last ones,
-    the steps named (rl/table.py window: the two never overlap)."""
+    the steps named (numerics/rl_summary.py window: the two never overlap)."""
     from .numerics.rl_summary import window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
