@@ -33,7 +33,6 @@ from ..rollouts import RolloutBatch, RolloutError, read_rollouts
 from ..spec.generate import GenerateSpec
 from ..spec.load import LoadSpec
 from ..spec.score import ScoreSpec
-from ..rollouts.causes import CAUSES
 
 def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: int, engine: bool = False) -> None:
     """Every id is one of the model's tokens and decodes; every sequence fits the context, and with the `engine`'s

@@ -7,14 +7,13 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
-from .load import TRAIN_PRECISIONS, parse_engine_args
+from .load import DEVICES, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
 CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
-DEVICES = ("auto", "cpu", "cuda")
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
 # hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.
