@@ -5,7 +5,7 @@
 
 Modules: reward (the task, plug-ins), grpo (advantages, loss), trainer (FP32 masters, BF16 compute), loop (the
 steps: rollouts, pushes and their proofs through the engine's RolloutEngine protocol), experiment (settings x seeds on
-one engine), table (the run folder), spec (the options). The weight push and its proofs are the engine's
+one engine), table (the run folder); its options are spec/rl.py. The weight push and its proofs are the engine's
 (engines/vllm/weights.py; the engine-neutral comparison: engines/weight_check.py).
 """
 
@@ -13,8 +13,8 @@ from ..lazy import lazy_exports
 
 __all__ = ["Loop", "RLResult", "RLSpec", "StaleCacheError", "SyncError", "load", "run"]
 
-# The API's names are imported on first use (PEP 562): `rl --help` reads rl.spec alone, without torch or vLLM.
-_LAZY = {"run": ".experiment", "RLResult": ".experiment", "Loop": ".loop", "load": ".loop", "RLSpec": ".spec",
+# The API's names are imported on first use (PEP 562): `rl --help` reads spec/rl.py alone, without torch or vLLM.
+_LAZY = {"run": ".experiment", "RLResult": ".experiment", "Loop": ".loop", "load": ".loop", "RLSpec": "..spec.rl",
          "StaleCacheError": "..errors", "SyncError": "..errors"}
 
 

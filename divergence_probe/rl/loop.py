@@ -19,7 +19,7 @@ own router's pick with them (`frac_response_any_flip`) and, under the `routing` 
 Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
 are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the
 trainer; on the engine (--side both) the same region patch compare and ablate use, which takes effect only in the
-eager engine (a compiled engine with --side both is refused: rl/spec.py).
+eager engine (a compiled engine with --side both is refused: spec/rl.py).
 
 A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
 calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
@@ -54,7 +54,7 @@ from ..regions import aligned, check_regions_exist, from_engine
 from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
-from .spec import RLSpec, parse_setting
+from ..spec.rl import RLSpec, parse_setting
 from .trainer import Trainer
 
 ENGINE_ARGS = {"enable_prefix_caching": True}
@@ -66,7 +66,7 @@ def load(spec: RLSpec, check: Callable | None = None):
     """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads.
     `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
-    import divergence_probe as dp
+    from ..runs.probe import load as load_probe
 
     def before_stacks(source, tokenizer):
         if check is not None:
@@ -78,12 +78,12 @@ def load(spec: RLSpec, check: Callable | None = None):
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
-    return dp.load(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
+    return load_probe(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
 def load_spec(spec: RLSpec):
     """The LoadSpec of rl's probe."""
-    from ..spec import LoadSpec
+    from ..spec.load import LoadSpec
 
     return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed, train_precision=spec.train_precision,

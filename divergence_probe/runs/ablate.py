@@ -15,11 +15,13 @@ from pathlib import Path
 import pandas as pd
 
 from .batch_invariance import NoiseEngines
-from .compare import CompareRun, Progress, phase, run_compare
+from .compare import CompareRun, run_compare
+from .manifest import build_manifest
+from .progress import Progress, phase
 from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from ..spec import RunSpec
+from ..spec.run import RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
@@ -158,20 +160,17 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
     # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the
     # reduction's compile state, the largest captured-logits gap) is taken from all of them.
     manifests = [run.manifest for run in runs.values()]
-    manifest = copy.deepcopy(manifests[0])
-    manifest["compare"]["tap_reduction"] = manifests[-1]["compare"]["tap_reduction"]
-    infer = manifest["stacks"]["infer"]["settings"]
+    shipped = copy.deepcopy(manifests[0])
+    shipped.pop("align", None)
+    shipped["compare"]["tap_reduction"] = manifests[-1]["compare"]["tap_reduction"]
+    infer = shipped["stacks"]["infer"]["settings"]
     if GAP in infer:
         infer[GAP] = max(m["stacks"]["infer"]["settings"][GAP] for m in manifests)
-    manifest.pop("align", None)
-    manifest["kind"] = "ablate"
-    manifest["spec"] = spec.to_dict()
     a = spec.ablate
-    manifest["ablate"] = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric,
-                          "bootstrap": a.bootstrap, "ci_level": a.ci_level, "seed": spec.load.seed,
-                          "combos": [combo_name(c, a.regions) for c in combos]}
+    section = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric, "bootstrap": a.bootstrap,
+               "ci_level": a.ci_level, "seed": spec.load.seed, "combos": [combo_name(c, a.regions) for c in combos]}
     rebuilt = {combo_name(c, a.regions): run.manifest["stacks"]["infer"]["settings"].get("engine_process")
                for c, run in runs.items()}
     if any(rebuilt.values()):  # a compiled engine built per combination: how each build ran its regions
-        manifest["ablate"]["engine_builds"] = {name: build for name, build in rebuilt.items() if build}
-    return AblationRun(spec, runs, manifest)
+        section["engine_builds"] = {name: build for name, build in rebuilt.items() if build}
+    return AblationRun(spec, runs, build_manifest("ablate", shipped, {"ablate": section}, spec=spec.to_dict()))

@@ -22,12 +22,15 @@ import torch
 from ..models import memory_plan
 from ..engines import torch_state
 from .. import versions
-from .compare import Progress, load_run_prompts, run_compare
+from .compare import load_run_prompts, run_compare
+from .manifest import model_section
+from .progress import Progress
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
 from ..quiet import libraries_quieted
-from ..spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
+from ..spec.load import LoadSpec
+from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
 from ..engines import Stack, StackSettings, get_stack
 from ..engines.protocol import freeze_engine_args
 from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for
@@ -108,13 +111,7 @@ class Probe:
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
         return {
-            "model": {
-                "spec": self.source.spec,
-                "path": str(self.source.path),
-                "arch": self.source.arch,
-                "num_layers": self.source.num_layers,
-                "config_sha256": self.source.config_sha256,
-            },
+            "model": model_section(self.source),
             "load": {
                 "infer": self.config.infer,
                 "train": self.config.train,

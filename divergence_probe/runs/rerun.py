@@ -12,6 +12,7 @@ numerics, scheduling or compilation and take plain values (numbers, booleans, mo
     command_line(spec)                   # ["divergence-probe", "compare", "--model", ...]
     recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
     recorded_rl(manifest, where)         # an rl run's RLSpec: its engine args, reward and prompt files checked
+    RecordedRun(manifest, run_dir, where)  # a compare or ablate run's spec, and its prompt and model checks
 
 A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
 An rl run's reward plug-in (`--reward module:function`) is code to import, so rerun replays the built-in rewards
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
 from ..engines.vllm.replayable import refused_engine_args
 from ..errors import ProbeError, printable
-from ..spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
+from ..spec.run import COMPONENTS, RunSpec, flat_fields
+from ..spec.load import LoadSpec
+from ..spec.fields import flag_of
+from ..spec.from_manifest import recorded
 
 ALLOW_FLAG = "--allow-engine-arg"
 
@@ -97,7 +101,7 @@ def recorded_score(manifest: dict, where: str):
     rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
     sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
     from ..rundir import file_sha256
-    from .score import ScoreSpec
+    from ..spec.score import ScoreSpec
 
     section = manifest.get("score")
     if not isinstance(section, dict) or "spec" not in section or "load_spec" not in section:
@@ -130,7 +134,7 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
     from ..rl.reward import BUILT_IN
-    from ..rl.spec import RLSpec
+    from ..spec.rl import RLSpec
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
@@ -155,6 +159,84 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
             raise ProbeError(f"the prompt files under {path} changed since the run was made (their sha256 are not "
                              f"those {where} records); restore them")
     return spec
+
+
+def recorded_rl_run(run_dir: Path, where: str, allowed: Iterable[str] = ()):
+    """(manifest, RLSpec) of an rl run folder: a finished, unchanged run (its rows match the manifest's sha256) whose
+    recorded spec passes recorded_rl's checks."""
+    from ..reports.rl import read_rows
+    from ..rundir import read_manifest
+
+    read_rows(run_dir)  # refuses a run that did not finish and a changed rl.csv
+    manifest = read_manifest(run_dir)
+    if manifest.get("kind") != "rl":
+        raise ProbeError(f"{where} is not an rl run's manifest (kind {manifest.get('kind')!r}) although the "
+                         "folder holds rl.csv; pass the --out folder of an rl run")
+    return manifest, recorded_rl(manifest, where, allowed)
+
+
+def same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
+    """rerun re-makes a run only on the checkpoint it was made with: the model's config.json has the recorded
+    sha256."""
+    model = manifest.get("model")
+    want = model.get("config_sha256") if isinstance(model, dict) else None
+    if not isinstance(want, str):
+        raise ProbeError(f"{run_dir}/manifest.json lacks the model hash a rerun checks; re-run its `command` instead")
+    have = source.config_sha256
+    if want != have:
+        raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
+                         f"vs {want[:12]}…); point --model of a new {command} at the original checkpoint")
+
+
+@dataclass
+class RecordedRun:
+    """A compare or ablate run folder to run again: the spec its manifest recorded, and the checks that the prompt
+    files and the model are the ones the run read (before the model loads, and on the bytes the run read)."""
+
+    manifest: dict
+    run_dir: Path
+    where: str
+    spec: RunSpec | None = None
+
+    def read_spec(self, report: bool, allowed: Iterable[str]) -> RunSpec:
+        """The recorded RunSpec (with `report`), every field checked as its flag is and its engine args as
+        check_replayable checks them."""
+        if "spec" not in self.manifest:
+            raise ProbeError(f"{self.run_dir} was written before runs recorded their spec; re-run its `command` "
+                             "from manifest.json instead")
+        try:
+            spec = replace(RunSpec.from_dict(self.manifest["spec"]), report=report)
+        except ProbeError as e:
+            raise ProbeError(f"{self.where}: {e}") from None
+        check_replayable(spec, allowed, self.where)
+        prompts = spec.prompts.path
+        if prompts.exists() and not (prompts.is_dir() or prompts.is_file()):
+            raise ProbeError(f"{self.where}: spec.prompts.prompts {prompts} is not a file or folder (a pipe or device "
+                             "would block or never end); point it at the prompt files the run used")
+        self.spec = spec
+        return spec
+
+    def check(self, source) -> None:
+        """Before anything loads (fails in seconds): the prompt files this rerun reads, found as the run found
+        them, and the model's config have the recorded sha256."""
+        from ..prompts import file_hashes
+
+        self._same_prompts(file_hashes(self.spec.prompts.path))
+        same_model(self.manifest, source, self.run_dir, "compare")
+
+    def check_run(self, made: dict) -> None:
+        """The hashes of the bytes the run read: a file swapped since `check` is caught."""
+        self._same_prompts(made["compare"]["prompt_files_sha256"])
+
+    def _same_prompts(self, hashes: dict) -> None:
+        compared = self.manifest.get("compare")
+        recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
+        if not isinstance(recorded_prompts, dict):
+            raise ProbeError(f"{self.run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run "
+                             "its `command` instead")
+        if hashes != recorded_prompts:
+            raise ProbeError(f"the prompt files under {self.spec.prompts.path} changed since {self.run_dir} was "
+                             "made; restore them")
 
 
 def describe_rl(spec, out_dir) -> list[str]:

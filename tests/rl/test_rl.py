@@ -49,7 +49,7 @@ def test_reward_plugin(tmp_path, monkeypatch):
 def test_summary_start_and_end_never_share_a_step(steps, width):
     """A reward that falls every step reads as a fall in rl_summary.csv at any length: the start and the end average
     disjoint steps, named in the printed table."""
-    from divergence_probe.rl.table import summarize, window_label
+    from divergence_probe.numerics.rl_summary import summarize, window_label
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
@@ -65,8 +65,9 @@ def test_summary_start_and_end_never_share_a_step(steps, width):
 def _rl_folder(path, steps: int, seeds: int, fall: bool):
     """An rl run folder written by the rl command's own writer: a reward that falls (or rises) every step, a mismatch
     that grows, one row per (seed, step), the manifest the rl command records (its spec)."""
-    from divergence_probe.rl.spec import RLSpec
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "none", "seed": seed, "step": s, "reward_mean": (1 - s / steps if fall else s / steps) / (seed + 1),
@@ -149,7 +150,7 @@ def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
 def test_every_rl_option_is_a_flag():
     from dataclasses import fields
 
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
     from divergence_probe.spec import flag_of
 
     result = CliRunner().invoke(app, ["rl", "--help"], terminal_width=400)
@@ -296,7 +297,7 @@ def test_rl_report_shows_the_setup_and_refuses_a_changed_rl_csv(rl_process, tmp_
 ])
 def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
     from divergence_probe.errors import ProbeError
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     with pytest.raises(ProbeError, match=message):
         RLSpec(**options)
@@ -304,7 +305,7 @@ def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
 
 def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
     """Nothing of these is patched into the engine: the trainer alone is aligned, routes are replayed in the trainer."""
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     assert RLSpec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).engine == "compiled"
     assert RLSpec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")

@@ -187,7 +187,8 @@ def test_training_side_never_runs_a_model_folders_code(run, qwen3_tiny, tmp_path
 # ---------------------------------------------------------------------------------------------- 2. no data loss
 def make_rl(path: Path) -> Path:
     """An rl run folder written by the rl command's own writer (rl/table.py)."""
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "plain", "seed": 0, "step": step, "reward_mean": 0.1 * step, "mean_abs_dlogp": 1e-3,
@@ -444,7 +445,7 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
 
 def rl_with_spec(path: Path, **changes) -> Path:
     """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`), as a forger would."""
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     run = make_rl(path)
     edit(run / "manifest.json", lambda m: m.update(spec={**json.loads(json.dumps(RLSpec().to_dict())), **changes}))

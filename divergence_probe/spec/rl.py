@@ -7,13 +7,13 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
-from ..spec import TRAIN_PRECISIONS, parse_engine_args
+from .load import DEVICES, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
-DEVICES = ("auto", "cpu", "cuda")
+CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
 # hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.
@@ -99,8 +99,6 @@ class RLSpec:
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
-        from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
-
         check_finite(self)
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
