@@ -26,6 +26,7 @@ from .numerics.shapley import METRICS
 from .versions import ALLOW_HELP
 from .rundir import KINDS
 from .engines import INFER_STACKS, TRAIN_STACKS
+from .engines.hf.kernels import KERNELS, get_kernels
 from .engines.protocol import SamplingSpec
 from .taps import ALL_TAPS, parse_tap_selection
 
@@ -96,6 +97,11 @@ class LoadSpec:
                                           "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
                                           "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
                                           "and --taps none or logits).")
+    train_kernels: str = option("torch", "Kernel set of the training side's forward: torch (transformers' eager "
+                                         "ops, as shipped), vllm (the engine's own RMSNorm, fused add+norm, "
+                                         "SiLU-and-mul and rotary kernels: what stays different is GEMMs and attention; "
+                                         "no backward) or liger (Liger-Kernel's RMSNorm, RoPE and SwiGLU, as verl, "
+                                         "OpenRLHF and TRL enable it; CUDA only).")
     train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
                                             "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
                                             "--device. Logprobs and taps are compared on the engine's device.")
@@ -121,6 +127,7 @@ class LoadSpec:
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        _choice(self.train_kernels, tuple(KERNELS), "--train-kernels")
         if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
             raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
                              "(e.g. cuda:1), or drop it for --device's")
@@ -136,6 +143,13 @@ class LoadSpec:
         if self.train_tp > 1 and self.train_state == "inherited":  # its ranks are fresh processes without vLLM
             raise ProbeError(f"--train-state inherited reads what vLLM left in this process, but --train-tp "
                              f"{self.train_tp}'s ranks are fresh processes; use --train-state isolated or --train-tp 1")
+        if self.train_tp > 1 and self.train_kernels != "torch":
+            raise ProbeError(f"--train-kernels {self.train_kernels} patches the trainer's modules, which live in "
+                             f"--train-tp {self.train_tp}'s worker processes; use --train-kernels torch or --train-tp 1")
+        if self.train_kernels != "torch":  # before anything loads: a device it cannot run on, a package not installed
+            from .environment import resolve_train_device
+
+            get_kernels(self.train_kernels).check(resolve_train_device(self.train_device, self.device))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:
@@ -356,6 +370,7 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        get_kernels(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
                 "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
             raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
@@ -458,7 +473,7 @@ def _hints(cls) -> dict:
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
-    ("load", "train_device"): None, ("load", "train_tp"): 1,
+    ("load", "train_device"): None, ("load", "train_tp"): 1, ("load", "train_kernels"): "torch",
     ("load", "allow_untested_versions"): False, ("generate", "rollouts_format"): "generic"}
 
 
