@@ -446,7 +446,7 @@ def _options(kind: str) -> list[inspect.Parameter]:
         owner = COMPONENTS[component] if component else RunSpec
         hint = typing.get_type_hints(owner)[f.name]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        cli_type, cli_default = _cli_type(hint, default)
+        cli_type, cli_default = (Optional[list[str]], None) if f.metadata.get("repeat") else _cli_type(hint, default)
         decls = [flag_of(f) if component else "--report"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
                                         default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""),
@@ -772,8 +772,10 @@ def _print_ablation(run) -> None:
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
                        "(− removes mismatch, + adds)")
     level = f"{run.spec.ablate.ci_level:.0%} CI"
-    for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
-        attr.add_column(col, justify="left" if col == "region" else "right")
+    factors = bool(run.spec.ablate.factors)
+    for col in ("region" + (" or factor" if factors else ""), "shapley change", "share of shipped", level,
+                "main effect", "leave-one-out"):
+        attr.add_column(col, justify="left" if col.startswith("region") else "right")
     def signed(x: float, spec: str = "+.3e") -> str:
         return "" if x != x else format(x, spec)
 
@@ -784,7 +786,8 @@ def _print_ablation(run) -> None:
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
     total = rows[-1]  # the all-regions row: the headline
-    out.print(f"Aligning every region {change_words(total[SHARE])} of the shipped {metric} "
+    everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
+    out.print(f"{everything} {change_words(total[SHARE])} of the shipped {metric} "
               f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
               highlight=False, markup=False, soft_wrap=True)
 

@@ -22,12 +22,14 @@ from .options import check_finite, finite_number, option
 from .prompts import check_kind
 from .rollouts.adapters import EXPORT_FORMATS
 from .regions import ALL_REGIONS, REGIONS, check_regions_exist, parse_regions
-from .numerics.shapley import METRICS
+from .numerics.shapley import METRICS, combo_name, subsets
 from .versions import ALLOW_HELP
 from .rundir import KINDS
 from .engines import INFER_STACKS, TRAIN_STACKS
 from .engines.hf.kernels import KERNELS, get_kernels
+from .knobs import applied, check_factor, parse_factors
 from .engines.protocol import SamplingSpec
+from .engines.vllm.knobs import check_engine_args, quantized
 from .taps import ALL_TAPS, parse_tap_selection
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -135,6 +137,8 @@ class LoadSpec:
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.infer == "vllm" and quantized(self.engine_args):  # the engine's own check, before anything loads
+            check_engine_args(self.engine_args, _resolved_device(self.device))
         if self.train_tp < 1:
             raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
         if self.train_tp > 1 and self.train_precision == "amp":
@@ -280,6 +284,12 @@ class AblateSpec:
     """Every subset of `regions` aligned (on the AlignSpec's side), and the attribution of the mismatch."""
 
     regions: tuple[str, ...] = option(ALL_REGIONS, "Regions to ablate; all 2^k subsets run.")
+    factors: tuple[str, ...] = option((), "Deployment knobs to ablate beside the regions, SIDE:KEY=VALUE (repeat the "
+                                          "flag or give a comma list): engine:kv_cache_dtype=fp8, "
+                                          "engine:quantization=fp8, engine:enforce_eager=false, "
+                                          "train:kernels=vllm|liger, train:precision=amp. Every subset of regions and "
+                                          "factors runs; a factor that changes the engine builds another one.",
+                                      flag="--factor", repeat=True)
     metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
     bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
     ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")
@@ -293,19 +303,25 @@ class AblateSpec:
     def __post_init__(self) -> None:
         check_finite(self)
         object.__setattr__(self, "regions", _regions(self.regions))
+        object.__setattr__(self, "factors", parse_factors(self.factors))
         if self.build_ahead is not None and self.build_ahead < 0:
             raise ProbeError("--build-ahead must be >= 0")
         if not self.regions:
             raise ProbeError("--regions is empty; name at least one region")
-        builds = 2 ** len(self.regions) - 1  # every combination but the shipped one builds an engine
+        builds = 2 ** len(self.players) - 1  # every combination but the shipped one builds an engine
         if self.build_ahead is not None and self.build_ahead > builds:  # more would only start nothing, slowly
             raise ProbeError(f"--build-ahead {self.build_ahead} is more than the {builds} engine builds of "
-                             f"{len(self.regions)} regions; use 0 to {builds}")
+                             f"{len(self.players)} regions and factors; use 0 to {builds}")
         _choice(self.metric, tuple(METRICS), "--metric")
         if self.bootstrap < 0:
             raise ProbeError("--bootstrap must be >= 0")
         if not 0 < self.ci_level < 1:
             raise ProbeError("--ci-level must be in (0, 1), e.g. 0.95")
+
+    @property
+    def players(self) -> tuple[str, ...]:
+        """What the attribution splits the change among: the regions, then the factors' labels."""
+        return self.regions + self.factors
 
 
 COMPONENTS = {"load": LoadSpec, "prompts": PromptSpec, "capture": CaptureSpec, "generate": GenerateSpec,
@@ -391,11 +407,27 @@ class RunSpec:
         if self.align.routing_replay != "ids" and "routing" not in regions:
             raise ProbeError("--routing-replay applies to the routing region only; add routing to "
                              + ("--regions" if self.kind == "ablate" else "--align") + " or drop --routing-replay")
+        if self.kind == "ablate" and self.ablate.factors:  # every combination checked as its own run, before loading
+            for label in self.ablate.factors:
+                check_factor(label, self.load)
+            for combo in subsets(self.ablate.players):
+                try:
+                    self.combination(combo)
+                except ProbeError as e:
+                    raise ProbeError(f"the combination {combo_name(combo, self.ablate.players)} cannot run: {e}") from None
         if self.kind == "ablate" and self.ablate.build_ahead and "kv_cache_memory_bytes" not in self.load.engine_args \
                 and _resolved_device(self.load.device) != "cpu":
             raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
                              "the other engines' allocations as its own; add --engine-args '{\"gpu_memory_utilization\": "
                              "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
+
+    def combination(self, combo) -> "RunSpec":
+        """The compare one combination of an ablation runs: its regions aligned, its factors' load settings."""
+        regions = tuple(r for r in self.ablate.regions if r in combo)
+        replay = self.align.routing_replay if "routing" in regions else "ids"  # only a combination with routing replays
+        load = applied(self.load, [f for f in self.ablate.factors if f in combo])
+        return replace(self, kind="compare", ablate=None, load=load,
+                       align=replace(self.align, regions=regions, routing_replay=replay))
 
     def _check_train_tp(self) -> None:
         """What a trainer sharded over processes (engines/hf/tensor_parallel.py) cannot do, in one line each."""
@@ -473,7 +505,7 @@ def _hints(cls) -> dict:
 LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
-    ("load", "train_device"): None, ("load", "train_tp"): 1, ("load", "train_kernels"): "torch",
+    ("load", "train_device"): None, ("load", "train_tp"): 1, ("load", "train_kernels"): "torch", ("ablate", "factors"): (),
     ("load", "allow_untested_versions"): False, ("generate", "rollouts_format"): "generic"}
 
 

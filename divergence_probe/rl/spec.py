@@ -147,6 +147,10 @@ class RLSpec:
             if key in ENGINE_ARGS_OWNED or key in OWNED_ENGINE_ARGS:
                 why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
                 raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
+        if self.engine_args.get("quantization") is not None:  # the trainer pushes BF16 weights every step
+            raise ProbeError("--engine-args quantization: rl pushes the trainer's BF16 weights into the engine every "
+                             "step, which a quantized engine would have to re-quantize; drop the key (measure FP8 "
+                             "weights with compare or ablate --factor engine:quantization=fp8)")
         if "compilation_config" in self.engine_args and self.engine == "eager":
             raise ProbeError("--engine-args compilation_config needs --engine compiled (the eager engine compiles "
                              "nothing); add --engine compiled or drop the key")
