@@ -998,6 +998,9 @@ def score_command(
     train_attn: str = typer.Option("sdpa", "--train-attn", help="transformers attention: sdpa, eager or "
                                    "flash_attention_2."),
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
+    train_kernels: str = typer.Option("torch", "--train-kernels", help="The trainer's kernel set: torch "
+                                      "(transformers' ops), vllm (the engine's RMSNorm, add+norm, SiLU-and-mul and "
+                                      "rotary kernels) or liger (Liger-Kernel's; CUDA only)."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
     alarm: Optional[list[str]] = typer.Option(None, "--alarm", help="Several steps: mark the first step where METRIC "
@@ -1039,7 +1042,7 @@ def score_command(
         call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
-                        allow_untested_versions=allow_untested_versions)
+                        train_kernels=train_kernels, allow_untested_versions=allow_untested_versions)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()
