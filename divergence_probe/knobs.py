@@ -78,10 +78,6 @@ def _knobs() -> dict[str, Knob]:
     return {knob.name: knob for knob in knobs}
 
 
-def knob_names() -> list[str]:
-    return list(_knobs())
-
-
 @dataclass(frozen=True)
 class Factor:
     knob: Knob
