@@ -9,10 +9,10 @@ quantized values is never reported as the same quantity as the trainer's BF16 on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from importlib.util import find_spec
+from dataclasses import dataclass, field
 
 from ...errors import ProbeError
+from ..needs import Needs
 
 
 @dataclass(frozen=True)
@@ -20,20 +20,19 @@ class EngineKnob:
     key: str  # the vllm.LLM keyword
     values: tuple[str, ...]  # the settings the tool measures
     summary: str
-    devices: tuple[str, ...] = ("cpu", "cuda")  # device types whose build runs these settings
-    package: str | None = None  # an import vLLM needs for the setting, beyond vLLM itself
-    install: str = ""
+    needs: Needs = field(default_factory=Needs)  # the devices whose build runs these settings, a package vLLM imports
 
 
 FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KNOBS: dict[str, EngineKnob] = {
     "kv_cache_dtype": EngineKnob("kv_cache_dtype", ("auto", *FP8_KV),
                                  "the KV cache's dtype: fp8 stores keys and values in FP8 (attention reads them back "
-                                 "dequantized)", devices=("cuda",)),
+                                 "dequantized)", Needs(devices=("cuda",))),
     "quantization": EngineKnob("quantization", ("fp8",),
                                "weights quantized on load (fp8: per-tensor FP8 weights, dynamic FP8 activations)",
-                               devices=("cuda",), package="compressed_tensors",
-                               install="`pip install compressed-tensors` beside vLLM"),
+                               Needs(devices=("cuda",), package="compressed_tensors",
+                                     install="`pip install compressed-tensors` beside vLLM (vLLM imports it for FP8 "
+                                             "weights)")),
     "enforce_eager": EngineKnob("enforce_eager", ("true", "false"),
                                 "the engine mode: false is vLLM's compiled default (--engine compiled)"),
 }
@@ -52,18 +51,13 @@ def quantized(args: dict) -> dict[str, str]:
 def check_engine_args(args: dict, device: str) -> None:
     """Refuse, in one line and before anything loads, a knob setting the tool does not measure or that this device or
     installation cannot run."""
-    kind = device.split(":")[0]
     for key, value in quantized(args).items():
         knob = KNOBS[key]
         if value not in knob.values:
             raise ProbeError(f"--engine-args {key}={value!r} is not a setting the tool measures; use one of: "
                              f"{', '.join(knob.values)}")
-        if kind not in knob.devices:
-            raise ProbeError(f"--engine-args {key}={value} runs on {' or '.join(knob.devices)} only (FP8 kernels), "
-                             f"and the engine is on {device}; drop it here, or run on a GPU machine")
-        if knob.package is not None and find_spec(knob.package) is None:
-            raise ProbeError(f"--engine-args {key}={value} needs the {knob.package} package, which vLLM imports for "
-                             f"it and which is not installed; {knob.install}")
+        knob.needs.check(f"--engine-args {key}={value}", "the engine", device,
+                         "drop it here, or run on a GPU machine")
 
 
 def tap_meanings(args: dict) -> dict[str, str]:

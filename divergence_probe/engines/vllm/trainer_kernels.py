@@ -13,16 +13,15 @@ them. vLLM's fused ops write in place, so they get copies. These ops carry no gr
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ...errors import ProbeError
 from ...models import find
 from ...regions.base import decoder_layers, layer_name, layout, part
 from ...regions.rmsnorm import hf_layer_forward
-from ..hf.kernels.base import KernelSet
+from ..hf.kernels.base import KernelSet, modeling_modules
 from ..hooks import Replacement
+from ..needs import Needs
 
 _SUMMANDS = "_divergence_probe_vllm_summands"  # on a residual-stream tensor: (x, residual) it is the rounded sum of
 
@@ -113,18 +112,15 @@ def plan(model: torch.nn.Module) -> list[Replacement]:
         raise ProbeError(f"--train-kernels vllm runs vLLM's SiLU-and-mul, and this model's hidden_act is "
                          f"{cfg.hidden_act!r}; use --train-kernels torch")
     dense = "swiglu" in hf.regions  # a mixture of experts keeps transformers' experts
-    modelings = {}
     for i, layer in enumerate(decoder_layers(model, "hf")):
         found.append(Replacement(part(layer, "", hf, hf.regions["rmsnorm"]), "forward",
                                  hf_layer_forward(layer, hf, add=_summed_add)))
         if dense:
-            part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
-            found.append(Replacement(find(layer, hf.regions["swiglu"]), "forward", _mlp_forward(layer, hf, silu_and_mul)))
-        modeling = sys.modules[type(part(layer, layer_name(hf, i), hf, hf.regions["rope"])).__module__]
-        modelings[modeling.__name__] = modeling
+            mlp = part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
+            found.append(Replacement(mlp, "forward", _mlp_forward(layer, hf, silu_and_mul)))
     for rotary in (m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")):
         found.append(Replacement(rotary, "forward", _rope_forward(rotary)))
-    for modeling in modelings.values():
+    for modeling in modeling_modules(model):
         found.append(Replacement(modeling, "apply_rotary_pos_emb", _apply_rope(engine_rope, modeling.apply_rotary_pos_emb),
                                  shared=True))
     return found
@@ -136,6 +132,5 @@ VLLM = KernelSet(
     plan=plan,
     overlaps=("rmsnorm", "residual", "swiglu", "rope"),
     backward=False,
-    package="vllm",
-    install="install vLLM beside the trainer",
+    needs=Needs(package="vllm", install="install vLLM beside the trainer, or use --train-kernels torch"),
 )

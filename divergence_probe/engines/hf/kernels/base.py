@@ -10,13 +10,13 @@ its HookSet, so the set is undone when the trainer closes or another set replace
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from importlib.util import find_spec
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from typing import TYPE_CHECKING
 
 from ....errors import ProbeError
+from ...needs import Needs
 
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
@@ -30,20 +30,13 @@ class KernelSet:
     summary: str  # one line for --help: what runs in place of transformers' ops
     plan: Callable[["torch.nn.Module"], "list[Replacement]"]  # the loaded model -> its replacements (empty: none)
     overlaps: tuple[str, ...] = ()  # regions whose ops this set replaces on the trainer: aligned together, they conflict
-    devices: tuple[str, ...] = ("cpu", "cuda")  # device types its ops run on
     backward: bool = True  # whether its ops carry gradients (rl's trainer steps through them)
-    package: str | None = None  # the import name of a package it needs beyond the tool's own
-    install: str = ""  # how to install that package
+    needs: Needs = field(default_factory=Needs)  # the devices it runs on, the package it needs
 
     def check(self, device: str) -> None:
         """Refuse, before anything loads, a device its ops cannot run on or a package that is not installed."""
-        kind = device.split(":")[0]
-        if kind not in self.devices:
-            raise ProbeError(f"--train-kernels {self.name} runs on {' or '.join(self.devices)} only, and the trainer "
-                             f"is on {device}; use --train-kernels torch here, or run on a {self.devices[0]} machine")
-        if self.package is not None and find_spec(self.package) is None:
-            raise ProbeError(f"--train-kernels {self.name} needs the {self.package} package, which is not installed; "
-                             f"{self.install}, or use --train-kernels torch")
+        self.needs.check(f"--train-kernels {self.name}", "the trainer", device,
+                         f"use --train-kernels torch here, or run on a {self.needs.devices[0]} machine")
 
     def check_regions(self, regions: Sequence[str], side: str) -> None:
         """A region aligned on the trainer that patches an op this set replaces: one line naming both."""
@@ -59,3 +52,16 @@ class KernelSet:
         if not self.backward:
             raise ProbeError(f"--train-kernels {self.name} runs ops without a backward, and rl trains through the "
                              "trainer's forward; use --train-kernels torch (or liger, on a GPU) for rl")
+
+
+def modeling_modules(model) -> list:
+    """The transformers modeling modules whose code the loaded model's attention layers run: where a kernel set
+    replaces a module-level function (`apply_rotary_pos_emb`) that the layers call by name."""
+    import sys
+
+    from ....models import find
+    from ....regions.base import decoder_layers, layout
+
+    attn = layout(model, "hf").layer["attn"]
+    names = dict.fromkeys(type(find(layer, attn)).__module__ for layer in decoder_layers(model, "hf"))
+    return [sys.modules[name] for name in names]

@@ -12,13 +12,12 @@ a CUDA device only.
 
 from __future__ import annotations
 
-import sys
 import types
 
-from ....models import find
 from ....regions.base import decoder_layers, layer_name, layout, part
 from ...hooks import Replacement
-from .base import KernelSet
+from ...needs import Needs
+from .base import KernelSet, modeling_modules
 
 
 def plan(model) -> list[Replacement]:
@@ -33,14 +32,11 @@ def plan(model) -> list[Replacement]:
                             ("impl", None), ("mode", None), ("forward", types.MethodType(LigerRMSNorm.forward, norm))):
             found.append(Replacement(norm, name, value))
     hf = layout(model, "hf")
-    modelings = {}
-    for i, layer in enumerate(decoder_layers(model, "hf")):
-        if "swiglu" in hf.regions:
+    if "swiglu" in hf.regions:
+        for i, layer in enumerate(decoder_layers(model, "hf")):
             mlp = part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
             found.append(Replacement(mlp, "forward", types.MethodType(LigerSwiGLUMLP.forward, mlp)))
-        modeling = sys.modules[type(find(layer, hf.layer["attn"])).__module__]
-        modelings[modeling.__name__] = modeling
-    for modeling in modelings.values():
+    for modeling in modeling_modules(model):
         found.append(Replacement(modeling, "apply_rotary_pos_emb", liger_rotary_pos_emb, shared=True))
     return found
 
@@ -50,7 +46,7 @@ LIGER = KernelSet(
     summary="Liger-Kernel's fused RMSNorm, RoPE and SwiGLU (Triton), as RL trainers enable it",
     plan=plan,
     overlaps=("rmsnorm", "residual", "swiglu", "rope"),
-    devices=("cuda",),
-    package="liger_kernel",
-    install="`pip install liger-kernel` on the CUDA machine (a pure-Python wheel; it needs triton)",
+    needs=Needs(devices=("cuda",), package="liger_kernel",
+                install="`pip install liger-kernel` on the CUDA machine (a pure-Python wheel; it needs triton), or use "
+                        "--train-kernels torch"),
 )
