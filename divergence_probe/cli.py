@@ -447,7 +447,7 @@ def _options(kind: str) -> list[inspect.Parameter]:
         owner = COMPONENTS[component] if component else RunSpec
         hint = typing.get_type_hints(owner)[f.name]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        cli_type, cli_default = _cli_type(hint, default)
+        cli_type, cli_default = (Optional[list[str]], None) if f.metadata.get("repeat") else _cli_type(hint, default)
         decls = [flag_of(f) if component else "--report"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
                                         default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""),
@@ -715,8 +715,10 @@ def _print_ablation(run) -> None:
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
                        "(− removes mismatch, + adds)")
     level = f"{run.spec.ablate.ci_level:.0%} CI"
-    for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
-        attr.add_column(col, justify="left" if col == "region" else "right")
+    factors = bool(run.spec.ablate.factors)
+    for col in ("region" + (" or factor" if factors else ""), "shapley change", "share of shipped", level,
+                "main effect", "leave-one-out"):
+        attr.add_column(col, justify="left" if col.startswith("region") else "right")
     def signed(x: float, spec: str = "+.3e") -> str:
         return "" if x != x else format(x, spec)
 
@@ -727,7 +729,8 @@ def _print_ablation(run) -> None:
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
     total = rows[-1]  # the all-regions row: the headline
-    out.print(f"Aligning every region {change_words(total[SHARE])} of the shipped {metric} "
+    everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
+    out.print(f"{everything} {change_words(total[SHARE])} of the shipped {metric} "
               f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
               highlight=False, markup=False, soft_wrap=True)
 
@@ -938,6 +941,9 @@ def score_command(
     train_attn: str = typer.Option("sdpa", "--train-attn", help="transformers attention: sdpa, eager or "
                                    "flash_attention_2."),
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
+    train_kernels: str = typer.Option("torch", "--train-kernels", help="The trainer's kernel set: torch "
+                                      "(transformers' ops), vllm (the engine's RMSNorm, add+norm, SiLU-and-mul and "
+                                      "rotary kernels) or liger (Liger-Kernel's; CUDA only)."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
     alarm: Optional[list[str]] = typer.Option(None, "--alarm", help="Several steps: mark the first step where METRIC "
@@ -979,7 +985,7 @@ def score_command(
         call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
-                        allow_untested_versions=allow_untested_versions)
+                        train_kernels=train_kernels, allow_untested_versions=allow_untested_versions)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()

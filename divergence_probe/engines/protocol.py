@@ -46,6 +46,7 @@ class StackSettings:
     train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
     train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
     train_precision: str = "bf16"  # training side: bf16 (weights in `dtype`) or amp (FP32 weights, autocast to dtype)
+    train_kernels: str = "torch"  # training side: the kernel set its forward runs (engines/hf/kernels/)
     train_tp: int = 1  # training side: ranks it is sharded over (engines/hf/tensor_parallel.py)
     engine_taps: frozenset[str] = frozenset()  # compiled vLLM: layer taps the engine gets tap points and buffers for
     # (engines/vllm/compiled_taps.py); empty: none, vLLM as deployed

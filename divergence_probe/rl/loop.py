@@ -87,7 +87,7 @@ def load_spec(spec: RLSpec):
 
     return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed, train_precision=spec.train_precision,
-                    allow_untested_versions=spec.allow_untested_versions)
+                    train_kernels=spec.train_kernels, allow_untested_versions=spec.allow_untested_versions)
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:

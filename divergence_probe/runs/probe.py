@@ -98,7 +98,7 @@ class Probe:
     def with_trainer(self, **changes) -> "Probe":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
         the engine is not reloaded, so two training configurations are compared against the very same engine."""
-        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp"}
+        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp", "train_precision", "train_kernels"}
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)
@@ -122,6 +122,7 @@ class Probe:
                 "train_sdpa": self.config.train_sdpa,
                 "train_state": self.config.train_state,
                 "train_precision": self.config.train_precision,
+                "train_kernels": self.config.train_kernels,
                 "train_tp": self.config.train_tp,
                 "engine": self.config.engine,
                 "engine_args": self.config.engine_args,
@@ -162,6 +163,7 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
         train_precision=cfg.train_precision,
+        train_kernels=cfg.train_kernels,
         train_tp=cfg.train_tp,
         engine_taps=engine_taps,
     )
@@ -227,7 +229,7 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
         infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
-            infer.load(replace(settings, train_precision="bf16", train_tp=1))  # the training side's only
+            infer.load(replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1))  # the training side's only
     except BaseException:
         train.close()
         raise

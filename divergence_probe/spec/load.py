@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..engines import INFER_STACKS, TRAIN_STACKS
+from ..engines.hf.kernels import KERNELS, get_kernels
+from ..engines.vllm.knobs import check_engine_args, quantized
 from ..errors import ProbeError, one_line
 from ..options import option
 from ..versions import ALLOW_HELP
@@ -72,6 +74,11 @@ class LoadSpec:
                                           "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
                                           "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
                                           "and --taps none or logits).")
+    train_kernels: str = option("torch", "Kernel set of the training side's forward: torch (transformers' eager "
+                                         "ops, as shipped), vllm (the engine's own RMSNorm, fused add+norm, "
+                                         "SiLU-and-mul and rotary kernels: what stays different is GEMMs and attention; "
+                                         "no backward) or liger (Liger-Kernel's RMSNorm, RoPE and SwiGLU, as verl, "
+                                         "OpenRLHF and TRL enable it; CUDA only).")
     train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
                                             "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
                                             "--device. Logprobs and taps are compared on the engine's device.")
@@ -97,6 +104,7 @@ class LoadSpec:
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        _choice(self.train_kernels, tuple(KERNELS), "--train-kernels")
         if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
             raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
                              "(e.g. cuda:1), or drop it for --device's")
@@ -104,6 +112,10 @@ class LoadSpec:
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.infer == "vllm" and quantized(self.engine_args):  # the engine's own check, before anything loads
+            from ..environment import resolve_device
+
+            check_engine_args(self.engine_args, resolve_device(self.device))
         if self.train_tp < 1:
             raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
         if self.train_tp > 1 and self.train_precision == "amp":
@@ -112,6 +124,13 @@ class LoadSpec:
         if self.train_tp > 1 and self.train_state == "inherited":  # its ranks are fresh processes without vLLM
             raise ProbeError(f"--train-state inherited reads what vLLM left in this process, but --train-tp "
                              f"{self.train_tp}'s ranks are fresh processes; use --train-state isolated or --train-tp 1")
+        if self.train_tp > 1 and self.train_kernels != "torch":
+            raise ProbeError(f"--train-kernels {self.train_kernels} patches the trainer's modules, which live in "
+                             f"--train-tp {self.train_tp}'s worker processes; use --train-kernels torch or --train-tp 1")
+        if self.train_kernels != "torch":  # before anything loads: a device it cannot run on, a package not installed
+            from ..environment import resolve_train_device
+
+            get_kernels(self.train_kernels).check(resolve_train_device(self.train_device, self.device))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:

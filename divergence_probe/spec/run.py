@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from ..engines.hf.kernels import get_kernels
 from ..errors import ProbeError
+from ..numerics.shapley import combo_name, subsets
 from ..options import option
 from ..regions import check_regions_exist
 from ..rundir import KINDS
@@ -23,6 +25,7 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
+from .knobs import applied, check_factor
 from .load import LoadSpec
 from .prompts import PromptSpec
 
@@ -89,6 +92,7 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        get_kernels(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
                 "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
             raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
@@ -109,11 +113,27 @@ class RunSpec:
         if self.align.routing_replay != "ids" and "routing" not in regions:
             raise ProbeError("--routing-replay applies to the routing region only; add routing to "
                              + ("--regions" if self.kind == "ablate" else "--align") + " or drop --routing-replay")
+        if self.kind == "ablate" and self.ablate.factors:  # every combination checked as its own run, before loading
+            for label in self.ablate.factors:
+                check_factor(label, self.load)
+            for combo in subsets(self.ablate.players):
+                try:
+                    self.combination(combo)
+                except ProbeError as e:
+                    raise ProbeError(f"the combination {combo_name(combo, self.ablate.players)} cannot run: {e}") from None
         if self.kind == "ablate" and self.ablate.build_ahead and "kv_cache_memory_bytes" not in self.load.engine_args \
                 and _resolved_device(self.load.device) != "cpu":
             raise ProbeError("--build-ahead on a GPU starts engines together, and vLLM's memory profiling would count "
                              "the other engines' allocations as its own; add --engine-args '{\"gpu_memory_utilization\": "
                              "0.1, \"kv_cache_memory_bytes\": 2000000000}' (sized for your model), or drop --build-ahead")
+
+    def combination(self, combo) -> "RunSpec":
+        """The compare one combination of an ablation runs: its regions aligned, its factors' load settings."""
+        regions = tuple(r for r in self.ablate.regions if r in combo)
+        replay = self.align.routing_replay if "routing" in regions else "ids"  # only a combination with routing replays
+        load = applied(self.load, [f for f in self.ablate.factors if f in combo])
+        return replace(self, kind="compare", ablate=None, load=load,
+                       align=replace(self.align, regions=regions, routing_replay=replay))
 
     def _check_train_tp(self) -> None:
         """What a trainer sharded over processes (engines/hf/tensor_parallel.py) cannot do, in one line each."""
