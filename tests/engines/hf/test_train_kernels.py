@@ -49,6 +49,7 @@ def test_rl_refuses_a_kernel_set_without_a_backward(tmp_path):
     assert_one_line_error(result, "--train-kernels vllm runs ops without a backward")
 
 
+@pytest.mark.engine  # the trainer's tap reduction compiles
 def test_the_engine_kernels_in_the_trainer_are_undone_when_it_closes(qwen3_tiny, prompts_file):
     """No engine: both sides transformers, the trainer on vLLM's kernels. Its scores move off the zero baseline, and
     closing the probe leaves transformers' modeling code as it was."""
