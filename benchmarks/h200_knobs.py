@@ -12,6 +12,8 @@ Parts, each writing run folders under --out/PART/ and --out/PART/timings.json:
   weights   ablate --regions rmsnorm --factor engine:quantization=fp8 (needs compressed-tensors on the device).
   liger     ablate --regions lm_head --factor train:kernels=liger (liger replaces RMSNorm in the trainer, so its
             partner region is one it leaves alone; needs liger-kernel on the device).
+  moe       ablate --regions routing --factor engine:kv_cache_dtype=fp8 at the Qwen3-30B-A3B layer shape, 8 layers
+            (--moe-preset, --moe-layers): routing replay beside the FP8 KV cache on a mixture-of-experts model.
 The engine is eager (every tap); an engine factor builds its second engine in a worker process, so both engines get
 --gpu-memory-utilization. The checkpoint is the project's random-weight build of the preset's shape (make-model).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +30,7 @@ import divergence_probe as dp
 from divergence_probe.models.modelzoo import make_model
 
 FACTORS = {"kv": ("rmsnorm", "engine:kv_cache_dtype=fp8"), "weights": ("rmsnorm", "engine:quantization=fp8"),
-           "liger": ("lm_head", "train:kernels=liger")}
+           "liger": ("lm_head", "train:kernels=liger"), "moe": ("routing", "engine:kv_cache_dtype=fp8")}
 
 
 def main() -> None:
@@ -35,6 +38,8 @@ def main() -> None:
     parser.add_argument("--part", choices=["kernels", *FACTORS], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--preset", default="qwen2.5-1.5b")
+    parser.add_argument("--moe-preset", default="qwen3-30b-a3b")
+    parser.add_argument("--moe-layers", type=int, default=8)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
@@ -42,9 +47,11 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out / args.part
     out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, object] = {"part": args.part, "preset": args.preset, "engine": "eager"}
+    preset, layers = (args.moe_preset, args.moe_layers) if args.part == "moe" else (args.preset, None)
+    timings: dict[str, object] = {"part": args.part, "preset": preset, "layers": layers, "engine": "eager",
+                                  "commit": os.environ.get("DP_COMMIT", "unknown")}
     start = time.perf_counter()
-    model = make_model(Path("/tmp/dp-models") / args.preset, preset=args.preset, seed=0)
+    model = make_model(Path("/tmp/dp-models") / f"{preset}-{layers}", preset=preset, seed=0, num_layers=layers)
     timings["make_model_s"] = time.perf_counter() - start
     engine_args = {"gpu_memory_utilization": args.gpu_memory_utilization}
     opts = dict(num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
