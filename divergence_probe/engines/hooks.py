@@ -26,7 +26,9 @@ class Replacement:
 
     `owner` names who asks (a region, a capture) for conflict messages. `shared` marks a replacement that
     several models of one class plan identically (a modeling module's function): planned twice in one
-    `HookSet.apply`, it is applied once instead of being a conflict."""
+    `HookSet.apply`, it is applied once instead of being a conflict. `pooled` goes further: planned by another
+    live HookSet with the same value (two trainers on one kernel set), it is held by both and put back when the
+    last lets go."""
 
     target: object
     name: str
@@ -34,6 +36,7 @@ class Replacement:
     item: bool = False
     owner: str = ""
     shared: bool = False
+    pooled: bool = False
     label: str = ""  # how to name the target in messages, when its type's name says too little
 
     @property
@@ -51,6 +54,7 @@ class Replacement:
 # Every replacement live in this process, whichever HookSet made it: the capture and the region patches use
 # separate HookSets, and a conflict between them must be as visible as one within a set.
 _LIVE: dict[tuple, Replacement] = {}
+_HOLDERS: dict[tuple, int] = {}  # how many HookSets hold each live replacement (more than one only when shared)
 
 
 class HookSet(AbstractContextManager):
@@ -82,7 +86,8 @@ class HookSet(AbstractContextManager):
         planned: dict[tuple, Replacement] = {}
         for r in replacements:
             held = planned.get(r.key) or _LIVE.get(r.key)
-            if held is not None and not (r.key in planned and held.shared and r.shared):
+            same_value = held is not None and held.pooled and r.pooled and held.value is r.value
+            if held is not None and not (r.key in planned and held.shared and r.shared) and not same_value:
                 target = (r if r.label or not held.label else held).describe()  # whichever names it better
                 raise PatchConflict(
                     f"{target} is replaced twice ({_who(held)} and {_who(r)}); two patches overlap: "
@@ -93,6 +98,10 @@ class HookSet(AbstractContextManager):
             self._set(r)
 
     def _set(self, r: Replacement) -> None:
+        if r.key in _LIVE:  # shared with another live HookSet (checked in apply): hold it, set nothing
+            _HOLDERS[r.key] += 1
+            self._undo.append(lambda: _let_go(r.key))
+            return
         if r.item:
             had_own, previous = r.name in r.target, r.target.get(r.name)
             r.target[r.name] = r.value
@@ -100,6 +109,7 @@ class HookSet(AbstractContextManager):
             had_own, previous = r.name in vars(r.target), vars(r.target).get(r.name)
             setattr(r.target, r.name, r.value)
         _LIVE[r.key] = r
+        _HOLDERS[r.key] = 1
 
         def restore() -> None:
             if r.item and had_own:
@@ -110,9 +120,9 @@ class HookSet(AbstractContextManager):
                 setattr(r.target, r.name, previous)
             else:
                 delattr(r.target, r.name)  # back to the class attribute (e.g. the class's forward)
-            del _LIVE[r.key]
 
-        self._undo.append(restore)
+        _RESTORE[r.key] = restore
+        self._undo.append(lambda: _let_go(r.key))
 
     def remove(self) -> None:
         """Undo everything now (for callers that do not use `with`)."""
@@ -133,6 +143,16 @@ def after_call(method, emit):
         return result
 
     return wrapped
+
+
+_RESTORE: dict[tuple, object] = {}  # how to put each live replacement's target back, run by its last holder
+
+
+def _let_go(key: tuple) -> None:
+    _HOLDERS[key] -= 1
+    if _HOLDERS[key] == 0:
+        del _HOLDERS[key], _LIVE[key]
+        _RESTORE.pop(key)()
 
 
 def _who(r: Replacement) -> str:

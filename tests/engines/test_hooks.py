@@ -85,3 +85,21 @@ def test_shared_replacements_planned_twice_apply_once():
             one.apply([Replacement(module, "fn", "aligned", shared=True)])
             two.apply([Replacement(module, "fn", "aligned", shared=True)])
     assert module.fn == "shipped"
+
+
+def test_a_shared_replacement_is_held_by_two_sets_and_put_back_by_the_last():
+    """Two trainers on one kernel set replace a modeling module's function with the same value: both hold it, and it
+    stays until the second lets go; a pooled replacement with another value still conflicts."""
+    target = SimpleNamespace(fn="original")
+    first, second = HookSet(), HookSet()
+    first.apply([Replacement(target, "fn", "kernel", pooled=True)])
+    second.apply([Replacement(target, "fn", "kernel", pooled=True)])
+    with pytest.raises(PatchConflict):
+        HookSet().apply([Replacement(target, "fn", "another kernel", pooled=True)])
+    first.remove()
+    assert target.fn == "kernel"
+    second.remove()
+    assert target.fn == "original"
+    with HookSet() as third:  # nothing left live: the target can be replaced again
+        third.replace(target, "fn", "another kernel")
+    assert target.fn == "original"

@@ -64,24 +64,34 @@ def _mlp_forward(layer, hf, silu_and_mul):
     return forward
 
 
-def _rope_forward(rotary):
-    """The rotary module's output marked with the positions it was asked for: vLLM's kernel reads its own cache."""
+def _rope_forward(rotary, engine_rope):
+    """The rotary module's output marked with the positions it was asked for and this model's vLLM rotary kernel,
+    which reads its own cos/sin cache."""
 
     def forward(x, position_ids):
         cos, sin = rotary.__class__.forward(rotary, x, position_ids)
-        cos.positions = position_ids
+        cos.positions, cos.engine_rope = position_ids, engine_rope
         return cos, sin
 
     return forward
 
 
-def _apply_rope(engine_rope, shipped):
+# One apply function per modeling module, shared by every trainer on this kernel set (two trainers live at once, the
+# kernel noise floor's second one beside the run's): each call finds its model's kernel on the cos it is given.
+_APPLY: dict = {}
+
+
+def _apply_rope(modeling):
     """apply_rotary_pos_emb(q, k, cos, sin) on [B, heads, T, d] through vLLM's rotary kernel ([tokens, heads*d])."""
+    if modeling in _APPLY:
+        return _APPLY[modeling]
+    shipped = modeling.apply_rotary_pos_emb
 
     def apply(q, k, cos, sin, *args, **kwargs):
-        positions = getattr(cos, "positions", None)
-        if positions is None:  # another model of the class, not patched: its own code
+        engine_rope = getattr(cos, "engine_rope", None)
+        if engine_rope is None:  # another model of the class, not patched: its own code
             return shipped(q, k, cos, sin, *args, **kwargs)
+        positions = cos.positions
         b, hq, t, d = q.shape
         hk = k.shape[1]
         flat_q = q.transpose(1, 2).reshape(b * t, hq * d).clone()
@@ -89,6 +99,8 @@ def _apply_rope(engine_rope, shipped):
         rq, rk = engine_rope(positions.reshape(-1), flat_q, flat_k)
         return (rq.view(b, t, hq, d).transpose(1, 2), rk.view(b, t, hk, d).transpose(1, 2))
 
+    if shipped.__module__ == modeling.__name__:  # transformers' own function (not another set's, live elsewhere)
+        _APPLY[modeling] = apply
     return apply
 
 
@@ -119,10 +131,10 @@ def plan(model: torch.nn.Module) -> list[Replacement]:
             mlp = part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
             found.append(Replacement(mlp, "forward", _mlp_forward(layer, hf, silu_and_mul)))
     for rotary in (m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")):
-        found.append(Replacement(rotary, "forward", _rope_forward(rotary)))
+        found.append(Replacement(rotary, "forward", _rope_forward(rotary, engine_rope)))
     for modeling in modeling_modules(model):
-        found.append(Replacement(modeling, "apply_rotary_pos_emb", _apply_rope(engine_rope, modeling.apply_rotary_pos_emb),
-                                 shared=True))
+        found.append(Replacement(modeling, "apply_rotary_pos_emb", _apply_rope(modeling), shared=True,
+                                 pooled=True))
     return found
 
 

@@ -37,7 +37,7 @@ def plan(model) -> list[Replacement]:
             mlp = part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
             found.append(Replacement(mlp, "forward", types.MethodType(LigerSwiGLUMLP.forward, mlp)))
     for modeling in modeling_modules(model):
-        found.append(Replacement(modeling, "apply_rotary_pos_emb", liger_rotary_pos_emb, shared=True))
+        found.append(Replacement(modeling, "apply_rotary_pos_emb", liger_rotary_pos_emb, shared=True, pooled=True))
     return found
 
 
