@@ -337,6 +337,12 @@ def deliver(input_ids: torch.Tensor) -> None:
         active(input_ids)
 
 
+def declared() -> dict[str, str]:
+    """Per canonical tap, before a compiled engine is built: "captured" (once built with tap points for it, or taken
+    outside the graph), or why never (REFUSED)."""
+    return {name: REFUSED.get(name, "captured") for name in ALL_TAPS}
+
+
 def status(taps_built: frozenset[str], family=None) -> dict[str, str]:
     """Per canonical tap under --engine compiled: "captured", or why not. `taps_built`: the taps the engine has tap
     buffers for (empty: built without tap points). `family`: the model's (models/), whose layers lack some taps (a

@@ -37,7 +37,7 @@ import contextlib
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -48,7 +48,8 @@ from ...models import family_of, find
 from ...prompts import Prompt, batches
 from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
 from . import compiled_taps
-from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec,
+                        ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 from ..hooks import HookSet, after_call, arg, first_tensor
 from .rollout import RolloutRecorder
 from .seams import decoder_layers, model_seams
@@ -72,6 +73,14 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForC
 REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
 ENGINES = ("eager", "compiled")
+_GRAFT_COMPILED = ("--graft/--depth need every layer tap of the engine, which a compiled engine does not expose; use "
+                   "--engine eager")
+COMPILED_REFUSED = {  # what a compiled engine cannot do, each in the one line that refuses it
+    "--graft": _GRAFT_COMPILED,
+    "--depth": _GRAFT_COMPILED,
+    PATCH_ONCE_LOADED: "a compiled engine cannot take a region patch once built; align it through a run (compare "
+                       "--align / ablate build an engine with the patch in a worker process) or use --engine eager",
+}
 
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
 OWNED_ENGINE_ARGS = {
@@ -411,26 +420,29 @@ class VLLMStack:
     def compiled(self) -> bool:
         return self.settings.engine == "compiled"
 
-    def can_patch(self) -> bool:
-        """Whether a region patch of the loaded engine takes effect: only in eager mode, where modules run as Python.
-        A compiled engine has traced its modules already; patching them would change nothing, or only part."""
-        return not self.compiled
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """Eager: every module runs as Python, so every tap is read by a hook and a region patch takes effect once
+        loaded. Compiled: the taps Inductor never writes are refused (compiled_taps.REFUSED), and regions are traced
+        into an engine built with them (runs/engine_align.py builds one in a worker process)."""
+        if engine != "compiled":
+            return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, records_routes=True)
+        return Capabilities(taps=compiled_taps.declared(), refused=COMPILED_REFUSED, patch=PATCH_AT_BUILD,
+                            records_routes=True)
 
-    def check_patchable(self) -> None:
-        if not self.can_patch():
-            raise StackError("a compiled engine cannot take a region patch once built; align it through a run "
-                             "(compare --align / ablate build an engine with the patch in a worker process) or use "
-                             "--engine eager")
+    def capabilities(self) -> Capabilities:
+        """A compiled engine's taps as built: those it has tap points for (the family's layers, its route records)."""
+        declared = self.declare(self.settings.engine, self._ranks())
+        taps = compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()),
+                                    family=family_of(self.model)) if self.compiled else declared.taps
+        return replace(declared, taps=taps, max_sequences_per_step=self.max_sequences_per_step)
 
-    def tap_status(self) -> dict[str, str]:
-        """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
-        if not self.compiled:
-            return {name: "captured" for name in ALL_TAPS}
-        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()),
-                                    family=family_of(self.model))
+    def _ranks(self) -> int:
+        """The processes the engine's model lives in: this one."""
+        return 1
 
     def _check_taps(self, taps: frozenset[str]) -> None:
-        status = self.tap_status()
+        status = self.capabilities().taps
         missing = sorted(n for n in taps if status.get(n, "captured") != "captured")
         if missing:
             why = status[missing[0]].removeprefix("not captured")
@@ -731,7 +743,7 @@ class VLLMStack:
                 "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
-                "taps": self.tap_status(),
+                "taps": dict(self.capabilities().taps),
                 "torch_numerics": torch_state.describe(torch_state.capture()),  # the engine's: the process's now
                 "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
             },
