@@ -57,6 +57,9 @@ class ToyStack:
     def capabilities(self) -> Capabilities:
         return self.declare()
 
+    def begin_run(self) -> None:
+        pass
+
     def load(self, settings) -> None:
         config = json.loads((Path(settings.model_path) / "config.json").read_text())
         self.settings = settings

@@ -103,6 +103,9 @@ class ShardedHFStack:
     def capabilities(self) -> Capabilities:
         return self.declare(ranks=self.settings.train_tp)
 
+    def begin_run(self) -> None:
+        """Nothing of a run is kept between runs."""
+
     def load(self, settings: StackSettings) -> None:
         import multiprocessing as mp
 

@@ -88,6 +88,9 @@ class HFStack:
     def capabilities(self) -> Capabilities:
         return self.declare()
 
+    def begin_run(self) -> None:
+        """Nothing of a run is kept between runs."""
+
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM
 

@@ -437,6 +437,9 @@ class VLLMStack:
                                     family=family_of(self.model)) if self.compiled else declared.taps
         return replace(declared, taps=taps, max_sequences_per_step=self.max_sequences_per_step)
 
+    def begin_run(self) -> None:
+        self.recompute_gap = 0.0
+
     def _ranks(self) -> int:
         """The processes the engine's model lives in: this one."""
         return 1

@@ -234,6 +234,9 @@ class WorkerStack:
         return replace(self.declare(self.settings.engine), taps=self._status["tap_status"],
                        max_sequences_per_step=self.max_sequences_per_step)
 
+    def begin_run(self) -> None:
+        self.recompute_gap = 0.0
+
     @property
     def max_sequences_per_step(self) -> int:
         return self._status["max_sequences_per_step"]
