@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
@@ -206,6 +206,7 @@ class Stack(Protocol):
 RouteSource = Callable[[int, int], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
+@runtime_checkable
 class RouteRecorder(Protocol):
     """An engine that records the experts its router chose for every token (Capabilities.records_routes)."""
 
@@ -214,12 +215,14 @@ class RouteRecorder(Protocol):
     def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> AbstractContextManager: ...
 
 
+@runtime_checkable
 class RouteReplayer(Protocol):
     """A trainer that runs its experts with another stack's routes (Capabilities.replays_routes)."""
 
     def routes_replayed(self, routes: RouteSource) -> AbstractContextManager[None]: ...
 
 
+@runtime_checkable
 class Grafter(Protocol):
     """A trainer that runs its own ops on another stack's captured inputs (Capabilities.grafts): --graft/--depth."""
 
