@@ -45,9 +45,9 @@ STOP_SECONDS = 30
 
 def trainer_stack_for(name: str, settings: StackSettings):
     """A fresh, unloaded training stack for these settings: sharded at train_tp > 1."""
-    from .. import get_stack
+    from .. import stack_class
 
-    return ShardedHFStack() if settings.train_tp > 1 else get_stack(name)
+    return stack_class(name, settings.train_tp)()
 
 
 def check_shardable(config: dict, ranks: int, device: str) -> None:

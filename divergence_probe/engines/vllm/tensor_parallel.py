@@ -262,4 +262,6 @@ class TensorParallelStack(VLLMStack):
 
 def stack_for(settings: StackSettings) -> VLLMStack:
     """A fresh, unloaded vLLM stack for these settings: tensor-parallel at tensor_parallel_size > 1."""
-    return TensorParallelStack() if size(settings.engine_kwargs()) > 1 else VLLMStack()
+    from .. import stack_class
+
+    return stack_class("vllm", size(settings.engine_kwargs()))()
