@@ -138,7 +138,8 @@ class Capabilities:
 
     def __post_init__(self) -> None:  # read-only, as the dataclass is frozen: a declaration is shared
         if self.patch not in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER):
-            raise ValueError(f"patch {self.patch!r} is not one of {PATCH_AFTER_LOAD!r}, {PATCH_AT_BUILD!r}, {PATCH_NEVER!r}")
+            raise ValueError(f"patch {self.patch!r} is not one of {PATCH_AFTER_LOAD!r}, {PATCH_AT_BUILD!r}, "
+                             f"{PATCH_NEVER!r}")
         if self.patch != PATCH_AFTER_LOAD and PATCH_ONCE_LOADED not in self.refused:
             raise ValueError(f"a stack patched {self.patch!r} says why it refuses {PATCH_ONCE_LOADED!r}")
         object.__setattr__(self, "taps", MappingProxyType(dict(self.taps)))

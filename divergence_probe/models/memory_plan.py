@@ -622,8 +622,8 @@ def engine_report(stack) -> dict:
 
 
 class CountingCapture:
-    """A capture (compare.score_both's park/add_sequences/pair/finish_prompt) that files every hand-over with the real one and counts
-    what the run holds, independently of the plan's arithmetic: per inference batch (a batch starts at the first park
+    """A capture (compare.score_both's park/add_sequences/pair/finish_prompt) that files every hand-over with the real
+    one and counts what the run holds, independently of the plan's arithmetic: per inference batch (a batch starts at the first park
     after a training-side finish) and per training sequence, the bytes of the tensors handed over (`taps`, `logits`)
     and of the distinct storages behind them (`storage`: a view keeps its whole buffer alive, e.g. vLLM's fused
     q/k/v output behind v_proj)."""

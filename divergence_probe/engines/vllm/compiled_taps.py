@@ -48,7 +48,8 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   identity (engines/vllm/stack.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
   never read: nothing is active then. Inside a call, a step run without a graph skips the taps the call does not read
-  (`TapPoints.wanted`), so an engine built with every tap point and asked for a few copies only those; a graph replay copies
+  (`TapPoints.wanted`), so an engine built with every tap point and asked for a few copies only those; a graph replay
+  copies
   every tap it was captured with.
 """
 
@@ -172,9 +173,10 @@ class TapPoints:
     op's owner, a router's wrapped select_experts) is in its HookSet, conflict-checked and undone on close."""
 
     def __init__(self) -> None:
-        self.keys: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
+        self.keys: list[TapKey] = []  # the op's int argument indexes this list (an int is a constant in the graph)
         self.buffers: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features]; fixed addresses
-        self.groups: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width and dtype: (op keys, [taps, rows, features])
+        # per width and dtype: (op keys, [taps, rows, features])
+        self.groups: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.active: Callable[[torch.Tensor], None] | None = None  # set during one scoring or sampling call
         self.wanted: frozenset[int] = frozenset()  # set with `active`: the op keys that call reads
         self.built: frozenset[str] = frozenset()  # the taps the model got tap points for (empty: none, as deployed)
@@ -217,7 +219,8 @@ class TapPoints:
                 or x.device != buf.device:
             raise StackError(f"tap {self.keys[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} "
                              f"on {x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} "
-                             "(sized from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a bug")
+                             "(sized from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a "
+                             "bug")
         buf[:rows].view(x.shape).copy_(x)
 
     def install(self, model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:

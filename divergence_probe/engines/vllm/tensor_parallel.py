@@ -180,7 +180,8 @@ class TensorParallelStack(VLLMStack):
         """The engine's own, less what cannot run sharded (REFUSED); no region patch reaches the ranks' modules, and
         the routes of every rank are not gathered."""
         declared = super().declare(engine)
-        sharded = {feature: f"{feature} cannot run at tensor_parallel_size {ranks}: {why}" for feature, why in REFUSED.items()}
+        sharded = {feature: f"{feature} cannot run at tensor_parallel_size {ranks}: {why}"
+                   for feature, why in REFUSED.items()}
         return replace(declared, refused={**declared.refused, **sharded, PATCH_ONCE_LOADED: sharded[ENGINE_REGIONS]},
                        patch=PATCH_NEVER, records_routes=False)
 

@@ -227,7 +227,8 @@ class WorkerStack:
         declared = VLLMStack.declare(engine)
         return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, refused={
             **declared.refused,
-            PATCH_ONCE_LOADED: "an engine in a worker process has its regions built in; start another worker for others"})
+            PATCH_ONCE_LOADED: "an engine in a worker process has its regions built in; start another worker for "
+                               "others"})
 
     def capabilities(self) -> Capabilities:
         """What the child's engine reported once built: its taps and its scheduler's limit."""
