@@ -30,7 +30,7 @@ from .errors import ProbeError, one_line
 from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
 
-# Nothing torch-bound is imported here: the spec (spec.py and what it imports: torch, pandas) is read only when a
+# Nothing torch-bound is imported here: the spec (spec/ and what it imports: torch, pandas) is read only when a
 # command that takes its options from it is run or asked for its own --help (_LazyGroup), and every other import of
 # the library is inside the function that needs it. So `divergence-probe --help` and the --help of rerun, report,
 # score and make-model need no torch from this module (the package's __init__, which runs first, is another matter).
@@ -438,15 +438,16 @@ def _panel(kind: str, component: str | None, name: str) -> str:
 
 
 def _options(kind: str) -> list[inspect.Parameter]:
-    """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec.py."""
-    from .spec import COMPONENTS, RunSpec, flag_of, flat_fields
+    """One typer option per spec field a command of `kind` takes (spec.flat_fields): declared once, in spec/."""
+    from .spec.run import COMPONENTS, RunSpec, flat_fields
+    from .spec.fields import flag_of
 
     params = []
     for component, f, name in flat_fields(kind):
         owner = COMPONENTS[component] if component else RunSpec
         hint = typing.get_type_hints(owner)[f.name]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        cli_type, cli_default = _cli_type(hint, default)
+        cli_type, cli_default = (Optional[list[str]], None) if f.metadata.get("repeat") else _cli_type(hint, default)
         decls = [flag_of(f) if component else "--report"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type,
                                         default=typer.Option(cli_default, *decls, help=f.metadata.get("help", ""),
@@ -520,7 +521,7 @@ def _spec_command(kind: str, doc: str, after):
     """A typer command whose options are the spec's fields for `kind`; it builds the RunSpec, runs it, writes it."""
 
     def command(out_dir: Optional[Path] = None, fail_if: Optional[list[str]] = None, **flags) -> None:
-        from .spec import spec_from_flat
+        from .spec.run import spec_from_flat
 
         gate = _gate(fail_if, kind)
         run, out_dir, verdict = _run(lambda: spec_from_flat(kind, **flags), out_dir, gate=gate)
@@ -638,7 +639,7 @@ def rerun(
       divergence-probe rerun runs/normal
       divergence-probe rerun runs/normal --report --out runs/normal-again
     """
-    from .runs.rerun import check_replayable, describe
+    from .runs.rerun import RecordedRun, describe
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
@@ -653,73 +654,22 @@ def rerun(
     if manifest.get("kind") == "score":
         _rerun_score(manifest, run_dir, where, target, report)
         return
+    recorded = RecordedRun(manifest, Path(run_dir), where)
 
     def make_spec():
-        if "spec" not in manifest:
-            raise ProbeError(f"{run_dir} was written before runs recorded their spec; re-run its `command` "
-                             "from manifest.json instead")
-        from .spec import RunSpec
-
-        try:
-            spec = dataclasses.replace(RunSpec.from_dict(manifest["spec"]), report=report)
-        except ProbeError as e:
-            raise ProbeError(f"{where}: {e}") from None
-        check_replayable(spec, allow_engine_arg or (), where)
-        from .runs.compare import prompts_path
-
-        prompts = prompts_path(spec)
-        if prompts.exists() and not (prompts.is_dir() or prompts.is_file()):
-            raise ProbeError(f"{where}: spec.prompts.prompts {prompts} is not a file or folder (a pipe or device would "
-                             "block or never end); point it at the prompt files the run used")
-        recorded_spec[:] = [spec]
+        spec = recorded.read_spec(report, allow_engine_arg or ())
         for line in describe(spec, target):  # before anything loads: what this folder makes the tool run
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec
 
-    def same_prompts(hashes: dict) -> None:
-        compared = manifest.get("compare")
-        recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
-        if not isinstance(recorded_prompts, dict):
-            raise ProbeError(f"{run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run its "
-                             "`command` instead")
-        if hashes != recorded_prompts:
-            from .runs.compare import prompts_path
-
-            raise ProbeError(f"the prompt files under {prompts_path(recorded_spec[0])} changed since {run_dir} was "
-                             "made; restore them")
-
-    def check(source):  # before anything loads: fails in seconds
-        from .runs.compare import prompts_path
-        from .prompts import file_hashes
-
-        same_prompts(file_hashes(prompts_path(recorded_spec[0])))  # the files this rerun reads, found as the run did
-        _same_model(manifest, source, run_dir, "compare")
-
-    def check_run(made: dict) -> None:  # the hashes of the bytes the run read: a file swapped since `check` is caught
-        same_prompts(made["compare"]["prompt_files_sha256"])
-
-    recorded_spec: list = []
-    run, out_dir, _ = _run(make_spec, target, check, check_run=check_run)
+    run, out_dir, _ = _run(make_spec, target, recorded.check, check_run=recorded.check_run)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
 
 
-def _same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
-    """rerun re-makes a run only on the checkpoint it was made with: the model's config.json has the recorded
-    sha256."""
-    model = manifest.get("model")
-    want = model.get("config_sha256") if isinstance(model, dict) else None
-    if not isinstance(want, str):
-        raise ProbeError(f"{run_dir}/manifest.json lacks the model hash a rerun checks; re-run its `command` instead")
-    have = source.config_sha256
-    if want != have:
-        raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
-                         f"vs {want[:12]}…); point --model of a new {command} at the original checkpoint")
-
-
 def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
     """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
-    from .runs.rerun import describe_score, recorded_score
+    from .runs.rerun import describe_score, recorded_score, same_model
 
     try:
         call, load, rollouts_sha256 = recorded_score(manifest, where)
@@ -727,31 +677,24 @@ def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, repor
         _fail(e)
     for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    run, _ = _score_run(call, load, out_dir, lambda source: _same_model(manifest, source, run_dir, "score"),
+    run, _ = _score_run(call, load, out_dir, lambda source: same_model(manifest, source, run_dir, "score"),
                         rollouts_sha256=rollouts_sha256)
     _print_score(run)
     _closing(out_dir, report, _after_score(call, load, run))
 
 
 def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -> None:
-    """rerun of an rl run folder: its rows checked against the manifest's sha256 (a finished, unchanged run), its
-    recorded RLSpec checked and shown, then run again on the checkpoint it was made with."""
-    from .runs.rerun import describe_rl, recorded_rl
-    from .reports.rl import read_rows
-    from .rundir import read_manifest
+    """rerun of an rl run folder: its recorded RLSpec checked and shown, then run again on the checkpoint it was made
+    with."""
+    from .runs.rerun import describe_rl, recorded_rl_run, same_model
 
     try:
-        read_rows(run_dir)  # refuses a run that did not finish and a changed rl.csv
-        manifest = read_manifest(run_dir)
-        if manifest.get("kind") != "rl":
-            raise ProbeError(f"{where} is not an rl run's manifest (kind {manifest.get('kind')!r}) although the "
-                             "folder holds rl.csv; pass the --out folder of an rl run")
-        spec = recorded_rl(manifest, where, allowed)
+        manifest, spec = recorded_rl_run(Path(run_dir), where, allowed)
     except ProbeError as e:
         _fail(e)
     for line in describe_rl(spec, out_dir):  # before anything loads: what this folder makes the tool run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    _rl_run(spec, out_dir, report, lambda source: _same_model(manifest, source, run_dir, "rl"))
+    _rl_run(spec, out_dir, report, lambda source: same_model(manifest, source, run_dir, "rl"))
 
 
 def _print_ablation(run) -> None:
@@ -772,8 +715,10 @@ def _print_ablation(run) -> None:
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
                        "(− removes mismatch, + adds)")
     level = f"{run.spec.ablate.ci_level:.0%} CI"
-    for col in ("region", "shapley change", "share of shipped", level, "main effect", "leave-one-out"):
-        attr.add_column(col, justify="left" if col == "region" else "right")
+    factors = bool(run.spec.ablate.factors)
+    for col in ("region" + (" or factor" if factors else ""), "shapley change", "share of shipped", level,
+                "main effect", "leave-one-out"):
+        attr.add_column(col, justify="left" if col.startswith("region") else "right")
     def signed(x: float, spec: str = "+.3e") -> str:
         return "" if x != x else format(x, spec)
 
@@ -784,7 +729,8 @@ def _print_ablation(run) -> None:
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
     total = rows[-1]  # the all-regions row: the headline
-    out.print(f"Aligning every region {change_words(total[SHARE])} of the shipped {metric} "
+    everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
+    out.print(f"{everything} {change_words(total[SHARE])} of the shipped {metric} "
               f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
               highlight=False, markup=False, soft_wrap=True)
 
@@ -865,9 +811,9 @@ def diff_command(
 
 
 def _rl_options() -> list[inspect.Parameter]:
-    """One typer option per RLSpec field (declared once, in rl/spec.py); a tuple field is a repeatable flag."""
-    from .rl.spec import RLSpec
-    from .spec import flag_of
+    """One typer option per RLSpec field (declared once, in spec/rl.py); a tuple field is a repeatable flag."""
+    from .spec.rl import RLSpec
+    from .spec.fields import flag_of
 
     hints = typing.get_type_hints(RLSpec)
     params = []
@@ -934,8 +880,8 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
 
 def _print_rl_summary(summary) -> None:
     """rl_summary.csv as a table: each run's mean reward and mismatch over its first steps and over its last ones,
-    the steps named (rl/table.py window: the two never overlap)."""
-    from .rl.table import window_label
+    the steps named (numerics/rl_summary.py window: the two never overlap)."""
+    from .numerics.rl_summary import window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
     for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "s/step", "overhead"):
@@ -995,6 +941,9 @@ def score_command(
     train_attn: str = typer.Option("sdpa", "--train-attn", help="transformers attention: sdpa, eager or "
                                    "flash_attention_2."),
     train_sdpa: str = typer.Option("auto", "--train-sdpa", help="SDPA kernel: auto, math, flash, efficient or cudnn."),
+    train_kernels: str = typer.Option("torch", "--train-kernels", help="The trainer's kernel set: torch "
+                                      "(transformers' ops), vllm (the engine's RMSNorm, add+norm, SiLU-and-mul and "
+                                      "rotary kernels) or liger (Liger-Kernel's; CUDA only)."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip band [1-eps, 1+eps] for the ratio metrics."),
     tis_cap: float = typer.Option(2.0, "--tis-cap", help="TIS truncation cap C (token MIS band [1/C, C])."),
     alarm: Optional[list[str]] = typer.Option(None, "--alarm", help="Several steps: mark the first step where METRIC "
@@ -1022,8 +971,8 @@ def score_command(
     """
     from .runs.history import parse_alarms, step_files
     from .rundir import default_out_dir
-    from .runs.score import ScoreSpec
-    from .spec import LoadSpec
+    from .spec.score import ScoreSpec
+    from .spec.load import LoadSpec
 
     try:
         files = step_files(rollouts)
@@ -1036,7 +985,7 @@ def score_command(
         call = ScoreSpec(rollouts=str(files[0].absolute()), fmt=fmt, fields=fields, infer=infer,
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
-                        allow_untested_versions=allow_untested_versions)
+                        train_kernels=train_kernels, allow_untested_versions=allow_untested_versions)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()

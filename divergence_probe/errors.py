@@ -46,3 +46,11 @@ class NumericsError(ProbeError):
 
 class DeviceMemoryError(ProbeError):
     """The run does not fit in the device's free memory (found before loading), or ran out of it."""
+
+
+class SyncError(ProbeError):
+    """The engine does not compute with the trainer's weights after a push."""
+
+
+class StaleCacheError(SyncError):
+    """After a push, the prefix cache served KV computed with the previous weights."""

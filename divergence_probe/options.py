@@ -15,10 +15,11 @@ from .errors import ProbeError
 
 
 def option(default=MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
-           cli: bool = True, default_factory=MISSING):
+           cli: bool = True, default_factory=MISSING, repeat: bool = False):
     """A field with its flag's help text. `flag` overrides the `--field-name` spelling; `cli=False` keeps the
-    field out of the command line (it is filled in by the tool, e.g. a seed derived from the run's seed)."""
-    metadata = {"help": help, "flag": flag, "short": short, "cli": cli}
+    field out of the command line (it is filled in by the tool, e.g. a seed derived from the run's seed); `repeat`: a
+    list field whose flag may be given several times (each a comma list)."""
+    metadata = {"help": help, "flag": flag, "short": short, "cli": cli, "repeat": repeat}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub lookup must fail fast, not hang
 
@@ -49,27 +50,38 @@ def pytest_collection_finish(session):
 
 
 def _runs_the_tool(args) -> bool:
-    """Whether a child process's command line runs divergence-probe, which may start an engine: the CLI (by its
-    script or `-m divergence_probe`) or one of the tests' driver scripts, which call its API; `--help` starts none. A
-    `python -c` snippet is not read: the few tests that use one import the package for a helper, not a run."""
+    """Whether a child process's command line runs divergence-probe, which may start an engine or compile: the CLI
+    (by its script or `-m divergence_probe`), one of the tests' driver scripts or a benchmark, which call its API;
+    `--help` starts none. A `python -c` snippet is not read: the few tests that use one import the package for a
+    helper, not a run."""
     words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
     words = [os.fsdecode(w) if isinstance(w, (bytes, os.PathLike)) else str(w) for w in words]
     if "--help" in words:
         return False
-    named = any(Path(w).name in ("divergence-probe",) or w.endswith(("_driver.py", "_runs.py")) for w in words)
+    named = any(Path(w).name in ("divergence-probe",) or w.endswith(("_driver.py", "_runs.py"))
+                or (w.endswith(".py") and Path(w).parent.name == "benchmarks") for w in words)
     as_module = any(a == "-m" and b == "divergence_probe" for a, b in zip(words, words[1:]))
     return named or as_module
 
 
+_unmarked_test: list = []  # while a test without the `engine` marker runs: how to refuse what it must not do
+_TORCH_COMPILE = torch.compile  # the real one: the guard below stands in for it while an unmarked test runs
+
+
 @pytest.fixture(autouse=True)
 def engine_marker_is_honoured(request, monkeypatch):
-    """A test that starts a vLLM engine, in this process or in a child running the tool, must carry the `engine`
-    marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises to be."""
+    """A test that starts a vLLM engine or compiles with torch.compile, in this process or in a child running the
+    tool, must carry the `engine` marker, so that `pytest -m "not engine"` is the quick pure-Python layer it promises
+    to be. torch.compile compiles at a compiled function's first call, so that call is refused, not the wrapping (a
+    library may wrap its functions when imported); the tap reduction keeps what it compiled for the process, so an
+    unmarked test starts from an uncompiled one, refused whichever tests ran before it."""
     if request.node.get_closest_marker("engine"):
+        yield
         return
     import subprocess
 
     from divergence_probe.engines.vllm.stack import VLLMStack
+    from divergence_probe.numerics import fused
 
     def refuse(what):
         pytest.fail(f"{request.node.nodeid} {what} but is not marked `engine`: add @pytest.mark.engine "
@@ -85,8 +97,26 @@ def engine_marker_is_honoured(request, monkeypatch):
             refuse("runs divergence-probe in a child process")
         popen_init(self, args, *rest, **kwargs)
 
+    def compile_(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) as a decorator
+            return lambda fn: compile_(fn, **kwargs)
+        compiled = _TORCH_COMPILE(model, **kwargs)
+
+        def call(*args, **kw):
+            if _unmarked_test:
+                _unmarked_test[-1]("compiles with torch.compile")
+            return compiled(*args, **kw)
+
+        return call
+
     monkeypatch.setattr(VLLMStack, "load", load)
     monkeypatch.setattr(subprocess.Popen, "__init__", start_child)
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(fused, "_compiled", None)
+    monkeypatch.setattr(fused, "_backend", None)
+    _unmarked_test.append(refuse)
+    yield
+    _unmarked_test.pop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,7 +16,7 @@ import divergence_probe
 import divergence_probe.rl as rl
 from divergence_probe.cli import app
 from divergence_probe.errors import ProbeError
-from divergence_probe.rl.sync import WeightSync
+from divergence_probe.engines.vllm.weights import WeightSession
 
 root = Path(sys.argv[1])
 small = ["--steps", "2", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8", "--device", "cpu"]
@@ -73,9 +73,10 @@ def error_of(fn) -> str:
 def skip_up_proj():
     loop.step(seed=0, step=2)  # the weights move again
     weights = loop.trainer.named_weights()
-    loop.sync.push((n, t) for n, t in weights.items() if n != "model.layers.1.mlp.up_proj.weight")
-    loop.sync.reset_cache()
-    loop.sync.verify(weights)
+    session = probe.infer.weight_session  # the engine's weight sync, driven below its protocol
+    session.load((n, t) for n, t in weights.items() if n != "model.layers.1.mlp.up_proj.weight")
+    session.reset_cache()
+    session.prove(weights)
 
 
 seen["skipped_tensor"] = error_of(skip_up_proj)
@@ -85,9 +86,9 @@ seen["skipped_tensor"] = error_of(skip_up_proj)
 # KV blocks, whose stale slots later requests read after every reset and push: the sections below then failed at
 # random. Push every tensor again, before any engine call.
 weights = loop.trainer.named_weights()
-loop.sync.push(weights.items())
-loop.sync.reset_cache()
-seen["restored_after_skip"] = error_of(lambda: loop.sync.verify(weights))
+probe.infer.weight_session.load(weights.items())
+probe.infer.weight_session.reset_cache()
+seen["restored_after_skip"] = error_of(lambda: probe.infer.weight_session.prove(weights))
 
 
 # 4. the tied head without its own reprocessing (vLLM's reload alone): the checksums name lm_head
@@ -97,8 +98,9 @@ def push_without_head_fix(self, named):
 
 
 def tied_head():  # every tensor pushed again (layer 1's up_proj too), but the head left as vLLM's reload leaves it
-    loop.cache_probe.prime()  # 3's reset dropped the probe's blocks: cache them again for the positive control
-    with mock.patch.object(WeightSync, "push", push_without_head_fix):
+    probe.infer.weight_session.cache_probe.prime()  # 3's reset dropped the probe's blocks: cache them again for the
+    # positive control
+    with mock.patch.object(WeightSession, "load", push_without_head_fix):
         loop.step(seed=0, step=3)
 
 
@@ -115,12 +117,12 @@ def head_is_stale(model) -> bool:
     return not torch.equal(head.quant_method.apply(head, rows, None), torch.nn.functional.linear(rows, embedding))
 
 
-seen["tied_head_stale"] = head_is_stale(loop.sync.model)
+seen["tied_head_stale"] = head_is_stale(probe.infer.model)
 
 # 5. the prefix cache not reset after step 2's push: the probe riding step 3's rollout fails, step 1's row is kept
 # (step 2's push never proven: no row; with 2 steps the run's closing check alone would catch it, so 3 steps)
 calls = {"n": 0}
-real_reset = WeightSync.reset_cache
+real_reset = WeightSession.reset_cache
 
 
 def reset_once(self):
@@ -129,7 +131,7 @@ def reset_once(self):
         real_reset(self)
 
 
-with mock.patch.object(WeightSync, "reset_cache", reset_once):
+with mock.patch.object(WeightSession, "reset_cache", reset_once):
     seen["stale_cache"] = error_of(lambda: rl.run(replace(spec, steps=3), root / "stale", probe=probe))
 rows_file = root / "stale" / "rl.csv"
 seen["stale_rows"] = len(rows_file.read_text().splitlines()) - 1 if rows_file.exists() else 0
@@ -139,7 +141,7 @@ seen["stale_manifest"] = (root / "stale" / "manifest.json").exists()
 # missing reset after the push could not be seen; the push is refused before anything is pushed
 loop = rl.Loop(probe, spec)
 loop.reset()
-loop.llm.reset_prefix_cache()
+probe.infer.weight_session.reset_cache()
 seen["control_uncached"] = error_of(loop.push_and_check)
 
 # 7. a step where no group has signal (a constant reward), after a step with signal (AdamW has momentum): `step`

@@ -20,7 +20,7 @@ import torch
 import divergence_probe.rl as rl
 from divergence_probe.errors import ProbeError
 from divergence_probe.models import family_of, find
-from divergence_probe.rl.sync import WeightSync
+from divergence_probe.engines.vllm.weights import WeightSession
 from divergence_probe.rl.trainer import Trainer
 from divergence_probe.engines.vllm.rollout import RolloutRecorder
 
@@ -165,9 +165,10 @@ def skip_expert():
     weights = loop.trainer.named_weights()
     with torch.no_grad():
         weights[skipped].add_(1e-2)
-    loop.sync.push((n, t) for n, t in weights.items() if n != skipped)
-    loop.sync.reset_cache()
-    loop.sync.verify(weights)
+    session = probe.infer.weight_session  # the engine's weight sync, driven below its protocol
+    session.load((n, t) for n, t in weights.items() if n != skipped)
+    session.reset_cache()
+    session.prove(weights)
 
 
 seen["skipped_expert"] = error_of(skip_expert)
@@ -183,8 +184,8 @@ def push_without_experts_fix(self, named):
 
 
 def reload_alone():
-    loop.cache_probe.prime()
-    with mock.patch.object(WeightSync, "push", push_without_experts_fix):
+    probe.infer.weight_session.cache_probe.prime()
+    with mock.patch.object(WeightSession, "load", push_without_experts_fix):
         loop.push_and_check()
 
 

@@ -1,49 +1,174 @@
-"""The package's architecture rules, checked on the source: layers point down, names do not collide."""
+"""The package's architecture, checked on the source: layers point down, no import cycles, no long chains of imports,
+no module and package sharing a stem. Every import counts, the lazy ones inside functions included: a lazy import
+only postpones the dependency, it does not remove it."""
 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "divergence_probe"
-ABOVE_STACKS = {"spec", "runs", "cli", "reports", "rl"}
+
+# Top to bottom. A module may import its own layer and the layers below it, never one above. Each entry is a
+# subpackage or a module of divergence_probe ("" is the package's own __init__.py); the longest entry that holds a
+# module decides its layer.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("the command line", frozenset({"", "__main__", "cli"})),
+    ("the runs", frozenset({"runs", "rl"})),
+    ("reports of run folders", frozenset({"reports"})),
+    ("the run specs", frozenset({"spec"})),
+    ("engines and trainers", frozenset({"engines", "align"})),
+    ("engine-neutral models, regions, numerics and rollout files", frozenset({"models", "regions", "numerics",
+                                                                                 "rollouts"})),
+    ("base modules", frozenset({"errors", "lazy", "options", "taps", "prompts", "environment", "rundir", "versions",
+                                "signals", "quiet",
+                                "engines.hooks"})),  # the conflict-checked hook set every patch goes through
+)
+# The most modules one chain of imports may pass through (__main__ -> cli -> ... -> errors counts every link).
+LONGEST_CHAIN = 15
 
 
-def imported_modules(path: Path) -> set[str]:
-    """First component under divergence_probe of every module `path` imports (relative or absolute)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_in(source: str, package: str) -> set[str]:
+    """The package's modules that `source` (a module of `package`) imports anywhere: at module level or inside a
+    function. `from .x import y` is x, or x.y where y is a module; `from . import y` is y."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the file's package
-                base = path.parent.relative_to(PACKAGE).parts[: len(path.parent.relative_to(PACKAGE).parts) - (node.level - 1)]
-                parts = [*base, *(node.module or "").split(".")] if node.module else [*base]
-                parts = [p for p in parts if p] or [a.name for a in node.names]
-            elif node.module and node.module.startswith("divergence_probe"):
-                parts = node.module.split(".")[1:] or [a.name for a in node.names]
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
             else:
-                continue
-            names.add(parts[0])
+                target = node.module or ""
+            submodules = {f"{target}.{a.name}" for a in node.names} & modules().keys()
+            found |= submodules
+            if len(submodules) < len(node.names):
+                found.add(target)
         elif isinstance(node, ast.Import):
-            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("divergence_probe.")}
-    return names
+            found |= {a.name for a in node.names}
+    return found & modules().keys()
 
 
-def test_models_stacks_and_regions_import_nothing_above_them():
-    for folder in ("models", "engines", "regions"):
-        paths = list((PACKAGE / folder).rglob("*.py"))  # engines/vllm/ too
-        assert paths
-        for path in paths:
-            assert not imported_modules(path) & ABOVE_STACKS, path
+@cache
+def graph() -> dict[str, frozenset[str]]:
+    edges = {}
+    for name, path in modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges[name] = frozenset(imports_in(path.read_text(), package) - {name})
+    return edges
 
 
-def test_the_core_never_imports_presentation():
-    for path in PACKAGE.glob("*.py"):
-        if path.stem != "cli" and path.stem != "__init__":
-            assert "reports" not in imported_modules(path), path
+def layer_of(name: str) -> int:
+    """Index in LAYERS of the module `name` (divergence_probe.runs.compare -> the runs)."""
+    inside = name.split(".")[1:]
+    for length in range(len(inside), 0 if inside else -1, -1):  # "" is the package's __init__ alone
+        entry = ".".join(inside[:length])
+        for index, (_, members) in enumerate(LAYERS):
+            if entry in members:
+                return index
+    raise AssertionError(f"{name} is in no layer; add its folder or module to LAYERS in tests/test_layout.py")
+
+
+def test_every_subpackage_and_module_has_a_layer():
+    for name in modules():
+        layer_of(name)
+
+
+def test_layers_point_down():
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+              for a, targets in graph().items() for b in sorted(targets) if layer_of(b) < layer_of(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_check_sees_lazy_imports():
+    """An import inside a function is an edge like one at module level, and `from . import x` names the module x."""
+    lazy = "def check():\n    from ..engines import get_stack\n    from . import run\n"
+    assert imports_in(lazy, "divergence_probe.spec") == {"divergence_probe.engines", "divergence_probe.spec.run"}
+
+
+def _cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a set of modules in a loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph()[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph():
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert not _cycles(), _cycles()
+
+
+def test_longest_chain_of_imports():
+    assert not _cycles()  # the chains are finite only without cycles
+
+    @cache
+    def longest(v: str) -> tuple[str, ...]:
+        return max(((v, *longest(w)) for w in graph()[v]), key=len, default=(v,))
+
+    chain = max((longest(v) for v in graph()), key=len)
+    assert len(chain) <= LONGEST_CHAIN, " -> ".join(chain)
 
 
 def test_no_module_and_package_share_a_stem():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    modules_here = {p.stem for p in PACKAGE.glob("*.py")}
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert not modules & packages
-    assert not {m for m in modules if m + "s" in packages or m.rstrip("s") in packages}
+    assert not modules_here & packages
+    assert not {m for m in modules_here if m + "s" in packages or m.rstrip("s") in packages}
+
+
+def test_only_the_vllm_engine_imports_vllm():
+    """vLLM is the vLLM engine's business: everything else reaches it through the engine's protocols. Every import
+    counts, a lazy one inside a function too."""
+    engine = PACKAGE / "engines" / "vllm"
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        if engine in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            importers += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "vllm"]
+    assert not importers, importers

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
 
+from ..errors import StackError
 from ..options import option
 from ..prompts import Prompt
 from ..taps import Tap
@@ -46,6 +47,7 @@ class StackSettings:
     train_sdpa: str = "auto"  # SDPA kernel of the training forward: auto, math, flash, efficient, cudnn
     train_state: str = "isolated"  # torch numerics of the training forward: isolated (pre-vLLM) or inherited
     train_precision: str = "bf16"  # training side: bf16 (weights in `dtype`) or amp (FP32 weights, autocast to dtype)
+    train_kernels: str = "torch"  # training side: the kernel set its forward runs (engines/hf/kernels/)
     train_tp: int = 1  # training side: ranks it is sharded over (engines/hf/tensor_parallel.py)
     engine_taps: frozenset[str] = frozenset()  # compiled vLLM: layer taps the engine gets tap points and buffers for
     # (engines/vllm/compiled_taps.py); empty: none, vLLM as deployed
@@ -148,6 +150,11 @@ class Capabilities:
     def first_refused(self, features: Sequence[str]) -> str | None:
         """The one-line refusal of the first of `features` this stack refuses, or None."""
         return next((self.refused[feature] for feature in features if feature in self.refused), None)
+
+    def check_patchable(self) -> None:
+        """Refuse, in the declared line, a region patch of the loaded stack when one takes effect only at its build."""
+        if self.patch != PATCH_AFTER_LOAD:
+            raise StackError(self.refused[PATCH_ONCE_LOADED])
 
     def not_captured(self) -> dict[str, str]:
         """The taps this stack cannot capture, and why."""

@@ -84,7 +84,7 @@ class Family:
     fixed_config: Mapping[str, object] = field(default_factory=dict)
     experts: tuple["ExpertTensors", ...] = ()  # transformers' fused expert parameters and their per-expert layout
     engine_experts: "EngineExperts | None" = None  # where vLLM's MoE loader puts the trainer's experts (rl's sync)
-    # what this family cannot do yet: feature (spec.py's names: compiled, graft, depth, align, ablate, rl) -> why
+    # what this family cannot do yet: feature (spec/'s names: compiled, graft, depth, align, ablate, rl) -> why
     unsupported: Mapping[str, str] = field(default_factory=dict)
     top_k_field: str | None = None  # config field of the router's top-k (a mixture of experts; None: dense)
     # layer taps that vLLM's tensor parallelism splits along the features, each rank holding its heads or columns in

@@ -13,6 +13,10 @@ import math
 
 import pandas as pd
 
+# The op families a seam's local error is filed under (runs/graft.py maps each seam to one), in the order tables
+# and figures list them.
+FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits", "router", "experts")
+
 
 def step_name(x: int, num_layers: int) -> str:
     return f"decoder layer {x}" if x < num_layers else "the final norm" if x == num_layers else "the lm_head"

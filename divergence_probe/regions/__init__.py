@@ -14,7 +14,6 @@ from typing import Iterator, Sequence
 
 from ..errors import ProbeError, StackError
 from ..engines.hooks import HookSet, Replacement
-from ..engines.protocol import PATCH_AFTER_LOAD, PATCH_ONCE_LOADED
 from .base import Region, SeamMissing
 
 log = logging.getLogger(__name__)
@@ -116,9 +115,8 @@ def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
     regions = patched(regions)
     with HookSet() as hooks:
         for stack in stacks:
-            capabilities = stack.capabilities()
-            if regions and capabilities.patch != PATCH_AFTER_LOAD:  # a compiled engine takes a patch when it is built
-                raise StackError(capabilities.refused[PATCH_ONCE_LOADED])
+            if regions:  # a compiled engine takes a patch when it is built, not once loaded
+                stack.capabilities().check_patchable()
         plans = [plan(stack.name, stack.model, regions) for stack in stacks]
         hooks.apply([r for p in plans for found in p.values() for r in found])
         yield

@@ -150,7 +150,7 @@ def figure_specs(run: RunData) -> tuple[list[FigureSpec], list[str]]:
 def _graft_specs(run: RunData) -> list[FigureSpec]:
     """compare --graft / --depth: local vs propagated error by family and layer, and the depth curve."""
     from . import figures as F
-    from ..runs.graft import FAMILIES
+    from ..numerics.graft_reading import FAMILIES
 
     specs = []
     if "local" in run.extra:

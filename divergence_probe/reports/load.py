@@ -101,7 +101,9 @@ def _recorded(manifest: dict, section: str, name: str, default):
     value = manifest.get(section, {}).get(name)
     if value is None:
         return default
-    from ..spec import AblateSpec, GenerateSpec, recorded_value
+    from ..spec.align import AblateSpec
+    from ..spec.generate import GenerateSpec
+    from ..spec.from_manifest import recorded_value
 
     return recorded_value({"ablate": AblateSpec}.get(section, GenerateSpec), name, value, f"{section}.{name}")
 

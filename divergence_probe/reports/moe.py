@@ -16,7 +16,7 @@ from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words
 from .document import Column, Heading, Paragraph, Table
 from .load import RunData, row_of, shipped_rows
 from ..numerics.tables import ROUTING_NOISE_FLOORS
-from .prose import _code, _finite, _get, _num, _signed_pct
+from .wording import _code, _finite, _get, _num, _signed_pct
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
 REPLAYS = {  # manifest compare.routing.replay / spec.align.routing_replay -> what the trainer ran

@@ -11,9 +11,12 @@ import pandas as pd
 from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
 from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
-from .document import Bullets, Column, Figure, Heading, Paragraph, Table, sig
+from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .load import RunData, layers_of, response_rho, row_of, shipped_rows
+from .moe import routing_section
+from .recorded import MEANINGS, recorded_section, setup_items
+from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct
 
 # Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
@@ -104,40 +107,9 @@ SUMMARY_MEANINGS = {
     "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1) or cannot_tell "
                      "(it straddles 1: more prompts would narrow it)",
 }
-# The factors of the RL ratio π_train/π_recorded (rl_metrics.ratio_split), in plain words: generate mode's three, and
-# score's prefill/recorded, which is prefill/decode × decode/recorded when the recording has no decode beside it.
-GENERATE_FACTORS = ("train_vs_prefill", "prefill_vs_decode")  # the third, decode/recorded, is 1: the recording
-FACTORS = {
-    "train_vs_prefill": "the trainer against the engine's prefill of the same sequences (the two stacks' numerics)",
-    "prefill_vs_decode": "the engine's prefill against its own decode path (KV cache, a token per step, other batches)",
-    "decode_vs_recorded": "the decode path against the recording",
-    "prefill_vs_recorded": "the engine's prefill against the recording (its decode path, and whatever the recording "
-                           "adds: score has no decode of its own)",
-}
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
                   "ratio_max", "ppo_clip_frac")
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _get(mapping, *keys, default=None):
-    for key in keys:
-        if not isinstance(mapping, dict) or key not in mapping:
-            return default
-        mapping = mapping[key]
-    return mapping
-
-
-def _code(value) -> str:
-    return "`" + str(value).replace("`", "'") + "`"
-
-
-def _num(value) -> str:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    return "n/a" if math.isnan(x) else sig(x)
 
 
 def _versions(d: dict | None) -> str:
@@ -207,8 +179,6 @@ def _setup(run: RunData) -> list:
     m = run.manifest
     model, load, env = m.get("model", {}), m.get("load", {}), m.get("environment", {})
     infer, train = _get(m, "stacks", "infer", default={}), _get(m, "stacks", "train", default={})
-    from .recorded import setup_items  # recorded.py builds on this module's helpers
-
     items = [
         f"Model: {_code(model.get('spec', 'unknown'))} (architecture `{model.get('arch', 'unknown')}`, "
         f"{model.get('num_layers', 'unknown')} decoder layers"
@@ -484,8 +454,6 @@ def _summary_table(run: RunData) -> Table:
     def meaning(c: str) -> str:
         if c == "first_over_threshold" and _get(run.manifest, "compare", "threshold") is not None:
             return f"first tap whose rel_l2 exceeds {_get(run.manifest, 'compare', 'threshold')}"
-        from .recorded import MEANINGS  # a score run's own columns
-
         if run.is_score and c in MEANINGS:
             return MEANINGS[c]
         if c in SUMMARY_MEANINGS:
@@ -585,18 +553,6 @@ def _attribution_words(run: RunData) -> Paragraph | None:
     return Paragraph(text.strip())
 
 
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
-def _signed_pct(share) -> str:
-    """A share of the shipped metric in percent with its sign (the attribution's convention: − removes, + adds)."""
-    return f"{100 * float(share):+.3g}%"
-
-
 def _attribution_reading(run: RunData) -> Paragraph:
     m = run.metric
     draws = _get(run.manifest, "ablate", "bootstrap", default="the")
@@ -689,9 +645,7 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_
     """The report's blocks; `figure_files`: whether the figures are also saved as files (not in a self-contained
     HTML report, whose figures are embedded)."""
     blocks: list = [Heading(title(run), 1), _intro(run)]
-    from .moe import routing_section  # moe.py builds on this module's helpers
 
-    from .recorded import recorded_section
 
     blocks += _setup(run) + _headline(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
     blocks += routing_section(run) + _tables(run)

@@ -15,7 +15,7 @@ import pandas as pd
 
 from .document import Heading, Paragraph
 from .load import RunData, row_of
-from .prose import FACTORS, _code, _get, _num
+from .wording import FACTORS, _code, _get, _num
 
 # summary.csv columns a score run adds, for the summary table's meaning column
 MEANINGS = {

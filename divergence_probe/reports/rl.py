@@ -9,7 +9,7 @@ compare's report).
 rl.csv and rl_summary.csv are checked against the sha256 the manifest recorded before anything is drawn (a run that
 did not finish has no manifest: its rows are plotted with `check=False`, as the rl command does for a stopped run),
 and rl.csv must have the columns the figure and the tables read, as numbers. The start-against-end table is computed
-from rl.csv by the rl command's own summary (rl/table.py summarize), so a run that stopped early gets one too. The
+from rl.csv by the rl command's own summary (numerics/rl_summary.py summarize), so a run that stopped early gets one too. The
 report folder is marked and replaced like the compare report's (rundir.output_folder).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..rl.table import summarize, window_label
+from ..numerics.rl_summary import summarize, window_label
 from ..rundir import MANIFEST, inside, output_folder, parse_csv, read_file, read_manifest
 from . import document as doc
 from . import figures as F

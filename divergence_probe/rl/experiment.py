@@ -14,10 +14,12 @@ import pandas as pd
 from ..errors import OutputError
 from ..prompts import file_hashes, read_prompt_sources
 from ..rundir import MANIFEST
+from ..runs.manifest import build_manifest
 from .loop import Loop, load, load_spec
 from .reward import load_reward
-from .spec import RLSpec
-from .table import ROWS, SUMMARY, rescue, rl_folder, summarize
+from ..spec.rl import RLSpec
+from ..numerics.rl_summary import summarize
+from .table import ROWS, SUMMARY, rescue, rl_folder
 
 Progress = Callable[[dict, int, int], None]  # (row, rows done, rows in all)
 
@@ -75,11 +77,11 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
                     loop.run(setting, seed, keep)
             table = pd.DataFrame(rows)
             summary = summarize(table)
-            manifest = {"kind": "rl", "spec": spec.to_dict(), "command": list(sys.argv), **probe.manifest(),
+            manifest = build_manifest("rl", probe.manifest(), {
                         "rl": {"engine_args": dict(probe.config.engine_args), "settings": list(spec.settings),
                                "seeds": list(spec.seed_list), "trainer": "FP32 master weights, AdamW (0.9, 0.95), "
                                "BF16 compute model; BF16 weights pushed", **prompt_hashes},
-                        **(recorded() if recorded is not None else {})}
+                        **(recorded() if recorded is not None else {})}, spec=spec.to_dict(), command=sys.argv)
             finished = (manifest, summary)
             with _writing(f"{SUMMARY} or {MANIFEST}"):
                 writer.finish(manifest, summary)

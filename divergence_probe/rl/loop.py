@@ -6,18 +6,20 @@ into the running engine, verify the push, and report one row per step.
 
 The engine is vLLM with prefix caching on, as production rollouts run (the tool's compare engine turns it off, so rl
 loads its own), eager by default or compiled (`--engine compiled`: vLLM's defaults, as RL frameworks deploy it).
-Rollouts are plain `LLM.generate` calls (no prompt logprobs, no capture hooks): the engine's logprob of each sampled
-token is what the policy ratio uses. On a mixture of experts the rollout also records, at the router's
-select_experts, the experts the engine sent every row of every sequence to (what vLLM's enable_return_routed_experts
-records; engines/vllm/stack.py `routes_recorded`): by a hook in the eager engine, and in the compiled one from the route
-tap points its graph (and CUDA graphs) copy into static buffers (load builds the engine with them; compiled_taps.py),
-read after each step and filed by request and position like the eager hook's rows. The update's forward compares its
+The loop reaches the engine only through its RolloutEngine protocol (engines/rollout_protocol.py): rollouts are
+plain sampling calls (vLLM's `LLM.generate`: no prompt logprobs, no capture hooks), the engine's logprob of each
+sampled token is what the policy ratio uses, and the push and its proofs are the engine's weight sync. On a mixture
+of experts the rollout also records, at the router's select_experts, the experts the engine sent every row of every
+sequence to (what vLLM's enable_return_routed_experts records; engines/vllm/stack.py `routes_recorded`): by a hook in
+the eager engine, and in the compiled one from the route tap points its graph (and CUDA graphs) copy into static
+buffers (load builds the engine with them; compiled_taps.py), read after each step and filed by request and position
+like the eager hook's rows. The update's forward compares its
 own router's pick with them (`frac_response_any_flip`) and, under the `routing` setting, replays them (R3).
 
 Between runs of an experiment (settings x seeds) the trainer goes back to the checkpoint and the checkpoint's weights
 are pushed through the same sync path, so one engine serves every run. Region alignment: `align.apply` on the
 trainer; on the engine (--side both) the same region patch compare and ablate use, which takes effect only in the
-eager engine (a compiled engine with --side both is refused: rl/spec.py).
+eager engine (a compiled engine with --side both is refused: spec/rl.py).
 
 A step where no group has signal (every group's rewards equal: every advantage, and so the gradient, is 0) still
 calls AdamW's step by default (`--no-signal-step step`), which moves the weights on the optimizer's momentum (and
@@ -45,14 +47,14 @@ import pandas as pd
 import torch
 
 from .. import align as align_api
+from ..engines.rollout_protocol import RolloutSample
 from ..numerics import routing
 from ..errors import NumericsError, ProbeError
 from ..regions import aligned, check_regions_exist, from_engine
 from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
-from .spec import RLSpec, parse_setting
-from .sync import StaleCacheProbe, SyncError, WeightSync
+from ..spec.rl import RLSpec, parse_setting
 from .trainer import Trainer
 
 ENGINE_ARGS = {"enable_prefix_caching": True}
@@ -64,7 +66,7 @@ def load(spec: RLSpec, check: Callable | None = None):
     """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
     prompt pool is checked against the model's context once the tokenizer is known, before either stack loads.
     `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
-    import divergence_probe as dp
+    from ..runs.probe import load as load_probe
 
     def before_stacks(source, tokenizer):
         if check is not None:
@@ -76,16 +78,16 @@ def load(spec: RLSpec, check: Callable | None = None):
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
-    return dp.load(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
+    return load_probe(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
 def load_spec(spec: RLSpec):
     """The LoadSpec of rl's probe."""
-    from ..spec import LoadSpec
+    from ..spec.load import LoadSpec
 
     return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed, train_precision=spec.train_precision,
-                    allow_untested_versions=spec.allow_untested_versions)
+                    train_kernels=spec.train_kernels, allow_untested_versions=spec.allow_untested_versions)
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -117,23 +119,22 @@ class Loop:
     trainer: Trainer = field(init=False)
 
     def __post_init__(self) -> None:
-        engine = self.probe.infer
-        if not engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        self.engine = self.probe.infer  # a RolloutEngine (engines/rollout_protocol.py)
+        if not self.engine.prefix_caching:
             raise ProbeError("rl needs a vLLM engine with prefix caching on (as production rollouts run); load it "
                              "with rl.loop.load(spec)")
-        self.llm, self.tokenizer = engine.llm, self.probe.tokenizer
+        self.tokenizer = self.probe.tokenizer
         config = self.probe.train.model.config
         self.trainer = Trainer(self.probe.train, self.spec.lr, self.spec.grad_clip)
-        self.sync = WeightSync(self.llm, engine.model, bool(getattr(config, "tie_word_embeddings", False)))
-        self.cache_probe = StaleCacheProbe(self.llm, min(config.vocab_size, len(self.tokenizer)))
-        self.cache_probe.prime()  # its blocks cached: every push's positive control, the first one's too
+        self.engine.start_weight_sync(bool(getattr(config, "tie_word_embeddings", False)),
+                                      min(config.vocab_size, len(self.tokenizer)))
         self.reward = load_reward(self.spec.reward)
         self.pool = prompt_pool(self.spec, self.tokenizer, self.probe.source.max_model_len)
         eos = self.probe.train.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.moe = self.probe.source.family.top_k_field is not None  # rollouts record the engine's routes
         if self.moe:
-            engine.check_routes_recordable()
+            self.engine.check_routes_recordable()
         self.replay = False  # the run's setting replays them in the update (routing, R3)
         self.on_proven: Callable[[], None] | None = None  # run(): called when a rollout's probe proved the last push
 
@@ -141,66 +142,38 @@ class Loop:
         """Trainer and engine back to the checkpoint, through the same push and checks as every step."""
         self.trainer.reset()
         self.push_and_check(audit=self.spec.audit_every > 0)
-        self.cache_probe.check()  # alone: a loop just reset holds no unproven push (the drivers push again at once)
+        self.engine.prove_cache()  # alone: a loop just reset holds no unproven push (the drivers push again at once)
 
     def push_and_check(self, audit: bool = False) -> dict:
         """Push the trainer's weights, then prove the engine computes with them (on the device; `audit`: by sha256
         on the host too). That its prefix cache serves nothing computed before the push, the stale-cache probe proves
-        in the next engine call: the next rollout carries it (or `cache_probe.check()` scores it alone)."""
-        if self.cache_probe.due:  # else this push's probe could not be told from the previous push's
-            raise SyncError("stale-cache probe: a push before the previous push was proven (no engine call scored the "
-                            "probe in between); run a rollout or cache_probe.check() after every push")
-        t0 = time.perf_counter()
-        self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
-        t_control = time.perf_counter() - t0
+        in the next engine call: the next rollout carries it (or `engine.prove_cache()` scores it alone)."""
         t0 = time.perf_counter()
         weights = self.trainer.named_weights()
-        self.sync.push(weights.items())
-        self.sync.reset_cache()
-        self.cache_probe.pushed()  # unproven until an engine call scores the probe, whatever verify says
+        t_control = self.engine.push_weights(weights)  # the probe's positive control first, then the push
         t1 = time.perf_counter()
-        check = self.sync.verify(weights, audit=audit)
+        check = self.engine.prove_push(weights, audit=audit)
         t2 = time.perf_counter()
         # stale_probe_moved: filled in by run() once the probe of this push has been scored
         return {"sync_tensors": check.tensors, "sync_changed": check.changed, "stale_probe_moved": None,
                 "sync_audited": audit,
-                "t_sync": t1 - t0, "t_check": t2 - t1 + t_control, "t_verify": t2 - t1, "t_probe": t_control}
+                "t_sync": t1 - t0 - t_control, "t_check": t2 - t1 + t_control, "t_verify": t2 - t1,
+                "t_probe": t_control}
 
     def rollout(self, prompts, seed: int, step: int):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
+        """G responses per prompt, sampled through the engine with a seed per sequence; the push before rides the
+        call (its stale-cache probe), and once it is proven the row it belongs to is released (`on_proven`)."""
         g, spec = self.spec.group_size, self.spec
-        requests, params = [], []
-        for p, (_, ids) in enumerate(prompts):
-            for k in range(g):
-                requests.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(SamplingParams(max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0,
-                                             seed=(seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31, logprobs=0,
-                                             detokenize=False))
-        carry_probe = self.cache_probe.due  # the push before this rollout: proven fresh by this engine call
-        if carry_probe:
-            request, param = self.cache_probe.request()
-            requests.append(request)
-            params.append(param)
-        with ExitStack() as scope:
-            recorder = scope.enter_context(self.probe.infer.routes_recorded()) if self.moe else None
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        if carry_probe:
-            self.cache_probe.verdict(outputs.pop())  # outputs come in request order: the probe's is the last
-            if self.on_proven is not None:
-                self.on_proven()
-        responses, logprobs = [], []
-        for out in outputs:
-            c = out.outputs[0]
-            responses.append(tuple(c.token_ids))
-            logprobs.append([entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)])
-        routes = None
-        if recorder is not None:  # the engine's experts of every fed row, prompt and response: [len-1, layers, k]
-            by_id = recorder.routes({out.request_id: tuple(out.prompt_token_ids) + resp
-                                     for out, resp in zip(outputs, responses)},
-                                    len(self.probe.infer.layers))
-            routes = [by_id[out.request_id] for out in outputs]
+        samples = [RolloutSample(tuple(ids), spec.max_new_tokens, spec.temperature,
+                                 (seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31)
+                   for p, (_, ids) in enumerate(prompts) for k in range(g)]
+        carry_probe = self.engine.push_unproven  # the push before this rollout: proven fresh by this engine call
+        rolled = self.engine.rollout(samples, routes=self.moe)
+        if carry_probe and self.on_proven is not None:
+            self.on_proven()
+        responses = [r.tokens for r in rolled]
+        logprobs = [r.logprobs for r in rolled]
+        routes = [r.routes for r in rolled] if self.moe else None
         return responses, logprobs, routes
 
     def step(self, seed: int, step: int) -> dict:
@@ -277,15 +250,15 @@ class Loop:
             def proven() -> None:
                 if held:
                     row = held.pop()
-                    row["stale_probe_moved"] = self.cache_probe.moved  # the probe of this row's own push
+                    row["stale_probe_moved"] = self.engine.probe_moved  # the probe of this row's own push
                     on_row(row)
 
             stack.callback(setattr, self, "on_proven", None)
             self.on_proven = proven
             for step in range(1, self.spec.steps + 1):
                 held.append({"setting": setting, "seed": seed, "step": step, **self.step(seed, step)})
-            if self.cache_probe.due:
-                self.cache_probe.check()
+            if self.engine.push_unproven:
+                self.engine.prove_cache()
                 proven()
 
 

@@ -15,11 +15,18 @@ to BF16, which is what the engine receives (`named_weights`), so the weights are
 
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack
 
 import torch
 
 from ..errors import NumericsError
+
+
+# The checkpoint of each loaded training stack, for resets between runs: taken by its first trainer, so that a later
+# trainer on the same stack (whose model an earlier run trained) starts from the checkpoint too. Kept by rl, not on the
+# stack; dropped with the stack.
+_CHECKPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Trainer:
@@ -30,11 +37,9 @@ class Trainer:
         self.params = [p for _, p in self.model.named_parameters()]
         for p in self.params:
             p.requires_grad_(True)
-        # the checkpoint, for resets between runs: kept on the stack by its first trainer, so that a later trainer
-        # on the same loaded stack (whose model an earlier run trained) starts from the checkpoint too
-        if getattr(stack, "rl_checkpoint", None) is None:
-            stack.rl_checkpoint = [p.detach().clone() for p in self.params]
-        self.initial = stack.rl_checkpoint
+        if stack not in _CHECKPOINTS:  # the first trainer on this loaded stack: its weights are the checkpoint's
+            _CHECKPOINTS[stack] = [p.detach().clone() for p in self.params]
+        self.initial = _CHECKPOINTS[stack]
         self.lr, self.grad_clip, self.weight_decay = lr, grad_clip, weight_decay
         self.reset()
 

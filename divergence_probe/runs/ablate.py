@@ -1,13 +1,16 @@
-"""ablate: rerun compare with every subset of regions aligned and attribute the mismatch to regions.
+"""ablate: rerun compare with every subset of regions aligned and of deployment factors set, and attribute the mismatch
+to them.
 
-Each model is loaded once; between runs only the region patches are toggled (they are reversible and never
-touch weights). Prompts, taps and every other option are the same in every run, so the runs differ in the
-aligned regions alone.
+Each model is loaded once; between runs the region patches and the trainer's kernel set are toggled (they are
+reversible and never touch weights). A factor that changes what is loaded (another engine configuration, the trainer
+in another precision) gets its stack loaded beside the run's own for its combinations (knobs.py). Prompts, taps and
+every other option are the same in every run, so the runs differ in the aligned regions and the factors alone.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -15,11 +18,14 @@ from pathlib import Path
 import pandas as pd
 
 from .batch_invariance import NoiseEngines
-from .compare import CompareRun, Progress, phase, run_compare
-from .engine_align import aligned_probe, engine_worker, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
+from .compare import CompareRun, run_compare
+from .manifest import build_manifest
+from .progress import Progress, phase
+from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
+from ..regions import aligned
 from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
-from ..spec import RunSpec
+from ..spec.run import RunSpec
 
 
 GAP = "captured_logits_vs_reported_logprobs_max_gap"  # the inference stack's logits check, per run
@@ -33,7 +39,8 @@ class AblationRun:
 
     @property
     def regions(self) -> tuple[str, ...]:
-        return self.spec.ablate.regions
+        """What the attribution splits the change among: the regions, then the factors (AblateSpec.players)."""
+        return self.spec.ablate.players
 
     def _named(self) -> list[tuple[str, CompareRun]]:
         return [(combo_name(c, self.regions), run) for c, run in self.runs.items()]
@@ -117,37 +124,94 @@ class AblationRun:
 
 def combo_spec(spec: RunSpec, combo) -> RunSpec:
     """The compare that one combination of an ablation runs."""
-    regions = tuple(r for r in spec.ablate.regions if r in combo)
-    replay = spec.align.routing_replay if "routing" in regions else "ids"  # only a combination with routing replays
-    return replace(spec, kind="compare", ablate=None, align=replace(spec.align, regions=regions, routing_replay=replay))
+    return spec.combination(combo)
+
+
+ENGINE_FIELDS = ("engine", "engine_args")  # LoadSpec fields a factor changes on the engine (knobs.py)
+
+
+def _engine_changed(probe, step: RunSpec) -> bool:
+    return any(getattr(step.load, f) != getattr(probe.config, f) for f in ENGINE_FIELDS)
+
+
+def _engine_settings(probe, step: RunSpec):
+    """The probe's engine settings (as its memory plan made them) with the combination's engine factors."""
+    from ..engines.protocol import freeze_engine_args
+
+    added = {k: v for k, v in step.load.engine_args.items() if probe.config.engine_args.get(k) != v}
+    return replace(probe.settings, engine=step.load.engine,
+                   engine_args=freeze_engine_args({**probe.settings.engine_kwargs(), **added}))
+
+
+def _needs_worker(probe, step: RunSpec, side: str) -> bool:
+    return _engine_changed(probe, step) or needs_engine_build(probe, step.align.regions, side)
+
+
+def _worker(probe, step: RunSpec):
+    """A started engine worker for a combination: its factors' engine settings, its engine-side regions."""
+    from ..engines.vllm.worker import WorkerStack
+    from ..regions import patched
+
+    regions = patched(step.align.regions) if step.align.side != "train" else ()
+    return WorkerStack(_engine_settings(probe, step), regions).start()
+
+
+@contextmanager
+def _configured(probe, step: RunSpec, worker):
+    """The probe a combination runs on: its trainer factors (the kernel set swapped in place, another precision
+    loaded beside) and its engine factors (an engine built in a worker), with its regions aligned."""
+    side = step.align.side
+    with ExitStack() as stack:
+        view = probe
+        if step.load != probe.config:
+            view = replace(probe, config=step.load)
+        train_changes = {f: getattr(step.load, f) for f in ("train_precision",)
+                         if getattr(step.load, f) != getattr(probe.config, f)}
+        if train_changes:  # another trainer, loaded beside the run's own for this combination
+            view = probe.with_trainer(**train_changes, train_kernels=step.load.train_kernels)
+            view = replace(view, config=step.load)
+            stack.callback(view.train.close)
+        elif step.load.train_kernels != probe.config.train_kernels:
+            stack.enter_context(probe.train.kernels_used(step.load.train_kernels))
+        if _engine_changed(probe, step):
+            worker = worker or _worker(probe, step)
+            stack.callback(worker.close)
+            worker.wait_ready()
+            view = replace(view, infer=worker, owns_infer=False, settings=_engine_settings(probe, step))
+            stack.enter_context(aligned([view.train] if side != "infer" else [], step.align.regions))
+            yield view
+            return
+        yield stack.enter_context(aligned_probe(view, step.align.regions, side, worker))
 
 
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:
-    combos = subsets(spec.ablate.regions)
+    players = spec.ablate.players
+    combos = subsets(players)
     side = spec.align.side
     runs: dict = {}
     done_before = 0
-    # A compiled engine is rebuilt per combination in a worker process; the next combinations' engines start building
-    # while this one runs: one ahead on the CPU; on a GPU none unless asked (each engine reserves its share of the GPU).
+    # A compiled engine is rebuilt per combination in a worker process (and an engine factor's engine is built there);
+    # the next combinations' engines start building while this one runs: one ahead on the CPU; on a GPU none unless
+    # asked (each engine reserves its share of the GPU).
     ahead = spec.ablate.build_ahead
     if ahead is None:
         ahead = 1 if probe.settings.device == "cpu" else 0
-    steps = [combo_spec(spec, combo) for combo in combos]
-    builds = [needs_engine_build(probe, step.align.regions, side) for step in steps]
+    steps = [spec.combination(combo) for combo in combos]
+    builds = [_needs_worker(probe, step, side) for step in steps]
     started: dict[int, object] = {}
 
     def start(i: int) -> None:
         if i < len(steps) and builds[i] and i not in started:
-            started[i] = engine_worker(probe, steps[i].align.regions)
+            started[i] = _worker(probe, steps[i])
 
     noise_engines = NoiseEngines()  # --engine-noise: one eager engine serves every combination
     try:
         for i, (combo, step) in enumerate(zip(combos, steps)):
             for j in range(i, i + 1 + ahead):
                 start(j)
-            phase(progress, f"combination {combo_name(combo, spec.ablate.regions)} ({i + 1}/{len(combos)})",
+            phase(progress, f"combination {combo_name(combo, players)} ({i + 1}/{len(combos)})",
                   offset=done_before, scale=len(combos))
-            with aligned_probe(probe, step.align.regions, side, started.pop(i, None)) as view:
+            with _configured(probe, step, started.pop(i, None)) as view:
                 runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
                                           noise_engines=noise_engines)
             done_before += len(runs[combo].prompts)
@@ -158,20 +222,20 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
     # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the
     # reduction's compile state, the largest captured-logits gap) is taken from all of them.
     manifests = [run.manifest for run in runs.values()]
-    manifest = copy.deepcopy(manifests[0])
-    manifest["compare"]["tap_reduction"] = manifests[-1]["compare"]["tap_reduction"]
-    infer = manifest["stacks"]["infer"]["settings"]
+    shipped = copy.deepcopy(manifests[0])
+    shipped.pop("align", None)
+    shipped["compare"]["tap_reduction"] = manifests[-1]["compare"]["tap_reduction"]
+    infer = shipped["stacks"]["infer"]["settings"]
     if GAP in infer:
         infer[GAP] = max(m["stacks"]["infer"]["settings"][GAP] for m in manifests)
-    manifest.pop("align", None)
-    manifest["kind"] = "ablate"
-    manifest["spec"] = spec.to_dict()
     a = spec.ablate
-    manifest["ablate"] = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric,
-                          "bootstrap": a.bootstrap, "ci_level": a.ci_level, "seed": spec.load.seed,
-                          "combos": [combo_name(c, a.regions) for c in combos]}
-    rebuilt = {combo_name(c, a.regions): run.manifest["stacks"]["infer"]["settings"].get("engine_process")
+    section = {"regions": list(a.regions), "side": spec.align.side, "metric": a.metric, "bootstrap": a.bootstrap,
+               "ci_level": a.ci_level, "seed": spec.load.seed, "combos": [combo_name(c, players) for c in combos]}
+    if a.factors:
+        section["factors"] = {label: next(run.manifest["load"] for c, run in runs.items() if c == frozenset({label}))
+                              for label in a.factors}
+    rebuilt = {combo_name(c, players): run.manifest["stacks"]["infer"]["settings"].get("engine_process")
                for c, run in runs.items()}
     if any(rebuilt.values()):  # a compiled engine built per combination: how each build ran its regions
-        manifest["ablate"]["engine_builds"] = {name: build for name, build in rebuilt.items() if build}
-    return AblationRun(spec, runs, manifest)
+        section["engine_builds"] = {name: build for name, build in rebuilt.items() if build}
+    return AblationRun(spec, runs, build_manifest("ablate", shipped, {"ablate": section}, spec=spec.to_dict()))

@@ -30,45 +30,20 @@ from ..errors import NumericsError, ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from ..models.memory_plan import Peaks, engine_report
 from ..numerics.metrics import DiffStats, token_kl
-from ..prompts import Prompt, batches, default_prompts_path, load_prompts
+from ..prompts import Prompt, batches, load_prompts
 from ..regions import from_engine
+from .manifest import build_manifest
+from .progress import Progress, phase
 from .route_capture import RouteCapture, RunRouting
+from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
-from ..spec import RunSpec
+from ..spec.run import RunSpec
 from ..engines.protocol import PromptScores, TapSink
+from ..engines.vllm.knobs import tap_meanings
 from ..numerics.noise_verdict import floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
-
-Progress = Callable[[int, int], None]  # (prompts done, prompts total)
-
-
-def phase(progress: Progress | None, name: str, *, offset: int = 0, scale: int = 1) -> None:
-    """Tell a progress display that shows phases (the CLI's: one bar per long phase, with the time left) that a new
-    one starts: the calls that follow count from `offset` and their total is `scale` times this phase's. A plain
-    (done, total) callback has no `phase` and sees the same calls as ever."""
-    start = getattr(progress, "phase", None)
-    if start is not None:
-        start(name, offset=offset, scale=scale)
-
-
-@dataclass
-class TokenScore:
-    """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
-    also belongs to a sample, and is either part of the prompt or of the sampled response."""
-
-    prompt_id: int
-    position: int
-    token_id: int
-    token: str
-    logprob_infer: float
-    logprob_train: float
-    kl: float
-    sample_id: int | None = None
-    is_response: bool | None = None
-    logprob_prefill: float | None = None  # generate mode: the engine's prefill of the whole sampled sequence
-
 
 @dataclass
 class ScoredSequence:
@@ -469,13 +444,9 @@ def source_for(spec: RunSpec) -> SequenceSource:
     return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
 
 
-def prompts_path(spec: RunSpec) -> Path:
-    return Path(spec.prompts.prompts) if spec.prompts.prompts is not None else default_prompts_path()
-
-
 def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
     """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
-    path = prompts_path(spec)
+    path = spec.prompts.path
     context = max_model_len
     if spec.generate.generates:
         if spec.generate.max_new_tokens >= context - 1:
@@ -489,10 +460,8 @@ def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path
 
 def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dict:
     """The probe's manifest plus what this run scored and captured, and the spec that re-makes it."""
-    manifest = probe.manifest()
-    manifest["kind"] = spec.kind
-    manifest["spec"] = spec.to_dict()
-    manifest["compare"] = {
+    sections = {}
+    sections["compare"] = {
         "mode": spec.generate.mode,
         "prompts": str(prompts_path),
         "prompt_files_sha256": prompts.file_sha256,  # of the bytes these prompts were read from
@@ -506,14 +475,17 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
     }
     if spec.generate.generates:
         g = spec.generate
-        manifest["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
+        sections["generate"] = {"max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
                                 "temperature": g.temperature, "top_p": g.top_p, "clip_eps": g.clip_eps,
                                 "tis_cap": g.tis_cap, "logprobs": "raw (untempered log-softmax of the logits)",
                                 "logprob_prefill": "the engine's prefill of every sampled sequence after the run loop, "
                                                    "no taps, prefix cache not read"}
     if spec.align.regions:
-        manifest["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
-    return manifest
+        sections["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
+    meanings = tap_meanings(probe.settings.engine_kwargs()) if probe.config.infer == "vllm" else {}
+    if meanings:  # a quantized engine: what its taps are, beside the trainer's tensors of the same names
+        sections["compare"]["tap_meanings"] = {tap: meanings[tap] for tap in sorted(meanings) if tap in taps}
+    return build_manifest(spec.kind, probe.manifest(), sections, spec=spec.to_dict())
 
 
 def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str]]:

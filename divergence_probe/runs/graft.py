@@ -38,6 +38,7 @@ import torch
 from ..numerics import routing
 from .capture import TapPairing
 from ..errors import ProbeError
+from ..numerics.graft_reading import FAMILIES
 from ..numerics.metrics import DiffStats, token_kl, token_logprobs
 from .route_capture import cat_routing, routing_table
 from ..taps import ALL_TAPS, Tap, TapKey, each_tap, expected_taps
@@ -51,7 +52,6 @@ SEAM_FAMILY = {
 }
 # a mixture-of-experts layer's (module docstring): the router's GEMM, and the experts on the engine's routes
 MOE_SEAM_FAMILY = {"router_logits": "router", "mlp_out": "experts"}
-FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits", "router", "experts")
 # which seams an aligned region computes (regions/): their local error is the aligned op's
 REGION_SEAMS = {"rope": ("q_rope", "k_rope"), "swiglu": ("swiglu",),
                 "rmsnorm": ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"), "lm_head": ("logits",),

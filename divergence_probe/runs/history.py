@@ -24,7 +24,8 @@ from typing import Callable
 
 import pandas as pd
 
-from .compare import Progress, phase
+from .manifest import build_manifest
+from .progress import Progress, phase
 from ..errors import ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
 from ..rollouts import RolloutBatch, RolloutError, read_rollouts
@@ -154,9 +155,9 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
         write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
         figures = draw(tmp, watching) if draw is not None else []
         verdict = watch.verdict if watch is not None else None
-        record = dict(manifest or {}) | {"kind": "history", "command": sys.argv, "history": {
+        record = build_manifest("history", manifest or {}, {"history": {
             "n_steps": len(files), "alarms": [a.row() for a in watching],
-            "steps_from": "the rows' step field" if from_field else "the file order"}}
+            "steps_from": "the rows' step field" if from_field else "the file order"}}, command=sys.argv)
         if verdict is not None:
             record["gate"] = verdict.record()
         record["files"] = {name: {"rows": _rows(tmp / name), "sha256": file_sha256(tmp / name)}

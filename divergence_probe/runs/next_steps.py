@@ -52,7 +52,7 @@ def _changed(spec, **changes):
 
 def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
     """The same model, prompts and load as a compare spec, as an ablate over `regions` (default: all)."""
-    from ..spec import AblateSpec
+    from ..spec.align import AblateSpec
 
     return _valid(lambda: replace(
         spec, kind="ablate", ablate=AblateSpec(**({"regions": regions} if regions else {})),
@@ -62,7 +62,7 @@ def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
 
 def _runs_on(spec, family) -> bool:
     """Whether the command would get past its own pre-load checks for this family (None: not known, so yes)."""
-    from ..spec import check_family
+    from ..spec.run import check_family
 
     return family is None or _valid(lambda: check_family(spec, spec.load, family) or True) is not None
 
@@ -117,7 +117,7 @@ def _regions_of(family) -> tuple[str, ...] | None:
 def _rl_step(make, why: str, family=None) -> Step | None:
     """An rl command, if its spec is valid and the family has every region of its settings (rl's own check)."""
     from ..regions import check_regions_exist
-    from ..rl.spec import parse_setting
+    from ..spec.rl import parse_setting
 
     spec = _valid(make)
     if spec is None or family is not None and _valid(
@@ -135,7 +135,7 @@ def after_ablate(spec, attribution, family=None) -> Step | None:
     helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley_change < 0)
     if not helped or not _can(family, "rl"):
         return None
-    from ..rl.spec import RLSpec
+    from ..spec.rl import RLSpec
 
     return _rl_step(lambda: RLSpec(model=spec.load.model, device=spec.load.device, setting=("none", helped),
                                    side="train"), f"whether aligning {helped} in the trainer changes training", family)
@@ -147,7 +147,8 @@ def after_score(call, load, summary: dict) -> Step | None:
     if call.infer is None:
         return Step(score_command_line(replace(call, infer="vllm"), load),
                     "split the gap into the engine's numerics and the decode path")
-    from ..spec import GenerateSpec, RunSpec
+    from ..spec.generate import GenerateSpec
+    from ..spec.run import RunSpec
 
     compare = _valid(lambda: RunSpec(load=replace(load, engine_args={}), generate=GenerateSpec(mode="generate"),
                                      capture=replace(RunSpec().capture, batch_invariance=True, taps="none")))

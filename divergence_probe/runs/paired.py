@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from .compare import TokenScore
 from ..prompts import Prompt
 from ..rollouts import RolloutBatch, RolloutError
-from .score import FAR_FACTOR, FAR_FLOOR, ScoreRun, numbered
+from .manifest import build_manifest
+from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
 
 # What manifest.json's score.trainer says of a run scored from the file's own trainer column.
 RECORDED_TRAINER = "recorded"
@@ -33,10 +33,10 @@ def paired_run(batch: RolloutBatch, clip_eps: float, tis_cap: float) -> ScoreRun
         prompts.setdefault(pid, Prompt(pid, f"{batch.path.name} row {r.row}", "", r.prompt_ids))
         tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, "", r.logprobs[j], r.train_logprobs[j], math.nan,
                                  sid, True, None) for j, tok in enumerate(r.response_ids))
-    manifest = {"kind": "score", "score": {
+    manifest = build_manifest("score", {}, {"score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
         "n_rollouts": len(batch.rollouts), "prefill": False, "temperature": None, "trainer": RECORDED_TRAINER,
         "step": batch.step, "clip_eps": clip_eps, "tis_cap": tis_cap, "far_factor": FAR_FACTOR,
         "far_floor": FAR_FLOOR, "routed_experts_recorded": sum(r.routed_experts is not None for r in batch.rollouts),
-        "logprobs": "recorded: the engine's and the trainer's, as the file holds them; kl: NaN (no logits)"}}
+        "logprobs": "recorded: the engine's and the trainer's, as the file holds them; kl: NaN (no logits)"}})
     return ScoreRun(batch, list(prompts.values()), tokens, None, manifest, clip_eps, tis_cap)

@@ -22,12 +22,15 @@ import torch
 from ..models import memory_plan
 from ..engines import torch_state
 from .. import versions
-from .compare import Progress, load_run_prompts, run_compare
+from .compare import load_run_prompts, run_compare
+from .manifest import model_section
+from .progress import Progress
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
 from ..quiet import libraries_quieted
-from ..spec import LoadSpec, RunSpec, check_family, flat_fields, spec_from_flat
+from ..spec.load import LoadSpec
+from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
 from ..engines import Stack, StackSettings, get_stack
 from ..engines.protocol import freeze_engine_args
 from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for
@@ -94,7 +97,7 @@ class Probe:
     def with_trainer(self, **changes) -> "Probe":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
         the engine is not reloaded, so two training configurations are compared against the very same engine."""
-        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp"}
+        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp", "train_precision", "train_kernels"}
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)
@@ -107,13 +110,7 @@ class Probe:
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
         return {
-            "model": {
-                "spec": self.source.spec,
-                "path": str(self.source.path),
-                "arch": self.source.arch,
-                "num_layers": self.source.num_layers,
-                "config_sha256": self.source.config_sha256,
-            },
+            "model": model_section(self.source),
             "load": {
                 "infer": self.config.infer,
                 "train": self.config.train,
@@ -124,6 +121,7 @@ class Probe:
                 "train_sdpa": self.config.train_sdpa,
                 "train_state": self.config.train_state,
                 "train_precision": self.config.train_precision,
+                "train_kernels": self.config.train_kernels,
                 "train_tp": self.config.train_tp,
                 "engine": self.config.engine,
                 "engine_args": self.config.engine_args,
@@ -164,6 +162,7 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
         train_sdpa=cfg.train_sdpa,
         train_state=cfg.train_state,
         train_precision=cfg.train_precision,
+        train_kernels=cfg.train_kernels,
         train_tp=cfg.train_tp,
         engine_taps=engine_taps,
     )
@@ -229,7 +228,7 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
         infer = get_stack(cfg.infer)
     try:
         with _memory_errors(plan, "starting the inference stack"):
-            infer.load(replace(settings, train_precision="bf16", train_tp=1))  # the training side's only
+            infer.load(replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1))  # the training side's only
     except BaseException:
         train.close()
         raise

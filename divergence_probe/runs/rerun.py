@@ -5,13 +5,14 @@ choose among the tool's own options, but `engine_args` go to `vllm.LLM` as given
 arguments load or run code: `trust_remote_code` with a model folder whose config has an `auto_map`, a worker or
 scheduler class, a plugin, a model loader, hf_overrides, a tokenizer or download path elsewhere, a compile backend
 or inductor pass named by its Python path. So rerun replays, without asking, only the engine args that set
-numerics, scheduling or compilation and take plain values (numbers, booleans, mode names): REPLAYED below, read
-from vLLM's EngineArgs. Anything else needs `--allow-engine-arg NAME` from the person running rerun.
+numerics, scheduling or compilation and take plain values (numbers, booleans, mode names): the vLLM engine's list
+(engines/vllm/replayable.py). Anything else needs `--allow-engine-arg NAME` from the person running rerun.
 
     check_replayable(spec, allowed=())   # ProbeError naming the first engine arg that needs asking
     command_line(spec)                   # ["divergence-probe", "compare", "--model", ...]
     recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
     recorded_rl(manifest, where)         # an rl run's RLSpec: its engine args, reward and prompt files checked
+    RecordedRun(manifest, run_dir, where)  # a compare or ablate run's spec, and its prompt and model checks
 
 A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
 An rl run's reward plug-in (`--reward module:function`) is code to import, so rerun replays the built-in rewards
@@ -21,76 +22,19 @@ alone.
 from __future__ import annotations
 
 import json
-import re
 import shlex
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
+from ..engines.vllm.replayable import refused_engine_args
 from ..errors import ProbeError, printable
-from ..spec import COMPONENTS, LoadSpec, RunSpec, flag_of, flat_fields, recorded
+from ..spec.run import COMPONENTS, RunSpec, flat_fields
+from ..spec.load import LoadSpec
+from ..spec.fields import flag_of
+from ..spec.from_manifest import recorded
 
 ALLOW_FLAG = "--allow-engine-arg"
-
-# vllm.LLM / EngineArgs keywords that change how the engine schedules, caches or compiles the same model, and that
-# take plain values only. Read from vllm/engine/arg_utils.py EngineArgs (0.32); the ones divergence-probe sets
-# itself (dtype, seed, max_model_len, enforce_eager, ...) are refused by stacks.vllm.stack.check_engine_args anyway.
-REPLAYED = frozenset({
-    "compilation_config",  # its keys are checked too: COMPILATION_REPLAYED
-    "max_num_seqs", "max_num_scheduled_tokens", "block_size", "enable_prefix_caching", "prefix_caching_hash_algo",
-    "enable_chunked_prefill", "long_prefill_token_threshold", "gpu_memory_utilization", "kv_cache_memory_bytes",
-    "num_gpu_blocks_override", "kv_cache_dtype", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
-    "disable_cascade_attn", "disable_sliding_window", "attention_backend", "async_scheduling", "scheduling_policy",
-    "max_logprobs", "logprobs_mode", "disable_log_stats", "optimization_level", "performance_mode",
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_flashinfer_autotune",
-})
-# CompilationConfig fields that choose modes and sizes. Not: backend other than inductor/eager (a Python path
-# to import), inductor_passes (Python paths), inductor_compile_config (inductor options include the C++ compiler
-# to run), cache_dir and debug_dump_path (paths outside the run: a cache holds compiled code that is loaded),
-# splitting_ops.
-COMPILATION_REPLAYED = frozenset({
-    "mode", "cudagraph_mode", "custom_ops", "compile_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
-    "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "use_inductor_graph_partition", "pass_config",
-    "dynamic_shapes_config", "compile_ranges_endpoints", "backend",
-})
-_BACKENDS = ("", "inductor", "eager")
-_NAME = re.compile(r"[A-Za-z0-9_+\-]*")  # a mode or op name; no path, no module.attribute, no URL
-
-
-def _plain(value, depth: int = 0) -> bool:
-    """A number, a boolean, null, a name, or a list (or, one level down, an object) of those."""
-    if value is None or isinstance(value, (bool, int, float)):
-        return True
-    if isinstance(value, str):
-        return _NAME.fullmatch(value) is not None
-    if isinstance(value, list):
-        return depth < 2 and all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return depth < 1 and all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def refused_engine_args(engine_args: dict, allowed: Iterable[str] = ()) -> list[str]:
-    """The engine args (dotted for a compilation_config key) that rerun does not replay without asking."""
-    allowed = set(allowed)
-    refused = []
-    for key, value in engine_args.items():
-        if key in allowed:
-            continue
-        if key not in REPLAYED:
-            refused.append(key)
-        elif key == "compilation_config" and isinstance(value, dict):
-            for sub, sub_value in value.items():
-                name = f"{key}.{sub}"
-                if name in allowed:
-                    continue
-                if sub not in COMPILATION_REPLAYED or not _plain(sub_value) \
-                        or (sub == "backend" and sub_value not in _BACKENDS):
-                    refused.append(name)
-        elif not _plain(value) or (key == "compilation_config" and not isinstance(value, int)):
-            refused.append(key)
-    return refused
-
 
 def check_replayable(spec: RunSpec, allowed: Iterable[str], where: str) -> None:
     """ProbeError, one line naming the manifest field and the flag that allows it, for the first engine arg of
@@ -157,7 +101,7 @@ def recorded_score(manifest: dict, where: str):
     rollout file it names must be a regular file (a pipe or a device is refused in one line) with the recorded
     sha256, and score_spec checks the bytes it reads against it again (a file swapped in between is caught)."""
     from ..rundir import file_sha256
-    from .score import ScoreSpec
+    from ..spec.score import ScoreSpec
 
     section = manifest.get("score")
     if not isinstance(section, dict) or "spec" not in section or "load_spec" not in section:
@@ -190,7 +134,7 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
     from ..rl.reward import BUILT_IN
-    from ..rl.spec import RLSpec
+    from ..spec.rl import RLSpec
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
@@ -215,6 +159,84 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
             raise ProbeError(f"the prompt files under {path} changed since the run was made (their sha256 are not "
                              f"those {where} records); restore them")
     return spec
+
+
+def recorded_rl_run(run_dir: Path, where: str, allowed: Iterable[str] = ()):
+    """(manifest, RLSpec) of an rl run folder: a finished, unchanged run (its rows match the manifest's sha256) whose
+    recorded spec passes recorded_rl's checks."""
+    from ..reports.rl import read_rows
+    from ..rundir import read_manifest
+
+    read_rows(run_dir)  # refuses a run that did not finish and a changed rl.csv
+    manifest = read_manifest(run_dir)
+    if manifest.get("kind") != "rl":
+        raise ProbeError(f"{where} is not an rl run's manifest (kind {manifest.get('kind')!r}) although the "
+                         "folder holds rl.csv; pass the --out folder of an rl run")
+    return manifest, recorded_rl(manifest, where, allowed)
+
+
+def same_model(manifest: dict, source, run_dir: Path, command: str) -> None:
+    """rerun re-makes a run only on the checkpoint it was made with: the model's config.json has the recorded
+    sha256."""
+    model = manifest.get("model")
+    want = model.get("config_sha256") if isinstance(model, dict) else None
+    if not isinstance(want, str):
+        raise ProbeError(f"{run_dir}/manifest.json lacks the model hash a rerun checks; re-run its `command` instead")
+    have = source.config_sha256
+    if want != have:
+        raise ProbeError(f"the model's config.json changed since {run_dir} was made (sha256 {have[:12]}… "
+                         f"vs {want[:12]}…); point --model of a new {command} at the original checkpoint")
+
+
+@dataclass
+class RecordedRun:
+    """A compare or ablate run folder to run again: the spec its manifest recorded, and the checks that the prompt
+    files and the model are the ones the run read (before the model loads, and on the bytes the run read)."""
+
+    manifest: dict
+    run_dir: Path
+    where: str
+    spec: RunSpec | None = None
+
+    def read_spec(self, report: bool, allowed: Iterable[str]) -> RunSpec:
+        """The recorded RunSpec (with `report`), every field checked as its flag is and its engine args as
+        check_replayable checks them."""
+        if "spec" not in self.manifest:
+            raise ProbeError(f"{self.run_dir} was written before runs recorded their spec; re-run its `command` "
+                             "from manifest.json instead")
+        try:
+            spec = replace(RunSpec.from_dict(self.manifest["spec"]), report=report)
+        except ProbeError as e:
+            raise ProbeError(f"{self.where}: {e}") from None
+        check_replayable(spec, allowed, self.where)
+        prompts = spec.prompts.path
+        if prompts.exists() and not (prompts.is_dir() or prompts.is_file()):
+            raise ProbeError(f"{self.where}: spec.prompts.prompts {prompts} is not a file or folder (a pipe or device "
+                             "would block or never end); point it at the prompt files the run used")
+        self.spec = spec
+        return spec
+
+    def check(self, source) -> None:
+        """Before anything loads (fails in seconds): the prompt files this rerun reads, found as the run found
+        them, and the model's config have the recorded sha256."""
+        from ..prompts import file_hashes
+
+        self._same_prompts(file_hashes(self.spec.prompts.path))
+        same_model(self.manifest, source, self.run_dir, "compare")
+
+    def check_run(self, made: dict) -> None:
+        """The hashes of the bytes the run read: a file swapped since `check` is caught."""
+        self._same_prompts(made["compare"]["prompt_files_sha256"])
+
+    def _same_prompts(self, hashes: dict) -> None:
+        compared = self.manifest.get("compare")
+        recorded_prompts = compared.get("prompt_files_sha256") if isinstance(compared, dict) else None
+        if not isinstance(recorded_prompts, dict):
+            raise ProbeError(f"{self.run_dir}/manifest.json lacks the model or prompt hashes a rerun checks; re-run "
+                             "its `command` instead")
+        if hashes != recorded_prompts:
+            raise ProbeError(f"the prompt files under {self.spec.prompts.path} changed since {self.run_dir} was "
+                             "made; restore them")
 
 
 def describe_rl(spec, out_dir) -> list[str]:
@@ -268,6 +290,5 @@ def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
     return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
 
 
-__all__ = ["ALLOW_FLAG", "REPLAYED", "COMPILATION_REPLAYED", "check_replayable", "command_line", "describe",
-           "describe_rl", "describe_score", "recorded_rl", "recorded_score", "refused_engine_args", "rl_command_line",
-           "score_command_line"]
+__all__ = ["ALLOW_FLAG", "check_replayable", "command_line", "describe", "describe_rl", "describe_score", "recorded_rl",
+           "recorded_score", "rl_command_line", "score_command_line"]

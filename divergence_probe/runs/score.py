@@ -21,165 +21,18 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import torch
 
-from .compare import Progress, TokenScore, phase
+from .manifest import build_manifest, model_section
+from .progress import Progress, phase
+from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
 from ..errors import NumericsError, ProbeError, one_line
-from ..options import check_finite, option
 from ..numerics.metrics import token_kl, token_logprobs
 from ..prompts import Prompt, batches
-from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
-from ..rollouts import FORMATS, RolloutBatch, RolloutError, read_rollouts
-from ..rollouts.adapters import parse_fields
-from ..spec import GenerateSpec, LoadSpec
-from ..numerics.tables import summary_row, tokens_frame
-from ..rollouts.causes import CAUSES
-
-# The recorded logprobs are "far" when their mean |Δ| to the trainer is this many times the engine's own gap to the
-# trainer on the same sequences (prefill, --infer vllm): numerics differences between two correct stacks are that
-# gap's size, so ten times it is something else. Without a prefill, at least FAR_FLOOR nats per token: numerics
-# alone move a BF16 logprob by a small fraction of that.
-FAR_FACTOR = 10.0
-FAR_FLOOR = 0.1
-# "wrong tokens": tokens the model gives less than this probability (trainer, and engine prefill when measured)
-# while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
-UNLIKELY_LOGPROB = math.log(1e-4)
-WRONG_TOKEN_SHARE = 0.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreSpec:
-    """What score reads and how it scores it, beside the LoadSpec of its trainer: the manifest records both
-    (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
-
-    rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
-                           flag="ROLLOUTS")
-    fmt: str = option("auto", flag="--format")
-    fields: str | None = option(None)
-    infer: str | None = option(None)
-    temperature: float | None = option(None)
-    clip_eps: float = option(GenerateSpec.clip_eps)
-    tis_cap: float = option(GenerateSpec.tis_cap)
-
-    def __post_init__(self) -> None:
-        check_finite(self)
-        if self.infer not in (None, "vllm"):
-            raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
-                             "leave it out")
-        if self.fmt not in FORMATS:
-            raise ProbeError(f"--format {self.fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-        parse_fields(self.fields)
-        if self.temperature is not None and not self.temperature > 0:
-            raise ProbeError(f"--temperature {self.temperature} must be > 0: it is the sampling temperature to test "
-                             "against")
-        GenerateSpec(clip_eps=self.clip_eps, tis_cap=self.tis_cap)  # their checks
-
-
-@dataclass
-class ScoreRun:
-    """The scored rollouts; `write` puts them on disk as generate mode's files."""
-
-    batch: RolloutBatch
-    prompts: list[Prompt]
-    tokens: list[TokenScore]  # logprob_prefill: the engine's prefill logprob (--infer vllm), else None
-    tempered: list[float] | None  # the trainer's logprob at --temperature, in `tokens` order
-    manifest: dict
-    clip_eps: float
-    tis_cap: float
-    temperature: float | None = None
-
-    @property
-    def responses_table(self) -> pd.DataFrame:
-        df = tokens_frame(self.tokens, sampled=True)
-        df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
-        return df
-
-    @property
-    def tokens_table(self) -> pd.DataFrame:
-        """tokens.csv: generate mode's response rows, `logprob_rollout` (from the file) for `logprob_infer`."""
-        return tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
-
-    @property
-    def summary(self) -> dict:
-        row = summary_row(self.tokens, {}, 0.0)
-        for name in ("first_inexact", "first_over_threshold"):  # no taps: nothing to localise
-            row.pop(name)
-        responses = self.responses_table
-        row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
-                             self.clip_eps, self.tis_cap)
-        row |= sequence_metrics(responses, self.clip_eps)
-        return row | self.diagnosis()
-
-    def diagnosis(self) -> dict:
-        """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
-        the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
-        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
-        rec = np.array([t.logprob_infer for t in self.tokens])
-        train = np.array([t.logprob_train for t in self.tokens])
-        gap = np.abs(rec - train)
-        out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
-        bound = FAR_FLOOR
-        unlikely = train < UNLIKELY_LOGPROB
-        if self.tokens and self.tokens[0].logprob_prefill is not None:
-            prefill = np.array([t.logprob_prefill for t in self.tokens])
-            out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
-            out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
-            # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
-            split = ratio_split({"train": train, "prefill": prefill, "recorded": rec})
-            # their mean |log| are prefill_vs_train and rollout_vs_prefill above: not written twice
-            out |= {k: v for k, v in split.items() if not k.endswith("_mean_abs_dlogp")}
-            bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
-            unlikely &= prefill < UNLIKELY_LOGPROB
-            far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound
-        else:
-            far = gap.mean() > bound
-        out["far_bound"] = bound
-        out["recorded_far"] = bool(far)
-        wrong_share = float(gap[unlikely & (rec > train)].sum() / gap.sum()) if gap.sum() else 0.0
-        out["wrong_token_share"] = wrong_share
-        cause = ""
-        if self.tempered is not None:
-            out["tempered_mean_abs_dlogp"] = tempered = float(np.abs(rec - np.array(self.tempered)).mean())
-        if far:
-            if self.tempered is not None and tempered * FAR_FACTOR < gap.mean():
-                cause = "temperature"
-            elif wrong_share > WRONG_TOKEN_SHARE:
-                cause = "wrong_tokens"
-            else:
-                cause = "stale_weights"
-        out["likely_cause"] = cause
-        return out
-
-    @property
-    def buckets_table(self) -> pd.DataFrame:
-        return bucket_table(self.responses_table, self.clip_eps, self.tis_cap)
-
-    def files(self) -> dict[str, pd.DataFrame]:
-        return {"tokens.csv": self.tokens_table, "summary.csv": pd.DataFrame([self.summary]),
-                "buckets.csv": self.buckets_table}
-
-    def write(self, out_dir: str | Path) -> Path:
-        from ..rundir import write_run
-
-        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
-
-
-
-
-def numbered(batch: RolloutBatch) -> list[tuple[int, int]]:
-    """(prompt_id, sample_id) per rollout: prompts numbered by their group's first row, samples by order in it."""
-    groups: dict = {}
-    seen: dict[int, int] = {}
-    ids = []
-    for r in batch.rollouts:
-        key = ("row", r.row) if r.group is None else ("group", repr(r.group))
-        pid = groups.setdefault(key, len(groups))
-        ids.append((pid, seen.get(pid, 0)))
-        seen[pid] = seen.get(pid, 0) + 1
-    return ids
-
+from ..rollouts import RolloutBatch, RolloutError, read_rollouts
+from ..spec.generate import GenerateSpec
+from ..spec.load import LoadSpec
+from ..spec.score import ScoreSpec
 
 def check_fits(batch: RolloutBatch, tokenizer, vocab_size: int, max_model_len: int, engine: bool = False) -> None:
     """Every id is one of the model's tokens and decodes; every sequence fits the context, and with the `engine`'s
@@ -291,12 +144,12 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
             raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
         finished += done
     prompts = _prompts(batch, ids, scorer.tokenizer)
-    manifest = dict(scorer.manifest) | {"kind": "score", "score": {
+    manifest = build_manifest("score", scorer.manifest, {"score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
         "n_rollouts": len(batch.rollouts), "prefill": scorer.infer is not None, "temperature": temperature,
         "clip_eps": g.clip_eps, "tis_cap": g.tis_cap, "far_factor": FAR_FACTOR, "far_floor": FAR_FLOOR,
         "routed_experts_recorded": sum(r.routed_experts is not None for r in batch.rollouts),
-        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}}
+        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}})
     if scorer.infer is None:
         manifest.get("load", {}).pop("infer", None)
         manifest.get("stacks", {}).pop("infer", None)
@@ -342,8 +195,7 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
         check(source, tokenizer)
     train = trainer_stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
     train.load(train_settings(spec, settings))
-    manifest = {"model": {"spec": source.spec, "path": str(source.path), "arch": source.arch,
-                          "num_layers": source.num_layers, "config_sha256": source.config_sha256},
+    manifest = {"model": model_section(source),
                 "load": {k: getattr(spec, k) for k in ("train", "dtype", "train_attn", "train_sdpa", "train_state",
                                                        "train_device", "train_tp", "seed")} | {"device": settings.device,
                                                                    "max_model_len": settings.max_model_len},

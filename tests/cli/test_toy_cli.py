@@ -36,6 +36,7 @@ def toy_args(toy, qwen3_tiny, prompts_file):
     return ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts_file]
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_compare_with_a_toy_stack(toy_args, tmp_path):
     cli("compare", *toy_args, "--out", tmp_path / "run")
     summary = pd.read_csv(tmp_path / "run" / "summary.csv")
@@ -45,6 +46,7 @@ def test_compare_with_a_toy_stack(toy_args, tmp_path):
     assert summary.first_inexact[0] == "input_norm@0"  # the first tap after the first layer that rounds
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_ablate_with_a_toy_region_removes_the_mismatch(toy_args, tmp_path):
     result = cli("ablate", *toy_args, "--regions", "toy-align", "--side", "train", "--bootstrap", "20",
                  "--out", tmp_path / "a")
@@ -74,6 +76,7 @@ def test_a_compare_without_taps_shows_no_tap_rows_and_words_its_noise_verdict(to
     assert record["verdict"] == "above_floor" and record["ratio"] is None and record["ci"] == [None, None]
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 @pytest.mark.parametrize("kind, extra", [
     ("compare", ["--taps", "all", "--batch-invariance"]),
     ("compare", ["--mode", "generate", "--max-new-tokens", "5", "--samples-per-prompt", "2", "--temperature", "0.7"]),
@@ -127,6 +130,7 @@ def test_probe_methods_refuse_load_settings(toy, qwen3_tiny, prompts_file):
     assert probe.compare(prompts=prompts_file, taps="none").summary["mean_abs_dlogp"] > 0  # its engine still open
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_a_generate_run_exports_rollouts_that_score_reads_back(toy_args, qwen3_tiny, tmp_path):
     """rollouts.jsonl of a generate run, in a framework's layout (--rollouts-format), is a rollout file `score` takes
     as it is (auto-detected as that layout): the scored tokens are the run's sampled ones, with the run's decode

@@ -22,8 +22,8 @@ from toy_stack import ToyStack
 
 PACKAGE = Path(__file__).resolve().parents[2] / "divergence_probe"
 MAX_HASATTR = 5  # library version checks (torch, vLLM); never a stack's members
-# rl's weight push, which moves into the vLLM engine, probes vLLM's modules there
-HASATTR_ELSEWHERE = {"rl/sync.py"}
+# the weight push probes vLLM's modules (which hold a quantized or CPU copy of a weight): no stack's members
+HASATTR_ELSEWHERE = {"engines/vllm/weights.py"}
 ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
 
 

@@ -54,7 +54,8 @@ def nothing_written(out_dir) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- the arithmetic
-@pytest.mark.parametrize("which", ["hf_probe", pytest.param("vllm_probe", marks=pytest.mark.engine)])
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
+@pytest.mark.parametrize("which", ["hf_probe", "vllm_probe"])
 def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file):
     """The plan's infer_taps, infer_logits and train_taps against an independent count: the bytes of every tensor the
     stacks hand to a counting sink, for the largest inference batch and the longest training sequence."""
@@ -323,7 +324,7 @@ def _stats(keys, taps, chunk, stacked=False):
     return pairing.stats
 
 
-@pytest.mark.parametrize("path", ["compiled", "eager"])
+@pytest.mark.parametrize("path", [pytest.param("compiled", marks=pytest.mark.engine), "eager"])  # compiled: torch.compile
 @pytest.mark.parametrize("stacked", [False, True])
 def test_the_chunked_reduction_is_bitwise_the_unchunked_one(path, stacked, monkeypatch):
     if path == "eager":
@@ -348,6 +349,7 @@ def test_the_parts_of_a_chunked_plan_keep_the_row_order_and_at_least_two_pairs_a
 
 
 # ------------------------------------------------------------------------------------------- the benchmark
+@pytest.mark.engine  # the benchmark in a child process runs the tool
 def test_the_memory_benchmark_runs_at_a_tiny_size(tmp_path):
     out = tmp_path / "memory_plan.json"
     done = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--presets", "tiny:2", "--infer", "hf",

@@ -123,7 +123,8 @@ _REDUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("reduce", list(_REDUCTIONS))
+@pytest.mark.parametrize("reduce", [pytest.param(name, marks=[pytest.mark.engine] if "compiled" in name else [])
+                                    for name in _REDUCTIONS])  # compiled: torch.compile
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_diff_sums_within_documented_error_of_float64(reduce, dtype):
     """Counts and maxima exact; sums within metrics._row_sums' bound (4e-6 relative for 16-bit taps, whose block
@@ -173,6 +174,7 @@ def test_dot_from_three_sums_is_accurate_for_nearly_equal_tensors():
     assert 1 - DiffStats.of(test, ref).cosine == pytest.approx(exact, rel=1e-6)
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
     """Inductor's deterministic mode: kernel configs are not chosen by timing, so sums repeat across runs."""
     from divergence_probe.numerics import fused
@@ -185,6 +187,7 @@ def test_reduction_is_compiled_without_per_process_kernel_timing(monkeypatch):
     assert fused.backend() == "torch.compile (inductor, deterministic)"
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
     """Past fused.PATTERN_LIMIT compiled graphs a new pattern of groups is reduced eagerly, and the manifest's
     backend says so (torch alone would switch to eager silently)."""
@@ -205,6 +208,7 @@ def test_reduction_patterns_past_the_limit_run_eagerly_and_say_so(monkeypatch):
 
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_reduction_compiles_once_when_a_token_count_equals_a_feature_width(monkeypatch):
     """A prompt whose token count happens to equal a tap's width must not pin the two together in the compiled
     graph: the next prompt would compile it again (with one pattern allowed, it would run eagerly and say so)."""
@@ -295,6 +299,7 @@ def test_token_kl_at_full_vocabulary_with_large_logits_equals_an_extended_precis
     assert (np.abs(got - want) <= _kl_bound(p, q)).all(), (got - want) / _kl_bound(p, q)
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_gpu_layout_reduces_a_strided_hand_over_as_its_contiguous_copy():
     """A compiled engine hands a prompt's taps over as rows of larger buffers ([taps, tokens, features], the other
     prompts' rows between its taps). The GPU's layout of the reduction, compiled as numerics/fused.py compiles it (run here on

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 
+pytestmark = pytest.mark.engine  # every test here compares two runs, each compiling the tap reduction
+
 
 def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args], terminal_width=400)

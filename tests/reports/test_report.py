@@ -676,6 +676,7 @@ def test_report_cli_errors_are_one_line_exit_2(args, message, tmp_path, monkeypa
     assert result.exit_code == 2 and message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_compare_and_ablate_report_flag(qwen3_tiny, prompts_file, tmp_path):
     """transformers on both sides (no vLLM): an all-zero run, rendered right after it is written."""
     common = ["--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--infer", "hf", "--device", "cpu"]
@@ -816,6 +817,7 @@ def test_a_dense_run_has_no_routing_section(kind, rendered):
     assert "## Routing" not in main.read_text() and not (main.parent / "figures" / "routing.png").exists()
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_a_fresh_tiny_moe_run_has_a_routing_row_per_moe_layer(qwen3_moe_tiny, tmp_path):
     """transformers on both sides agree bitwise, so nothing flips: the section a run of today's tool gets."""
     import divergence_probe as dp

@@ -1,4 +1,4 @@
-"""divergence-probe rl: the task, GRPO's loss, the weight-sync mapping, and a few-step loop end to end (CLI and API)."""
+"""divergence-probe rl: the task, GRPO's loss, and a few-step loop end to end (CLI and API)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rl.grpo import group_advantages, policy_loss
 from divergence_probe.rl.reward import RewardError, closes_brackets, load_reward
-from divergence_probe.models import get_family
-from divergence_probe.rl.sync import SyncError, differing, digests, expected_tensors, fingerprints, same_values
 from test_compare_cli import assert_one_line_error
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
@@ -51,7 +49,7 @@ def test_reward_plugin(tmp_path, monkeypatch):
 def test_summary_start_and_end_never_share_a_step(steps, width):
     """A reward that falls every step reads as a fall in rl_summary.csv at any length: the start and the end average
     disjoint steps, named in the printed table."""
-    from divergence_probe.rl.table import summarize, window_label
+    from divergence_probe.numerics.rl_summary import summarize, window_label
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
@@ -67,8 +65,9 @@ def test_summary_start_and_end_never_share_a_step(steps, width):
 def _rl_folder(path, steps: int, seeds: int, fall: bool):
     """An rl run folder written by the rl command's own writer: a reward that falls (or rises) every step, a mismatch
     that grows, one row per (seed, step), the manifest the rl command records (its spec)."""
-    from divergence_probe.rl.spec import RLSpec
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "none", "seed": seed, "step": s, "reward_mean": (1 - s / steps if fall else s / steps) / (seed + 1),
@@ -130,59 +129,6 @@ def test_tis_caps_and_mis_masks_the_mismatch_weight():
     assert tis["correction_weight_mean"] == pytest.approx((2.0 + 1.0) / 2)
 
 
-def test_expected_tensors_stack_like_vllms_loader():
-    t = {f"model.layers.0.self_attn.{p}_proj.weight": torch.full((2, 3), float(i)) for i, p in enumerate("qkv")}
-    t["model.embed_tokens.weight"] = torch.randn(5, 3)
-    engine = ["model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
-    head = get_family("qwen2").tied_head
-    want = expected_tensors(t, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied_head=head)
-    qkv = want["model.layers.0.self_attn.qkv_proj.weight"]  # the sources in vLLM's stacking order, not a copy
-    assert [name for name, _ in qkv] == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
-    assert all(part is t[name] for name, part in qkv)
-    [(name, head_weight)] = want["lm_head.weight"]
-    assert name == "model.embed_tokens.weight" and head_weight is t[name]
-    with pytest.raises(SyncError, match="model.extra.weight"):
-        expected_tensors({**t, "model.extra.weight": torch.ones(1)}, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
-                         tied_head=head)
-
-
-def test_the_on_device_comparison_matches_equal_values_across_dtypes_and_tells_one_ulp():
-    w = torch.randn(4, 3).bfloat16()
-    bumped = w.clone()
-    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
-    for engine in (w.clone(), w.float()):  # same dtype, and an engine that keeps it in FP32
-        assert bool(same_values(engine, w)) and not bool(same_values(engine, bumped))
-    assert fingerprints([w])[0] != fingerprints([bumped])[0]
-
-
-def test_the_batched_comparison_finds_exactly_the_differing_pairs():
-    """`differing` flags one ULP anywhere, a subnormal one included, in any chunk; +0 vs -0 and inf vs inf are equal
-    (element-wise ==, which its fast path of difference norms must not overrule); NaN is never equal."""
-    g = torch.Generator().manual_seed(0)
-    have = [torch.randn(n, 5, generator=g).bfloat16() for n in (1, 7, 300, 2, 40)]
-    want = [t.clone() for t in have]
-    assert differing(have, want) == [] and differing(have, want, chunk_bytes=1) == []
-    want[2].view(torch.int16)[123, 4] += 1  # one unit in the last place
-    tiny = torch.tensor([1e-39, 0.0]).bfloat16()  # a subnormal BF16 against zero
-    have += [tiny, torch.tensor([0.0, float("inf")]).bfloat16(), torch.tensor([float("nan")]).bfloat16()]
-    want += [torch.zeros(2).bfloat16(), torch.tensor([-0.0, float("inf")]).bfloat16(),
-             torch.tensor([float("nan")]).bfloat16()]
-    assert tiny[0] != 0
-    for chunk in (1, 64, 1 << 28):
-        assert differing(have, want, chunk_bytes=chunk) == [2, 5, 7]
-
-
-def test_digests_match_equal_values_across_dtypes_and_tell_one_ulp():
-    w = torch.randn(4, 3).bfloat16()
-    bumped = w.clone()
-    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
-    for engine in (w.clone(), w.float()):  # same dtype (raw bytes), and an engine that keeps it in FP32
-        have, need = digests(engine, w)
-        assert have == need
-        have, need = digests(engine, bumped)
-        assert have != need
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--group-size", "1"], "--group-size"),
     (["--align", "nope"], "unknown region"),
@@ -204,7 +150,7 @@ def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
 def test_every_rl_option_is_a_flag():
     from dataclasses import fields
 
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
     from divergence_probe.spec import flag_of
 
     result = CliRunner().invoke(app, ["rl", "--help"], terminal_width=400)
@@ -351,7 +297,7 @@ def test_rl_report_shows_the_setup_and_refuses_a_changed_rl_csv(rl_process, tmp_
 ])
 def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
     from divergence_probe.errors import ProbeError
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     with pytest.raises(ProbeError, match=message):
         RLSpec(**options)
@@ -359,22 +305,9 @@ def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
 
 def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
     """Nothing of these is patched into the engine: the trainer alone is aligned, routes are replayed in the trainer."""
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     assert RLSpec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).engine == "compiled"
     assert RLSpec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")
     # lm_head is patched outside the compiled graph (the logits processor runs as Python): side both takes it
     assert RLSpec(engine="compiled", side="both", setting=("none", "lm_head")).settings == ("none", "lm_head")
-
-
-def test_moved_storage_names_a_parameter_given_new_storage():
-    """What a captured CUDA graph would miss: a tensor replaced rather than copied into."""
-    from divergence_probe.rl.sync import moved_storage, storage
-
-    layer = torch.nn.Linear(4, 4)
-    before = storage(layer)
-    with torch.no_grad():
-        layer.weight.copy_(torch.ones(4, 4))  # in place, as vLLM's reload copies
-    assert moved_storage(before, layer) == []
-    layer.bias.data = torch.zeros(4)
-    assert moved_storage(before, layer) == ["bias"]

@@ -137,6 +137,7 @@ def test_aligning_every_region_lowers_the_mismatch_on_the_built_in_model(cli_pro
     assert ablation.loc["rope+swiglu+rmsnorm", "mean_kl"] < ablation.loc["none", "mean_kl"]
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_ablate_cli_writes_its_tables(qwen3_tiny, prompts_file, tmp_path):
     out_dir = tmp_path / "ab"
     result = CliRunner().invoke(app, ["ablate", "--model", str(qwen3_tiny), "--prompts", str(prompts_file),

@@ -29,6 +29,7 @@ def _taps(seed: int, tokens: int):
     return out
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_pairing_equals_diffstats_of_each_tap_merged_over_prompts():
     pairing = TapPairing(KEYS)
     prompts = {0: _taps(0, tokens=7), 1: _taps(1, tokens=12)}
@@ -72,6 +73,7 @@ def test_vllm_step_taps_nothing_overwrites_are_kept_without_a_copy():
     assert emitted[0].untyped_storage().data_ptr() == live.untyped_storage().data_ptr()  # a view, no copy
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_stacked_hand_overs_equal_the_same_taps_handed_over_one_by_one():
     """A compiled engine hands a prompt's taps of one width as one [taps, tokens, features] tensor: the statistics
     must be those of the same pairs handed over singly, per tap (the stack's order is its keys' order, not the
@@ -138,6 +140,7 @@ def test_vllm_stacked_step_taps_are_views_of_the_step_per_prompt():
         assert x.data_ptr() == live[0, start].data_ptr() and torch.equal(x, live[:, start : start + length])
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_a_strided_stacked_hand_over_reduces_as_its_contiguous_copy():
     """A prompt's rows of a step's buffer (a view with the other prompts' rows between its taps) give the statistics of
     the same taps copied out, bit for bit, over prompts at several offsets."""
@@ -212,6 +215,7 @@ def test_mismatched_partner_is_an_error_naming_the_tap(bad, message):
         pairing.finish_prompt(0)
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_mismatch_in_a_later_prompt_is_caught_under_a_planned_order():
     """The second prompt reuses the first one's plan; its own mismatch must still be caught and named."""
     pairing = TapPairing(KEYS)
@@ -225,6 +229,7 @@ def test_mismatch_in_a_later_prompt_is_caught_under_a_planned_order():
         pairing.finish_prompt(1)
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_prompts_whose_taps_group_otherwise_are_reduced_by_their_own_grouping():
     """Two taps of one shape in the first prompt (one stack) but not in the second: the second prompt gets its own
     grouping, and every tap's statistics still equal its own DiffStats."""

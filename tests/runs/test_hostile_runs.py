@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import divergence_probe
 from divergence_probe.cli import app
-from divergence_probe.runs.rerun import refused_engine_args
+from divergence_probe.engines.vllm.replayable import refused_engine_args
 from divergence_probe.rundir import MARK, marked
 
 from test_report import make_compare
@@ -187,7 +187,8 @@ def test_training_side_never_runs_a_model_folders_code(run, qwen3_tiny, tmp_path
 # ---------------------------------------------------------------------------------------------- 2. no data loss
 def make_rl(path: Path) -> Path:
     """An rl run folder written by the rl command's own writer (rl/table.py)."""
-    from divergence_probe.rl.table import rl_folder, summarize
+    from divergence_probe.numerics.rl_summary import summarize
+    from divergence_probe.rl.table import rl_folder
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "plain", "seed": 0, "step": step, "reward_mean": 0.1 * step, "mean_abs_dlogp": 1e-3,
@@ -444,7 +445,7 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
 
 def rl_with_spec(path: Path, **changes) -> Path:
     """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`), as a forger would."""
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     run = make_rl(path)
     edit(run / "manifest.json", lambda m: m.update(spec={**json.loads(json.dumps(RLSpec().to_dict())), **changes}))
@@ -482,7 +483,7 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     """The allow-list names real keywords of this vLLM (a renamed one would be refused, never silently passed)."""
     import dataclasses
 
-    from divergence_probe.runs.rerun import COMPILATION_REPLAYED, REPLAYED
+    from divergence_probe.engines.vllm.replayable import COMPILATION_REPLAYED, REPLAYED
     from divergence_probe.engines.vllm.stack import _import_vllm, _llm_keywords
 
     vllm = _import_vllm()  # as the tool imports it: the trainer's torch state is recorded first

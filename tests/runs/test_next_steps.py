@@ -14,9 +14,9 @@ from divergence_probe.cli import app
 from divergence_probe.models import get_family
 from divergence_probe.runs.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
 from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, RATIO, VERDICT, WITHIN, floor_columns, verdict
-from divergence_probe.rl.spec import RLSpec
+from divergence_probe.spec.rl import RLSpec
 from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE
-from divergence_probe.runs.score import ScoreSpec
+from divergence_probe.spec.score import ScoreSpec
 from divergence_probe.spec import LoadSpec, spec_from_flat
 
 

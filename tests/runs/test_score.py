@@ -261,8 +261,7 @@ def test_score_cli(qwen3_tiny, generated, tmp_path):
 def test_wrong_tokens_are_named_when_they_carry_the_gap(tmp_path):
     """The rule on its own (a tiny random model finds every token unlikely, so no model run can show it): recorded
     logprobs that call likely tokens the model would hardly sample, against a trainer that agrees elsewhere."""
-    from divergence_probe.runs.compare import TokenScore
-    from divergence_probe.runs.score import UNLIKELY_LOGPROB, ScoreRun
+    from divergence_probe.runs.scored import UNLIKELY_LOGPROB, ScoreRun, TokenScore
 
     def run(train_lp, rec_lp):
         tokens = [TokenScore(0, 1 + j, 5, "x", r, t, math.nan, 0, True)
@@ -312,7 +311,7 @@ def test_report_of_a_score_run_shows_the_three_way_split(scored_cli, tmp_path):
     for key in ("rollout_vs_train_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
                 "rollout_vs_prefill_mean_abs_dlogp"):
         assert f" {sig(s[key])} nats" in text, key
-    from divergence_probe.reports.prose import FACTORS
+    from divergence_probe.reports.wording import FACTORS
 
     dominant = s["dominant_factor"]
     assert f"the larger factor is {FACTORS[dominant]} (signed mean log {sig(s[dominant + '_mean_dlogp'])} nats)" in text

@@ -32,6 +32,7 @@ from ...prompts import Prompt, padded_batches
 from ...taps import ALL_TAPS, TapKey
 from ..protocol import (CAPTURED, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo,
                         StackSettings, TapSink)
+from .kernels import SHIPPED, get_kernels
 from .replay import HFReplay
 from ..hooks import HookSet, PatchConflict, arg, first_tensor
 
@@ -50,6 +51,8 @@ class HFStack:
         self._muted = False  # True while a replay runs inside a capture: its ops are not the forward's taps
         self._running: int | None = None  # the prompt id of the forward running now (routes_replayed reads it)
         self._replay_checks: list[tuple] = []  # the running forward's replayed layers: (layer, key, k, experts, bad)
+        self.kernels = SHIPPED  # the kernel set the forward runs (--train-kernels; engines/hf/kernels/)
+        self._kernel_patch = HookSet()  # its replacements, undone when the set changes or the stack closes
 
     @contextmanager
     def _numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
@@ -125,6 +128,29 @@ class HFStack:
                 f"the checkpoint has NaN/Inf weights in {len(bad)} tensor(s), first: {bad[0]}; "
                 "the model is broken, re-export or re-download it"
             )
+        self._use_kernels(settings.train_kernels)
+
+    def _use_kernels(self, name: str) -> None:
+        """Run the forward on the kernel set `name`, in place of the one it runs now (planned in full first: a
+        target the set cannot find raises before anything changed)."""
+        if name == self.kernels:
+            return
+        found = [replace(r, owner=f"--train-kernels {name}") for r in get_kernels(name).plan(self.model)]
+        self._kernel_patch.remove()
+        self.kernels = SHIPPED
+        self._kernel_patch.apply(found)
+        self.kernels = name
+
+    @contextmanager
+    def kernels_used(self, name: str) -> Iterator[None]:
+        """The forwards of this block on the kernel set `name` (ablate's train:kernels factor); the set the stack was
+        loaded with again after it."""
+        loaded = self.kernels
+        self._use_kernels(name)
+        try:
+            yield
+        finally:
+            self._use_kernels(loaded)
 
     @property
     def layers(self):
@@ -461,6 +487,8 @@ class HFStack:
                 # is torch's own CPU flash kernel; empty: no SDPA call (another attention implementation)
                 "sdpa_kernel_chosen": dict(self.sdpa_chosen),
                 "train_state": self.settings.train_state,
+                **({"train_kernels": f"{self.kernels}: {get_kernels(self.kernels).summary}"}
+                   if self.kernels != SHIPPED else {}),
                 "train_precision": "amp: FP32 master weights, forward under torch.autocast to "
                                    f"{str(self.settings.dtype).removeprefix('torch.')}" if self.settings.train_precision
                                    == "amp" else f"weights and compute in {str(self.settings.dtype).removeprefix('torch.')}",
@@ -472,6 +500,8 @@ class HFStack:
         )
 
     def close(self) -> None:
+        self._kernel_patch.remove()
+        self.kernels = SHIPPED
         self.model = None
 
 

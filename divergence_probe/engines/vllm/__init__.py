@@ -7,4 +7,6 @@
 - rollout.py: the decode path's captures, stitched per sequence across engine steps.
 - aligned.py: an engine built with regions aligned (a compiled graph traces its regions in).
 - worker.py: an engine in a worker process (vLLM's CPU backend hosts one engine per process).
+- weights.py: an RL loop's weight push into the running engine, its proof, the stale-cache probe.
+- replayable.py: the engine args a run folder may replay without asking.
 """

@@ -51,7 +51,9 @@ from . import compiled_taps
 from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec,
                         ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 from ..hooks import HookSet, after_call, arg, first_tensor
+from ..rollout_protocol import Rolled, RolloutSample, SyncCheck
 from .rollout import RolloutRecorder
+from .weights import WeightSession
 from .seams import decoder_layers, model_seams
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -332,6 +334,7 @@ class VLLMStack:
         self.tap_points: compiled_taps.TapPoints | None = None  # a compiled engine's (the engine owns them)
         self.settings: StackSettings | None = None
         self.recompute_gap = 0.0  # max |our log_softmax of captured logits - vLLM's reported logprob|
+        self.weight_session: WeightSession | None = None  # an RL loop's weight sync, from start_weight_sync on
 
     def load(self, settings: StackSettings) -> None:
         vllm = _import_vllm()
@@ -792,9 +795,65 @@ class VLLMStack:
             effective["compilation"]["ir_op_priority"] = str(kernel.ir_op_priority)
         return effective
 
+    # The RolloutEngine protocol (engines/rollout_protocol.py): an RL loop samples, pushes weights and proves each push
+    # through these, never through vllm.LLM.
+
+    @property
+    def prefix_caching(self) -> bool:
+        return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+    def start_weight_sync(self, tied_head: bool, vocab_size: int) -> None:
+        self.weight_session = WeightSession(self.llm, self.model, tied_head, vocab_size)
+
+    def rollout(self, samples: Sequence[RolloutSample], *, routes: bool = False) -> list[Rolled]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(s.prompt)) for s in samples]
+        params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=1.0, seed=s.seed, logprobs=0,
+                                 detokenize=False) for s in samples]
+        cache_probe = self.weight_session.cache_probe if self.weight_session is not None else None
+        carry_probe = cache_probe is not None and cache_probe.due  # the push before: proven fresh by this call
+        if carry_probe:
+            request, param = cache_probe.request()
+            requests.append(request)
+            params.append(param)
+        with contextlib.ExitStack() as scope:
+            recorder = scope.enter_context(self.routes_recorded()) if routes else None
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if carry_probe:
+            cache_probe.verdict(outputs.pop())  # outputs come in request order: the probe's is the last
+        rolled = []
+        for out in outputs:
+            c = out.outputs[0]
+            rolled.append(Rolled(tuple(c.token_ids), [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]))
+        if recorder is not None:  # the engine's experts of every fed row, prompt and response: [len-1, layers, k]
+            by_id = recorder.routes({out.request_id: tuple(out.prompt_token_ids) + r.tokens
+                                     for out, r in zip(outputs, rolled)}, len(self.layers))
+            for out, r in zip(outputs, rolled):
+                r.routes = by_id[out.request_id]
+        return rolled
+
+    def push_weights(self, weights) -> float:
+        return self.weight_session.push(weights)
+
+    @property
+    def push_unproven(self) -> bool:
+        return self.weight_session.cache_probe.due
+
+    @property
+    def probe_moved(self) -> bool | None:
+        return self.weight_session.cache_probe.moved
+
+    def prove_push(self, weights, audit: bool = False) -> SyncCheck:
+        return self.weight_session.prove(weights, audit)
+
+    def prove_cache(self) -> None:
+        self.weight_session.prove_cache()
+
     def close(self) -> None:
         """The engine stays alive for reuse in this process (see module docstring); drop our references."""
-        self.llm = self.runner = self.model = None
+        self.llm = self.runner = self.model = self.weight_session = None
 
 
 def _wrap_method(hooks: HookSet, obj, name: str, emit) -> None:

@@ -160,6 +160,7 @@ def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwe
     assert nothing_written(out_dir)
 
 
+@pytest.mark.engine  # compiles the tap reduction (torch.compile)
 def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3_tiny, prompts_file):
     """--train-tp 2 on the CPU (2 gloo ranks, transformers' TP plan) against an unsharded transformers instance: the
     whole mismatch is what sharding does, so it must equal the trainer's parallelism floor (kernel_noise.csv's

@@ -105,7 +105,7 @@ def test_rl_trainer_under_amp_pushes_what_it_computes_with(amp_probe):
     engine are those masters rounded to BF16 (the values autocast computes with), not FP32 tensors."""
     from dataclasses import replace
 
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
     from divergence_probe.rl.loop import load_spec
     from divergence_probe.rl.trainer import Trainer
     from divergence_probe.engines.hf.trainer import HFStack

@@ -270,7 +270,7 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
 
 
 def test_build_ahead_on_a_gpu_needs_a_fixed_kv_cache(monkeypatch):
-    from divergence_probe import spec as spec_module
+    from divergence_probe.spec import run as spec_module
     from divergence_probe.errors import ProbeError
     from divergence_probe.spec import AblateSpec, LoadSpec, RunSpec
 

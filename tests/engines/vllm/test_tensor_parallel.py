@@ -174,7 +174,8 @@ def _targets(tp2, scores) -> torch.Tensor:
 
 
 def test_the_manifest_records_the_tp_size_and_rerun_replays_it(tp2):
-    from divergence_probe.runs.rerun import command_line, refused_engine_args
+    from divergence_probe.engines.vllm.replayable import refused_engine_args
+    from divergence_probe.runs.rerun import command_line
     from divergence_probe.spec import RunSpec
 
     manifest = json.loads((tp2["run"] / "manifest.json").read_text())
@@ -218,7 +219,7 @@ def test_a_mixture_of_experts_and_rl_are_refused_at_tp_2(tmp_path):
     with pytest.raises(ProbeError, match="tensor_parallel_size > 1 is not supported for Qwen3-MoE"):
         check_family(None, LoadSpec(model="m", engine_args=TP2), get_family("qwen3_moe"))
     from divergence_probe.rl.experiment import run
-    from divergence_probe.rl.spec import RLSpec
+    from divergence_probe.spec.rl import RLSpec
 
     with pytest.raises(ProbeError, match="rl cannot run at tensor_parallel_size 2"):
         run(RLSpec(engine_args=TP2, device="cpu"), tmp_path / "rl")

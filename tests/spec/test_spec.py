@@ -102,7 +102,7 @@ def test_every_recorded_run_spec_still_reads():
 
     from divergence_probe.spec import RunSpec
 
-    recorded = Path(__file__).resolve().parent / "fixtures" / "recorded_specs.jsonl"
+    recorded = Path(__file__).resolve().parents[1] / "fixtures" / "recorded_specs.jsonl"
     specs = [json.loads(line) for line in recorded.read_text().splitlines()]
     assert len(specs) >= 40
     for spec in specs:

@@ -7,13 +7,13 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
-from ..spec import TRAIN_PRECISIONS, parse_engine_args
+from .load import DEVICES, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
 ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
-DEVICES = ("auto", "cpu", "cuda")
+CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
 # hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.
@@ -72,6 +72,9 @@ class RLSpec:
                                           "masters) or amp (on the FP32 weights under torch.autocast to BF16, as torch "
                                           "AMP and FSDP mixed precision run: norms, residual stream and RoPE in FP32). "
                                           "Either way the engine receives the masters rounded to BF16.")
+    train_kernels: str = option("torch", "Kernel set of the trainer's forward and backward: torch (transformers' "
+                                         "ops) or liger (Liger-Kernel's fused RMSNorm, RoPE and SwiGLU; CUDA only). "
+                                         "vllm (the engine's kernels) has no backward, so rl refuses it.")
     group_size: int = option(8, "Responses sampled per prompt (GRPO's group).")
     prompts_per_step: int = option(4, "Prompts per step, drawn from the prompt pool.")
     prompts: str | None = option(None, "A .txt of prompts (blank-line separated) for --reward; default: the built-in "
@@ -99,8 +102,6 @@ class RLSpec:
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     def __post_init__(self) -> None:
-        from .grpo import CORRECTIONS  # here, not at import: rl --help needs no torch
-
         check_finite(self)
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
@@ -147,6 +148,13 @@ class RLSpec:
             if key in ENGINE_ARGS_OWNED or key in OWNED_ENGINE_ARGS:
                 why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
                 raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
+        from ..engines.hf.kernels import get_kernels
+
+        get_kernels(self.train_kernels).check_backward()
+        if self.engine_args.get("quantization") is not None:  # the trainer pushes BF16 weights every step
+            raise ProbeError("--engine-args quantization: rl pushes the trainer's BF16 weights into the engine every "
+                             "step, which a quantized engine would have to re-quantize; drop the key (measure FP8 "
+                             "weights with compare or ablate --factor engine:quantization=fp8)")
         if "compilation_config" in self.engine_args and self.engine == "eager":
             raise ProbeError("--engine-args compilation_config needs --engine compiled (the eager engine compiles "
                              "nothing); add --engine compiled or drop the key")

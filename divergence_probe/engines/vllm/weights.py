@@ -1,4 +1,4 @@
-"""Weight sync: push the trainer's weights into the running vLLM engine, then prove it computes with them.
+"""A weight session: push the trainer's weights into the running vLLM engine, then prove it computes with them.
 
 Push: vLLM's own in-place reload (`LLM.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)`,
 the worker's `reload_weights`): it puts every layer back into its checkpoint layout, runs the model's own
@@ -13,19 +13,12 @@ weight update), so on the CPU the reloaded experts stay in checkpoint layout whi
 order, and the engine computes with scrambled experts (measured: logprobs off by up to 0.2 after one push); the
 kernel's post-load processing is run again on every MoE layer.
 
-Check: what the engine computes with, tensor by tensor, against the trainer's tensors mapped as vLLM's loader maps
-them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture of experts' tensors as the family's
-`engine_experts` says its MoE loader fills them, then laid out by the experts kernel's own post-load processing run
-on a copy), compared exactly where both live: on the
-device, in this process (no host round trip). A fused tensor is compared source by source, each trainer tensor
-against its rows of the engine's (a view), so the check copies no weight. "Computes with", not "stores": on the CPU a linear layer's `weight` is
-an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
-layer's own GEMM on an identity matrix (exact: one nonzero product per output). Tensors of one dtype on both sides
-must be equal element for element; where the dtypes differ both are compared as float32 (exact for BF16/FP16), so
-an engine that keeps a bias in FP32 still matches. A mismatch raises SyncError naming the tensor: a wrong weight is a
-broken run, not a metric. An audit (`audit=True`, rl's --audit-every) also compares per-tensor sha256 of the bytes
-on the host, the same comparison through an independent path. Which tensors changed since the previous check is
-read from each tensor's float64 L1 and L2 norms (a diagnostic, not a proof: the equality is).
+Check (engines/weight_check.py compares): what the engine computes with, tensor by tensor, against the trainer's
+tensors mapped as vLLM's loader maps them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture
+of experts' tensors as the family's `engine_experts` says its MoE loader fills them, then laid out by the experts
+kernel's own post-load processing run on a copy). "Computes with", not "stores": on the CPU a linear layer's `weight`
+is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
+layer's own GEMM on an identity matrix (exact: one nonzero product per output).
 
 A compiled engine (rl --engine compiled) computes with the same tensors: vLLM's reload copies the new values into the
 tensors the engine already holds, so a graph captured with their addresses (CUDA graphs) reads the new values, and
@@ -55,79 +48,16 @@ batch-invariant move it too).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+import time
+from typing import Iterable, Mapping
 
 import torch
 
-from ..errors import ProbeError
-from ..models import family_of, find
-
-
-class SyncError(ProbeError):
-    """The engine does not compute with the trainer's weights after a push."""
-
-
-class StaleCacheError(SyncError):
-    """After a push, the prefix cache served KV computed with the previous weights."""
-
-
-def checksum(t: torch.Tensor, as_float32: bool = False) -> str:
-    """sha256 of the tensor's bytes, or of its values as float32 bytes (exact for BF16, FP16 and FP32: the widening
-    keeps every bit, so two tensors of one dtype hash alike either way; float32 only to compare across dtypes)."""
-    t = t.detach().float() if as_float32 else t.detach()
-    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
-
-
-def digests(have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
-    """Checksums of two tensors that are equal iff their values are: raw bytes when the dtypes match, float32 values
-    when they differ (e.g. a bias the engine keeps in FP32 against the trainer's BF16)."""
-    widen = have.dtype != want.dtype
-    return checksum(have, widen), checksum(want, widen)
-
-
-def same_values(have: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Whether two tensors of one shape hold the same values, as a bool on the device (read it back with others at
-    once): element for element in one dtype, as float32 across dtypes (exact for BF16/FP16)."""
-    if want.device != have.device:
-        want = want.to(have.device)
-    if have.dtype != want.dtype:
-        have, want = have.float(), want.float()
-    return (have == want).all()
-
-
-def differing(have: list[torch.Tensor], want: list[torch.Tensor], chunk_bytes: int = 1 << 28) -> list[int]:
-    """Indices of the pairs (same shapes, dtypes and device) whose values differ, in a few multi-tensor kernels and
-    one read-back instead of a comparison per tensor: a weight check is hundreds of tensors, and per-tensor kernels
-    made it launch-bound. The fast path is the float64 norm of each difference (`have - want` is exactly 0 where
-    the values are equal, and a nonzero difference of two finite floats never rounds to 0 with subnormals, which
-    torch keeps); a pair it flags is then decided by `same_values`, so the verdict is exactly element-wise `==`
-    (inf - inf is NaN there, yet equal). Differences are made `chunk_bytes` at a time, to bound the memory."""
-    norms, group, size = [], [], 0
-    for i in range(len(have)):
-        group.append(i)
-        size += have[i].numel() * have[i].element_size()
-        if size >= chunk_bytes or i == len(have) - 1:
-            diffs = torch._foreach_sub([have[j] for j in group], [want[j] for j in group])
-            norms += torch._foreach_norm(diffs, 2, dtype=torch.float64)
-            del diffs
-            group, size = [], 0
-    if not norms:
-        return []
-    flagged = [i for i, n in enumerate(torch.stack(norms).tolist()) if n != 0]
-    return [i for i in flagged if not bool(same_values(have[i], want[i]))]
-
-
-def fingerprints(tensors: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """Per tensor, its L1 and L2 norms accumulated in float64 without a widened copy, in two multi-tensor kernels and
-    one read-back (the L1 norm stands in for the signed sum, which torch has no multi-tensor kernel for: it took one
-    launch per tensor; either is a diagnostic of change, not a proof)."""
-    if not tensors:
-        return []
-    norms = [torch._foreach_norm(tensors, order, dtype=torch.float64) for order in (1, 2)]
-    return [tuple(pair) for pair in torch.stack([torch.stack(n) for n in norms], dim=1).tolist()]
+from ...errors import StaleCacheError, SyncError
+from ...models import family_of, find
+from ..rollout_protocol import SyncCheck
+from ..weight_check import compare, expected_tensors, fingerprints
 
 
 def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
@@ -160,42 +90,6 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                     out[full] = _gemm_weight(module, dtype)
                 else:
                     out[full] = param.detach()
-    return out
-
-
-def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[str], packed: dict[str, Sequence[str]],
-                     tied_head: tuple[str, str] | None,
-                     loaded_from: dict[str, str] | None = None) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """engine name -> the trainer's (name, tensor) pairs vLLM's loader builds it from, in the order it stacks them
-    along the first dimension (one pair for a tensor loaded as it is). The parts, not their concatenation: the check
-    compares each against its rows of the engine's tensor (views), so it copies no weight. `packed`: fused module ->
-    the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding) when the head is tied
-    (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded into it as it is,
-    under another name (a MoE's experts: `expert_sources`)."""
-    out = {}
-    used: set[str] = set()
-    loaded_from = loaded_from or {}
-    for name in engine_names:
-        module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        if name in loaded_from:  # w13_weight <- gate_up_proj: vLLM's MoE loader, not packed_modules_mapping
-            sources = [loaded_from[name]]
-        elif last in packed:  # qkv_proj <- q_proj, k_proj, v_proj (stacked along the output dim, in this order)
-            sources = [f"{parent}.{part}.{leaf}" for part in packed[last]]
-        elif tied_head and name == tied_head[0] and name not in trainer:
-            sources = [tied_head[1]]
-        else:
-            sources = [name]
-        missing = [s for s in sources if s not in trainer]
-        if missing:
-            raise SyncError(f"weight sync: the engine holds {name} but the trainer has no {missing[0]}; the trainer "
-                            "and the engine load different architectures: point both at the same checkpoint")
-        used.update(sources)
-        out[name] = [(s, trainer[s]) for s in sources]
-    unused = sorted(set(trainer) - used)
-    if unused:
-        raise SyncError(f"weight sync: the trainer's {unused[0]} has no counterpart in the engine; the trainer and the "
-                        "engine load different architectures: point both at the same checkpoint")
     return out
 
 
@@ -258,16 +152,14 @@ def _replays_graphs(llm) -> bool:
     return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
 
 
-@dataclass
-class SyncCheck:
-    tensors: int  # how many engine tensors were compared
-    changed: int  # how many differ from the previous check's (0 on the first)
+class WeightSession:
+    """One weight sync on one in-process engine (`llm`: vllm.LLM; `model`: its nn.Module), from the engine as loaded to
+    its last proven push: the push (`push`: the stale-cache probe's positive control, the reload, the cache reset),
+    its proof on the device (`prove`), and the stale-cache probe that proves it fresh in the next engine call
+    (`cache_probe`, or `prove_cache` alone). Built at the start of a sync: the probe is primed (its blocks cached) and,
+    when the engine replays CUDA graphs, every parameter's address recorded."""
 
-
-class WeightSync:
-    """Push + verify for one in-process engine (`llm`: vllm.LLM; `model`: its nn.Module)."""
-
-    def __init__(self, llm, model, tied: bool) -> None:
+    def __init__(self, llm, model, tied: bool, vocab_size: int) -> None:
         self.llm, self.model, self.tied = llm, model, tied
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
         self.family = family_of(model)
@@ -275,8 +167,24 @@ class WeightSync:
         self.experts = expert_modules(model)  # a MoE's experts modules (its own loader), none when dense
         self.addresses = storage(model) if _replays_graphs(llm) else None  # what the captured graphs read
         self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
+        self.cache_probe = StaleCacheProbe(llm, vocab_size)
+        self.cache_probe.prime()  # its blocks cached: every push's positive control, the first one's too
 
-    def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def push(self, weights: Mapping[str, torch.Tensor]) -> float:
+        """The positive control, then `weights` loaded and the prefix cache reset; the push stays unproven until an
+        engine call scores the probe. Returns the seconds the positive control took."""
+        if self.cache_probe.due:  # else this push's probe could not be told from the previous push's
+            raise SyncError("stale-cache probe: a push before the previous push was proven (no engine call scored the "
+                            "probe in between); run a rollout or prove_cache() after every push")
+        t0 = time.perf_counter()
+        self.cache_probe.expect_cached()  # positive control first: a missing reset below must be visible
+        t_control = time.perf_counter() - t0
+        self.load(weights.items())
+        self.reset_cache()
+        self.cache_probe.pushed()  # unproven until an engine call scores the probe, whatever `prove` says
+        return t_control
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load `named` (the trainer's tensors by name) into the engine through vLLM's reload path, as a checkpoint
         saves them (a mixture of experts' fused parameters as per-expert tensors: Family.as_saved)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(self.family.as_saved(named))),
@@ -293,7 +201,7 @@ class WeightSync:
             raise SyncError("vLLM refused to reset its prefix cache (requests still running); finish them before "
                             "pushing weights")
 
-    def verify(self, trainer: dict[str, torch.Tensor], audit: bool = False) -> SyncCheck:
+    def prove(self, trainer: Mapping[str, torch.Tensor], audit: bool = False) -> SyncCheck:
         """Raise SyncError naming the first engine tensor that is not the trainer's, compared on the device (and with
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
@@ -303,36 +211,7 @@ class WeightSync:
             names = [f"{path}.{param}" for param in self.family.engine_experts.tensors]
             laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0][1] for n in names})
             want |= {n: [(want[n][0][0], laid_out[n.rpartition(".")[2]])] for n in names}
-        pairs, haves, needs, whole = [], [], [], []
-        for name, tensor in held.items():
-            parts = want[name]
-            sources = " + ".join(source for source, _ in parts)
-            sizes = [part.shape[0] for _, part in parts]
-            stacked = (sum(sizes), *parts[0][1].shape[1:])  # the shape vLLM's loader stacks them into
-            if tensor.shape[0] > stacked[0] and tensor.shape[1:] == stacked[1:]:
-                tensor = tensor[: stacked[0]]  # vocabulary padding rows: never loaded, never sampled
-            views = tensor.split(sizes) if tensor.shape == stacked else ()  # each source's rows: views, no copy
-            if not views or any(view.shape != part.shape for view, (_, part) in zip(views, parts)):
-                shapes = " + ".join(str(tuple(part.shape)) for _, part in parts)
-                raise _not_the_trainers(name, sources, f"shapes {tuple(tensor.shape)} vs {shapes}")
-            for have, (_, need) in zip(views, parts):
-                if audit:
-                    digest, expected = digests(have, need)
-                    if digest != expected:
-                        raise _not_the_trainers(name, sources, f"sha256 {digest[:12]} vs {expected[:12]} on the host")
-                if need.device != have.device:
-                    need = need.to(have.device)
-                if need.dtype != have.dtype:  # e.g. a bias the engine keeps in FP32: compared as float32 values
-                    have, need = have.float(), need.float()
-                pairs.append((name, sources))
-                haves.append(have)
-                needs.append(need)
-            whole.append(tensor)
-        if not pairs:
-            return SyncCheck(tensors=0, changed=0)
-        for i in differing(haves, needs)[:1]:
-            name, sources = pairs[i]
-            raise _not_the_trainers(name, sources, "values differ on the device")
+        whole = compare(held, want, audit)
         moved = moved_storage(self.addresses, self.model) if self.addresses is not None else []
         if moved:
             raise SyncError(f"weight sync: the push gave the engine's {moved[0]} new storage, but its captured CUDA "
@@ -343,10 +222,9 @@ class WeightSync:
         self.previous = now
         return SyncCheck(tensors=len(now), changed=changed)
 
-
-def _not_the_trainers(name: str, sources: str, how: str) -> SyncError:
-    return SyncError(f"weight sync: the engine's {name} is not the trainer's {sources} ({how}); the push missed, "
-                     "renamed or cast it: push every trainer tensor under its checkpoint name")
+    def prove_cache(self) -> None:
+        """The stale-cache probe scored alone: for a push no rollout follows."""
+        self.cache_probe.check()
 
 
 class StaleCacheProbe:

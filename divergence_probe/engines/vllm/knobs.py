@@ -1,0 +1,76 @@
+"""The engine's deployment knobs: engine args that change its numerics (FP8 KV cache, FP8 weights, the engine mode),
+what each needs, and what the taps mean under them.
+
+RL frameworks ship FP8 rollouts against a BF16 trainer. The engine checks these args itself, before anything loads
+(`check_engine_args`): a setting this build or device cannot run is one line, not a failure minutes into an engine
+start. It also says what a tap means under a quantized engine (`tap_meanings`), so that a tensor computed from
+quantized values is never reported as the same quantity as the trainer's BF16 one without saying so. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import ProbeError
+from ..needs import Needs
+
+
+@dataclass(frozen=True)
+class EngineKnob:
+    key: str  # the vllm.LLM keyword
+    values: tuple[str, ...]  # the settings the tool measures
+    summary: str
+    needs: Needs = field(default_factory=Needs)  # the devices whose build runs these settings, a package vLLM imports
+
+
+FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KNOBS: dict[str, EngineKnob] = {
+    "kv_cache_dtype": EngineKnob("kv_cache_dtype", ("auto", *FP8_KV),
+                                 "the KV cache's dtype: fp8 stores keys and values in FP8 (attention reads them back "
+                                 "dequantized)", Needs(devices=("cuda",))),
+    "quantization": EngineKnob("quantization", ("fp8",),
+                               "weights quantized on load (fp8: per-tensor FP8 weights, dynamic FP8 activations)",
+                               Needs(devices=("cuda",), package="compressed_tensors",
+                                     install="`pip install compressed-tensors` beside vLLM (vLLM imports it for FP8 "
+                                             "weights)")),
+    "enforce_eager": EngineKnob("enforce_eager", ("true", "false"),
+                                "the engine mode: false is vLLM's compiled default (--engine compiled)"),
+}
+
+
+def quantized(args: dict) -> dict[str, str]:
+    """The args of `args` that quantize something: knob -> its value."""
+    out = {}
+    if str(args.get("kv_cache_dtype", "auto")) != "auto":
+        out["kv_cache_dtype"] = str(args["kv_cache_dtype"])
+    if args.get("quantization") is not None:
+        out["quantization"] = str(args["quantization"])
+    return out
+
+
+def check_engine_args(args: dict, device: str) -> None:
+    """Refuse, in one line and before anything loads, a knob setting the tool does not measure or that this device or
+    installation cannot run."""
+    for key, value in quantized(args).items():
+        knob = KNOBS[key]
+        if value not in knob.values:
+            raise ProbeError(f"--engine-args {key}={value!r} is not a setting the tool measures; use one of: "
+                             f"{', '.join(knob.values)}")
+        knob.needs.check(f"--engine-args {key}={value}", "the engine", device,
+                         "drop it here, or run on a GPU machine")
+
+
+def tap_meanings(args: dict) -> dict[str, str]:
+    """What the engine's taps are under these args, where that differs from the trainer's tensor of the same name:
+    tap -> what it is. The taps read BF16 tensors at module boundaries (the quantized copies live inside the kernels),
+    so they still pair with the trainer's; these say what differs in what produced them."""
+    meanings = {}
+    q = quantized(args)
+    if "kv_cache_dtype" in q:
+        meanings["k_rope"] = f"the key before the engine writes it to its {q['kv_cache_dtype']} KV cache"
+        meanings["attn_core"] = f"attention over keys and values read back from the {q['kv_cache_dtype']} KV cache"
+    if "quantization" in q:
+        for tap in ("q_proj", "k_proj", "v_proj", "attn_out", "gate_proj", "up_proj", "mlp_out"):
+            meanings[tap] = f"the output of a {q['quantization']} GEMM ({q['quantization']} weights and activations, " \
+                            "output in the run's dtype)"
+    return meanings

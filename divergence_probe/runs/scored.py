@@ -1,0 +1,151 @@
+"""What a score run holds: the scored tokens of the recorded rollouts, with the three-way split of their mismatch
+and the explanation that fits when the recording is far from both stacks (shared by score and its model-free
+paired variant)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
+from ..numerics.tables import summary_row, tokens_frame
+from ..prompts import Prompt
+from ..rollouts import RolloutBatch
+
+
+@dataclass
+class TokenScore:
+    """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
+    also belongs to a sample, and is either part of the prompt or of the sampled response."""
+
+    prompt_id: int
+    position: int
+    token_id: int
+    token: str
+    logprob_infer: float
+    logprob_train: float
+    kl: float
+    sample_id: int | None = None
+    is_response: bool | None = None
+    logprob_prefill: float | None = None  # generate mode: the engine's prefill of the whole sampled sequence
+
+
+
+# The recorded logprobs are "far" when their mean |Δ| to the trainer is this many times the engine's own gap to the
+# trainer on the same sequences (prefill, --infer vllm): numerics differences between two correct stacks are that
+# gap's size, so ten times it is something else. Without a prefill, at least FAR_FLOOR nats per token: numerics
+# alone move a BF16 logprob by a small fraction of that.
+FAR_FACTOR = 10.0
+FAR_FLOOR = 0.1
+# "wrong tokens": tokens the model gives less than this probability (trainer, and engine prefill when measured)
+# while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
+UNLIKELY_LOGPROB = math.log(1e-4)
+WRONG_TOKEN_SHARE = 0.5
+
+
+@dataclass
+class ScoreRun:
+    """The scored rollouts; `write` puts them on disk as generate mode's files."""
+
+    batch: RolloutBatch
+    prompts: list[Prompt]
+    tokens: list[TokenScore]  # logprob_prefill: the engine's prefill logprob (--infer vllm), else None
+    tempered: list[float] | None  # the trainer's logprob at --temperature, in `tokens` order
+    manifest: dict
+    clip_eps: float
+    tis_cap: float
+    temperature: float | None = None
+
+    @property
+    def responses_table(self) -> pd.DataFrame:
+        df = tokens_frame(self.tokens, sampled=True)
+        df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
+        return df
+
+    @property
+    def tokens_table(self) -> pd.DataFrame:
+        """tokens.csv: generate mode's response rows, `logprob_rollout` (from the file) for `logprob_infer`."""
+        return tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
+
+    @property
+    def summary(self) -> dict:
+        row = summary_row(self.tokens, {}, 0.0)
+        for name in ("first_inexact", "first_over_threshold"):  # no taps: nothing to localise
+            row.pop(name)
+        responses = self.responses_table
+        row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
+                             self.clip_eps, self.tis_cap)
+        row |= sequence_metrics(responses, self.clip_eps)
+        return row | self.diagnosis()
+
+    def diagnosis(self) -> dict:
+        """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
+        the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
+        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
+        rec = np.array([t.logprob_infer for t in self.tokens])
+        train = np.array([t.logprob_train for t in self.tokens])
+        gap = np.abs(rec - train)
+        out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
+        bound = FAR_FLOOR
+        unlikely = train < UNLIKELY_LOGPROB
+        if self.tokens and self.tokens[0].logprob_prefill is not None:
+            prefill = np.array([t.logprob_prefill for t in self.tokens])
+            out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
+            out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
+            # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded
+            split = ratio_split({"train": train, "prefill": prefill, "recorded": rec})
+            # their mean |log| are prefill_vs_train and rollout_vs_prefill above: not written twice
+            out |= {k: v for k, v in split.items() if not k.endswith("_mean_abs_dlogp")}
+            bound = max(FAR_FLOOR, FAR_FACTOR * engine_gap)
+            unlikely &= prefill < UNLIKELY_LOGPROB
+            far = out["rollout_vs_prefill_mean_abs_dlogp"] > bound and gap.mean() > bound
+        else:
+            far = gap.mean() > bound
+        out["far_bound"] = bound
+        out["recorded_far"] = bool(far)
+        wrong_share = float(gap[unlikely & (rec > train)].sum() / gap.sum()) if gap.sum() else 0.0
+        out["wrong_token_share"] = wrong_share
+        cause = ""
+        if self.tempered is not None:
+            out["tempered_mean_abs_dlogp"] = tempered = float(np.abs(rec - np.array(self.tempered)).mean())
+        if far:
+            if self.tempered is not None and tempered * FAR_FACTOR < gap.mean():
+                cause = "temperature"
+            elif wrong_share > WRONG_TOKEN_SHARE:
+                cause = "wrong_tokens"
+            else:
+                cause = "stale_weights"
+        out["likely_cause"] = cause
+        return out
+
+    @property
+    def buckets_table(self) -> pd.DataFrame:
+        return bucket_table(self.responses_table, self.clip_eps, self.tis_cap)
+
+    def files(self) -> dict[str, pd.DataFrame]:
+        return {"tokens.csv": self.tokens_table, "summary.csv": pd.DataFrame([self.summary]),
+                "buckets.csv": self.buckets_table}
+
+    def write(self, out_dir: str | Path) -> Path:
+        from ..rundir import write_run
+
+        return write_run(Path(out_dir), self.manifest, self.prompts, self.files())
+
+
+
+
+def numbered(batch: RolloutBatch) -> list[tuple[int, int]]:
+    """(prompt_id, sample_id) per rollout: prompts numbered by their group's first row, samples by order in it."""
+    groups: dict = {}
+    seen: dict[int, int] = {}
+    ids = []
+    for r in batch.rollouts:
+        key = ("row", r.row) if r.group is None else ("group", repr(r.group))
+        pid = groups.setdefault(key, len(groups))
+        ids.append((pid, seen.get(pid, 0)))
+        seen[pid] = seen.get(pid, 0) + 1
+    return ids

@@ -1,0 +1,85 @@
+"""AlignSpec and AblateSpec: which regions run in FP32 until one rounding, on which stacks, and the ablation of
+every subset of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ProbeError
+from ..numerics.shapley import METRICS
+from ..options import check_finite, option
+from ..regions import ALL_REGIONS, REGIONS, parse_regions
+from .fields import _choice
+from .knobs import parse_factors
+
+SIDES = ("both", "train", "infer")
+ROUTING_REPLAYS = ("ids", "ids+weights")
+
+
+def _regions(value) -> tuple[str, ...]:
+    return parse_regions(value if value is not None else ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlignSpec:
+    """Regions computed in FP32 until one rounding at their output, and on which stacks."""
+
+    regions: tuple[str, ...] = option((), "Regions to align (FP32 until the output, one rounding): comma list of "
+                                          + ", ".join(REGIONS) + ".", flag="--align")
+    side: str = option("both", "Where regions are aligned: both, train (transformers only; the engine as shipped) "
+                               "or infer.")
+    routing_replay: str = option("ids", "With the routing region (MoE): what the trainer takes from the engine. ids: "
+                                        "the engine's experts for every token and layer, the trainer's own gate "
+                                        "weights for them (R3, as verl and Megatron replay routes); ids+weights: the "
+                                        "engine's gate weights too.")
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        object.__setattr__(self, "regions", _regions(self.regions))
+        _choice(self.side, SIDES, "--side")
+        _choice(self.routing_replay, ROUTING_REPLAYS, "--routing-replay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblateSpec:
+    """Every subset of `regions` aligned (on the AlignSpec's side), and the attribution of the mismatch."""
+
+    regions: tuple[str, ...] = option(ALL_REGIONS, "Regions to ablate; all 2^k subsets run.")
+    factors: tuple[str, ...] = option((), "Deployment knobs to ablate beside the regions, SIDE:KEY=VALUE (repeat the "
+                                          "flag or give a comma list): engine:kv_cache_dtype=fp8, "
+                                          "engine:quantization=fp8, engine:enforce_eager=false, "
+                                          "train:kernels=vllm|liger, train:precision=amp. Every subset of regions and "
+                                          "factors runs; a factor that changes the engine builds another one.",
+                                      flag="--factor", repeat=True)
+    metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
+    bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
+    ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")
+    build_ahead: int | None = option(None, "With a compiled engine aligned per combination: how many combinations' "
+                                           "engines build in worker processes while the current one runs. Default: 1 "
+                                           "on the CPU, 0 on a GPU (each engine reserves GPU memory; on a GPU, N > 0 "
+                                           "needs --engine-args with a small gpu_memory_utilization and "
+                                           "kv_cache_memory_bytes, since engines starting together would read each "
+                                           "other's allocations as their own in vLLM's memory profiling).")
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        object.__setattr__(self, "regions", _regions(self.regions))
+        object.__setattr__(self, "factors", parse_factors(self.factors))
+        if self.build_ahead is not None and self.build_ahead < 0:
+            raise ProbeError("--build-ahead must be >= 0")
+        if not self.regions:
+            raise ProbeError("--regions is empty; name at least one region")
+        builds = 2 ** len(self.players) - 1  # every combination but the shipped one builds an engine
+        if self.build_ahead is not None and self.build_ahead > builds:  # more would only start nothing, slowly
+            raise ProbeError(f"--build-ahead {self.build_ahead} is more than the {builds} engine builds of "
+                             f"{len(self.players)} regions and factors; use 0 to {builds}")
+        _choice(self.metric, tuple(METRICS), "--metric")
+        if self.bootstrap < 0:
+            raise ProbeError("--bootstrap must be >= 0")
+        if not 0 < self.ci_level < 1:
+            raise ProbeError("--ci-level must be in (0, 1), e.g. 0.95")
+
+    @property
+    def players(self) -> tuple[str, ...]:
+        """What the attribution splits the change among: the regions, then the factors' labels."""
+        return self.regions + self.factors

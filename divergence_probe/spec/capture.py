@@ -1,0 +1,44 @@
+"""CaptureSpec: what is captured and how divergence is judged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ProbeError
+from ..options import check_finite, option
+from ..taps import ALL_TAPS, parse_tap_selection
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureSpec:
+    """What is captured and how divergence is judged."""
+
+    taps: str = option("all", "all, none, or a comma list of tap names (" + ", ".join(ALL_TAPS) + ").")
+    threshold: float = option(1e-3, "rel_l2 above which a tap counts as diverged (first_over_threshold).")
+    batch_invariance: bool = option(False, "Also measure the noise floor: each stack alone vs batched on the same "
+                                           "sequences (batch_invariance.csv), and the training stack under another "
+                                           "SDPA kernel (kernel_noise.csv); the summary reads the mismatch against "
+                                           "the largest floor.")
+    graft: bool = option(False, "Also measure each op's local error: the training stack's op on the inference "
+                                "stack's captured input of that op, against the inference output (local.csv, "
+                                "local_families.csv). Captures every tap; needs --engine eager.")
+    depth: bool = option(False, "Also continue the training forward from the inference residual stream entering each "
+                                "layer and score it against the inference logits (depth.csv; implies --graft; costs "
+                                "about L/2 extra forwards per prompt).")
+    engine_noise: bool = option(False, "Also score the sequences on a vLLM engine in the other engine mode (eager if "
+                                       "--engine compiled, else compiled; same regions), built in a worker process, "
+                                       "and report its mean |Δlogp| to this run's engine (engine_noise.csv): the "
+                                       "engine's own eager-vs-compiled gap. A compiled engine built with tap points "
+                                       "is also checked against one built without them (tap_points_mean_abs_dlogp: 0 "
+                                       "when the taps left its numerics alone). At tensor_parallel_size N > 1: the "
+                                       "engine at 1 instead (the parallelism floor). Costs one or two engine builds.")
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        if not self.threshold >= 0:
+            raise ProbeError("--threshold must be a non-negative number")
+        parse_tap_selection(self.taps)
+
+    @property
+    def tap_names(self) -> frozenset[str]:
+        return parse_tap_selection(self.taps)

@@ -1,0 +1,143 @@
+"""LoadSpec: what is loaded, and how; both stacks get the same model files, dtype, device and seed."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..engines import INFER_STACKS, TRAIN_STACKS
+from ..engines.hf.kernels import KERNELS, get_kernels
+from ..engines.vllm.knobs import check_engine_args, quantized
+from ..errors import ProbeError, one_line
+from ..options import option
+from ..versions import ALLOW_HELP
+from .fields import _choice
+
+DTYPES = ("bfloat16", "float16", "float32")
+TRAIN_ATTN = ("sdpa", "eager", "flash_attention_2")
+TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
+TRAIN_STATES = ("isolated", "inherited")
+TRAIN_PRECISIONS = ("bf16", "amp")
+DEVICES = ("auto", "cpu", "cuda")
+TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
+
+
+def parse_engine_args(text: str | Mapping | None) -> dict:
+    """--engine-args: a JSON object of `vllm.LLM` keyword arguments (as given; the stack checks the keys)."""
+    if text is None or text == "":
+        return {}
+    if isinstance(text, Mapping):
+        return dict(text)
+    if not isinstance(text, str):
+        raise ProbeError("--engine-args must be a JSON object (text) or a dict of vllm.LLM keyword arguments")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProbeError(f"--engine-args is not valid JSON ({e.msg} at column {e.colno}); "
+                         "pass an object such as '{\"max_num_seqs\": 64}'") from e
+    except (RecursionError, ValueError) as e:  # nested past Python's recursion limit; an int of 5000 digits
+        raise ProbeError(f"--engine-args is not JSON the tool reads ({one_line(e, 80)}); pass a flat object such as "
+                         "'{\"max_num_seqs\": 64}'") from e
+    if not isinstance(value, dict):
+        raise ProbeError("--engine-args must be a JSON object of vllm.LLM keyword arguments, "
+                         "such as '{\"max_num_seqs\": 64}'")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSpec:
+    """What is loaded, and how. Both stacks get the same model files, dtype, device and seed."""
+
+    model: str | None = option(None, "Checkpoint folder or hub id (e.g. Qwen/Qwen2.5-1.5B). Default: the built-in "
+                                     "tiny trained Qwen3.", short="-m")
+    infer: str = option("vllm", "Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
+    train: str = option("hf", "Training side: hf (transformers).")
+    dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
+    device: str = option("auto", "auto (cuda when present), cpu or cuda.")
+    engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
+                                  "(vLLM's own defaults, as RL frameworks run it; every layer tap but the residual stream "
+                                  "and q/k norms). See docs/reference.md, 'Engine modes and the "
+                                  "trainer's process state'.")
+    engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
+                               "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",
+                               )
+    train_attn: str = option("sdpa", "transformers attention on the training side: sdpa, eager or flash_attention_2.")
+    train_sdpa: str = option("auto", "SDPA kernel of the training side: auto (torch picks, as in a trainer process), "
+                                     "math, flash, efficient or cudnn.")
+    train_state: str = option("isolated", "Torch numerics state of the training side: isolated (the global flags as "
+                                          "before vLLM was imported: what a trainer process has) or inherited (what "
+                                          "vLLM left in this process; for measuring the difference).")
+    train_precision: str = option("bf16", "Precision of the training side: bf16 (weights and compute in --dtype, pure "
+                                          "BF16 at the default) or amp (FP32 master weights, forward under "
+                                          "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
+                                          "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
+                                          "and --taps none or logits).")
+    train_kernels: str = option("torch", "Kernel set of the training side's forward: torch (transformers' eager "
+                                         "ops, as shipped), vllm (the engine's own RMSNorm, fused add+norm, "
+                                         "SiLU-and-mul and rotary kernels: what stays different is GEMMs and attention; "
+                                         "no backward) or liger (Liger-Kernel's RMSNorm, RoPE and SwiGLU, as verl, "
+                                         "OpenRLHF and TRL enable it; CUDA only).")
+    train_device: str | None = option(None, "Device of the training stack: cpu, cuda or cuda:N (its own GPU beside "
+                                            "the engine's, e.g. cuda:1; or the CPU beside a GPU engine). Default: "
+                                            "--device. Logprobs and taps are compared on the engine's device.")
+    train_tp: int = option(1, "Shard the training stack over N processes with transformers' tensor-parallel plan "
+                              "(Megatron-style column/row parallel on DTensor; gloo on the CPU, NCCL on GPUs from "
+                              "--train-device on); its column-parallel taps are gathered. No trainer-side regions, "
+                              "--graft, --depth or amp. With --batch-invariance, also the trainer unsharded (the "
+                              "parallelism floor).")
+    seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
+    batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
+                                     "taps.")
+    allow_untested_versions: bool = option(False, ALLOW_HELP)
+
+    def __post_init__(self) -> None:
+        _choice(self.infer, INFER_STACKS, "--infer")
+        _choice(self.train, TRAIN_STACKS, "--train")
+        _choice(self.dtype, DTYPES, "--dtype")
+        _choice(self.device, DEVICES, "--device")
+        from ..engines.vllm.stack import ENGINES  # here, not at import: the CLI's --help reads this module without torch
+
+        _choice(self.engine, ENGINES, "--engine")
+        _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
+        _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
+        _choice(self.train_state, TRAIN_STATES, "--train-state")
+        _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
+        _choice(self.train_kernels, tuple(KERNELS), "--train-kernels")
+        if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
+            raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
+                             "(e.g. cuda:1), or drop it for --device's")
+        if self.train_precision == "amp" and self.dtype == "float32":
+            raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
+                             "--dtype bfloat16 or float16, or --train-precision bf16")
+        object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
+        if self.infer == "vllm" and quantized(self.engine_args):  # the engine's own check, before anything loads
+            from ..environment import resolve_device
+
+            check_engine_args(self.engine_args, resolve_device(self.device))
+        if self.train_tp < 1:
+            raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
+        if self.train_tp > 1 and self.train_precision == "amp":
+            raise ProbeError(f"--train-precision amp is not built for a sharded trainer (--train-tp {self.train_tp}); "
+                             "use --train-precision bf16 or --train-tp 1")
+        if self.train_tp > 1 and self.train_state == "inherited":  # its ranks are fresh processes without vLLM
+            raise ProbeError(f"--train-state inherited reads what vLLM left in this process, but --train-tp "
+                             f"{self.train_tp}'s ranks are fresh processes; use --train-state isolated or --train-tp 1")
+        if self.train_tp > 1 and self.train_kernels != "torch":
+            raise ProbeError(f"--train-kernels {self.train_kernels} patches the trainer's modules, which live in "
+                             f"--train-tp {self.train_tp}'s worker processes; use --train-kernels torch or --train-tp 1")
+        if self.train_kernels != "torch":  # before anything loads: a device it cannot run on, a package not installed
+            from ..environment import resolve_train_device
+
+            get_kernels(self.train_kernels).check(resolve_train_device(self.train_device, self.device))
+        if self.batch_tokens < 1:
+            raise ProbeError("--batch-tokens must be positive")
+        if not 0 <= self.seed < 2**32:
+            raise ProbeError(f"--seed {self.seed} is out of range; use a number from 0 to {2**32 - 1}")
+        if self.train_sdpa != "auto" and self.train_attn != "sdpa":
+            raise ProbeError(f"--train-sdpa {self.train_sdpa} needs --train-attn sdpa (got {self.train_attn}); "
+                             "drop --train-sdpa or use --train-attn sdpa")
+        if self.infer != "vllm" and (self.engine != "eager" or self.engine_args):
+            raise ProbeError(f"--engine and --engine-args configure vLLM, but --infer is {self.infer}; "
+                             "drop them or use --infer vllm")
