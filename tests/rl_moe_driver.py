@@ -195,17 +195,16 @@ seen["reload_alone"] = error_of(reload_alone)
 # 4. (compiled) route buffers the graph did not write (zeroed before the host reads them after each step): the
 # replaying step refuses the rollout's routes instead of training on them
 if mode == "compiled":
-    from divergence_probe.engines.vllm import compiled_taps
-
-    real_deliver = compiled_taps.deliver
+    tap_points = loop.probe.infer.tap_points
+    real_deliver = tap_points.deliver
 
     def stale(input_ids):
-        for key, buffer in compiled_taps._BUFFERS.items():
-            if compiled_taps._KEYS[key].name == "expert_ids":
+        for key, buffer in tap_points.buffers.items():
+            if tap_points.keys[key].name == "expert_ids":
                 buffer.zero_()
         real_deliver(input_ids)
 
     loop.replay = True
-    with mock.patch.object(compiled_taps, "deliver", stale):
+    with mock.patch.object(tap_points, "deliver", stale):
         seen["stale_routes"] = error_of(lambda: loop.step(spec.seed, 1))
 print("RESULT " + json.dumps(seen))

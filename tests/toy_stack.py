@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from divergence_probe.regions.base import Region
-from divergence_probe.engines.protocol import PromptScores, SequenceScores, StackInfo
+from divergence_probe.engines.protocol import CAPTURED, Capabilities, PromptScores, SequenceScores, StackInfo
 from divergence_probe.engines.hooks import Replacement
 from divergence_probe.models import get_family
-from divergence_probe.taps import TapKey
+from divergence_probe.taps import ALL_TAPS, TapKey
 
 WIDTH = 16
 
@@ -48,6 +48,17 @@ class ToyModel(torch.nn.Module):
 class ToyStack:
     name = "toy"
     fused = False
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """Every tap, patched in place; none of the optional roles (no routes, no grafting)."""
+        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS})
+
+    def capabilities(self) -> Capabilities:
+        return self.declare()
+
+    def begin_run(self) -> None:
+        pass
 
     def load(self, settings) -> None:
         config = json.loads((Path(settings.model_path) / "config.json").read_text())
@@ -84,6 +95,9 @@ class ToyStack:
 
     def score_batched(self, prompts):
         return self.score(prompts, frozenset(), lambda *_: None)
+
+    def batch_groups(self, prompts):
+        return [list(prompts)]
 
     def sample(self, prompts, spec, taps, sink):
         results = []

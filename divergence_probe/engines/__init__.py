@@ -8,11 +8,16 @@ from __future__ import annotations
 from importlib import import_module
 
 from ..errors import ProbeError
-from .protocol import PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings, TapSink
+from .protocol import (Capabilities, PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings,
+                       TapSink)
 
 STACKS: dict[str, str] = {
     "vllm": "divergence_probe.engines.vllm.stack:VLLMStack",
     "hf": "divergence_probe.engines.hf.trainer:HFStack",
+}
+SHARDED: dict[str, str] = {  # the same stack over several processes (tensor parallel), where it has such a class
+    "vllm": "divergence_probe.engines.vllm.tensor_parallel:TensorParallelStack",
+    "hf": "divergence_probe.engines.hf.tensor_parallel:ShardedHFStack",
 }
 INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison
 TRAIN_STACKS = ["hf"]  # may sit on the training side (a trainer's forward: transformers)
@@ -34,13 +39,25 @@ def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "t
     return unregister
 
 
-def get_stack(name: str) -> Stack:
-    """A fresh, unloaded stack instance by registry name."""
+def stack_class(name: str, ranks: int = 1) -> type:
+    """The class of a stack by registry name, at `ranks` processes; imported, never instantiated (no engine library
+    is imported: every stack imports its engine when it loads)."""
     if name not in STACKS:
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join(STACKS)}")
-    module, cls = STACKS[name].split(":")
-    return getattr(import_module(module), cls)()
+    module, cls = (SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name]).split(":")
+    return getattr(import_module(module), cls)
 
 
-__all__ = ["STACKS", "INFER_STACKS", "TRAIN_STACKS", "get_stack", "register_stack", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
+def capabilities_of(name: str, *, engine: str = "eager", ranks: int = 1) -> Capabilities:
+    """What a stack declares it can do (protocol.Capabilities), before anything loads: what a spec check asks."""
+    return stack_class(name, ranks).declare(engine, ranks)
+
+
+def get_stack(name: str) -> Stack:
+    """A fresh, unloaded stack instance by registry name."""
+    return stack_class(name)()
+
+
+__all__ = ["STACKS", "SHARDED", "INFER_STACKS", "TRAIN_STACKS", "capabilities_of", "get_stack", "register_stack",
+           "stack_class", "Capabilities", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
            "StackSettings", "TapSink"]

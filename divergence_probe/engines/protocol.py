@@ -7,14 +7,15 @@ is produced. The comparison pairs the two stacks' taps and reduces them; no stac
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
-
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
 
+from ..errors import StackError
 from ..options import option
 from ..prompts import Prompt
 from ..taps import Tap
@@ -105,8 +106,74 @@ class StackInfo:
     settings: dict[str, object] = field(default_factory=dict)
 
 
+CAPTURED = "captured"
+PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER = "after load", "at build", "never"
+PATCH_ONCE_LOADED = "a region patch once loaded"  # the feature a stack whose `patch` is not "after load" refuses
+ENGINE_REGIONS = "regions aligned in the engine (--align or ablate, --side both or infer)"  # a feature, as --graft is
+TRAINER_REGIONS = "regions aligned in the trainer (--align or ablate, --side both or train)"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a stack can do, declared by its class before anything loads (`Stack.declare`), so a run is refused in one
+    line before an engine starts, and asked of a loaded stack (`Stack.capabilities`) in place of probing its members.
+
+    taps: canonical tap -> "captured", or why it is not (the manifest records it).
+    refused: feature (a flag such as "--graft", "--mode generate", "ablate", "rl", ENGINE_REGIONS, PATCH_ONCE_LOADED)
+        -> the one line that refuses it, saying why ("--graft cannot run at tensor_parallel_size 2: ...").
+    patch: when a region patch takes effect: "after load" (in place, on the loaded modules), "at build" (only in an
+        engine built with it: a compiled graph), "never" (the modules live in other processes).
+    max_sequences_per_step: the most sequences one batch may hold (an engine's scheduler limit); None: no limit, or
+        not known before the engine is built.
+    logits: whether the stack hands over logits (a stack of recorded rollouts has logprobs only).
+    records_routes, replays_routes, grafts: the optional roles (RouteRecorder, RouteReplayer, Grafter) it plays.
+    """
+
+    taps: Mapping[str, str]
+    refused: Mapping[str, str] = field(default_factory=dict)
+    patch: str = PATCH_AFTER_LOAD
+    max_sequences_per_step: int | None = None
+    logits: bool = True
+    records_routes: bool = False
+    replays_routes: bool = False
+    grafts: bool = False
+
+    def __post_init__(self) -> None:  # read-only, as the dataclass is frozen: a declaration is shared
+        if self.patch not in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER):
+            raise ValueError(f"patch {self.patch!r} is not one of {PATCH_AFTER_LOAD!r}, {PATCH_AT_BUILD!r}, "
+                             f"{PATCH_NEVER!r}")
+        if self.patch != PATCH_AFTER_LOAD and PATCH_ONCE_LOADED not in self.refused:
+            raise ValueError(f"a stack patched {self.patch!r} says why it refuses {PATCH_ONCE_LOADED!r}")
+        object.__setattr__(self, "taps", MappingProxyType(dict(self.taps)))
+        object.__setattr__(self, "refused", MappingProxyType(dict(self.refused)))
+
+    def first_refused(self, features: Sequence[str]) -> str | None:
+        """The one-line refusal of the first of `features` this stack refuses, or None."""
+        return next((self.refused[feature] for feature in features if feature in self.refused), None)
+
+    def check_patchable(self) -> None:
+        """Refuse, in the declared line, a region patch of the loaded stack when one takes effect only at its build."""
+        if self.patch != PATCH_AFTER_LOAD:
+            raise StackError(self.refused[PATCH_ONCE_LOADED])
+
+    def not_captured(self) -> dict[str, str]:
+        """The taps this stack cannot capture, and why."""
+        return {name: why for name, why in self.taps.items() if why != CAPTURED}
+
+
 class Stack(Protocol):
     name: str
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """What the stack can do before it loads, for an engine mode ("eager" or "compiled": what an engine stack
+        makes of --engine; others ignore it) at `ranks` processes (the registry's `stack_class` chose the class)."""
+        ...
+
+    def capabilities(self) -> Capabilities:
+        """The loaded stack's: its declaration, with what loading learned (the taps a compiled engine was built with,
+        its scheduler's limit)."""
+        ...
 
     def load(self, settings: StackSettings) -> None: ...
 
@@ -130,14 +197,48 @@ class Stack(Protocol):
         """Sample responses as a rollout does and score prompt+response; taps keyed by sequence id."""
         ...
 
+    def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        """The batches `score_batched` makes of these prompts."""
+        ...
+
+    def begin_run(self) -> None:
+        """A run starts: what info() reports of a run (an engine's captured-logits gap) starts over."""
+        ...
+
     def info(self) -> StackInfo: ...
 
-    # Optional, for stacks that need them (the run loop and the region patcher look for them):
-    #   max_sequences_per_step: int   the most sequences one batch may hold (an engine's scheduler limit)
-    #   tap_status() -> {tap: "captured" or why not}   taps this stack cannot capture (e.g. inside a compiled graph)
-    #   check_patchable() -> None     raise when a region patch would not take effect (a compiled engine)
-
     def close(self) -> None: ...
+
+
+# The optional roles: a run asks the stack's Capabilities whether it plays one, then calls it.
+RouteSource = Callable[[int, int], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@runtime_checkable
+class RouteRecorder(Protocol):
+    """An engine that records the experts its router chose for every token (Capabilities.records_routes)."""
+
+    def check_routes_recordable(self) -> None: ...
+
+    def routes_recorded(self, taps: frozenset[str] = frozenset({"expert_ids"})) -> AbstractContextManager: ...
+
+
+@runtime_checkable
+class RouteReplayer(Protocol):
+    """A trainer that runs its experts with another stack's routes (Capabilities.replays_routes)."""
+
+    def routes_replayed(self, routes: RouteSource) -> AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class Grafter(Protocol):
+    """A trainer that runs its own ops on another stack's captured inputs (Capabilities.grafts): --graft/--depth."""
+
+    def replay(self, taps: Mapping) -> dict: ...
+
+    def forward_from(self, point: int, hidden: "torch.Tensor", embed: "torch.Tensor") -> "torch.Tensor": ...
+
+    def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor": ...
 
 
 @dataclass(frozen=True, kw_only=True)

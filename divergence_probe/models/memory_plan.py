@@ -622,8 +622,8 @@ def engine_report(stack) -> dict:
 
 
 class CountingCapture:
-    """A capture (compare.score_both's park/pair/finish_prompt) that files every hand-over with the real one and counts
-    what the run holds, independently of the plan's arithmetic: per inference batch (a batch starts at the first park
+    """A capture (compare.score_both's park/add_sequences/pair/finish_prompt) that files every hand-over with the real
+    one and counts what the run holds, independently of the plan's arithmetic: per inference batch (a batch starts at the first park
     after a training-side finish) and per training sequence, the bytes of the tensors handed over (`taps`, `logits`)
     and of the distinct storages behind them (`storage`: a view keeps its whole buffer alive, e.g. vLLM's fused
     q/k/v output behind v_proj)."""
@@ -655,6 +655,9 @@ class CountingCapture:
             self._count(self.batches[-1], self._storages, k.name, t)
         self.batches[-1]["storage"] = sum(self._storages.values())
         self.inner.park(key, tap, x)
+
+    def add_sequences(self, sequences) -> None:
+        self.inner.add_sequences(sequences)
 
     def pair(self, key, tap, x) -> None:
         counts = self.sequences.setdefault(key, {"taps": 0, "logits": 0, "storage": 0})

@@ -115,8 +115,8 @@ def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
     regions = patched(regions)
     with HookSet() as hooks:
         for stack in stacks:
-            if regions and hasattr(stack, "check_patchable"):  # a compiled engine cannot take a patch after loading
-                stack.check_patchable()
+            if regions:  # a compiled engine takes a patch when it is built, not once loaded
+                stack.capabilities().check_patchable()
         plans = [plan(stack.name, stack.model, regions) for stack in stacks]
         hooks.apply([r for p in plans for found in p.values() for r in found])
         yield

@@ -34,19 +34,13 @@ def _ignore(*_) -> None:
     pass
 
 
-def groups_of(stack, sequences: Sequence[Prompt]) -> list[list[Prompt]]:
-    """The batches the stack's score_batched makes of these sequences (one, for a stack that does not say)."""
-    groups = getattr(stack, "batch_groups", None)
-    return groups(sequences) if groups is not None else [list(sequences)]
-
-
 def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     """One batch at a time, each sequence of it then alone: what is held is one batch's scores (a trainer's
     micro-batch of padded logits), as the memory plan counts it, not every batch's at once."""
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
         deltas, kls = [], []
-        groups = groups_of(stack, sequences)
+        groups = stack.batch_groups(sequences)
         for group in groups:
             together = {s.prompt_id: s for s in stack.score_batched(group)}
             for seq in group:

@@ -64,6 +64,14 @@ class TapPairing:
             raise StackError(f"the inference stack produced tap {_label(tap)} twice for prompt {prompt_id}")
         parked[tap] = tensor
 
+    def park_route(self, prompt_id: int, tap: TapKey, tensor: torch.Tensor) -> None:
+        """The engine's routes (taps.ROUTE_RECORDS) are no tap to diff: a plain pairing leaves them; a grafting
+        capture replays the experts on them (runs/graft.py)."""
+
+    def add_sequences(self, sequences) -> None:
+        """The sequences of an inference batch (compare.ScoredSequence): a plain pairing needs only their taps; a
+        grafting capture scores its depth curve against their logits (runs/graft.py)."""
+
     def pair(self, prompt_id: int, key: TapKey, tensor: torch.Tensor) -> None:
         """A training-side tap, filed under its prompt. It meets its parked partner, and both are checked, when the
         prompt is finished: this runs on the host between two kernels of the training forward, for every tap."""

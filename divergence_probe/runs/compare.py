@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
-    groups_of, kernel_noise, routing_noise, train_parallel_noise
+    kernel_noise, routing_noise, train_parallel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from ..environment import to_device
@@ -73,7 +73,7 @@ class SequenceSource:
 
     def batch_count(self, probe) -> int | None:
         """At most so many sequences per inference batch: what the engine schedules in one step."""
-        return getattr(probe.infer, "max_sequences_per_step", None)
+        return probe.infer.capabilities().max_sequences_per_step
 
     def run(self, probe, group: list[Prompt], taps: frozenset[str], park: TapSink, first_key: int) -> list[ScoredSequence]:
         scores = probe.infer.score(group, taps, park)
@@ -117,7 +117,7 @@ def engine_prefill(stack, sequences: Sequence[Prompt]) -> list[list[float]]:
     logprobs and sets skip_reading_prefix_cache, prefix caching on or off), and `score` refuses a step whose rows are
     not whole sequences."""
     prefill: list[list[float]] = []
-    for group in groups_of(stack, sequences):
+    for group in stack.batch_groups(sequences):
         scores = stack.score(group, frozenset(), lambda *_: None)
         if [s.prompt_id for s in scores] != [seq.prompt_id for seq in group]:
             raise StackError("the inference stack returned its prefill scores out of order")
@@ -223,8 +223,7 @@ def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect
         peaks.start()
         sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
         peaks.end("engine_step")
-        if hasattr(capture, "add_sequences"):  # a grafting capture (runs/graft.py) scores against the inference logits
-            capture.add_sequences(sequences)
+        capture.add_sequences(sequences)  # a grafting capture (runs/graft.py) scores against the inference logits
         fed = {seq.key: seq.fed for seq in sequences}
         trained = 0
 
@@ -497,8 +496,7 @@ def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str
         return taps, {}
     status = {}
     for stack in (probe.infer, probe.train):
-        if hasattr(stack, "tap_status"):
-            status |= {name: why for name, why in stack.tap_status().items() if why != "captured"}
+        status |= stack.capabilities().not_captured()
     return frozenset(taps - set(status)), dict(sorted(status.items()))
 
 
@@ -605,6 +603,9 @@ def _routes_replayed(probe, spec: RunSpec, routes: RouteCapture | None) -> Itera
     if routes is None or "routing" not in spec.align.regions:
         yield
         return
+    if not probe.train.capabilities().replays_routes:
+        raise StackError(f"routing replays the engine's routes in the trainer, which {probe.train.name} cannot; use "
+                         "--train hf or leave routing out")
     with_weights = spec.align.routing_replay == "ids+weights"
 
     def engine_routes(key: int, layer: int):

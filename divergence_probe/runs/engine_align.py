@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
+from ..engines.protocol import PATCH_AT_BUILD
 from ..regions import aligned, patched
 
 
@@ -20,9 +21,8 @@ def stacks_for(probe, side: str) -> list:
 
 
 def needs_engine_build(probe, regions: Sequence[str], side: str) -> bool:
-    """Whether these regions on this side change the engine and the loaded engine cannot take a patch."""
-    can_patch = getattr(probe.infer, "can_patch", None)
-    return bool(patched(regions)) and side in ("both", "infer") and callable(can_patch) and not can_patch()
+    """Whether these regions on this side change the engine and the loaded engine takes them only when it is built."""
+    return bool(patched(regions)) and side in ("both", "infer") and probe.infer.capabilities().patch == PATCH_AT_BUILD
 
 
 def engine_worker(probe, regions: Sequence[str]):

@@ -108,9 +108,10 @@ def seam_inputs(key: TapKey, num_layers: int, layer_taps: Sequence[str]) -> tupl
 
 
 def check_graftable(train) -> None:
-    if not callable(getattr(train, "replay", None)):
+    """The trainer plays the Grafter role (engines/protocol.py), as its Capabilities declare."""
+    if not train.capabilities().grafts:
         raise ProbeError(f"--graft/--depth need a training stack that can replay its ops on captured inputs; "
-                         f"{getattr(train, 'name', type(train).__name__)} cannot: use --train hf")
+                         f"{train.name} cannot: use --train hf")
 
 
 class GraftCapture:

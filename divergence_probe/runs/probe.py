@@ -65,8 +65,7 @@ class Probe:
             return self._run(spec, progress)
 
     def _run(self, spec: RunSpec, progress: Progress | None):
-        if hasattr(self.infer, "recompute_gap"):  # the manifest's captured-logits gap describes this run alone
-            self.infer.recompute_gap = 0.0
+        self.infer.begin_run()  # the manifest's captured-logits gap describes this run alone
         if spec.kind == "ablate":
             from .ablate import run_ablation
 

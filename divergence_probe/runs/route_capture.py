@@ -107,8 +107,7 @@ class RouteCapture:
             if tap.name in ROUTE_RECORDS:
                 if self.records:
                     self._routes[key][(tap.name, tap.layer)] = tensor
-                if hasattr(self.inner, "park_route"):  # a grafting capture replays the experts on them (runs/graft.py)
-                    self.inner.park_route(key, tap, tensor)
+                self.inner.park_route(key, tap, tensor)
                 return
             if tap.name == "router_logits" and self.metrics:
                 self._infer[key][tap.layer] = tensor
@@ -129,8 +128,7 @@ class RouteCapture:
         for seq in sequences:
             self._sequences[seq.key] = _Sequence(seq.prompt_id, seq.sample_id)
         self._waiting = {seq.key for seq in sequences}
-        if hasattr(self.inner, "add_sequences"):
-            self.inner.add_sequences(sequences)
+        self.inner.add_sequences(sequences)
 
     def finish_prompt(self, key: int) -> None:
         infer, train = self._infer.get(key, {}), self._train.get(key, {})

@@ -74,12 +74,10 @@ class Scorer:
     infer: object | None = None
 
     def close(self) -> None:
-        """Free the engine and the trainer (a stack without resources to free has no close)."""
+        """Free the engine and the trainer."""
         if self.infer is not None:
             self.infer.close()
-        close = getattr(self.train, "close", None)
-        if close is not None:
-            close()
+        self.train.close()
 
     @classmethod
     def of_probe(cls, probe, prefill: bool = False) -> "Scorer":
@@ -110,7 +108,8 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     tempered: list[float] | None = [] if temperature is not None else None
     phase(progress, "scoring sequences")
     finished = 0  # sequences of earlier groups
-    for group in batches(sequences, scorer.batch_tokens, getattr(scorer.infer, "max_sequences_per_step", None)):
+    per_step = scorer.infer.capabilities().max_sequences_per_step if scorer.infer is not None else None
+    for group in batches(sequences, scorer.batch_tokens, per_step):
         engine = scorer.infer.score(group, frozenset(), _no_taps) if scorer.infer is not None else None
         done = 0
 

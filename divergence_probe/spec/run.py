@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from ..engines import capabilities_of
 from ..engines.hf.kernels import get_kernels
-from ..errors import ProbeError
+from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS
+from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
 from ..options import option
 from ..regions import check_regions_exist
@@ -55,14 +57,12 @@ class RunSpec:
             object.__setattr__(self, "ablate", AblateSpec())
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
-        compiled = self.load.engine == "compiled" and self.load.infer == "vllm"
-        from ..engines.vllm.compiled_taps import REFUSED as REFUSED_COMPILED  # here: the CLI's --help imports no torch
-
-        refused = sorted(self.capture.tap_names & set(REFUSED_COMPILED)) if self.capture.taps.strip() != "all" else []
-        if compiled and refused:  # `all` captures what a compiled engine can and lists the rest in the manifest
-            why = REFUSED_COMPILED[refused[0]].removeprefix("not captured under --engine compiled")
-            raise ProbeError(f"taps {', '.join(refused)} cannot be captured under --engine compiled{why}; or drop "
-                             "them from --taps")
+        infer = capabilities_of(self.load.infer, engine=self.load.engine)  # here: the CLI's --help imports no torch
+        not_captured = infer.not_captured()
+        refused = sorted(self.capture.tap_names & set(not_captured)) if self.capture.taps.strip() != "all" else []
+        if refused:  # `all` captures what the stack can and lists the rest in the manifest
+            why = not_captured[refused[0]].removeprefix("not captured")
+            raise ProbeError(f"taps {', '.join(refused)} cannot be captured{why}; or drop them from --taps")
         if not self.generate.generates:
             changed = [flag_of(f) for f in fields(GenerateSpec) if f.metadata.get("cli", True) and f.name != "mode"
                        and getattr(self.generate, f.name) != f.default]
@@ -82,10 +82,10 @@ class RunSpec:
             raise ProbeError(f"--graft/--depth run the trainer's ops on the engine's own tensors, which are on "
                              f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
                              "--train-device or --graft/--depth")
-        self._check_train_tp()
-        if compiled and (self.capture.graft or self.capture.depth):
-            raise ProbeError("--graft/--depth need every layer tap of the engine, which a compiled engine does not "
-                             "expose; use --engine eager")
+        self._check_trainer()
+        refusal = infer.first_refused(self._graft_features())
+        if refusal:  # a compiled engine's
+            raise ProbeError(refusal)
         if self.capture.engine_noise and self.load.infer != "vllm":
             raise ProbeError(f"--engine-noise measures vLLM's eager-vs-compiled gap, but --infer is {self.load.infer}; "
                              "drop --engine-noise or use --infer vllm")
@@ -135,18 +135,18 @@ class RunSpec:
         return replace(self, kind="compare", ablate=None, load=load,
                        align=replace(self.align, regions=regions, routing_replay=replay))
 
-    def _check_train_tp(self) -> None:
-        """What a trainer sharded over processes (engines/hf/tensor_parallel.py) cannot do, in one line each."""
-        ranks = self.load.train_tp
-        if ranks == 1:
-            return
-        if self.capture.graft or self.capture.depth:
-            raise ProbeError(f"--graft/--depth run the trainer's single ops in this process, but --train-tp {ranks} "
-                             "shards its modules over worker processes; drop --graft/--depth or use --train-tp 1")
+    def _graft_features(self) -> list[str]:
+        return [feature for feature, on in (("--graft", self.capture.graft), ("--depth", self.capture.depth)) if on]
+
+    def _check_trainer(self) -> None:
+        """What the trainer refuses (its Capabilities: one sharded over processes, engines/hf/tensor_parallel.py, runs
+        no single op and takes no patch here), in one line."""
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
-        if regions and self.align.side != "infer":
-            raise ProbeError(f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s "
-                             "worker processes; use --side infer (the engine alone) or --train-tp 1")
+        trainer_regions = [TRAINER_REGIONS] if regions and self.align.side != "infer" else []
+        refusal = capabilities_of(self.load.train, ranks=self.load.train_tp).first_refused(
+            [*self._graft_features(), *trainer_regions])
+        if refusal:
+            raise ProbeError(refusal)
 
     def to_dict(self) -> dict:
         """The spec as plain JSON data (the manifest's `spec`)."""
@@ -255,10 +255,10 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     for feature in wanted:
         if feature in family.unsupported:
             raise ProbeError(f"{feature} {family.unsupported[feature]}; drop it for this model")
-    if ranks > 1:  # what cannot run sharded (engines/vllm/tensor_parallel.py); --align/ablate on the trainer alone can
-        from ..engines.vllm.tensor_parallel import ENGINE_REGIONS, refuse
-
-        engine_regions = run is not None and run.align.side != "train" and bool(
-            run.ablate.regions if run.kind == "ablate" else run.align.regions)
-        refuse([*wanted, *([ENGINE_REGIONS] if engine_regions else []),
-                *(["--mode generate"] if run is not None and run.generate.generates else [])], ranks)
+    engine_regions = run is not None and run.align.side != "train" and bool(
+        run.ablate.regions if run.kind == "ablate" else run.align.regions)  # --align/ablate on the trainer alone
+    refusal = capabilities_of(load.infer, engine=load.engine, ranks=ranks).first_refused(
+        [*wanted, *([ENGINE_REGIONS] if engine_regions else []),
+         *(["--mode generate"] if run is not None and run.generate.generates else [])])
+    if refusal:
+        raise StackError(refusal)

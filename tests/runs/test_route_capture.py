@@ -35,6 +35,12 @@ class _NoPairing:
     def park(self, *_):
         pass
 
+    def park_route(self, *_):
+        pass
+
+    def add_sequences(self, _):
+        pass
+
     def pair(self, *_):
         pass
 

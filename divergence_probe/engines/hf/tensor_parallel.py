@@ -35,7 +35,9 @@ import torch
 
 from ...errors import StackError, one_line
 from ...prompts import Prompt
-from ..protocol import PromptScores, ScoresSink, StackInfo, StackSettings, TapSink
+from ...taps import ALL_TAPS
+from ..protocol import (CAPTURED, PATCH_NEVER, PATCH_ONCE_LOADED, TRAINER_REGIONS, Capabilities, PromptScores,
+                        ScoresSink, StackInfo, StackSettings, TapSink)
 
 START_SECONDS = 600  # most a rank may take to load its shard and answer
 STOP_SECONDS = 30
@@ -43,9 +45,9 @@ STOP_SECONDS = 30
 
 def trainer_stack_for(name: str, settings: StackSettings):
     """A fresh, unloaded training stack for these settings: sharded at train_tp > 1."""
-    from .. import get_stack
+    from .. import stack_class
 
-    return ShardedHFStack() if settings.train_tp > 1 else get_stack(name)
+    return stack_class(name, settings.train_tp)()
 
 
 def check_shardable(config: dict, ranks: int, device: str) -> None:
@@ -86,6 +88,23 @@ class ShardedHFStack:
         self._procs: list = []
         self._conns: list[Connection] = []
         self.model = None  # the model lives in the ranks: no region can be patched from here (spec refuses them)
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 2) -> Capabilities:
+        """Every tap, gathered from the ranks; nothing that runs the trainer's modules in this process."""
+        graft = (f"--graft/--depth run the trainer's single ops in this process, but --train-tp {ranks} shards its "
+                 "modules over worker processes; drop --graft/--depth or use --train-tp 1")
+        regions = (f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s worker "
+                   "processes; use --side infer (the engine alone) or --train-tp 1")
+        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, patch=PATCH_NEVER,
+                            refused={"--graft": graft, "--depth": graft, TRAINER_REGIONS: regions,
+                                     PATCH_ONCE_LOADED: regions})
+
+    def capabilities(self) -> Capabilities:
+        return self.declare(ranks=self.settings.train_tp)
+
+    def begin_run(self) -> None:
+        """Nothing of a run is kept between runs."""
 
     def load(self, settings: StackSettings) -> None:
         import multiprocessing as mp

@@ -29,8 +29,9 @@ from ...errors import ModelError, NumericsError, StackError, one_line
 from ...numerics.metrics import token_logprobs
 from ...models import family_of, find
 from ...prompts import Prompt, padded_batches
-from ...taps import TapKey
-from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ...taps import ALL_TAPS, TapKey
+from ..protocol import (CAPTURED, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo,
+                        StackSettings, TapSink)
 from .kernels import SHIPPED, get_kernels
 from .replay import HFReplay
 from ..hooks import HookSet, PatchConflict, arg, first_tensor
@@ -80,6 +81,18 @@ class HFStack:
         if self.settings.train_precision != "amp":
             return nullcontext()
         return torch.autocast(device_type=torch.device(self.settings.device).type, dtype=self.settings.dtype)
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """Every tap by a hook on its module, patches in place, and the trainer's ops on another stack's inputs
+        (replay, forward_from, lm_head) and its experts on another stack's routes (routes_replayed)."""
+        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, grafts=True, replays_routes=True)
+
+    def capabilities(self) -> Capabilities:
+        return self.declare()
+
+    def begin_run(self) -> None:
+        """Nothing of a run is kept between runs."""
 
     def load(self, settings: StackSettings) -> None:
         from transformers import AutoModelForCausalLM

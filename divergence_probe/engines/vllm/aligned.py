@@ -169,7 +169,7 @@ def _check_compiled(stack, planned: dict[str, list], recorder: _InlineRecorder |
             status[name] = "patched (outside the compiled graph: runs as Python at every step)"
             continue
         codes = {(r.value.__code__.co_filename, r.value.__code__.co_firstlineno) for r in replacements
-                 if hasattr(r.value, "__code__")}
+                 if inspect.isfunction(r.value) or inspect.ismethod(r.value)}
         if codes & inlined:
             status[name] = "compiled (traced into the engine's graph at this build)"
         elif codes & loaded:

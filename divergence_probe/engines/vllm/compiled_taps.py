@@ -48,7 +48,8 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
   identity (engines/vllm/stack.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
   never read: nothing is active then. Inside a call, a step run without a graph skips the taps the call does not read
-  (`_WANTED`), so an engine built with every tap point and asked for a few copies only those; a graph replay copies
+  (`TapPoints.wanted`), so an engine built with every tap point and asked for a few copies only those; a graph replay
+  copies
   every tap it was captured with.
 """
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -63,7 +65,7 @@ import torch
 from ...errors import StackError
 from ...taps import ALL_TAPS, LAYER_TAPS, ROUTE_RECORDS, Tap, TapKey
 from ...models import dims, family_of, find
-from ..hooks import after_call
+from ..hooks import HookSet, after_call
 from .seams import decoder_layers, model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/engines/vllm/test_compiled_taps.py: the
@@ -99,12 +101,8 @@ NOT_BUFFERED = ("not captured: this compiled engine was built with tap points fo
                 "built for the taps asked for at load); ask for this one when loading: "
                 "divergence_probe.load(..., taps='all') (the CLI passes --taps)")
 
-_KEYS: list[TapKey] = []  # the op's int argument indexes this list (a Python int is a constant in the graph)
-_BUFFERS: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features] buffer; fixed addresses
-_GROUPS: list[tuple[tuple[int, ...], torch.Tensor]] = []  # per width and dtype: (op keys, [taps, rows, features])
-_ACTIVE: Callable[[int], None] | None = None  # set during one scoring or sampling call: reads a step's buffers
-_WANTED: frozenset[int] = frozenset()  # set with _ACTIVE: the op keys that call reads
-_LIB: torch.library.Library | None = None
+_OWNER: "TapPoints | None" = None  # the live compiled engine's tap points, which the op writes into (TapPoints.live)
+_LIB: torch.library.Library | None = None  # the op's definition: once per process, as every torch op
 
 
 def wants_tap_points(taps: frozenset[str]) -> bool:
@@ -112,37 +110,13 @@ def wants_tap_points(taps: frozenset[str]) -> bool:
     return bool(taps & set(NEUTRAL + ROUTER))
 
 
-def _key(name: str, layer: int) -> int:
-    key = TapKey.of(name, layer)
-    if key not in _KEYS:
-        _KEYS.append(key)
-    return _KEYS.index(key)
-
-
 def _impl(x: torch.Tensor, key: int) -> None:
-    """x's rows into its tap's static buffer, and nothing else: under CUDA-graph capture this copy is what gets
-    recorded and replayed, so it must neither allocate nor sync nor depend on Python state that changes per step.
-    Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here.
-
-    A step run without a graph inside a scoring or sampling call skips the taps that call does not read: nothing
-    reads them before the next step writes them again. Everywhere else every tap is copied: vLLM captures its graphs
-    while it builds the engine, outside any call, and a graph must record every tap point's copy to serve any later
-    selection (`_capturing` makes sure of it should a capture ever happen inside a call)."""
-    if _ACTIVE is not None and key not in _WANTED and not _capturing(x):
-        return
-    buf = _BUFFERS.get(key)
-    if buf is None:  # install hooks only the taps it allocates for
-        raise StackError(f"the compiled engine called tap {_KEYS[key].label} for which no buffer was allocated; "
-                         "buffers are made when the model is built (compiled_taps.install): report this as a bug")
-    rows = x.shape[0]
-    name = _KEYS[key].name
-    widens = name in ROUTE_DTYPES and torch.promote_types(x.dtype, buf.dtype) == buf.dtype  # a lossless copy
-    if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or not (x.dtype == buf.dtype or widens) \
-            or x.device != buf.device:
-        raise StackError(f"tap {_KEYS[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} on "
-                         f"{x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} (sized "
-                         "from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a bug")
-    buf[:rows].view(x.shape).copy_(x)
+    """The op: x's rows into the buffer of tap point `key` of the live engine's tap points (TapPoints.copy)."""
+    owner = _OWNER
+    if owner is None:
+        raise StackError(f"the compiled engine called tap point {key} with no engine's tap points live (they are from "
+                         "the engine's build on: TapPoints.live); report this as a bug")
+    owner.copy(x, key)
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -173,38 +147,6 @@ def register_op() -> None:
     _LIB = lib
 
 
-def install(model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
-    """Forward hooks on the decoder's modules (seams.py: the eager taps' seams) that call the op for each tap
-    of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before its
-    first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points: each op
-    call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to change. A seam
-    on a method (a MoE router's select_experts) wraps it on its object for the engine's life, as the hooks are."""
-    register_op()
-    tap = torch.ops.dp.tap
-    selected = frozenset(taps) & set(NEUTRAL + ROUTER)
-    keys: list[int] = []  # every tap point made here: each gets its buffer
-    for i, seams in enumerate(model_seams(model, selected)):
-        for seam in seams:
-            seam_keys = {name: _key(name, i) for name in seam.names if name in selected}
-            if not seam_keys:
-                continue
-            keys.extend(seam_keys.values())
-
-            def call(a, k, o, seam=seam, seam_keys=seam_keys):
-                parts = seam.read(a, k, o)
-                for name, key in seam_keys.items():
-                    tap(parts[name], key)
-
-            if seam.method is not None:
-                setattr(seam.module, seam.method, after_call(getattr(seam.module, seam.method), call))
-            elif seam.before:
-                seam.module.register_forward_pre_hook(lambda m, a, k, call=call: call(a, k, None), with_kwargs=True)
-            else:
-                seam.module.register_forward_hook(lambda m, a, k, o, call=call: call(a, k, o), with_kwargs=True)
-    allocate(model, keys, rows)
-    model._dp_tap_points = selected
-
-
 def features(model: torch.nn.Module) -> dict[str, int]:
     """Features per row of each tap in NEUTRAL and ROUTER that the model's family has (route records: the router's
     top-k), from its config (tensor parallelism is refused: one partition)."""
@@ -213,39 +155,6 @@ def features(model: torch.nn.Module) -> dict[str, int]:
     if family.top_k_field is not None:
         result |= {name: getattr(model.config, family.top_k_field) for name in ROUTE_RECORDS}
     return result
-
-
-def allocate(model: torch.nn.Module, keys: list[int], rows: int) -> None:
-    """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's dtype
-    on its device (route records: ROUTE_DTYPES): made once, outside any forward, so a CUDA-graph capture finds fixed
-    addresses. Replaces this process's buffers (one engine per process)."""
-    weight = find(model, family_of(model).vllm.model["embed"]).weight
-    if weight.device.type == "meta":
-        raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
-                         "build the engine without layer taps (--taps none) or use --engine eager")
-    sizes = features(model)
-    make_buffers({key: sizes[_KEYS[key].name] for key in keys}, rows, weight.dtype, weight.device)
-
-
-def make_buffers(widths: dict[int, int], rows: int, dtype: torch.dtype, device) -> None:
-    """One zeroed [taps, rows, features] tensor per width (`widths`: op key -> features); each tap's buffer is its
-    row of that tensor. So the host reads a step's taps of one width as one tensor, one view per prompt, instead of
-    one per tap (`router`). The taps in ROUTER get a tensor each, route records in their ROUTE_DTYPES."""
-    _BUFFERS.clear()
-    _GROUPS.clear()
-    by_width: dict[tuple, list[int]] = {}
-    for key, width in widths.items():
-        name = _KEYS[key].name
-        by_width.setdefault((width, ROUTE_DTYPES.get(name, dtype), key if name in ROUTER else None), []).append(key)
-    for (width, group_dtype, _), keys in by_width.items():
-        group = torch.zeros(len(keys), rows, width, dtype=group_dtype, device=device)
-        _GROUPS.append((tuple(keys), group))
-        _BUFFERS.update({key: group[j] for j, key in enumerate(keys)})
-
-
-def buffer_bytes() -> int:
-    """Device memory the tap buffers hold (the manifest records it)."""
-    return sum(b.numel() * b.element_size() for b in _BUFFERS.values())
 
 
 def step_rows(vllm_config) -> int:
@@ -257,84 +166,203 @@ def step_rows(vllm_config) -> int:
     return max([vllm_config.scheduler_config.max_num_batched_tokens, largest, *sizes])
 
 
-@contextlib.contextmanager
-def building(model_classes: list[type], taps: frozenset[str]):
-    """While vLLM builds its engine: every model of these classes gets its tap points, and buffers for `taps`, as soon
-    as it is constructed (vLLM compiles it at its first forward and captures CUDA graphs later, still inside
-    `LLM(...)`). The buffers' rows come from the vLLM config the model is built with. The classes are restored
-    afterwards."""
-    originals = {cls: cls.__init__ for cls in model_classes}
+class TapPoints:
+    """The tap points of one compiled engine: the op keys its graph calls `dp::tap` with, their static buffers, and
+    the scoring or sampling call that reads them now. Owned by the engine (engines/vllm/stack.py keeps it beside the
+    engine, which lives as long as its process): the op writes into it while it is live, and what it changed (the
+    op's owner, a router's wrapped select_experts) is in its HookSet, conflict-checked and undone on close."""
 
-    def wrap(cls, init):
-        @functools.wraps(init)  # vLLM reads the constructor's signature to decide how to call it
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            if type(self) is cls and not hasattr(self, "_dp_tap_points"):
-                config = kwargs.get("vllm_config")
-                if config is None:
-                    from vllm.config import get_current_vllm_config
+    def __init__(self) -> None:
+        self.keys: list[TapKey] = []  # the op's int argument indexes this list (an int is a constant in the graph)
+        self.buffers: dict[int, torch.Tensor] = {}  # op key -> static [most rows of a step, features]; fixed addresses
+        # per width and dtype: (op keys, [taps, rows, features])
+        self.groups: list[tuple[tuple[int, ...], torch.Tensor]] = []
+        self.active: Callable[[torch.Tensor], None] | None = None  # set during one scoring or sampling call
+        self.wanted: frozenset[int] = frozenset()  # set with `active`: the op keys that call reads
+        self.built: frozenset[str] = frozenset()  # the taps the model got tap points for (empty: none, as deployed)
+        self._hooks = HookSet()
 
-                    config = get_current_vllm_config()
-                install(self, taps, step_rows(config))
+    def live(self) -> "TapPoints":
+        """The op writes into these tap points from now until close (one compiled engine per process)."""
+        self._hooks.replace(sys.modules[__name__], "_OWNER", self, owner="the tap points of a compiled vLLM engine")
+        return self
 
-        return __init__
+    def close(self) -> None:
+        self._hooks.remove()
 
-    try:
-        for cls, init in originals.items():
-            cls.__init__ = wrap(cls, init)
-        yield
-    finally:
-        for cls, init in originals.items():
-            cls.__init__ = init
+    def key(self, name: str, layer: int) -> int:
+        key = TapKey.of(name, layer)
+        if key not in self.keys:
+            self.keys.append(key)
+        return self.keys.index(key)
+
+    def copy(self, x: torch.Tensor, key: int) -> None:
+        """x's rows into its tap's static buffer, and nothing else: under CUDA-graph capture this copy is what gets
+        recorded and replayed, so it must neither allocate nor sync nor depend on Python state that changes per step.
+        Checks run in Python (at capture, or on every call without graphs); a buffer is never (re)allocated here.
+
+        A step run without a graph inside a scoring or sampling call skips the taps that call does not read: nothing
+        reads them before the next step writes them again. Everywhere else every tap is copied: vLLM captures its
+        graphs while it builds the engine, outside any call, and a graph must record every tap point's copy to serve
+        any later selection (`_capturing` makes sure of it should a capture ever happen inside a call)."""
+        if self.active is not None and key not in self.wanted and not _capturing(x):
+            return
+        buf = self.buffers.get(key)
+        if buf is None:  # install hooks only the taps it allocates for
+            raise StackError(f"the compiled engine called tap {self.keys[key].label} for which no buffer was "
+                             "allocated; buffers are made when the model is built (TapPoints.install): report this "
+                             "as a bug")
+        rows = x.shape[0]
+        name = self.keys[key].name
+        widens = name in ROUTE_DTYPES and torch.promote_types(x.dtype, buf.dtype) == buf.dtype  # a lossless copy
+        if rows > buf.shape[0] or x.numel() != rows * buf.shape[1] or not (x.dtype == buf.dtype or widens) \
+                or x.device != buf.device:
+            raise StackError(f"tap {self.keys[key].label}: a step of {rows} rows of {tuple(x.shape[1:])} {x.dtype} "
+                             f"on {x.device} does not fit its buffer {tuple(buf.shape)} {buf.dtype} on {buf.device} "
+                             "(sized from max_num_batched_tokens and the CUDA-graph capture sizes); report this as a "
+                             "bug")
+        buf[:rows].view(x.shape).copy_(x)
+
+    def install(self, model: torch.nn.Module, taps: frozenset[str], rows: int) -> None:
+        """Forward hooks on the decoder's modules (seams.py: the eager taps' seams) that call the op for each tap
+        of `taps` in NEUTRAL, and their static buffers of `rows` rows. Installed on the freshly built model, before
+        its first forward compiles it (and before any CUDA-graph capture). Only the asked-for taps become tap points:
+        each op call is a tensor the graph must hand out, so fewer calls leave Inductor fewer fusion decisions to
+        change. A seam on a method (a MoE router's select_experts) is wrapped on its object through the HookSet; the
+        module hooks stay for the model's life, as the graph traced with them does."""
+        register_op()
+        tap = torch.ops.dp.tap
+        selected = frozenset(taps) & set(NEUTRAL + ROUTER)
+        keys: list[int] = []  # every tap point made here: each gets its buffer
+        for i, seams in enumerate(model_seams(model, selected)):
+            for seam in seams:
+                seam_keys = {name: self.key(name, i) for name in seam.names if name in selected}
+                if not seam_keys:
+                    continue
+                keys.extend(seam_keys.values())
+
+                def call(a, k, o, seam=seam, seam_keys=seam_keys):
+                    parts = seam.read(a, k, o)
+                    for name, key in seam_keys.items():
+                        tap(parts[name], key)
+
+                if seam.method is not None:
+                    self._hooks.replace(seam.module, seam.method, after_call(getattr(seam.module, seam.method), call),
+                                        owner="the tap points of a compiled vLLM engine")
+                elif seam.before:
+                    seam.module.register_forward_pre_hook(lambda m, a, k, call=call: call(a, k, None), with_kwargs=True)
+                else:
+                    seam.module.register_forward_hook(lambda m, a, k, o, call=call: call(a, k, o), with_kwargs=True)
+        self.allocate(model, keys, rows)
+        self.built = selected
+
+    def allocate(self, model: torch.nn.Module, keys: list[int], rows: int) -> None:
+        """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's
+        dtype on its device (route records: ROUTE_DTYPES): made once, outside any forward, so a CUDA-graph capture
+        finds fixed addresses."""
+        weight = find(model, family_of(model).vllm.model["embed"]).weight
+        if weight.device.type == "meta":
+            raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
+                             "build the engine without layer taps (--taps none) or use --engine eager")
+        sizes = features(model)
+        self.make_buffers({key: sizes[self.keys[key].name] for key in keys}, rows, weight.dtype, weight.device)
+
+    def make_buffers(self, widths: dict[int, int], rows: int, dtype: torch.dtype, device) -> None:
+        """One zeroed [taps, rows, features] tensor per width (`widths`: op key -> features); each tap's buffer is its
+        row of that tensor. So the host reads a step's taps of one width as one tensor, one view per prompt, instead
+        of one per tap (`router`). The taps in ROUTER get a tensor each, route records in their ROUTE_DTYPES."""
+        self.buffers.clear()
+        self.groups.clear()
+        by_width: dict[tuple, list[int]] = {}
+        for key, width in widths.items():
+            name = self.keys[key].name
+            by_width.setdefault((width, ROUTE_DTYPES.get(name, dtype), key if name in ROUTER else None), []).append(key)
+        for (width, group_dtype, _), keys in by_width.items():
+            group = torch.zeros(len(keys), rows, width, dtype=group_dtype, device=device)
+            self.groups.append((tuple(keys), group))
+            self.buffers.update({key: group[j] for j, key in enumerate(keys)})
+
+    def buffer_bytes(self) -> int:
+        """Device memory the tap buffers hold (the manifest records it)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    @contextlib.contextmanager
+    def building(self, model_classes: list[type], taps: frozenset[str]):
+        """While vLLM builds its engine: the model of these classes gets its tap points, and buffers for `taps`, as
+        soon as it is constructed (vLLM compiles it at its first forward and captures CUDA graphs later, still inside
+        `LLM(...)`). The buffers' rows come from the vLLM config the model is built with. The classes' constructors
+        are restored afterwards."""
+
+        def wrap(cls, init):
+            @functools.wraps(init)  # vLLM reads the constructor's signature to decide how to call it
+            def __init__(model, *args, **kwargs):
+                init(model, *args, **kwargs)
+                if type(model) is cls and not self.built:  # the outermost class's constructor, once per engine
+                    config = kwargs.get("vllm_config")
+                    if config is None:
+                        from vllm.config import get_current_vllm_config
+
+                        config = get_current_vllm_config()
+                    self.install(model, taps, step_rows(config))
+
+            return __init__
+
+        with HookSet() as constructors:
+            for cls in model_classes:
+                constructors.replace(cls, "__init__", wrap(cls, cls.__init__), owner="a compiled vLLM engine's build")
+            yield
+
+    def wanted_keys(self, taps: frozenset[str]) -> frozenset[int]:
+        """The op keys of the tap points a call for these taps reads: what `wanted` is set to beside `active`."""
+        return frozenset(key for key in self.buffers if self.keys[key].name in taps)
+
+    def router(self, on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
+        """What `active` is set to for one scoring/sampling call (engines/vllm/stack.py sets it through its HookSet,
+        which restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's
+        rows of the selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of
+        their keys, a view of the buffers that is valid until the next step writes them (a receiver that keeps it
+        longer copies it: base.TapSink); the taps in ROUTER one by one, as [rows, features]; and `embed` as the
+        embedding rows of the step's input ids (`embedding`: the model's embed_tokens)."""
+        selected = frozenset(taps)
+        reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)
+        for keys, group in self.groups:
+            chosen = [j for j, key in enumerate(keys) if self.keys[key].name in selected]
+            if chosen and self.keys[keys[0]].name in ROUTER:
+                reads.append((self.keys[keys[0]], group[0], None))
+            elif chosen:
+                index = None if len(chosen) == len(keys) else torch.tensor(chosen, device=group.device)
+                reads.append((tuple(self.keys[keys[j]] for j in chosen), group, index))
+
+        def route(input_ids: torch.Tensor) -> None:
+            rows = input_ids.shape[0]
+            if "embed" in selected:
+                on_tap(EMBED, torch.nn.functional.embedding(input_ids, embedding.weight))
+            for keys, group, index in reads:
+                if rows > group.shape[-2]:
+                    label = keys.label if isinstance(keys, TapKey) else keys[0].label
+                    raise StackError(f"a step of {rows} rows is larger than the tap buffers of {label} .. "
+                                     f"({group.shape[-2]} rows); report this as a bug")
+                if isinstance(keys, TapKey):
+                    on_tap(keys, group[:rows])
+                    continue
+                step = group[:, :rows]
+                on_tap(keys, step if index is None else step.index_select(0, index))
+
+        return route
+
+    def deliver(self, input_ids: torch.Tensor) -> None:
+        """After one engine step's model call, outside any graph: hand the rows of its input ids of every selected
+        tap to the active call (none outside a scoring/sampling call). Reads are queued on the device stream after
+        the step's kernels (or its graph replay), so no sync is needed."""
+        active = self.active
+        if active is not None:
+            active(input_ids)
 
 
-def wanted(taps: frozenset[str]) -> frozenset[int]:
-    """The op keys of the tap points a call for these taps reads: what `_WANTED` is set to beside `_ACTIVE`."""
-    return frozenset(key for key in _BUFFERS if _KEYS[key].name in taps)
-
-
-def router(on_tap: Callable[[Tap, torch.Tensor], None], taps: frozenset[str], embedding: torch.nn.Module):
-    """What `_ACTIVE` is set to for one scoring/sampling call (engines/vllm/stack.py sets it through its HookSet, which
-    restores None after the call): after a step's model call, `deliver(input_ids)` hands on_tap the step's rows of the
-    selected taps: the layer taps of one width stacked as [taps, rows, features] under a tuple of their keys, a view
-    of the buffers that is valid until the next step writes them (a receiver that keeps it longer copies it:
-    base.TapSink); the taps in ROUTER one by one, as [rows, features]; and `embed` as the embedding rows of the step's
-    input ids (`embedding`: the model's embed_tokens)."""
-    selected = frozenset(taps)
-    reads = []  # (keys handed over, the width's buffer, which of its taps: None for all)
-    for keys, group in _GROUPS:
-        chosen = [j for j, key in enumerate(keys) if _KEYS[key].name in selected]
-        if chosen and _KEYS[keys[0]].name in ROUTER:
-            reads.append((_KEYS[keys[0]], group[0], None))
-        elif chosen:
-            index = None if len(chosen) == len(keys) else torch.tensor(chosen, device=group.device)
-            reads.append((tuple(_KEYS[keys[j]] for j in chosen), group, index))
-
-    def route(input_ids: torch.Tensor) -> None:
-        rows = input_ids.shape[0]
-        if "embed" in selected:
-            on_tap(EMBED, torch.nn.functional.embedding(input_ids, embedding.weight))
-        for keys, group, index in reads:
-            if rows > group.shape[-2]:
-                label = keys.label if isinstance(keys, TapKey) else keys[0].label
-                raise StackError(f"a step of {rows} rows is larger than the tap buffers of {label} .. "
-                                 f"({group.shape[-2]} rows); report this as a bug")
-            if isinstance(keys, TapKey):
-                on_tap(keys, group[:rows])
-                continue
-            step = group[:, :rows]
-            on_tap(keys, step if index is None else step.index_select(0, index))
-
-    return route
-
-
-def deliver(input_ids: torch.Tensor) -> None:
-    """After one engine step's model call, outside any graph: hand the rows of its input ids of every selected tap to
-    the active call (none outside a scoring/sampling call). Reads are queued on the device stream after the step's
-    kernels (or its graph replay), so no sync is needed."""
-    active = _ACTIVE
-    if active is not None:
-        active(input_ids)
+def declared() -> dict[str, str]:
+    """Per canonical tap, before a compiled engine is built: "captured" (once built with tap points for it, or taken
+    outside the graph), or why never (REFUSED)."""
+    return {name: REFUSED.get(name, "captured") for name in ALL_TAPS}
 
 
 def status(taps_built: frozenset[str], family=None) -> dict[str, str]:

@@ -37,7 +37,7 @@ import contextlib
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -48,7 +48,8 @@ from ...models import family_of, find
 from ...prompts import Prompt, batches
 from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
 from . import compiled_taps
-from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec,
+                        ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 from ..hooks import HookSet, after_call, arg, first_tensor
 from ..rollout_protocol import Rolled, RolloutSample, SyncCheck
 from .rollout import RolloutRecorder
@@ -72,8 +73,17 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForC
 # (docs/results/h200/README.md).
 #   q_proj, k_proj  views of qkv_proj's output, which the CPU RoPE kernel rotates in place (Qwen2)
 REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
-_ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM}
+_ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM, "tap_points":
+# compiled_taps.TapPoints of a compiled engine, else None}
 ENGINES = ("eager", "compiled")
+_GRAFT_COMPILED = ("--graft/--depth need every layer tap of the engine, which a compiled engine does not expose; use "
+                   "--engine eager")
+COMPILED_REFUSED = {  # what a compiled engine cannot do, each in the one line that refuses it
+    "--graft": _GRAFT_COMPILED,
+    "--depth": _GRAFT_COMPILED,
+    PATCH_ONCE_LOADED: "a compiled engine cannot take a region patch once built; align it through a run (compare "
+                       "--align / ablate build an engine with the patch in a worker process) or use --engine eager",
+}
 
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
 OWNED_ENGINE_ARGS = {
@@ -321,6 +331,7 @@ class VLLMStack:
 
     def __init__(self) -> None:
         self.llm = self.runner = self.model = None
+        self.tap_points: compiled_taps.TapPoints | None = None  # a compiled engine's (the engine owns them)
         self.settings: StackSettings | None = None
         self.recompute_gap = 0.0  # max |our log_softmax of captured logits - vLLM's reported logprob|
         self.weight_session: WeightSession | None = None  # an RL loop's weight sync, from start_weight_sync on
@@ -339,16 +350,21 @@ class VLLMStack:
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
             _track_dist_files()
-            try:
-                with warnings.catch_warnings(), self._building(settings):
-                    warnings.simplefilter("ignore", FutureWarning)
-                    llm = vllm.LLM(**self._engine_kwargs(settings))
-            except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
-                _remove_dist_files()
-                raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
-                                 f"{one_line(e)}") from e
-            _ENGINE.update(key=key, llm=llm)
-        self.llm = _ENGINE["llm"]
+            tap_points = compiled_taps.TapPoints().live() if settings.engine == "compiled" else None
+            with contextlib.ExitStack() as failed:  # an engine that did not start leaves no tap points live
+                if tap_points is not None:
+                    failed.callback(tap_points.close)
+                try:
+                    with warnings.catch_warnings(), self._building(settings, tap_points):
+                        warnings.simplefilter("ignore", FutureWarning)
+                        llm = vllm.LLM(**self._engine_kwargs(settings))
+                except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
+                    _remove_dist_files()
+                    raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
+                                     f"{one_line(e)}") from e
+                failed.pop_all()
+            _ENGINE.update(key=key, llm=llm, tap_points=tap_points)
+        self.llm, self.tap_points = _ENGINE["llm"], _ENGINE["tap_points"]
         self._attach()
 
     def _attach(self, runner=None) -> None:
@@ -363,7 +379,7 @@ class VLLMStack:
 
     @staticmethod
     @contextlib.contextmanager
-    def _building(settings: StackSettings):
+    def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | None"):
         """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
         compiles it, and vLLM's compile cache is off for this build. Its keys (the AOT artifact's: config and the
         model's forward; the backend's: config and the traced files) cannot be trusted to tell a tapped graph from
@@ -381,8 +397,8 @@ class VLLMStack:
         before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         try:
-            with compiled_taps.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
-                                        _tap_points(settings)):
+            with tap_points.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
+                                     _tap_points(settings)):
                 yield
         finally:
             if before is None:
@@ -414,26 +430,32 @@ class VLLMStack:
     def compiled(self) -> bool:
         return self.settings.engine == "compiled"
 
-    def can_patch(self) -> bool:
-        """Whether a region patch of the loaded engine takes effect: only in eager mode, where modules run as Python.
-        A compiled engine has traced its modules already; patching them would change nothing, or only part."""
-        return not self.compiled
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """Eager: every module runs as Python, so every tap is read by a hook and a region patch takes effect once
+        loaded. Compiled: the taps Inductor never writes are refused (compiled_taps.REFUSED), and regions are traced
+        into an engine built with them (runs/engine_align.py builds one in a worker process)."""
+        if engine != "compiled":
+            return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, records_routes=True)
+        return Capabilities(taps=compiled_taps.declared(), refused=COMPILED_REFUSED, patch=PATCH_AT_BUILD,
+                            records_routes=True)
 
-    def check_patchable(self) -> None:
-        if not self.can_patch():
-            raise StackError("a compiled engine cannot take a region patch once built; align it through a run "
-                             "(compare --align / ablate build an engine with the patch in a worker process) or use "
-                             "--engine eager")
+    def capabilities(self) -> Capabilities:
+        """A compiled engine's taps as built: those it has tap points for (the family's layers, its route records)."""
+        declared = self.declare(self.settings.engine, self._ranks())
+        taps = compiled_taps.status(taps_built=self.tap_points.built, family=family_of(self.model)) if self.compiled \
+            else declared.taps
+        return replace(declared, taps=taps, max_sequences_per_step=self.max_sequences_per_step)
 
-    def tap_status(self) -> dict[str, str]:
-        """Per canonical tap: "captured", or why not (the manifest records it; no tap comes from another graph)."""
-        if not self.compiled:
-            return {name: "captured" for name in ALL_TAPS}
-        return compiled_taps.status(taps_built=getattr(self.model, "_dp_tap_points", frozenset()),
-                                    family=family_of(self.model))
+    def begin_run(self) -> None:
+        self.recompute_gap = 0.0
+
+    def _ranks(self) -> int:
+        """The processes the engine's model lives in: this one."""
+        return 1
 
     def _check_taps(self, taps: frozenset[str]) -> None:
-        status = self.tap_status()
+        status = self.capabilities().taps
         missing = sorted(n for n in taps if status.get(n, "captured") != "captured")
         if missing:
             why = status[missing[0]].removeprefix("not captured")
@@ -443,7 +465,7 @@ class VLLMStack:
         """before(input_ids) and after(hidden_states) around each engine step's model call, outside any compiled
         graph: the runner's `_model_forward` (vLLM's v1 runner; with full CUDA graphs the model's own forward does not
         run on replay), else hooks on the model module (runners without that method). A compiled engine's layer taps
-        are read there too, after the model call: the step's input rows of each tap buffer (compiled_taps.deliver;
+        are read there too, after the model call: the step's input rows of each tap buffer (TapPoints.deliver;
         padded rows of a CUDA-graph size come along, as in eager mode, and the layout code drops them)."""
         runner = self.runner
         original = getattr(runner, "_model_forward", None)
@@ -456,7 +478,7 @@ class VLLMStack:
         def end(hidden):
             after(hidden)
             if self.compiled:
-                compiled_taps.deliver(step_ids[0])
+                self.tap_points.deliver(step_ids[0])
 
         if callable(original):
             def model_forward(*args, **kwargs):
@@ -665,13 +687,13 @@ class VLLMStack:
 
     def _tap_hooks(self, hooks: HookSet, taps: frozenset[str], on_tap) -> None:
         """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor), or a
-        compiled engine's taps of one width at once (compiled_taps.router; `final_norm` and `logits` are captured
+        compiled engine's taps of one width at once (TapPoints.router; `final_norm` and `logits` are captured
         outside the model, in both engine modes)."""
         embedding = find(self.model, family_of(self.model).vllm.model["embed"])
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
-            fresh = compiled_taps.router(on_tap, taps, embedding)
-            hooks.replace(compiled_taps, "_ACTIVE", fresh, owner="compiled taps")
-            hooks.replace(compiled_taps, "_WANTED", compiled_taps.wanted(taps), owner="compiled taps")
+            points = self.tap_points
+            hooks.replace(points, "active", points.router(on_tap, taps, embedding), owner="compiled taps")
+            hooks.replace(points, "wanted", points.wanted_keys(taps), owner="compiled taps")
             return
         if "embed" in taps:
             embed = TapKey.of("embed", -1)
@@ -731,10 +753,10 @@ class VLLMStack:
                 "engine_args": self.settings.engine_kwargs(),  # the user's verbatim, and on CUDA the plan's KV budget
                 # built with the dp::tap hooks (another graph than vLLM as deployed) and buffers for these taps
                 "engine_tap_points": sorted(_tap_points(self.settings)),
-                "tap_buffer_bytes": compiled_taps.buffer_bytes() if _tap_points(self.settings) else 0,
+                "tap_buffer_bytes": self.tap_points.buffer_bytes() if self.compiled else 0,
                 **self._effective_config(),
                 "model_runner": f"{type(self.runner).__module__}.{type(self.runner).__qualname__}",
-                "taps": self.tap_status(),
+                "taps": dict(self.capabilities().taps),
                 "torch_numerics": torch_state.describe(torch_state.capture()),  # the engine's: the process's now
                 "captured_logits_vs_reported_logprobs_max_gap": self.recompute_gap,
             },

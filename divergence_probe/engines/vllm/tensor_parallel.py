@@ -15,7 +15,8 @@ gives several ranks the same KV head: only one rank per KV head is joined. vLLM 
 (`LogitsProcessor._gather_logits` on every platform but TPU), so rank 0's are the whole vocabulary, and the
 logprobs checked against them are vLLM's own.
 
-What this cannot do (`REFUSED`, which spec.check_family and rl refuse before loading): a compiled engine (its tap
+What this cannot do (`REFUSED`, declared in TensorParallelStack's Capabilities, which spec.check_family and rl refuse
+before loading): a compiled engine (its tap
 points would live in each rank's graph: not built), regions patched into the engine, --graft/--depth (they feed the
 engine's own inputs to single modules), --mode generate, rl, and mixture-of-experts families (models/qwen3_moe.py:
 the routes of every rank are not gathered).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -36,11 +38,10 @@ import torch
 from ...errors import StackError, one_line
 from ...models import get_family
 from ...taps import TapKey
-from ..protocol import StackInfo, StackSettings
+from ..protocol import ENGINE_REGIONS, PATCH_NEVER, PATCH_ONCE_LOADED, Capabilities, StackInfo, StackSettings
 from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
 
 ARG = "tensor_parallel_size"
-ENGINE_REGIONS = "regions aligned in the engine (--align or ablate, --side both or infer)"
 # What cannot run sharded, by spec.check_family's feature names, and why (the one-line refusal says it).
 REFUSED = {
     "--engine compiled": "a compiled engine's tap points would live in every rank's graph, which is not built; use "
@@ -59,9 +60,9 @@ REFUSED = {
 
 def refuse(features: Sequence[str], ranks: int) -> None:
     """One line for the first of `features` (spec.check_family's names) that cannot run at `ranks` > 1."""
-    for feature in features:
-        if ranks > 1 and feature in REFUSED:
-            raise StackError(f"{feature} cannot run at tensor_parallel_size {ranks}: {REFUSED[feature]}")
+    line = TensorParallelStack.declare(ranks=ranks).first_refused(features) if ranks > 1 else None
+    if line is not None:
+        raise StackError(line)
 
 
 def size(engine_args: dict) -> int:
@@ -72,8 +73,6 @@ def size(engine_args: dict) -> int:
 
 def without(settings):
     """These engine settings at tensor_parallel_size 1: the parallelism floor's engine."""
-    from dataclasses import replace
-
     return replace(settings, engine_args=tuple((k, v) for k, v in settings.engine_args if k != ARG))
 
 
@@ -176,6 +175,19 @@ class TensorParallelStack(VLLMStack):
     """The `vllm` stack at tensor_parallel_size > 1 (module docstring): the engine's driver here, its model in the
     ranks."""
 
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 2) -> Capabilities:
+        """The engine's own, less what cannot run sharded (REFUSED); no region patch reaches the ranks' modules, and
+        the routes of every rank are not gathered."""
+        declared = super().declare(engine)
+        sharded = {feature: f"{feature} cannot run at tensor_parallel_size {ranks}: {why}"
+                   for feature, why in REFUSED.items()}
+        return replace(declared, refused={**declared.refused, **sharded, PATCH_ONCE_LOADED: sharded[ENGINE_REGIONS]},
+                       patch=PATCH_NEVER, records_routes=False)
+
+    def _ranks(self) -> int:
+        return size(self.settings.engine_kwargs())
+
     def load(self, settings: StackSettings) -> None:
         with _cores_bound(settings) as self._binding:
             super().load(settings)
@@ -236,7 +248,7 @@ class TensorParallelStack(VLLMStack):
             raise StackError(f"a vLLM tensor-parallel rank failed in its forward: {one_line(e)}") from e
 
     def sample(self, prompts, spec, taps, sink):
-        refuse(["--mode generate"], size(self.settings.engine_kwargs()))
+        refuse(["--mode generate"], self._ranks())
 
     def info(self) -> StackInfo:
         info = super().info()
@@ -251,4 +263,6 @@ class TensorParallelStack(VLLMStack):
 
 def stack_for(settings: StackSettings) -> VLLMStack:
     """A fresh, unloaded vLLM stack for these settings: tensor-parallel at tensor_parallel_size > 1."""
-    return TensorParallelStack() if size(settings.engine_kwargs()) > 1 else VLLMStack()
+    from .. import stack_class
+
+    return stack_class("vllm", size(settings.engine_kwargs()))()

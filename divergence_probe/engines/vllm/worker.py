@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -31,8 +32,10 @@ import torch
 from ...errors import StackError
 from ...prompts import Prompt, batches
 from ...signals import forget, pass_on_to
-from ..protocol import PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink
+from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec, ScoresSink,
+                        SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
+from .stack import VLLMStack
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
 STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
@@ -217,8 +220,23 @@ class WorkerStack:
         }
         return info
 
-    def tap_status(self) -> dict[str, str]:
-        return self._status["tap_status"]
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        """The engine's own, with its regions built in: nothing is patched into it from this process, and its routes
+        stay in the child."""
+        declared = VLLMStack.declare(engine)
+        return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, refused={
+            **declared.refused,
+            PATCH_ONCE_LOADED: "an engine in a worker process has its regions built in; start another worker for "
+                               "others"})
+
+    def capabilities(self) -> Capabilities:
+        """What the child's engine reported once built: its taps and its scheduler's limit."""
+        return replace(self.declare(self.settings.engine), taps=self._status["tap_status"],
+                       max_sequences_per_step=self.max_sequences_per_step)
+
+    def begin_run(self) -> None:
+        self.recompute_gap = 0.0
 
     @property
     def max_sequences_per_step(self) -> int:
@@ -227,9 +245,6 @@ class WorkerStack:
     def batch_groups(self, prompts) -> list[list[Prompt]]:
         """How score_batched groups prompts into engine steps (as the worker's engine does)."""
         return list(batches(prompts, self.settings.batch_tokens, self.max_sequences_per_step))
-
-    def check_patchable(self) -> None:
-        raise StackError("an engine in a worker process has its regions built in; start another worker for others")
 
 
 # ----------------------------------------------------------------------------------------------- the child
@@ -249,7 +264,7 @@ def _serve(folder: Path) -> None:
         traceback.print_exc()  # into the worker's log (DP_ENGINE_LOG), where a seam bug can be diagnosed
         reply(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
         return
-    reply(ok=True, regions=stack.aligned_in_engine, tap_status=stack.tap_status(),
+    reply(ok=True, regions=stack.aligned_in_engine, tap_status=dict(stack.capabilities().taps),
           max_sequences_per_step=stack.max_sequences_per_step)
     for line in sys.stdin:
         name = line.strip()
@@ -283,7 +298,7 @@ def _run(stack, method: str, args: tuple):
             return {"scores": stack.score_batched(prompts)}
         from ...regions import aligned
 
-        with aligned([stack], patched):  # a compiled engine refuses: check_patchable
+        with aligned([stack], patched):  # a compiled engine refuses (Capabilities.patch)
             return {"scores": stack.score_batched(prompts)}
     if method == "sample":
         prompts, spec, wanted = args

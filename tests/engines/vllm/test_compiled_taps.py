@@ -266,29 +266,28 @@ def test_each_step_reads_what_that_step_wrote(engines):
 
 
 @pytest.fixture
-def op_state():
-    """The op with an empty buffer registry; restored afterwards (the registry is per process)."""
+def tap_points():
+    """Fresh tap points, live (the op writes into them) for the test alone: closed afterwards, the op's owner is
+    back to none."""
     from divergence_probe.engines.vllm import compiled_taps
 
     compiled_taps.register_op()
-    saved, saved_groups = dict(compiled_taps._BUFFERS), list(compiled_taps._GROUPS)
-    compiled_taps._BUFFERS.clear()
-    compiled_taps._GROUPS.clear()
-    yield compiled_taps
-    compiled_taps._BUFFERS.clear()
-    compiled_taps._BUFFERS.update(saved)
-    compiled_taps._GROUPS[:] = saved_groups
+    points = compiled_taps.TapPoints().live()
+    yield points
+    points.close()
+    assert compiled_taps._OWNER is None
 
 
-def test_effectful_op_survives_compile(op_state):
+def test_effectful_op_survives_compile(tap_points):
     """Pins the private effect registration: an op that returns nothing, called in a compiled function whose result
     does not use it, must still run (not be removed as dead code), once per call, writing the graph's value into its
     tap's static buffer; the host then reads what the last call wrote, for the selected taps only."""
     from divergence_probe.taps import TapKey
 
-    compiled_taps = op_state
-    key = compiled_taps._key("swiglu", 0)
-    compiled_taps.make_buffers({key: 8}, rows=8, dtype=torch.float32, device="cpu")
+    from divergence_probe.engines.vllm.compiled_taps import EMBED
+
+    key = tap_points.key("swiglu", 0)
+    tap_points.make_buffers({key: 8}, rows=8, dtype=torch.float32, device="cpu")
 
     def f(x):
         y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
@@ -305,69 +304,67 @@ def test_effectful_op_survives_compile(op_state):
             x = torch.randn(rows, 8)
             compiled(x)
             ids = torch.arange(rows)
-            compiled_taps.deliver(ids)  # no call active: nothing read
-            compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}),
-                                                         embedding)
+            tap_points.deliver(ids)  # no call active: nothing read
+            tap_points.active = tap_points.router(lambda k, t: seen.append((k, t)), frozenset({"swiglu"}), embedding)
             try:
-                compiled_taps.deliver(ids)
+                tap_points.deliver(ids)
             finally:
-                compiled_taps._ACTIVE = None
+                tap_points.active = None
             assert torch.equal(seen[-1][1], (torch.relu(x) * 2)[None])
     assert [k for k, _ in seen] == [(TapKey.of("swiglu", 0),)] * 2
-    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}), embedding)
+    tap_points.active = tap_points.router(lambda k, t: seen.append((k, t)), frozenset({"embed"}), embedding)
     try:
-        compiled_taps.deliver(torch.tensor([7, 2, 7]))  # swiglu not selected for this call; embed from the ids
+        tap_points.deliver(torch.tensor([7, 2, 7]))  # swiglu not selected for this call; embed from the ids
     finally:
-        compiled_taps._ACTIVE = None
-    assert [k for k, _ in seen[2:]] == [compiled_taps.EMBED]
+        tap_points.active = None
+    assert [k for k, _ in seen[2:]] == [EMBED]
     assert torch.equal(seen[2][1], embedding.weight[[7, 2, 7]])
 
 
-def test_a_tap_without_a_fitting_buffer_raises(op_state):
+def test_a_tap_without_a_fitting_buffer_raises(tap_points):
     """A call for a tap the engine has buffers for must find its buffer, large enough, in its dtype: a capture that
     found none would record nothing (or allocate inside the graph), so it raises instead of (re)allocating."""
-    compiled_taps = op_state
-    key = compiled_taps._key("attn_out", 1)
+    key = tap_points.key("attn_out", 1)
     with pytest.raises(ProbeError, match="no buffer"):
         torch.ops.dp.tap(torch.ones(2, 4), key)
-    compiled_taps._BUFFERS[key] = torch.zeros(2, 4)
+    tap_points.buffers[key] = torch.zeros(2, 4)
     for x in (torch.ones(3, 4), torch.ones(2, 5), torch.ones(2, 4, dtype=torch.bfloat16)):
         with pytest.raises(ProbeError, match="does not fit"):
             torch.ops.dp.tap(x, key)
-    assert torch.equal(compiled_taps._BUFFERS[key], torch.zeros(2, 4))
+    assert torch.equal(tap_points.buffers[key], torch.zeros(2, 4))
     torch.ops.dp.tap(torch.ones(1, 2, 2), key)  # [rows, heads, dim] lands as [rows, heads * dim]
-    assert torch.equal(compiled_taps._BUFFERS[key], torch.tensor([[1.0] * 4, [0.0] * 4]))
+    assert torch.equal(tap_points.buffers[key], torch.tensor([[1.0] * 4, [0.0] * 4]))
 
 
-def test_a_call_copies_only_the_taps_it_reads_unless_a_graph_is_captured(op_state, monkeypatch):
+def test_a_call_copies_only_the_taps_it_reads_unless_a_graph_is_captured(tap_points, monkeypatch):
     """Inside a scoring call, a step run without a graph copies only the taps that call reads: another tap's buffer
     keeps what it held. Under CUDA-graph capture, and outside any call (where vLLM captures), every tap is copied: a
     captured graph must serve any later selection."""
-    compiled_taps = op_state
-    read, other = compiled_taps._key("swiglu", 0), compiled_taps._key("up_proj", 0)
-    compiled_taps.make_buffers({read: 4, other: 4}, rows=2, dtype=torch.float32, device="cpu")
+    from divergence_probe.engines.vllm import compiled_taps
+
+    read, other = tap_points.key("swiglu", 0), tap_points.key("up_proj", 0)
+    tap_points.make_buffers({read: 4, other: 4}, rows=2, dtype=torch.float32, device="cpu")
     x = torch.ones(2, 4)
-    monkeypatch.setattr(compiled_taps, "_ACTIVE", lambda input_ids: None)
-    monkeypatch.setattr(compiled_taps, "_WANTED", compiled_taps.wanted(frozenset({"swiglu", "embed"})))
+    tap_points.active = lambda input_ids: None
+    tap_points.wanted = tap_points.wanted_keys(frozenset({"swiglu", "embed"}))
     for key in (read, other):
         torch.ops.dp.tap(x, key)
-    assert torch.equal(compiled_taps._BUFFERS[read], x) and torch.equal(compiled_taps._BUFFERS[other], 0 * x)
+    assert torch.equal(tap_points.buffers[read], x) and torch.equal(tap_points.buffers[other], 0 * x)
     monkeypatch.setattr(compiled_taps, "_capturing", lambda x: True)
     torch.ops.dp.tap(2 * x, other)
-    assert torch.equal(compiled_taps._BUFFERS[other], 2 * x)
+    assert torch.equal(tap_points.buffers[other], 2 * x)
     monkeypatch.setattr(compiled_taps, "_capturing", lambda x: False)
-    monkeypatch.setattr(compiled_taps, "_ACTIVE", None)
+    tap_points.active = None
     torch.ops.dp.tap(3 * x, other)
-    assert torch.equal(compiled_taps._BUFFERS[other], 3 * x)
+    assert torch.equal(tap_points.buffers[other], 3 * x)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has none; docs/results/h200/compiled/ has it)")
-def test_cuda_graph_replay_repeats_the_copy(op_state):
+def test_cuda_graph_replay_repeats_the_copy(tap_points):
     """Under CUDA-graph capture the Python impl runs once; every replay must repeat its copy into the static buffer.
     As in vLLM: one graph per padded size over a dynamic-shape compile, all writing the first rows of one buffer."""
-    compiled_taps = op_state
-    key = compiled_taps._key("swiglu", 0)
-    compiled_taps._BUFFERS[key] = torch.zeros(16, 8, device="cuda")
+    key = tap_points.key("swiglu", 0)
+    tap_points.buffers[key] = torch.zeros(16, 8, device="cuda")
 
     def f(x):
         y = torch.relu(x) * 2  # exact: eager and Inductor agree bit for bit
@@ -384,7 +381,7 @@ def test_cuda_graph_replay_repeats_the_copy(op_state):
             graphs[rows] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[rows]):
                 compiled(static)
-    buf = compiled_taps._BUFFERS[key]
+    buf = tap_points.buffers[key]
     for rows in (16, 8, 8, 16, 8):
         inputs[rows].copy_(torch.randn(rows, 8, device="cuda"))
         graphs[rows].replay()
@@ -482,12 +479,10 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
     assert len(untapped) == 1 and "tap_points_mean_abs_dlogp" not in noise_floor_columns(None, None, untapped)
 
 
-def test_only_the_taps_asked_for_become_tap_points(op_state):
+def test_only_the_taps_asked_for_become_tap_points(tap_points):
     """Each tap point hands a tensor out of the graph, a constraint on Inductor's fusion: an engine asked for some
     taps gets hooks (and buffers) for those alone. Checked on a module tree with vLLM's attribute names."""
     from torch import nn
-
-    compiled_taps = op_state
 
     class Linear(nn.Linear):
         def __init__(self, n_in, n_out):
@@ -508,24 +503,23 @@ def test_only_the_taps_asked_for_become_tap_points(op_state):
     model.config = SimpleNamespace(model_type="qwen2", hidden_size=8, num_attention_heads=2, head_dim=4,
                                    num_key_value_heads=1, intermediate_size=6, vocab_size=10)
 
-    compiled_taps.install(model, frozenset({"attn_out", "k_proj"}), rows=4)
+    tap_points.install(model, frozenset({"attn_out", "k_proj"}), rows=4)
     hooked = {name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks}
     assert hooked == {"model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"}
-    assert model._dp_tap_points == frozenset({"attn_out", "k_proj"})
-    assert sorted(compiled_taps._KEYS[k].name for k in compiled_taps._BUFFERS) == ["attn_out", "k_proj"]
+    assert tap_points.built == frozenset({"attn_out", "k_proj"})
+    assert sorted(tap_points.keys[k].name for k in tap_points.buffers) == ["attn_out", "k_proj"]
 
 
-def test_router_tap_points_hand_over_one_by_one_in_their_own_dtypes(op_state):
+def test_router_tap_points_hand_over_one_by_one_in_their_own_dtypes(tap_points):
     """A MoE layer's router taps: router_logits and the route records get buffers of their own (ids int64, weights
     FP32: the router's int32 ids and BF16/FP32 weights widen losslessly; nothing narrows) and are handed over one tap
     at a time, as the routing capture reads them, beside the stacked taps of the other widths."""
     from divergence_probe.taps import TapKey
 
-    compiled_taps = op_state
-    keys = {name: compiled_taps._key(name, 0) for name in ("router_logits", "expert_ids", "expert_weights", "post_norm")}
+    keys = {name: tap_points.key(name, 0) for name in ("router_logits", "expert_ids", "expert_weights", "post_norm")}
     # router_logits shares its width with post_norm here: still a buffer of its own
-    compiled_taps.make_buffers({keys["router_logits"]: 8, keys["expert_ids"]: 2, keys["expert_weights"]: 2,
-                                keys["post_norm"]: 8}, rows=4, dtype=torch.bfloat16, device="cpu")
+    tap_points.make_buffers({keys["router_logits"]: 8, keys["expert_ids"]: 2, keys["expert_weights"]: 2,
+                             keys["post_norm"]: 8}, rows=4, dtype=torch.bfloat16, device="cpu")
     logits = torch.randn(3, 8).bfloat16()
     ids, weights = torch.tensor([[1, 7], [0, 2], [5, 3]], dtype=torch.int32), torch.rand(3, 2)
     torch.ops.dp.tap(logits, keys["router_logits"])
@@ -536,13 +530,13 @@ def test_router_tap_points_hand_over_one_by_one_in_their_own_dtypes(op_state):
         with pytest.raises(ProbeError, match="does not fit"):
             torch.ops.dp.tap(bad, keys[key])
     seen = {}
-    compiled_taps._ACTIVE = compiled_taps.router(lambda k, t: seen.__setitem__(k, t),
-                                                 frozenset({"router_logits", "expert_ids", "expert_weights", "post_norm"}),
-                                                 torch.nn.Embedding(4, 8))
+    tap_points.active = tap_points.router(lambda k, t: seen.__setitem__(k, t),
+                                          frozenset({"router_logits", "expert_ids", "expert_weights", "post_norm"}),
+                                          torch.nn.Embedding(4, 8))
     try:
-        compiled_taps.deliver(torch.arange(3))
+        tap_points.deliver(torch.arange(3))
     finally:
-        compiled_taps._ACTIVE = None
+        tap_points.active = None
     assert set(seen) == {TapKey.of("router_logits", 0), TapKey.of("expert_ids", 0), TapKey.of("expert_weights", 0),
                          (TapKey.of("post_norm", 0),)}
     assert torch.equal(seen[TapKey.of("router_logits", 0)], logits)

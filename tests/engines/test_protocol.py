@@ -1,0 +1,165 @@
+"""Stacks declare what they can do (engines/protocol.py Capabilities) and the runs ask: every registered stack class
+declares before anything loads, a feature a stack refuses is refused with the reason it declared, and the package
+does not go back to probing members with hasattr."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from divergence_probe.cli import app
+from divergence_probe.engines import SHARDED, STACKS, capabilities_of, register_stack, stack_class
+from divergence_probe.engines.protocol import (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER, PATCH_ONCE_LOADED,
+                                               Capabilities, Grafter, RouteRecorder, RouteReplayer, StackSettings)
+from divergence_probe.errors import ProbeError, StackError
+from divergence_probe.taps import ALL_TAPS, ROUTE_RECORDS
+from toy_stack import ToyStack
+
+PACKAGE = Path(__file__).resolve().parents[2] / "divergence_probe"
+MAX_HASATTR = 5  # library version checks (torch, vLLM); never a stack's members
+# the weight push probes vLLM's modules (which hold a quantized or CPU copy of a weight): no stack's members
+HASATTR_ELSEWHERE = {"engines/vllm/weights.py"}
+ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
+
+
+class RefusingToyStack(ToyStack):
+    name = "toy-refusing"
+    REASON = "--mode generate is not built for this toy: it scores prompts only; use --mode prefill"
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        return Capabilities(taps={name: "captured" for name in ALL_TAPS}, refused={"--mode generate": cls.REASON})
+
+
+class BlindToyStack(ToyStack):
+    name = "toy-blind"
+    REASON = "not captured by this toy: its layers have no gate"
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        return Capabilities(taps={name: cls.REASON if name == "swiglu" else "captured" for name in ALL_TAPS})
+
+
+class BuiltToyStack(ToyStack):
+    name = "toy-built"
+    REASON = "this toy takes its regions when it is built; build another"
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
+        return Capabilities(taps={name: "captured" for name in ALL_TAPS}, patch=PATCH_AT_BUILD,
+                            refused={PATCH_ONCE_LOADED: cls.REASON})
+
+
+@pytest.fixture
+def refusing_toys(toy):
+    removers = [register_stack(cls.name, f"{__name__}:{cls.__name__}")
+                for cls in (RefusingToyStack, BlindToyStack, BuiltToyStack)]
+    yield
+    for remove in removers:
+        remove()
+
+
+@pytest.mark.parametrize("name", sorted(STACKS))
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_every_registered_stack_class_declares_its_capabilities(name, ranks, engine):
+    """Before loading, from the class alone: which taps and why not, what it refuses, when a patch takes effect; and
+    the roles it declares are the ones its class plays."""
+    cls = stack_class(name, ranks)
+    assert (cls.__module__ + ":" + cls.__name__) == (SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name])
+    declared = capabilities_of(name, engine=engine, ranks=ranks)
+    assert isinstance(declared, Capabilities) and declared == cls.declare(engine, ranks)
+    assert set(declared.taps) <= set(ALL_TAPS) | set(ROUTE_RECORDS) and declared.logits
+    assert all(why == "captured" or why.startswith("not captured") for why in declared.taps.values())
+    assert declared.patch in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER)
+    for role, protocol in ROLES.items():
+        assert not getattr(declared, role) or issubclass(cls, protocol), (name, role)
+
+
+def test_the_engines_declarations_say_what_the_spec_refuses():
+    """A compiled engine refuses the taps Inductor never writes, --graft and a patch once built; a sharded engine or
+    trainer refuses what needs its modules in this process, with the ranks in the line."""
+    from divergence_probe.engines.vllm.worker import WorkerStack
+
+    compiled = capabilities_of("vllm", engine="compiled")
+    assert compiled.not_captured().keys() == {"resid_mid", "resid_out", "q_norm", "k_norm"}
+    assert compiled.patch == PATCH_AT_BUILD and "--graft" in compiled.refused
+    assert capabilities_of("vllm").patch == PATCH_AFTER_LOAD and not capabilities_of("vllm").refused
+    sharded = capabilities_of("vllm", ranks=3)
+    assert sharded.first_refused(["--align", "--mode generate"]).startswith(
+        "--mode generate cannot run at tensor_parallel_size 3: ")
+    assert "--train-tp 4 shards" in capabilities_of("hf", ranks=4).refused["--depth"]
+    assert WorkerStack.declare("compiled").patch == PATCH_AT_BUILD
+    assert capabilities_of("hf").grafts and not capabilities_of("vllm").grafts
+
+
+def test_a_declaration_that_patches_elsewhere_says_why():
+    with pytest.raises(ValueError, match="says why"):
+        Capabilities(taps={}, patch=PATCH_NEVER)
+    with pytest.raises(ValueError, match="not one of"):
+        Capabilities(taps={}, patch="sometimes")
+    declared = Capabilities(taps={"embed": "captured"})
+    with pytest.raises(TypeError):
+        declared.taps["embed"] = "not captured"  # a declaration is shared: read-only
+
+
+def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(refusing_toys, qwen3_tiny,
+                                                                               prompts_file, tmp_path, monkeypatch):
+    from divergence_probe.runs import probe as probe_module
+
+    monkeypatch.setattr(probe_module, "get_stack", lambda name: pytest.fail("a stack loaded before the refusal"))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-refusing", "--train",
+                                      "toy", "--prompts", str(prompts_file), "--mode", "generate", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert RefusingToyStack.REASON in result.output and not out.exists()
+
+
+def test_a_tap_the_stack_cannot_capture_is_refused_with_its_reason(refusing_toys):
+    from divergence_probe.spec import CaptureSpec, LoadSpec, RunSpec
+
+    with pytest.raises(ProbeError) as e:
+        RunSpec(load=LoadSpec(infer="toy-blind", train="toy"), capture=CaptureSpec(taps="swiglu,attn_out"))
+    assert str(e.value) == ("taps swiglu cannot be captured by this toy: its layers have no gate; or drop them from "
+                            "--taps")
+    RunSpec(load=LoadSpec(infer="toy-blind", train="toy"), capture=CaptureSpec(taps="all"))  # all: what it can
+
+
+def test_a_stack_patched_at_build_refuses_a_patch_once_loaded(refusing_toys, qwen3_tiny):
+    from divergence_probe.regions import aligned
+    from divergence_probe.runs.engine_align import needs_engine_build
+
+    stack = BuiltToyStack()
+    stack.load(StackSettings(model_path=str(qwen3_tiny), dtype=torch.bfloat16, device="cpu"))
+    with pytest.raises(StackError, match=re.escape(BuiltToyStack.REASON)):
+        with aligned([stack], ["toy-align"]):
+            pass
+    assert needs_engine_build(SimpleNamespace(infer=stack), ["toy-align"], "both")
+    assert not needs_engine_build(SimpleNamespace(infer=stack), ["toy-align"], "train")
+    plain = ToyStack()
+    plain.load(StackSettings(model_path=str(qwen3_tiny), dtype=torch.bfloat16, device="cpu"))
+    with aligned([plain], ["toy-align"]):
+        assert plain.model.layers[0].fused
+
+
+def test_grafting_needs_a_trainer_that_declares_it(toy):
+    from divergence_probe.runs.graft import check_graftable
+
+    with pytest.raises(ProbeError, match="toy cannot: use --train hf"):
+        check_graftable(ToyStack())
+
+
+def test_hasattr_stays_rare():
+    """Capabilities are declared, never probed: hasattr is left for library version checks, and may not spread."""
+    counts = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name not in HASATTR_ELSEWHERE:
+            counts[name] = sum("hasattr(" in line for line in path.read_text().splitlines())
+    assert "engines/protocol.py" in counts  # the package itself was read
+    assert sum(counts.values()) <= MAX_HASATTR, {name: n for name, n in counts.items() if n}
