@@ -15,8 +15,8 @@ kernel's post-load processing is run again on every MoE layer.
 
 Check: what the engine computes with, tensor by tensor, against the trainer's tensors mapped as vLLM's loader maps
 them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture of experts' tensors as the family's
-`engine_experts` says its MoE loader fills them, then laid out by the experts kernel's own post-load processing run
-on a copy), compared exactly where both live: on the
+vLLM layout (`experts`, engines/vllm/layouts.py) says its MoE loader fills them, then laid out by the experts kernel's
+own post-load processing run on a copy), compared exactly where both live: on the
 device, in this process (no host round trip). A fused tensor is compared source by source, each trainer tensor
 against its rows of the engine's (a view), so the check copies no weight. "Computes with", not "stores": on the CPU a linear layer's `weight` is
 an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
@@ -63,6 +63,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ProbeError
+from ..engines.layouts import layout_of, lookup
 from ..models import family_of, find
 
 
@@ -146,7 +147,7 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every weight of the engine's model by vLLM name, as the model computes with it (see the module docstring).
     A tied head appears under its own name (the logits GEMM) beside the embedding's (the lookup): `Family.tied_head`."""
     out: dict[str, torch.Tensor] = {}
-    head = family_of(model).vllm.model["lm_head"] + "."
+    head = layout_of(model, "vllm").model["lm_head"] + "."
     seen: set[int] = set()
     with torch.inference_mode():
         for name, module in model.named_modules(remove_duplicate=False):
@@ -169,7 +170,7 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
     """engine name -> the trainer's (name, tensor) pairs vLLM's loader builds it from, in the order it stacks them
     along the first dimension (one pair for a tensor loaded as it is). The parts, not their concatenation: the check
     compares each against its rows of the engine's tensor (views), so it copies no weight. `packed`: fused module ->
-    the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding) when the head is tied
+    the trainer's modules stacked into it (`StackLayout.packed`); `tied_head`: (head, embedding) when the head is tied
     (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded into it as it is,
     under another name (a MoE's experts: `expert_sources`)."""
     out = {}
@@ -200,20 +201,20 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
 
 
 def expert_modules(model) -> list[tuple[str, torch.nn.Module, int]]:
-    """(path, module, layer) of every MoE layer's experts module in the engine's model (the family's
-    `engine_experts`); none for a dense family."""
-    family = family_of(model)
-    experts = family.engine_experts
+    """(path, module, layer) of every MoE layer's experts module in the engine's model (the vLLM
+    layout's `experts`); none for a dense family."""
+    layout = layout_of(model, "vllm")
+    experts = layout.experts
     if experts is None:
         return []
-    prefix, role = family.vllm.model["layers"], family.vllm.layer[experts.module]
+    prefix, role = layout.model["layers"], layout.layer[experts.module]
     return [(f"{prefix}.{i}.{role}", find(layer, role), i) for i, layer in enumerate(find(model, prefix))]
 
 
 def expert_sources(model, trainer_layers: str) -> dict[str, str]:
     """Engine expert tensor -> the trainer tensor vLLM's MoE loader copies into it (`trainer_layers`: where the
     trainer keeps its decoder layers)."""
-    experts = family_of(model).engine_experts
+    experts = layout_of(model, "vllm").experts
     return {f"{path}.{param}": f"{trainer_layers}.{i}.{source}" for path, _, i in expert_modules(model)
             for param, source in experts.tensors.items()}
 
@@ -270,8 +271,8 @@ class WeightSync:
     def __init__(self, llm, model, tied: bool) -> None:
         self.llm, self.model, self.tied = llm, model, tied
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
-        self.family = family_of(model)
-        self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
+        self.family, self.layout = family_of(model), layout_of(model, "vllm")
+        self.packed = self.layout.packed  # what vLLM's loader stacks (its packed_modules_mapping)
         self.experts = expert_modules(model)  # a MoE's experts modules (its own loader), none when dense
         self.addresses = storage(model) if _replays_graphs(llm) else None  # what the captured graphs read
         self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
@@ -281,7 +282,7 @@ class WeightSync:
         saves them (a mixture of experts' fused parameters as per-expert tensors: Family.as_saved)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(self.family.as_saved(named))),
                                                           "is_checkpoint_format": True})
-        head = find(self.model, self.family.vllm.model["lm_head"])
+        head = find(self.model, self.layout.model["lm_head"])
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
         for _, module, _ in self.experts:  # the experts kernel's layout, which the reload skips (docstring)
@@ -298,9 +299,9 @@ class WeightSync:
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
         want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None,
-                                expert_sources(self.model, self.family.hf.model["layers"]))
+                                expert_sources(self.model, lookup("hf", self.family.model_type).model["layers"]))
         for path, module, _ in self.experts:  # what the experts kernel computes with: its layout of those tensors
-            names = [f"{path}.{param}" for param in self.family.engine_experts.tensors]
+            names = [f"{path}.{param}" for param in self.layout.experts.tensors]
             laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0][1] for n in names})
             want |= {n: [(want[n][0][0], laid_out[n.rpartition(".")[2]])] for n in names}
         pairs, haves, needs, whole = [], [], [], []

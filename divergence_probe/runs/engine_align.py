@@ -12,7 +12,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from ..regions import aligned, patched
+from ..engines.patching import aligned
+from ..regions import patched
 
 
 def stacks_for(probe, side: str) -> list:
