@@ -7,6 +7,7 @@ vLLM's CPU backend can host one engine per process, so every in-process vLLM tes
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub looku
 import divergence_probe as dp  # noqa: E402
 from divergence_probe.models.modelzoo import make_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+# The tests mirror the package's folders; a module shares its helpers with tests in other folders by its name (each
+# test module's name is unique), so every folder is importable however few of them a run collects. The helpers at
+# tests/ itself (toy_stack, the drivers) are importable as this file's folder.
+sys.path[1:1] = sorted({str(path.parent) for path in TESTS.rglob("test_*.py")} - {str(TESTS)})
 
 
 @pytest.fixture(scope="session")

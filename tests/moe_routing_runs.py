@@ -1,4 +1,4 @@
-"""The MoE routing runs of tests/test_moe_routing.py, on one vLLM engine in one process (vLLM's CPU backend hosts one
+"""The MoE routing runs of tests/numerics/test_moe_routing.py, on one vLLM engine in one process (vLLM's CPU backend hosts one
 engine per process, and the pytest process's engine is the dense tiny Qwen3).
 
     python tests/moe_routing_runs.py MODEL OUT

@@ -1,6 +1,6 @@
 """The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md is
 either run, on the built-in model (`--model M` left out, as the README tells users to), or listed in NOT_RUN with
-why: a new recipe in the README needs a decision here (tests/test_readme.py checks that, and that every command
+why: a new recipe in the README needs a decision here (tests/docs/test_readme.py checks that, and that every command
 parses and builds its run spec). NOT_RUN may name a recipe the README does not have yet (one landing on another
 branch); RUN may not.
 
@@ -24,7 +24,7 @@ RUN = {
     "readme-where-local": ("compare --graft --depth", SIZE),
     "builtin-ablate": ("ablate --taps none", SIZE + ["--bootstrap", "0"]),  # 1000 draws: seconds we can save
 }
-# run in tests/test_readme.py itself, on the folder the command before it wrote
+# run in tests/docs/test_readme.py itself, on the folder the command before it wrote
 RENDERED = {"report runs/where-local": "readme-where-local"}
 NOT_RUN = {
     "compare --engine compiled --engine-noise --taps none": "builds three engines (compiled with and without tap "
@@ -80,5 +80,5 @@ def key(words: list[str]) -> str:
 
 def builtin_commands() -> dict[str, list[str]]:
     """The README commands the "builtin" process runs, by run name, as it runs them (without --out); that each is a
-    README command is tests/test_readme.py's check."""
+    README command is tests/docs/test_readme.py's check."""
     return {name: shlex.split(command) + extra for name, (command, extra) in RUN.items()}

@@ -22,7 +22,7 @@ when they run. Allowances the arithmetic cannot see (the CUDA context, cuBLAS an
 allocator fragmentation) are named terms, so a measured peak can be set against each.
 
 When the default batch does not fit, the plan first chunks the reduction (the statistics are the same to the bit:
-tests/test_memory_plan.py) and then halves `batch_tokens` (the engine's batches change, and so its numerics) until
+tests/models/test_memory_plan.py) and then halves `batch_tokens` (the engine's batches change, and so its numerics) until
 the run fits; a value the user set is never changed: the plan fails instead, in one line that names what was needed,
 what was free and the options. `DIVERGENCE_PROBE_DEVICE_MEMORY=BYTES` replaces the detected free memory.
 """

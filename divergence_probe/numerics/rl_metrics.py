@@ -67,7 +67,7 @@ def log_factors(logprobs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     the gap between their binary exponents: exact in float64's 53 while the two are within a factor 2^28 of each other
     (or one is 0), as logprobs of one token from four runs of one checkpoint are. Then each factor is exact, and so is
     each partial sum: factors added in order telescope to a difference of two float32 values again (train − decode,
-    then train − recorded), which rounds to itself. In float32 the same sums round (tests/test_rl_metrics.py)."""
+    then train − recorded), which rounds to itself. In float32 the same sums round (tests/numerics/test_rl_metrics.py)."""
     names = list(logprobs)
     values = [np.asarray(logprobs[n], dtype=np.float64) for n in names]
     return {f"{a}_vs_{b}": x - y for a, b, x, y in zip(names, names[1:], values, values[1:])}

@@ -44,7 +44,7 @@ class TapPairing:
         self._plans: dict[tuple, _Plan] = {}  # by the order a prompt's taps arrived in, on each side
         # Most elements (per side) one reduction call stacks and reduces (models/memory_plan.py sets it when a prompt's pairs
         # in one call would not fit); None: all of a prompt's pairs in one call. Each pair is reduced on its own
-        # either way, so the statistics are the same to the bit (tests/test_memory_plan.py).
+        # either way, so the statistics are the same to the bit (tests/models/test_memory_plan.py).
         self.chunk_elements: int | None = None
 
     @property

@@ -67,7 +67,7 @@ from ..hooks import after_call
 from ..layouts import layout_of
 from .seams import decoder_layers, model_seams
 
-# Taps the compiled graph materialises whatever we do (checked per model in tests/test_compiled_taps.py: the
+# Taps the compiled graph materialises whatever we do (checked per model in tests/engines/vllm/test_compiled_taps.py: the
 # logprobs of an engine with these tap points equal those of one without, bitwise); final_norm and logits come from
 # outside the graph, as in an untapped compiled engine.
 NEUTRAL = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_core", "attn_out",
@@ -154,7 +154,7 @@ def _capturing(x: torch.Tensor) -> bool:
 def mark_effectful(qualname: str, lib: torch.library.Library) -> None:
     """Register `qualname` as an ORDERED side effect, so compile keeps it, in order, though it returns nothing.
     torch 2.13 has no public API for this (torch.library.custom_op's `register_effect` takes a private EffectType):
-    this is the one place that uses the private one; tests/test_compiled_taps.py pins its behaviour."""
+    this is the one place that uses the private one; tests/engines/vllm/test_compiled_taps.py pins its behaviour."""
     from torch._library.effects import EffectType
 
     torch.library._register_effectful_op(qualname, EffectType.ORDERED, lib=lib)

@@ -65,7 +65,7 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForC
 #   mlp_out         down_proj's output, normalized in place by the next input_layernorm or the final norm
 # Every other tap is a buffer no op writes after the hook sees it (a norm's output read by the next projection,
 # RoPE's output read by attention, attention's and SiluAndMul's fresh outputs, our own resid_out) and is kept
-# as it is: cloning those too was four fifths of the capture's copy traffic (Qwen2.5-1.5B). tests/test_compare.py
+# as it is: cloning those too was four fifths of the capture's copy traffic (Qwen2.5-1.5B). tests/runs/test_compare.py
 # checks the list against cloning every tap on the CPU build, whose fused add+norm is out of place (so there it
 # catches q_norm and k_norm); on the H200, CSVs byte-identical to a run that cloned every tap checked it
 # (docs/results/h200/README.md).

@@ -35,7 +35,7 @@ from test_hostile import dist_files
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

@@ -25,7 +25,7 @@ from divergence_probe.models import get_family
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # In the engine's process. With tap points: a compare with every tap, the raw taps of one scoring call, the taps of
 # a generate-mode run, the manifest's tap status and the one-line errors. Without: the same compare, logprobs only.

@@ -34,7 +34,7 @@ from divergence_probe.engines.hf.trainer import HFStack
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

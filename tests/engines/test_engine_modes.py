@@ -22,7 +22,7 @@ from divergence_probe.engines.protocol import StackSettings, freeze_engine_args
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the tokenizer loaded (RL frameworks load it), prefix caching left at vLLM's default (on): the same prompts are
 # scored several times below, so a prompt token served from the cache would break the capture
 ENGINE_ARGS = {"max_num_seqs": 16, "compilation_config": {"mode": 2}, "skip_tokenizer_init": False}

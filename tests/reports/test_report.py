@@ -566,7 +566,7 @@ def test_taps_none_run_has_no_layer_figure(tmp_path):
     assert "`--taps none`" in text and not (run / "report" / "figures" / "layers.png").exists()
 
 
-LEGACY_RUNS = Path(__file__).resolve().parent / "fixtures" / "legacy_runs"
+LEGACY_RUNS = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_runs"
 
 
 @pytest.mark.parametrize("name", ["ablate-both", "generate"])
@@ -691,7 +691,7 @@ def test_compare_and_ablate_report_flag(qwen3_tiny, prompts_file, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- MoE routing
-MOE = Path(__file__).resolve().parent / "fixtures" / "moe_runs"
+MOE = Path(__file__).resolve().parents[1] / "fixtures" / "moe_runs"
 
 
 def _moe_copy(name: str, tmp_path: Path) -> Path:

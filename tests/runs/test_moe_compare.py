@@ -1,4 +1,4 @@
-"""Qwen3-MoE through compare (issue 28): every tap of the family captured on both stacks, router_logits diffed like
+"""Qwen3-MoE through compare: every tap of the family captured on both stacks, router_logits diffed like
 every tap, and what the family cannot do yet refused in one line before loading.
 
 vLLM's CPU backend hosts one engine per process and the session's engine is the tiny dense Qwen3, so the MoE runs go

@@ -23,7 +23,7 @@ from divergence_probe.taps import TapKey
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 _DRIVEN: dict[str, tuple[Path, dict]] = {}  # engine mode -> (its folder, what its driver saw): one process each

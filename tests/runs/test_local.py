@@ -27,7 +27,7 @@ pytestmark = pytest.mark.engine  # every test here starts an engine or runs the 
 
 QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def seams(num_layers: int, layer_taps) -> set[tuple[str, int]]:

@@ -29,7 +29,7 @@ from divergence_probe.engines.vllm.aligned import CACHE_SUBDIR, _check_compiled,
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 BUILDS = r'''
 import json, sys, torch

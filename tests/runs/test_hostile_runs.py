@@ -1,4 +1,4 @@
-"""A run folder is untrusted input (issue 27): rerun runs no code a run folder names, writers replace only folders the
+"""A run folder is untrusted input: rerun runs no code a run folder names, writers replace only folders the
 tool marked as its own output, paths in a run folder stay inside it, a recorded spec is checked like the CLI's flags,
 and damaged folders are one line. Each refusal: exit code 2, one line on stderr, nothing written, nothing changed.
 

@@ -1,5 +1,5 @@
-"""scripts/train_reference_model.py at the tiny size on the CPU: the smoke test of the H200 reference model's script
-(issue 34). In process, on a 200 kB corpus slice, so it costs seconds; the process state the script sets (threads,
+"""scripts/train_reference_model.py at the tiny size on the CPU: the smoke test of the H200 reference model's script.
+In process, on a 200 kB corpus slice, so it costs seconds; the process state the script sets (threads,
 deterministic algorithms) is put back for the rest of the session."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture

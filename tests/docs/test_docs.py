@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("README.md", "docs", "divergence_probe", "benchmarks", "scripts")
 TEXT_SUFFIXES = {".md", ".py", ".sh", ".txt", ".toml", ".cfg", ".html", ".tex"}
 # Words that say how the work was organised rather than what the tool does. Each is anchored to the phrasing that
@@ -55,6 +55,18 @@ def prose_files() -> list[Path]:
 def test_no_line_narrates_how_the_work_was_organised():
     hits = [hit for path in prose_files() for hit in narrating_lines(path)]
     assert not hits, "lines that narrate the work instead of describing the tool:\n" + "\n".join(hits)
+
+
+TRACKER_NUMBER = re.compile(r"\bissues?\s+#?\d+|\b(?:PR|pull\s+request)\s+#?\d+", re.IGNORECASE)
+
+
+def test_no_test_cites_a_tracker_number():
+    """Tests say "session" in pytest's sense, so only the tracker numbers are looked for there: a reader has no tracker."""
+    tests = ROOT / "tests"
+    hits = [f"{path.relative_to(ROOT)}:{number}"
+            for path in sorted(tests.rglob("*.py")) if path.name != Path(__file__).name
+            for number, line in enumerate(path.read_text().splitlines(), start=1) if TRACKER_NUMBER.search(line)]
+    assert not hits, "tests that cite a tracker number:\n" + "\n".join(hits)
 
 
 @pytest.mark.parametrize("line", [

@@ -4,7 +4,7 @@ Each runs as the docs run it, a script in a process of its own (vLLM's CPU backe
 with --out, so docs/ keeps the cited run. The numbers of a smoke size mean nothing; the test checks that the run
 ends and that its raw numbers carry what the section in docs/benchmarks.md is made from: where a benchmark has a
 renderer of its own (bench_compare.render, bench_graft.section, ...), the test renders the section from the file.
-benchmarks/memory_plan.py is smoke-tested in tests/test_memory_plan.py. What each costs: docs/benchmarks.md's
+benchmarks/memory_plan.py is smoke-tested in tests/models/test_memory_plan.py. What each costs: docs/benchmarks.md's
 opening paragraph (the two compiled benchmarks build three compiled engines each, most of the cost).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.engine, pytest.mark.slow]  # each starts at least one vLLM engine
 # The benchmarks that build several engines each (compiled ones: three compiled builds) would take CI past its time
 # budget on a fresh machine; they run with DP_ALL_BENCHMARKS=1 (docs/benchmarks.md says what each costs).
@@ -50,7 +50,7 @@ def benchmark_module(monkeypatch):
 
 
 def test_bench_compare_on_the_tiny_moe_renders_its_section(tmp_path, benchmark_module):
-    """The MoE arch is the one with a target of its own (issue 28); the dense arch runs the same code."""
+    """The MoE arch is the one with a target of its own; the dense arch runs the same code."""
     data = raw_numbers(tmp_path, "bench_compare.py", "--plan", "tiny", "--arch", "qwen3_moe")
     assert data["model"]["arch"] == "qwen3_moe" and data["model"]["num_local_experts"] > 1
     assert set(data["overhead"]["times_s"]) == {"all", "none"} and data["summary"]["ratio"] > 0

@@ -22,7 +22,7 @@ from test_compare_cli import assert_one_line_error
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bracket_reward():

@@ -1,4 +1,4 @@
-"""Routing on the tiny Qwen3-MoE (issue 28): routing.csv and the token/summary columns against a recomputation from
+"""Routing on the tiny Qwen3-MoE: routing.csv and the token/summary columns against a recomputation from
 router-logit taps captured outside the tool's routing code, the engine's routes checked, routing replay (R3 and
 ids+weights) reaching the trainer's experts for every token and layer while routing.csv still shows the router
 disagreement, generate mode and ablate with the routing region, and what routing refuses in one line.
@@ -28,13 +28,13 @@ from divergence_probe.spec import LoadSpec, check_family, spec_from_flat
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
 TOP_K, LAYERS = 4, 2  # the tiny MoE preset
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def runs(qwen3_moe_tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("moe-routing")
-    done = subprocess.run([sys.executable, str(HERE / "moe_routing_runs.py"), str(qwen3_moe_tiny), str(out)],
+    done = subprocess.run([sys.executable, str(HELPERS / "moe_routing_runs.py"), str(qwen3_moe_tiny), str(out)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -25,7 +25,7 @@ from divergence_probe.rollouts import RolloutError, read_rollouts
 from divergence_probe.runs.score import Scorer, score_batch
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
