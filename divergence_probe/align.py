@@ -9,15 +9,16 @@
     handle.remove()                                  # back to transformers' shipped numerics
 
 `apply` returns a handle that is also a context manager (`with align.apply(model): ...`). Align the same
-regions on the inference engine too (see `divergence_probe.regions.aligned`) for the two to agree.
+regions on the inference engine too (see `divergence_probe.engines.patching.aligned`) for the two to agree.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .regions import ALL_REGIONS, parse_regions, patch
 from .engines.hooks import HookSet
+from .engines.patching import patch
+from .regions import ALL_REGIONS, parse_regions
 
 
 def apply(model, regions: Sequence[str] | str = ALL_REGIONS) -> HookSet:

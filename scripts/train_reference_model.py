@@ -56,7 +56,8 @@ from lm_training import (check_out, corpus_hashes, cpu_name, encode, fail, heldo
                          save, train, windows, write_folder)
 
 from divergence_probe.models import modelzoo# noqa: E402
-from divergence_probe.models import family_of, find  # noqa: E402
+from divergence_probe.engines.layouts import layout_of  # noqa: E402
+from divergence_probe.models import find  # noqa: E402
 
 REPORT = "training.json"
 EVAL_WINDOW = 1024  # held-out loss on 1024-token windows: the longest the built-in model trained on
@@ -240,7 +241,7 @@ def activation_stats(model, data: torch.Tensor, device: torch.device) -> list[di
     """Per decoder layer, over the windows in `data`: the residual stream after the layer (max |h|, median |h|,
     their ratio, where the max sits) and the attention (mean entropy of a query's distribution in nats, mean weight
     on the window's first token, the attention sink). Needs eager attention (output_attentions)."""
-    layers = find(model, family_of(model).hf.model["layers"])
+    layers = find(model, layout_of(model, "hf").model["layers"])
     resid = [[] for _ in layers]
 
     def keep(k):

@@ -19,8 +19,9 @@ import torch
 
 import divergence_probe.rl as rl
 from divergence_probe.errors import ProbeError
-from divergence_probe.models import family_of, find
+from divergence_probe.engines.layouts import layout_of, lookup
 from divergence_probe.engines.vllm.weights import WeightSession
+from divergence_probe.models import find
 from divergence_probe.rl.trainer import Trainer
 from divergence_probe.engines.vllm.rollout import RolloutRecorder
 
@@ -91,10 +92,10 @@ RolloutRecorder.routes = counting_routes
 
 # 1. the experiment: one engine, the setting without and with replay; meanwhile, which experts the update's forward
 # ran with (the ids each layer's experts module was called with), and the rollout's record of the engine's routes
-family = family_of(probe.train.model)
-layers = find(probe.train.model, family.hf.model["layers"])
+hf = layout_of(probe.train.model, "hf")
+layers = find(probe.train.model, hf.model["layers"])
 received: dict[int, torch.Tensor] = {}
-hooks = [find(layer, family.hf.layer["experts"]).register_forward_pre_hook(
+hooks = [find(layer, hf.layer["experts"]).register_forward_pre_hook(
     lambda m, args, i=i: received.__setitem__(i, args[1].detach().clone())) for i, layer in enumerate(layers)]
 steps = []
 real_rollout, real_step = rl.Loop.rollout, rl.Loop.step
@@ -158,7 +159,7 @@ def error_of(fn) -> str:
 
 
 # 2. a push that skips one expert tensor (moved in the trainer): the check names the engine tensor and the trainer's
-skipped = f"{family.hf.model['layers']}.1.{family.engine_experts.tensors['w2_weight']}"
+skipped = f"{hf.model['layers']}.1.{lookup('vllm', probe.train.model.config.model_type).experts.tensors['w2_weight']}"
 
 
 def skip_expert():
@@ -178,7 +179,7 @@ seen["skipped_expert"] = error_of(skip_expert)
 def push_without_experts_fix(self, named):
     self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named)),
                                                       "is_checkpoint_format": True})
-    head = find(self.model, self.family.vllm.model["lm_head"])
+    head = find(self.model, self.layout.model["lm_head"])
     if self.tied and head is not None:
         head.quant_method.process_weights_after_loading(head)
 

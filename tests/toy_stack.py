@@ -133,5 +133,5 @@ def _align_toy(model: torch.nn.Module) -> list[Replacement]:
     return [Replacement(layer, "fused", True) for layer in model.layers]
 
 
-TOY_ALIGN = Region(name="toy-align", summary="toy layer: FP32, one rounding",
-                   patchers={"toy": _align_toy, "toy-fused": _align_toy})
+TOY_ALIGN = Region(name="toy-align", summary="toy layer: FP32, one rounding")
+TOY_PATCHES = {"toy-align": _align_toy}  # both toy stacks' region patches

@@ -84,7 +84,7 @@ def expected_tensors(trainer: dict[str, torch.Tensor], engine_names: Iterable[st
     """engine name -> the trainer's (name, tensor) pairs the engine's loader builds it from, in the order it stacks them
     along the first dimension (one pair for a tensor loaded as it is). The parts, not their concatenation: the check
     compares each against its rows of the engine's tensor (views), so it copies no weight. `packed`: fused module ->
-    the trainer's modules stacked into it (`Family.packed`); `tied_head`: (head, embedding) when the head is tied
+    the trainer's modules stacked into it (`StackLayout.packed`); `tied_head`: (head, embedding) when the head is tied
     (`Family.tied_head`), else None; `loaded_from`: engine name -> the one trainer tensor loaded into it as it is,
     under another name (a MoE's experts: `expert_sources`)."""
     out = {}

@@ -1,4 +1,5 @@
-"""Model families by config.json's `model_type`. A new family (Qwen3-MoE, Llama) is one module plus one line here.
+"""Model families by config.json's `model_type`. A new family (Qwen3-MoE, Llama) is one module plus one line here,
+and one layout entry in each engine's layouts.py.
 
 Entries are "module:NAME" strings, imported when a family is first asked for (vLLM's lazy model registry).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from ..errors import ModelError
-from .base import EngineExperts, ExpertTensors, Family, Fused, Seam, StackLayout, dims, find
+from .base import ExpertTensors, Family, dims, find
 
 FAMILIES: dict[str, str] = {
     "qwen2": "divergence_probe.models.qwen2:QWEN2",
@@ -26,8 +27,8 @@ def get_family(model_type: str) -> Family:
 
 
 def family_of(model) -> Family:
-    """The family of a loaded model of either stack (both keep the transformers config as `model.config`)."""
+    """The family of a loaded model of any engine (each keeps the transformers config as `model.config`)."""
     return get_family(model.config.model_type)
 
 
-__all__ = ["FAMILIES", "EngineExperts", "ExpertTensors", "Family", "Fused", "Seam", "StackLayout", "dims", "family_of", "find", "get_family"]
+__all__ = ["FAMILIES", "ExpertTensors", "Family", "dims", "family_of", "find", "get_family"]

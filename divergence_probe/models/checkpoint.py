@@ -177,7 +177,7 @@ def _shape_fields(name: str, config, family: Family) -> str:
 
 
 def _layers(names, family: Family) -> set[int]:
-    pattern = re.escape(family.hf.model["layers"]) + r"\.(\d+)\."
+    pattern = re.escape(family.layer_prefix) + r"\.(\d+)\."
     return {int(m.group(1)) for n in names if (m := re.match(pattern, n))}
 
 

@@ -1,22 +1,16 @@
-"""Region registry, and the patch step that aligns regions on loaded stacks once every target was found.
+"""Region registry: the aligned reference math and what each region aligns, whichever engine it is patched into.
 
-A new region (say `lm_head` in FP32) is one module defining a `Region` plus one line in REGIONS.
+A new region (say `lm_head` in FP32) is one module defining a `Region` plus one line in REGIONS, and one patch per
+engine (engines/patching.py: where it goes on each engine, and the step that applies it).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
-from contextlib import contextmanager
-from dataclasses import replace
 from importlib import import_module
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from ..errors import ProbeError, StackError
-from ..engines.hooks import HookSet, Replacement
-from .base import Region, SeamMissing
-
-log = logging.getLogger(__name__)
+from ..errors import ProbeError
+from .base import Region
 
 REGIONS: dict[str, str] = {
     "rope": "divergence_probe.regions.rope:ROPE",
@@ -46,12 +40,6 @@ def parse_regions(spec: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in REGIONS if n in names)
 
 
-def library(model) -> str:
-    """'transformers 5.19.0': the library whose modeling code built `model` (whose seams the patchers find)."""
-    top = type(model).__module__.split(".")[0]
-    return f"{top} {getattr(sys.modules.get(top), '__version__', 'of unknown version')}"
-
-
 def patched(regions: Sequence[str]) -> tuple[str, ...]:
     """The regions that patch a stack's numerics: all but those the run loop takes from the engine (routing)."""
     return tuple(name for name in regions if not get_region(name).from_engine)
@@ -72,55 +60,5 @@ def check_regions_exist(family, regions: Sequence[str]) -> None:
                              f"this model: {','.join(has)})")
 
 
-def plan(stack_name: str, model, regions: Sequence[str]) -> dict[str, list[Replacement]]:
-    """Find every target of every region on one model, changing nothing: region -> its replacements. Regions taken
-    from the engine (`from_engine`) are the run loop's and are left out."""
-    plans = {}
-    for name in patched(regions):
-        region = get_region(name)
-        if stack_name not in region.patchers:
-            raise StackError(f"region {name} has no patch for the {stack_name} stack; leave {name} out of the "
-                             "aligned regions")
-        where = f"region {name} cannot be aligned on the {stack_name} stack ({library(model)})"
-        fix = f"this version's modeling code moved the seam: leave {name} out of the aligned regions or use a " \
-              "supported transformers/vLLM version (docs/reference.md, 'Supported versions')"
-        try:
-            found = region.patchers[stack_name](model)
-        except SeamMissing as e:
-            raise StackError(f"{where}: no {e.what}; {fix}") from None
-        if not found:
-            raise StackError(f"{where}: it found nothing to patch; {fix}")
-        plans[name] = [replace(r, owner=f"region {name} on {stack_name}") for r in found]
-    for name in plans:  # a target two regions replace goes to the one whose replacement includes the other's
-        for other in set(get_region(name).supersedes) & set(plans):
-            taken = {r.key for r in plans[name]}
-            plans[other] = [r for r in plans[other] if r.key not in taken]
-    return plans
-
-
-def patch(stack_name: str, model, regions: Sequence[str], hooks: HookSet) -> dict[str, int]:
-    """Patch `regions` into one loaded model once all their targets were found; returns region -> how many
-    targets it replaced. A missing target or an overlap raises before anything changed."""
-    plans = plan(stack_name, model, regions)
-    hooks.apply([r for found in plans.values() for r in found])
-    for name, found in plans.items():
-        log.debug("aligned %s on %s: %d targets", name, stack_name, len(found))
-    return {name: len(found) for name, found in plans.items()}
-
-
-@contextmanager
-def aligned(stacks: Sequence, regions: Sequence[str]) -> Iterator[None]:
-    """Align `regions` on every given loaded stack for the duration of the block; undone on exit. Every
-    target on every stack is found before any is changed."""
-    regions = patched(regions)
-    with HookSet() as hooks:
-        for stack in stacks:
-            if regions:  # a compiled engine takes a patch when it is built, not once loaded
-                stack.capabilities().check_patchable()
-        plans = [plan(stack.name, stack.model, regions) for stack in stacks]
-        hooks.apply([r for p in plans for found in p.values() for r in found])
-        yield
-
-
-__all__ = ["ALL_REGIONS", "REGIONS", "Region", "aligned", "check_regions_exist", "from_engine", "get_region", "library", "parse_regions", "patch",
-           "patched", "plan"]
+__all__ = ["ALL_REGIONS", "REGIONS", "Region", "check_regions_exist", "from_engine", "get_region", "parse_regions",
+           "patched"]

@@ -17,9 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import ProbeError
-from ..engines.hooks import Replacement
-from .base import Region, child, model_part
+from .base import Region
 
 
 def head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,35 +27,9 @@ def head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def patch_hf(model: torch.nn.Module) -> list[Replacement]:
-    """transformers' head is an nn.Linear whose output the causal LM returns as its logits."""
-    lm_head = model_part(model, "hf", "lm_head")
-    child(lm_head, "weight", "the lm_head")
-    return [Replacement(lm_head, "forward", lambda x: head(x, lm_head.weight, lm_head.bias))]
-
-
-def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
-    """vLLM's LogitsProcessor calls `lm_head.quant_method.apply(lm_head, hidden, bias)` for the head GEMM; that call is
-    replaced. With a `head_dtype` other than the model's (its own FP32-head option) the processor skips it, so
-    that engine is refused rather than silently left as it runs."""
-    lm_head = model_part(model, "vllm", "lm_head")
-    method = child(lm_head, "quant_method", "the lm_head")
-    if type(method).__name__ not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
-        raise ProbeError(f"an FP32 head needs an unquantized lm_head; vLLM built {type(method).__name__}: leave "
-                         "lm_head out of the aligned regions")
-    for module in model.modules():
-        head_dtype = getattr(module, "head_dtype", None) if type(module).__name__ == "LogitsProcessor" else None
-        if head_dtype is not None and head_dtype != lm_head.weight.dtype:
-            raise ProbeError(f"the engine already runs its head in {head_dtype} (head_dtype in the checkpoint's "
-                             "config.json, which vLLM reads): remove it there, or leave lm_head out of the aligned "
-                             "regions")
-    return [Replacement(method, "apply", lambda layer, x, bias=None: head(x, layer.weight, bias))]
-
-
 LM_HEAD = Region(
     name="lm_head",
     summary="LM head: FP32 GEMM of the upcast final hidden state, FP32 logits into the softmax, no rounding "
     "(shipped: the head GEMM in the run's dtype, 1 R per logit, on both stacks)",
-    patchers={"hf": patch_hf, "vllm": patch_vllm},
     outside_graph=True,
 )

@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engines.hooks import Replacement
-from .base import Region, child, decoder_layers, layer_name, layout, model_part, part
-from .rmsnorm import hf_layer_forward, normalize, vllm_norm
-
-NORMS = ("input_norm", "post_norm")  # the norms that read the stream in each layer; the final norm besides
+from .base import Region
 
 
 def fp32_add(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
@@ -45,44 +41,9 @@ def fp32_add(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     return x.float() + stream.float()
 
 
-
-def _norms(model, stack: str) -> list:
-    """Every norm that reads the residual stream: each layer's input and post-attention norm, and the final norm."""
-    stack_layout = layout(model, stack)
-    found = [part(layer, layer_name(stack_layout, i), stack_layout, role)
-             for i, layer in enumerate(decoder_layers(model, stack)) for role in NORMS]
-    return found + [model_part(model, stack, "final_norm")]
-
-
-def patch_hf(model: torch.nn.Module) -> list[Replacement]:
-    """Each decoder layer's forward (FP32 adds) and each norm reading the stream. The norm rounds to its weight's dtype:
-    the run's dtype, or FP32 under AMP (--train-precision amp), where autocast rounds at the next GEMM instead."""
-    found = []
-    for norm in _norms(model, "hf"):
-        child(norm, "weight", type(norm).__name__)
-        child(norm, "variance_epsilon", type(norm).__name__)
-        found.append(Replacement(norm, "forward", lambda h, norm=norm: normalize(
-            h.float(), norm.weight, norm.variance_epsilon, norm.weight.dtype)))
-    hf = layout(model, "hf")
-    for i, layer in enumerate(decoder_layers(model, "hf")):
-        for role in ("attn", "mlp"):
-            part(layer, layer_name(hf, i), hf, role)
-        found.append(Replacement(part(layer, "", hf, hf.regions["residual"]), "forward",
-                                 hf_layer_forward(layer, hf, add=fp32_add)))
-    return found
-
-
-def patch_vllm(model: torch.nn.Module) -> list[Replacement]:
-    """The fused add+RMSNorm of each norm reading the stream (vLLM's layers pass `residual` through them alone)."""
-    return [vllm_norm(norm, "an FP32 residual stream needs vLLM's full-width weighted RMSNorm, found {norm}: leave "
-                            "residual out of the aligned regions", stream_dtype=torch.float32)
-            for norm in _norms(model, "vllm")]
-
-
 RESIDUAL = Region(
     name="residual",
     summary="residual stream in FP32: FP32 adds of each attention/MLP output, never rounded; the layer and final norms "
     "read it and round once (shipped: R after every add on transformers, R between layers on vLLM)",
-    patchers={"hf": patch_hf, "vllm": patch_vllm},
     supersedes=("rmsnorm",),
 )

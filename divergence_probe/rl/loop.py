@@ -50,7 +50,8 @@ from .. import align as align_api
 from ..engines.rollout_protocol import RolloutSample
 from ..numerics import routing
 from ..errors import NumericsError, ProbeError
-from ..regions import aligned, check_regions_exist, from_engine
+from ..engines.patching import aligned
+from ..regions import check_regions_exist, from_engine
 from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score

@@ -23,7 +23,7 @@ from .manifest import build_manifest
 from .progress import Progress, phase
 from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
-from ..regions import aligned
+from ..engines.patching import aligned
 from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
 from ..spec.run import RunSpec
 

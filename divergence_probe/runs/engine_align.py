@@ -12,8 +12,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
+from ..engines.patching import aligned
 from ..engines.protocol import PATCH_AT_BUILD
-from ..regions import aligned, patched
+from ..regions import patched
 
 
 def stacks_for(probe, side: str) -> list:

@@ -131,7 +131,7 @@ def test_a_tap_the_stack_cannot_capture_is_refused_with_its_reason(refusing_toys
 
 
 def test_a_stack_patched_at_build_refuses_a_patch_once_loaded(refusing_toys, qwen3_tiny):
-    from divergence_probe.regions import aligned
+    from divergence_probe.engines.patching import aligned
     from divergence_probe.runs.engine_align import needs_engine_build
 
     stack = BuiltToyStack()

@@ -1,7 +1,8 @@
-"""models/: the family registry, and each family's description against the real modules and checkpoints.
+"""models/ and the engines' layouts: the family registry, and each family's description and each engine's layout of
+it against the real modules and checkpoints.
 
-A family is data that every stack reads instead of naming modules, so a wrong path there is a tap, a patch or a
-sync check that silently reads the wrong thing; these tests hold each path to the module it names (transformers
+A family and its layouts are data that every stack reads instead of naming modules, so a wrong path there is a tap, a
+patch or a sync check that silently reads the wrong thing; these tests hold each path to the module it names (transformers
 on the meta device; vLLM through the session's one engine) and the checkpoint names to make-model's files.
 """
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from divergence_probe.models.checkpoint import checkpoint_tensors, expected_tensors
-from divergence_probe.errors import ModelError, StackError
+from divergence_probe.errors import ModelError, ProbeError, StackError
+from divergence_probe.engines.layouts import lookup
 from divergence_probe.models import FAMILIES, dims, find, get_family
 from divergence_probe.engines.vllm.seams import layer_seams
 from divergence_probe.taps import LAYER_TAPS, ROUTE_RECORDS
@@ -41,6 +43,20 @@ def test_unknown_model_type_is_one_line_listing_the_known():
     assert all(name in message for name in FAMILIES)
 
 
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_family_without_a_layout_is_one_line_listing_the_known(engine):
+    with pytest.raises(ProbeError) as e:
+        lookup(engine, "llama")
+    message = str(e.value)
+    assert "\n" not in message and "'llama'" in message and engine in message
+    assert all(name in message for name in FAMILIES)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_every_engine_has_a_layout_of_every_family(engine):
+    assert all(lookup(engine, arch) is lookup(engine, arch) for arch in ARCHS)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_family_is_registered_under_its_model_type(arch):
     family = get_family(arch)
@@ -54,7 +70,7 @@ def test_every_stack_reads_exactly_the_family_taps(arch):
     canonical ones (expected_taps and the pairing rely on both)."""
     family = get_family(arch)
     assert family.layer_taps == tuple(t for t in LAYER_TAPS if t in family.layer_taps)
-    for layout in (family.hf, family.vllm):
+    for layout in (lookup("hf", arch), lookup("vllm", arch)):
         read = [t for seam in layout.seams for t in seam.taps if t not in ROUTE_RECORDS]
         assert sorted(read) == sorted(family.layer_taps), layout
         assert all(seam.module == "" or seam.module in layout.layer for seam in layout.seams)
@@ -62,30 +78,34 @@ def test_every_stack_reads_exactly_the_family_taps(arch):
         records = {t for seam in layout.seams for t in seam.taps if t in ROUTE_RECORDS}
         assert records == (set(ROUTE_RECORDS) if family.top_k_field else set())  # a MoE stack says where it routed
     assert set(family.layer_taps) <= set(family.widths)
-    assert all(f.module in family.vllm.layer for f in family.fused)
+    vllm = lookup("vllm", arch)
+    assert all(f.module in vllm.layer for f in vllm.fused)
+    assert not lookup("hf", arch).fused and lookup("hf", arch).experts is None  # transformers fuses nothing
+    assert (vllm.experts is not None) == (family.top_k_field is not None)  # vLLM's MoE loader fills the experts
+    assert family.layer_prefix == lookup("hf", arch).model["layers"]  # checkpoint names are transformers' own
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_paths_resolve_on_a_model_built_from_its_config(arch, checkpoints):
-    family = get_family(arch)
+    family, hf = get_family(arch), lookup("hf", arch)
     model = meta_model(checkpoints[arch])
     assert model.config.model_type == arch
-    for role, path in family.hf.model.items():
+    for role, path in hf.model.items():
         assert find(model, path) is not None, (role, path)
-    layers = find(model, family.hf.model["layers"])
+    layers = find(model, hf.model["layers"])
     assert len(layers) == model.config.num_hidden_layers
     for layer in layers:
-        for role, path in family.hf.layer.items():
+        for role, path in hf.layer.items():
             assert find(layer, path) is not None, (role, path)
     # the widths the compiled taps size buffers with are those of the modules
     layer, sizes = layers[0], dims(model.config)
     for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         if name in family.layer_taps:  # a sparse MoE layer has no dense gate/up projections
-            assert find(layer, family.hf.layer[name]).out_features == sizes[family.widths[name]], name
+            assert find(layer, hf.layer[name]).out_features == sizes[family.widths[name]], name
     if "swiglu" in family.layer_taps:
-        assert find(layer, family.hf.layer["down_proj"]).in_features == sizes[family.widths["swiglu"]]
+        assert find(layer, hf.layer["down_proj"]).in_features == sizes[family.widths["swiglu"]]
     if "router_logits" in family.layer_taps:  # the router's weight is [experts, hidden]
-        assert find(layer, family.hf.layer["gate"]).weight.shape[0] == sizes[family.widths["router_logits"]]
+        assert find(layer, hf.layer["gate"]).weight.shape[0] == sizes[family.widths["router_logits"]]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -110,7 +130,7 @@ def test_a_vllm_layer_without_a_named_module_is_a_one_line_error():
     family = get_family("qwen3")
     with pytest.raises(StackError) as e:
         layer_seams(torch.nn.Module(), family, {"q": 1, "kv": 1, "inter": 1, "hidden": 1})
-    assert "\n" not in str(e.value) and family.vllm.layer["input_norm"] in str(e.value)
+    assert "\n" not in str(e.value) and lookup("vllm", "qwen3").layer["input_norm"] in str(e.value)
 
 
 def test_vllm_paths_resolve_on_the_engines_model(vllm_probe):
@@ -118,19 +138,20 @@ def test_vllm_paths_resolve_on_the_engines_model(vllm_probe):
     packed_modules_mapping, and each fused split's sizes add up to the fused module's output."""
     model = vllm_probe.infer.model
     family = get_family(model.config.model_type)
-    for role, path in family.vllm.model.items():
+    vllm = lookup("vllm", family.model_type)
+    for role, path in vllm.model.items():
         assert find(model, path) is not None, (role, path)
     sizes = dims(model.config)
-    for layer in find(model, family.vllm.model["layers"]):
-        for role, path in family.vllm.layer.items():
+    for layer in find(model, vllm.model["layers"]):
+        for role, path in vllm.layer.items():
             assert find(layer, path) is not None, (role, path)
-        for fused in family.fused:
-            module = find(layer, family.vllm.layer[fused.module])
+        for fused in vllm.fused:
+            module = find(layer, vllm.layer[fused.module])
             if fused.sizes:
                 assert sum(sizes[d] for d in fused.sizes) == module.output_size_per_partition
-        assert [s.names for s in layer_seams(layer, family, sizes)] == [s.taps for s in family.vllm.seams]
+        assert [s.names for s in layer_seams(layer, family, sizes)] == [s.taps for s in vllm.seams]
     mapping = {k: tuple(v) for k, v in type(model).packed_modules_mapping.items()}
-    assert family.packed == mapping
+    assert vllm.packed == mapping
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,8 +14,10 @@ import torch
 
 from divergence_probe import align
 from divergence_probe.errors import StackError
-from divergence_probe.regions import ALL_REGIONS, REGIONS, Region, aligned, patch, plan, rmsnorm
-from divergence_probe.regions.base import decoder_layers
+from divergence_probe.regions import ALL_REGIONS, REGIONS, Region
+from divergence_probe.engines.hf.patches import PATCHES as HF_PATCHES
+from divergence_probe.engines.hf.patches import rmsnorm as hf_rmsnorm
+from divergence_probe.engines.patching import aligned, decoder_layers, patch, plan
 from divergence_probe.engines.hooks import HookSet, PatchConflict, Replacement, arg, first_tensor
 
 SHAPES = [1, 7, 64]  # tokens
@@ -111,7 +113,7 @@ def test_rmsnorm_aligned_is_bitwise_equal_across_stacks(models, tokens, dtype):
         shipped_hf = hf_norm(x)
         with aligned([probe.train, probe.infer], ["rmsnorm"]):
             v_out, v_res = vllm_norm(x.clone(), res.clone())
-            stream = rmsnorm.residual_add(x, res)  # what the aligned decoder layer hands the next norm
+            stream = hf_rmsnorm.residual_add(x, res)  # what the aligned decoder layer hands the next norm
             h_out = hf_norm(stream)
             assert torch.equal(stream, v_res) and torch.equal(h_out, v_out) and h_out.dtype == dtype
             assert torch.equal(hf_norm(x), vllm_norm(x.clone()))  # no residual: first layer's input norm
@@ -511,13 +513,17 @@ def test_vllm_counts_are_the_targets_found(vllm_probe):
     assert found == {"rope": 1, "swiglu": n, "rmsnorm": 4 * n + 1}  # Qwen3: 4 norms a layer and the final norm
 
 
-TWIN = Region("twin", "a test region that replaces what swiglu replaces", patchers={
-    "hf": lambda model: [Replacement(layer.mlp, "forward", lambda x: x) for layer in decoder_layers(model, "hf")]})
+TWIN = Region("twin", "a test region that replaces what swiglu replaces")
+
+
+def _twin_patch(model):
+    return [Replacement(layer.mlp, "forward", lambda x: x) for layer in decoder_layers(model, "hf")]
 
 
 def test_overlapping_patches_raise_and_change_nothing(fresh_qwen3, monkeypatch):
     model = fresh_qwen3
     monkeypatch.setitem(REGIONS, "twin", f"{__name__}:TWIN")
+    monkeypatch.setitem(HF_PATCHES, "twin", _twin_patch)
     snap = snapshot(model)
     with pytest.raises(PatchConflict, match=r"Qwen3MLP\.forward is replaced twice \(region swiglu on hf and "
                                             r"region twin on hf\)"):

@@ -30,7 +30,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ...models import family_of, find
+from ...models import find
+from ..layouts import layout_of
 from ...taps import TapKey
 
 
@@ -63,13 +64,13 @@ def _children(root: torch.nn.Module, stubs: Mapping[str, torch.nn.Module]) -> It
 class HFReplay:
     def __init__(self, model) -> None:
         self.model = model
-        self.family = family_of(model).hf
-        self.layers = find(model, self.family.model["layers"])
+        self.layout = layout_of(model, "hf")
+        self.layers = find(model, self.layout.model["layers"])
         self.config = model.config
 
     def _role(self, name: str):
-        """A model-level module by role (models/), looked up now: a region patch may have replaced its forward."""
-        return find(self.model, self.family.model[name])
+        """A model-level module by role (engines/hf/layouts.py), looked up now: a region patch may have replaced its forward."""
+        return find(self.model, self.layout.model[name])
 
     # ------------------------------------------------------------------------------------------ forward context
     def _context(self, embeds: torch.Tensor):
@@ -134,7 +135,7 @@ class HFReplay:
         def put(name: str, i: int, x: torch.Tensor) -> None:
             out[TapKey.of(name, i)] = x.reshape(T, -1)
 
-        roles = self.family.layer
+        roles = self.layout.layer
         norm_input = embed  # what the next input norm sees: the residual add's output, as this stack makes it
         for i, layer in enumerate(self.layers):
             def m(role: str, layer=layer):  # a module of this layer by role (models/), looked up now
@@ -202,7 +203,7 @@ class HFReplay:
         `post_norm` (element 0 of its output, the logits), and the MoE block's own forward on that `post_norm` with
         its router stubbed to return the other stack's routes, so the experts run on exactly the other stack's
         experts, with its gate weights cast to the dtype this router hands its experts."""
-        roles = self.family.layer
+        roles = self.layout.layer
         put("router_logits", i, find(layer, roles["gate"])(x)[0])
         logits = out[TapKey.of("router_logits", i)]
         ids, weights = t("expert_ids", i)[0], t("expert_weights", i)[0]

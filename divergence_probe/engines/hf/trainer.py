@@ -4,7 +4,7 @@ Each prompt runs alone (batch 1, no padding), with `AutoModelForCausalLM` in the
 configured attention implementation; logprobs are `log_softmax` of the FP32-upcast logits, the way
 trainers compute the policy they differentiate.
 
-Tap seams: the family's (models/, `family.hf.seams`; docs/numerics.md has the map): module outputs for
+Tap seams: the family's transformers layout (engines/hf/layouts.py; docs/numerics.md has the map): module outputs for
 norms, projections and the decoder layer; `resid_mid` is the input of the post-attention norm; `swiglu` the
 input of down_proj. `q_rope`, `k_rope` and `attn_core` have no module boundary, so while a capture runs the
 model's attention function is wrapped through transformers' own AttentionInterface registry (and restored
@@ -28,6 +28,7 @@ from ...environment import to_device
 from ...errors import ModelError, NumericsError, StackError, one_line
 from ...numerics.metrics import token_logprobs
 from ...models import family_of, find
+from ..layouts import layout_of
 from ...prompts import Prompt, padded_batches
 from ...taps import ALL_TAPS, TapKey
 from ..protocol import (CAPTURED, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo,
@@ -218,7 +219,7 @@ class HFStack:
             raise StackError(f"routing replay needs a mixture-of-experts model; {family.model_type} has no router")
         hooks = HookSet()
         for i, layer in enumerate(self.layers):
-            hooks.after(find(layer, family.hf.layer["gate"]), self._replay_hook(i, routes))
+            hooks.after(find(layer, layout_of(self.model, "hf").layer["gate"]), self._replay_hook(i, routes))
         with hooks:
             yield
 
@@ -281,7 +282,7 @@ class HFStack:
             mask[row, : len(p.token_ids)] = 1
         positions = torch.arange(longest, device=ids.device)[None].expand_as(ids)
         # a router flattens the batch: its logits and its choice (the ids it returned) are rows of the flattened batch
-        rows_read = {t for seam in family_of(self.model).hf.seams if seam.read in ("rows", "router_choice")
+        rows_read = {t for seam in layout_of(self.model, "hf").seams if seam.read in ("rows", "router_choice")
                      for t in seam.taps}
         if not taps <= rows_read:
             raise StackError(f"a batched transformers forward captures only {', '.join(sorted(rows_read)) or 'no'} "
@@ -372,10 +373,11 @@ class HFStack:
         return hooks
 
     def _install(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
-        """The family's transformers seams (models/), each read as its kind says: a module's output or input (hooks),
-        a projection's input or output (its forward wrapped), or the attention function (`_wrap_attention`)."""
+        """The family's transformers seams (engines/hf/layouts.py), each read as its kind says: a module's output or
+        input (hooks), a projection's input or output (its forward wrapped), or the attention function
+        (`_wrap_attention`)."""
         n_layers = len(self.layers)
-        family = family_of(self.model)
+        family, layout = family_of(self.model), layout_of(self.model, "hf")
 
         def out(name: str, layer: int, reshape=lambda x: x[0]):
             key = TapKey.of(name, layer)
@@ -392,10 +394,10 @@ class HFStack:
             hooks.after(self._module("embed"), out("embed", -1))
         for i, layer in enumerate(self.layers):
             projections: dict[str, list] = {}  # role -> [tap of its input, tap of its output, where its input is]
-            for seam in family.hf.seams:
+            for seam in layout.seams:
                 if seam.read == "attention" or not taps & set(seam.taps):
                     continue
-                module = find(layer, family.hf.layer[seam.module]) if seam.module else layer
+                module = find(layer, layout.layer[seam.module]) if seam.module else layer
                 if seam.read == "router_choice":  # a router's (logits, weights, ids): the experts it picked
                     hooks.after(module, _router_choice(seam.taps, taps, i, emit))
                     continue
@@ -416,7 +418,7 @@ class HFStack:
                     raise ValueError(f"{family.model_type}: transformers seam read {seam.read!r} is not one "
                                      "engines/hf/trainer.py knows")
             for role, (before, after, at) in projections.items():
-                _wrap_projection(hooks, find(layer, family.hf.layer[role]), before, after, emit, at)
+                _wrap_projection(hooks, find(layer, layout.layer[role]), before, after, emit, at)
         if "final_norm" in taps:
             hooks.after(self._module("final_norm"), out("final_norm", n_layers))
         if "logits" in taps:  # scored rows only: the last position predicts a token that is not in the prompt
@@ -425,8 +427,8 @@ class HFStack:
             self._wrap_attention(hooks, taps, emit)
 
     def _module(self, role: str):
-        """A model-level module of the family by role (models/: embed, layers, final_norm, lm_head, ...)."""
-        return find(self.model, family_of(self.model).hf.model[role])
+        """A model-level module of the family by role (engines/hf/layouts.py: embed, layers, final_norm, lm_head)."""
+        return find(self.model, layout_of(self.model, "hf").model[role])
 
     def _wrap_attention(self, hooks: HookSet, taps: frozenset[str], emit) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -440,7 +442,7 @@ class HFStack:
         else:
             inner = registry[impl]
         names = [name for name in ("q_rope", "k_rope", "attn_core") if name in taps]
-        attn = family_of(self.model).hf.layer["attn"]
+        attn = layout_of(self.model, "hf").layer["attn"]
         keys_of = {id(find(layer, attn)): {n: TapKey.of(n, i) for n in names} for i, layer in enumerate(self.layers)}
 
         def tapped(module, query, key, value, attention_mask, **kwargs):
@@ -464,7 +466,7 @@ class HFStack:
     def info(self) -> StackInfo:
         import transformers
 
-        layer, roles = self.layers[0], family_of(self.model).hf.layer
+        layer, roles = self.layers[0], layout_of(self.model, "hf").layer
         moe = family_of(self.model).top_k_field is not None  # the experts' implementation, not a dense SwiGLU
         attn_module = type(find(layer, roles["attn"])).__module__
         mlp = find(layer, roles["mlp"])

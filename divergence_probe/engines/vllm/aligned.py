@@ -39,24 +39,38 @@ def cache_namespace(regions: Sequence[str], root: str | None = None) -> str | No
     changes none of those, so an aligned build and a shipped build share one key, and whichever compiled first would
     be loaded by the other (vLLM re-checks only that the inlined source files are unchanged, which they are). The
     key's only lever outside the config is where the cache lives, so each set of aligned regions compiles under its
-    own VLLM_CACHE_ROOT: a subfolder of the user's root named by the regions and the sha256 of their source files
-    and of the region modules they take code from (an edited region compiles anew; residual runs rmsnorm's norm).
+    own VLLM_CACHE_ROOT: a subfolder of the user's root named by the regions and the sha256 of their vLLM patches'
+    source files and of the modules those take code from (an edited region compiles anew; residual runs rmsnorm's
+    norm).
     The shipped engine keeps the user's root, which it can share with the user's own vLLM runs. Inductor's own
     caches are keyed by graph content and follow VLLM_CACHE_ROOT in AOT mode."""
     if not regions:
         return None
-    from ... import regions as registry
+    from ..patching import patches_of
 
     digest = hashlib.sha256()
     for name in sorted(regions):
-        module = inspect.getmodule(registry.get_region(name).patchers["vllm"])
-        package = module.__name__.rpartition(".")[0]
-        used = {module.__name__} | {getattr(value, "__module__", None) for value in vars(module).values()}
         digest.update(name.encode() + b"\0")
-        for source in sorted(m for m in used if m and m.rpartition(".")[0] == package):
+        for source in sorted(_sources(inspect.getmodule(patches_of("vllm")[name]))):
             digest.update(Path(sys.modules[source].__file__).read_bytes())
     base = root or os.environ.get("VLLM_CACHE_ROOT") or _default_vllm_cache_root()
     return str(Path(base) / CACHE_SUBDIR / f"{'+'.join(sorted(regions))}-{digest.hexdigest()[:16]}")
+
+
+def _sources(patch_module) -> set[str]:
+    """The modules whose code a region's vLLM patch runs: its own, and those of the engine's patches and of the
+    regions' reference math it takes code from, followed through what they take in turn (residual's patch runs
+    rmsnorm's patch, which runs rmsnorm's norm)."""
+    packages = {patch_module.__name__.rpartition(".")[0], "divergence_probe.regions"}
+    found, todo = set(), [patch_module.__name__]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        todo += [m for m in (getattr(value, "__module__", None) for value in vars(sys.modules[name]).values())
+                 if m and m.rpartition(".")[0] in packages]
+    return found
 
 
 def _default_vllm_cache_root() -> str:
@@ -120,7 +134,7 @@ def load_aligned(settings: StackSettings, regions: Sequence[str]):
     """A loaded VLLMStack whose engine was built with `regions` patched in before it compiled. The patches stay in
     place for the life of the process (the engine keeps running that code; eager mode calls it at every step).
     Raises StackError when a region's aligned code is not in the compiled graph."""
-    from ... import regions as registry
+    from ..patching import plan
     from .stack import VLLMStack, _disable_flashinfer_sampler_if_missing, _import_vllm
 
     _import_vllm()
@@ -133,7 +147,7 @@ def load_aligned(settings: StackSettings, regions: Sequence[str]):
     def patch(model: torch.nn.Module) -> None:
         if planned or not regions:
             return
-        plans = registry.plan("vllm", model, regions)
+        plans = plan("vllm", model, regions)
         hooks.apply([r for found in plans.values() for r in found])
         planned.update(plans)
 
@@ -160,12 +174,12 @@ def _check_compiled(stack, planned: dict[str, list], recorder: _InlineRecorder |
     """Per region, how the engine runs its aligned code; refuse a region the compiled graph does not contain."""
     if recorder is None:
         return {name: "patched (eager: runs as Python at every step)" for name in planned}
-    from ... import regions as registry
+    from ...regions import get_region
 
     inlined, loaded = recorder.codes, _aot_sources(stack.model)
     status = {}
     for name, replacements in planned.items():
-        if registry.get_region(name).outside_graph:
+        if get_region(name).outside_graph:
             status[name] = "patched (outside the compiled graph: runs as Python at every step)"
             continue
         codes = {(r.value.__code__.co_filename, r.value.__code__.co_firstlineno) for r in replacements

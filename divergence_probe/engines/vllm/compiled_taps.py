@@ -66,6 +66,7 @@ from ...errors import StackError
 from ...taps import ALL_TAPS, LAYER_TAPS, ROUTE_RECORDS, Tap, TapKey
 from ...models import dims, family_of, find
 from ..hooks import HookSet, after_call
+from ..layouts import layout_of
 from .seams import decoder_layers, model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/engines/vllm/test_compiled_taps.py: the
@@ -260,7 +261,7 @@ class TapPoints:
         """The static buffers of the tap points `keys` (the op keys install made), `rows` rows each, in the model's
         dtype on its device (route records: ROUTE_DTYPES): made once, outside any forward, so a CUDA-graph capture
         finds fixed addresses."""
-        weight = find(model, family_of(model).vllm.model["embed"]).weight
+        weight = find(model, layout_of(model, "vllm").model["embed"]).weight
         if weight.device.type == "meta":
             raise StackError("tap buffers need the model's device, but vLLM built the model on the meta device; "
                              "build the engine without layer taps (--taps none) or use --engine eager")
@@ -407,9 +408,9 @@ def check_routes(model: torch.nn.Module) -> None:
     run as its own module (not fused with a shared-expert gate) and its router's select_experts must pick the experts
     (not a monolithic kernel that routes inside itself). Called once the engine is built: vLLM picks the kernel while
     it loads the weights."""
-    family = family_of(model)
+    layout = layout_of(model, "vllm")
     for i, layer in enumerate(decoder_layers(model)):
-        runner = find(layer, family.vllm.layer["experts"])
+        runner = find(layer, layout.layer["experts"])
         if getattr(runner, "_fse_fuse_gate", False):
             raise StackError(f"layer {i}: vLLM fuses the router's gate with the shared-expert gate, so the router "
                              "logits never leave a module a tap point can read; use --engine eager")

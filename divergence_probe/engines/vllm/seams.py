@@ -1,11 +1,11 @@
 """Where each canonical layer tap lives in vLLM's decoder layer: one table for the eager engine's hooks (engines/vllm/stack.py)
 and the compiled engine's tap points (compiled_taps.py), so both read the same tensor at the same seam.
 
-The family (models/) says which module each tap is read at and what of it; this module says how each kind of read is
-done on vLLM's modules. vLLM fuses some modules the canonical taps keep apart (q/k/v are one GEMM, gate/up another),
-so their output splits along the features, in the order of the model's packed_modules_mapping (`Family.fused`); the
-residual stream leaves a layer only inside the next fused add+norm, so `resid_out` is formed from the layer's
-(hidden, residual) output.
+The family's vLLM layout (engines/vllm/layouts.py) says which module each tap is read at and what of it; this module
+says how each kind of read is done on vLLM's modules. vLLM fuses some modules the canonical taps keep apart (q/k/v are
+one GEMM, gate/up another), so their output splits along the features, in the order of the model's
+packed_modules_mapping (`StackLayout.fused`); the residual stream leaves a layer only inside the next fused add+norm,
+so `resid_out` is formed from the layer's (hidden, residual) output.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from ...errors import StackError
 from ...models import Family, dims, family_of, find
+from ..layouts import StackLayout, layout_of, lookup
 from ..hooks import arg, first_tensor
 
 Read = Callable[[tuple, dict, object], dict[str, torch.Tensor]]  # (args, kwargs, output or None) -> {tap: tensor}
@@ -66,7 +67,7 @@ def _layer_output(a, k, o) -> dict[str, torch.Tensor]:
     return {"resid_out": (hidden.float() + residual.float()).to(torch.promote_types(hidden.dtype, residual.dtype))}
 
 
-def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
+def _read(seam, family: Family, layout: StackLayout, sizes: dict[str, int]) -> tuple[bool, Read]:
     """(before, read) of one of the family's seams: how each read kind is done on vLLM's modules."""
     [first, *_] = seam.taps
     if seam.read in ("output", "rows"):  # vLLM's activations are [tokens, features] already
@@ -76,7 +77,7 @@ def _read(seam, family: Family, sizes: dict[str, int]) -> tuple[bool, Read]:
     if seam.read == "input":
         return True, _input(first, *seam.arg)
     if seam.read == "split":
-        [fused] = [f for f in family.fused if f.module == seam.module]
+        [fused] = [f for f in layout.fused if f.module == seam.module]
         return False, _split(FusedSplit(seam.taps, [sizes[d] for d in fused.sizes] if fused.sizes else None))
     if seam.read == "layer_sum":
         return False, _layer_output
@@ -89,15 +90,16 @@ def layer_seams(layer, family: Family, sizes: dict[str, int], wanted: frozenset[
     """Every layer tap's seam in one decoder layer, in the order its forward reaches them. `sizes`: models.dims of
     the model's config, which size the fused splits. `wanted`: only the seams reading one of these names (None: all)."""
     seams = []
-    for seam in family.vllm.seams:
+    layout = lookup("vllm", family.model_type)
+    for seam in layout.seams:
         if wanted is not None and not wanted & set(seam.taps):
             continue
-        module = find(layer, family.vllm.layer[seam.module]) if seam.module else layer
+        module = find(layer, layout.layer[seam.module]) if seam.module else layer
         if module is None:
-            raise StackError(f"vLLM's {type(layer).__name__} has no {family.vllm.layer[seam.module]}, where the "
+            raise StackError(f"vLLM's {type(layer).__name__} has no {layout.layer[seam.module]}, where the "
                              f"{family.model_type} family reads {', '.join(seam.taps)}; use a supported vLLM version "
                              "(docs/reference.md, 'Supported versions')")
-        before, read = _read(seam, family, sizes)
+        before, read = _read(seam, family, layout, sizes)
         seams.append(Seam(seam.taps, module, before, read, "select_experts" if seam.read == "select_experts" else None))
     return seams
 
@@ -118,5 +120,5 @@ def _ranks() -> int:
 
 
 def decoder_layers(model):
-    """The vLLM model's decoder layers, where its family keeps them."""
-    return find(model, family_of(model).vllm.model["layers"])
+    """The vLLM model's decoder layers, where its layout keeps them."""
+    return find(model, layout_of(model, "vllm").model["layers"])

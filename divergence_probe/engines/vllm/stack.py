@@ -45,6 +45,7 @@ import torch
 from .. import torch_state
 from ...errors import StackError, one_line
 from ...models import family_of, find
+from ..layouts import layout_of
 from ...prompts import Prompt, batches
 from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
 from . import compiled_taps
@@ -689,7 +690,7 @@ class VLLMStack:
         """Hooks that hand each selected decoder tap of a step, as `[step rows, ...]`, to on_tap(key, tensor), or a
         compiled engine's taps of one width at once (TapPoints.router; `final_norm` and `logits` are captured
         outside the model, in both engine modes)."""
-        embedding = find(self.model, family_of(self.model).vllm.model["embed"])
+        embedding = find(self.model, layout_of(self.model, "vllm").model["embed"])
         if self.compiled:  # the compiled graph copies into the tap buffers; _on_model_call reads them after each step
             points = self.tap_points
             hooks.replace(points, "active", points.router(on_tap, taps, embedding), owner="compiled taps")
@@ -716,7 +717,7 @@ class VLLMStack:
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each region dispatched to, read from the loaded model's first layer."""
-        layer, roles = self.layers[0], family_of(self.model).vllm.layer
+        layer, roles = self.layers[0], layout_of(self.model, "vllm").layer
         rope, attention = find(layer, roles["rotary"]), find(layer, roles["attention"])
 
         def dispatched(module) -> str:

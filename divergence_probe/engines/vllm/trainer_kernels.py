@@ -17,8 +17,9 @@ import torch
 
 from ...errors import ProbeError
 from ...models import find
-from ...regions.base import decoder_layers, layer_name, layout, part
-from ...regions.rmsnorm import hf_layer_forward
+from ..hf.patches.rmsnorm import hf_layer_forward
+from ..layouts import layout_of
+from ..patching import decoder_layers, layer_name, part
 from ..hf.kernels.base import KernelSet, modeling_modules
 from ..hooks import Replacement
 from ..needs import Needs
@@ -106,7 +107,7 @@ def _apply_rope(modeling):
 
 def plan(model: torch.nn.Module) -> list[Replacement]:
     config, current, RMSNorm, SiluAndMul, get_rope = _engine_ops()
-    hf = layout(model, "hf")
+    hf = layout_of(model, "hf")
     cfg = model.config
     dtype = next(model.parameters()).dtype
     found: list[Replacement] = []

@@ -1,4 +1,4 @@
-"""A weight session: push the trainer's weights into the running vLLM engine, then prove it computes with them.
+"""Push the trainer's weights into the running vLLM engine, then prove it computes with them.
 
 Push: vLLM's own in-place reload (`LLM.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)`,
 the worker's `reload_weights`): it puts every layer back into its checkpoint layout, runs the model's own
@@ -15,7 +15,7 @@ kernel's post-load processing is run again on every MoE layer.
 
 Check (engines/weight_check.py compares): what the engine computes with, tensor by tensor, against the trainer's
 tensors mapped as vLLM's loader maps them (its `packed_modules_mapping`; the tied lm_head is the embedding; a mixture
-of experts' tensors as the family's `engine_experts` says its MoE loader fills them, then laid out by the experts
+of experts' tensors as the vLLM layout's `experts` (engines/vllm/layouts.py) says its MoE loader fills them, then laid out by the experts
 kernel's own post-load processing run on a copy). "Computes with", not "stores": on the CPU a linear layer's `weight`
 is an empty tensor after loading and the GEMM reads a packed copy, so a linear weight is read back by running the
 layer's own GEMM on an identity matrix (exact: one nonzero product per output).
@@ -56,6 +56,7 @@ import torch
 
 from ...errors import StaleCacheError, SyncError
 from ...models import family_of, find
+from ..layouts import layout_of, lookup
 from ..rollout_protocol import SyncCheck
 from ..weight_check import compare, expected_tensors, fingerprints
 
@@ -76,7 +77,7 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every weight of the engine's model by vLLM name, as the model computes with it (see the module docstring).
     A tied head appears under its own name (the logits GEMM) beside the embedding's (the lookup): `Family.tied_head`."""
     out: dict[str, torch.Tensor] = {}
-    head = family_of(model).vllm.model["lm_head"] + "."
+    head = layout_of(model, "vllm").model["lm_head"] + "."
     seen: set[int] = set()
     with torch.inference_mode():
         for name, module in model.named_modules(remove_duplicate=False):
@@ -94,20 +95,20 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def expert_modules(model) -> list[tuple[str, torch.nn.Module, int]]:
-    """(path, module, layer) of every MoE layer's experts module in the engine's model (the family's
-    `engine_experts`); none for a dense family."""
-    family = family_of(model)
-    experts = family.engine_experts
+    """(path, module, layer) of every MoE layer's experts module in the engine's model (the vLLM
+    layout's `experts`); none for a dense family."""
+    layout = layout_of(model, "vllm")
+    experts = layout.experts
     if experts is None:
         return []
-    prefix, role = family.vllm.model["layers"], family.vllm.layer[experts.module]
+    prefix, role = layout.model["layers"], layout.layer[experts.module]
     return [(f"{prefix}.{i}.{role}", find(layer, role), i) for i, layer in enumerate(find(model, prefix))]
 
 
 def expert_sources(model, trainer_layers: str) -> dict[str, str]:
     """Engine expert tensor -> the trainer tensor vLLM's MoE loader copies into it (`trainer_layers`: where the
     trainer keeps its decoder layers)."""
-    experts = family_of(model).engine_experts
+    experts = layout_of(model, "vllm").experts
     return {f"{path}.{param}": f"{trainer_layers}.{i}.{source}" for path, _, i in expert_modules(model)
             for param, source in experts.tensors.items()}
 
@@ -162,8 +163,8 @@ class WeightSession:
     def __init__(self, llm, model, tied: bool, vocab_size: int) -> None:
         self.llm, self.model, self.tied = llm, model, tied
         self.dtype = llm.llm_engine.vllm_config.model_config.dtype
-        self.family = family_of(model)
-        self.packed = self.family.packed  # what vLLM's loader stacks (its packed_modules_mapping)
+        self.family, self.layout = family_of(model), layout_of(model, "vllm")
+        self.packed = self.layout.packed  # what vLLM's loader stacks (its packed_modules_mapping)
         self.experts = expert_modules(model)  # a MoE's experts modules (its own loader), none when dense
         self.addresses = storage(model) if _replays_graphs(llm) else None  # what the captured graphs read
         self.previous: list[tuple[float, float]] = []  # each tensor's fingerprint at the previous check
@@ -189,7 +190,7 @@ class WeightSession:
         saves them (a mixture of experts' fused parameters as per-expert tensors: Family.as_saved)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(self.family.as_saved(named))),
                                                           "is_checkpoint_format": True})
-        head = find(self.model, self.family.vllm.model["lm_head"])
+        head = find(self.model, self.layout.model["lm_head"])
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
         for _, module, _ in self.experts:  # the experts kernel's layout, which the reload skips (docstring)
@@ -206,9 +207,9 @@ class WeightSession:
         `audit`, by sha256 on the host too); else counts."""
         held = engine_tensors(self.model, self.dtype)
         want = expected_tensors(trainer, held, self.packed, self.family.tied_head if self.tied else None,
-                                expert_sources(self.model, self.family.hf.model["layers"]))
+                                expert_sources(self.model, lookup("hf", self.family.model_type).model["layers"]))
         for path, module, _ in self.experts:  # what the experts kernel computes with: its layout of those tensors
-            names = [f"{path}.{param}" for param in self.family.engine_experts.tensors]
+            names = [f"{path}.{param}" for param in self.layout.experts.tensors]
             laid_out = kernel_layout(module, {n.rpartition(".")[2]: want[n][0][1] for n in names})
             want |= {n: [(want[n][0][0], laid_out[n.rpartition(".")[2]])] for n in names}
         whole = compare(held, want, audit)

@@ -296,7 +296,7 @@ def _run(stack, method: str, args: tuple):
         prompts, patched = args
         if not patched:
             return {"scores": stack.score_batched(prompts)}
-        from ...regions import aligned
+        from ..patching import aligned
 
         with aligned([stack], patched):  # a compiled engine refuses (Capabilities.patch)
             return {"scores": stack.score_batched(prompts)}

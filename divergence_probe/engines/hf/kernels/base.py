@@ -60,8 +60,9 @@ def modeling_modules(model) -> list:
     import sys
 
     from ....models import find
-    from ....regions.base import decoder_layers, layout
+    from ...layouts import layout_of
+    from ...patching import decoder_layers
 
-    attn = layout(model, "hf").layer["attn"]
+    attn = layout_of(model, "hf").layer["attn"]
     names = dict.fromkeys(type(find(layer, attn)).__module__ for layer in decoder_layers(model, "hf"))
     return [sys.modules[name] for name in names]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import types
 
-from ....regions.base import decoder_layers, layer_name, layout, part
+from ...layouts import layout_of
+from ...patching import decoder_layers, layer_name, part
 from ...hooks import Replacement
 from ...needs import Needs
 from .base import KernelSet, modeling_modules
@@ -31,7 +32,7 @@ def plan(model) -> list[Replacement]:
         for name, value in (("offset", 0.0), ("casting_mode", "llama"), ("in_place", True), ("row_mode", None),
                             ("impl", None), ("mode", None), ("forward", types.MethodType(LigerRMSNorm.forward, norm))):
             found.append(Replacement(norm, name, value))
-    hf = layout(model, "hf")
+    hf = layout_of(model, "hf")
     if "swiglu" in hf.regions:
         for i, layer in enumerate(decoder_layers(model, "hf")):
             mlp = part(layer, layer_name(hf, i), hf, hf.regions["swiglu"])
