@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 from ..errors import StackError
 from ..regions import get_region, patched
 from .hooks import HookSet, Replacement
-from .layouts import StackLayout, layout_of
+from .layouts import SeamMissing, decoder_layers, layer_name, layout_of, model_part, part
 
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
@@ -45,54 +45,6 @@ def patches_of(engine: str) -> Mapping[str, Patcher]:
         return {}
     module, attr = PATCH_SETS[engine].split(":")
     return getattr(import_module(module), attr)
-
-
-class SeamMissing(Exception):
-    """Raised by a patcher: `what` it needs is absent from the model (`plan` names engine, version and region around
-    it)."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self.what = what
-
-
-def child(obj, name: str, where: str):
-    """obj.name, or SeamMissing naming `where` it was looked for."""
-    value = getattr(obj, name, None)
-    if value is None:
-        raise SeamMissing(f"{name} in {where}")
-    return value
-
-
-def model_part(model, engine: str, role: str):
-    """The model-level module of `role` (layers, final_norm, lm_head) of a loaded model of `engine`, or SeamMissing
-    naming the first part of its path that is absent and where."""
-    obj, where = model, "the model"
-    for name in layout_of(model, engine).model[role].split("."):
-        obj = child(obj, name, where)
-        where = f"model.{name}" if where == "the model" else f"{where}.{name}"
-    return obj
-
-
-def decoder_layers(model, engine: str) -> list:
-    """The decoder layers of a loaded model of `engine`, where its layout keeps them (Qwen2/Qwen3: model.layers)."""
-    return list(model_part(model, engine, "layers"))
-
-
-def part(layer, where: str, stack_layout: StackLayout, role: str):
-    """The module of a decoder layer with this role in the engine's layout ("": the layer), or SeamMissing naming
-    the first part of its path that is absent and where (`where`: the layer, e.g. model.model.layers[2])."""
-    path = stack_layout.layer[role] if role else ""
-    obj = layer
-    for name in path.split(".") if path else ():
-        obj = child(obj, name, where)
-        where = f"{where}.{name}"
-    return obj
-
-
-def layer_name(stack_layout: StackLayout, i: int) -> str:
-    """How messages name decoder layer i: as a path from the loaded model (`model.model.layers[2]`)."""
-    return f"model.{stack_layout.model['layers']}[{i}]"
 
 
 STREAM_NORMS = ("input_norm", "post_norm")  # the norms that read the residual stream in each layer

@@ -18,8 +18,7 @@ import torch
 from ...errors import ProbeError
 from ...models import find
 from ..hf.patches.rmsnorm import hf_layer_forward
-from ..layouts import layout_of
-from ..patching import decoder_layers, layer_name, part
+from ..layouts import decoder_layers, layer_name, layout_of, part
 from ..hf.kernels.base import KernelSet, modeling_modules
 from ..hooks import Replacement
 from ..needs import Needs

@@ -60,8 +60,7 @@ def modeling_modules(model) -> list:
     import sys
 
     from ....models import find
-    from ...layouts import layout_of
-    from ...patching import decoder_layers
+    from ...layouts import decoder_layers, layout_of
 
     attn = layout_of(model, "hf").layer["attn"]
     names = dict.fromkeys(type(find(layer, attn)).__module__ for layer in decoder_layers(model, "hf"))

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import types
 
-from ...layouts import layout_of
-from ...patching import decoder_layers, layer_name, part
+from ...layouts import decoder_layers, layer_name, layout_of, part
 from ...hooks import Replacement
 from ...needs import Needs
 from .base import KernelSet, modeling_modules

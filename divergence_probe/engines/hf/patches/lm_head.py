@@ -6,7 +6,7 @@ import torch
 
 from ....regions.lm_head import head
 from ...hooks import Replacement
-from ...patching import child, model_part
+from ...layouts import child, model_part
 
 
 def patch(model: torch.nn.Module) -> list[Replacement]:

@@ -8,8 +8,8 @@ import torch
 from ....regions.residual import fp32_add
 from ....regions.rmsnorm import normalize
 from ...hooks import Replacement
-from ...layouts import layout_of
-from ...patching import child, decoder_layers, layer_name, part, stream_norms
+from ...layouts import child, decoder_layers, layer_name, layout_of, part
+from ...patching import stream_norms
 from .rmsnorm import hf_layer_forward
 
 

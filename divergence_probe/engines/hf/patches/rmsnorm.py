@@ -8,8 +8,7 @@ import torch
 from ....models import find
 from ....regions.rmsnorm import normalize
 from ...hooks import Replacement
-from ...layouts import StackLayout, layout_of
-from ...patching import SeamMissing, child, decoder_layers, layer_name, part
+from ...layouts import SeamMissing, StackLayout, child, decoder_layers, layer_name, layout_of, part
 
 _FP32_SUM = "_divergence_probe_fp32_sum"
 

@@ -7,7 +7,7 @@ import torch
 from ....errors import ProbeError
 from ....regions.lm_head import head
 from ...hooks import Replacement
-from ...patching import child, model_part
+from ...layouts import child, model_part
 
 
 def patch(model: torch.nn.Module) -> list[Replacement]:

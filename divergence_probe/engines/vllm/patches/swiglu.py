@@ -7,8 +7,7 @@ import torch
 from ....errors import ProbeError
 from ....regions.swiglu import swiglu
 from ...hooks import Replacement
-from ...layouts import layout_of
-from ...patching import decoder_layers, layer_name, part
+from ...layouts import decoder_layers, layer_name, layout_of, part
 
 
 def patch(model: torch.nn.Module) -> list[Replacement]:
