@@ -15,7 +15,6 @@ report folder is marked and replaced like the compare report's (rundir.output_fo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -23,18 +22,15 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..numerics.rl_summary import summarize, window_label
-from ..rundir import MANIFEST, inside, output_folder, parse_csv, read_file, read_manifest
+from ..rundir import MANIFEST, output_folder, read_manifest
 from . import document as doc
 from . import figures as F
 from .load import ReportError
 from .render import FORMATS, REPORT, write_document
+from .rl_rows import files_of, read_checked, read_rows
 
 PANELS = (("reward_mean", "mean reward of the step's responses"),
           ("mean_abs_dlogp", "mean |Δlogp| (trainer − engine), sampled tokens"))
-TIMES = ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")
-# what the figure, the summary and the verdict read
-NUMERIC = ("seed", "step", "reward_mean", "mean_abs_dlogp", "k3", "ppo_clip_frac", "entropy", "grad_norm", *TIMES)
-ROW_COLUMNS = ("setting", *NUMERIC)
 BAND = ("the line is the mean over seeds at each step; the shaded band spans the lowest to the highest seed at that "
         "step (min to max, not a confidence interval)")
 
@@ -60,42 +56,6 @@ def rl_curves(rows: pd.DataFrame) -> Figure:
             ax.set_yscale("log")
     axes[0].legend(loc="best")
     return fig
-
-
-def _read(run_dir: Path, name: str, files: dict | None) -> bytes:
-    """The bytes of run_dir/name, a file of the run folder itself; with `files` (the manifest's), they must have the
-    sha256 it records."""
-    path = inside(run_dir, name)
-    data = read_file(path)
-    if files is not None:
-        record = files.get(name)
-        if not isinstance(record, dict) or hashlib.sha256(data).hexdigest() != record.get("sha256"):
-            raise ReportError(f"{path} is not the file the run wrote (its sha256 differs from the manifest's); "
-                              "rerun the rl command")
-    return data
-
-
-def _files(run_dir: Path, check: bool) -> dict | None:
-    if not check:
-        return None
-    if not (run_dir / MANIFEST).is_file() and not (run_dir / MANIFEST).is_symlink():
-        raise ReportError(f"{run_dir} has no manifest.json: the rl run did not finish; its rows are in rl.csv")
-    files = read_manifest(run_dir).get("files")
-    if not isinstance(files, dict):
-        raise ReportError(f"{run_dir / MANIFEST} has no `files` map of file records; rerun the rl command")
-    return files
-
-
-def read_rows(run_dir: Path, check: bool = True, files: dict | None = None) -> pd.DataFrame:
-    run_dir = Path(run_dir)
-    if not (run_dir / "rl.csv").is_file() and not (run_dir / "rl.csv").is_symlink():
-        raise ReportError(f"{run_dir} has no rl.csv; pass the --out folder of an rl run")
-    files = files if files is not None else _files(run_dir, check)
-    rows = parse_csv(run_dir / "rl.csv", _read(run_dir, "rl.csv", files), ROW_COLUMNS, numeric=NUMERIC)
-    if rows.empty:
-        raise ReportError(f"{run_dir / 'rl.csv'} has no rows: the run stopped before its first step; rerun the rl "
-                          "command")
-    return rows
 
 
 def _setup(manifest: dict | None, rows: pd.DataFrame) -> list[str]:
@@ -214,10 +174,10 @@ def write_rl_report(run_dir: str | Path, out_dir: str | Path | None = None, chec
     if fmt not in FORMATS:
         raise ReportError(f"--format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     run_dir = Path(run_dir)
-    files = _files(run_dir, check)
+    files = files_of(run_dir, check)
     rows = read_rows(run_dir, check, files)
     if (run_dir / "rl_summary.csv").is_file() or (run_dir / "rl_summary.csv").is_symlink():
-        _read(run_dir, "rl_summary.csv", files)  # the folder is the one the run wrote (its table is recomputed)
+        read_checked(run_dir, "rl_summary.csv", files)  # the folder is the one the run wrote (its table is recomputed)
     has_manifest = (run_dir / MANIFEST).is_file()
     manifest = read_manifest(run_dir) if has_manifest else None
     blocks = rl_document(rows, manifest)
