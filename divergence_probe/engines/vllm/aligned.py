@@ -130,16 +130,13 @@ def _aot_sources(model: torch.nn.Module) -> set[tuple[str, int]]:
     return found
 
 
-def load_aligned(settings: StackSettings, regions: Sequence[str]):
-    """A loaded VLLMStack whose engine was built with `regions` patched in before it compiled. The patches stay in
-    place for the life of the process (the engine keeps running that code; eager mode calls it at every step).
-    Raises StackError when a region's aligned code is not in the compiled graph."""
+def load_aligned(stack, settings: StackSettings, regions: Sequence[str]):
+    """`stack`, an unloaded VLLMStack, loaded with its engine built with `regions` patched in before it compiled (the
+    caller imports vLLM first: the worker, which holds the stack). The patches stay in place for the life of the
+    process (the engine keeps running that code; eager mode calls it at every step). Raises StackError when a region's
+    aligned code is not in the compiled graph."""
     from ..patching import plan
-    from .stack import VLLMStack, _disable_flashinfer_sampler_if_missing, _import_vllm
 
-    _import_vllm()
-    if settings.device == "cuda":  # before _runner_classes imports the runners: model runner V2 binds the sampler then
-        _disable_flashinfer_sampler_if_missing()
     hooks = HookSet()  # never undone: the process exists to run this engine
     planned: dict[str, list] = {}
     recorder = _InlineRecorder(hooks) if settings.engine == "compiled" and regions else None
@@ -161,7 +158,6 @@ def load_aligned(settings: StackSettings, regions: Sequence[str]):
             return result
 
         hooks.replace(cls, "load_model", load_model, owner="aligned engine build")
-    stack = VLLMStack()
     stack.load(settings)
     if regions and not planned:
         raise StackError("vLLM built its model without calling the model runner's load_model; the regions could not "

@@ -258,8 +258,12 @@ def _serve(folder: Path) -> None:
     init = torch.load(folder / "init.pt", weights_only=False)
     try:
         from .aligned import load_aligned
+        from .stack import _disable_flashinfer_sampler_if_missing, _import_vllm
 
-        stack = load_aligned(init["settings"], init["regions"])
+        _import_vllm()
+        if init["settings"].device == "cuda":  # before load_aligned imports the runners: model runner V2 binds the
+            _disable_flashinfer_sampler_if_missing()  # sampler then
+        stack = load_aligned(VLLMStack(), init["settings"], init["regions"])
     except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
         traceback.print_exc()  # into the worker's log (DP_ENGINE_LOG), where a seam bug can be diagnosed
         reply(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
