@@ -9,7 +9,7 @@ from typing import Mapping
 
 from ..engines import INFER_STACKS, TRAIN_STACKS
 from ..engines.hf.kernels import KERNELS, get_kernels
-from ..engines.vllm.knobs import check_engine_args, quantized
+from ..engines.vllm.knobs import ENGINES, check_engine_args, quantized
 from ..errors import ProbeError, one_line
 from ..options import option
 from ..versions import ALLOW_HELP
@@ -97,8 +97,6 @@ class LoadSpec:
         _choice(self.train, TRAIN_STACKS, "--train")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
-        from ..engines.vllm.stack import ENGINES  # here, not at import: the CLI's --help reads this module without torch
-
         _choice(self.engine, ENGINES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")

@@ -23,7 +23,7 @@ MAX_GROUP_SIZE = 256
 MAX_PROMPTS_PER_STEP = 1024
 MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
 MAX_NEW_TOKENS = 32_768
-# vllm.LLM keywords rl sets itself. The reasons compare gives for them (engines/vllm/stack.py OWNED_ENGINE_ARGS) name flags rl does not
+# vllm.LLM keywords rl sets itself. The reasons compare gives for them (engines/vllm/knobs.py OWNED_ENGINE_ARGS) name flags rl does not
 # have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
 # by the generic reason.
 ENGINE_ARGS_OWNED = {
@@ -140,7 +140,7 @@ class RLSpec:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
-        from ..engines.vllm.stack import OWNED_ENGINE_ARGS  # here, not at import: rl --help needs no torch
+        from ..engines.vllm.knobs import OWNED_ENGINE_ARGS
 
         for key, value in self.engine_args.items():
             if key == "enable_prefix_caching" and value is True:  # what rl sets anyway

@@ -74,3 +74,18 @@ def tap_meanings(args: dict) -> dict[str, str]:
             meanings[tap] = f"the output of a {q['quantization']} GEMM ({q['quantization']} weights and activations, " \
                             "output in the run's dtype)"
     return meanings
+
+
+ENGINES = ("eager", "compiled")  # the engine modes (--engine): vLLM as run eagerly, or compiled
+# Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
+OWNED_ENGINE_ARGS = {
+    "model": "the checkpoint is the run's model; pass it as the model argument",
+    "dtype": "--dtype sets it for both stacks",
+    "seed": "--seed sets it for both stacks",
+    "max_model_len": "it is set from the checkpoint's config for both stacks",
+    "max_num_batched_tokens": "--batch-tokens sets it (one engine step holds one whole batch of prompts)",
+    "enforce_eager": "--engine eager|compiled chooses it",
+    "revision": "both stacks must load the same weights; point the model argument at that revision",
+    "load_format": "both stacks must load the same weights from the checkpoint",
+    "hf_overrides": "both stacks must build the same model; edit the checkpoint's config instead",
+}

@@ -53,6 +53,7 @@ from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilitie
                         ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 from ..hooks import HookSet, after_call, arg, first_tensor
 from ..rollout_protocol import Rolled, RolloutSample, SyncCheck
+from .knobs import ENGINES, OWNED_ENGINE_ARGS
 from .rollout import RolloutRecorder
 from .weights import WeightSession
 from .seams import decoder_layers, model_seams
@@ -76,7 +77,6 @@ SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForC
 REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM, "tap_points":
 # compiled_taps.TapPoints of a compiled engine, else None}
-ENGINES = ("eager", "compiled")
 _GRAFT_COMPILED = ("--graft/--depth need every layer tap of the engine, which a compiled engine does not expose; use "
                    "--engine eager")
 COMPILED_REFUSED = {  # what a compiled engine cannot do, each in the one line that refuses it
@@ -84,19 +84,6 @@ COMPILED_REFUSED = {  # what a compiled engine cannot do, each in the one line t
     "--depth": _GRAFT_COMPILED,
     PATCH_ONCE_LOADED: "a compiled engine cannot take a region patch once built; align it through a run (compare "
                        "--align / ablate build an engine with the patch in a worker process) or use --engine eager",
-}
-
-# Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
-OWNED_ENGINE_ARGS = {
-    "model": "the checkpoint is the run's model; pass it as the model argument",
-    "dtype": "--dtype sets it for both stacks",
-    "seed": "--seed sets it for both stacks",
-    "max_model_len": "it is set from the checkpoint's config for both stacks",
-    "max_num_batched_tokens": "--batch-tokens sets it (one engine step holds one whole batch of prompts)",
-    "enforce_eager": "--engine eager|compiled chooses it",
-    "revision": "both stacks must load the same weights; point the model argument at that revision",
-    "load_format": "both stacks must load the same weights from the checkpoint",
-    "hf_overrides": "both stacks must build the same model; edit the checkpoint's config instead",
 }
 
 
