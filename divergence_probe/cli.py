@@ -546,7 +546,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
-    from .runs.compare import load_run_prompts
+    from .runs.loading import load_run_prompts
     from .rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading

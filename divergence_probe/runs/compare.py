@@ -25,6 +25,7 @@ from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_T
     kernel_noise, routing_noise, train_parallel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
+from .loading import load_run_prompts
 from ..environment import to_device
 from ..errors import NumericsError, ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
@@ -442,20 +443,6 @@ def routing_verdict_columns(summary: dict) -> dict:
 
 def source_for(spec: RunSpec) -> SequenceSource:
     return SampledSource(spec.generate) if spec.generate.generates else SequenceSource()
-
-
-def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:
-    """The run's prompts, tokenized, checked against the context (generate mode keeps room for the response)."""
-    path = spec.prompts.path
-    context = max_model_len
-    if spec.generate.generates:
-        if spec.generate.max_new_tokens >= context - 1:
-            raise ProbeError(f"--max-new-tokens {spec.generate.max_new_tokens} leaves no room for a prompt in the "
-                             f"context of {context} tokens")
-        context -= spec.generate.max_new_tokens
-    prompts = load_prompts(path, tokenizer, num_prompts=spec.prompts.num_prompts,
-                           max_prompt_tokens=spec.prompts.max_prompt_tokens, max_model_len=context)
-    return path, prompts
 
 
 def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dict:

@@ -12,47 +12,22 @@ comparison and ablation on that model.
 
 from __future__ import annotations
 
-import os
-import random
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 
-import torch
-
-from ..models import memory_plan
-from ..engines import torch_state
-from .. import versions
-from .compare import load_run_prompts, run_compare
-from .manifest import model_section
+from .compare import run_compare
+from .loading import LoadedStacks, load_stacks, memory_errors
 from .progress import Progress
-from ..environment import environment, resolve_device, resolve_train_device, same_device
-from ..errors import DeviceMemoryError, ProbeError
-from ..models.source import ModelSource, resolve_model
+from ..errors import ProbeError
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
-from ..engines import Stack, StackSettings, get_stack
-from ..engines.protocol import freeze_engine_args
-from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for
-from ..engines.vllm.compiled_taps import tap_points_for
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LoadConfig = LoadSpec  # the name of earlier releases
 
 
 @dataclass
-class Probe:
-    config: LoadSpec
-    source: ModelSource
-    settings: StackSettings
-    infer: Stack
-    train: Stack
-    tokenizer: object
-    _environment: dict = field(default_factory=dict)
-    owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
-    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (models/memory_plan.py)
-    load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
-    quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
+class Probe(LoadedStacks):
+    """The loaded stacks (runs/loading.py) and the runs made on them: compare and ablate."""
 
     def run(self, spec: RunSpec, progress: Progress | None = None):
         """Run a spec on the loaded stacks; its load settings must be the ones this probe was loaded with. An
@@ -61,7 +36,7 @@ class Probe:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
         check_family(spec, self.config, self.source.family)
-        with libraries_quieted(self.quiet), _memory_errors(self.memory_plan, "run"):
+        with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
             return self._run(spec, progress)
 
     def _run(self, spec: RunSpec, progress: Progress | None):
@@ -94,84 +69,6 @@ class Probe:
                              "divergence_probe.load(...) (or use probe.with_trainer(...) for the training side)")
         return spec_from_flat(kind, load=self.config, **options)
 
-    def with_trainer(self, **changes) -> "Probe":
-        """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
-        the engine is not reloaded, so two training configurations are compared against the very same engine."""
-        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp", "train_precision", "train_kernels"}
-        if set(changes) - allowed:
-            raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
-        config = replace(self.config, **changes)
-        settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
-                           batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = trainer_stack_for(config.train, settings)
-        train.load(train_settings(config, settings))
-        return replace(self, config=config, settings=settings, train=train, owns_infer=False)
-
-    def manifest(self) -> dict:
-        """Everything about the loaded setup that a reader needs to reproduce a run."""
-        return {
-            "model": model_section(self.source),
-            "load": {
-                "infer": self.config.infer,
-                "train": self.config.train,
-                "dtype": self.config.dtype,
-                "device": self.settings.device,
-                "train_device": resolve_train_device(self.config.train_device, self.config.device),
-                "train_attn": self.config.train_attn,
-                "train_sdpa": self.config.train_sdpa,
-                "train_state": self.config.train_state,
-                "train_precision": self.config.train_precision,
-                "train_kernels": self.config.train_kernels,
-                "train_tp": self.config.train_tp,
-                "engine": self.config.engine,
-                "engine_args": self.config.engine_args,
-                "seed": self.config.seed,
-                "batch_tokens": self.config.batch_tokens,
-                "max_model_len": self.settings.max_model_len,
-            },
-            "stacks": {side: vars(stack.info()) for side, stack in (("infer", self.infer), ("train", self.train))},
-            "environment": self._environment,
-            **({"memory_plan": self.memory_plan.record() | {"measured_load_peak_bytes": self.load_peak_bytes}}
-               if self.memory_plan is not None else {}),
-        }
-
-    def close(self) -> None:
-        if self.owns_infer:
-            self.infer.close()
-        self.train.close()
-
-    def __enter__(self) -> "Probe":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[str] = frozenset()) -> StackSettings:
-    """What both stacks are loaded with: one object, so the two sides provably get the same dtype and device."""
-    return StackSettings(
-        model_path=str(source.path),
-        dtype=TORCH_DTYPES[cfg.dtype],
-        device=resolve_device(cfg.device),
-        seed=cfg.seed,
-        max_model_len=source.max_model_len,
-        train_attn=cfg.train_attn,
-        batch_tokens=cfg.batch_tokens,
-        engine=cfg.engine,
-        engine_args=freeze_engine_args(cfg.engine_args),
-        train_sdpa=cfg.train_sdpa,
-        train_state=cfg.train_state,
-        train_precision=cfg.train_precision,
-        train_kernels=cfg.train_kernels,
-        train_tp=cfg.train_tp,
-        engine_taps=engine_taps,
-    )
-
-
-def train_settings(cfg: LoadSpec, settings: StackSettings) -> StackSettings:
-    """The training stack's settings: the run's, on --train-device (the engine keeps --device)."""
-    return replace(settings, device=resolve_train_device(cfg.train_device, cfg.device))
-
 
 def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None, taps: str | None = None,
          plan_for: RunSpec | None = None, routes: bool = False, quiet: bool = True, **config) -> Probe:
@@ -189,124 +86,8 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens.
     `quiet`: the libraries' own output (vLLM's and transformers' logs, the hub's progress bars) is quieted while
     the probe loads and runs, as the CLI quiets it (quiet.py); quiet=False shows it."""
-    if spec is not None and (model is not None or config):
-        raise ProbeError("load() takes a LoadSpec or loose settings, not both; put every setting in the spec")
-    with libraries_quieted(quiet):
-        probe = _load(spec or LoadSpec(model=model, **config), before_stacks, taps, plan_for, routes)
-    probe.quiet = quiet
-    return probe
-
-
-def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool) -> Probe:
-    """load()'s work, under its quieting."""
-    from transformers import AutoTokenizer
-
-    versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
-    # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
-    # after both stacks have loaded
-    torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
-    source = resolve_model(cfg.model)
-    check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
-    check_shardable(source.config, cfg.train_tp, resolve_train_device(cfg.train_device, cfg.device))
-    settings = stack_settings(cfg, source)
-    settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
-                                                            routes=routes or _replays_routes(plan_for)))
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(source.path)
-    if before_stacks is not None:
-        before_stacks(source, tokenizer)
-    plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
-    train = trainer_stack_for(cfg.train, settings)
-    with _memory_errors(plan, "loading the training stack"):
-        train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
-    if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
-        from ..engines.vllm.tensor_parallel import stack_for
-
-        infer = stack_for(settings)
-    else:
-        infer = get_stack(cfg.infer)
-    try:
-        with _memory_errors(plan, "starting the inference stack"):
-            infer.load(replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1))  # the training side's only
-    except BaseException:
-        train.close()
-        raise
-    load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
-    return Probe(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                 load_peak_bytes=load_peak)
-
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def _replays_routes(run: RunSpec | None) -> bool:
-    """Whether the run replays the engine's routes into the trainer (routing among its regions): a compiled engine
-    then needs tap points for its route records even without router_logits among the taps."""
-    return run is not None and "routing" in (run.ablate.regions if run.kind == "ablate" else run.align.regions)
-
-
-def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer,
-             plan_for: RunSpec | None) -> tuple[memory_plan.MemoryPlan, StackSettings]:
-    """The memory plan for this load (raises DeviceMemoryError when nothing fits), and the settings it implies: the
-    planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args win)."""
-    from ..models.checkpoint import checkpoint_tensors
-
-    free, total, source_of_free = memory_plan.device_memory(settings.device)
-    train_device = resolve_train_device(cfg.train_device, cfg.device)
-    apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
-    train_free, train_total, train_source = memory_plan.device_memory(train_device) if apart else (0, 0, "")
-    size = memory_plan.ModelSize.of(source.config, checkpoint_tensors(source.path))
-    if plan_for is not None:
-        lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
-        tap_names, g = plan_for.capture.tap_names, plan_for.generate
-        new, samples = (g.max_new_tokens, g.samples_per_prompt) if g.generates else (0, 1)
-    else:  # the worst case: every tap, and batches of one prompt of batch_tokens tokens
-        lengths, new, samples = (), 0, 1
-        tap_names = frozenset(size.tap_widths()) | {"logits"}
-    user = cfg.engine_args
-    fixed_kv = user.get("kv_cache_memory_bytes")
-    if cfg.infer == "vllm" and settings.device == "cpu":
-        fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # engines/vllm/stack.py's default
-    elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
-        stacks_here = 1 if apart else 2  # vLLM's share counts the weights on its device: its own, and the trainer's
-        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total)
-                       - stacks_here * size.parameters * _DTYPE_BYTES[cfg.dtype])
-    default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")
-    inputs = memory_plan.PlanInputs(
-        model=size,
-        dtype_bytes=_DTYPE_BYTES[cfg.dtype], taps=frozenset(tap_names), prompt_lengths=lengths,
-        batch_tokens=cfg.batch_tokens, batch_tokens_fixed=cfg.batch_tokens != default_batch,
-        max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
-        infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
-        engine_share=user.get("gpu_memory_utilization") if settings.device == "cuda" else None,
-        kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
-        reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
-        noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
-        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
-        train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
-        train_free_bytes=train_free, train_free_source=train_source)
-    plan = memory_plan.check(memory_plan.plan(inputs))
-    memory_plan.enforce_cap(plan, total)
-    memory_plan.enforce_train_cap(plan, train_total)
-    engine = plan.engine_args()
-    if engine and "gpu_memory_utilization" not in user:
-        engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)
-    return plan, replace(settings, batch_tokens=plan.batch_tokens,
-                         engine_args=freeze_engine_args({**engine, **user}))
-
-
-@contextmanager
-def _memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
-    """An out-of-memory in the block (torch's, a CPU allocation, vLLM's start-up checks) as one DeviceMemoryError."""
-    try:
-        yield
-    except DeviceMemoryError:
-        raise
-    except Exception as e:
-        if memory_plan.is_out_of_memory(e):
-            raise memory_plan.out_of_memory_error(e, plan, phase) from e
-        raise
+    return load_stacks(model, spec=spec, before_stacks=before_stacks, taps=taps, plan_for=plan_for, routes=routes,
+                       quiet=quiet, loaded=Probe, **config)
 
 
 def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True):

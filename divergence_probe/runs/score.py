@@ -175,13 +175,13 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
     from ..engines import torch_state
     from ..environment import environment, resolve_device
     from ..models.source import resolve_model
-    from .probe import load, stack_settings, train_settings
+    from .loading import load_stacks, stack_settings, train_settings
     from ..engines.hf.tensor_parallel import trainer_stack_for
     from ..versions import check as check_versions
 
     check_versions(prefill, spec.allow_untested_versions)  # before anything loads
     if prefill:
-        probe = load(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
+        probe = load_stacks(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
         return Scorer.of_probe(probe, prefill=True)
     from transformers import AutoTokenizer
 

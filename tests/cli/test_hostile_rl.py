@@ -346,7 +346,7 @@ def test_closing_a_worker_while_its_engine_builds_stops_it_at_once(qwen3_tiny, t
     """ablate's worker engines build while the run goes on; a run stopped meanwhile (SIGTERM) closes them: the child
     gets SIGTERM, unwinds its engine start and removes vLLM's rendezvous file, in seconds, not after a timeout."""
     from divergence_probe.models.source import resolve_model
-    from divergence_probe.runs.probe import stack_settings
+    from divergence_probe.runs.loading import stack_settings
     from divergence_probe.spec import LoadSpec
     from divergence_probe.engines.vllm.worker import STOP_SECONDS, WorkerStack
 

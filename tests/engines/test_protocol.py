@@ -110,9 +110,9 @@ def test_a_declaration_that_patches_elsewhere_says_why():
 
 def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(refusing_toys, qwen3_tiny,
                                                                                prompts_file, tmp_path, monkeypatch):
-    from divergence_probe.runs import probe as probe_module
+    from divergence_probe.runs import loading
 
-    monkeypatch.setattr(probe_module, "get_stack", lambda name: pytest.fail("a stack loaded before the refusal"))
+    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the refusal"))
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-refusing", "--train",
                                       "toy", "--prompts", str(prompts_file), "--mode", "generate", "--out", str(out)])

@@ -199,12 +199,12 @@ def test_a_device_memory_override_that_is_no_byte_count_is_one_line(value, tmp_p
 
 
 def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
-    import divergence_probe.runs.probe as probe_module
+    import divergence_probe.runs.loading as loading
 
     def no_stack(name):
         raise AssertionError(f"a stack ({name}) was loaded although the plan does not fit")
 
-    monkeypatch.setattr(probe_module, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "get_stack", no_stack)
     monkeypatch.setenv(memory_plan.ENV, "100MB")
     out_dir = tmp_path / "run"
     start = time.perf_counter()

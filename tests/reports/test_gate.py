@@ -44,9 +44,9 @@ def test_a_gate_that_does_not_hold_passes(toy_args, tmp_path):
 
 
 def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, monkeypatch):
-    import divergence_probe.runs.probe as probe
+    import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(probe, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
     result = invoke("compare", *toy_args, "--fail-if", "mean_kll>1", "--out", tmp_path / "run")
     assert result.exit_code == 2 and "no metric 'mean_kll'" in result.output
     assert len(result.output.strip().splitlines()) == 1

@@ -468,13 +468,13 @@ def test_rows_past_the_decompressed_bound_are_refused(tmp_path, monkeypatch):
 def test_a_row_at_the_context_is_refused_before_the_engine_loads(qwen3_tiny, tmp_path, monkeypatch):
     """vLLM keeps one position of the context for the token it samples: a row of exactly max_model_len tokens is
     refused by `score --infer vllm` before any stack loads (compare's prompts have the same limit)."""
-    import divergence_probe.runs.probe as probe
+    import divergence_probe.runs.loading as loading
     from divergence_probe.models.source import resolve_model
 
     context = resolve_model(str(qwen3_tiny)).max_model_len
     row = {"prompt_ids": [5] * (context - 1), "response_ids": [6], "logprobs": [-1.0]}
     path = _jsonl(tmp_path / "r.jsonl", [row])
-    monkeypatch.setattr(probe, "trainer_stack_for", lambda *a, **k: pytest.fail("a stack loaded"))
+    monkeypatch.setattr(loading, "trainer_stack_for", lambda *a, **k: pytest.fail("a stack loaded"))
     result = CliRunner().invoke(app, ["score", str(path), "--model", str(qwen3_tiny), "--device", "cpu",
                                       "--infer", "vllm", "--out", str(tmp_path / "out")])
     assert_one_line_error(result, f"row 0: {context} tokens", f"use at most {context - 1}")

@@ -23,12 +23,12 @@ runner = CliRunner()
                                              ("cuda:7", "--train-device cuda:7, but this torch sees")])
 def test_a_train_device_that_is_not_there_is_one_line_before_anything_loads(device, message, qwen3_tiny, tmp_path,
                                                                            monkeypatch):
-    import divergence_probe.runs.probe as probe_module
+    import divergence_probe.runs.loading as loading
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with two GPUs, as far as the check sees
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(probe_module, "resolve_model", lambda spec: pytest.fail("the model was resolved"))
+    monkeypatch.setattr(loading, "resolve_model", lambda spec: pytest.fail("the model was resolved"))
     out_dir = tmp_path / "run"
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-device", device,
                                  "--out", str(out_dir)], catch_exceptions=False)
@@ -150,9 +150,9 @@ def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(fla
 
 
 def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwen3_tiny, tmp_path, monkeypatch):
-    import divergence_probe.runs.probe as probe_module
+    import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(probe_module, "trainer_stack_for", lambda *a: pytest.fail("a trainer was loaded"))
+    monkeypatch.setattr(loading, "trainer_stack_for", lambda *a: pytest.fail("a trainer was loaded"))
     out_dir = tmp_path / "run"
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-tp", "3",
                                  "--taps", "none", "--out", str(out_dir)], catch_exceptions=False)
