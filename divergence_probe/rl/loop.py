@@ -64,10 +64,10 @@ OVERHEAD = ("t_metrics", "t_sync", "t_check")  # what verifying and reporting it
 
 
 def load(spec: RLSpec, check: Callable | None = None):
-    """The Probe (engine + trainer stack) rl runs on: vLLM (--engine) with prefix caching on, BF16 on both sides. The
-    prompt pool is checked against the model's context once the tokenizer is known, before either stack loads.
-    `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
-    from ..runs.probe import load as load_probe
+    """The loaded stacks (engine + trainer, runs/loading.py) rl runs on: vLLM (--engine) with prefix caching on, BF16
+    on both sides. The prompt pool is checked against the model's context once the tokenizer is known, before either
+    stack loads. `check(source)`: called first, then too (rerun: the checkpoint is the one the run folder recorded)."""
+    from ..runs.loading import load_stacks
 
     def before_stacks(source, tokenizer):
         if check is not None:
@@ -79,7 +79,7 @@ def load(spec: RLSpec, check: Callable | None = None):
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
-    return load_probe(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
+    return load_stacks(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
 def load_spec(spec: RLSpec):
@@ -115,7 +115,7 @@ def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, 
 class Loop:
     """One engine and one trainer, reused by every run of an experiment."""
 
-    probe: object  # divergence_probe.Probe, loaded with ENGINE_ARGS
+    probe: object  # runs.loading.LoadedStacks, loaded with ENGINE_ARGS
     spec: RLSpec
     trainer: Trainer = field(init=False)
 
