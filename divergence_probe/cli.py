@@ -753,7 +753,7 @@ def report_command(
 
 
 def _write_report(run_dir: Path, out_dir: Optional[Path] = None, fmt: str = "md") -> None:
-    from .reports import write_report
+    from .reports.render import write_report
 
     try:
         with console.status("rendering the report…"):

@@ -26,11 +26,10 @@ from ..rundir import MARK, output_folder
 from . import document as doc
 from .figure_specs import figure_specs
 from .load import ReportError, RunData, load_run
+from .output import FORMATS, REPORT, write_document
 from .prose import build_document, title
 
-FORMATS = {"md": "report.md", "html": "report.html", "latex": "report.tex"}
 MARKER = MARK  # the tool's mark in a report folder (it lists the files), so a re-render may replace it
-REPORT = "report"  # the kind of output a report folder is marked as (rl reports too)
 
 
 def _render(run: RunData, out: Path, fmt: str) -> None:
@@ -44,24 +43,6 @@ def _render(run: RunData, out: Path, fmt: str) -> None:
     for spec in specs:
         F.save(spec.draw(), out / doc.FIGURE_DIR, spec.stem)
     write_document(out, build_document(run, specs, skipped), fmt, title(run))
-
-
-def write_document(out: Path, blocks, fmt: str, heading: str, images: dict[str, bytes] | None = None) -> None:
-    """`blocks` as out/report.md, one report.html (every Figure block's PNG inlined: `images`, stem -> PNG bytes, or
-    read from out/figures when not given) or report.tex and a .tex per table. Shared by every run kind's report (the
-    rl report too)."""
-    if fmt == "md":
-        (out / FORMATS["md"]).write_text(doc.to_markdown(blocks), encoding="utf-8")
-    elif fmt == "html":
-        if images is None:
-            images = {b.stem: (out / doc.FIGURE_DIR / f"{b.stem}.png").read_bytes() for b in blocks
-                      if isinstance(b, doc.Figure)}
-        (out / FORMATS["html"]).write_text(doc.to_html(blocks, images, heading), encoding="utf-8")
-    else:
-        main, tables = doc.to_latex(blocks, heading)
-        for name, source in tables.items():
-            (out / f"{name}.tex").write_text(source, encoding="utf-8")
-        (out / FORMATS["latex"]).write_text(main, encoding="utf-8")
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -> Path:

@@ -26,7 +26,7 @@ from ..rundir import MANIFEST, output_folder, read_manifest
 from . import document as doc
 from . import figures as F
 from .load import ReportError
-from .render import FORMATS, REPORT, write_document
+from .output import FORMATS, REPORT, write_document
 from .rl_rows import files_of, read_checked, read_rows
 
 PANELS = (("reward_mean", "mean reward of the step's responses"),
