@@ -23,7 +23,7 @@ __all__ = ["load", "run", "Probe", "LoadConfig", "ProbeError", "write_report", "
 # The API's names are imported on first use (PEP 562), so importing the package, or the CLI for its --help, does
 # not import torch.
 _LAZY = {"load": ".runs.probe", "run": ".runs.probe", "Probe": ".runs.probe", "LoadConfig": ".runs.probe", "write_report": ".reports",
-         "Gate": ".reports.gate", "diff_runs": ".reports.diff", "score_steps": ".runs.history", "step_files": ".runs.history",
+         "Gate": ".reports.gate", "diff_runs": ".reports.diff", "score_steps": ".runs.score", "step_files": ".runs.history",
          **{name: ".spec" for name in ("RunSpec", "LoadSpec", "PromptSpec", "CaptureSpec", "GenerateSpec",
                                        "AlignSpec", "AblateSpec")}}
 

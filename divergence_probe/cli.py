@@ -1013,7 +1013,7 @@ def _score_history(files, call, load, out_dir: Path, alarms, gate) -> None:
     """score over many steps (runs/history.py): steps.csv, alarms.csv, steps.png; the alarms that fired; the gate."""
     from transformers.utils import logging as hf_logging
 
-    from .runs.history import score_steps
+    from .runs.score import score_steps
     from .reports.steps import draw_steps
     from .rundir import claim_out_dir
 

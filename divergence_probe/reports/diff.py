@@ -30,7 +30,8 @@ from .gate import MISMATCH_OVER_FLOOR, measured
 from ..rundir import output_folder, write_csv
 from ..numerics.shapley import SHIPPED
 from ..numerics.tables import NOISE_FLOORS
-from .load import RunData, layers_of, load_run, shipped_rows
+from .load import load_run
+from .run_data import RunData, layers_of, shipped_rows
 
 DIFF = "diff"  # the output kind its folder is marked as (rundir.mark)
 GZIP_ROWS = 200_000

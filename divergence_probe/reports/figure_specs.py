@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..numerics.shapley import SHIPPED
-from .load import RunData, layers_of, response_rho, shipped_rows
+from .run_data import RunData, layers_of, response_rho, shipped_rows
 
 KEY_TAPS = ("q_rope", "attn_core", "post_norm", "swiglu", "resid_out")
 # A score run's inference side is the logprob its RL run's engine recorded (load.py reads tokens.csv's

@@ -1,8 +1,8 @@
-"""A run folder as the report sees it (RunData, via rundir.read_run) and selections prose and figures share."""
+"""A run folder read for the report (load_run, via rundir.read_run): its tables into a RunData (run_data.py), the
+manifest's numbers checked as their flags are."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -10,89 +10,11 @@ import pandas as pd
 
 from ..rundir import MANIFEST, RERUN, RunFolderError, read_run
 from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED
+from .run_data import RunData, row_of
 
 ReportError = RunFolderError  # what `report` raises for a run folder it cannot use (and a bad --format)
 DEFAULT_CLIP_EPS = 0.2
 DEFAULT_CI_LEVEL = 0.95  # ablate's bootstrap interval before the manifest recorded its level
-
-
-@dataclass
-class RunData:
-    """Everything a report reads from one run folder."""
-
-    path: Path
-    manifest: dict
-    summary: pd.DataFrame
-    layers: pd.DataFrame
-    tokens: pd.DataFrame | None = None
-    tokens_file: str | None = None
-    ablation: pd.DataFrame | None = None
-    attribution: pd.DataFrame | None = None
-    extra: dict = field(default_factory=dict)  # optional tables by file stem: buckets, batch_invariance, routing
-    n_prompts: int | None = None
-    n_truncated: int = 0
-    prompts: list[dict] | None = None  # prompts.jsonl's records (token_ids among them), when the folder has it
-
-    @property
-    def is_ablate(self) -> bool:
-        return self.ablation is not None
-
-    @property
-    def is_generate(self) -> bool:
-        return "generate" in self.manifest or (self.tokens is not None and "is_response" in self.tokens)
-
-    @property
-    def is_score(self) -> bool:
-        """A score run: the logprobs the user's RL run recorded against the trainer's (tokens.csv's logprob_rollout,
-        read here as the inference side, logprob_infer), and the engine's prefill when it was measured."""
-        return self.manifest.get("kind") == "score"
-
-    @property
-    def kind(self) -> str:
-        if self.is_score:
-            return "score"
-        return "generate" if self.is_generate else "ablate" if self.is_ablate else "compare"
-
-    @property
-    def regions(self) -> list[str]:
-        listed = self.manifest.get("ablate", {}).get("regions")
-        if listed:
-            return [r for r in listed if r in self.ablation.columns]
-        return [c for c in self.ablation.columns if self.ablation[c].dtype == bool]
-
-    @property
-    def metric(self) -> str:
-        return self.manifest.get("ablate", {}).get("metric", "mean_kl")
-
-    @property
-    def combos(self) -> list[str]:
-        return list(self.ablation["combo"]) if self.is_ablate else []
-
-    @property
-    def all_aligned(self) -> str | None:
-        if not self.is_ablate or not self.regions:
-            return None
-        full = self.ablation[self.ablation[self.regions].astype(bool).all(axis=1)]
-        return str(full["combo"].iloc[0]) if len(full) else None
-
-    @property
-    def num_layers(self) -> int | None:
-        n = self.manifest.get("model", {}).get("num_layers")
-        if isinstance(n, int):
-            return n
-        from ..taps import LAYER_TAPS
-
-        decoder = self.layers[self.layers["tap"].isin(LAYER_TAPS)]
-        return int(decoder["layer"].max()) + 1 if len(decoder) else None
-
-    @property
-    def clip_eps(self) -> float:
-        return _recorded(self.manifest, "score" if self.is_score else "generate", "clip_eps", DEFAULT_CLIP_EPS)
-
-    @property
-    def ci_level(self) -> str:
-        """The bootstrap interval's level as the captions say it, e.g. "95%"."""
-        return f"{100 * _recorded(self.manifest, 'ablate', 'ci_level', DEFAULT_CI_LEVEL):g}%"
 
 
 def _recorded(manifest: dict, section: str, name: str, default):
@@ -172,8 +94,11 @@ def load_run(run_dir: str | Path) -> RunData:
     if summary.empty:
         raise ReportError(f"{path / 'summary.csv'} has no rows; rerun the command that made the run folder")
     layers = tables.get("layers.csv", pd.DataFrame(columns=["layer", "tap", "rel_l2"]))
-    run = RunData(path=path, manifest=folder.manifest, summary=summary, layers=layers)
-    _ = run.clip_eps, run.ci_level  # the manifest's numbers, checked before anything is drawn or written
+    manifest = folder.manifest  # its numbers are checked here, before anything is drawn or written
+    clip_section = "score" if manifest.get("kind") == "score" else "generate"  # RunData.is_score
+    run = RunData(path=path, manifest=manifest, summary=summary, layers=layers,
+                  clip_eps=_recorded(manifest, clip_section, "clip_eps", DEFAULT_CLIP_EPS),
+                  ci_level=f"{100 * _recorded(manifest, 'ablate', 'ci_level', DEFAULT_CI_LEVEL):g}%")
 
     if "ablation.csv" in tables:
         run.ablation = tables["ablation.csv"]
@@ -211,32 +136,3 @@ def load_run(run_dir: str | Path) -> RunData:
     elif run.tokens is not None:
         run.n_prompts = int(run.tokens["prompt_id"].nunique())
     return run
-
-
-# ---------------------------------------------------------------------------------------------- selections
-def row_of(frame: pd.DataFrame, combo: str | None) -> pd.Series:
-    if combo is not None and "combo" in frame:
-        match = frame[frame["combo"] == combo]
-        if len(match):
-            return match.iloc[0]
-    return frame.iloc[0]
-
-
-def shipped_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """An ablation's per-combination tables (graft, routing) hold every combination: most views show the shipped one."""
-    return df[df["combo"] == SHIPPED] if "combo" in df else df
-
-
-def layers_of(run: RunData, combo: str | None) -> pd.DataFrame:
-    if "combo" in run.layers and combo is not None:
-        return run.layers[run.layers["combo"] == combo]
-    return run.layers
-
-
-def response_rho(run: RunData) -> np.ndarray | None:
-    if run.tokens is None or "is_response" not in run.tokens:
-        return None
-    t = run.tokens
-    if "combo" in t:
-        t = t[t["combo"] == SHIPPED]
-    return np.exp(t.loc[t["is_response"], "delta_logprob"].to_numpy(dtype=np.float64))

@@ -14,7 +14,7 @@ import pandas as pd
 
 from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words
 from .document import Column, Heading, Paragraph, Table
-from .load import RunData, row_of, shipped_rows
+from .run_data import RunData, row_of, shipped_rows
 from ..numerics.tables import ROUTING_NOISE_FLOORS
 from .wording import _code, _finite, _get, _num, _signed_pct
 

@@ -13,7 +13,7 @@ from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_wor
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
-from .load import RunData, layers_of, response_rho, row_of, shipped_rows
+from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
 from .moe import routing_section
 from .recorded import MEANINGS, recorded_section, setup_items
 from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct

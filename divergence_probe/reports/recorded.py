@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .document import Heading, Paragraph
-from .load import RunData, row_of
+from .run_data import RunData, row_of
 from .wording import FACTORS, _code, _get, _num
 
 # summary.csv columns a score run adds, for the summary table's meaning column

@@ -25,7 +25,8 @@ from ..errors import OutputError
 from ..rundir import MARK, output_folder
 from . import document as doc
 from .figure_specs import figure_specs
-from .load import ReportError, RunData, load_run
+from .load import ReportError, load_run
+from .run_data import RunData
 from .output import FORMATS, REPORT, write_document
 from .prose import build_document, title
 

@@ -31,7 +31,7 @@ from ..errors import NumericsError, ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from ..models.memory_plan import Peaks, engine_report
 from ..numerics.metrics import DiffStats, token_kl
-from ..prompts import Prompt, batches, load_prompts
+from ..prompts import Prompt, batches
 from ..regions import from_engine
 from .manifest import build_manifest
 from .progress import Progress, phase

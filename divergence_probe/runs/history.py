@@ -18,7 +18,7 @@ import glob
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +28,7 @@ from .manifest import build_manifest
 from .progress import Progress, phase
 from ..errors import ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
-from ..rollouts import RolloutBatch, RolloutError, read_rollouts
+from ..rollouts import RolloutBatch, RolloutError
 from ..rollouts.read import JSONL, PARQUET
 from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, write_csv, write_json
 
@@ -171,40 +171,3 @@ def _rows(path: Path) -> int:
         return 0
     with path.open("rb") as f:
         return max(sum(1 for _ in f) - 1, 0)
-
-
-# ---------------------------------------------------------------------------------------------- scoring a step
-def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, gate: Gate | None = None,
-                draw: Draw | None = None, progress: Progress | None = None) -> History:
-    """score's history mode: `call` (a ScoreSpec; its `rollouts` is the first file) and `load` (a LoadSpec) as for
-    one file. Model-free when the files hold both logprob columns and no --model or --infer is given; otherwise
-    the training stack loads once and scores every step."""
-    from .paired import paired_run
-    from .score import load_scorer, score_batch
-
-    first = read_rollouts(files[0], call.fmt, call.fields)
-    model_free = first.has_train and load.model is None and call.infer is None
-    if model_free and call.temperature is not None:
-        raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
-                         "--model to score with the training stack, or drop --temperature")
-    scorer = None if model_free else load_scorer(load, call.infer == "vllm")
-    try:
-        def score_one(path: Path):
-            batch = first if path == files[0] else read_rollouts(path, call.fmt, call.fields)
-            if model_free:
-                run = paired_run(batch, call.clip_eps, call.tis_cap)
-            else:
-                run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps,
-                                  tis_cap=call.tis_cap)
-            return batch, run.summary
-
-        manifest = {} if scorer is None else {k: v for k, v in scorer.manifest.items() if k != "kind"}
-        manifest["score"] = {"spec": asdict(replace(call, rollouts=str(files[0]))), "load_spec": asdict(load),
-                             "trainer": "recorded" if model_free else "scored", "prefill": call.infer == "vllm",
-                             "format": first.format, "first_file": str(files[0]), "last_file": str(files[-1]),
-                             "n_files": len(files)}
-        return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest, draw=draw,
-                             progress=progress)
-    finally:
-        if scorer is not None:
-            scorer.close()

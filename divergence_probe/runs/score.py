@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .history import Draw, History, write_history
+from ..reports.gate import Gate
 from .manifest import build_manifest, model_section
 from .progress import Progress, phase
 from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
@@ -248,3 +250,39 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
         scorer.close()
     run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
     return run
+
+
+# ---------------------------------------------------------------------------------------------- score's history mode
+def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, gate: Gate | None = None,
+                draw: Draw | None = None, progress: Progress | None = None) -> History:
+    """score's history mode: `call` (a ScoreSpec; its `rollouts` is the first file) and `load` (a LoadSpec) as for
+    one file. Model-free when the files hold both logprob columns and no --model or --infer is given; otherwise
+    the training stack loads once and scores every step."""
+    from .paired import paired_run
+
+    first = read_rollouts(files[0], call.fmt, call.fields)
+    model_free = first.has_train and load.model is None and call.infer is None
+    if model_free and call.temperature is not None:
+        raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
+                         "--model to score with the training stack, or drop --temperature")
+    scorer = None if model_free else load_scorer(load, call.infer == "vllm")
+    try:
+        def score_one(path: Path):
+            batch = first if path == files[0] else read_rollouts(path, call.fmt, call.fields)
+            if model_free:
+                run = paired_run(batch, call.clip_eps, call.tis_cap)
+            else:
+                run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps,
+                                  tis_cap=call.tis_cap)
+            return batch, run.summary
+
+        manifest = {} if scorer is None else {k: v for k, v in scorer.manifest.items() if k != "kind"}
+        manifest["score"] = {"spec": asdict(replace(call, rollouts=str(files[0]))), "load_spec": asdict(load),
+                             "trainer": "recorded" if model_free else "scored", "prefill": call.infer == "vllm",
+                             "format": first.format, "first_file": str(files[0]), "last_file": str(files[-1]),
+                             "n_files": len(files)}
+        return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest, draw=draw,
+                             progress=progress)
+    finally:
+        if scorer is not None:
+            scorer.close()

@@ -178,8 +178,8 @@ def test_a_one_file_score_gate(tmp_path):
 def test_a_history_with_a_model_scores_each_step_as_score_does(qwen3_tiny, tmp_path):
     """With --model the training stack scores every step, loaded once: each steps.csv row is score's summary of that
     file alone."""
-    from divergence_probe.runs.history import parse_alarms, score_steps, step_files
-    from divergence_probe.runs.score import score
+    from divergence_probe.runs.history import parse_alarms, step_files
+    from divergence_probe.runs.score import score, score_steps
     from divergence_probe.spec.score import ScoreSpec
     from divergence_probe.spec import LoadSpec
 
