@@ -261,8 +261,8 @@ def _serve(folder: Path) -> None:
         from .stack import _disable_flashinfer_sampler_if_missing, _import_vllm
 
         _import_vllm()
-        if init["settings"].device == "cuda":  # before load_aligned imports the runners: model runner V2 binds the
-            _disable_flashinfer_sampler_if_missing()  # sampler then
+        if init["settings"].device == "cuda":  # before load_aligned imports the runners (V2 binds the sampler then)
+            _disable_flashinfer_sampler_if_missing()
         stack = load_aligned(VLLMStack(), init["settings"], init["regions"])
     except Exception as e:  # a StackError says what to do; anything else is vLLM failing to start
         traceback.print_exc()  # into the worker's log (DP_ENGINE_LOG), where a seam bug can be diagnosed
