@@ -27,6 +27,10 @@ RUN = {
 # run in tests/docs/test_readme.py itself, on the folder the command before it wrote
 RENDERED = {"report runs/where-local": "readme-where-local"}
 NOT_RUN = {
+    "ablate --taps none --regions lm_head --factor train:kernels=vllm": "four combinations with a second trainer; "
+    "test_engine_knobs runs a region and a trainer-kernel factor on the built-in model",
+    "compare --taps all --train-kernels vllm --batch-invariance": "test_train_kernels runs compare with the engine's "
+    "kernels in the trainer and checks the first norm bitwise equal",
     "compare --engine compiled --engine-noise --taps none": "builds three engines (compiled with and without tap "
     "points, and eager): minutes on a CPU; test_engine_modes runs the compiled engine and its noise floor",
     "ablate --taps none --side train": "eight more combinations of the same ablation, the trainer alone aligned; "
