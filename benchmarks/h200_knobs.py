@@ -13,7 +13,8 @@ Parts, each writing run folders under --out/PART/ and --out/PART/timings.json:
   liger     ablate --regions lm_head --factor train:kernels=liger (liger replaces RMSNorm in the trainer, so its
             partner region is one it leaves alone; needs liger-kernel on the device).
   moe       ablate --regions routing --factor engine:kv_cache_dtype=fp8 at the Qwen3-30B-A3B layer shape, 8 layers
-            (--moe-preset, --moe-layers): routing replay beside the FP8 KV cache on a mixture-of-experts model.
+            (--moe-preset, --moe-layers): routing replay beside the FP8 KV cache on a mixture-of-experts model;
+            moe-weights and moe-liger the same beside FP8 weights and beside Liger in the trainer.
 The engine is eager (every tap); an engine factor builds its second engine in a worker process, so both engines get
 --gpu-memory-utilization. The checkpoint is the project's random-weight build of the preset's shape (make-model).
 """
@@ -30,7 +31,8 @@ import divergence_probe as dp
 from divergence_probe.models.modelzoo import make_model
 
 FACTORS = {"kv": ("rmsnorm", "engine:kv_cache_dtype=fp8"), "weights": ("rmsnorm", "engine:quantization=fp8"),
-           "liger": ("lm_head", "train:kernels=liger"), "moe": ("routing", "engine:kv_cache_dtype=fp8")}
+           "liger": ("lm_head", "train:kernels=liger"), "moe": ("routing", "engine:kv_cache_dtype=fp8"),
+           "moe-weights": ("routing", "engine:quantization=fp8"), "moe-liger": ("routing", "train:kernels=liger")}
 
 
 def main() -> None:
@@ -47,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out / args.part
     out.mkdir(parents=True, exist_ok=True)
-    preset, layers = (args.moe_preset, args.moe_layers) if args.part == "moe" else (args.preset, None)
+    preset, layers = (args.moe_preset, args.moe_layers) if args.part.startswith("moe") else (args.preset, None)
     timings: dict[str, object] = {"part": args.part, "preset": preset, "layers": layers, "engine": "eager",
                                   "commit": os.environ.get("DP_COMMIT", "unknown")}
     start = time.perf_counter()
