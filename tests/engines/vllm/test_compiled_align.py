@@ -239,9 +239,10 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
     started, closed, seen = [], [], {}
     monkeypatch.setattr(ablate, "needs_engine_build", lambda probe, regions, side: bool(regions))
 
-    def engine_worker(probe, regions):
-        started.append(tuple(regions))
-        return SimpleNamespace(close=lambda: closed.append(tuple(regions)))
+    def worker(probe, step):
+        regions = tuple(step.align.regions)
+        started.append(regions)
+        return SimpleNamespace(close=lambda: closed.append(regions))
 
     @contextmanager
     def aligned_probe(probe, regions, side, worker=None):
@@ -255,11 +256,11 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
         manifest = {"compare": {"tap_reduction": {}}, "stacks": {"infer": {"settings": {}}}}
         return SimpleNamespace(manifest=manifest, prompts=[])
 
-    monkeypatch.setattr(ablate, "engine_worker", engine_worker)
+    monkeypatch.setattr(ablate, "_worker", worker)
     monkeypatch.setattr(ablate, "aligned_probe", aligned_probe)
     monkeypatch.setattr(ablate, "run_compare", run_compare)
     spec = RunSpec(kind="ablate", ablate=AblateSpec(regions=("rope", "swiglu", "rmsnorm"), build_ahead=ahead))
-    probe = SimpleNamespace(settings=SimpleNamespace(device="cuda"))
+    probe = SimpleNamespace(settings=SimpleNamespace(device="cuda"), config=spec.load)
     ablate.run_ablation(probe, spec)
     order = [step.align.regions for step in (ablate.combo_spec(spec, c) for c in ablate.subsets(spec.ablate.regions))]
     builds = [r for r in order if r]
