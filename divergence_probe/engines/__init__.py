@@ -14,6 +14,7 @@ from .protocol import (Capabilities, PromptScores, SamplingSpec, SequenceScores,
 STACKS: dict[str, str] = {
     "vllm": "divergence_probe.engines.vllm.stack:VLLMStack",
     "hf": "divergence_probe.engines.hf.trainer:HFStack",
+    "recorded": "divergence_probe.engines.recorded.stack:RecordedStack",  # score's inference side: a file, no flag
 }
 SHARDED: dict[str, str] = {  # the same stack over several processes (tensor parallel), where it has such a class
     "vllm": "divergence_probe.engines.vllm.tensor_parallel:TensorParallelStack",

@@ -11,27 +11,25 @@ trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 
 from __future__ import annotations
 
-import gc
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import pandas as pd
-import torch
 
 from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
     kernel_noise, routing_noise, train_parallel_noise
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
+from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
 from .loading import load_run_prompts
-from ..environment import to_device
-from ..errors import NumericsError, ProbeError, StackError
+from ..errors import ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from ..models.memory_plan import Peaks, engine_report
-from ..numerics.metrics import DiffStats, token_kl
-from ..prompts import Prompt, batches
+from ..numerics.metrics import DiffStats
+from ..prompts import Prompt
 from ..regions import from_engine
 from .manifest import build_manifest
 from .progress import Progress, phase
@@ -40,49 +38,10 @@ from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
 from ..spec.run import RunSpec
-from ..engines.protocol import PromptScores, TapSink
 from ..engines.vllm.knobs import tap_meanings
 from ..numerics.noise_verdict import floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
-
-@dataclass
-class ScoredSequence:
-    """One token sequence the inference stack ran, and what the training stack must run and score for it.
-
-    `key` files its taps and scores (unique within a run); `fed` is how many of its rows the engine actually
-    computed: all of them for a prompt, all but the last for a sampled sequence (the engine never feeds its last
-    sample back, so that row has no inference-side taps)."""
-
-    key: int
-    prompt: Prompt
-    logits: torch.Tensor
-    logprobs: torch.Tensor
-    prompt_id: int
-    fed: int
-    sample_id: int | None = None
-    n_prompt: int | None = None
-
-
-class SequenceSource:
-    """Where a mode's sequences come from: the inference stack runs a group of prompts and returns sequences."""
-
-    mode = "prefill"
-
-    def batch_tokens(self, probe) -> int:
-        return probe.settings.batch_tokens
-
-    def batch_count(self, probe) -> int | None:
-        """At most so many sequences per inference batch: what the engine schedules in one step."""
-        return probe.infer.capabilities().max_sequences_per_step
-
-    def run(self, probe, group: list[Prompt], taps: frozenset[str], park: TapSink, first_key: int) -> list[ScoredSequence]:
-        scores = probe.infer.score(group, taps, park)
-        if [s.prompt_id for s in scores] != [p.prompt_id for p in group]:
-            raise StackError("the inference stack returned scores out of prompt order")
-        return [ScoredSequence(p.prompt_id, p, s.logits, s.logprobs, p.prompt_id, len(p.token_ids))
-                for p, s in zip(group, scores)]
-
 
 class SampledSource(SequenceSource):
     """generate mode: the inference stack samples responses (decode path, KV cache) and reports raw logprobs."""
@@ -141,120 +100,6 @@ def with_prefill(tokens: list[TokenScore], sequences: Sequence[Prompt], prefill:
         at += len(logprobs)
     if at != len(tokens):
         raise StackError(f"{len(tokens)} tokens were scored but the sampled sequences hold {at}")
-
-
-class PendingScores:
-    """One sequence's token scores, computed on the device and on their way to the host; `read()` waits for them.
-
-    On a GPU every read-back waits for all the work queued before it. Reading a sequence's scores only after the
-    next one's forward has been queued lets the device finish this one (and its tap reductions) while the host is
-    busy queueing the next, instead of the host idling at every sequence.
-    """
-
-    def __init__(self, tokenizer, seq: ScoredSequence, train_logits, train_logprobs) -> None:
-        # keep what names the tokens, not the logits: a sequence's tensors must not outlive its own turn
-        self.seq, self.tokenizer = replace(seq, logits=None, logprobs=None), tokenizer
-        device = seq.logits.device  # the comparison's: the engine's (--train-device: the trainer's side moves here)
-        train_logits = train_logits.to(device)
-        finite = torch.stack([torch.isfinite(seq.logits).all(), torch.isfinite(train_logits).all()])
-        kl = token_kl(seq.logits, train_logits)
-        # float64 holds the float32 logprobs exactly, so one transfer carries everything
-        values = torch.cat([finite.double(), kl, to_device(seq.logprobs, device).double(),
-                            to_device(train_logprobs, device).double()])
-        self._host = values.to("cpu", non_blocking=True)  # pinned and asynchronous from a GPU
-        self._ready = None
-        if values.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def read(self) -> list[TokenScore]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        values = self._host.tolist()
-        seq = self.seq
-        for side, ok in zip(("inference", "training"), values[:2]):
-            if not ok:
-                raise NumericsError(
-                    f"the {side} stack produced NaN/Inf logits on prompt {seq.prompt_id} ({seq.prompt.source}); "
-                    "the weights overflow in this dtype (try --dtype float32) or the checkpoint is broken"
-                )
-        ids = seq.prompt.token_ids
-        n = len(ids) - 1
-        kl, infer, train = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
-        tokens = self.tokenizer.convert_ids_to_tokens(list(ids[1:]))
-        sampled = seq.sample_id is not None
-        return [TokenScore(seq.prompt_id, pos + 1, ids[pos + 1], tokens[pos], infer[pos], train[pos], kl[pos],
-                           seq.sample_id if sampled else None, pos + 1 >= seq.n_prompt if sampled else None)
-                for pos in range(n)]
-
-
-def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_taps: frozenset[str],
-               train_taps: frozenset[str], capture, collect: Callable[[PendingScores], None],
-               peaks: Peaks | None = None) -> list[Prompt]:
-    """The run loop: each inference batch, then its sequences on the training stack under one capture; as each is
-    done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
-    (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
-    park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them. `peaks` records the
-    device's peak memory of each engine step and of each batch's training and reduction (memory_plan.Peaks)."""
-    with _collected_per_batch() as batch_done:
-        return _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done,
-                           peaks or Peaks("cpu"))
-
-
-@contextmanager
-def _collected_per_batch() -> Iterator[Callable[[], None]]:
-    """Python's automatic garbage collection paused for the run loop, which collects the young generations itself after
-    each inference batch (as torchtitan's GarbageCollection does between training steps). The loop makes objects by the
-    tens of thousands (views of every tap, vLLM's per-position logprobs), and the collections they trigger would
-    otherwise walk them again and again in the middle of a forward; nothing in the loop relies on cycles being freed
-    sooner."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield lambda: gc.collect(1)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, batch_done, peaks) -> list[Prompt]:
-    pending: PendingScores | None = None
-    ran: list[Prompt] = []
-    for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
-        peaks.start()
-        sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
-        peaks.end("engine_step")
-        capture.add_sequences(sequences)  # a grafting capture (runs/graft.py) scores against the inference logits
-        fed = {seq.key: seq.fed for seq in sequences}
-        trained = 0
-
-        def trimmed(key: int, tap: TapKey, x: torch.Tensor) -> None:  # the rows the engine fed, of a sampled sequence
-            capture.pair(key, tap, x[: fed[key]])
-
-        # (a prompt's taps go straight to the capture: this runs for every tap, between two kernels of the forward)
-        pair = trimmed if any(seq.fed < len(seq.prompt.token_ids) for seq in sequences) else capture.pair
-
-        def finish(train: PromptScores) -> None:  # each sequence, as soon as the training stack has run it
-            nonlocal pending, trained
-            seq = sequences[trained]
-            if train.prompt_id != seq.key:
-                raise StackError("a stack returned scores out of order")
-            scores = PendingScores(probe.tokenizer, seq, train.logits, train.logprobs)
-            capture.finish_prompt(seq.key)
-            if pending is not None:
-                collect(pending)
-            pending, trained = scores, trained + 1
-
-        peaks.start()
-        probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
-        peaks.end("train_and_reduce")
-        if trained != len(sequences):
-            raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")
-        ran += [seq.prompt for seq in sequences]
-        batch_done()
-    if pending is not None:
-        collect(pending)
-    return ran
 
 
 @dataclass

@@ -23,14 +23,17 @@ from pathlib import Path
 
 import torch
 
+from .loop import ScoredSequence, SequenceSource, score_both
 from .history import Draw, History, write_history
 from ..reports.gate import Gate
 from .manifest import build_manifest, model_section
 from .progress import Progress, phase
 from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
+from ..engines.protocol import PromptScores
+from ..engines.recorded.stack import RecordedStack
 from ..errors import NumericsError, ProbeError, one_line
 from ..numerics.metrics import token_kl, token_logprobs
-from ..prompts import Prompt, batches
+from ..prompts import Prompt
 from ..rollouts import RolloutBatch, RolloutError, read_rollouts
 from ..spec.generate import GenerateSpec
 from ..spec.load import LoadSpec
@@ -94,11 +97,67 @@ def vocab_size(config: dict, tokenizer) -> int:
     return int(text.get("vocab_size") or len(tokenizer))
 
 
+@dataclass
+class RecordedSides:
+    """What compare's run loop asks of a probe, for score: the recorded rollouts on the inference side, the
+    training stack on the other."""
+
+    infer: RecordedStack
+    train: object
+
+
+class RecordedSource(SequenceSource):
+    """score's batches: the recorded rollouts are each batch's inference side, and with `engine` its prefill of the
+    same batch (before the trainer runs it, as generate mode's) makes the third column; its scheduler's limit then
+    bounds a batch. `prefill`: the engine's scores of the current batch, by sequence."""
+
+    def __init__(self, batch_tokens: int, engine=None) -> None:
+        self._batch_tokens, self.engine, self.prefill = batch_tokens, engine, {}
+
+    def batch_tokens(self, probe) -> int:
+        return self._batch_tokens
+
+    def batch_count(self, probe) -> int | None:
+        return (probe.infer if self.engine is None else self.engine).capabilities().max_sequences_per_step
+
+    def run(self, probe, group, taps, park, first_key):
+        if self.engine is not None:
+            scores = self.engine.score(group, frozenset(), park)
+            self.prefill = {s.prompt_id: s for s in scores}
+        return super().run(probe, group, taps, park, first_key)
+
+
+@dataclass
+class ResponseScores:
+    """One sequence's response tokens, scored as it ran (the loop collects them one sequence late)."""
+
+    tokens: list[TokenScore]
+
+    def read(self) -> list[TokenScore]:
+        return self.tokens
+
+
+class _NoTaps:
+    """The run loop's capture, for a run that captures no taps."""
+
+    def park(self, *_) -> None: ...
+
+    def pair(self, *_) -> None: ...
+
+    def add_sequences(self, _) -> None: ...
+
+    def finish_prompt(self, _) -> None: ...
+
+
+NO_TAPS = _NoTaps()
+
+
 def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | None = None, clip_eps: float | None = None,
                 tis_cap: float | None = None, progress: Progress | None = None) -> ScoreRun:
-    """Score `batch` (checked against the model first) on the scorer's training stack, sequence by sequence as
-    generate mode's trainer side runs them, and with the engine's prefill when the scorer has an engine.
-    `progress(done, total)`: after each sequence (compare.Progress)."""
+    """Score `batch` (checked against the model first) in compare's run loop: the recorded rollouts are the
+    inference side (RecordedStack), the scorer's training stack the training side, sequence by sequence as generate
+    mode's trainer side runs them, and the engine's prefill of each batch the third column when the scorer has an
+    engine. `progress(done, total)`: after each sequence (compare.Progress)."""
     g = GenerateSpec(**{k: v for k, v in (("clip_eps", clip_eps), ("tis_cap", tis_cap)) if v is not None})
     if temperature is not None and not temperature > 0:
         raise ProbeError(f"--temperature {temperature} must be > 0: it is the sampling temperature to test against")
@@ -106,45 +165,43 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     ids = numbered(batch)
     sequences = [Prompt(i, f"{batch.path.name} row {r.row}", "", r.prompt_ids + r.response_ids)
                  for i, r in enumerate(batch.rollouts)]
+    sides = RecordedSides(RecordedStack({i: r.logprobs for i, r in enumerate(batch.rollouts)}), scorer.train)
+    source = RecordedSource(scorer.batch_tokens, scorer.infer)
     tokens: list[TokenScore] = []
     tempered: list[float] | None = [] if temperature is not None else None
+
+    def response_scores(seq: ScoredSequence, train: PromptScores) -> ResponseScores:
+        r, (pid, sid) = batch.rollouts[seq.prompt_id], ids[seq.prompt_id]
+        start = len(r.prompt_ids) - 1  # the logit row that predicts the first response token
+        logits = train.logits[start:]
+        if not torch.isfinite(logits).all():
+            raise NumericsError(f"the training stack's logits for row {r.row} are not finite; the model or its "
+                                "dtype is broken: try --dtype float32")
+        lp_train = train.logprobs[start:].double().tolist()
+        recorded = seq.logprobs[start:].tolist()
+        kl = [math.nan] * len(lp_train)
+        prefill = [None] * len(lp_train)
+        engine = source.prefill.get(seq.prompt_id)
+        if engine is not None:
+            prefill = engine.logprobs[start:].double().tolist()
+            kl = token_kl(engine.logits[start:], logits.to(engine.logits.device)).tolist()
+        if tempered is not None:
+            target = torch.tensor(r.response_ids, device=logits.device)
+            tempered.extend(token_logprobs(logits.float() / temperature, target).double().tolist())
+        names = scorer.tokenizer.convert_ids_to_tokens(list(r.response_ids))
+        return ResponseScores([TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], recorded[j], lp_train[j], kl[j],
+                                          sid, True, prefill[j]) for j, tok in enumerate(r.response_ids)])
+
+    def collect(scores: ResponseScores) -> None:
+        tokens.extend(scores.read())
+        collect.done += 1
+        if progress is not None:
+            progress(collect.done, len(sequences))
+
+    collect.done = 0
+
     phase(progress, "scoring sequences")
-    finished = 0  # sequences of earlier groups
-    per_step = scorer.infer.capabilities().max_sequences_per_step if scorer.infer is not None else None
-    for group in batches(sequences, scorer.batch_tokens, per_step):
-        engine = scorer.infer.score(group, frozenset(), _no_taps) if scorer.infer is not None else None
-        done = 0
-
-        def scored(train) -> None:
-            nonlocal done
-            seq = group[done]
-            r, (pid, sid) = batch.rollouts[seq.prompt_id], ids[seq.prompt_id]
-            start = len(r.prompt_ids) - 1  # the logit row that predicts the first response token
-            logits = train.logits[start:]
-            if not torch.isfinite(logits).all():
-                raise NumericsError(f"the training stack's logits for row {r.row} are not finite; the model or its "
-                                    "dtype is broken: try --dtype float32")
-            lp_train = train.logprobs[start:].double().tolist()
-            kl = [math.nan] * len(lp_train)
-            prefill = [None] * len(lp_train)
-            if engine is not None:
-                e = engine[done]
-                prefill = e.logprobs[start:].double().tolist()
-                kl = token_kl(e.logits[start:], logits.to(e.logits.device)).tolist()
-            if tempered is not None:
-                target = torch.tensor(r.response_ids, device=logits.device)
-                tempered.extend(token_logprobs(logits.float() / temperature, target).double().tolist())
-            names = scorer.tokenizer.convert_ids_to_tokens(list(r.response_ids))
-            tokens.extend(TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], r.logprobs[j], lp_train[j], kl[j], sid,
-                                     True, prefill[j]) for j, tok in enumerate(r.response_ids))
-            done += 1
-            if progress is not None:
-                progress(finished + done, len(sequences))
-
-        scorer.train.score(group, frozenset(), _no_taps, on_scored=scored)
-        if done != len(group):
-            raise ProbeError(f"of {len(group)} sequences, the training stack scored {done}")
-        finished += done
+    score_both(sides, sequences, source, frozenset(), frozenset(), NO_TAPS, collect, make_scores=response_scores)
     prompts = _prompts(batch, ids, scorer.tokenizer)
     manifest = build_manifest("score", scorer.manifest, {"score": {
         "rollouts": str(batch.path), "rollouts_sha256": batch.sha256, "format": batch.format,
@@ -156,10 +213,6 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
         manifest.get("load", {}).pop("infer", None)
         manifest.get("stacks", {}).pop("infer", None)
     return ScoreRun(batch, prompts, tokens, tempered, manifest, g.clip_eps, g.tis_cap, temperature)
-
-
-def _no_taps(*_):
-    pass
 
 
 def _prompts(batch: RolloutBatch, ids, tokenizer) -> list[Prompt]:

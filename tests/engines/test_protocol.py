@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from divergence_probe.cli import app
 from divergence_probe.engines import SHARDED, STACKS, capabilities_of, register_stack, stack_class
+from divergence_probe.errors import StackError
 from divergence_probe.engines.protocol import (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER, PATCH_ONCE_LOADED,
                                                Capabilities, Grafter, RouteRecorder, RouteReplayer, StackSettings)
 from divergence_probe.errors import ProbeError, StackError
@@ -74,7 +75,8 @@ def test_every_registered_stack_class_declares_its_capabilities(name, ranks, eng
     assert (cls.__module__ + ":" + cls.__name__) == (SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name])
     declared = capabilities_of(name, engine=engine, ranks=ranks)
     assert isinstance(declared, Capabilities) and declared == cls.declare(engine, ranks)
-    assert set(declared.taps) <= set(ALL_TAPS) | set(ROUTE_RECORDS) and declared.logits
+    assert set(declared.taps) <= set(ALL_TAPS) | set(ROUTE_RECORDS)
+    assert declared.logits == (name != "recorded")  # recorded rollouts hold logprobs only
     assert all(why == "captured" or why.startswith("not captured") for why in declared.taps.values())
     assert declared.patch in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER)
     for role, protocol in ROLES.items():
@@ -163,3 +165,27 @@ def test_hasattr_stays_rare():
             counts[name] = sum("hasattr(" in line for line in path.read_text().splitlines())
     assert "engines/protocol.py" in counts  # the package itself was read
     assert sum(counts.values()) <= MAX_HASATTR, {name: n for name, n in counts.items() if n}
+
+
+def test_recorded_rollouts_serve_logprobs_only_and_compare_refuses_them_its_token_kl():
+    """score's inference side is a file: the recorded stack declares no logits and no taps, serves each sequence's
+    recorded response logprobs (NaN where the run sampled nothing), and compare's run loop, which score runs too, asks
+    its capabilities before it would take a KL over logits it does not have."""
+    import math
+
+    from divergence_probe.engines.recorded.stack import RecordedStack
+    from divergence_probe.prompts import Prompt
+    from divergence_probe.runs.compare import SequenceSource, score_both
+
+    declared = capabilities_of("recorded")
+    assert not declared.logits and not any(why == "captured" for why in declared.taps.values())
+    assert declared.first_refused(["--graft"]) and declared.first_refused(["ablate"])
+    stack = RecordedStack({0: [-0.5, -0.25]})
+    [scores] = stack.score([Prompt(0, "row 0", "", (1, 2, 3, 4))], frozenset(), lambda *_: None)
+    assert scores.logits is None and math.isnan(scores.logprobs[0]) and scores.logprobs[1:].tolist() == [-0.5, -0.25]
+
+    class Sides:
+        infer, train, tokenizer = stack, None, None
+
+    with pytest.raises(StackError, match="hands over no logits"):
+        score_both(Sides(), [], SequenceSource(), frozenset(), frozenset(), None, lambda scores: None)
