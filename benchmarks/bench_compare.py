@@ -70,7 +70,8 @@ PLANS = {
 
 # divergence_probe functions whose cumulative time the profile of one tapped compare reports
 PROFILED = {
-    "runs/compare.py": ("run_compare", "score_prompt"),
+    "runs/compare.py": ("run_compare",),
+    "runs/loop.py": ("score_both",),
     "engines/vllm/stack.py": ("score",),
     "engines/hf/trainer.py": ("score",),
     "runs/capture.py": ("park", "pair", "finish_prompt"),
