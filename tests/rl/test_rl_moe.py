@@ -130,7 +130,9 @@ def test_compiled_rollout_routes_are_the_eager_engines_up_to_rounding(rl_moe_eag
 def _recorder(steps: list[tuple[list[tuple[str, int, int]], list[int]]], ids: list[list[int]]) -> RolloutRecorder:
     """A recorder fed by hand: steps of (spans (request, first position, rows), input ids), and the expert_ids rows
     of one layer (top-1) in step order."""
-    runner = SimpleNamespace(input_batch=None, query_start_loc=None)
+    from vllm_runners import V1Runner
+
+    runner = V1Runner(input_batch=None, query_start_loc=None)
     recorder = RolloutRecorder(runner, HookSet())
     for spans, tokens in steps:
         starts = np.cumsum([0] + [n for _, _, n in spans])

@@ -140,8 +140,9 @@ def test_step_layout_reads_both_vllm_runner_kinds():
 
     from divergence_probe.engines.hooks import HookSet
     from divergence_probe.engines.vllm.rollout import step_layout
+    from vllm_runners import V1Runner
 
-    v1 = SimpleNamespace(
+    v1 = V1Runner(
         input_batch=SimpleNamespace(num_reqs=2, req_ids=["a-0", "b-0", None], num_computed_tokens_cpu=np.array([0, 5, 0])),
         query_start_loc=SimpleNamespace(np=np.array([0, 3, 4, 4])),
     )

@@ -41,7 +41,9 @@ def step_layout(runner, hooks: HookSet) -> Callable[[], Layout]:
       `InputBatch` in `prepare_inputs` every step and keeps none: that method is wrapped for the run (`hooks`
       undoes it) and the batch it returns is read.
     """
-    if hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc"):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # v1's runner; vLLM's CPU runner subclasses it
+
+    if isinstance(runner, GPUModelRunner):
         def v1() -> Layout:
             batch = runner.input_batch
             n = batch.num_reqs

@@ -68,9 +68,21 @@ def _gemm_weight(module, dtype: torch.dtype) -> torch.Tensor:
     return module.quant_method.apply(module, torch.eye(k, dtype=dtype, device=device), None).t()
 
 
-def _reads_a_copy(module) -> bool:
-    """Whether the module's GEMM reads another tensor than its `weight` (vLLM's CPU dispatch packs it)."""
-    return hasattr(module, "cpu_linear") or (hasattr(module, "weight") and module.weight.numel() == 0)
+def _gemm_modules() -> tuple[type, ...]:
+    """vLLM's modules that compute a GEMM through a quant method with their `weight` (linears, the vocabulary's
+    embedding and head)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return LinearBase, VocabParallelEmbedding
+
+
+def _gemms_read_a_copy() -> bool:
+    """Whether a GEMM module reads another tensor than its `weight`: vLLM's CPU platform dispatches every unquantized
+    GEMM at load (`dispatch_cpu_unquantized_gemm`), packing or dropping the weight; on CUDA the GEMM reads `weight`."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -79,6 +91,7 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     head = layout_of(model, "vllm").model["lm_head"] + "."
     seen: set[int] = set()
+    gemms, packed = _gemm_modules(), _gemms_read_a_copy()
     with torch.inference_mode():
         for name, module in model.named_modules(remove_duplicate=False):
             if id(module) in seen and not (name + ".").startswith(head):
@@ -87,7 +100,7 @@ def engine_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             for pname, param in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
                 lookup = type(module).__name__ == "VocabParallelEmbedding" and not full.startswith(head)
-                if pname == "weight" and hasattr(module, "quant_method") and _reads_a_copy(module) and not lookup:
+                if pname == "weight" and packed and isinstance(module, gemms) and not lookup:
                     out[full] = _gemm_weight(module, dtype)
                 else:
                     out[full] = param.detach()
@@ -191,7 +204,7 @@ class WeightSession:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(self.family.as_saved(named))),
                                                           "is_checkpoint_format": True})
         head = find(self.model, self.layout.model["lm_head"])
-        if self.tied and head is not None and hasattr(head, "quant_method"):
+        if self.tied and isinstance(head, _gemm_modules()):
             head.quant_method.process_weights_after_loading(head)  # the tied head's own GEMM copy (docstring)
         for _, module, _ in self.experts:  # the experts kernel's layout, which the reload skips (docstring)
             _experts_kernel(module).process_weights_after_loading(module)
