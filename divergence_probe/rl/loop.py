@@ -77,9 +77,26 @@ def load(spec: RLSpec, check: Callable | None = None):
         for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
             check_regions_exist(source.family, parse_setting(setting))
         prompt_pool(spec, tokenizer, source.max_model_len)
+        if source.family.top_k_field is not None:
+            check_route_roles(load_spec(spec), replays=any(from_engine(parse_setting(s)) for s in spec.settings))
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
     return load_stacks(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
+
+
+def check_route_roles(load, *, replays: bool) -> None:
+    """A mixture of experts' rollouts record the routes the engine took, and a routing setting replays them in the
+    trainer's update: roles a stack declares (Capabilities.records_routes, replays_routes). Asked of the declarations
+    before anything loads, so a stack that does not play one is refused in one line, not in the first step."""
+    from ..engines import capabilities_of
+
+    if not capabilities_of(load.infer, engine=load.engine, ranks=load.engine_ranks).records_routes:
+        raise ProbeError(f"rl on a mixture of experts records the rollout's routes, which the {load.infer} stack "
+                         f"(--engine {load.engine}, {load.engine_ranks} rank(s)) does not declare it can; use a "
+                         "single-process vLLM engine or a dense model")
+    if replays and not capabilities_of(load.train, ranks=load.train_tp).replays_routes:
+        raise ProbeError(f"the routing setting replays the rollout's routes in the update, which the {load.train} "
+                         "trainer does not declare it can; drop the routing setting")
 
 
 def load_spec(spec: RLSpec):

@@ -92,6 +92,13 @@ class LoadSpec:
                                      "taps.")
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
+    @property
+    def engine_ranks(self) -> int:
+        """The processes the inference stack runs on (vLLM's tensor_parallel_size): which of its classes is asked what
+        it can do. Another type than int counts as one: check_engine_args refuses it."""
+        ranks = self.engine_args.get("tensor_parallel_size") if self.infer == "vllm" else 1
+        return ranks if isinstance(ranks, int) else 1
+
     def __post_init__(self) -> None:
         _choice(self.infer, INFER_STACKS, "--infer")
         _choice(self.train, TRAIN_STACKS, "--train")

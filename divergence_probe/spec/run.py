@@ -248,8 +248,7 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     if run is not None:
         wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),
                                    ("--align", bool(run.align.regions)), ("ablate", run.kind == "ablate")) if on]
-    ranks = load.engine_args.get("tensor_parallel_size") if load.infer == "vllm" else 1
-    ranks = ranks if isinstance(ranks, int) else 1  # another type: check_engine_args refuses it
+    ranks = load.engine_ranks
     if ranks > 1:
         wanted.append("tensor_parallel_size > 1")
     for feature in wanted:
