@@ -127,6 +127,9 @@ class Capabilities:
         not known before the engine is built.
     logits: whether the stack hands over logits (a stack of recorded rollouts has logprobs only).
     records_routes, replays_routes, grafts: the optional roles (RouteRecorder, RouteReplayer, Grafter) it plays.
+    tap_meanings: tap -> what the stack's tensor of that name is, where that differs from the trainer's (a quantized
+        engine's GEMM outputs, keys bound for an FP8 KV cache); known once the stack's settings are (a loaded stack's
+        `capabilities`), and recorded in the manifest beside the taps.
     """
 
     taps: Mapping[str, str]
@@ -137,6 +140,7 @@ class Capabilities:
     records_routes: bool = False
     replays_routes: bool = False
     grafts: bool = False
+    tap_meanings: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:  # read-only, as the dataclass is frozen: a declaration is shared
         if self.patch not in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER):
@@ -146,6 +150,7 @@ class Capabilities:
             raise ValueError(f"a stack patched {self.patch!r} says why it refuses {PATCH_ONCE_LOADED!r}")
         object.__setattr__(self, "taps", MappingProxyType(dict(self.taps)))
         object.__setattr__(self, "refused", MappingProxyType(dict(self.refused)))
+        object.__setattr__(self, "tap_meanings", MappingProxyType(dict(self.tap_meanings)))
 
     def first_refused(self, features: Sequence[str]) -> str | None:
         """The one-line refusal of the first of `features` this stack refuses, or None."""

@@ -38,7 +38,6 @@ from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
 from ..spec.run import RunSpec
-from ..engines.vllm.knobs import tap_meanings
 from ..numerics.noise_verdict import floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
@@ -314,7 +313,7 @@ def run_manifest(probe, spec: RunSpec, prompts_path: Path, prompts, taps) -> dic
                                                    "no taps, prefix cache not read"}
     if spec.align.regions:
         sections["align"] = {"regions": list(spec.align.regions), "side": spec.align.side}
-    meanings = tap_meanings(probe.settings.engine_kwargs()) if probe.config.infer == "vllm" else {}
+    meanings = probe.infer.capabilities().tap_meanings
     if meanings:  # a quantized engine: what its taps are, beside the trainer's tensors of the same names
         sections["compare"]["tap_meanings"] = {tap: meanings[tap] for tap in sorted(meanings) if tap in taps}
     return build_manifest(spec.kind, probe.manifest(), sections, spec=spec.to_dict())

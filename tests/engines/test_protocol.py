@@ -4,7 +4,9 @@ does not go back to probing members with hasattr."""
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,10 +56,19 @@ class BuiltToyStack(ToyStack):
                             refused={PATCH_ONCE_LOADED: cls.REASON})
 
 
+class MeaningToyStack(ToyStack):
+    name = "toy-meaning"
+    fused = True  # a second toy that differs from the trainer toy, as a quantized engine does
+    MEANINGS = {"resid_out": "the residual after a toy's FP8 GEMM", "q_proj": "a tap this run does not capture"}
+
+    def capabilities(self) -> Capabilities:
+        return replace(self.declare(), tap_meanings=self.MEANINGS)
+
+
 @pytest.fixture
 def refusing_toys(toy):
     removers = [register_stack(cls.name, f"{__name__}:{cls.__name__}")
-                for cls in (RefusingToyStack, BlindToyStack, BuiltToyStack)]
+                for cls in (RefusingToyStack, BlindToyStack, BuiltToyStack, MeaningToyStack)]
     yield
     for remove in removers:
         remove()
@@ -118,6 +129,19 @@ def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(r
                                       "toy", "--prompts", str(prompts_file), "--mode", "generate", "--out", str(out)])
     assert result.exit_code == 2, result.output
     assert RefusingToyStack.REASON in result.output and not out.exists()
+
+
+def test_what_an_engines_taps_mean_is_asked_of_the_engine_and_recorded(refusing_toys, qwen3_tiny, prompts_file,
+                                                                         tmp_path):
+    """The manifest says what the inference stack's taps are where they differ from the trainer's (a quantized
+    engine's): the run asks the loaded stack's capabilities, for the taps it captured, whatever the engine."""
+    assert not capabilities_of("vllm").tap_meanings and not capabilities_of("hf").tap_meanings  # nothing quantized
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-meaning", "--train", "toy",
+                                      "--prompts", str(prompts_file), "--taps", "resid_out", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["compare"]["tap_meanings"] == {"resid_out": MeaningToyStack.MEANINGS["resid_out"]}
 
 
 def test_a_tap_the_stack_cannot_capture_is_refused_with_its_reason(refusing_toys):

@@ -53,7 +53,7 @@ from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilitie
                         ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 from ..hooks import HookSet, after_call, arg, first_tensor
 from ..rollout_protocol import Rolled, RolloutSample, SyncCheck
-from .knobs import ENGINES, OWNED_ENGINE_ARGS
+from .knobs import ENGINES, OWNED_ENGINE_ARGS, tap_meanings
 from .rollout import RolloutRecorder
 from .weights import WeightSession
 from .seams import decoder_layers, model_seams
@@ -433,7 +433,8 @@ class VLLMStack:
         declared = self.declare(self.settings.engine, self._ranks())
         taps = compiled_taps.status(taps_built=self.tap_points.built, family=family_of(self.model)) if self.compiled \
             else declared.taps
-        return replace(declared, taps=taps, max_sequences_per_step=self.max_sequences_per_step)
+        return replace(declared, taps=taps, max_sequences_per_step=self.max_sequences_per_step,
+                       tap_meanings=tap_meanings(self.settings.engine_kwargs()))
 
     def begin_run(self) -> None:
         self.recompute_gap = 0.0

@@ -35,6 +35,7 @@ from ...signals import forget, pass_on_to
 from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec, ScoresSink,
                         SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
+from .knobs import tap_meanings
 from .stack import VLLMStack
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
@@ -233,7 +234,8 @@ class WorkerStack:
     def capabilities(self) -> Capabilities:
         """What the child's engine reported once built: its taps and its scheduler's limit."""
         return replace(self.declare(self.settings.engine), taps=self._status["tap_status"],
-                       max_sequences_per_step=self.max_sequences_per_step)
+                       max_sequences_per_step=self.max_sequences_per_step,
+                       tap_meanings=tap_meanings(self.settings.engine_kwargs()))
 
     def begin_run(self) -> None:
         self.recompute_gap = 0.0
