@@ -1,9 +1,10 @@
 """Deployment knobs as ablation factors: `ablate --factor SIDE:KEY=VALUE` beside `--regions`.
 
 A factor is a change of the run's load settings that a deployment makes: an FP8 KV cache or FP8 weights in the engine,
-the engine's compiled mode, the trainer's kernel set or its mixed precision. Each knob is one entry of KNOBS: its side,
-its key, the values the tool measures, the LoadSpec field it changes and how, and who checks a value (the engine's own
-arg check, the kernel set's device and package check). An ablation runs every subset of its regions and factors and
+the engine's compiled mode, the trainer's kernel set or its mixed precision. Each knob says its side, its key, the
+values the tool measures, the LoadSpec field it changes and how, and who checks a value (the engine's own arg check,
+the kernel set's device and package check). The engine's knobs are its own table (engines/vllm/knobs.py KNOBS), read
+here whole: a new engine knob is one entry there. An ablation runs every subset of its regions and factors and
 splits the change of the mismatch among them (numerics/shapley.py); a factor's combinations load what it changes (the
 trainer's kernel set is swapped in place; another precision or another engine is loaded beside the run's own).
 """
@@ -33,22 +34,6 @@ class Knob:
         return f"{self.side}:{self.key}"
 
 
-def _engine_arg(key: str) -> Callable[[str, object], object]:
-    def change(value: str, load) -> dict:
-        return {**load.engine_args, key: value}
-
-    return change
-
-
-def _engine_check(key: str) -> Callable[[str, str], None]:
-    def check(value: str, device: str) -> None:
-        from ..engines.vllm.knobs import check_engine_args
-
-        check_engine_args({key: value}, device)
-
-    return check
-
-
 def _kernels_check(value: str, device: str) -> None:
     from ..engines.hf.kernels import get_kernels
 
@@ -64,12 +49,8 @@ def _knobs() -> dict[str, Knob]:
     from ..engines.vllm.knobs import KNOBS as ENGINE
 
     knobs = [
-        Knob("engine", "kv_cache_dtype", ENGINE["kv_cache_dtype"].values[1:], "engine_args",
-             _engine_arg("kv_cache_dtype"), _engine_check("kv_cache_dtype"), ENGINE["kv_cache_dtype"].summary),
-        Knob("engine", "quantization", ENGINE["quantization"].values, "engine_args", _engine_arg("quantization"),
-             _engine_check("quantization"), ENGINE["quantization"].summary),
-        Knob("engine", "enforce_eager", ENGINE["enforce_eager"].values, "engine",
-             lambda value, load: "eager" if value == "true" else "compiled", _no_check, ENGINE["enforce_eager"].summary),
+        *(Knob("engine", knob.key, knob.factor_values, knob.load_field, knob.change, knob.check, knob.summary)
+          for knob in ENGINE.values()),  # the engine declares its knobs whole (engines/vllm/knobs.py)
         Knob("train", "kernels", tuple(KERNELS), "train_kernels", lambda value, load: value, _kernels_check,
              "the trainer's kernel set (--train-kernels)"),
         Knob("train", "precision", ("amp", "bf16"), "train_precision", lambda value, load: value, _no_check,

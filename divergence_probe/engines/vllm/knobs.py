@@ -10,6 +10,7 @@ quantized values is never reported as the same quantity as the trainer's BF16 on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ...errors import ProbeError
 from ..needs import Needs
@@ -17,24 +18,45 @@ from ..needs import Needs
 
 @dataclass(frozen=True)
 class EngineKnob:
+    """One engine arg the tool measures, declared whole: what it takes, what it needs, and what an ablation factor of
+    it changes in the run's load settings (spec/knobs.py makes every entry of KNOBS a factor, `engine:KEY=VALUE`)."""
+
     key: str  # the vllm.LLM keyword
     values: tuple[str, ...]  # the settings the tool measures
     summary: str
     needs: Needs = field(default_factory=Needs)  # the devices whose build runs these settings, a package vLLM imports
+    default: str | None = None  # the engine's own setting: a factor names only the others
+    load_field: str = "engine_args"  # the LoadSpec field a factor changes: the engine args, or a field of its own
+    setting: Callable[[str], object] | None = None  # a value -> that field's value, where it is not an engine arg
+
+    @property
+    def factor_values(self) -> tuple[str, ...]:
+        return tuple(value for value in self.values if value != self.default)
+
+    def change(self, value: str, load) -> object:
+        """The factor's value -> the new value of `load_field` of the LoadSpec `load`."""
+        return self.setting(value) if self.setting is not None else {**load.engine_args, self.key: value}
+
+    def check(self, value: str, device: str) -> None:
+        """An engine arg is checked by the engine (`check_engine_args`); a field of its own by the LoadSpec the
+        factor's combinations load."""
+        if self.setting is None:
+            check_engine_args({self.key: value}, device)
 
 
 FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KNOBS: dict[str, EngineKnob] = {
     "kv_cache_dtype": EngineKnob("kv_cache_dtype", ("auto", *FP8_KV),
                                  "the KV cache's dtype: fp8 stores keys and values in FP8 (attention reads them back "
-                                 "dequantized)", Needs(devices=("cuda",))),
+                                 "dequantized)", Needs(devices=("cuda",)), default="auto"),
     "quantization": EngineKnob("quantization", ("fp8",),
                                "weights quantized on load (fp8: per-tensor FP8 weights, dynamic FP8 activations)",
                                Needs(devices=("cuda",), package="compressed_tensors",
                                      install="`pip install compressed-tensors` beside vLLM (vLLM imports it for FP8 "
                                              "weights)")),
     "enforce_eager": EngineKnob("enforce_eager", ("true", "false"),
-                                "the engine mode: false is vLLM's compiled default (--engine compiled)"),
+                                "the engine mode: false is vLLM's compiled default (--engine compiled)",
+                                load_field="engine", setting=lambda value: "eager" if value == "true" else "compiled"),
 }
 
 

@@ -85,6 +85,20 @@ def test_every_combination_is_checked_as_its_own_run_before_loading():
     assert eager.combination(frozenset({"engine:enforce_eager=false"})).load.engine == "compiled"
 
 
+def test_a_knob_added_to_the_engines_table_is_an_ablate_factor_with_no_other_edit(monkeypatch):
+    """The engine declares its knobs whole: one entry of its KNOBS is a factor, checked by the engine, changing the
+    engine args the factor's combinations load."""
+    from divergence_probe.engines.vllm import knobs
+
+    monkeypatch.setitem(knobs.KNOBS, "block_size", knobs.EngineKnob("block_size", ("16", "32"), "the KV block size",
+                                                                    default="16"))
+    load = LoadSpec(device="cpu")
+    spec = RunSpec(kind="ablate", load=load, ablate=AblateSpec(regions=("lm_head",), factors=("engine:block_size=32",)))
+    assert spec.combination(frozenset({"engine:block_size=32"})).load.engine_args == {"block_size": "32"}
+    with pytest.raises(ProbeError, match="engine:block_size takes 32$"):  # the engine's own setting is no factor
+        parse_factors(["engine:block_size=16"])
+
+
 @pytest.mark.engine
 def test_a_region_and_a_trainer_kernel_factor_make_four_combinations_and_a_row_each(vllm_probe, prompts_file):
     run = vllm_probe.ablate(prompts=prompts_file, regions="lm_head", factor=["train:kernels=vllm"], bootstrap=50)
