@@ -131,6 +131,7 @@ def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(r
     assert RefusingToyStack.REASON in result.output and not out.exists()
 
 
+@pytest.mark.engine  # the compare's metrics compile
 def test_what_an_engines_taps_mean_is_asked_of_the_engine_and_recorded(refusing_toys, qwen3_tiny, prompts_file,
                                                                          tmp_path):
     """The manifest says what the inference stack's taps are where they differ from the trainer's (a quantized

@@ -28,6 +28,8 @@ class EngineKnob:
     default: str | None = None  # the engine's own setting: a factor names only the others
     load_field: str = "engine_args"  # the LoadSpec field a factor changes: the engine args, or a field of its own
     setting: Callable[[str], object] | None = None  # a value -> that field's value, where it is not an engine arg
+    meanings: Callable[[str], dict[str, str]] | None = None  # a value -> tap -> what the tap is under it; set for a
+    # knob that quantizes something (its settings other than `default` are checked before loading: `quantized`)
 
     @property
     def factor_values(self) -> tuple[str, ...]:
@@ -44,16 +46,27 @@ class EngineKnob:
             check_engine_args({self.key: value}, device)
 
 
+def _kv_cache_meanings(dtype: str) -> dict[str, str]:
+    return {"k_rope": f"the key before the engine writes it to its {dtype} KV cache",
+            "attn_core": f"attention over keys and values read back from the {dtype} KV cache"}
+
+
+def _gemm_meanings(quantization: str) -> dict[str, str]:
+    return {tap: f"the output of a {quantization} GEMM ({quantization} weights and activations, output in the run's "
+                 "dtype)" for tap in ("q_proj", "k_proj", "v_proj", "attn_out", "gate_proj", "up_proj", "mlp_out")}
+
+
 FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KNOBS: dict[str, EngineKnob] = {
     "kv_cache_dtype": EngineKnob("kv_cache_dtype", ("auto", *FP8_KV),
                                  "the KV cache's dtype: fp8 stores keys and values in FP8 (attention reads them back "
-                                 "dequantized)", Needs(devices=("cuda",)), default="auto"),
+                                 "dequantized)", Needs(devices=("cuda",)), default="auto",
+                                 meanings=_kv_cache_meanings),
     "quantization": EngineKnob("quantization", ("fp8",),
                                "weights quantized on load (fp8: per-tensor FP8 weights, dynamic FP8 activations)",
                                Needs(devices=("cuda",), package="compressed_tensors",
                                      install="`pip install compressed-tensors` beside vLLM (vLLM imports it for FP8 "
-                                             "weights)")),
+                                             "weights)"), meanings=_gemm_meanings),
     "enforce_eager": EngineKnob("enforce_eager", ("true", "false"),
                                 "the engine mode: false is vLLM's compiled default (--engine compiled)",
                                 load_field="engine", setting=lambda value: "eager" if value == "true" else "compiled"),
@@ -61,13 +74,10 @@ KNOBS: dict[str, EngineKnob] = {
 
 
 def quantized(args: dict) -> dict[str, str]:
-    """The args of `args` that quantize something: knob -> its value."""
-    out = {}
-    if str(args.get("kv_cache_dtype", "auto")) != "auto":
-        out["kv_cache_dtype"] = str(args["kv_cache_dtype"])
-    if args.get("quantization") is not None:
-        out["quantization"] = str(args["quantization"])
-    return out
+    """The args of `args` that quantize something (a knob with tap meanings, set to other than its default): knob ->
+    its value."""
+    return {key: str(args[key]) for key, knob in KNOBS.items()
+            if knob.meanings is not None and key in args and args[key] != knob.default}
 
 
 def check_engine_args(args: dict, device: str) -> None:
@@ -86,16 +96,7 @@ def tap_meanings(args: dict) -> dict[str, str]:
     """What the engine's taps are under these args, where that differs from the trainer's tensor of the same name:
     tap -> what it is. The taps read BF16 tensors at module boundaries (the quantized copies live inside the kernels),
     so they still pair with the trainer's; these say what differs in what produced them."""
-    meanings = {}
-    q = quantized(args)
-    if "kv_cache_dtype" in q:
-        meanings["k_rope"] = f"the key before the engine writes it to its {q['kv_cache_dtype']} KV cache"
-        meanings["attn_core"] = f"attention over keys and values read back from the {q['kv_cache_dtype']} KV cache"
-    if "quantization" in q:
-        for tap in ("q_proj", "k_proj", "v_proj", "attn_out", "gate_proj", "up_proj", "mlp_out"):
-            meanings[tap] = f"the output of a {q['quantization']} GEMM ({q['quantization']} weights and activations, " \
-                            "output in the run's dtype)"
-    return meanings
+    return {tap: meaning for key, value in quantized(args).items() for tap, meaning in KNOBS[key].meanings(value).items()}
 
 
 ENGINES = ("eager", "compiled")  # the engine modes (--engine): vLLM as run eagerly, or compiled

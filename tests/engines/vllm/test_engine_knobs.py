@@ -99,6 +99,25 @@ def test_a_knob_added_to_the_engines_table_is_an_ablate_factor_with_no_other_edi
         parse_factors(["engine:block_size=16"])
 
 
+def test_a_quantizing_knob_added_to_the_engines_table_is_checked_and_says_what_its_taps_are(monkeypatch, tmp_path):
+    """An FP8 engine configuration is one entry: its devices are checked before loading, as a compare's engine arg and
+    as a factor, and its tap meanings reach the manifest's (Capabilities.tap_meanings)."""
+    from divergence_probe.engines.needs import Needs
+    from divergence_probe.engines.vllm import knobs
+
+    monkeypatch.setitem(knobs.KNOBS, "moe_dtype", knobs.EngineKnob(
+        "moe_dtype", ("auto", "fp8"), "the experts' dtype", Needs(devices=("cuda",)), default="auto",
+        meanings=lambda value: {"moe_out": f"the output of {value} experts"}))
+    assert tap_meanings({"moe_dtype": "fp8", "kv_cache_dtype": "auto"}) == {"moe_out": "the output of fp8 experts"}
+    with pytest.raises(ProbeError, match="moe_dtype='int4' is not a setting the tool measures"):
+        check_engine_args({"moe_dtype": "int4"}, "cuda")
+    out_dir = tmp_path / "ab"
+    result = CliRunner().invoke(app, ["ablate", "--device", "cpu", "--regions", "lm_head", "--factor",
+                                      "engine:moe_dtype=fp8", "--out", str(out_dir)])
+    assert_one_line_error(result, "--factor engine:moe_dtype=fp8: --engine-args moe_dtype=fp8 runs on cuda only")
+    assert_nothing_written(out_dir)
+
+
 @pytest.mark.engine
 def test_a_region_and_a_trainer_kernel_factor_make_four_combinations_and_a_row_each(vllm_probe, prompts_file):
     run = vllm_probe.ablate(prompts=prompts_file, regions="lm_head", factor=["train:kernels=vllm"], bootstrap=50)
