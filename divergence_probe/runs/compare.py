@@ -339,7 +339,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
     capture = graft = pairing
-    plan = getattr(probe, "memory_plan", None)
+    plan = probe.memory_plan
     if spec.capture.graft or spec.capture.depth:
         from .graft import GRAFT_TAPS, GraftCapture, check_graftable
 

@@ -46,6 +46,7 @@ class WorkerStack:
     """The `vllm` stack, run by a child process with `regions` aligned in its engine before it was built."""
 
     name = "vllm"
+    _proc: subprocess.Popen | None = None  # the child, once started; None too for a worker whose __init__ refused
 
     def __init__(self, settings: StackSettings, regions: Sequence[str] = ()) -> None:
         if settings.device == "cuda" and "gpu_memory_utilization" not in settings.engine_kwargs():
@@ -55,7 +56,6 @@ class WorkerStack:
                              "0.3}' (both engines get it)")
         self.settings, self.regions = settings, tuple(regions)
         self.recompute_gap = 0.0  # the probe resets it per run; the child's own value is in info()
-        self._proc: subprocess.Popen | None = None
         self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
         self._calls = 0
         self._idle = False  # True while the child waits for a request: only then does it read "close"
@@ -143,7 +143,7 @@ class WorkerStack:
         self.close()
 
     def __del__(self) -> None:  # a run that raised before close(): never leave an engine process behind
-        if getattr(self, "_proc", None) is not None:
+        if self._proc is not None:
             try:
                 self.close()
             except Exception:  # at interpreter exit the modules close() needs may be gone; the child sees EOF
