@@ -913,7 +913,7 @@ _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward s
 
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
-    Each run's first step measures both stacks' noise floors (each against itself, batch halved); the closing lines
+    Each run's first step measures both stacks' noise floors (each against itself, alone against batched); the closing lines
     say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference.md).
 
     Examples:

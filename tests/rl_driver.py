@@ -182,7 +182,7 @@ seen["nan_logprob_weights_kept"] = all(torch.equal(t, before[n]) for n, t in loo
 
 # 9. deployment knobs as settings of one experiment on this engine: the update's correction and another trainer
 # precision (a training stack loaded beside the run's own); each run's first row holds its noise floors, and the
-# engine's floor compares the half-batch rollouts (here moved by a known 0.01 on every logprob) with the step's own
+# engine's floor compares the samples rolled out alone (here moved by a known 0.01 on every logprob) with the step's own
 knobs = rl.RLSpec(steps=1, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu",
                   setting=("train:correction=tis", "rope,train:precision=amp"))
 precisions: list = []
@@ -196,12 +196,11 @@ def trainer_for(self, arm):
 
 
 real_engine_rollout = type(probe.infer).rollout
-step_size = knobs.group_size * knobs.prompts_per_step
 
 
 def shifted_halves(self, samples, routes=False):
     rolled = real_engine_rollout(self, samples, routes=routes)
-    if len(samples) < step_size:  # a half batch of the floor
+    if len(samples) == 1:  # a sample of the floor, rolled out alone
         rolled = [replace(r, logprobs=tuple(lp + 0.01 for lp in r.logprobs)) for r in rolled]
     return rolled
 

@@ -41,7 +41,7 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
             "k3_end": tail.k3.mean(), "ppo_clip_frac_end": tail.ppo_clip_frac.mean(),
             "entropy_start": head.entropy.mean(), "entropy_end": tail.entropy.mean(),
             "grad_norm_max": run.grad_norm.max(),
-            # each stack against itself under a batch change, at the first step (rl/loop.py start_floors)
+            # each stack against itself, alone against batched, at the first step (rl/loop.py start_floors)
             **{f: run[f].iloc[0] for f in FLOORS if f in run},
             "collapsed_at_step": collapsed_at_step(run, width),
             "s_per_step": (work + loop).mean(), "overhead_frac": loop.sum() / work.sum(),

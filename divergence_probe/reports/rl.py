@@ -138,8 +138,8 @@ def _floors(summary: pd.DataFrame, first) -> str:
              f"{doc.sig(float(g.floor_engine_batch.mean()))}, trainer batch floor {doc.sig(float(g.floor_train_batch.mean()))}"
              for setting, g in summary.groupby("setting", sort=False)]
     return ("At each run's first step, on the checkpoint before any update and on the setting's own stacks, each stack "
-            "against itself under a batch change: the engine rolls the step's samples out again in two half batches "
-            "(compared up to the first token that differs), the trainer scores them again in two half batches. Mean "
+            "against itself, alone against batched: the engine rolls every sample of the step out again alone "
+            "(compared up to the first token that differs), the trainer scores every sequence again alone. Mean "
             "|Δlogp| over seeds: " + "; ".join(parts) + ". A mismatch within its floors is what batching alone "
             "moves.")
 

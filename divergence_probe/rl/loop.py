@@ -262,27 +262,25 @@ class Loop:
 
     def start_floors(self, prompts, seed: int, step: int, responses, lp_engine, sequences, n_prompt, routes,
                      lp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        """Each stack against itself under a batch change, at the run's first step, on the setting's own stacks:
-        the step's samples rolled out again in two half batches (their per-sequence seeds draw the same tokens while
-        the logits agree; compared over the tokens up to the first that differs; the prompts' KV comes from the
-        prefix cache, so this moves the decode's batch only), and the step's sequences scored again by the trainer
-        in two half batches (another padded length). The mismatch of the same row stands beside them."""
-        half = len(sequences) // 2
-        samples = self.samples(prompts, seed, step)
-        again = [r for part in (samples[:half], samples[half:]) for r in self.engine.rollout(part, routes=False)]
+        """Each stack against itself, alone against batched (as compare's --batch-invariance), at the run's first
+        step, on the setting's own stacks: every sample of the step rolled out again alone (its own seed draws the
+        same tokens while the logits agree; compared over the tokens up to the first that differs; the prompt's KV
+        comes from the prefix cache, so this moves the decode's batch), and every sequence of the step scored again
+        alone by the trainer. The mismatch of the same row stands beside them."""
+        alone = [r for sample in self.samples(prompts, seed, step) for r in self.engine.rollout([sample], routes=False)]
         engine_diffs = []
-        for first, lps, rolled in zip(responses, lp_engine, again):
+        for first, lps, rolled in zip(responses, lp_engine, alone):
             same = next((i for i, (a, b) in enumerate(zip(first, rolled.tokens)) if a != b),
                         min(len(first), len(rolled.tokens)))
             engine_diffs.extend(abs(a - b) for a, b in zip(lps[:same], rolled.logprobs[:same]))
-        with torch.no_grad():
-            parts = [self.trainer.forward(sequences[a:b], n_prompt[a:b], routes[a:b] if routes is not None else None,
-                                          self.replay) for a, b in ((0, half), (half, len(sequences)))]
         on = mask.bool()
         train_diffs = []
-        for (a, b), (lp, _, part_mask, _) in zip(((0, half), (half, len(sequences))), parts):
-            width = lp.shape[1]
-            train_diffs.append((lp[part_mask.bool()] - lp_train[a:b, :width][on[a:b, :width]]).abs())
+        with torch.no_grad():
+            for row, sequence in enumerate(sequences):
+                lp, _, own_mask, _ = self.trainer.forward([sequence], [n_prompt[row]],
+                                                          [routes[row]] if routes is not None else None, self.replay)
+                width = lp.shape[1]
+                train_diffs.append((lp[own_mask.bool()] - lp_train[row, :width][on[row, :width]]).abs())
         return {"floor_engine_batch": float(np.mean(engine_diffs)) if engine_diffs else float("nan"),
                 "floor_train_batch": float(torch.cat(train_diffs).double().mean())}
 

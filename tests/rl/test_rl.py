@@ -314,7 +314,7 @@ def test_knob_settings_change_the_update_or_the_trainer_and_every_run_starts_wit
     tis, plain = seen["knob_correction_weight"]
     assert tis != 1.0 and plain == 1.0  # TIS weights the loss by the mismatch; no correction weighs every token 1
     assert all(f >= 0 for row in seen["knob_floors"] for f in row)
-    # the engine's floor is the half-batch rollouts against the step's own: a known shift of one is what it reads
+    # the engine's floor is each sample rolled out alone against the step's batch: a known shift of one is what it reads
     assert seen["shifted_engine_floor"] == pytest.approx(0.01, rel=1e-3)
 
 
