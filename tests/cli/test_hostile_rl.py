@@ -176,7 +176,7 @@ class FakeProbe:
 
 
 class FakeLoop:
-    """rl.Loop's contract (run(setting, seed, on_row): spec.steps rows) without a model."""
+    """rl.Loop's contract (run(setting, seed, on_row): spec.steps rows; close) without a model."""
 
     def __init__(self, probe, spec) -> None:
         self.spec = spec
@@ -184,6 +184,9 @@ class FakeLoop:
     def run(self, setting, seed, on_row) -> None:
         for step in range(1, self.spec.steps + 1):
             on_row({"setting": setting, "seed": seed, "step": step, **ROW})
+
+    def close(self) -> None:
+        """Nothing loaded beside the run's stacks."""
 
 
 @pytest.fixture
