@@ -24,7 +24,7 @@ from divergence_probe.taps import ALL_TAPS, ROUTE_RECORDS
 from toy_stack import ToyStack
 
 PACKAGE = Path(__file__).resolve().parents[2] / "divergence_probe"
-MAX_HASATTR = 5  # library version checks (torch, vLLM); never a stack's members
+MAX_HASATTR = 4  # library version checks (torch, vLLM); never a stack's members
 ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
 
 

@@ -203,12 +203,12 @@ def _disable_flashinfer_sampler_if_missing() -> None:
     try:
         import flashinfer  # noqa: F401
     except ImportError:
-        try:
+        try:  # the seam: a vLLM without this sampler switch has nothing to switch off
             from vllm.v1.sample.ops import topk_topp_sampler
+            from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sampler_supported  # noqa: F401
         except ImportError:
             return
-        if hasattr(topk_topp_sampler, "flashinfer_sampler_supported"):
-            topk_topp_sampler.flashinfer_sampler_supported = lambda: False
+        topk_topp_sampler.flashinfer_sampler_supported = lambda: False
 
 
 _DIST_FILES: list[str] = []  # the rendezvous files this process's engine start created
