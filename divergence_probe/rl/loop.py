@@ -78,7 +78,7 @@ def load(spec: RLSpec, check: Callable | None = None):
             check_regions_exist(source.family, parse_setting(setting).regions)
         prompt_pool(spec, tokenizer, source.max_model_len)
         if source.family.top_k_field is not None:
-            check_route_roles(load_spec(spec), replays=any(from_engine(parse_setting(s)) for s in spec.settings))
+            check_route_roles(load_spec(spec), replays=any(from_engine(parse_setting(s).regions) for s in spec.settings))
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
     return load_stacks(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
