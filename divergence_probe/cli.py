@@ -881,17 +881,27 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
 def _print_rl_summary(summary) -> None:
     """rl_summary.csv as a table: each run's mean reward and mismatch over its first steps and over its last ones,
     the steps named (numerics/rl_summary.py window: the two never overlap)."""
+    import pandas as pd
+
+    from .numerics.collapse import GROWTH
     from .numerics.rl_summary import window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
-    for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "s/step", "overhead"):
+    for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "floors at step 1 (engine, trainer)",
+                "collapsed", "s/step", "overhead"):
         table.add_column(col, justify="left" if col in ("setting", "steps averaged") else "right")
     for row in summary.itertuples():
         table.add_row(row.setting, str(row.seed), window_label(1, row.steps, row.window),
                       f"{row.reward_start:.2f} -> {row.reward_end:.2f}",
-                      f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}", f"{row.s_per_step:.1f}",
-                      f"{row.overhead_frac:.0%}")
+                      f"{row.mean_abs_dlogp_start:.2e} -> {row.mean_abs_dlogp_end:.2e}",
+                      f"{row.floor_engine_batch:.2e}, {row.floor_train_batch:.2e}",
+                      "no" if pd.isna(row.collapsed_at_step) else f"at step {row.collapsed_at_step}",
+                      f"{row.s_per_step:.1f}", f"{row.overhead_frac:.0%}")
     out.print(table)
+    fell = summary[summary.collapsed_at_step.notna()]
+    out.print(f"collapse (reward below its start to the end while k3 or the |Δlogp| tail grew {GROWTH:g}x; "
+              f"docs/reference.md): {len(fell)} of {len(summary)} runs"
+              + "".join(f"; {r.setting} seed {r.seed} at step {r.collapsed_at_step}" for r in fell.itertuples()))
 
 
 _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, and the
@@ -903,10 +913,13 @@ _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward s
 
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
+    Each run's first step measures both stacks' noise floors (each against itself, alone against batched); the closing lines
+    say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference.md).
 
     Examples:
       divergence-probe rl --steps 20 --report
       divergence-probe rl --setting none --setting rope,swiglu,rmsnorm --seeds 2
+      divergence-probe rl --setting none --setting train:correction=tis --setting train:kernels=liger
       divergence-probe rl --model M --reward letters --engine compiled
       divergence-probe rl --model M --setting none --setting routing
     """)

@@ -179,4 +179,39 @@ with mock.patch.object(rl.Loop, "rollout", nan_rollout):
     except ProbeError as e:
         seen["nan_logprob"] = f"{type(e).__name__}: {e}"
 seen["nan_logprob_weights_kept"] = all(torch.equal(t, before[n]) for n, t in loop.trainer.named_weights().items())
+
+# 9. deployment knobs as settings of one experiment on this engine: the update's correction and another trainer
+# precision (a training stack loaded beside the run's own); each run's first row holds its noise floors, and the
+# engine's floor compares the samples rolled out alone (here moved by a known 0.01 on every logprob) with the step's own
+knobs = rl.RLSpec(steps=1, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu",
+                  setting=("train:correction=tis", "rope,train:precision=amp"))
+precisions: list = []
+real_trainer_for = rl.Loop.trainer_for
+
+
+def trainer_for(self, arm):
+    trainer = real_trainer_for(self, arm)
+    precisions.append(trainer.stack.settings.train_precision)
+    return trainer
+
+
+real_engine_rollout = type(probe.infer).rollout
+
+
+def shifted_halves(self, samples, routes=False):
+    rolled = real_engine_rollout(self, samples, routes=routes)
+    if len(samples) == 1:  # a sample of the floor, rolled out alone
+        rolled = [replace(r, logprobs=tuple(lp + 0.01 for lp in r.logprobs)) for r in rolled]
+    return rolled
+
+
+with mock.patch.object(rl.Loop, "trainer_for", trainer_for):
+    knob_run = rl.run(knobs, root / "knobs", probe=probe)
+seen["knob_settings"] = knob_run.summary.setting.tolist()
+seen["knob_precisions"] = precisions
+seen["knob_correction_weight"] = knob_run.rows.correction_weight_mean.tolist()
+seen["knob_floors"] = knob_run.rows[["floor_engine_batch", "floor_train_batch"]].values.tolist()
+with mock.patch.object(type(probe.infer), "rollout", shifted_halves):
+    shifted = rl.run(replace(knobs, setting=()), root / "floors", probe=probe)
+seen["shifted_engine_floor"] = float(shifted.rows.floor_engine_batch.iloc[0])
 print("RESULT " + json.dumps(seen))

@@ -108,7 +108,7 @@ def keep_rollout(self, *args):
 
 def keep_step(self, *args):
     row = real_step(self, *args)
-    steps[-1] |= {"replay": self.replay, "received": dict(received), "metric": row["frac_response_any_flip"]}
+    steps[-1] |= {"replay": self.replay, "metric": row["frac_response_any_flip"]}
     return row
 
 
@@ -116,8 +116,11 @@ forward = Trainer.forward
 
 
 def keep_forward(self, sequences, n_prompt, *rest):
-    steps[-1]["batch"] = (sequences, n_prompt)
-    return forward(self, sequences, n_prompt, *rest)
+    """The update's forward: a step's first (the first step's start floors score its sequences again, one by one)."""
+    out = forward(self, sequences, n_prompt, *rest)
+    if "batch" not in steps[-1]:
+        steps[-1] |= {"batch": (sequences, n_prompt), "received": dict(received)}
+    return out
 
 
 with mock.patch.object(rl.Loop, "rollout", keep_rollout), mock.patch.object(rl.Loop, "step", keep_step), \

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pandas as pd
 
+from .collapse import collapsed_at_step
+
+FLOORS = ("floor_engine_batch", "floor_train_batch")
 WINDOW = 10  # the most steps averaged at the start and at the end of a run in rl_summary.csv
 
 
@@ -38,6 +41,12 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
             "k3_end": tail.k3.mean(), "ppo_clip_frac_end": tail.ppo_clip_frac.mean(),
             "entropy_start": head.entropy.mean(), "entropy_end": tail.entropy.mean(),
             "grad_norm_max": run.grad_norm.max(),
+            # each stack against itself, alone against batched, at the first step (rl/loop.py start_floors)
+            **{f: run[f].iloc[0] for f in FLOORS if f in run},
+            "collapsed_at_step": collapsed_at_step(run, width),
             "s_per_step": (work + loop).mean(), "overhead_frac": loop.sum() / work.sum(),
         })
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    if len(table):
+        table["collapsed_at_step"] = table["collapsed_at_step"].astype("Int64")  # empty where none
+    return table

@@ -21,6 +21,8 @@ import unicodedata
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+import pandas as pd
+
 SIGNIFICANT = 3
 FIGURE_DIR = "figures"
 
@@ -77,7 +79,8 @@ def sig(x: float, digits: int = SIGNIFICANT) -> str:
 
 
 def _is_missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    """None, NaN, or pandas' missing value of a nullable column (an rl run's collapsed_at_step where none)."""
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
 def _plain(value, kind: str) -> tuple[str, str]:

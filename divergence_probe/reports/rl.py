@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..numerics.rl_summary import summarize, window_label
+from ..numerics.rl_summary import FLOORS, summarize, window_label
 from ..rundir import MANIFEST, output_folder, read_manifest
 from . import document as doc
 from . import figures as F
@@ -114,8 +114,34 @@ def _verdict(summary: pd.DataFrame) -> list[str]:
 
         reward = moved("reward_start", "reward_end", "rose", "fell", lambda v: f"{v:.3g}")
         mismatch = moved("mean_abs_dlogp_start", "mean_abs_dlogp_end", "grew", "shrank", doc.sig)
-        out.append(f"`{setting}` ({label}): the reward {reward}; the mismatch {mismatch}")
+        out.append(f"`{setting}` ({label}): the reward {reward}; the mismatch {mismatch}; {_collapses(part)}")
     return out
+
+
+def _collapses(part: pd.DataFrame) -> str:
+    """Which seeds of one setting collapsed (numerics/collapse.py), and at which step."""
+    fell = part[part.collapsed_at_step.notna()]
+    if fell.empty:
+        return f"no collapse in {len(part)} seed{'s' if len(part) > 1 else ''}"
+    at = ", ".join(f"seed {int(r.seed)} at step {int(r.collapsed_at_step)}" for r in fell.itertuples())
+    return f"collapsed in {len(fell)} of {len(part)} seeds ({at})"
+
+
+def _floors(summary: pd.DataFrame, first) -> str:
+    """The noise floors rl measured at each run's first step, beside that step's mismatch, per setting."""
+    mismatch = dict(first.mean())
+    if not all(f in summary for f in FLOORS):
+        return ("This run folder records no noise floor (made before rl measured one). Step 1's mismatch, on the "
+                "checkpoint before any update: " + "; ".join(f"`{k}` {doc.sig(float(v))}" for k, v in mismatch.items())
+                + ".")
+    parts = [f"`{setting}`: mismatch {doc.sig(float(mismatch[setting]))}, engine batch floor "
+             f"{doc.sig(float(g.floor_engine_batch.mean()))}, trainer batch floor {doc.sig(float(g.floor_train_batch.mean()))}"
+             for setting, g in summary.groupby("setting", sort=False)]
+    return ("At each run's first step, on the checkpoint before any update and on the setting's own stacks, each stack "
+            "against itself, alone against batched: the engine rolls every sample of the step out again alone "
+            "(compared up to the first token that differs), the trainer scores every sequence again alone. Mean "
+            "|Δlogp| over seeds: " + "; ".join(parts) + ". A mismatch within its floors is what batching alone "
+            "moves.")
 
 
 SUMMARY_COLUMNS = (
@@ -126,7 +152,8 @@ SUMMARY_COLUMNS = (
     ("mean_abs_dlogp_end", doc.Column("mean |Δlogp|, end", "num")), ("k3_end", doc.Column("k3, end", "num")),
     ("ppo_clip_frac_end", doc.Column("PPO-clipped, end", "pct")),
     ("entropy_start", doc.Column("entropy, start", "num")), ("entropy_end", doc.Column("entropy, end", "num")),
-    ("grad_norm_max", doc.Column("grad norm, max", "num")), ("s_per_step", doc.Column("s/step", "num")),
+    ("grad_norm_max", doc.Column("grad norm, max", "num")),
+    ("collapsed_at_step", doc.Column("collapsed at step", "int")), ("s_per_step", doc.Column("s/step", "num")),
     ("overhead_frac", doc.Column("overhead", "pct")),
 )
 
@@ -152,12 +179,7 @@ def rl_document(rows: pd.DataFrame, manifest: dict | None) -> list:
                    f"Left: the mean reward of each step's responses. Right: the mean |Δlogp| over the sampled tokens "
                    f"(log scale). Per setting, {BAND}."),
         doc.Heading("Noise floor", 2),
-        doc.Paragraph("The rl command measures no noise floor of its own (each stack against itself under a batch or "
-                      "kernel change): run `divergence-probe compare --mode generate --batch-invariance` on the "
-                      "starting checkpoint with the same engine mode for that. What it records at the start is step "
-                      "1's mismatch, measured on the checkpoint before any update, so the numerics alone: "
-                      + "; ".join(f"`{setting}` {doc.sig(float(v.mean()))} (mean over seeds)"
-                                  for setting, v in first) + "."),
+        doc.Paragraph(_floors(summary, first)),
         doc.Heading("Start against end per run", 2),
         doc.Table("rl_summary", "Each (setting, seed) run: start and end are the means over the steps named in the "
                   "verdict; PPO-clipped is the share of tokens whose ratio left the clip band; overhead is the time "

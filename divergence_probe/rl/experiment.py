@@ -60,6 +60,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
                               "--out") from e
         probe = probe or load(spec, check)
         loop = Loop(probe, spec)
+        claim.callback(loop.close)
         rows: list[dict] = []
         total = len(spec.settings) * len(spec.seed_list) * spec.steps
 

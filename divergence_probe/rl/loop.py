@@ -55,7 +55,7 @@ from ..regions import check_regions_exist, from_engine
 from ..numerics.rl_metrics import sequence_metrics, token_metrics
 from .grpo import group_advantages, policy_loss
 from .reward import PROMPTS, load_reward, score
-from ..spec.rl import RLSpec, parse_setting
+from ..spec.rl import CORRECTION_KNOB, RLSetting, RLSpec, parse_setting
 from .trainer import Trainer
 
 ENGINE_ARGS = {"enable_prefix_caching": True}
@@ -75,7 +75,7 @@ def load(spec: RLSpec, check: Callable | None = None):
         if "rl" in source.family.unsupported:  # a family whose weights rl's sync check does not know
             raise ProbeError(f"rl {source.family.unsupported['rl']}; use another model")
         for setting in spec.settings:  # routing replay on a dense model: one line, before anything loads
-            check_regions_exist(source.family, parse_setting(setting))
+            check_regions_exist(source.family, parse_setting(setting).regions)
         prompt_pool(spec, tokenizer, source.max_model_len)
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
@@ -83,12 +83,14 @@ def load(spec: RLSpec, check: Callable | None = None):
 
 
 def load_spec(spec: RLSpec):
-    """The LoadSpec of rl's probe."""
+    """The LoadSpec of rl's probe: the run's settings, with the engine knobs its settings turn (all the same)."""
+    from ..spec.knobs import applied
     from ..spec.load import LoadSpec
 
-    return LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
+    load = LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
                     engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed, train_precision=spec.train_precision,
                     train_kernels=spec.train_kernels, allow_untested_versions=spec.allow_untested_versions)
+    return applied(load, spec.engine_knobs)
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -126,7 +128,10 @@ class Loop:
                              "with rl.loop.load(spec)")
         self.tokenizer = self.probe.tokenizer
         config = self.probe.train.model.config
-        self.trainer = Trainer(self.probe.train, self.spec.lr, self.spec.grad_clip)
+        self._own = self.trainer = Trainer(self.probe.train, self.spec.lr, self.spec.grad_clip)
+        # a setting's other trainer precision: a training stack loaded beside the run's own, on the same engine
+        self.precisions: dict[str, tuple[object, Trainer]] = {}
+        self.correction = self.spec.correction  # the run's: its setting's train:correction, else --correction
         self.engine.start_weight_sync(bool(getattr(config, "tie_word_embeddings", False)),
                                       min(config.vocab_size, len(self.tokenizer)))
         self.reward = load_reward(self.spec.reward)
@@ -161,13 +166,17 @@ class Loop:
                 "t_sync": t1 - t0 - t_control, "t_check": t2 - t1 + t_control, "t_verify": t2 - t1,
                 "t_probe": t_control}
 
+    def samples(self, prompts, seed: int, step: int) -> list[RolloutSample]:
+        """G samples per prompt, each with a seed of its own (fixed by run seed, step, prompt and sample)."""
+        g, spec = self.spec.group_size, self.spec
+        return [RolloutSample(tuple(ids), spec.max_new_tokens, spec.temperature,
+                              (seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31)
+                for p, (_, ids) in enumerate(prompts) for k in range(g)]
+
     def rollout(self, prompts, seed: int, step: int):
         """G responses per prompt, sampled through the engine with a seed per sequence; the push before rides the
         call (its stale-cache probe), and once it is proven the row it belongs to is released (`on_proven`)."""
-        g, spec = self.spec.group_size, self.spec
-        samples = [RolloutSample(tuple(ids), spec.max_new_tokens, spec.temperature,
-                                 (seed * 1_000_003 + step * 10_007 + p * g + k) % 2**31)
-                   for p, (_, ids) in enumerate(prompts) for k in range(g)]
+        samples = self.samples(prompts, seed, step)
         carry_probe = self.engine.push_unproven  # the push before this rollout: proven fresh by this engine call
         rolled = self.engine.rollout(samples, routes=self.moe)
         if carry_probe and self.on_proven is not None:
@@ -200,8 +209,12 @@ class Loop:
                                 "sampled tokens is NaN or inf, so the engine computes non-finite logits and the update "
                                 "would write NaN into every trainer weight; load the engine again (a push that did not "
                                 "complete leaves uninitialized memory in a layer)")
-        loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps, spec.correction,
-                                       spec.tis_cap)
+        t_floors = time.perf_counter()
+        floors = self.start_floors(prompts, seed, step, responses, lp_engine, sequences, n_prompt, routes,
+                                   lp_train.detach(), mask) if step == 1 else {}
+        t_floors = time.perf_counter() - t_floors  # a measurement of the start, not the loop's work or overhead
+        loss, loss_stats = policy_loss(lp_train, lp_infer, advantages.to(lp_train.device), mask, spec.clip_eps,
+                                       self.correction, spec.tis_cap)
         with_signal = rewards.view(-1, g).std(dim=1) > 0  # per group: not every response scored alike
         stepped = bool(with_signal.any()) or spec.no_signal_step == "step"
         # no signal: every advantage is 0, so the gradient is exactly 0; `skip` leaves the optimizer (and its
@@ -222,14 +235,56 @@ class Loop:
             "optimizer_stepped": stepped,
             **token_metrics(infer_np, train_np, spec.clip_eps, spec.tis_cap),
             **sequence_metrics(responses_df, spec.clip_eps),
+            **floors,
         }
         if routing is not None:
             row["frac_response_any_flip"] = response_flip_frac(*routing, mask)
         t4 = time.perf_counter()
         row |= self.push_and_check(audit=spec.audit_every > 0 and step % spec.audit_every == 0)
-        row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2, "t_metrics": t4 - t3}
+        row |= {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_update": t3 - t2 - t_floors, "t_metrics": t4 - t3}
         row["overhead_frac"] = sum(row[k] for k in OVERHEAD) / sum(row[k] for k in WORK)
         return row
+
+    def trainer_for(self, arm: RLSetting) -> Trainer:
+        """The trainer of a setting: the run's own, or, for another train:precision, one on a training stack loaded
+        beside it (once; closed by `close`)."""
+        precision = arm.value("train:precision")
+        if precision is None or precision == self.spec.train_precision:
+            return self._own
+        if precision not in self.precisions:
+            view = self.probe.with_trainer(train_precision=precision)
+            self.precisions[precision] = (view, Trainer(view.train, self.spec.lr, self.spec.grad_clip))
+        return self.precisions[precision][1]
+
+    def close(self) -> None:
+        """Release the training stacks loaded beside the run's own."""
+        for view, _ in self.precisions.values():
+            view.close()
+        self.precisions.clear()
+
+    def start_floors(self, prompts, seed: int, step: int, responses, lp_engine, sequences, n_prompt, routes,
+                     lp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """Each stack against itself, alone against batched (as compare's --batch-invariance), at the run's first
+        step, on the setting's own stacks: every sample of the step rolled out again alone (its own seed draws the
+        same tokens while the logits agree; compared over the tokens up to the first that differs; the prompt's KV
+        comes from the prefix cache, so this moves the decode's batch), and every sequence of the step scored again
+        alone by the trainer. The mismatch of the same row stands beside them."""
+        alone = [r for sample in self.samples(prompts, seed, step) for r in self.engine.rollout([sample], routes=False)]
+        engine_diffs = []
+        for first, lps, rolled in zip(responses, lp_engine, alone):
+            same = next((i for i, (a, b) in enumerate(zip(first, rolled.tokens)) if a != b),
+                        min(len(first), len(rolled.tokens)))
+            engine_diffs.extend(abs(a - b) for a, b in zip(lps[:same], rolled.logprobs[:same]))
+        on = mask.bool()
+        train_diffs = []
+        with torch.no_grad():
+            for row, sequence in enumerate(sequences):
+                lp, _, own_mask, _ = self.trainer.forward([sequence], [n_prompt[row]],
+                                                          [routes[row]] if routes is not None else None, self.replay)
+                width = lp.shape[1]
+                train_diffs.append((lp[own_mask.bool()] - lp_train[row, :width][on[row, :width]]).abs())
+        return {"floor_engine_batch": float(np.mean(engine_diffs)) if engine_diffs else float("nan"),
+                "floor_train_batch": float(torch.cat(train_diffs).double().mean())}
 
     def run(self, setting: str, seed: int, on_row: Callable[[dict], None]) -> None:
         """One run: reset to the checkpoint, align `setting`, `spec.steps` steps; each row goes to on_row the moment
@@ -237,11 +292,17 @@ class Loop:
         last step's alone), so a stale cache leaves no row of a step whose push it follows, and a later failure of
         the next step does not take a proven row with it. A row reaches on_row (and the progress bar) one rollout
         after its step ends."""
-        regions = parse_setting(setting)
+        arm = parse_setting(setting)
+        regions = arm.regions
         self.replay = bool(from_engine(regions))  # routing: R3 in the update's forward
+        self.trainer = self.trainer_for(arm)
+        self.correction = arm.value(CORRECTION_KNOB) or self.spec.correction
         torch.manual_seed(seed)
-        self.reset()
         with ExitStack() as stack:
+            kernels = arm.value("train:kernels")
+            if kernels is not None and kernels != self.trainer.stack.kernels:
+                stack.enter_context(self.trainer.stack.kernels_used(kernels))
+            self.reset()
             if regions:
                 stack.enter_context(align_api.apply(self.trainer.model, regions))
             if regions and self.spec.side == "both":

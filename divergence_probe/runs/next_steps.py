@@ -121,7 +121,7 @@ def _rl_step(make, why: str, family=None) -> Step | None:
 
     spec = _valid(make)
     if spec is None or family is not None and _valid(
-            lambda: [check_regions_exist(family, parse_setting(s)) for s in spec.setting]) is None:
+            lambda: [check_regions_exist(family, parse_setting(s).regions) for s in spec.setting]) is None:
         return None
     return Step(rl_command_line(spec), why)
 

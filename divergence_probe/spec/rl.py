@@ -35,14 +35,58 @@ ENGINE_ARGS_OWNED = {
 }
 
 
-def setting_name(regions: tuple[str, ...]) -> str:
-    return ",".join(regions) if regions else "none"
+def setting_name(regions: tuple[str, ...], knobs: tuple[str, ...] = ()) -> str:
+    return ",".join((*regions, *knobs)) or "none"
 
 
-def parse_setting(text: str) -> tuple[str, ...]:
-    """'none' or '' -> (); 'rope,swiglu' -> the validated regions in registry order; 'routing' (a mixture of experts):
-    the update's forward replays the rollout's routes (R3)."""
-    return () if text.strip() in ("", "none") else parse_regions(text)
+@dataclass(frozen=True)
+class RLSetting:
+    """One arm of an rl experiment: the regions it aligns (routing: R3) and the deployment knobs it turns, each a
+    SIDE:KEY=VALUE label of spec/knobs.py (the engine's FP8 KV cache, the trainer's kernel set or precision) or
+    train:correction=tis|mis (the off-policy correction of the update)."""
+
+    regions: tuple[str, ...] = ()
+    knobs: tuple[str, ...] = ()  # labels, sorted by knob name
+
+    @property
+    def name(self) -> str:
+        return setting_name(self.regions, self.knobs)
+
+    def value(self, knob: str) -> str | None:
+        """The value this setting gives `knob` ('train:kernels'), or None when it leaves it as the run has it."""
+        return next((label.partition("=")[2] for label in self.knobs if label.partition("=")[0] == knob), None)
+
+    @property
+    def engine_knobs(self) -> tuple[str, ...]:
+        return tuple(label for label in self.knobs if label.startswith("engine:"))
+
+
+CORRECTION_KNOB = "train:correction"  # rl's own knob: the loss, not a load setting (spec/knobs.py has those)
+
+
+def parse_setting(text: str) -> RLSetting:
+    """'none' or '' -> nothing aligned or turned; 'rope,swiglu' -> the validated regions in registry order;
+    'routing' (a mixture of experts): the update's forward replays the rollout's routes (R3); a SIDE:KEY=VALUE item
+    turns a deployment knob (engine:kv_cache_dtype=fp8, train:kernels=liger, train:precision=amp,
+    train:correction=tis)."""
+    from .knobs import parse_factor
+
+    items = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
+    knobs: dict[str, str] = {}
+    for item in (t for t in items if ":" in t):
+        name, _, value = item.partition("=")
+        if name == CORRECTION_KNOB:
+            if value not in CORRECTIONS[1:]:
+                raise ProbeError(f"--setting {item!r}: {CORRECTION_KNOB} takes {', '.join(CORRECTIONS[1:])} (none "
+                                 "is the run's --correction)")
+            label = item
+        else:
+            label = parse_factor(item).label
+        if knobs.get(name, label) != label:
+            raise ProbeError(f"--setting {text.strip()!r} sets {name} twice; give a setting one value of a knob")
+        knobs[name] = label
+    regions = [t for t in items if ":" not in t]
+    return RLSetting(parse_regions(",".join(regions)) if regions else (), tuple(knobs[k] for k in sorted(knobs)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +103,13 @@ class RLSpec:
                                 "trainer's own gate weights.")
     setting: tuple[str, ...] = option((), "Experiment: one run per setting (repeat the flag: --setting none "
                                           "--setting rope --setting rope,swiglu,rmsnorm); replaces --align. A "
-                                          "setting takes what --align takes: --setting routing (MoE) is R3, the "
-                                          "engine's expert ids with the trainer's own gate weights.")
+                                          "setting takes what --align takes (--setting routing, on a mixture of "
+                                          "experts, is R3: the engine's expert ids with the trainer's own gate "
+                                          "weights) and deployment knobs as SIDE:KEY=VALUE items: "
+                                          "train:kernels=liger, train:precision=amp, train:correction=tis|mis, "
+                                          "engine:kv_cache_dtype=fp8 (the same engine items in every setting: "
+                                          "one engine serves them all), e.g. --setting none --setting "
+                                          "train:correction=tis --setting rope,swiglu,rmsnorm,train:kernels=liger.")
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
     engine: str = option("eager", "The rollout engine: eager (enforce_eager; regions can be aligned in it) or compiled "
                                   "(vLLM's defaults, as RL frameworks deploy it: torch.compile, and CUDA graphs on a "
@@ -151,16 +200,29 @@ class RLSpec:
         from ..engines.hf.kernels import get_kernels
 
         get_kernels(self.train_kernels).check_backward()
-        if self.engine_args.get("quantization") is not None:  # the trainer pushes BF16 weights every step
-            raise ProbeError("--engine-args quantization: rl pushes the trainer's BF16 weights into the engine every "
-                             "step, which a quantized engine would have to re-quantize; drop the key (measure FP8 "
-                             "weights with compare or ablate --factor engine:quantization=fp8)")
+        arms = [parse_setting(s) for s in (self.setting or (self.align,))]
+        for arm in arms:
+            kernels = arm.value("train:kernels")
+            if kernels is not None:
+                get_kernels(kernels).check_backward()
+        engines = {arm.engine_knobs for arm in arms}
+        if len(engines) > 1:  # one process holds one vLLM engine (engines/vllm/stack.py), and rl's settings share it
+            shown = " vs ".join(",".join(e) or "the engine as given" for e in sorted(engines))
+            raise ProbeError(f"--setting values run on different engines ({shown}); an rl run has one engine, so give "
+                             "every setting the same engine:KEY=VALUE items and run each engine configuration as an rl "
+                             "run of its own (several fit side by side on one GPU with gpu_memory_utilization)")
+        if self.engine_args.get("quantization") is not None or any(k.startswith("engine:quantization=") for e in engines for k in e):
+            # the trainer pushes BF16 weights every step
+            raise ProbeError("engine quantization (--engine-args or --setting): rl pushes the trainer's BF16 weights "
+                             "into the engine every step, which a quantized engine would have to re-quantize; drop it "
+                             "(measure FP8 weights with compare or ablate --factor engine:quantization=fp8)")
         if "compilation_config" in self.engine_args and self.engine == "eager":
             raise ProbeError("--engine-args compilation_config needs --engine compiled (the eager engine compiles "
                              "nothing); add --engine compiled or drop the key")
         for s in self.settings:
             # routing comes from the engine, lm_head runs outside the compiled graph: neither needs a build of its own
-            patched = [r for r in parse_setting(s) if not (get_region(r).from_engine or get_region(r).outside_graph)]
+            patched = [r for r in parse_setting(s).regions
+                       if not (get_region(r).from_engine or get_region(r).outside_graph)]
             if patched and self.engine == "compiled" and self.side == "both":
                 # every setting runs on one engine, built once; a compiled engine takes a region only when built
                 # with it (compare builds one per combination: engines/vllm/aligned.py), rl reuses one across settings
@@ -172,7 +234,12 @@ class RLSpec:
     def settings(self) -> tuple[str, ...]:
         """The runs' settings as names ('none', 'rope', 'rope,swiglu,rmsnorm'), in the order given."""
         raw = self.setting or (self.align,)
-        return tuple(setting_name(parse_setting(s)) for s in raw)
+        return tuple(parse_setting(s).name for s in raw)
+
+    @property
+    def engine_knobs(self) -> tuple[str, ...]:
+        """The engine knobs every setting turns (one engine serves them all: __post_init__ checks they agree)."""
+        return parse_setting(self.settings[0]).engine_knobs
 
     @property
     def seed_list(self) -> tuple[int, ...]:

@@ -162,7 +162,8 @@ def test_builtin_reward_still_loads():
 
 
 # ------------------------------------------------------------------------------------------------ the rl run folder
-ROW = {"reward_mean": 0.5, "mean_abs_dlogp": 1e-3, "k3": 1e-4, "ppo_clip_frac": 0.0, "entropy": 1.0, "grad_norm": 0.1,
+ROW = {"reward_mean": 0.5, "mean_abs_dlogp": 1e-3, "max_abs_dlogp": 1e-2, "k3": 1e-4, "ppo_clip_frac": 0.0, "entropy": 1.0,
+       "grad_norm": 0.1,
        "t_rollout": 1.0, "t_reward": 0.1, "t_update": 1.0, "t_metrics": 0.1, "t_sync": 0.1, "t_check": 0.1}
 
 
@@ -175,7 +176,7 @@ class FakeProbe:
 
 
 class FakeLoop:
-    """rl.Loop's contract (run(setting, seed, on_row): spec.steps rows) without a model."""
+    """rl.Loop's contract (run(setting, seed, on_row): spec.steps rows; close) without a model."""
 
     def __init__(self, probe, spec) -> None:
         self.spec = spec
@@ -183,6 +184,9 @@ class FakeLoop:
     def run(self, setting, seed, on_row) -> None:
         for step in range(1, self.spec.steps + 1):
             on_row({"setting": setting, "seed": seed, "step": step, **ROW})
+
+    def close(self) -> None:
+        """Nothing loaded beside the run's stacks."""
 
 
 @pytest.fixture

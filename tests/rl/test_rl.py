@@ -53,7 +53,8 @@ def test_summary_start_and_end_never_share_a_step(steps, width):
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = pd.DataFrame([{"setting": "none", "seed": 0, "step": s, "reward_mean": 1.0 - s / steps,
-                          "mean_abs_dlogp": 1e-3 * s, "k3": 0.0, "ppo_clip_frac": 0.0, "entropy": 1.0,
+                          "mean_abs_dlogp": 1e-3 * s, "max_abs_dlogp": 1e-2 * s, "k3": 0.0, "ppo_clip_frac": 0.0,
+                          "entropy": 1.0,
                           "grad_norm": 1.0, **times} for s in range(1, steps + 1)])
     row = summarize(rows).iloc[0]
     assert row.window == width and (steps < 2 or 2 * row.window <= steps)
@@ -71,7 +72,8 @@ def _rl_folder(path, steps: int, seeds: int, fall: bool):
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "none", "seed": seed, "step": s, "reward_mean": (1 - s / steps if fall else s / steps) / (seed + 1),
-             "mean_abs_dlogp": 1e-3 * s, "k3": 1e-6, "ppo_clip_frac": 0.0, "entropy": 1.0, "grad_norm": 1.0, **times}
+             "mean_abs_dlogp": 1e-3 * s, "max_abs_dlogp": 1e-2, "k3": 1e-6, "ppo_clip_frac": 0.0, "entropy": 1.0,
+             "grad_norm": 1.0, **times}
             for seed in range(seeds) for s in range(1, steps + 1)]
     with rl_folder(path) as writer:
         for row in rows:
@@ -91,7 +93,7 @@ def test_rl_report_has_setup_verdict_band_and_every_format(tmp_path, fmt):
     text = main.read_text()
     for needle in ("Setup", "builtin:default", "eager", "lr 0.001", "2 seed(s)", "20 GRPO step(s)",
                    "steps 1-10", "steps 11-20", "the reward fell in every seed", "the mismatch grew in every seed",
-                   "min to max", "Noise floor", "GRPO step"[:4]):
+                   "min to max", "Noise floor", "no collapse in 2 seeds", "GRPO step"[:4]):
         assert needle in text, needle
     assert (main.parent / "figures" / "rl.pdf").is_file()
     if fmt == "latex":
@@ -158,6 +160,35 @@ def test_every_rl_option_is_a_flag():
     for f in fields(RLSpec):
         assert flag_of(f) in result.output, f.name
     assert RLSpec(setting=("none", "rope,swiglu")).settings == ("none", "rope,swiglu")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (("train:kernels=vllm",), "without a backward"),
+    (("none", "engine:kv_cache_dtype=fp8"), "run on different engines"),
+    (("engine:quantization=fp8",), "re-quantize"),
+    (("train:correction=clip",), "train:correction takes tis, mis"),
+    (("train:correction=tis,train:correction=mis",), "sets train:correction twice"),
+    (("engine:nope=1",), "not SIDE:KEY=VALUE of a known knob"),
+])
+def test_knob_settings_that_cannot_run_are_one_line(settings, message, tmp_path):
+    result = CliRunner().invoke(app, ["rl", *[a for s in settings for a in ("--setting", s)], "--out",
+                                      str(tmp_path / "x")])
+    assert_one_line_error(result, message)
+    assert not (tmp_path / "x").exists()
+
+
+def test_knob_settings_are_named_canonically_and_share_one_engine():
+    from divergence_probe.spec.rl import RLSpec, parse_setting
+
+    arm = parse_setting("train:precision=amp,rope, engine:kv_cache_dtype=fp8,swiglu")
+    assert arm.name == "rope,swiglu,engine:kv_cache_dtype=fp8,train:precision=amp"  # regions, then knobs by name
+    assert arm.value("train:precision") == "amp" and arm.value("train:kernels") is None
+    spec = RLSpec(setting=("engine:kv_cache_dtype=fp8", "rope,engine:kv_cache_dtype=fp8"))
+    assert spec.engine_knobs == ("engine:kv_cache_dtype=fp8",)
+    from divergence_probe.rl.loop import load_spec
+
+    compiled = RLSpec(side="train", setting=("engine:enforce_eager=false", "rope,engine:enforce_eager=false"))
+    assert load_spec(compiled).engine == "compiled"  # the one engine the settings share is the one they name
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +305,17 @@ def test_no_signal_step_skip_keeps_weights_and_step_moves_them(rl_process):
     assert seen["no_signal_step"]["sync_changed"] > 0
     assert not seen["no_signal_skip"]["second_stepped"]
     assert seen["no_signal_skip"]["changed"] == [] and seen["no_signal_skip"]["sync_changed"] == 0
+
+
+def test_knob_settings_change_the_update_or_the_trainer_and_every_run_starts_with_its_floors(rl_process):
+    _, seen = rl_process
+    assert seen["knob_settings"] == ["train:correction=tis", "rope,train:precision=amp"]
+    assert seen["knob_precisions"] == ["bf16", "amp"]  # the amp setting ran on a trainer loaded in AMP
+    tis, plain = seen["knob_correction_weight"]
+    assert tis != 1.0 and plain == 1.0  # TIS weights the loss by the mismatch; no correction weighs every token 1
+    assert all(f >= 0 for row in seen["knob_floors"] for f in row)
+    # the engine's floor is each sample rolled out alone against the step's batch: a known shift of one is what it reads
+    assert seen["shifted_engine_floor"] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_rl_report_shows_the_setup_and_refuses_a_changed_rl_csv(rl_process, tmp_path):

@@ -192,7 +192,7 @@ def make_rl(path: Path) -> Path:
 
     times = {k: 0.1 for k in ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")}
     rows = [{"setting": "plain", "seed": 0, "step": step, "reward_mean": 0.1 * step, "mean_abs_dlogp": 1e-3,
-             "k3": 1e-6, "ppo_clip_frac": 0.0, "entropy": 2.0, "grad_norm": 1.0, **times} for step in range(1, 4)]
+             "max_abs_dlogp": 1e-2, "k3": 1e-6, "ppo_clip_frac": 0.0, "entropy": 2.0, "grad_norm": 1.0, **times} for step in range(1, 4)]
     with rl_folder(path) as writer:
         for row in rows:
             writer.add(row)
