@@ -47,26 +47,35 @@ COLLECTED_MODULES = pytest.StashKey[set]()
 ENGINE_FIXTURES = frozenset({"vllm_probe", "cli_processes"})
 
 
-# Session fixtures that start engine processes of their own: under pytest-xdist the modules using one run on one
-# worker (`--dist loadgroup`), so that the processes start once, not once per worker.
-SHARED_PROCESS_FIXTURES = ("cli_processes",)
+# The modules whose tests use `cli_processes`, whose engine processes should start once per test run: under
+# pytest-xdist's `--dist loadfile` they are one unit of work, on one worker (collection refuses a module missing here).
+SHARED_PROCESS_MODULES = frozenset({"test_compare_cli", "test_ablation", "test_reproducible", "test_readme"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.engine)
-    # A module's tests stay on one worker (its module fixtures are built once, its tests keep their order), and
-    # modules that share a costly session fixture share a worker.
-    group = {}
-    for item in items:
-        name = item.module.__name__
-        shared = [f for f in SHARED_PROCESS_FIXTURES if f in item.fixturenames]
-        if shared or name not in group:
-            group[name] = shared[0] if shared else group.get(name, name)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[item.module.__name__]))
+        if "cli_processes" in item.fixturenames and item.module.__name__ not in SHARED_PROCESS_MODULES:
+            raise pytest.UsageError(f"{item.nodeid} uses cli_processes: add its module to conftest's "
+                                    "SHARED_PROCESS_MODULES")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that hands out the tests
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (a module's tests on one worker: its module fixtures are built once, its tests keep their
+    order), with the modules of SHARED_PROCESS_MODULES as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedProcessModules(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "cli_processes" if Path(path).stem in SHARED_PROCESS_MODULES else path
+
+    return SharedProcessModules(config, log)
 
 
 def pytest_collection_finish(session):
