@@ -11,9 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub lookup must fail fast, not hang
+# Under pytest-xdist the workers split the cores between them, and the tools they start in child processes inherit
+# that share, so that workers and their children do not oversubscribe the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch reads it when imported)
+
+if _WORKERS > 1:  # in case a plugin imported torch first
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import divergence_probe as dp  # noqa: E402
 from divergence_probe.models.modelzoo import make_model  # noqa: E402
@@ -38,11 +47,35 @@ COLLECTED_MODULES = pytest.StashKey[set]()
 ENGINE_FIXTURES = frozenset({"vllm_probe", "cli_processes"})
 
 
+# The modules whose tests use `cli_processes`, whose engine processes should start once per test run: under
+# pytest-xdist's `--dist loadfile` they are one unit of work, on one worker (collection refuses a module missing here).
+SHARED_PROCESS_MODULES = frozenset({"test_compare_cli", "test_ablation", "test_reproducible", "test_readme"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.engine)
+        if "cli_processes" in item.fixturenames and item.module.__name__ not in SHARED_PROCESS_MODULES:
+            raise pytest.UsageError(f"{item.nodeid} uses cli_processes: add its module to conftest's "
+                                    "SHARED_PROCESS_MODULES")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that hands out the tests
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (a module's tests on one worker: its module fixtures are built once, its tests keep their
+    order), with the modules of SHARED_PROCESS_MODULES as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedProcessModules(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "cli_processes" if Path(path).stem in SHARED_PROCESS_MODULES else path
+
+    return SharedProcessModules(config, log)
 
 
 def pytest_collection_finish(session):
@@ -124,7 +157,9 @@ def early_engine_builds(request):
     """The slowest engine builds, started when the session begins if their module's tests were collected: a vLLM CPU
     engine serves on one thread, so on the CI's two cores they run beside the tests before them."""
     started = []
-    if "test_compiled_align" in request.config.stash.get(COLLECTED_MODULES, set()):
+    # Under pytest-xdist every worker runs this fixture while only one runs the module, and the other worker keeps
+    # the second core busy: the module builds when its tests run.
+    if _WORKERS == 1 and "test_compiled_align" in request.config.stash.get(COLLECTED_MODULES, set()):
         import test_compiled_align
 
         started.append(test_compiled_align.start_builds(request.getfixturevalue("qwen3_tiny"),
