@@ -62,33 +62,18 @@ def pytest_collection_modifyitems(config, items):
                                     "SHARED_PROCESS_MODULES")
 
 
-# The units that take longest on a 2-core machine, longest first (a fresh clone's `--durations`, summed per unit): they
-# are handed out before the rest, so that the many short modules fill in at the end and both workers finish
-# together. A unit missing here only starts later; the order costs time, never a result.
-SLOWEST_UNITS = ("test_compiled_taps", "test_compiled_align", "cli_processes", "test_moe_routing", "test_benchmarks",
-                 "test_hostile", "test_rl", "test_engine_modes", "test_tensor_parallel", "test_local", "test_memory_plan",
-                 "test_hostile_rl", "test_moe_compare", "test_rl_moe", "test_metrics", "test_capture")
-
-
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that hands out the tests
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (a module's tests on one worker: its module fixtures are built once, its tests keep their
-    order), with the modules of SHARED_PROCESS_MODULES as one unit, and the SLOWEST_UNITS handed out first."""
+    order), with the modules of SHARED_PROCESS_MODULES as one unit."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
-
-    rank = {unit: i for i, unit in enumerate(SLOWEST_UNITS)}
 
     class SharedProcessModules(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "cli_processes" if Path(path).stem in SHARED_PROCESS_MODULES else path
-
-        def _assign_work_unit(self, node) -> None:
-            slowest = min(self.workqueue, key=lambda unit: rank.get(Path(unit).stem, len(rank)))
-            self.workqueue.move_to_end(slowest, last=False)  # the base class hands out the queue's first unit
-            super()._assign_work_unit(node)
 
     return SharedProcessModules(config, log)
 
