@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+unset PYTHONDONTWRITEBYTECODE  # set-up compiles only what every run imports; the rest is kept on first import
 exec .venv/bin/divergence-probe compare --report --batch-invariance "$@"

@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+unset PYTHONDONTWRITEBYTECODE  # set-up compiles only what every run imports; the rest is kept on first import
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
