@@ -1140,7 +1140,7 @@ def _usage_line(error: click.UsageError) -> str:
 def main() -> None:
     """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N;
     the libraries' own output is silenced unless -v (`_libraries_silenced`)."""
-    from .signals import Stopped, stop_on_signals
+    from .signals import stop_behind, stop_on_signals
 
     quiet = contextlib.nullcontext() if _wants_verbose(sys.argv[1:]) else _libraries_silenced()
     try:
@@ -1160,6 +1160,9 @@ def main() -> None:
                 console.print("[bold red]stopped:[/] aborted", highlight=False)
                 code = 1
         raise SystemExit(code if isinstance(code, int) else 0)
-    except Stopped as e:
-        console.print(f"[bold red]stopped:[/] {e.name} received; nothing was left half-written", highlight=False)
-        raise SystemExit(e.code) from None
+    except BaseException as e:
+        stop = stop_behind(e)
+        if stop is None:
+            raise
+        console.print(f"[bold red]stopped:[/] {stop.name} received; nothing was left half-written", highlight=False)
+        raise SystemExit(stop.code) from None

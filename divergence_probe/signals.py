@@ -28,6 +28,20 @@ class Stopped(SystemExit):
         self.name = signal.Signals(signum).name
 
 
+def stop_behind(error: BaseException) -> Stopped | None:
+    """The Stopped that `error` is, or was raised from. A signal that lands in code which turns every exception into
+    its own still stops the command: CPython reports a C extension module whose initialisation a Stopped cut short
+    as "ImportError: initialization failed", raised from the Stopped. Only causes are followed, not the exceptions
+    being handled: a cleanup that fails while a stop unwinds is a failure of its own, not a clean stop."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Stopped):
+            return error
+        seen.add(id(error))
+        error = error.__cause__
+    return None
+
+
 _pending: list[int] = []  # a signal that arrived where raising would lose it, to raise again shortly
 _children: dict[int, object] = {}  # pid -> subprocess.Popen: processes the stop is passed on to
 

@@ -42,7 +42,8 @@ if [ "$failed" = 1 ]; then
   exit 1
 fi
 [ -z "$log" ] || printf '%s\n' "$log" >&2
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+# The build backend (setuptools) is in the lock: no isolated build environment to fetch it into.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break `import transformers`/`vllm`
 # beside torch 2.13.0+cpu; the lock leaves them out, and a .venv set up from an older lock may still hold them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -308,6 +308,31 @@ def run_folder(tmp_path_factory, qwen3_tiny):
     return out
 
 
+def test_a_signal_that_an_import_reports_as_an_import_error_still_stops(run_folder, monkeypatch, capsys):
+    """A signal that lands while a C extension module initialises (matplotlib's, as a report starts rendering)
+    comes out of the import as "ImportError: initialization failed", raised from the Stopped: the command stops with
+    the signal's one line and code, as anywhere else, and leaves the run folder as it was."""
+    from divergence_probe import cli as cli_module
+    from divergence_probe.reports import render
+
+    def render_cut_short(*args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises Stopped here
+        except Stopped as stop:
+            raise ImportError("initialization failed") from stop  # what CPython makes of it in a module's init
+
+    before = {p.name for p in run_folder.iterdir()}
+    monkeypatch.setattr(render, "_render", render_cut_short)
+    monkeypatch.setattr(sys, "argv", ["divergence-probe", "report", str(run_folder)])
+    with pytest.raises(SystemExit) as exit_:
+        cli_module.main()
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert error_lines(capsys.readouterr().err) == ["stopped: SIGTERM received; nothing was left half-written"]
+    assert {p.name for p in run_folder.iterdir()} == before
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_report_leaves_nothing(signum, run_folder, tmp_path):
     before = {p.name for p in run_folder.iterdir()}
