@@ -552,6 +552,8 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
     try:
         spec = make_spec()
+        if gate:
+            gate.check_measured(spec)  # a condition this run's flags will not measure: refused before the claim
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
             if spec.load.infer == "vllm" and spec.load.engine_args:
@@ -999,6 +1001,9 @@ def score_command(
                          temperature=temperature, clip_eps=clip_eps, tis_cap=tis_cap)
         load = LoadSpec(model=model, dtype=dtype, device=device, train_attn=train_attn, train_sdpa=train_sdpa,
                         train_kernels=train_kernels, allow_untested_versions=allow_untested_versions)
+        for conditions in (gate, alarms):
+            if conditions:
+                conditions.check_measured(call)
     except ProbeError as e:
         _fail(e)
     out_dir = out_dir or default_out_dir()

@@ -3,8 +3,15 @@
 A condition is one comparison, parsed by a tiny grammar (no eval: a CI variable must never run code): a metric
 name, one of > >= < <= == !=, and a number or a word (`first_inexact!=attn_core@0`). The run FAILS when any
 condition holds. Names are checked against the summary columns the run kind can write (METRICS, the one list)
-before anything loads, so a typo costs seconds, not a model load. A metric the run did not measure (a noise floor
-that was not asked for) fails the gate: a check that could not be made cannot vouch for the run.
+before anything loads, so a typo costs seconds, not a model load.
+
+A gate that cannot fail is worse than none: CI reads its silence as a pass. So every way a condition could never
+hold is refused or fails closed. Refused before anything loads (one line): a threshold that is not a finite number
+(nothing compares past NaN), a word against a metric that is a number (`mean_kl==1e-3x`: a typo that would never
+equal), a number against a metric that is a word, and a metric the run's own flags say it will not measure (a noise
+floor without --batch-invariance, a tap's name under --taps none), naming the flag that would measure it. Failed
+(closed) after the run: a metric the run did not measure after all (a routing metric on a dense model, a tap that
+was not captured), or a value that is not of its metric's kind.
 
     gate = Gate.parse(["mean_kl>1e-3", "first_inexact!=attn_core@0"], "compare")
     verdict = gate.judge([("run", summary)])     # verdict.passed, verdict.failures, verdict.record()
@@ -22,7 +29,7 @@ import pandas as pd
 
 from ..errors import ProbeError
 from ..numerics.rl_metrics import ratio_split, sequence_metrics, token_metrics
-from ..numerics.tables import NOISE_FLOORS, SUMMARY_COLUMNS, largest_noise_floor
+from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, SUMMARY_COLUMNS, largest_noise_floor
 
 # Longest operators first: `>=` must not read as `>` followed by `=1`.
 OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
@@ -33,13 +40,17 @@ _CONDITION = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|==|!=|>|<)\s*(\S
 MISMATCH_OVER_FLOOR = "mismatch_over_floor"
 
 
-def _rl_names(*sides: str) -> list[str]:
-    """Generate mode's RL metric names, from the functions that make them (rl_metrics), so a metric added there is
-    gateable without an edit here."""
+def _rl_values(*sides: str) -> dict:
+    """Generate mode's RL metrics of a one-token sample, from the functions that make them (rl_metrics), so a metric
+    added there is gateable (and typed: a number or a word) without an edit here."""
     one = np.zeros(1)
     responses = pd.DataFrame({"prompt_id": [0], "sample_id": [0], "delta_logprob": [0.0]})
-    return [*token_metrics(one, one, 0.2, 2.0), *sequence_metrics(responses, 0.2),
-            *ratio_split({side: one for side in sides})]
+    return {**token_metrics(one, one, 0.2, 2.0), **sequence_metrics(responses, 0.2),
+            **(ratio_split({side: one for side in sides}) if len(sides) > 1 else {})}
+
+
+def _rl_names(*sides: str) -> list[str]:
+    return list(_rl_values(*sides))
 
 
 _ROUTING = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_after_flip",
@@ -50,9 +61,27 @@ _ROUTING = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_af
 _COMPARE = [*SUMMARY_COLUMNS, *NOISE_FLOORS, "tap_points_mean_abs_dlogp", "prompt_mean_abs_dlogp", "prompt_mean_kl",
             *_rl_names("train", "prefill", "decode"), *_ROUTING, MISMATCH_OVER_FLOOR]
 # score's summary (score.ScoreRun.summary): no taps, the recorded logprobs for the engine's, and its diagnosis
-_SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_names("train", "prefill", "recorded"),
+# (the ratio's factors by their signed means: their mean |log| are rollout_vs_prefill and prefill_vs_train, written once)
+_SPLIT = [name for name in ratio_split({s: np.zeros(1) for s in ("train", "prefill", "recorded")})
+          if not name.endswith("_mean_abs_dlogp")]
+_SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_names("train"), *_SPLIT,
           "rollout_vs_train_mean_abs_dlogp", "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
           "far_bound", "recorded_far", "wrong_token_share", "tempered_mean_abs_dlogp", "likely_cause"]
+# score measures these only with the engine's prefill (--infer vllm): the three-way split
+_PREFILLED = frozenset({*_SPLIT, "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp"})
+# The metrics that are words (a tap's name, a cause, a factor's name): compared with == and != only, to a word. The
+# rest are numbers (a bool reads as 0 or 1, and as the words true and false).
+WORDS = frozenset({"first_inexact", "first_over_threshold", "likely_cause",
+                   *(name for name, value in _rl_values("train", "prefill", "decode").items() if isinstance(value, str))})
+BOOLS = frozenset({"recorded_far"})
+_BOOL_WORDS = {"true": 1.0, "false": 0.0}
+# The metrics a compare or ablate run measures only when a flag asks for them: the flag to name when a gate reads
+# one the run's spec will not measure (will_not_measure).
+_TAPPED = ("first_inexact", "first_over_threshold")
+_GENERATED = frozenset({*_rl_names("train", "prefill", "decode"), "prompt_mean_abs_dlogp", "prompt_mean_kl"}
+                       - set(SUMMARY_COLUMNS))
+_ENGINE_NOISE = ("noise_infer_engine_mode_mean_abs_dlogp", "noise_infer_tensor_parallel_mean_abs_dlogp",
+                 "tap_points_mean_abs_dlogp")
 # The summary columns each run kind can write: the names --fail-if accepts. ablate's are compare's (its summary.csv
 # has one row per combination; the gate reads the shipped one); history's are score's, per step, and what steps.csv
 # adds to them (steps.csv).
@@ -74,23 +103,31 @@ class Condition:
     value: float | str
 
     @classmethod
-    def parse(cls, text: str, kind: str) -> "Condition":
+    def parse(cls, text: str, kind: str, flag: str = "--fail-if") -> "Condition":
+        """One condition, checked: `flag` (--fail-if, --alarm) names it in the one-line refusal."""
         match = _CONDITION.match(text)
         if match is None:
-            raise ProbeError(f"--fail-if {text!r} is not METRIC OP VALUE; write e.g. mean_kl>1e-3 or "
+            raise ProbeError(f"{flag} {text!r} is not METRIC OP VALUE; write e.g. mean_kl>1e-3 or "
                              "first_inexact!=attn_core@0 (OP: > >= < <= == !=)")
         metric, op, raw = match.groups()
         if metric not in METRICS[kind]:
             near = [m for m in METRICS[kind] if metric.lower() in m or m in metric.lower()][:4]
-            raise ProbeError(f"--fail-if {text!r}: {kind} writes no metric {metric!r}; use a summary column such as "
+            raise ProbeError(f"{flag} {text!r}: {kind} writes no metric {metric!r}; use a summary column such as "
                              f"{', '.join(near or METRICS[kind][:4])} (docs/reference.md lists them)")
         try:
             value: float | str = float(raw)
         except ValueError:
-            value = raw
-        if isinstance(value, str) and op not in ("==", "!="):
-            raise ProbeError(f"--fail-if {text!r}: {op} compares numbers, and {raw!r} is not one; use == or != for "
-                             "a word")
+            value = _BOOL_WORDS.get(raw.casefold(), raw) if metric in BOOLS else raw
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProbeError(f"{flag} {text!r}: the threshold {raw} is not a finite number, so the condition could "
+                             "never be judged (nothing compares past NaN); write a finite number, e.g. "
+                             f"{metric}>1e-3")
+        if metric in WORDS and not isinstance(value, str):
+            raise ProbeError(f"{flag} {text!r}: {metric} is a word (a name such as attn_core@0 or none), not a "
+                             f"number; compare it to a word with == or !=")
+        if metric not in WORDS and isinstance(value, str):
+            raise ProbeError(f"{flag} {text!r}: {metric} is a number and {raw!r} is not one, so the condition could "
+                             f"never hold; write a number, e.g. {metric}{op}1e-3")
         return cls(f"{metric}{op}{raw}", metric, op, value)
 
     def check(self, summary: dict) -> tuple[bool, object]:
@@ -99,13 +136,37 @@ class Condition:
         if value is None:
             return True, "not measured"
         if isinstance(self.value, str):
-            text = str(value)
-            return OPS[self.op](text.casefold(), self.value.casefold()), text
+            if not isinstance(value, str):
+                return True, f"{value!r} (not a word)"
+            return OPS[self.op](value.casefold(), self.value.casefold()), value
         if isinstance(value, (bool, np.bool_)):
             value = float(value)
         if not isinstance(value, (int, float, np.integer, np.floating)):
             return True, f"{value!r} (not a number)"
         return OPS[self.op](float(value), self.value), float(value)
+
+
+def will_not_measure(kind: str, spec, metric: str) -> str | None:
+    """The flag that would measure `metric` when a `kind` run of `spec` will not, from its flags alone; None when it
+    will or may (what only the model can tell, a routing metric on a dense model, fails closed after the run)."""
+    if kind in ("score", "history"):
+        if metric in _PREFILLED and spec.infer is None:
+            return "--infer vllm (the engine's prefill)"
+        if metric == "tempered_mean_abs_dlogp" and spec.temperature is None:
+            return "--temperature T (the run's sampling temperature)"
+        return None
+    capture = spec.capture
+    if metric in _TAPPED and not capture.tap_names and capture.taps.strip() != "all":
+        return "--taps all (or the taps to capture)"
+    if metric in _GENERATED and not spec.generate.generates:
+        return "--mode generate"
+    if metric in _ENGINE_NOISE and not capture.engine_noise:
+        return "--engine-noise"
+    if metric == MISMATCH_OVER_FLOOR and not (capture.batch_invariance or capture.engine_noise):
+        return "--batch-invariance (a noise floor; or --engine-noise)"
+    if metric.startswith("noise_") and metric not in _ENGINE_NOISE and not capture.batch_invariance:
+        return "--batch-invariance"
+    return None
 
 
 def measured(summary: dict, metric: str):
@@ -116,7 +177,7 @@ def measured(summary: dict, metric: str):
             return None
         return float(summary["mean_abs_dlogp"]) / largest[1]
     value = summary.get(metric)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value == NOT_CAPTURED:
         return None
     return value.item() if isinstance(value, np.generic) else value
 
@@ -153,16 +214,28 @@ def _shown(value) -> str:
 @dataclass(frozen=True)
 class Gate:
     conditions: tuple[Condition, ...]
+    kind: str = "compare"
+    flag: str = "--fail-if"
 
     @classmethod
-    def parse(cls, texts, kind: str) -> "Gate":
-        """Every --fail-if of a `kind` run, checked; ProbeError (one line) on the first bad one."""
+    def parse(cls, texts, kind: str, flag: str = "--fail-if") -> "Gate":
+        """Every --fail-if (or --alarm: `flag`) of a `kind` run, checked; ProbeError (one line) on the first bad
+        one."""
         if kind not in METRICS:
             raise ValueError(f"no gate for run kind {kind!r}; add it to gate.METRICS")
-        return cls(tuple(Condition.parse(t, kind) for t in texts or ()))
+        return cls(tuple(Condition.parse(t, kind, flag) for t in texts or ()), kind, flag)
 
     def __bool__(self) -> bool:
         return bool(self.conditions)
+
+    def check_measured(self, spec) -> None:
+        """Before anything loads: ProbeError (one line, naming the flag that would measure it) for the first
+        condition on a metric `spec` (a compare or ablate RunSpec; a score or history ScoreSpec) will not measure."""
+        for c in self.conditions:
+            needed = will_not_measure(self.kind, spec, c.metric)
+            if needed:
+                raise ProbeError(f"{self.flag} {c.text!r}: this run will not measure {c.metric}; add {needed}, or "
+                                 "drop the condition")
 
     def judge(self, rows) -> Verdict:
         """`rows`: (where, summary dict) pairs, e.g. one per step. A condition fails at the first row it holds in."""

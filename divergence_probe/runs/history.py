@@ -72,7 +72,7 @@ def _natural(path: Path) -> list:
 
 def parse_alarms(texts) -> Gate:
     """--alarm METRIC>VALUE (default DEFAULT_ALARMS), checked as --fail-if is: a metric steps.csv can hold."""
-    alarms = Gate.parse(texts or DEFAULT_ALARMS, "history")
+    alarms = Gate.parse(texts or DEFAULT_ALARMS, "history", "--alarm")
     for c in alarms.conditions:
         if c.op not in (">", ">="):
             raise ProbeError(f"--alarm {c.text!r}: an alarm fires where a metric rises past a threshold; write "

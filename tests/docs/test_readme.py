@@ -41,8 +41,7 @@ def test_readme_command_parses_and_builds_its_spec(line, words):
     ctx = command.make_context(words[0], list(words[1:]), parent=root)
     if words[0] in ("compare", "ablate"):
         flags = {k: v for k, v in ctx.params.items() if k not in ("out_dir", "fail_if")}
-        spec_from_flat(words[0], **flags)
-        Gate.parse(ctx.params["fail_if"], words[0])
+        Gate.parse(ctx.params["fail_if"], words[0]).check_measured(spec_from_flat(words[0], **flags))
 
 
 def test_readme_recipes_run_on_the_builtin_model(cli_processes, tmp_path, monkeypatch):

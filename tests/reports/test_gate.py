@@ -37,7 +37,7 @@ def test_a_gate_that_holds_fails_the_run_after_writing_it(toy_args, tmp_path):
 
 
 def test_a_gate_that_does_not_hold_passes(toy_args, tmp_path):
-    result = invoke("compare", *toy_args, "--fail-if", "mean_abs_dlogp>1e6", "--fail-if", "first_inexact==x@0",
+    result = invoke("compare", *toy_args, "--fail-if", "mean_abs_dlogp>1e6", "--fail-if", "mean_kl<0",
                     "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "run" / "manifest.json").read_text())["gate"]["passed"] is True
@@ -51,6 +51,58 @@ def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, mo
     assert result.exit_code == 2 and "no metric 'mean_kll'" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("condition, named", [
+    ("mean_abs_dlogp>nan", "not a finite number"),
+    ("mean_kl<inf", "not a finite number"),
+    ("mean_kl>1e999", "not a finite number"),
+    ("mean_kl==1e-3x", "mean_kl is a number and '1e-3x' is not one"),
+    ("first_inexact==attn_core@0", "add --taps all"),  # the toy run captures no taps (--taps none)
+    ("first_inexact!=0", "first_inexact is a word"),
+    ("mismatch_over_floor>2", "add --batch-invariance"),
+    ("noise_train_mean_abs_dlogp>0.1", "add --batch-invariance"),
+    ("k3>1e-3", "add --mode generate"),
+    ("noise_infer_engine_mode_mean_abs_dlogp>0.1", "add --engine-noise"),
+])
+def test_a_gate_that_could_never_judge_the_run_is_refused_before_anything_loads(condition, named, toy_args, tmp_path,
+                                                                               monkeypatch):
+    """A condition that could never hold (a NaN threshold, a mistyped number against a number) or reads a metric
+    this run's flags will not measure passes every run: refused in one line, before a stack loads."""
+    import divergence_probe.runs.loading as loading
+
+    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    for command in ("compare", "ablate"):
+        result = invoke(command, *toy_args, "--fail-if", condition, "--out", tmp_path / "run")
+        assert result.exit_code == 2 and named in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and "--fail-if" in result.output
+        assert not (tmp_path / "run").exists()
+
+
+def test_what_the_flags_measure_is_not_refused():
+    from divergence_probe.spec.capture import CaptureSpec
+    from divergence_probe.spec.run import RunSpec
+
+    spec = RunSpec(capture=CaptureSpec(batch_invariance=True))
+    Gate.parse(["mismatch_over_floor>2", "first_inexact!=attn_core@0", "noise_train_mean_abs_dlogp>1"],
+               "compare").check_measured(spec)
+
+
+def test_words_and_flags_compare_as_their_kind():
+    assert Condition.parse("recorded_far==true", "score").value == 1.0  # a bool reads as a number
+    assert Condition.parse("first_inexact==none", "compare").value == "none"
+    with pytest.raises(ProbeError, match="dominant_factor is a word"):
+        Condition.parse("dominant_factor==1", "compare")
+
+
+def test_a_word_metric_the_run_did_not_capture_fails_closed():
+    """--taps none writes first_inexact as 'not captured': no condition on it can vouch for the run, whichever way
+    it compares; a word read where the summary holds a number fails too."""
+    for text in ("first_inexact==attn_core@0", "first_inexact!=attn_core@0"):
+        verdict = Gate.parse([text], "compare").judge([("run", {"first_inexact": "not captured"})])
+        assert not verdict.passed and verdict.failures[0].value == "not measured", text
+    assert not Gate.parse(["likely_cause==stale_weights"], "score").judge([("run", {"likely_cause": 1.5})]).passed
+    assert Gate.parse(["first_inexact==attn_core@0"], "compare").judge([("run", {"first_inexact": "none"})]).passed
 
 
 def test_an_unmeasured_floor_fails_closed():

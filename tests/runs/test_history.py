@@ -150,6 +150,21 @@ def test_an_unknown_history_metric_writes_nothing(steps_folder, tmp_path):
         assert not (tmp_path / "h").exists()
 
 
+@pytest.mark.parametrize("flag, condition, named", [
+    ("--alarm", "k3>nan", "not a finite number"),
+    ("--fail-if", "k3>nan", "not a finite number"),
+    ("--fail-if", "k3==1e-3x", "k3 is a number"),
+    ("--fail-if", "tempered_mean_abs_dlogp>0.1", "add --temperature"),
+    ("--alarm", "prefill_vs_train_mean_abs_dlogp>0.1", "add --infer vllm"),
+])
+def test_a_history_condition_that_could_never_hold_writes_nothing(flag, condition, named, steps_folder, tmp_path):
+    folder, _ = steps_folder
+    result = invoke("score", folder, flag, condition, "--out", tmp_path / "h")
+    assert result.exit_code == 2 and named in result.output and flag in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "h").exists()
+
+
 def test_the_step_field_numbers_the_steps(tmp_path):
     folder = tmp_path / "s"
     folder.mkdir()
