@@ -201,6 +201,15 @@ class RLSpec:
 
         get_kernels(self.train_kernels).check_backward()
         arms = [parse_setting(s) for s in (self.setting or (self.align,))]
+        seen: dict[RLSetting, str] = {}
+        for text, arm in zip(self.setting, arms):
+            # a setting is a set of regions and knobs: 'swiglu,rope' is 'rope,swiglu', and two runs of one name
+            # would be read (rl_summary.csv, the report) as one setting with twice the runs
+            if arm in seen:
+                raise ProbeError(f"--setting {text.strip()!r} is the setting {arm.name!r} again (--setting "
+                                 f"{seen[arm].strip()!r}: the same regions and knobs, in another order); give each "
+                                 "setting once (--seeds repeats a setting)")
+            seen[arm] = text
         for arm in arms:
             kernels = arm.value("train:kernels")
             if kernels is not None:

@@ -177,6 +177,21 @@ def test_knob_settings_that_cannot_run_are_one_line(settings, message, tmp_path)
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("settings, message", [
+    (("rope,swiglu", "swiglu,rope"), "'swiglu,rope' is the setting 'rope,swiglu' again"),
+    (("none", ""), "is the setting 'none' again"),
+    (("rope,train:precision=amp", "train:precision=amp, rope,rope"), "the setting 'rope,train:precision=amp' again"),
+])
+def test_a_setting_given_twice_in_another_order_is_refused(settings, message):
+    """Two runs of one name would be summarized as one setting of twice the runs: refused with the spec, before
+    anything loads (the CLI prints a spec's ProbeError as one line, as for the knob settings above)."""
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec.rl import RLSpec
+
+    with pytest.raises(ProbeError, match=message):
+        RLSpec(setting=settings)
+
+
 def test_knob_settings_are_named_canonically_and_share_one_engine():
     from divergence_probe.spec.rl import RLSpec, parse_setting
 
@@ -187,6 +202,10 @@ def test_knob_settings_are_named_canonically_and_share_one_engine():
     assert spec.engine_knobs == ("engine:kv_cache_dtype=fp8",)
     from divergence_probe.rl.loop import load_spec
 
+    for text in ("swiglu,rope", "train:precision=amp,rmsnorm,train:kernels=liger", "none", "routing,rope",
+                 "train:correction=tis,engine:kv_cache_dtype=fp8"):
+        arm = parse_setting(text)
+        assert parse_setting(arm.name) == arm  # the name is the whole setting: two distinct ones never share it
     compiled = RLSpec(side="train", setting=("engine:enforce_eager=false", "rope,engine:enforce_eager=false"))
     assert load_spec(compiled).engine == "compiled"  # the one engine the settings share is the one they name
 
