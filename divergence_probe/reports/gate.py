@@ -246,15 +246,27 @@ class Gate:
 
 
 class GateWatch:
-    """A gate judged row by row as a history streams (no rows kept): `see(where, summary)` per step."""
+    """A gate judged row by row as a history streams (no rows kept): `see(where, summary, order)` per step. A
+    condition fails at the row of least `order` it holds in (a step number: the files need not come in step order),
+    else at the first row seen."""
 
     def __init__(self, gate: Gate) -> None:
-        self.gate, self.verdict = gate, Verdict([c.text for c in gate.conditions])
-        self._pending = list(gate.conditions)
+        self.gate = gate
+        self._first: dict[Condition, tuple[float, Failure]] = {}
+        self._seen = 0
 
-    def see(self, where: str, summary: dict) -> None:
-        for condition in list(self._pending):
+    def see(self, where: str, summary: dict, order: float | None = None) -> None:
+        order = self._seen if order is None else order
+        self._seen += 1
+        for condition in self.gate.conditions:
+            held = self._first.get(condition)
+            if held is not None and held[0] <= order:
+                continue
             holds, value = condition.check(summary)
             if holds:
-                self.verdict.failures.append(Failure(condition.text, value, where))
-                self._pending.remove(condition)
+                self._first[condition] = (order, Failure(condition.text, value, where))
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict([c.text for c in self.gate.conditions],
+                       [self._first[c][1] for c in self.gate.conditions if c in self._first])

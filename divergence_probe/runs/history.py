@@ -89,7 +89,8 @@ class Alarm:
     value: float | None = None
 
     def see(self, step: int, summary: dict) -> None:
-        if self.first_step is None and measured(summary, self.condition.metric) is not None:
+        """The least step it holds at, whatever order the steps come in."""
+        if (self.first_step is None or step < self.first_step) and measured(summary, self.condition.metric) is not None:
             holds, value = self.condition.check(summary)
             if holds:
                 self.first_step, self.value = step, value
@@ -123,20 +124,35 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                   progress: Progress | None = None) -> History:
     """Score every file (`score_one(batch_path) -> (batch, summary)`) in order and write the history folder: all or
     nothing (atomic_dir), the manifest last; `draw` adds the figures. Steps are the files' `step` fields, else
-    their order (0, 1, ...)."""
+    their order (0, 1, ...).
+
+    A history is read in step order, whatever order its files come in (names that do not sort by step: hashes,
+    timestamps, a glob's order): steps.csv is written in step order, an alarm's first crossing and a gate's failure
+    are at the least step where they hold, and the figure runs left to right. Rows still stream to disk as they are
+    made (only each row's step and place in the file are kept), so memory stays flat. A step named twice, or files
+    of which some record a `step` field and others do not (their numbers would mix two orders), are one line."""
     watching = [Alarm(c) for c in alarms.conditions]
     watch = GateWatch(gate) if gate else None
     columns: list[str] | None = None
     seen: set[int] = set()
-    from_field = False
+    spans: list[tuple[int, int, int]] = []  # (step, offset, length) of each row in steps.csv as written
+    from_field: Path | None = None
+    from_order: Path | None = None
     last: dict = {}
     with locked(out_dir), atomic_dir(out_dir) as tmp:
         phase(progress, "scoring the steps")
-        with (tmp / STEPS).open("w", encoding="utf-8", newline="") as f:
+        with (tmp / STEPS).open("wb") as f:
             for n, path in enumerate(files):
                 batch, summary = score_one(path)
                 step = n if batch.step is None else batch.step
-                from_field |= batch.step is not None
+                if batch.step is None:
+                    from_order = from_order or path
+                else:
+                    from_field = from_field or path
+                if from_field is not None and from_order is not None:
+                    raise RolloutError(f"{from_field} records its step (a `step` field) and {from_order} does not, "
+                                       "so their step numbers would mix two orders; give every file's rows their "
+                                       "step, or none (the file order numbers the steps)")
                 if step in seen:
                     raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
                 seen.add(step)
@@ -144,26 +160,47 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                 frame = pd.DataFrame([row])
                 if columns is None:
                     columns = list(frame.columns)
-                frame.reindex(columns=columns).to_csv(f, header=n == 0, index=False, lineterminator="\n")
+                text = frame.reindex(columns=columns).to_csv(header=n == 0, index=False, lineterminator="\n")
+                if n == 0:
+                    header, _, text = text.partition("\n")
+                    f.write(f"{header}\n".encode())
+                spans.append((step, f.tell(), f.write(text.encode())))
                 for alarm in watching:
                     alarm.see(step, row)
                 if watch is not None:
-                    watch.see(f"step {step}", row)
-                last = row
+                    watch.see(f"step {step}", row, order=step)
+                if not last or step > last["step"]:
+                    last = row
                 if progress is not None:
                     progress(n + 1, len(files))
+        in_order = all(a[0] < b[0] for a, b in zip(spans, spans[1:]))
+        if not in_order:
+            _sort_rows(tmp / STEPS, spans)
         write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
         figures = draw(tmp, watching) if draw is not None else []
         verdict = watch.verdict if watch is not None else None
         record = build_manifest("history", manifest or {}, {"history": {
             "n_steps": len(files), "alarms": [a.row() for a in watching],
-            "steps_from": "the rows' step field" if from_field else "the file order"}}, command=sys.argv)
+            "steps_from": "the rows' step field" if from_field else "the file order",
+            "files_in_step_order": in_order}}, command=sys.argv)
         if verdict is not None:
             record["gate"] = verdict.record()
         record["files"] = {name: {"rows": _rows(tmp / name), "sha256": file_sha256(tmp / name)}
                            for name in (STEPS, ALARMS, *figures)}
         write_json(record, tmp / MANIFEST)
     return History(out_dir, len(files), watching, verdict, last)
+
+
+def _sort_rows(path: Path, spans: list[tuple[int, int, int]]) -> None:
+    """Rewrite steps.csv with its rows in step order: each row copied from where it was written (`spans`), one at
+    a time, so the rows never sit in memory together."""
+    ordered = path.with_name(path.name + ".sorted")
+    with path.open("rb") as rows, ordered.open("wb") as out:
+        out.write(rows.read(spans[0][1]))  # the header
+        for _, offset, length in sorted(spans):
+            rows.seek(offset)
+            out.write(rows.read(length))
+    ordered.replace(path)
 
 
 def _rows(path: Path) -> int:

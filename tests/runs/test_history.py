@@ -176,6 +176,44 @@ def test_the_step_field_numbers_the_steps(tmp_path):
     assert pd.read_csv(tmp_path / "h" / "steps.csv").step.tolist() == [100, 200]
 
 
+def test_a_history_is_read_in_step_order_whatever_the_file_order(tmp_path):
+    """Files whose names do not sort by step (hash-named dumps): steps.csv, the first crossing, the gate's step and
+    the figure follow the `step` field, not the file order."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    k3 = {}
+    for name, step, scale in (("a", 30, 0.4), ("b", 10, 0.002), ("c", 20, 0.2)):  # the mismatch grows with the step
+        recs = records(step, scale)
+        _jsonl(folder / f"{name}.jsonl", [row | {"step": step} for row in layouts_with_train(recs)["slime"]])
+        k3[step] = token_metrics(np.concatenate([r["logprobs"] for r in recs]),
+                                 np.concatenate([r["train"] for r in recs]), 0.2, 2.0)["k3"]
+    assert k3[10] < min(k3[20], k3[30])
+    threshold = (k3[10] + min(k3[20], k3[30])) / 2  # first past it at step 20, though the file of step 30 comes first
+    result = invoke("score", folder, "--alarm", f"k3>{threshold!r}", "--fail-if", f"k3>{threshold!r}",
+                    "--out", tmp_path / "h")
+    assert result.exit_code == 1, result.output
+    steps = pd.read_csv(tmp_path / "h" / "steps.csv")
+    assert steps.step.tolist() == [10, 20, 30] and steps.file.tolist() == ["b.jsonl", "c.jsonl", "a.jsonl"]
+    assert steps.k3.tolist() == pytest.approx([k3[10], k3[20], k3[30]], rel=1e-12)
+    assert pd.read_csv(tmp_path / "h" / "alarms.csv").set_index("metric").loc["k3", "first_step"] == 20
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["gate"]["failed"][0]["where"] == "step 20" and "(step 20:" in result.output
+    assert manifest["history"]["files_in_step_order"] is False
+    assert manifest["files"]["steps.csv"]["rows"] == 3
+
+
+def test_files_with_and_without_a_step_field_are_refused(tmp_path):
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for i in range(2):
+        rows = layouts_with_train(records(i, 0.1))["slime"]
+        _jsonl(folder / f"step_{i}.jsonl", [row | {"step": 5} for row in rows] if i else rows)
+    result = invoke("score", folder, "--out", tmp_path / "h")
+    assert result.exit_code == 2 and "records its step" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "h").exists()
+
+
 def test_a_one_file_score_gate(tmp_path):
     path = _jsonl(tmp_path / "r.jsonl", layouts_with_train(records(3, 0.1))["trl"])
     failing = invoke("score", path, "--fail-if", "k3>0", "--fail-if", "likely_cause==stale_weights",
