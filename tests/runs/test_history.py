@@ -202,6 +202,23 @@ def test_a_history_is_read_in_step_order_whatever_the_file_order(tmp_path):
     assert manifest["files"]["steps.csv"]["rows"] == 3
 
 
+def test_the_figure_draws_a_folder_of_unsorted_rows_in_step_order(tmp_path, monkeypatch):
+    """A history folder written before steps.csv was sorted (rows in file order) is still drawn left to right."""
+    import divergence_probe.reports.steps as steps_figure
+    from divergence_probe.runs.history import Alarm, parse_alarms
+
+    pd.DataFrame({"step": [30, 10, 20], "reward_mean": [0.1, 0.3, 0.2], "k3": [3e-3, 1e-3, 2e-3]}).to_csv(
+        tmp_path / "steps.csv", index=False)
+    drawn = {}
+    monkeypatch.setattr(steps_figure, "save", lambda fig, folder, name: [])
+    real = steps_figure.metrics_by_step
+    monkeypatch.setattr(steps_figure, "metrics_by_step",
+                        lambda step, steps, panels, reward: drawn.update(step=step.tolist(), k3=steps.k3.tolist())
+                        or real(step, steps, panels, reward))
+    steps_figure.draw_steps(tmp_path, [Alarm(c) for c in parse_alarms(["k3>1.5e-3"]).conditions])
+    assert drawn == {"step": [10, 20, 30], "k3": [1e-3, 2e-3, 3e-3]}
+
+
 def test_files_with_and_without_a_step_field_are_refused(tmp_path):
     folder = tmp_path / "s"
     folder.mkdir()
