@@ -629,6 +629,9 @@ def rerun(
     allow_engine_arg: Optional[list[str]] = typer.Option(
         None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
         "without asking (docs/reference.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
+    fail_if: Optional[list[str]] = typer.Option(
+        None, "--fail-if", help="Also fail when METRIC OP VALUE holds (as compare's --fail-if), beside the gate the "
+        "run recorded, which rerun replays: exit 1 after writing everything when any condition holds; repeatable."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -636,53 +639,66 @@ def rerun(
     (their sha256 are checked). A manifest is untrusted data: every field is checked as the CLI checks its flags,
     engine args that could load or run code are refused unless --allow-engine-arg names them (an rl run's reward
     plug-in is refused: rerun replays the built-in rewards alone), and what will run is shown before anything loads.
+    A run made with --fail-if is judged again by the gate it recorded (exit 1 when a condition holds).
 
     Examples:
       divergence-probe rerun runs/normal
       divergence-probe rerun runs/normal --report --out runs/normal-again
+      divergence-probe rerun runs/ci-last-good --fail-if 'mean_kl>1e-3'
     """
-    from .runs.rerun import RecordedRun, describe
+    from .reports.gate import METRICS
+    from .runs.rerun import RecordedRun, describe, recorded_gate
     from .rundir import MANIFEST, default_out_dir, read_run
 
     where = f"{run_dir}/{MANIFEST}"
     target = out_dir or default_out_dir()
     if (Path(run_dir) / "rl.csv").is_file():  # an rl run folder: rl.csv and rl_summary.csv, no summary.csv
+        if fail_if:
+            _fail(ProbeError("--fail-if gates a compare, ablate or score run's summary; an rl run has none to gate, "
+                             "so drop --fail-if"))
         _rerun_rl(run_dir, where, target, report, allow_engine_arg or ())
         return
     try:
         manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
+        kind = manifest.get("kind")
+        gate = recorded_gate(manifest, kind if kind in METRICS else "compare", fail_if, where)
     except ProbeError as e:
         _fail(e)
-    if manifest.get("kind") == "score":
-        _rerun_score(manifest, run_dir, where, target, report)
+    if kind == "score":
+        _rerun_score(manifest, run_dir, where, target, report, gate)
         return
     recorded = RecordedRun(manifest, Path(run_dir), where)
 
     def make_spec():
         spec = recorded.read_spec(report, allow_engine_arg or ())
-        for line in describe(spec, target):  # before anything loads: what this folder makes the tool run
+        for line in describe(spec, target, gate):  # before anything loads: what this folder makes the tool run
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec
 
-    run, out_dir, _ = _run(make_spec, target, recorded.check, check_run=recorded.check_run)
+    run, out_dir, verdict = _run(make_spec, target, recorded.check, gate=gate, check_run=recorded.check_run)
     (_print_ablation if run.spec.kind == "ablate" else _print_summary)(run)
     _closing(out_dir, report, _next_step(run))
+    _exit_by(verdict)
 
 
-def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool) -> None:
-    """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again."""
+def _rerun_score(manifest: dict, run_dir: Path, where: str, out_dir: Path, report: bool, gate) -> None:
+    """rerun of a score run folder: its recorded ScoreSpec and LoadSpec, checked, shown, then scored again and
+    judged by its gate."""
     from .runs.rerun import describe_score, recorded_score, same_model
 
     try:
         call, load, rollouts_sha256 = recorded_score(manifest, where)
+        if gate:
+            gate.check_measured(call)
     except ProbeError as e:
         _fail(e)
-    for line in describe_score(call, load, out_dir):  # before anything loads: what this folder makes the tool run
+    for line in describe_score(call, load, out_dir, gate):  # before anything loads: what this folder will run
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    run, _ = _score_run(call, load, out_dir, lambda source: same_model(manifest, source, run_dir, "score"),
-                        rollouts_sha256=rollouts_sha256)
+    run, verdict = _score_run(call, load, out_dir, lambda source: same_model(manifest, source, run_dir, "score"),
+                              gate=gate, rollouts_sha256=rollouts_sha256)
     _print_score(run)
     _closing(out_dir, report, _after_score(call, load, run))
+    _exit_by(verdict)
 
 
 def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -> None:

@@ -61,7 +61,8 @@ _ROUTING = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_af
 _COMPARE = [*SUMMARY_COLUMNS, *NOISE_FLOORS, "tap_points_mean_abs_dlogp", "prompt_mean_abs_dlogp", "prompt_mean_kl",
             *_rl_names("train", "prefill", "decode"), *_ROUTING, MISMATCH_OVER_FLOOR]
 # score's summary (score.ScoreRun.summary): no taps, the recorded logprobs for the engine's, and its diagnosis
-# (the ratio's factors by their signed means: their mean |log| are rollout_vs_prefill and prefill_vs_train, written once)
+# (the ratio's factors by their signed means: their mean |log| are rollout_vs_prefill and prefill_vs_train, written
+# once)
 _SPLIT = [name for name in ratio_split({s: np.zeros(1) for s in ("train", "prefill", "recorded")})
           if not name.endswith("_mean_abs_dlogp")]
 _SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_names("train"), *_SPLIT,
@@ -72,7 +73,8 @@ _PREFILLED = frozenset({*_SPLIT, "rollout_vs_prefill_mean_abs_dlogp", "prefill_v
 # The metrics that are words (a tap's name, a cause, a factor's name): compared with == and != only, to a word. The
 # rest are numbers (a bool reads as 0 or 1, and as the words true and false).
 WORDS = frozenset({"first_inexact", "first_over_threshold", "likely_cause",
-                   *(name for name, value in _rl_values("train", "prefill", "decode").items() if isinstance(value, str))})
+                   *(name for name, value in _rl_values("train", "prefill", "decode").items()
+                     if isinstance(value, str))})
 BOOLS = frozenset({"recorded_far"})
 _BOOL_WORDS = {"true": 1.0, "false": 0.0}
 # The metrics a compare or ablate run measures only when a flag asks for them: the flag to name when a gate reads

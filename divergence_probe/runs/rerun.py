@@ -13,10 +13,15 @@ numerics, scheduling or compilation and take plain values (numbers, booleans, mo
     recorded_score(manifest, where)      # a score run's ScoreSpec and LoadSpec, and its rollout file checked
     recorded_rl(manifest, where)         # an rl run's RLSpec: its engine args, reward and prompt files checked
     RecordedRun(manifest, run_dir, where)  # a compare or ablate run's spec, and its prompt and model checks
+    recorded_gate(manifest, kind, added, where)  # the --fail-if gate the run recorded, and any added to it
 
 A score run replays no engine args at all: the score command takes none, so a manifest that holds some was edited.
 An rl run's reward plug-in (`--reward module:function`) is code to import, so rerun replays the built-in rewards
 alone.
+
+A run made with `--fail-if` recorded its gate (manifest.json `gate.fail_if`); rerun judges the new run by it, with
+the same exit code (1 when a condition holds), so a CI job that reruns a failed run fails again. Conditions given to
+rerun's own `--fail-if` are added to the recorded ones.
 """
 
 from __future__ import annotations
@@ -68,7 +73,30 @@ def _flag_words(f, value) -> list[str]:
     return [flag, _flag_value(value)]
 
 
-def command_line(spec: RunSpec, out_dir=None) -> list[str]:
+def recorded_gate(manifest: dict, kind: str, added, where: str):
+    """The gate a rerun judges (a reports.gate.Gate, or None when there is none): the conditions the run recorded
+    (gate.fail_if), each checked as --fail-if checks it (the manifest is data: one line naming the field), then
+    those of rerun's --fail-if, each once."""
+    from ..reports.gate import Gate
+
+    section = manifest.get("gate")
+    texts = [] if section is None else section.get("fail_if") if isinstance(section, dict) else None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ProbeError(f"{where}: gate.fail_if is not a list of conditions (METRIC OP VALUE); restore the manifest, "
+                         "or re-run its `command`")
+    try:
+        Gate.parse(texts, kind)
+    except ProbeError as e:
+        raise ProbeError(f"{where} records a gate rerun cannot judge (gate.fail_if): {e}") from None
+    both = list(dict.fromkeys([*texts, *(added or ())]))
+    return Gate.parse(both, kind) if both else None
+
+
+def _gate_words(gate) -> list[str]:
+    return [word for c in (gate.conditions if gate else ()) for word in ("--fail-if", c.text)]
+
+
+def command_line(spec: RunSpec, out_dir=None, gate=None) -> list[str]:
     """The compare/ablate command line that makes the same run as `spec` (the flags that differ from their
     defaults), for a person to read before rerun runs it."""
     argv = ["divergence-probe", spec.kind]
@@ -80,19 +108,20 @@ def command_line(spec: RunSpec, out_dir=None) -> list[str]:
         if value == default or value is None:
             continue
         argv += _flag_words(f, value)
+    argv += _gate_words(gate)
     if out_dir is not None:
         argv += ["--out", str(out_dir)]
     return argv
 
 
-def describe(spec: RunSpec, out_dir) -> list[str]:
+def describe(spec: RunSpec, out_dir, gate=None) -> list[str]:
     """What rerun is about to run, in lines for the console: the model, the prompts, the engine args, the command."""
     load = spec.load
     lines = [f"rerun: {spec.kind} of model {load.model or 'builtin:default'} ({load.infer} vs {load.train}, "
              f"{load.dtype} on {load.device}, engine {load.engine if load.infer == 'vllm' else 'none'})",
              f"  prompts: {spec.prompts.prompts or 'the packaged sample prompts'}",
              f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
-             f"  same as: {shlex.join(command_line(spec, out_dir))}"]
+             f"  same as: {shlex.join(command_line(spec, out_dir, gate))}"]
     return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
 
 
@@ -262,7 +291,7 @@ def rl_command_line(spec) -> list[str]:
     return argv
 
 
-def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
+def score_command_line(call, load: LoadSpec, out_dir=None, gate=None) -> list[str]:
     """The score command line that makes the same run as (call, load), for a person to read before rerun runs it;
     the trainer settings score has no flag for (set through the Python API) follow as `name=value` words."""
     argv = ["divergence-probe", "score", call.rollouts]
@@ -277,18 +306,19 @@ def score_command_line(call, load: LoadSpec, out_dir=None) -> list[str]:
         value = getattr(load, f.name)
         if f.name != "infer" and value != getattr(plain, f.name):
             argv += [flag_of(f), str(value)] if f.name in flags else [f"{f.name}={_flag_value(value)}"]
+    argv += _gate_words(gate)
     if out_dir is not None:
         argv += ["--out", str(out_dir)]
     return argv
 
 
-def describe_score(call, load: LoadSpec, out_dir) -> list[str]:
+def describe_score(call, load: LoadSpec, out_dir, gate=None) -> list[str]:
     """What rerun is about to run for a score run folder, in lines for the console."""
     lines = [f"rerun: score of {call.rollouts} with model {load.model or 'builtin:default'} (trainer {load.train}, "
              f"{load.dtype} on {load.device}" + (", engine prefill vllm)" if call.infer else ")"),
-             f"  same as: {shlex.join(score_command_line(call, load, out_dir))}"]
+             f"  same as: {shlex.join(score_command_line(call, load, out_dir, gate))}"]
     return [printable(line) for line in lines]  # the manifest's strings are data: shown escaped
 
 
-__all__ = ["ALLOW_FLAG", "check_replayable", "command_line", "describe", "describe_rl", "describe_score", "recorded_rl",
-           "recorded_score", "rl_command_line", "score_command_line"]
+__all__ = ["ALLOW_FLAG", "check_replayable", "command_line", "describe", "describe_rl", "describe_score",
+           "recorded_gate", "recorded_rl", "recorded_score", "rl_command_line", "score_command_line"]

@@ -135,3 +135,58 @@ def test_an_ablation_gate_reads_the_shipped_combination(toy_args, tmp_path):
     assert ablation.loc["none", "mean_kl"] > 0 == ablation.loc["toy-align", "mean_kl"]  # only the shipped one fails
     gate = json.loads((tmp_path / "a" / "manifest.json").read_text())["gate"]
     assert gate["failed"] == [{"condition": "mean_kl>0", "value": ablation.loc["none", "mean_kl"], "where": "combo none"}]
+
+
+def test_rerun_replays_the_recorded_gate_and_adds_its_own(toy_args, tmp_path):
+    """A run whose gate failed fails again when rerun (exit 1, after writing): the recorded conditions are judged
+    again, and rerun's own --fail-if conditions are added to them."""
+    first = invoke("compare", *toy_args, "--fail-if", "mean_abs_dlogp>0", "--out", tmp_path / "first")
+    assert first.exit_code == 1, first.output
+    again = invoke("rerun", tmp_path / "first", "--out", tmp_path / "again")
+    assert again.exit_code == 1 and "gate failed: mean_abs_dlogp>0" in again.output, again.output
+    assert "--fail-if 'mean_abs_dlogp>0'" in again.output  # the `same as:` command line shows the gate
+    gate = json.loads((tmp_path / "again" / "manifest.json").read_text())["gate"]
+    assert gate["fail_if"] == ["mean_abs_dlogp>0"] and gate["passed"] is False
+    added = invoke("rerun", tmp_path / "first", "--fail-if", "mean_kl<0", "--fail-if", "mean_abs_dlogp>0",
+                   "--out", tmp_path / "added")
+    assert added.exit_code == 1, added.output
+    gate = json.loads((tmp_path / "added" / "manifest.json").read_text())["gate"]
+    assert gate["fail_if"] == ["mean_abs_dlogp>0", "mean_kl<0"]  # each condition once, the recorded ones first
+
+
+def test_rerun_of_a_run_without_a_gate_takes_one(toy_args, tmp_path):
+    assert invoke("compare", *toy_args, "--out", tmp_path / "first").exit_code == 0
+    passing = invoke("rerun", tmp_path / "first", "--fail-if", "mean_abs_dlogp>1e6", "--out", tmp_path / "ok")
+    assert passing.exit_code == 0 and "gate passed" in passing.output, passing.output
+    failing = invoke("rerun", tmp_path / "first", "--fail-if", "mean_abs_dlogp>0", "--out", tmp_path / "bad")
+    assert failing.exit_code == 1 and (tmp_path / "bad" / "summary.csv").is_file(), failing.output
+
+
+@pytest.mark.parametrize("edit, flags, named", [
+    (None, ["--fail-if", "mean_kl>nan"], "not a finite number"),
+    (None, ["--fail-if", "mismatch_over_floor>2"], "add --batch-invariance"),
+    (lambda gate: gate.update(fail_if=["mean_kl>nan"]), [], "records a gate rerun cannot judge (gate.fail_if)"),
+    (lambda gate: gate.update(fail_if="mean_kl>1"), [], "gate.fail_if is not a list"),
+])
+def test_a_rerun_gate_that_cannot_judge_is_refused_before_anything_loads(edit, flags, named, toy_args, tmp_path,
+                                                                         monkeypatch):
+    assert invoke("compare", *toy_args, "--fail-if", "mean_kl<0", "--out", tmp_path / "first").exit_code == 0
+    if edit is not None:
+        path = tmp_path / "first" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        edit(manifest["gate"])
+        path.write_text(json.dumps(manifest))
+    import divergence_probe.runs.loading as loading
+
+    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    result = invoke("rerun", tmp_path / "first", *flags, "--out", tmp_path / "again")
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert not (tmp_path / "again").exists()
+
+
+def test_rerun_of_an_rl_folder_takes_no_gate(tmp_path):
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "rl.csv").write_text("setting,seed,step\n")
+    result = invoke("rerun", tmp_path / "rl", "--fail-if", "mean_kl>1", "--out", tmp_path / "again")
+    assert result.exit_code == 2 and "an rl run has none to gate" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "again").exists()
