@@ -179,7 +179,8 @@ def measured(summary: dict, metric: str):
             return None
         return float(summary["mean_abs_dlogp"]) / largest[1]
     value = summary.get(metric)
-    if value is None or (isinstance(value, float) and math.isnan(value)) or value == NOT_CAPTURED:
+    uncaptured = isinstance(value, str) and value == NOT_CAPTURED  # no tap was there to diverge
+    if value is None or uncaptured or (isinstance(value, float) and math.isnan(value)):
         return None
     return value.item() if isinstance(value, np.generic) else value
 

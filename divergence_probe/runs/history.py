@@ -90,7 +90,8 @@ class Alarm:
 
     def see(self, step: int, summary: dict) -> None:
         """The least step it holds at, whatever order the steps come in."""
-        if (self.first_step is None or step < self.first_step) and measured(summary, self.condition.metric) is not None:
+        earlier = self.first_step is None or step < self.first_step
+        if earlier and measured(summary, self.condition.metric) is not None:
             holds, value = self.condition.check(summary)
             if holds:
                 self.first_step, self.value = step, value
