@@ -564,6 +564,8 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             def before_stacks(source, tokenizer):  # seconds in: everything a bad input can break, before the loads
                 if check is not None:
                     check(source)
+                if gate:
+                    gate.check_model(source.family)
                 load_run_prompts(spec, tokenizer, source.max_model_len)
 
             with _phases() as phases:

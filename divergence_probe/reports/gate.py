@@ -9,9 +9,10 @@ A gate that cannot fail is worse than none: CI reads its silence as a pass. So e
 hold is refused or fails closed. Refused before anything loads (one line): a threshold that is not a finite number
 (nothing compares past NaN), a word against a metric that is a number (`mean_kl==1e-3x`: a typo that would never
 equal), a number against a metric that is a word, and a metric the run's own flags say it will not measure (a noise
-floor without --batch-invariance, a tap's name under --taps none), naming the flag that would measure it. Failed
-(closed) after the run: a metric the run did not measure after all (a routing metric on a dense model, a tap that
-was not captured), or a value that is not of its metric's kind.
+floor without --batch-invariance, a tap's name under --taps none), naming the flag that would measure it; a routing
+metric on a model without mixture-of-experts routers, once its config is read, before the stacks load. Failed
+(closed) after the run: a metric the run did not measure after all (a floor the setup could not make, a tap that was
+not captured), or a value that is not of its metric's kind.
 
     gate = Gate.parse(["mean_kl>1e-3", "first_inexact!=attn_core@0"], "compare")
     verdict = gate.judge([("run", summary)])     # verdict.passed, verdict.failures, verdict.record()
@@ -58,6 +59,7 @@ _ROUTING = ["frac_tokens_any_flip", "frac_tokens_after_flip", "mean_abs_dlogp_af
             "mean_abs_dlogp_no_upstream_flip",
             *(f"noise_{side}{change}_{m}" for side in ("infer", "train") for change in ("", "_kernel")
               for m in ("frac_topk_set_differs", "frac_tokens_any_flip"))]
+_ROUTED = frozenset(_ROUTING)  # measured on a mixture of experts only
 _COMPARE = [*SUMMARY_COLUMNS, *NOISE_FLOORS, "tap_points_mean_abs_dlogp", "prompt_mean_abs_dlogp", "prompt_mean_kl",
             *_rl_names("train", "prefill", "decode"), *_ROUTING, MISMATCH_OVER_FLOOR]
 # score's summary (score.ScoreRun.summary): no taps, the recorded logprobs for the engine's, and its diagnosis
@@ -150,7 +152,7 @@ class Condition:
 
 def will_not_measure(kind: str, spec, metric: str) -> str | None:
     """The flag that would measure `metric` when a `kind` run of `spec` will not, from its flags alone; None when it
-    will or may (what only the model can tell, a routing metric on a dense model, fails closed after the run)."""
+    will or may (what only the model can tell, a routing metric on a dense model: Gate.check_model)."""
     if kind in ("score", "history"):
         if metric in _PREFILLED and spec.infer is None:
             return "--infer vllm (the engine's prefill)"
@@ -239,6 +241,17 @@ class Gate:
             if needed:
                 raise ProbeError(f"{self.flag} {c.text!r}: this run will not measure {c.metric}; add {needed}, or "
                                  "drop the condition")
+
+    def check_model(self, family) -> None:
+        """Once the model's config is read, before its stacks load: ProbeError (one line) for a routing metric when
+        the model (`family`, models.Family) has no mixture-of-experts routers to compare."""
+        if family.top_k_field is not None:
+            return
+        for c in self.conditions:
+            if c.metric in _ROUTED:
+                raise ProbeError(f"{self.flag} {c.text!r}: a {family.model_type} model has no mixture-of-experts "
+                                 f"routers, so this run will not measure {c.metric}; point --model at a MoE "
+                                 "checkpoint, or drop the condition")
 
     def judge(self, rows) -> Verdict:
         """`rows`: (where, summary dict) pairs, e.g. one per step. A condition fails at the first row it holds in."""

@@ -64,6 +64,7 @@ def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, mo
     ("noise_train_mean_abs_dlogp>0.1", "add --batch-invariance"),
     ("k3>1e-3", "add --mode generate"),
     ("noise_infer_engine_mode_mean_abs_dlogp>0.1", "add --engine-noise"),
+    ("frac_tokens_any_flip>0", "no mixture-of-experts routers"),  # read from the config, before the stacks load
 ])
 def test_a_gate_that_could_never_judge_the_run_is_refused_before_anything_loads(condition, named, toy_args, tmp_path,
                                                                                monkeypatch):
