@@ -50,4 +50,10 @@ def read_rows(run_dir: Path, check: bool = True, files: dict | None = None) -> p
     if rows.empty:
         raise ReportError(f"{run_dir / 'rl.csv'} has no rows: the run stopped before its first step; rerun the rl "
                           "command")
+    twice = rows[rows.duplicated(["setting", "seed", "step"])]
+    if len(twice):  # one setting run twice under one name would be summarized as one run of twice the steps
+        first = twice.iloc[0]
+        raise ReportError(f"{run_dir / 'rl.csv'} holds step {first.step} of setting {first.setting!r}, seed "
+                          f"{first.seed} twice (a setting given twice in another order, by a version that ran it "
+                          "twice); rerun the rl command with each setting once")
     return rows

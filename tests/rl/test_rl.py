@@ -192,6 +192,20 @@ def test_a_setting_given_twice_in_another_order_is_refused(settings, message):
         RLSpec(setting=settings)
 
 
+def test_rows_of_one_setting_run_twice_are_refused(tmp_path):
+    """A folder whose rl.csv holds a setting's step twice (made by a version that ran a setting given twice in
+    another order under one name) is refused by every reader, not summarized as one run of twice the steps."""
+    from divergence_probe.reports.rl_rows import ROW_COLUMNS, read_rows
+    from divergence_probe.rundir import RunFolderError
+
+    row = {c: 1 for c in ROW_COLUMNS} | {"setting": "rope,swiglu", "seed": 0}
+    pd.DataFrame([row | {"step": 1}, row | {"step": 2}, row | {"step": 1}]).to_csv(tmp_path / "rl.csv", index=False)
+    with pytest.raises(RunFolderError, match="holds step 1 of setting 'rope,swiglu', seed 0 twice"):
+        read_rows(tmp_path, check=False)
+    pd.DataFrame([row | {"step": 1}, row | {"step": 1, "seed": 1}]).to_csv(tmp_path / "rl.csv", index=False)
+    assert len(read_rows(tmp_path, check=False)) == 2  # two seeds of one step: two runs
+
+
 def test_knob_settings_are_named_canonically_and_share_one_engine():
     from divergence_probe.spec.rl import RLSpec, parse_setting
 
