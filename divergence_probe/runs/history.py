@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import glob
 import math
+from array import array
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 
 from .manifest import build_manifest
@@ -136,7 +138,7 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
     watch = GateWatch(gate) if gate else None
     columns: list[str] | None = None
     seen: set[int] = set()
-    spans: list[tuple[int, int, int]] = []  # (step, offset, length) of each row in steps.csv as written
+    spans = array("q")  # step, offset, length of each row in steps.csv as written: 24 bytes a step
     from_field: Path | None = None
     from_order: Path | None = None
     last: dict = {}
@@ -165,7 +167,7 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                 if n == 0:
                     header, _, text = text.partition("\n")
                     f.write(f"{header}\n".encode())
-                spans.append((step, f.tell(), f.write(text.encode())))
+                spans.extend((step, f.tell(), f.write(text.encode())))
                 for alarm in watching:
                     alarm.see(step, row)
                 if watch is not None:
@@ -174,9 +176,10 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                     last = row
                 if progress is not None:
                     progress(n + 1, len(files))
-        in_order = all(a[0] < b[0] for a, b in zip(spans, spans[1:]))
+        rows = np.frombuffer(spans, dtype=np.int64).reshape(-1, 3)
+        in_order = bool((np.diff(rows[:, 0]) > 0).all())
         if not in_order:
-            _sort_rows(tmp / STEPS, spans)
+            _sort_rows(tmp / STEPS, rows)
         write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
         figures = draw(tmp, watching) if draw is not None else []
         verdict = watch.verdict if watch is not None else None
@@ -192,15 +195,15 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
     return History(out_dir, len(files), watching, verdict, last)
 
 
-def _sort_rows(path: Path, spans: list[tuple[int, int, int]]) -> None:
-    """Rewrite steps.csv with its rows in step order: each row copied from where it was written (`spans`), one at
-    a time, so the rows never sit in memory together."""
+def _sort_rows(path: Path, spans: np.ndarray) -> None:
+    """Rewrite steps.csv with its rows in step order: each row copied from where it was written (`spans`: step,
+    offset, length), one at a time, so the rows never sit in memory together."""
     ordered = path.with_name(path.name + ".sorted")
     with path.open("rb") as rows, ordered.open("wb") as out:
-        out.write(rows.read(spans[0][1]))  # the header
-        for _, offset, length in sorted(spans):
-            rows.seek(offset)
-            out.write(rows.read(length))
+        out.write(rows.read(int(spans[0, 1])))  # the header
+        for offset, length in spans[np.argsort(spans[:, 0], kind="stable"), 1:]:
+            rows.seek(int(offset))
+            out.write(rows.read(int(length)))
     ordered.replace(path)
 
 
