@@ -1085,7 +1085,7 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256
     try:
         with claim_out_dir(out_dir), _phases() as phases:
             phases.phase("reading the rollouts, loading the trainer" + (" and the engine" if call.infer else ""))
-            run = score_spec(call, load, check, phases, rollouts_sha256)
+            run = score_spec(call, load, check, phases, rollouts_sha256, gate)
             phases.end()
             run.manifest["command"] = sys.argv
             run.manifest["phases"] = phases.timings

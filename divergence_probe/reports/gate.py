@@ -72,6 +72,8 @@ _SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_name
           "far_bound", "recorded_far", "wrong_token_share", "tempered_mean_abs_dlogp", "likely_cause"]
 # score measures these only with the engine's prefill (--infer vllm): the three-way split
 _PREFILLED = frozenset({*_SPLIT, "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp"})
+# score measures these only with a model (the trainer's logits): without one, k1, k2 and k3 estimate the KL
+_LOGITS = ("mean_kl", "max_kl")
 # The metrics that are words (a tap's name, a cause, a factor's name): compared with == and != only, to a word. The
 # rest are numbers (a bool reads as 0 or 1, and as the words true and false).
 WORDS = frozenset({"first_inexact", "first_over_threshold", "likely_cause",
@@ -150,10 +152,13 @@ class Condition:
         return OPS[self.op](float(value), self.value), float(value)
 
 
-def will_not_measure(kind: str, spec, metric: str) -> str | None:
-    """The flag that would measure `metric` when a `kind` run of `spec` will not, from its flags alone; None when it
-    will or may (what only the model can tell, a routing metric on a dense model: Gate.check_model)."""
+def will_not_measure(kind: str, spec, metric: str, model_free: bool = False) -> str | None:
+    """The flag that would measure `metric` when a `kind` run of `spec` will not, from its flags alone (and, for a
+    score, whether its files let it score without a model: `model_free`); None when it will or may (what only the
+    model can tell, a routing metric on a dense model: Gate.check_model)."""
     if kind in ("score", "history"):
+        if metric in _LOGITS and model_free:
+            return "--model (a KL needs the trainer's logits; the file's logprobs hold none)"
         if metric in _PREFILLED and spec.infer is None:
             return "--infer vllm (the engine's prefill)"
         if metric == "tempered_mean_abs_dlogp" and spec.temperature is None:
@@ -233,11 +238,12 @@ class Gate:
     def __bool__(self) -> bool:
         return bool(self.conditions)
 
-    def check_measured(self, spec) -> None:
+    def check_measured(self, spec, model_free: bool = False) -> None:
         """Before anything loads: ProbeError (one line, naming the flag that would measure it) for the first
-        condition on a metric `spec` (a compare or ablate RunSpec; a score or history ScoreSpec) will not measure."""
+        condition on a metric `spec` (a compare or ablate RunSpec; a score or history ScoreSpec, `model_free` once
+        its first file is read) will not measure."""
         for c in self.conditions:
-            needed = will_not_measure(self.kind, spec, c.metric)
+            needed = will_not_measure(self.kind, spec, c.metric, model_free)
             if needed:
                 raise ProbeError(f"{self.flag} {c.text!r}: this run will not measure {c.metric}; add {needed}, or "
                                  "drop the condition")

@@ -271,10 +271,11 @@ def score(rollouts: str | Path, model: str | None = None, *, fmt: str = "auto", 
 
 
 def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress | None = None,
-               rollouts_sha256: str | None = None) -> ScoreRun:
+               rollouts_sha256: str | None = None, gate: Gate | None = None) -> ScoreRun:
     """score() of a ScoreSpec and its trainer's LoadSpec (what rerun replays). `check(source)` runs once the model is
     resolved and before any stack loads (rerun: is it the recorded checkpoint?); `rollouts_sha256` (rerun: the
-    recorded one) is what the bytes read must hash to; `progress` as score_batch's."""
+    recorded one) is what the bytes read must hash to; `progress` as score_batch's; `gate` (--fail-if, judged by the
+    caller) is checked against what a model-free score measures before it scores."""
     batch = read_rollouts(call.rollouts, call.fmt, call.fields)
     if rollouts_sha256 is not None and batch.sha256 != rollouts_sha256:
         raise ProbeError(f"the rollout file {batch.path} changed since the run was made (its sha256 is not the one "
@@ -285,6 +286,8 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
         if call.temperature is not None:
             raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
                              "--model to score with the training stack, or drop --temperature")
+        if gate:
+            gate.check_measured(call, model_free=True)
         run = paired_run(batch, call.clip_eps, call.tis_cap)
         run.manifest["score"] |= {"spec": asdict(call), "load_spec": asdict(spec)}
         return run
@@ -318,6 +321,9 @@ def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, g
     if model_free and call.temperature is not None:
         raise ProbeError("--temperature tests the trainer's logits, which a file's logprobs do not hold; pass "
                          "--model to score with the training stack, or drop --temperature")
+    for conditions in (alarms, gate):
+        if conditions:
+            conditions.check_measured(call, model_free)
     scorer = None if model_free else load_scorer(load, call.infer == "vllm")
     try:
         def score_one(path: Path):

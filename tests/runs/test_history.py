@@ -156,6 +156,7 @@ def test_an_unknown_history_metric_writes_nothing(steps_folder, tmp_path):
     ("--fail-if", "k3==1e-3x", "k3 is a number"),
     ("--fail-if", "tempered_mean_abs_dlogp>0.1", "add --temperature"),
     ("--alarm", "prefill_vs_train_mean_abs_dlogp>0.1", "add --infer vllm"),
+    ("--fail-if", "mean_kl>0.1", "add --model"),  # the files hold both logprobs: no model, no logits, no KL
 ])
 def test_a_history_condition_that_could_never_hold_writes_nothing(flag, condition, named, steps_folder, tmp_path):
     folder, _ = steps_folder
@@ -174,6 +175,16 @@ def test_the_step_field_numbers_the_steps(tmp_path):
     result = invoke("score", folder, "--out", tmp_path / "h")
     assert result.exit_code == 0, result.output
     assert pd.read_csv(tmp_path / "h" / "steps.csv").step.tolist() == [100, 200]
+
+
+def test_a_model_free_score_refuses_a_gate_on_the_kl_before_scoring(tmp_path, monkeypatch):
+    import divergence_probe.runs.paired as paired
+
+    path = _jsonl(tmp_path / "r.jsonl", layouts_with_train(records(3, 0.1))["trl"])
+    monkeypatch.setattr(paired, "paired_run", lambda *a: pytest.fail("scored before the gate was checked"))
+    result = invoke("score", path, "--fail-if", "max_kl>1", "--out", tmp_path / "f")
+    assert result.exit_code == 2 and "this run will not measure max_kl; add --model" in result.output, result.output
+    assert not (tmp_path / "f").exists()
 
 
 def test_a_history_is_read_in_step_order_whatever_the_file_order(tmp_path):
