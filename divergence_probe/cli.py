@@ -314,7 +314,8 @@ def _next_step(run):
 
 def _print_summary(run) -> None:
     from .numerics.noise_verdict import LEVEL, RATIO, in_words
-    from .numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
+    from .numerics.shapley import MIN_PROMPTS
+    from .numerics.tables import FLOOR_KINDS, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -350,9 +351,11 @@ def _print_summary(run) -> None:
         table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")
     else:
         if largest[1] > 0:
-            table.add_row("mismatch / largest noise floor",
-                          f"{s[RATIO]:.3g}x, {LEVEL:.0%} CI [{s[RATIO + '_ci_low']:.3g}x, {s[RATIO + '_ci_high']:.3g}x] "
-                          f"({NOISE_FLOORS[largest[0]]})")
+            low, high = s[RATIO + "_ci_low"], s[RATIO + "_ci_high"]
+            interval = (f"{LEVEL:.0%} CI [{low:.3g}x, {high:.3g}x]" if low == low and high == high
+                        else f"no interval (fewer than {MIN_PROMPTS} prompts)")
+            table.add_row("mismatch / largest floor",
+                          f"{s[RATIO]:.3g}x, {interval} ({NOISE_FLOORS[largest[0]]}: {FLOOR_KINDS[largest[0]]})")
         table.add_row("normal or not", in_words(s))
     _routing_rows(table, s, "routing" in run.spec.align.regions)
     out.print(table)
@@ -698,7 +701,7 @@ def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -
 
 
 def _print_ablation(run) -> None:
-    from .numerics.shapley import CHANGE, SHARE, change_words
+    from .numerics.shapley import CHANGE, SHARE, attribution_lines, effect_words
     from .numerics.tables import NOT_CAPTURED
 
     metric = run.spec.ablate.metric
@@ -724,15 +727,13 @@ def _print_ablation(run) -> None:
 
     rows = run.attribution_table.to_dict("records")
     for row in rows:
-        attr.add_row(row["region"], signed(row[CHANGE]), change_words(row[SHARE]),
+        attr.add_row(row["region"], signed(row[CHANGE]), effect_words(row[SHARE], row["share_ci_low"],
+                                                                      row["share_ci_high"], level[:-3]),
                      f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
-    total = rows[-1]  # the all-regions row: the headline
-    everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
-    out.print(f"{everything} {change_words(total[SHARE])} of the shipped {metric} "
-              f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
-              highlight=False, markup=False, soft_wrap=True)
+    for line in attribution_lines(rows, metric, factors, level[:-3]):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command(cls=_Command, name="report")
@@ -884,7 +885,7 @@ def _print_rl_summary(summary) -> None:
     import pandas as pd
 
     from .numerics.collapse import GROWTH
-    from .numerics.rl_summary import window_label
+    from .numerics.rl_summary import comparison_words, window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
     for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "floors at step 1 (engine, trainer)",
@@ -902,6 +903,8 @@ def _print_rl_summary(summary) -> None:
     out.print(f"collapse (reward below its start to the end while k3 or the |Δlogp| tail grew {GROWTH:g}x; "
               f"docs/reference.md): {len(fell)} of {len(summary)} runs"
               + "".join(f"; {r.setting} seed {r.seed} at step {r.collapsed_at_step}" for r in fell.itertuples()))
+    for line in comparison_words(summary):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, and the

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
-from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
+from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, NOT_DETECTED, SHARE, SHIPPED, change_words, effect, \
+    effect_words
+from ..numerics.noise_verdict import VERDICT, WITHIN, in_words
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
@@ -100,12 +101,16 @@ SUMMARY_MEANINGS = {
                                         "path (nats)",
     "prefill_vs_decode_mean_dlogp": "mean of logprob_prefill − logprob_infer (nats)",
     "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
-    "mismatch_over_floor": "mean_abs_dlogp / the largest noise floor measured",
-    "mismatch_over_floor_ci_low": "low end of the 95% bootstrap interval of that ratio (prompts resampled, the floor "
-                                  "held)",
+    "mismatch_over_floor": "mean_abs_dlogp / the largest floor measured (noise or systematic: noise_floor_kind)",
+    "mismatch_over_floor_ci_low": "low end of the 95% bootstrap interval of that ratio (prompts resampled, the "
+                                  "mismatch's and the floor's together; empty below the minimum number of prompts)",
     "mismatch_over_floor_ci_high": "high end of that interval",
-    "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1) or cannot_tell "
-                     "(it straddles 1: more prompts would narrow it)",
+    "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1), cannot_tell "
+                     "(it straddles 1: more prompts would narrow it) or too_few_prompts (no interval)",
+    "noise_floor_used": "the floor the ratio and the verdict are against (its summary column)",
+    "noise_floor_kind": "that floor's kind: noise (a stack's batch or run-to-run wobble) or systematic (a kernel, "
+                        "mode or sharding swap)",
+    "noise_verdict_prompts": "the prompts the ratio's interval resampled",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -379,11 +384,9 @@ def _noise_floor(shipped: pd.Series) -> list:
     verdict = shipped.get(VERDICT)
     if isinstance(verdict, str):  # the ratio's bootstrap interval over prompts decides, not the point ratio
         text += (f" The mismatch between the stacks, {_num(mismatch)} nats, set against the largest of these floors "
-                 f"({NOISE_FLOORS[name]}): **{in_words(shipped)}**" + {
-                     ABOVE: ".",
-                     WITHIN: ": no larger than what that change alone does, so it is no evidence of a numerics bug in "
-                             "either stack.",
-                     CANNOT_TELL: "."}[verdict])
+                 f"({NOISE_FLOORS[name]}): **{in_words(shipped)}**" + (
+                     ": no larger than what that change alone does, so it is no evidence of a numerics bug in "
+                     "either stack." if verdict == WITHIN else "."))
     elif largest > 0 and not math.isnan(mismatch):  # a run folder from before the verdict was recorded
         text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(mismatch / largest)}× the "
                  f"largest of these floors ({NOISE_FLOORS[name]}); this run recorded no interval for that ratio.")
@@ -536,20 +539,26 @@ def _attribution_words(run: RunData) -> Paragraph | None:
     text = ""
     if len(total):
         t = total.iloc[0]
-        text += f"Aligning every region together **{change_words(float(t[SHARE]))}** of the shipped `{m}`"
-        text += (f" ({run.ci_level} interval {_signed_pct(t['share_ci_low'])} to {_signed_pct(t['share_ci_high'])})."
-                 if _finite(t.get("share_ci_low")) else ".")
+        low, high = t.get("share_ci_low", float("nan")), t.get("share_ci_high", float("nan"))
+        text += (f"Aligning every region together: **{effect_words(float(t[SHARE]), float(low), float(high), run.ci_level)}**"
+                 f" of the shipped `{m}`")
+        text += (f" ({run.ci_level} interval {_signed_pct(low)} to {_signed_pct(high)})."
+                 if _finite(low) and effect(float(low), float(high)) != NOT_DETECTED else ".")
     parts = []
     for r in regions.itertuples(index=False):
         row = r._asdict()
-        part = f"`{row['region']}` {change_words(float(row[SHARE]))}"
-        low, high = row.get("share_ci_low"), row.get("share_ci_high")
-        if _finite(low) and _finite(high):
-            part += f" ({_signed_pct(low)} to {_signed_pct(high)}" + (
-                ", not distinguishable from no effect)" if float(low) <= 0 <= float(high) else ")")
+        low, high = float(row.get("share_ci_low", float("nan"))), float(row.get("share_ci_high", float("nan")))
+        part = f"`{row['region']}` {effect_words(float(row[SHARE]), low, high, run.ci_level)}"
+        if _finite(low) and _finite(high) and effect(low, high) != NOT_DETECTED:
+            part += f" ({_signed_pct(low)} to {_signed_pct(high)})"
         parts.append(part)
     if parts:
         text += " Of that, as Shapley values: " + "; ".join(parts) + "."
+    for row in a.to_dict("records"):
+        if row.get(DISAGREE) in (True, "True"):
+            text += (f" Under `{row['other_metric']}` `{row['region']}` points the other way "
+                     f"({_signed_pct(row[SHARE])} of shipped `{m}`, {_signed_pct(row['other_metric_share'])} of "
+                     f"shipped `{row['other_metric']}`): whether it removes mismatch depends on the metric.")
     return Paragraph(text.strip())
 
 
