@@ -314,7 +314,8 @@ def _next_step(run):
 
 def _print_summary(run) -> None:
     from .numerics.noise_verdict import LEVEL, RATIO, in_words
-    from .numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
+    from .numerics.shapley import MIN_PROMPTS
+    from .numerics.tables import FLOOR_KINDS, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
 
     s = run.summary
     table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
@@ -332,17 +333,18 @@ def _print_summary(run) -> None:
     worst = worst_layer(run.tap_stats)
     if worst:
         table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})")
-    for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
-                       ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
-                       ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
-                       ("noise_infer_engine_mode_mean_abs_dlogp", "noise floor: engine, other mode"),
-                       ("noise_infer_tensor_parallel_mean_abs_dlogp", "noise floor: engine, tensor_parallel_size 1"),
-                       ("noise_train_tensor_parallel_mean_abs_dlogp", "noise floor: train, unsharded (--train-tp 1)"),
+    # each floor labelled by its kind (tables.FLOOR_KINDS): "noise floor: ..." or "systematic floor: ..."
+    for key, label in [("noise_infer_mean_abs_dlogp", "infer alone vs batched"),
+                       ("noise_train_mean_abs_dlogp", "train alone vs batched"),
+                       ("noise_train_kernel_mean_abs_dlogp", "train, another SDPA kernel"),
+                       ("noise_infer_engine_mode_mean_abs_dlogp", "engine, other mode"),
+                       ("noise_infer_tensor_parallel_mean_abs_dlogp", "engine, tensor_parallel_size 1"),
+                       ("noise_train_tensor_parallel_mean_abs_dlogp", "train, unsharded (--train-tp 1)"),
                        ("tap_points_mean_abs_dlogp", "engine with vs without tap points"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:
-            table.add_row(label, f"{s[key]:.3e}")
+            table.add_row(f"{FLOOR_KINDS[key]} floor: {label}" if key in FLOOR_KINDS else label, f"{s[key]:.3e}")
     if "dominant_factor" in s:  # generate mode: trainer/prefill, prefill/decode or decode/recorded
         table.add_row("largest factor of π_train/π_recorded", s["dominant_factor"])
     largest = largest_noise_floor(s)
@@ -350,9 +352,11 @@ def _print_summary(run) -> None:
         table.add_row("noise floor", "not measured (--batch-invariance, --engine-noise)")
     else:
         if largest[1] > 0:
-            table.add_row("mismatch / largest noise floor",
-                          f"{s[RATIO]:.3g}x, {LEVEL:.0%} CI [{s[RATIO + '_ci_low']:.3g}x, {s[RATIO + '_ci_high']:.3g}x] "
-                          f"({NOISE_FLOORS[largest[0]]})")
+            low, high = s[RATIO + "_ci_low"], s[RATIO + "_ci_high"]
+            interval = (f"{LEVEL:.0%} CI [{low:.3g}x, {high:.3g}x]" if low == low and high == high
+                        else f"no interval (fewer than {MIN_PROMPTS} prompts)")
+            table.add_row("mismatch / largest floor",
+                          f"{s[RATIO]:.3g}x, {interval} ({NOISE_FLOORS[largest[0]]}: {FLOOR_KINDS[largest[0]]})")
         table.add_row("normal or not", in_words(s))
     _routing_rows(table, s, "routing" in run.spec.align.regions)
     out.print(table)
@@ -718,7 +722,8 @@ def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -
 
 
 def _print_ablation(run) -> None:
-    from .numerics.shapley import CHANGE, SHARE, change_words
+    from .numerics.noise_verdict import floor_moved
+    from .numerics.shapley import CHANGE, SHARE, SHIPPED, attribution_lines, effect_words
     from .numerics.tables import NOT_CAPTURED
 
     metric = run.spec.ablate.metric
@@ -734,7 +739,8 @@ def _print_ablation(run) -> None:
     shipped = run.metric_of()[frozenset()]
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
                        "(− removes mismatch, + adds)")
-    level = f"{run.spec.ablate.ci_level:.0%} CI"
+    pct = f"{run.spec.ablate.ci_level:.0%}"
+    level = f"{pct} CI"
     factors = bool(run.spec.ablate.factors)
     for col in ("region" + (" or factor" if factors else ""), "shapley change", "share of shipped", level,
                 "main effect", "leave-one-out"):
@@ -744,15 +750,16 @@ def _print_ablation(run) -> None:
 
     rows = run.attribution_table.to_dict("records")
     for row in rows:
-        attr.add_row(row["region"], signed(row[CHANGE]), change_words(row[SHARE]),
-                     f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
+        low, high = row["share_ci_low"], row["share_ci_high"]
+        attr.add_row(row["region"], signed(row[CHANGE]), effect_words(row[SHARE], low, high, pct),
+                     f"[{signed(low, '+.1%')}, {signed(high, '+.1%')}]" if low == low and high == high else "none",
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
-    total = rows[-1]  # the all-regions row: the headline
-    everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
-    out.print(f"{everything} {change_words(total[SHARE])} of the shipped {metric} "
-              f"({level} [{signed(total['share_ci_low'], '+.1%')}, {signed(total['share_ci_high'], '+.1%')}]).",
-              highlight=False, markup=False, soft_wrap=True)
+    summaries = run.ablation_table.set_index("combo")
+    everything = summaries.index[-1]  # subsets() order: every region aligned comes last
+    moved = floor_moved(summaries.loc[SHIPPED].to_dict(), summaries.loc[everything].to_dict(), everything)
+    for line in attribution_lines(rows, metric, factors, pct) + ([moved] if moved else []):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command(cls=_Command, name="report")
@@ -904,7 +911,7 @@ def _print_rl_summary(summary) -> None:
     import pandas as pd
 
     from .numerics.collapse import GROWTH
-    from .numerics.rl_summary import window_label
+    from .numerics.rl_summary import comparison_words, window_label
 
     table = Table(title="rl: the first steps against the last (rl_summary.csv)")
     for col in ("setting", "seed", "steps averaged", "reward", "mean |Δlogp|", "floors at step 1 (engine, trainer)",
@@ -922,6 +929,8 @@ def _print_rl_summary(summary) -> None:
     out.print(f"collapse (reward below its start to the end while k3 or the |Δlogp| tail grew {GROWTH:g}x; "
               f"docs/reference.md): {len(fell)} of {len(summary)} runs"
               + "".join(f"; {r.setting} seed {r.seed} at step {r.collapsed_at_step}" for r in fell.itertuples()))
+    for line in comparison_words(summary):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward scores, transformers updates, and the

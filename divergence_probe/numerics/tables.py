@@ -31,6 +31,18 @@ NOISE_FLOORS = {
     "noise_infer_tensor_parallel_mean_abs_dlogp": "the engine's own change of tensor parallelism",
     "noise_train_tensor_parallel_mean_abs_dlogp": "the training stack's own change of tensor parallelism",
 }
+# Each floor's kind: noise, a stack's own wobble from batch to batch or run to run, which no setting removes; or
+# systematic, one deliberate swap (a kernel, an engine mode, a sharding) that moves logprobs the same way every time.
+# A mismatch within a systematic floor is no larger than that swap makes, which is not the same as being noise.
+NOISE, SYSTEMATIC = "noise", "systematic"
+FLOOR_KINDS = {
+    "noise_infer_mean_abs_dlogp": NOISE,
+    "noise_train_mean_abs_dlogp": NOISE,
+    "noise_train_kernel_mean_abs_dlogp": SYSTEMATIC,
+    "noise_infer_engine_mode_mean_abs_dlogp": SYSTEMATIC,
+    "noise_infer_tensor_parallel_mean_abs_dlogp": SYSTEMATIC,
+    "noise_train_tensor_parallel_mean_abs_dlogp": SYSTEMATIC,
+}
 # summary.csv's routing noise floors (compare.routing_noise_columns): the share of positions a stack runs through other
 # experts, in at least one layer, against itself under one change. The cross-stack frac_tokens_any_flip is read
 # against the largest one measured, as the logprob mismatch is against NOISE_FLOORS.

@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED, change_words
-from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, WITHIN, in_words
+from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, SHARE, SHIPPED, change_words, effect_words
+from ..numerics.noise_verdict import VERDICT, WITHIN, as_read, floor_moved, in_words
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
 from .moe import routing_section
 from .recorded import MEANINGS, recorded_section, setup_items
-from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct
+from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct, read_intervals, scored_prompts, \
+    share_interval, too_few_prompts
 
 # Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
@@ -100,12 +101,16 @@ SUMMARY_MEANINGS = {
                                         "path (nats)",
     "prefill_vs_decode_mean_dlogp": "mean of logprob_prefill − logprob_infer (nats)",
     "dominant_factor": "the factor of π_train/π_recorded with the largest mean |log factor|",
-    "mismatch_over_floor": "mean_abs_dlogp / the largest noise floor measured",
-    "mismatch_over_floor_ci_low": "low end of the 95% bootstrap interval of that ratio (prompts resampled, the floor "
-                                  "held)",
+    "mismatch_over_floor": "mean_abs_dlogp / the largest floor measured (noise or systematic: noise_floor_kind)",
+    "mismatch_over_floor_ci_low": "low end of the 95% bootstrap interval of that ratio (prompts resampled, the "
+                                  "mismatch's and the floor's together; empty below the minimum number of prompts)",
     "mismatch_over_floor_ci_high": "high end of that interval",
-    "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1) or cannot_tell "
-                     "(it straddles 1: more prompts would narrow it)",
+    "noise_verdict": "above_floor (the whole interval above 1), within_floor (none of it above 1), cannot_tell "
+                     "(it straddles 1: more prompts would narrow it) or too_few_prompts (no interval)",
+    "noise_floor_used": "the floor the ratio and the verdict are against (its summary column)",
+    "noise_floor_kind": "that floor's kind: noise (a stack's batch or run-to-run wobble) or systematic (a kernel, "
+                        "mode or sharding swap)",
+    "noise_verdict_prompts": "the prompts the ratio's interval resampled",
 }
 # The columns of buckets.csv the report shows (the CSV has every token metric per bucket).
 BUCKET_COLUMNS = ("group", "bucket", "n_tokens", "mean_kl", "mean_abs_dlogp", "max_abs_dlogp", "k3", "ratio_min",
@@ -285,7 +290,8 @@ def _headline(run: RunData) -> list:
         blocks.append(Paragraph(
             f"With every region aligned (`{run.all_aligned}`), {sentence(full)}. The ablation metric `{m}` goes "
             f"from {_num(before)} to {_num(after)}{change}; the lowest `{m}` of all combinations is "
-            f"{_num(best[m])}, with `{best['combo']}`."))
+            f"{_num(best[m])}, with `{best['combo']}`." + (" " + moved if (moved := floor_moved(
+                shipped, full, f"`{run.all_aligned}`")) else "")))
     rho = response_rho(run)
     if rho is not None and len(rho):
         eps = run.clip_eps
@@ -305,7 +311,7 @@ def _headline(run: RunData) -> list:
     if "dominant_factor" in shipped and not run.is_score:  # a score run's split: "What the run saw"
         blocks.append(_ratio_split(shipped))
     if not run.is_score:  # a score run's baseline is the engine's prefill: "What the run saw"
-        blocks += _noise_floor(shipped)
+        blocks += _noise_floor(as_read(shipped, scored_prompts(run)))
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
@@ -342,7 +348,7 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
     return Paragraph(text)
 
 
-def _noise_floor(shipped: pd.Series) -> list:
+def _noise_floor(shipped) -> list:
     """Each noise floor measured (a stack against itself under a batch, kernel or engine-mode change), and the
     vLLM-vs-transformers mismatch set against the largest of them: one kernel change can move logprobs as much as
     the whole gap, so the mismatch alone says little."""
@@ -379,11 +385,9 @@ def _noise_floor(shipped: pd.Series) -> list:
     verdict = shipped.get(VERDICT)
     if isinstance(verdict, str):  # the ratio's bootstrap interval over prompts decides, not the point ratio
         text += (f" The mismatch between the stacks, {_num(mismatch)} nats, set against the largest of these floors "
-                 f"({NOISE_FLOORS[name]}): **{in_words(shipped)}**" + {
-                     ABOVE: ".",
-                     WITHIN: ": no larger than what that change alone does, so it is no evidence of a numerics bug in "
-                             "either stack.",
-                     CANNOT_TELL: "."}[verdict])
+                 f"({NOISE_FLOORS[name]}): **{in_words(shipped)}**" + (
+                     ": no larger than what that change alone does, so it is no evidence of a numerics bug in "
+                     "either stack." if verdict == WITHIN else "."))
     elif largest > 0 and not math.isnan(mismatch):  # a run folder from before the verdict was recorded
         text += (f" The mismatch between the stacks, {_num(mismatch)} nats, is {_num(mismatch / largest)}× the "
                  f"largest of these floors ({NOISE_FLOORS[name]}); this run recorded no interval for that ratio.")
@@ -531,25 +535,30 @@ def _attribution_words(run: RunData) -> Paragraph | None:
     if a is None or SHARE not in a:
         return None
     m = run.metric
+    a, few = read_intervals(run, a)  # an interval on too few prompts is not read (as the noise verdict's: as_read)
     total = a[a["region"] == ALL_REGIONS]
     regions = a[a["region"] != ALL_REGIONS].sort_values(SHARE, kind="stable")
     text = ""
+    if few:
+        text += too_few_prompts(run)
     if len(total):
         t = total.iloc[0]
-        text += f"Aligning every region together **{change_words(float(t[SHARE]))}** of the shipped `{m}`"
-        text += (f" ({run.ci_level} interval {_signed_pct(t['share_ci_low'])} to {_signed_pct(t['share_ci_high'])})."
-                 if _finite(t.get("share_ci_low")) else ".")
+        low, high = t.get("share_ci_low", float("nan")), t.get("share_ci_high", float("nan"))
+        text += (f"Aligning every region together: **{effect_words(float(t[SHARE]), float(low), float(high), run.ci_level)}**"
+                 f" of the shipped `{m}`{share_interval(low, high, run.ci_level)}.")
     parts = []
     for r in regions.itertuples(index=False):
         row = r._asdict()
-        part = f"`{row['region']}` {change_words(float(row[SHARE]))}"
-        low, high = row.get("share_ci_low"), row.get("share_ci_high")
-        if _finite(low) and _finite(high):
-            part += f" ({_signed_pct(low)} to {_signed_pct(high)}" + (
-                ", not distinguishable from no effect)" if float(low) <= 0 <= float(high) else ")")
-        parts.append(part)
+        low, high = float(row.get("share_ci_low", float("nan"))), float(row.get("share_ci_high", float("nan")))
+        parts.append(f"`{row['region']}` {effect_words(float(row[SHARE]), low, high, run.ci_level)}"
+                     + share_interval(low, high, run.ci_level))
     if parts:
         text += " Of that, as Shapley values: " + "; ".join(parts) + "."
+    for row in a.to_dict("records"):
+        if row.get(DISAGREE) in (True, "True"):
+            text += (f" Under `{row['other_metric']}` `{row['region']}` points the other way "
+                     f"({_signed_pct(row[SHARE])} of shipped `{m}`, {_signed_pct(row['other_metric_share'])} of "
+                     f"shipped `{row['other_metric']}`): whether it removes mismatch depends on the metric.")
     return Paragraph(text.strip())
 
 

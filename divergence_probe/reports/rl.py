@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..numerics.rl_summary import FLOORS, summarize, window_label
+from ..numerics.rl_summary import FLOORS, comparison_words, summarize, window_label
 from ..rundir import MANIFEST, output_folder, read_manifest
 from . import document as doc
 from . import figures as F
@@ -115,7 +115,7 @@ def _verdict(summary: pd.DataFrame) -> list[str]:
         reward = moved("reward_start", "reward_end", "rose", "fell", lambda v: f"{v:.3g}")
         mismatch = moved("mean_abs_dlogp_start", "mean_abs_dlogp_end", "grew", "shrank", doc.sig)
         out.append(f"`{setting}` ({label}): the reward {reward}; the mismatch {mismatch}; {_collapses(part)}")
-    return out
+    return out + comparison_words(summary)
 
 
 def _collapses(part: pd.DataFrame) -> str:

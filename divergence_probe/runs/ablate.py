@@ -24,7 +24,8 @@ from .progress import Progress, phase
 from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..engines.patching import aligned
-from ..numerics.shapley import METRICS, attribution, bootstrap_intervals, combo_name, per_prompt, subsets
+from ..numerics.shapley import DISAGREE, EFFECT, METRICS, OTHER_METRIC, SHARE, attribution, bootstrap_intervals, \
+    combo_name, disagree, effect, per_prompt, subsets
 from ..spec.run import RunSpec
 
 
@@ -73,8 +74,9 @@ class AblationRun:
                          **run.summary})
         return pd.DataFrame(rows)
 
-    def metric_of(self) -> dict:
-        fn = METRICS[self.spec.ablate.metric]
+    def metric_of(self, metric: str | None = None) -> dict:
+        """The combinations' values of `metric` (default: the run's --metric)."""
+        fn = METRICS[metric or self.spec.ablate.metric]
         return {c: fn(p, [1] * len(p)) for c, p in self._per_prompt().items()}
 
     def _per_prompt(self) -> dict:
@@ -92,6 +94,11 @@ class AblationRun:
                 table[suffix + "ci_high"] = [ci[r + key][1] for r in table["region"]]
         else:
             table["ci_low"] = table["ci_high"] = table["share_ci_low"] = table["share_ci_high"] = float("nan")
+        table[EFFECT] = [effect(lo, hi) for lo, hi in zip(table["ci_low"], table["ci_high"])]
+        other = OTHER_METRIC[options.metric]
+        table["other_metric"] = other
+        table["other_metric_share"] = attribution(self.metric_of(other), self.regions)[SHARE].to_numpy()
+        table[DISAGREE] = [disagree(a, b) for a, b in zip(table[SHARE], table["other_metric_share"])]
         return table
 
     def files(self) -> dict[str, pd.DataFrame]:

@@ -37,13 +37,14 @@ def _ignore(*_) -> None:
 def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     """One batch at a time, each sequence of it then alone: what is held is one batch's scores (a trainer's
     micro-batch of padded logits), as the memory plan counts it, not every batch's at once."""
-    rows = []
+    rows, sums = [], []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
-        deltas, kls = [], []
+        deltas, kls, keys = [], [], []
         groups = stack.batch_groups(sequences)
         for group in groups:
             together = {s.prompt_id: s for s in stack.score_batched(group)}
             for seq in group:
+                keys.append(seq.prompt_id)
                 [alone] = stack.score([seq], frozenset(), _ignore)
                 batched = together[seq.prompt_id]
                 deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
@@ -56,7 +57,40 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
         rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),
                      "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
                      "n_tokens": int(d.size), "batch_size": size})
-    return pd.DataFrame(rows, columns=COLUMNS)
+        sums.append(_sequence_sums(len(rows) - 1, keys, deltas))
+    return _with_sums(pd.DataFrame(rows, columns=COLUMNS), sums)
+
+
+# A floor table's attrs key: each row's |Δlogp| summed per sequence, records (row, sequence, n, sum_abs_dlogp), so that
+# the noise verdict resamples the floor's prompts with the mismatch's (numerics/noise_verdict.py). Not written: the
+# CSVs hold the means. Plain tuples, not a DataFrame: pandas compares attrs when it concatenates tables, and a
+# DataFrame has no truth value.
+PER_SEQUENCE = "per_sequence"
+SUM_COLUMNS = ["row", "sequence", "n", "sum_abs_dlogp"]
+
+
+def _sequence_sums(row: int, keys: Sequence[int], deltas: Sequence[np.ndarray]) -> tuple:
+    return tuple((row, int(key), int(d.size), float(d.sum())) for key, d in zip(keys, deltas))
+
+
+def _with_sums(table: pd.DataFrame, sums: Sequence[tuple]) -> pd.DataFrame:
+    table.attrs[PER_SEQUENCE] = tuple(record for part in sums for record in part)
+    return table
+
+
+def concat_floors(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Floor tables one after the other, with their per-sequence sums (PER_SEQUENCE) renumbered to match."""
+    sums, at = [], 0
+    for table in tables:
+        sums.append(tuple((row + at, *rest) for row, *rest in table.attrs.get(PER_SEQUENCE, ())))
+        at += len(table)
+    return _with_sums(pd.concat(tables, ignore_index=True), sums)
+
+
+def sequence_sums(table: pd.DataFrame, row: int) -> pd.DataFrame:
+    """Row `row` of a floor table, per sequence: columns sequence, n, sum_abs_dlogp (empty when not recorded)."""
+    records = [r for r in table.attrs.get(PER_SEQUENCE, ()) if r[0] == row]
+    return pd.DataFrame(records, columns=SUM_COLUMNS)[SUM_COLUMNS[1:]]
 
 
 ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_experts_differ",
@@ -157,7 +191,7 @@ def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
     if top_k:
         routes = pd.DataFrame(_routing_rows(probe.train.name, "train", change, theirs_taps, mine_taps, sequences, top_k),
                               columns=ROUTING_NOISE_COLUMNS)
-    return _change_row(probe.train.name, "train", change, deltas, kls), routes
+    return _change_row(probe.train.name, "train", change, deltas, kls, sequences), routes
 
 
 TRAIN_TENSOR_PARALLEL_CHANGE = "train_tp"  # "train_tp 1 vs N": the trainer unsharded vs this run's sharded one
@@ -173,7 +207,8 @@ def train_parallel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | N
     if ranks <= 1:
         return None
     deltas, kls = _against(probe, probe.with_trainer(train_tp=1), sequences)
-    return _change_row(probe.train.name, "train", f"{TRAIN_TENSOR_PARALLEL_CHANGE} 1 vs {ranks}", deltas, kls)
+    return _change_row(probe.train.name, "train", f"{TRAIN_TENSOR_PARALLEL_CHANGE} 1 vs {ranks}", deltas, kls,
+                       sequences)
 
 
 def other_engine_settings(settings):
@@ -249,7 +284,7 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
 
         rows.append(_engine_row(probe, sequences, replace(probe.settings, engine_taps=frozenset()), regions,
                                 f"{TAP_POINTS_CHANGE}{aligned}", engines))
-    return pd.concat(rows, ignore_index=True)
+    return concat_floors(rows)
 
 
 TAP_POINTS_CHANGE = "compiled engine without tap points vs with"
@@ -267,12 +302,15 @@ def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str
         a, b = mine[seq.prompt_id], theirs[seq.prompt_id]
         deltas.append((b.logprobs.double().cpu() - a.logprobs.double().cpu()).abs().numpy())
         kls.append(token_kl(a.logits, b.logits.to(a.logits.device)).cpu().numpy())
-    return _change_row(probe.infer.name, "infer", change, deltas, kls)
+    return _change_row(probe.infer.name, "infer", change, deltas, kls, sequences)
 
 
-def _change_row(stack: str, side: str, change: str, deltas: list, kls: list) -> pd.DataFrame:
-    """One stack against itself under one change: the row kernel_noise.csv / engine_noise.csv hold."""
+def _change_row(stack: str, side: str, change: str, deltas: list, kls: list, sequences: Sequence[Prompt]
+                ) -> pd.DataFrame:
+    """One stack against itself under one change: the row kernel_noise.csv / engine_noise.csv hold (`deltas`: one
+    array per sequence, in the order of `sequences`)."""
     d, k = np.concatenate(deltas), np.concatenate(kls)
-    return pd.DataFrame([{"stack": stack, "side": side, "change": change, "mean_abs_dlogp": float(d.mean()),
-                          "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
-                          "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    table = pd.DataFrame([{"stack": stack, "side": side, "change": change, "mean_abs_dlogp": float(d.mean()),
+                           "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
+                           "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    return _with_sums(table, [_sequence_sums(0, [seq.prompt_id for seq in sequences], deltas)])

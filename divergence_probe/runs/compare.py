@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import pandas as pd
 
 from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
-    kernel_noise, routing_noise, train_parallel_noise
+    kernel_noise, routing_noise, train_parallel_noise, concat_floors, sequence_sums
 from .batch_invariance import measure as measure_batch_invariance
 from .capture import TapPairing
 from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
@@ -38,7 +38,7 @@ from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..rundir import ROLLOUTS
 from ..spec.run import RunSpec
-from ..numerics.noise_verdict import floor_columns, manifest_record
+from ..numerics.noise_verdict import FLOOR_PROMPT_COLUMNS, floor_columns, manifest_record
 from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
 
@@ -116,6 +116,7 @@ class CompareRun:
     engine_noise: pd.DataFrame | None = None
     routing: RunRouting | None = None  # a mixture-of-experts model's routing comparison (runs/route_capture.py)
     routing_noise: pd.DataFrame | None = None  # each stack's own routing under a batch change (--batch-invariance)
+    floor_prompts: pd.DataFrame | None = None  # each floor's per-prompt |Δlogp| sums (floor_prompt_table), not written
 
     @property
     def mode(self) -> str:
@@ -165,7 +166,8 @@ class CompareRun:
     @property
     def summary(self) -> dict:
         row = self._summary()
-        return row | floor_columns(self.tokens_table, row, self.spec.load.seed) | self._routing_summary()
+        floors = self.floor_prompts if self.floor_prompts is not None else pd.DataFrame(columns=FLOOR_PROMPT_COLUMNS)
+        return row | floor_columns(self.tokens_table, row, self.spec.load.seed, floors) | self._routing_summary()
 
     def _routing_summary(self) -> dict:
         if self.routing is None:
@@ -233,29 +235,60 @@ class CompareRun:
         return write_run(Path(out_dir), self.manifest | manifest_record(self.summary), self.prompts, self.files())
 
 
-def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
-    """Each stack's own batch-1-vs-batched mean |Δlogp|, the training stack's under another attention kernel and
-    unsharded (at --train-tp > 1), and the engine's in its other mode (eager vs compiled) or at tensor_parallel_size
-    1, for the summary beside the mismatch (if measured)."""
-    columns = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": r.mean_abs_dlogp for r in floor.itertuples()}
+def _floor_rows(floor, kernel=None, engine=None) -> dict[str, tuple[pd.DataFrame, int]]:
+    """Each floor summary column measured -> (its table, its row there): each stack's batch-1-vs-batched row, the
+    training stack's under another attention kernel and unsharded (at --train-tp > 1), and the engine's in its
+    other mode (eager vs compiled) or at tensor_parallel_size 1, and the engine's with vs without tap points."""
+    rows = {} if floor is None else {f"noise_{r.side}_mean_abs_dlogp": (floor, i)
+                                     for i, r in enumerate(floor.itertuples())}
+
+    def first(table, name: str, where) -> None:
+        at = [i for i, change in enumerate(table.change) if where(change)]
+        if at:
+            rows[name] = (table, at[0])
+
     if kernel is not None:
-        sdpa = kernel[~kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
-        if len(sdpa):
-            columns["noise_train_kernel_mean_abs_dlogp"] = float(sdpa.mean_abs_dlogp.iloc[0])
-        sharded = kernel[kernel.change.str.startswith(TRAIN_TENSOR_PARALLEL_CHANGE)]
-        if len(sharded):
-            columns["noise_train_tensor_parallel_mean_abs_dlogp"] = float(sharded.mean_abs_dlogp.iloc[0])
+        first(kernel, "noise_train_kernel_mean_abs_dlogp", lambda c: not c.startswith(TRAIN_TENSOR_PARALLEL_CHANGE))
+        first(kernel, "noise_train_tensor_parallel_mean_abs_dlogp", lambda c: c.startswith(TRAIN_TENSOR_PARALLEL_CHANGE))
     if engine is not None:
-        mode = engine[engine.change.str.startswith("engine ")]
-        if len(mode):
-            columns["noise_infer_engine_mode_mean_abs_dlogp"] = float(mode.mean_abs_dlogp.iloc[0])
-        parallel = engine[engine.change.str.startswith(TENSOR_PARALLEL_CHANGE)]
-        if len(parallel):
-            columns["noise_infer_tensor_parallel_mean_abs_dlogp"] = float(parallel.mean_abs_dlogp.iloc[0])
-        tap_points = engine[engine.change.str.startswith(TAP_POINTS_CHANGE)]
-        if len(tap_points):  # 0 when the tap points left the compiled graph's numerics alone, as they should
-            columns["tap_points_mean_abs_dlogp"] = float(tap_points.mean_abs_dlogp.iloc[0])
-    return columns
+        first(engine, "noise_infer_engine_mode_mean_abs_dlogp", lambda c: c.startswith("engine "))
+        first(engine, "noise_infer_tensor_parallel_mean_abs_dlogp", lambda c: c.startswith(TENSOR_PARALLEL_CHANGE))
+        # 0 when the tap points left the compiled graph's numerics alone, as they should
+        first(engine, "tap_points_mean_abs_dlogp", lambda c: c.startswith(TAP_POINTS_CHANGE))
+    return rows
+
+
+def noise_floor_columns(floor, kernel=None, engine=None) -> dict:
+    """Each floor's mean |Δlogp| (_floor_rows), for the summary beside the mismatch (if measured)."""
+    return {name: float(table.mean_abs_dlogp.iloc[i]) for name, (table, i) in _floor_rows(floor, kernel, engine).items()}
+
+
+def floor_prompt_table(prompt_of: dict[int, int], floor, kernel=None, engine=None) -> pd.DataFrame:
+    """Each floor's |Δlogp| summed per prompt (noise_verdict.FLOOR_PROMPT_COLUMNS), from the per-sequence sums the
+    floor tables carry; `prompt_of`: each scored sequence's key -> its prompt (sequence_prompts)."""
+    parts = []
+    for name, (table, i) in _floor_rows(floor, kernel, engine).items():
+        sums = sequence_sums(table, i)
+        by_prompt = sums.assign(prompt_id=sums["sequence"].map(prompt_of)).groupby("prompt_id", sort=True)
+        parts.append(by_prompt[["n", "sum_abs_dlogp"]].sum().reset_index().assign(floor=name))
+    return pd.concat(parts, ignore_index=True)[FLOOR_PROMPT_COLUMNS] if parts else \
+        pd.DataFrame(columns=FLOOR_PROMPT_COLUMNS)
+
+
+def sequence_prompts(tokens: Sequence[TokenScore], sequences: Sequence[Prompt], generate: bool) -> dict[int, int]:
+    """Each scored sequence's key -> the prompt it was sampled from. In prefill mode a sequence is its prompt; in
+    generate mode the run loop collects tokens sequence by sequence in the order of `sequences` (with_prefill relies
+    on the same), so the i-th run of one (prompt, sample) among the tokens is the i-th sequence."""
+    if not generate:
+        return {seq.prompt_id: seq.prompt_id for seq in sequences}
+    blocks, last = [], None
+    for t in tokens:
+        if (t.prompt_id, t.sample_id) != last:
+            blocks.append(t.prompt_id)
+            last = (t.prompt_id, t.sample_id)
+    if len(blocks) != len(sequences):
+        raise StackError(f"{len(blocks)} sampled sequences were scored, but the run holds {len(sequences)}")
+    return {seq.prompt_id: prompt for seq, prompt in zip(sequences, blocks)}
 
 
 def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
@@ -392,15 +425,16 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     kernel, kernel_routes = kernel_noise(probe, ran, top_k) if spec.capture.batch_invariance else (None, None)
     parallel = train_parallel_noise(probe, ran) if spec.capture.batch_invariance else None
     if parallel is not None:  # the trainer's parallelism floor beside its kernel floor
-        kernel = parallel if kernel is None else pd.concat([kernel, parallel], ignore_index=True)
+        kernel = parallel if kernel is None else concat_floors([kernel, parallel])
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
     if spec.capture.engine_noise:
         phase(progress, "noise floor: the engine in its other mode")
     engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
     route_floor = pd.concat([routing_noise(probe, ran, top_k), kernel_routes], ignore_index=True) \
         if spec.capture.batch_invariance and run_routing is not None else None
+    floor_prompts = floor_prompt_table(sequence_prompts(tokens, ran, source.mode == "generate"), floor, kernel, engine)
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
-                      engine_noise=engine, routing=run_routing, routing_noise=route_floor)
+                      engine_noise=engine, routing=run_routing, routing_noise=route_floor, floor_prompts=floor_prompts)
 
 
 def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import ProbeError
 from .rerun import command_line, rl_command_line, score_command_line
-from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, VERDICT, in_words
+from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, TOO_FEW, VERDICT, in_words
+from ..numerics.shapley import EFFECT, MIN_PROMPTS, REMOVES
 
 NUMERIC_REGIONS = ("rope", "swiglu", "rmsnorm")  # rl's setting with every one the family has, as the README's recipe
 MOE_REGIONS = ("rope", "rmsnorm", "routing")  # ablate on a mixture of experts, as the README's recipe runs it
@@ -80,9 +81,9 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
     if verdict is None:
         return _step(_changed(spec, capture={"batch_invariance": True}),
                      "no noise floor was measured, so the mismatch cannot be told from noise", family)
-    if verdict == CANNOT_TELL:
+    if verdict in (CANNOT_TELL, TOO_FEW):  # too few for an interval: at least MIN_PROMPTS; straddles: 4x as many
         prompts = spec.prompts.num_prompts
-        more = _changed(spec, prompts={"num_prompts": prompts * 4}) if prompts else None
+        more = _changed(spec, prompts={"num_prompts": max(MIN_PROMPTS, prompts * 4)}) if prompts else None
         return _step(more, in_words(summary), family) if more else None
     if verdict == ABOVE:
         why = in_words(summary)
@@ -100,8 +101,7 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
         return step
     if not spec.generate.generates:
         return _step(_changed(spec, generate={"mode": "generate"}),
-                     "the mismatch is within its noise floor; see what it does to sampled responses and the RL metrics",
-                     family)
+                     in_words(summary) + "; see what it does to sampled responses and the RL metrics", family)
     return None
 
 
@@ -128,11 +128,14 @@ def _rl_step(make, why: str, family=None) -> Step | None:
 
 def after_ablate(spec, attribution, family=None) -> Step | None:
     """Aligned on both stacks: what the trainer alone can adopt. On the trainer alone: whether the regions that
-    removed mismatch matter in training (rl, shipped vs those regions, the trainer aligned)."""
+    removed mismatch matter in training (rl, shipped vs those regions, the trainer aligned); only a region whose
+    whole interval removes mismatch (attribution.csv `effect`) counts: one the bootstrap cannot tell from no
+    effect, or one without an interval, is no finding to train with."""
     if spec.align.side != "train":
         return _step(_changed(spec, align={"side": "train"}), "what aligning the trainer alone (the engine as "
                      "deployed) removes", family)
-    helped = ",".join(r.region for r in attribution.itertuples() if r.region in spec.ablate.regions and r.shapley_change < 0)
+    helped = ",".join(r.region for r in attribution.itertuples()
+                      if r.region in spec.ablate.regions and getattr(r, EFFECT) == REMOVES)
     if not helped or not _can(family, "rl"):
         return None
     from ..spec.rl import RLSpec

@@ -57,7 +57,11 @@ def test_ablate_with_a_toy_region_removes_the_mismatch(toy_args, tmp_path):
     # removing all of the shipped mismatch: a change of -100% of it, the region's and all regions' alike
     assert attribution.loc["toy-align", SHARE] == attribution.loc[ALL_REGIONS, SHARE] == -1.0
     assert attribution.loc["toy-align", CHANGE] == pytest.approx(-ablation.loc["none", "mean_kl"], rel=1e-12)
-    assert "Aligning every region removes 100% of the shipped mean_kl" in result.output
+    # three prompts: too few for an interval, so nothing is claimed as detected and no rl run is proposed on it
+    assert attribution.loc["toy-align", "effect"] == attribution.loc[ALL_REGIONS, "effect"] == "no_interval"
+    assert "Aligning every region: removes 100% (no interval) of the shipped mean_kl." in result.output
+    assert "No region's effect was tested" in result.output and "Detectable" not in result.output
+    assert "divergence-probe rl" not in result.output
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["stacks"]["train"]["implementations"]["layer"] == "2 R"  # what it ships, not what was aligned
 

@@ -26,7 +26,9 @@ from divergence_probe.errors import OutputError, ProbeError
 from divergence_probe.reports import MARKER, ReportError, write_report
 from divergence_probe.reports import figures
 from divergence_probe.reports.document import sig, tex_escape, tex_number
-from divergence_probe.numerics.noise_verdict import floor_columns
+from divergence_probe.numerics.noise_verdict import FLOOR_PROMPT_COLUMNS, floor_columns
+from divergence_probe.numerics.shapley import MIN_PROMPTS
+from divergence_probe.numerics.tables import NOISE_FLOORS
 from divergence_probe.numerics.rl_metrics import ratio_split
 from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE, SHARE, change_words
 from divergence_probe.numerics.shapley import attribution as shapley_attribution
@@ -132,11 +134,11 @@ REGIONS = ("rope", "swiglu")
 COMBOS = {"none": 1.0, "rope": 0.9, "swiglu": 0.97, "rope+swiglu": 0.8}
 
 
-def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> Path:
+def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS, n_prompts: int = 3) -> Path:
     rng = np.random.default_rng(2)
     tokens, layers, summary, ablation = [], [], [], []
     for combo, factor in combos.items():
-        t = _tokens(rng, 0.01 * factor)
+        t = _tokens(rng, 0.01 * factor, n_prompts=n_prompts)
         tokens.append(t.assign(combo=combo))
         layers.append(_layers(rng, 0.01 * factor).assign(combo=combo))
         s = _summary(t, "input_norm@0" if combo == "none" else "attn_core@1")
@@ -152,6 +154,7 @@ def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> 
     attribution["share_ci_high"] = attribution["ci_high"] / m["none"]
     manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
                                  "seed": 0, "combos": list(combos)})
+    manifest["compare"]["num_prompts"] = n_prompts
     return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
                                    "ablation": pd.DataFrame(ablation), "attribution": attribution},
                   lead(tokens) if with_tokens else None)
@@ -319,12 +322,22 @@ def test_generate_without_clip_eps_uses_default(tmp_path):
     assert "[0.8, 1.2] (ε = 0.2)" in write_report(run).read_text()
 
 
+def _floor_prompts(tokens: pd.DataFrame, summary: dict) -> pd.DataFrame:
+    """Each floor of `summary` spread evenly over the prompts of `tokens`, as compare's per-prompt floor sums."""
+    n = tokens.groupby("prompt_id").size()
+    return pd.concat([pd.DataFrame({"floor": name, "prompt_id": n.index, "n": n.values, "sum_abs_dlogp": summary[name] * n.values})
+                      for name in NOISE_FLOORS if name in summary] or [pd.DataFrame(columns=FLOOR_PROMPT_COLUMNS)])
+
+
 def _noise_floor_paragraph(tmp_path, **noise) -> str:
     rng = np.random.default_rng(2)
-    tokens = _tokens(rng, 0.01)
+    tokens = _tokens(rng, 0.01, n_prompts=MIN_PROMPTS)
     summary = {**_summary(tokens, "q_rope@0"), **noise}
-    summary |= floor_columns(tokens, summary, seed=0)  # the ratio's interval and verdict, as compare writes them
-    run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
+    # the ratio's interval and verdict, as compare writes them
+    summary |= floor_columns(tokens, summary, 0, _floor_prompts(tokens, summary))
+    manifest = _manifest()
+    manifest["compare"]["num_prompts"] = MIN_PROMPTS
+    run = _write(tmp_path / "run", manifest, {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
                  tokens)
     text = write_report(run).read_text()
     return next(line for line in text.splitlines() if line.startswith(("Noise floor", "No noise floor")))
@@ -333,17 +346,18 @@ def _noise_floor_paragraph(tmp_path, **noise) -> str:
 def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
     """The trainer's own kernel change can move its logprobs as much as the whole gap (README "The noise floor"): the
     report sets the mismatch against the largest floor measured, not against the batch noise alone."""
-    mismatch = _summary(_tokens(np.random.default_rng(2), 0.01), "q_rope@0")["mean_abs_dlogp"]
+    mismatch = _summary(_tokens(np.random.default_rng(2), 0.01, n_prompts=MIN_PROMPTS), "q_rope@0")["mean_abs_dlogp"]
     kernel = 2 * mismatch
     text = _noise_floor_paragraph(tmp_path / "a", noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-5,
                                   noise_train_kernel_mean_abs_dlogp=kernel)
     assert ("set against the largest of these floors (the training stack's own attention-kernel change): "
-            f"**within the noise floor: the mismatch is {mismatch / kernel:.3g}x its largest noise floor (95% "
-            "interval over prompts") in text and "no larger than what that change alone does" in text
+            f"**within the systematic floor: the mismatch is {mismatch / kernel:.3g}x its largest floor (the training "
+            "stack's own attention-kernel change, a systematic floor; 95% interval over prompts") in text
+    assert "no larger than what that change alone does" in text
     text = _noise_floor_paragraph(tmp_path / "b", noise_infer_engine_mode_mean_abs_dlogp=mismatch / 4,
                                   tap_points_mean_abs_dlogp=0.0)
     assert text.startswith("Noise floor: the engine in its other mode") and "tap points left its logprobs" in text
-    assert "floors (the engine's own change of mode): **above the noise floor: the mismatch is 4x" in text
+    assert "floors (the engine's own change of mode): **above the systematic floor: the mismatch is 4x" in text
     assert _noise_floor_paragraph(tmp_path / "c").startswith("No noise floor was measured")
 
 
@@ -358,9 +372,9 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
     def printed(**noise) -> str:
         buffer = io.StringIO()
         monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
-        tokens = _tokens(np.random.default_rng(2), 0.01)
+        tokens = _tokens(np.random.default_rng(2), 0.01, n_prompts=MIN_PROMPTS)
         summary = {**_summary(tokens, "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
-        summary |= floor_columns(tokens, summary, seed=0)
+        summary |= floor_columns(tokens, summary, 0, _floor_prompts(tokens, summary))
         run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={},
                               spec=SimpleNamespace(align=SimpleNamespace(regions=())))
         cli._print_summary(run)
@@ -368,10 +382,10 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
 
     text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,
                    noise_train_kernel_mean_abs_dlogp=0.01)
-    assert "mismatch / largest noise floor" in text and "1.2x, 95% CI [" in text
-    assert "(the training stack's own attention-kernel change)" in text and "normal or not" in text
+    assert "mismatch / largest floor" in text and "1.2x, 95% CI [" in text
+    assert "(the training stack's own attention-kernel change: systematic)" in text and "normal or not" in text
     text = printed(noise_infer_engine_mode_mean_abs_dlogp=0.024, tap_points_mean_abs_dlogp=0.0)
-    assert "0.5x, 95% CI [" in text and "(the engine's own change of mode)" in text
+    assert "0.5x, 95% CI [" in text and "(the engine's own change of mode: systematic)" in text
     assert "engine with vs without tap points" in text
     assert "not measured (--batch-invariance, --engine-noise)" in printed()
 
@@ -766,8 +780,10 @@ def test_an_ablation_with_routing_says_what_share_of_the_mismatch_routing_explai
     routing = pd.read_csv(run / "routing.csv")
     section = _routing_section(write_report(run, tmp_path / "md"))
     share = -attribution["shapley"] / shipped_kl  # a folder written before the signed changes, read as one
-    assert share < 0 and f"**{change_words(share)}** of the shipped `mean_kl`" in section
-    assert change_words(share).startswith("removes ")
+    # its 16 prompts are fewer than an interval needs: the interval it recorded is not read, nothing is "detected"
+    assert share < 0 and f"**{change_words(share)} (no interval)** of the shipped `mean_kl`" in section
+    assert change_words(share).startswith("removes ") and f"fewer than the {MIN_PROMPTS}" in section
+    assert "interval" not in section.split("(no interval)")[1].split(".")[0]
     assert "Routes are replayed in every combination that aligns `routing`" in section
     # per layer: the shipped block, and the block with every region aligned, whose routers still disagree
     rows = _md_rows(section)
@@ -843,16 +859,20 @@ def test_a_fresh_tiny_moe_run_has_a_routing_row_per_moe_layer(qwen3_moe_tiny, tm
 # ---------------------------------------------------------------------------------------------- verdicts in words
 def test_attribution_words_say_adds_and_removes_with_signs_of_the_shipped_value(tmp_path):
     """Aligning both regions adds mismatch while rope removes some: every share keeps its sign (a share of the total
-    change would flip both), the words say "removes"/"adds", the all-regions change leads."""
-    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1})
+    change would flip both), the words say "removes"/"adds" where the interval excludes 0 and "no detectable effect"
+    where it holds 0 (swiglu's here), the all-regions change leads."""
+    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1},
+                      n_prompts=MIN_PROMPTS)
     attribution = pd.read_csv(run / "attribution.csv").set_index("region")
     assert attribution.loc["rope", SHARE] < 0 < attribution.loc["swiglu", SHARE]
     assert attribution.loc[ALL_REGIONS, SHARE] > 0
     text = write_report(run).read_text()
     words = text.split("Aligning every region together")[1].split("\n")[0]
-    assert words.startswith(f" **{change_words(attribution.loc[ALL_REGIONS, SHARE])}** of the shipped `mean_kl`")
+    assert words.startswith(f": **{change_words(attribution.loc[ALL_REGIONS, SHARE])}** of the shipped `mean_kl`")
     assert f"`rope` {change_words(attribution.loc['rope', SHARE])}" in words and "`rope` removes" in words
-    assert f"`swiglu` {change_words(attribution.loc['swiglu', SHARE])}" in words and "`swiglu` adds" in words
+    swiglu = attribution.loc["swiglu"]
+    assert swiglu.share_ci_low < 0 < swiglu.share_ci_high
+    assert f"`swiglu` no detectable effect (point {100 * swiglu[SHARE]:+.3g}%" in words and "`swiglu` adds" not in words
     headline = text.split("With every region aligned")[1].split("\n")[0]
     assert "aligning every region adds" in headline
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE, SHARE
+from divergence_probe.numerics.shapley import ADDS, ALL_REGIONS, CHANGE, DISAGREE, EFFECT, MIN_PROMPTS, NO_INTERVAL, \
+    NOT_DETECTED, REMOVES, SHARE, attribution_lines, disagree, effect, effect_words
 from divergence_probe.numerics.shapley import Combo, attribution, bootstrap_intervals, change_words, shapley, subsets
 from divergence_probe.cli import app
 from test_compare_cli import assert_nothing_written, assert_one_line_error
@@ -72,9 +73,10 @@ def test_interaction_is_split_evenly():
 
 
 def test_bootstrap_interval_brackets_the_estimate_and_is_seeded():
-    per_prompt = {c: pd.DataFrame({"n": [10, 10, 10, 10], "sum_kl": [4.0 - len(c), 3.0 + 0.3 * len(c), 5.0 - 2 * len(c),
-                                                                4.1 - 0.7 * len(c)],
-                                   "sum_abs_dlogp": [1.0] * 4, "max_kl": [1.0] * 4, "max_abs_dlogp": [1.0] * 4})
+    n = MIN_PROMPTS  # fewer get no interval (test_too_few_prompts_give_no_interval...)
+    per_prompt = {c: pd.DataFrame({"n": [10] * n, "sum_kl": [4.0 - len(c), 3.0 + 0.3 * len(c), 5.0 - 2 * len(c),
+                                                             4.1 - 0.7 * len(c)] * (n // 4),
+                                   "sum_abs_dlogp": [1.0] * n, "max_kl": [1.0] * n, "max_abs_dlogp": [1.0] * n})
                   for c in subsets(REGIONS)}
     a = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
     b = bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=1)
@@ -84,6 +86,37 @@ def test_bootstrap_interval_brackets_the_estimate_and_is_seeded():
         assert a[r][0] <= estimate <= a[r][1]
         assert a[r + "/share"][0] <= share <= a[r + "/share"][1]
     assert bootstrap_intervals(per_prompt, REGIONS, "mean_kl", 200, seed=2) != a
+
+
+def test_a_change_whose_interval_holds_0_reads_as_no_detectable_effect():
+    """A point share of -6.51% with an interval from -20% to +7% is no evidence that the region removes anything;
+    without an interval the words say there is none."""
+    assert effect(-0.2, 0.07) == NOT_DETECTED and effect(-0.3, -0.01) == REMOVES and effect(0.01, 0.2) == ADDS
+    words = effect_words(-0.0651, -0.2, 0.07)
+    assert words.startswith("no detectable effect") and "removes" not in words and "-6.51%" in words
+    assert effect_words(-0.0651, -0.3, -0.01) == "removes 6.51%"
+    assert effect(float("nan"), float("nan")) == NO_INTERVAL
+    assert effect_words(-0.0651, float("nan"), float("nan")) == "removes 6.51% (no interval)"
+
+
+def _row(region, share, low, high, other):
+    return {"region": region, SHARE: share, "share_ci_low": low, "share_ci_high": high,
+            EFFECT: effect(low, high), "other_metric": "mean_abs_dlogp", "other_metric_share": other,
+            DISAGREE: disagree(share, other)}
+
+
+def test_the_attribution_lines_rank_only_what_is_detectable_and_say_when_the_metrics_disagree():
+    rows = [_row("rope", -0.015, -0.05, 0.02, -0.01), _row("rmsnorm", 0.085, 0.02, 0.15, -0.064),
+            _row("swiglu", -0.25, -0.4, -0.1, -0.2), _row(ALL_REGIONS, 0.0708, -0.022, 0.234, 0.01)]
+    lines = attribution_lines(rows, "mean_kl")
+    assert lines[0].startswith("Aligning every region: no detectable effect (point +7.08%")
+    assert lines[1] == "Detectable, largest first: swiglu removes 25%; rmsnorm adds 8.5%."
+    assert "rope" not in lines[1]
+    [flip] = [line for line in lines if "disagree" in line]
+    assert flip.startswith("rmsnorm: mean_kl and mean_abs_dlogp disagree in sign (+8.5% vs -6.4%")
+    none = attribution_lines([_row("rope", -0.015, -0.05, 0.02, -0.01), _row(ALL_REGIONS, -0.01, -0.05, 0.03, -0.01)],
+                             "mean_kl")
+    assert none[1] == "No region has a detectable effect on mean_kl: every interval holds 0."
 
 
 # ----------------------------------------------------------------------------- end to end

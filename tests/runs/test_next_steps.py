@@ -3,6 +3,7 @@ numbers; the suggested commands run as printed."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import replace
 
@@ -13,9 +14,12 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.models import get_family
 from divergence_probe.runs.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
-from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, RATIO, VERDICT, WITHIN, floor_columns, verdict
+from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, FLOOR_KIND, FLOOR_USED, PROMPTS, RATIO, TOO_FEW, \
+    VERDICT, WITHIN, as_read, floor_columns, floor_moved, in_words, manifest_record, verdict
+from divergence_probe.numerics.tables import NOISE, SYSTEMATIC
 from divergence_probe.spec.rl import RLSpec
-from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE
+from divergence_probe.numerics.shapley import ADDS, ALL_REGIONS, CHANGE, EFFECT, MIN_PROMPTS, NO_INTERVAL, NOT_DETECTED, \
+    REMOVES, bootstrap
 from divergence_probe.spec.score import ScoreSpec
 from divergence_probe.spec import LoadSpec, spec_from_flat
 
@@ -73,7 +77,8 @@ def test_after_compare_follows_the_recipes():
     assert after_compare(_compare(mode="generate", batch_invariance=True), _measured(1e-3)) is None
     over = after_compare(spec, _measured(8e-3))
     assert {"--graft", "--depth"} <= set(over.argv) and "--batch-invariance" not in over.argv
-    assert "4x its largest noise floor (95% interval over prompts 3.6x to 4.4x)" in over.why
+    assert ("4x its largest floor (the training stack's own batch change, a noise floor; 95% interval over prompts "
+            "3.6x to 4.4x, the floor's prompts resampled with the mismatch's)") in over.why
     # a family that cannot graft (Qwen3-MoE), with routing compared: ablate with routing as a factor
     moe = after_compare(spec, _measured(8e-3, frac_tokens_any_flip=0.1), get_family("qwen3_moe"))
     assert moe.argv[:2] == ["divergence-probe", "ablate"] and "rope,rmsnorm,routing" in moe.argv
@@ -94,25 +99,97 @@ def test_a_ratio_over_1_whose_interval_straddles_1_asks_for_more_prompts_not_for
     assert verdict(1.01, 2.0) == ABOVE and verdict(0.5, 1.0) == WITHIN and verdict(0.99, 1.2) == CANNOT_TELL
 
 
+def _tokens(per_prompt: list[float]) -> pd.DataFrame:
+    """Five tokens a prompt, each |Δlogp| the prompt's value (signs alternating)."""
+    return pd.DataFrame([{"prompt_id": i, "delta_logprob": d * (-1) ** k, "kl": 0.0}
+                         for i, d in enumerate(per_prompt) for k in range(5)])
+
+
+def _floor(name: str, per_prompt: list[float]) -> pd.DataFrame:
+    """A floor's per-prompt sums (noise_verdict.FLOOR_PROMPT_COLUMNS), five tokens a prompt."""
+    return pd.DataFrame({"floor": name, "prompt_id": range(len(per_prompt)), "n": 5,
+                         "sum_abs_dlogp": [5 * f for f in per_prompt]})
+
+
+def _columns(mismatch: list[float], floor: list[float], name: str = "noise_train_mean_abs_dlogp", **more) -> dict:
+    summary = {name: sum(floor) / len(floor), "mean_abs_dlogp": sum(mismatch) / len(mismatch), **more}
+    return summary | floor_columns(_tokens(mismatch), summary, 0, _floor(name, floor))
+
+
 def test_the_interval_resamples_prompts_and_decides_the_verdict():
     """floor_columns: the ratio over the largest floor, its bootstrap interval over prompts (seeded), the verdict.
     The same mean mismatch on prompts that agree is above the floor; spread over prompts that disagree, it is not
     told from it."""
-    def tokens(per_prompt: list[float]) -> pd.DataFrame:
-        rows = [{"prompt_id": i, "delta_logprob": d * (-1) ** k, "kl": 0.0}
-                for i, d in enumerate(per_prompt) for k in range(5)]
-        return pd.DataFrame(rows)
-
-    floor = {"noise_train_mean_abs_dlogp": 1e-3}
-    steady = tokens([1.5e-3] * 6)
-    row = floor_columns(steady, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
-    assert row[RATIO] == pytest.approx(1.5) and row[RATIO + "_ci_low"] == pytest.approx(1.5)
-    assert row[VERDICT] == ABOVE
-    spread = tokens([0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 3.5e-3, 4.5e-3])  # mean 1.5e-3 too
-    row = floor_columns(spread, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
+    n = MIN_PROMPTS
+    steady = _columns([1.5e-3] * n, [1e-3] * n)
+    assert steady[RATIO] == pytest.approx(1.5) and steady[RATIO + "_ci_low"] == pytest.approx(1.5)
+    assert steady[VERDICT] == ABOVE and steady[FLOOR_USED] == "noise_train_mean_abs_dlogp"
+    spread = [0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 3.5e-3, 4.5e-3] * 4  # mean 1.5e-3 too
+    row = _columns(spread, [1e-3] * len(spread))
     assert row[RATIO] == pytest.approx(1.5) and row[RATIO + "_ci_low"] < 1 < row[RATIO + "_ci_high"]
-    assert row[VERDICT] == CANNOT_TELL and row == floor_columns(spread, {**floor, "mean_abs_dlogp": 1.5e-3}, seed=0)
-    assert floor_columns(spread, {"mean_abs_dlogp": 1.5e-3}, seed=0) == {}  # no floor: no verdict
+    assert row[VERDICT] == CANNOT_TELL and row == _columns(spread, [1e-3] * len(spread))
+    assert floor_columns(_tokens(spread), {"mean_abs_dlogp": 1.5e-3}, 0, _floor("x", spread)) == {}  # no floor
+
+
+def test_the_interval_resamples_the_floor_with_the_mismatch():
+    """A steady mismatch over a floor that swings from prompt to prompt: holding the floor at its mean would give an
+    interval of width 0 at 1.2x; resampling the floor's prompts too, paired with the mismatch's, the interval holds
+    1 and the verdict cannot tell."""
+    floor = [0.0, 2e-3] * (MIN_PROMPTS // 2)  # mean 1e-3
+    row = _columns([1.2e-3] * MIN_PROMPTS, floor)
+    assert row[RATIO] == pytest.approx(1.2)
+    assert row[RATIO + "_ci_low"] < 1 < row[RATIO + "_ci_high"] and row[VERDICT] == CANNOT_TELL
+    # paired by prompt: a mismatch that rises and falls with the floor is a steady ratio
+    paired = _columns([1.5 * f for f in floor], floor)
+    assert paired[RATIO + "_ci_low"] == pytest.approx(1.5) and paired[VERDICT] == ABOVE
+
+
+def test_too_few_prompts_give_no_interval_and_say_how_many_are_needed():
+    """One prompt: every draw is that prompt, so a bootstrap interval would have width 0 and read as certainty. Below
+    MIN_PROMPTS there is no interval, the verdict says so with the number needed, and the next command asks for it."""
+    row = _columns([1.5e-3], [1e-3])
+    assert row[RATIO] == pytest.approx(1.5) and math.isnan(row[RATIO + "_ci_low"])
+    assert row[VERDICT] == TOO_FEW and row[PROMPTS] == 1
+    words = in_words(row)
+    assert f"at least {MIN_PROMPTS} prompts" in words and "1 prompts" in words and "above" not in words
+    step = after_compare(_compare(taps="none", batch_invariance=True, num_prompts=1), row)
+    assert step.argv[step.argv.index("--num-prompts") + 1] == str(MIN_PROMPTS) and "--graft" not in step.argv
+    assert manifest_record(row)["noise_verdict"]["ci"] == [None, None]
+    assert math.isnan(bootstrap(MIN_PROMPTS - 1, lambda w: {"x": float(w.sum())}, 10, 0)["x"][0])
+
+
+def test_a_verdict_recorded_on_too_few_prompts_is_read_as_too_few():
+    """A run folder from before the minimum holds an interval on 4 prompts and `above_floor`: the report reads it as
+    a run today would write it, with no interval and the prompts it needs."""
+    recorded = {**FLOOR, "mean_abs_dlogp": 3e-3, RATIO: 1.5, RATIO + "_ci_low": 1.23, RATIO + "_ci_high": 1.45,
+                VERDICT: ABOVE}
+    read = as_read(recorded, 4)
+    assert read[VERDICT] == TOO_FEW and math.isnan(read[RATIO + "_ci_low"]) and read[RATIO] == 1.5
+    assert "on 4 prompts" in in_words(read) and f"at least {MIN_PROMPTS}" in in_words(read)
+    assert as_read(recorded, MIN_PROMPTS) == recorded and as_read(recorded, None) == recorded
+
+
+def test_the_verdict_names_its_floor_and_whether_it_is_noise_or_a_systematic_swap():
+    """The trainer's kernel swap is a systematic difference, not noise: when it is the largest floor the verdict is
+    against it and says so, in summary.csv and in words."""
+    n = MIN_PROMPTS
+    row = _columns([0.5e-3] * n, [1e-3] * n, "noise_train_kernel_mean_abs_dlogp", noise_train_mean_abs_dlogp=1e-4)
+    assert row[FLOOR_USED] == "noise_train_kernel_mean_abs_dlogp" and row[FLOOR_KIND] == SYSTEMATIC
+    assert row[VERDICT] == WITHIN
+    assert in_words(row).startswith("within the systematic floor") and "attention-kernel" in in_words(row)
+    noise = _columns([3e-3] * n, [1e-3] * n)
+    assert noise[FLOOR_KIND] == NOISE and in_words(noise).startswith("above the noise floor")
+
+
+def test_an_ablation_says_when_its_floor_moved_between_the_verdicts():
+    """Aligning regions can move the floor itself: a flip from above to within the floor is then partly the floor's."""
+    name = "noise_train_mean_abs_dlogp"
+    shipped = {VERDICT: ABOVE, FLOOR_USED: name, name: 0.0114}
+    aligned = {VERDICT: WITHIN, FLOOR_USED: name, name: 0.0153}
+    words = floor_moved(shipped, aligned, "rope+swiglu")
+    assert "from above_floor as shipped to within_floor with rope+swiglu" in words and "0.0114 to 0.0153" in words
+    assert floor_moved(shipped, {**aligned, name: 0.0114}, "rope") is None  # the floor held: the mismatch moved
+    assert floor_moved(shipped, {**aligned, VERDICT: ABOVE}, "rope") is None  # no flip
 
 
 def test_after_ablate_after_score_after_rl():
@@ -120,12 +197,15 @@ def test_after_ablate_after_score_after_rl():
     step = after_ablate(both, pd.DataFrame())
     assert step.argv[:2] == ["divergence-probe", "ablate"] and ["--side", "train"] == step.argv[2:4]
     train = replace(both, align=replace(both.align, side="train"))
-    # rope removes mismatch (a negative change), swiglu adds some, together they add: only rope is trained with
-    shares = pd.DataFrame({"region": ["rope", "swiglu", ALL_REGIONS], CHANGE: [-2e-3, 3e-3, 1e-3]})
+    # rope removes mismatch (its whole interval below 0), swiglu adds some, together they add: only rope is trained
+    shares = pd.DataFrame({"region": ["rope", "swiglu", ALL_REGIONS], CHANGE: [-2e-3, 3e-3, 1e-3],
+                           EFFECT: [REMOVES, ADDS, ADDS]})
     step = after_ablate(train, shares)
     assert step.argv[:2] == ["divergence-probe", "rl"] and step.argv.count("--setting") == 2
     assert "none" in step.argv and "rope" in step.argv and not any("swiglu" in a for a in step.argv)
-    assert after_ablate(train, shares.assign(**{CHANGE: 0.0})) is None  # nothing helped: nothing to train with
+    # a negative change whose interval holds 0, or that has no interval, is no finding: nothing to train with
+    assert after_ablate(train, shares.assign(**{EFFECT: [NOT_DETECTED, ADDS, ADDS]})) is None
+    assert after_ablate(train, shares.assign(**{EFFECT: NO_INTERVAL})) is None
     assert after_ablate(train, shares, get_family("qwen3_moe")).argv == step.argv  # rl runs on MoE (rope exists)
 
     call, load = ScoreSpec(rollouts="/data/r.jsonl"), LoadSpec(model="M", device="cpu")
