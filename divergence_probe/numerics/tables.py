@@ -74,6 +74,11 @@ def first_divergence(tap_stats, diverged) -> str:
 def summary_row(tokens, tap_stats, threshold: float) -> dict:
     delta = np.array([t.logprob_train - t.logprob_infer for t in tokens], dtype=np.float64)
     kl = np.array([t.kl for t in tokens], dtype=np.float64)
+    return summary_of(delta, kl, tap_stats, threshold)
+
+
+def summary_of(delta: np.ndarray, kl: np.ndarray, tap_stats, threshold: float) -> dict:
+    """summary_row of the tokens' delta_logprob and kl columns (a tokens table's, or the tokens')."""
     abs_delta = np.abs(delta)
     return {
         "mean_abs_dlogp": float(abs_delta.mean()),
@@ -83,7 +88,7 @@ def summary_row(tokens, tap_stats, threshold: float) -> dict:
         "max_kl": float(kl.max()),
         "first_inexact": first_divergence(tap_stats, lambda s: not s.bitwise_equal),
         "first_over_threshold": first_divergence(tap_stats, lambda s: s.rel_l2 > threshold),
-        "n_tokens": len(tokens),
+        "n_tokens": len(delta),
     }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
-from ..numerics.tables import summary_row, tokens_frame
+from ..numerics.tables import summary_of, tokens_frame
 from ..prompts import Prompt
 from ..rollouts import RolloutBatch
 
@@ -61,12 +61,13 @@ class ScoreRun:
     clip_eps: float
     tis_cap: float
     temperature: float | None = None
+    table: pd.DataFrame | None = None  # the tokens as tokens_frame makes them, given in place of `tokens` (paired.py)
 
     @cached_property
     def responses_table(self) -> pd.DataFrame:
         """Every scored token, built once: summary, buckets and tokens.csv read the same frame (each rebuilt from the
         tokens would hold several copies of a large run at once)."""
-        df = tokens_frame(self.tokens, sampled=True)
+        df = tokens_frame(self.tokens, sampled=True) if self.table is None else self.table
         df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
         return df
 
@@ -78,10 +79,10 @@ class ScoreRun:
 
     @property
     def summary(self) -> dict:
-        row = summary_row(self.tokens, {}, 0.0)
+        responses = self.responses_table
+        row = summary_of(responses["delta_logprob"].to_numpy(np.float64), responses["kl"].to_numpy(np.float64), {}, 0.0)
         for name in ("first_inexact", "first_over_threshold"):  # no taps: nothing to localise
             row.pop(name)
-        responses = self.responses_table
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              self.clip_eps, self.tis_cap)
         row |= sequence_metrics(responses, self.clip_eps)
@@ -97,7 +98,7 @@ class ScoreRun:
         out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
         bound = FAR_FLOOR
         unlikely = train < UNLIKELY_LOGPROB
-        if self.tokens and self.tokens[0].logprob_prefill is not None:
+        if "logprob_prefill" in table:  # tokens_frame leaves the column out when no token has a prefill
             prefill = table["logprob_prefill"].to_numpy(np.float64)
             out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
             out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())

@@ -9,9 +9,12 @@ from ..errors import ProbeError
 from ..options import check_finite, option
 from ..rollouts.adapters import EXPORT_FORMATS
 from .fields import _choice
-from .rl import MAX_GROUP_SIZE, MAX_NEW_TOKENS
 
 MODES = ("prefill", "generate")
+# Upper bounds of the sampling counts, shared with rl (its group and its responses): each sample is a request held
+# with its logits until its batch is paired, so a mistyped count would fill memory before anything failed.
+MAX_GROUP_SIZE = 256
+MAX_NEW_TOKENS = 32_768
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +35,6 @@ class GenerateSpec(SamplingSpec):
         _choice(self.rollouts_format, EXPORT_FORMATS, "--rollouts-format")
         checks = [
             (1 <= self.max_new_tokens <= MAX_NEW_TOKENS, f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS}"),
-            # every sample is a request held with its logits until the batch is paired: rl's bound on a group
             (1 <= self.samples_per_prompt <= MAX_GROUP_SIZE, f"--samples-per-prompt must be from 1 to "
                                                              f"{MAX_GROUP_SIZE} (RL recipes sample 4 to 64 responses "
                                                              "per prompt)"),
