@@ -171,6 +171,22 @@ def test_a_model_free_score_holds_a_bounded_amount_per_value(tmp_path):
     assert peak <= PER_VALUE * values, f"{peak / values:.0f} bytes per value"
 
 
+def test_running_out_of_memory_while_scoring_is_one_line(tmp_path, monkeypatch):
+    """Memory that runs out after the file is read (the tables of a file near its bounds, under a tight limit): one
+    line naming the file and what to do, exit 2, nothing in --out."""
+    import divergence_probe.runs.paired as paired
+
+    def exhausted(*_):
+        raise MemoryError
+
+    monkeypatch.setattr(paired, "paired_run", exhausted)
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(_row(3))
+    result = CliRunner().invoke(app, ["score", str(path), "--out", str(tmp_path / "out")])
+    assert_one_line_error(result, f"out of memory scoring {path}", "raise its memory limit or split the file")
+    assert_nothing_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize("args, says", [
     (["ablate", "--bootstrap", "1000000000"], f"outside 0 to {MAX_BOOTSTRAP:,}"),
     (["ablate", "--bootstrap", str(MAX_BOOTSTRAP + 1)], f"outside 0 to {MAX_BOOTSTRAP:,}"),
