@@ -1102,6 +1102,10 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256
             run.write(out_dir)
     except ProbeError as e:
         _fail(e)
+    except MemoryError:  # below the rollout bounds, under a tighter limit than they were set for (or a model's size)
+        _fail(ProbeError(f"out of memory scoring {call.rollouts}: this process may not take the memory the scoring "
+                         "needs (docs/reference.md: what each rollout bound costs); raise its memory limit or split "
+                         "the file (one RL step per file)"))
     return run, verdict
 
 

@@ -38,8 +38,11 @@ def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None
     names = parse_fields(fields)
     rows, sha256 = read_rows(path)
     adapter = choose(fmt, names, rows[0])
-    rollouts = [read_row(adapter, row, at, names) for at, row in enumerate(rows)]
-    steps = {row_step(row, at) for at, row in enumerate(rows)}
+    rollouts, steps = [], set()
+    for at in range(len(rows)):  # each row let go once read: the file's rows and their Rollouts are not held twice
+        row, rows[at] = rows[at], None
+        rollouts.append(read_row(adapter, row, at, names))
+        steps.add(row_step(row, at))
     if len(steps) > 1:
         raise RolloutError(f"{path} holds rows of several steps ({', '.join(sorted(map(str, steps)))}); write one RL "
                            "step per file")

@@ -3,8 +3,13 @@
 A rollout file is the user's data, possibly cut short, not a rollout file at all, or built to be small on disk and
 huge in memory (a gzip or Parquet file that expands a thousandfold, a sparse file): it is read as a stream, row by
 row, and refused at the first bound it passes (bytes on disk, bytes once decompressed, bytes of one row, rows, values
-a Parquet file's metadata declares), before what passes the bound is held. Every way it can fail is one RolloutError
-naming the file, the row and what to do.
+of one row and of the file, values a Parquet file's metadata declares, strings a Parquet dictionary repeats), before
+what passes the bound is held. Every way it can fail is one RolloutError naming the file, the row and what to do; so
+is running out of memory below the bounds (a tighter limit than the bounds were set for), never a format error.
+
+What a read holds grows with the values read (every list entry: a token id, a logprob), not with the bytes: a
+value becomes a Python object the scoring keeps as a row of its tables. So the values are the bound that sets the
+memory (docs/reference.md states what each bound costs); the byte bounds only keep the parse itself bounded.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from .record import RolloutError
 
 # Rollouts of one RL step are megabytes to a few hundred MB. Each bound holds the Python objects the rows become to
 # a few GiB (a JSON number becomes an object of tens of bytes); past one, the file is split or is not a rollout file.
-MAX_BYTES = 2 * 2**30  # of the file on disk, and of its rows once decompressed
-MAX_ROW_BYTES = 256 * 2**20  # of one row (a JSONL line): a million tokens with their logprobs take ~30 MB
+MAX_BYTES = 2**30  # of the file on disk (held while read), and of its rows once decompressed
 MAX_ROWS = 2**20
-MAX_VALUES = 2**27  # values in a Parquet file (each list element counted), as its metadata declares them
+MAX_VALUES = 2**24  # values (list entries, at any depth) of all rows of a file; a Parquet file's as its metadata declares
+# values of one row: a response past any model's context (a few hundred thousand tokens) with both logprob columns
+MAX_ROW_VALUES = 2**21
+# of one row (a JSONL line): MAX_ROW_VALUES values written out take ~40 MB; the line is held while it is parsed
+MAX_ROW_BYTES = 64 * 2**20
 SPLIT = "split it (e.g. one RL step per file)"
 JSONL = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 PARQUET = (".parquet", ".pq")
@@ -77,7 +85,7 @@ def _read_once(path: Path) -> bytes:
 
 
 def _jsonl(path: Path, data: bytes, gzipped: bool) -> list[dict]:
-    rows, total = [], 0
+    rows, total, values = [], 0, 0
     line_no = 0
     try:
         with (gzip.GzipFile(fileobj=io.BytesIO(data)) if gzipped else io.BytesIO(data)) as f:
@@ -96,6 +104,10 @@ def _jsonl(path: Path, data: bytes, gzipped: bool) -> list[dict]:
                     continue
                 if len(rows) == MAX_ROWS:
                     raise RolloutError(f"{path} holds over {MAX_ROWS} rows (the bound on a rollout file); {SPLIT}")
+                # every list entry but the last of its list is followed by a comma: a line of more commas than twice
+                # the bound (text fields have some) is refused before the parse makes an object of each
+                if line.count(b",") > 2 * MAX_ROW_VALUES:
+                    _over_row(path, f"line {line_no}", f"{line.count(b',')} commas")
                 try:
                     row = json.loads(line)
                 except (ValueError, RecursionError) as e:
@@ -104,26 +116,66 @@ def _jsonl(path: Path, data: bytes, gzipped: bool) -> list[dict]:
                 if not isinstance(row, dict):
                     raise RolloutError(f"{path} line {line_no} is a JSON {type(row).__name__}, not an object; each "
                                        "line must be one rollout as a JSON object")
+                values = _counted(path, f"line {line_no}", row, values)
                 rows.append(row)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise RolloutError(f"{path} is not a complete gzip file ({one_line(e, 120)}, after line {line_no}); it was "
                            "cut short: copy it again") from e
+    except MemoryError:
+        raise _out_of_memory(path, f"line {line_no}") from None
     except OSError as e:
         raise RolloutError(f"cannot read {path} ({e.strerror or one_line(e, 120)})") from e
     return rows
 
 
+def row_values(row: dict) -> int:
+    """The values a row holds: its fields and every list entry or object member at any depth (each a Python object
+    once parsed)."""
+    n, stack = len(row), [v for v in row.values() if isinstance(v, (list, dict))]
+    while stack:
+        value = stack.pop()
+        items = value.values() if isinstance(value, dict) else value
+        n += len(value)
+        stack.extend(v for v in items if isinstance(v, (list, dict)))
+    return n
+
+
+def _counted(path: Path, where: str, row: dict, before: int) -> int:
+    """`before` plus the row's values; RolloutError when the row, or the file so far, passes its bound."""
+    n = row_values(row)
+    if n > MAX_ROW_VALUES:
+        _over_row(path, where, f"{n} values")
+    if before + n > MAX_VALUES:
+        raise RolloutError(f"{path} holds over {MAX_VALUES} values (token ids and logprobs, counted to {where}), the "
+                           f"bound on a rollout file; {SPLIT}")
+    return before + n
+
+
+def _over_row(path: Path, where: str, held: str) -> None:
+    raise RolloutError(f"{path} {where} holds {held}, over the {MAX_ROW_VALUES} values of one rollout row (a "
+                       "response longer than any model's context); it is not a rollout row: pass the file your RL run "
+                       "wrote")
+
+
+def _out_of_memory(path: Path, where: str) -> RolloutError:
+    return RolloutError(f"out of memory reading {path} at {where}: this process may not take the memory its rows "
+                        f"need (docs/reference.md: what each bound costs); raise its memory limit or split the file "
+                        "(one RL step per file)")
+
+
 def _parquet(path: Path, data: bytes) -> list[dict]:
     """The rows, read a record batch at a time after the metadata's row and value counts are checked: a few kB of
-    run-length-encoded Parquet can declare a billion values, which would otherwise be decoded before any check."""
+    run-length-encoded Parquet can declare a billion values, which would otherwise be decoded before any check.
+    Strings are read as dictionaries and their decoded bytes counted before they are expanded: a dictionary page
+    can repeat one long string for every row at a few bits each."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise RolloutError("reading Parquet needs pyarrow, which is not installed: `pip install pyarrow`, or "
                            "convert the file to JSONL") from e
+    where = "its metadata"
     try:
-        file = pq.ParquetFile(io.BytesIO(data))
-        meta = file.metadata
+        meta = pq.ParquetFile(io.BytesIO(data)).metadata
         if meta.num_rows > MAX_ROWS:
             raise RolloutError(f"{path} holds {meta.num_rows} rows, over the {MAX_ROWS} of a rollout file; {SPLIT}")
         chunks = [meta.row_group(g).column(c) for g in range(meta.num_row_groups)
@@ -133,12 +185,44 @@ def _parquet(path: Path, data: bytes) -> list[dict]:
         if values > MAX_VALUES or expanded > MAX_BYTES:
             raise RolloutError(f"{path} declares {values} values ({expanded / 2**30:.1f} GiB decoded), over the "
                                f"{MAX_VALUES} values or {MAX_BYTES // 2**30} GiB of a rollout file; {SPLIT}")
-        rows = []
-        for batch in file.iter_batches(batch_size=1024):
-            rows.extend(batch.to_pylist())
+        strings = sorted({meta.schema.column(c).path for c in range(meta.num_columns)
+                          if meta.schema.column(c).physical_type in ("BYTE_ARRAY", "FIXED_LEN_BYTE_ARRAY")})
+        file = pq.ParquetFile(io.BytesIO(data), read_dictionary=strings or None)
+        rows, values, decoded = [], 0, 0
+        for batch in file.iter_batches(batch_size=64):
+            decoded += sum(_expanded_bytes(column) for column in batch.columns)
+            if decoded > MAX_BYTES:
+                raise RolloutError(f"{path} holds over {MAX_BYTES // 2**30} GiB once its strings are decoded (to row "
+                                   f"{len(rows) + batch.num_rows}), the bound on a rollout file; {SPLIT}")
+            for row in batch.to_pylist():
+                where = f"row {len(rows)}"
+                values = _counted(path, where, row, values)
+                rows.append(row)
         return rows
     except RolloutError:
         raise
+    except MemoryError:
+        raise _out_of_memory(path, where) from None
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for every unreadable file
+        if "memory" in str(e).lower():  # arrow's own allocation failure (ArrowMemoryError, std::bad_alloc)
+            raise _out_of_memory(path, where) from None
         raise RolloutError(f"cannot read {path} as Parquet ({one_line(e, 160)}); it is cut short or not a "
                            "Parquet file") from e
+
+
+def _expanded_bytes(column) -> int:
+    """The bytes a column's strings take once every dictionary index is replaced by its string (0 without a
+    dictionary: what the batch holds is already counted by the metadata's decoded size)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        column = pc.list_flatten(column)
+    if isinstance(column, pa.ChunkedArray):
+        return sum(_expanded_bytes(chunk) for chunk in column.chunks)
+    if pa.types.is_struct(column.type):
+        return sum(_expanded_bytes(column.field(i)) for i in range(column.type.num_fields))
+    if not pa.types.is_dictionary(column.type):
+        return 0
+    lengths = pc.binary_length(column.dictionary).take(column.indices.drop_null())
+    return int(pc.sum(lengths).as_py() or 0)

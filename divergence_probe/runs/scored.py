@@ -6,21 +6,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
-from ..numerics.tables import summary_row, tokens_frame
+from ..numerics.tables import summary_of, tokens_frame
 from ..prompts import Prompt
 from ..rollouts import RolloutBatch
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenScore:
     """One scored token: both logprobs of the actual token and the full-vocabulary KL. In generate mode a token
-    also belongs to a sample, and is either part of the prompt or of the sampled response."""
+    also belongs to a sample, and is either part of the prompt or of the sampled response. Slotted: a run holds one
+    per scored token, so a per-instance dict would be most of a large run's memory."""
 
     prompt_id: int
     position: int
@@ -59,24 +61,28 @@ class ScoreRun:
     clip_eps: float
     tis_cap: float
     temperature: float | None = None
+    table: pd.DataFrame | None = None  # the tokens as tokens_frame makes them, given in place of `tokens` (paired.py)
 
-    @property
+    @cached_property
     def responses_table(self) -> pd.DataFrame:
-        df = tokens_frame(self.tokens, sampled=True)
+        """Every scored token, built once: summary, buckets and tokens.csv read the same frame (each rebuilt from the
+        tokens would hold several copies of a large run at once)."""
+        df = tokens_frame(self.tokens, sampled=True) if self.table is None else self.table
         df["response_position"] = df["position"] - df.groupby(["prompt_id", "sample_id"])["position"].transform("min")
         return df
 
     @property
     def tokens_table(self) -> pd.DataFrame:
         """tokens.csv: generate mode's response rows, `logprob_rollout` (from the file) for `logprob_infer`."""
-        return tokens_frame(self.tokens, sampled=True).rename(columns={"logprob_infer": "logprob_rollout"})
+        return self.responses_table.drop(columns="response_position").rename(
+            columns={"logprob_infer": "logprob_rollout"})
 
     @property
     def summary(self) -> dict:
-        row = summary_row(self.tokens, {}, 0.0)
+        responses = self.responses_table
+        row = summary_of(responses["delta_logprob"].to_numpy(np.float64), responses["kl"].to_numpy(np.float64), {}, 0.0)
         for name in ("first_inexact", "first_over_threshold"):  # no taps: nothing to localise
             row.pop(name)
-        responses = self.responses_table
         row |= token_metrics(responses["logprob_infer"].to_numpy(), responses["logprob_train"].to_numpy(),
                              self.clip_eps, self.tis_cap)
         row |= sequence_metrics(responses, self.clip_eps)
@@ -86,14 +92,14 @@ class ScoreRun:
         """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
         the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
         `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
-        rec = np.array([t.logprob_infer for t in self.tokens])
-        train = np.array([t.logprob_train for t in self.tokens])
+        table = self.responses_table
+        rec, train = table["logprob_infer"].to_numpy(np.float64), table["logprob_train"].to_numpy(np.float64)
         gap = np.abs(rec - train)
         out = {"rollout_vs_train_mean_abs_dlogp": float(gap.mean())}
         bound = FAR_FLOOR
         unlikely = train < UNLIKELY_LOGPROB
-        if self.tokens and self.tokens[0].logprob_prefill is not None:
-            prefill = np.array([t.logprob_prefill for t in self.tokens])
+        if "logprob_prefill" in table:  # tokens_frame leaves the column out when no token has a prefill
+            prefill = table["logprob_prefill"].to_numpy(np.float64)
             out["rollout_vs_prefill_mean_abs_dlogp"] = float(np.abs(rec - prefill).mean())
             out["prefill_vs_train_mean_abs_dlogp"] = engine_gap = float(np.abs(prefill - train).mean())
             # the ratio's factors: no decode of its own here, so prefill/recorded is prefill/decode × decode/recorded

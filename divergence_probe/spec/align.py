@@ -13,6 +13,10 @@ from .fields import _choice
 from .knobs import parse_factors
 
 SIDES = ("both", "train", "infer")
+# Each bootstrap resample recomputes the metric of every combination (2^k of them) from per-prompt sums, in this
+# process, with no progress of its own: the bound keeps the longest (every region and factor) to minutes, where a
+# mistyped count would run for days. Percentile intervals settle within a few thousand resamples.
+MAX_BOOTSTRAP = 10_000
 ROUTING_REPLAYS = ("ids", "ids+weights")
 
 
@@ -52,7 +56,8 @@ class AblateSpec:
                                           "factors runs; a factor that changes the engine builds another one.",
                                       flag="--factor", repeat=True)
     metric: str = option("mean_kl", "What attribution explains: " + ", ".join(METRICS) + ".")
-    bootstrap: int = option(1000, "Bootstrap resamples of prompts for confidence intervals (0 = none).")
+    bootstrap: int = option(1000, f"Bootstrap resamples of prompts for confidence intervals (0 = none; at most "
+                                  f"{MAX_BOOTSTRAP:,}).")
     ci_level: float = option(0.95, "Confidence level of the bootstrap intervals.")
     build_ahead: int | None = option(None, "With a compiled engine aligned per combination: how many combinations' "
                                            "engines build in worker processes while the current one runs. Default: 1 "
@@ -74,8 +79,10 @@ class AblateSpec:
             raise ProbeError(f"--build-ahead {self.build_ahead} is more than the {builds} engine builds of "
                              f"{len(self.players)} regions and factors; use 0 to {builds}")
         _choice(self.metric, tuple(METRICS), "--metric")
-        if self.bootstrap < 0:
-            raise ProbeError("--bootstrap must be >= 0")
+        if not 0 <= self.bootstrap <= MAX_BOOTSTRAP:
+            raise ProbeError(f"--bootstrap {self.bootstrap} is outside 0 to {MAX_BOOTSTRAP:,}: each resample "
+                             f"recomputes all {2 ** len(self.players)} combinations' metric, so {MAX_BOOTSTRAP:,} "
+                             "already take minutes (docs/reference.md); 1,000 give stable 95% intervals")
         if not 0 < self.ci_level < 1:
             raise ProbeError("--ci-level must be in (0, 1), e.g. 0.95")
 

@@ -11,6 +11,10 @@ from ..rollouts.adapters import EXPORT_FORMATS
 from .fields import _choice
 
 MODES = ("prefill", "generate")
+# Upper bounds of the sampling counts, shared with rl (its group and its responses): each sample is a request held
+# with its logits until its batch is paired, so a mistyped count would fill memory before anything failed.
+MAX_GROUP_SIZE = 256
+MAX_NEW_TOKENS = 32_768
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +34,10 @@ class GenerateSpec(SamplingSpec):
         _choice(self.mode, MODES, "--mode")
         _choice(self.rollouts_format, EXPORT_FORMATS, "--rollouts-format")
         checks = [
-            (self.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
-            (self.samples_per_prompt >= 1, "--samples-per-prompt must be at least 1"),
+            (1 <= self.max_new_tokens <= MAX_NEW_TOKENS, f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS}"),
+            (1 <= self.samples_per_prompt <= MAX_GROUP_SIZE, f"--samples-per-prompt must be from 1 to "
+                                                             f"{MAX_GROUP_SIZE} (RL recipes sample 4 to 64 responses "
+                                                             "per prompt)"),
             (self.temperature >= 0, "--temperature must be >= 0 (0 = greedy)"),
             (0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
+from .generate import MAX_GROUP_SIZE, MAX_NEW_TOKENS
 from .load import DEVICES, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
@@ -19,10 +20,8 @@ CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/tra
 # hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.
 MAX_STEPS = 100_000
 MAX_SEEDS = 100
-MAX_GROUP_SIZE = 256
 MAX_PROMPTS_PER_STEP = 1024
 MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
-MAX_NEW_TOKENS = 32_768
 # vllm.LLM keywords rl sets itself. The reasons compare gives for them (engines/vllm/knobs.py OWNED_ENGINE_ARGS) name flags rl does not
 # have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
 # by the generic reason.

@@ -441,7 +441,7 @@ def test_files_that_expand_in_memory_are_refused_at_a_bound(tmp_path):
     files = {
         "line": (_gzip_bomb(tmp_path / "line.jsonl.gz", b"0" * 2**20, 4096), "line 1 is over 1 MiB"),
         "rows": (_gzip_bomb(tmp_path / "rows.jsonl.gz", ONE_ROW * 2**14, 2**11), "over 1024 rows"),
-        "sparse": (_sparse(tmp_path / "sparse.jsonl", 4 * 2**30), "4.0 GiB, over the 2 GiB"),
+        "sparse": (_sparse(tmp_path / "sparse.jsonl", 4 * 2**30), "4.0 GiB, over the 1 GiB"),
         "parquet": (_parquet_bomb(tmp_path / "values.parquet", 2**20), "over the 65536 values"),
     }
     cap = 2 * 2**30
