@@ -19,8 +19,9 @@ of each prompt's logits, one prompt per forward; both read the token ids this sc
 own prompt loader, so all four score the same tokens. With --breakdown, one more `compare --taps all` runs with
 DIVERGENCE_PROBE_TIMINGS=1 (outside the rounds: timing synchronizes the device after each phase) and its manifest's
 phase seconds are kept. A --preset builds a random checkpoint of that shape once (make-model; kept in --models-dir).
-The raw numbers go to docs/benchmarks/bench_processes[_cuda].json and the section of docs/benchmarks.md between the
-bench_processes[_cuda] markers; with --out, only the JSON, there.
+The raw numbers go to docs/benchmarks/ (bench_processes.json; with --device cuda bench_processes_cuda.json, with
+--engine compiled the suffix _compiled after it) and to the section of docs/benchmarks.md between the markers of that
+name; with --out, only the JSON, there.
 """
 
 from __future__ import annotations
