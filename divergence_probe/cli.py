@@ -26,6 +26,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from rich.table import Column, Table
 
+from . import timings
 from .errors import ProbeError, one_line
 from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
@@ -554,6 +555,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
     from .rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
+    timings.start()
     try:
         spec = make_spec()
         if gate:
@@ -574,13 +576,19 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
 
             with _phases() as phases:
                 phases.phase("loading the model in transformers and the inference stack")
-                probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
-                run = probe.run(spec, phases)
+                timings.add("start", timings.process_age() or 0.0)  # the interpreter, the CLI's imports, the spec
+                with timings.timed("load"):
+                    probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps,
+                                    plan_for=spec)
+                with timings.timed("run"):
+                    run = probe.run(spec, phases)
                 phases.end()
             if check_run is not None:
                 check_run(run.manifest)
             run.manifest["command"] = sys.argv
             run.manifest["phases"] = phases.timings
+            if timings.enabled():  # the writing, the report and the exit follow: a whole-process clock has the rest
+                run.manifest["timings"] = timings.record() | {"until_written": round(timings.process_age() or 0.0, 3)}
             verdict = _judged(gate, run.manifest, _summary_rows(run))
             run.write(out_dir)
     except ProbeError as e:

@@ -16,11 +16,13 @@ Where compiling fails (no C compiler, an unsupported backend) the same function 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
 import torch
 
+from .. import timings
 from .metrics import diff_sums
 
 _compiled = None  # the compiled diff_sums, while compiling works
@@ -84,14 +86,17 @@ def fused_diff_sums(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torc
     bookkeeping, which dominated the reduction's cost on a GPU when it was made once per group
     (benchmarks/tap_anatomy.py measures it)."""
     global _compiled, _backend
-    if _backend is None:
+    first = _backend is None
+    if first:
         if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1":
             _backend = "eager (DIVERGENCE_PROBE_EAGER=1)"
         else:
             _compiled, _backend = _compile()
     if _compiled is not None:
         try:
-            sums = _compiled(tests, refs)
+            # the first call traces and compiles the pattern (or loads it from torch's caches)
+            with timings.timed("run.score.train.reduction.first_call") if first else contextlib.nullcontext():
+                sums = _compiled(tests, refs)
             if sums is not None:
                 return sums
             if not _backend.endswith(_PAST_LIMIT):  # this pattern only: the compiled ones stay compiled

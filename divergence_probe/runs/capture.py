@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import timings
 from ..errors import StackError
 from ..numerics.fused import fused_diff_sums
 from ..numerics.metrics import DIFF_SUM_IS_MAX, DiffStats
@@ -113,7 +114,8 @@ class TapPairing:
             tests, refs = stacks
             counts += [(row, test[0].numel()) for group, test in zip(part.groups, tests) for row in group.rows]
             if tests:
-                sums.append(fused_diff_sums(tests, refs))
+                with timings.timed("run.score.train.reduction"):
+                    sums.append(fused_diff_sums(tests, refs))
             del stacks, tests, refs  # a chunk's stacked copies go before the next chunk is stacked
         return (torch.cat(sums) if len(sums) > 1 else sums[0] if sums else None), counts
 

@@ -22,6 +22,7 @@ import pandas as pd
 from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
     kernel_noise, routing_noise, train_parallel_noise, concat_floors, sequence_sums
 from .batch_invariance import measure as measure_batch_invariance
+from .. import timings
 from .capture import TapPairing
 from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
 from .loading import load_run_prompts
@@ -399,7 +400,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
     peaks = Peaks(probe.settings.device, plan.inputs.train_device if plan is not None else None)
     if total_scale == 1:  # an ablation names each combination's phase itself
         phase(progress, "scoring prompts, reducing taps")
-    with _routes_replayed(probe, spec, routes):
+    with _routes_replayed(probe, spec, routes), timings.timed("run.score"):
         ran = score_both(probe, prompts, source, infer_taps, train_taps, capture, collect, peaks)
     if source.mode == "generate":
         if total_scale == 1:
@@ -420,16 +421,23 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         manifest["compare"]["taps_not_captured"] = not_captured
     if spec.capture.batch_invariance:
         phase(progress, "noise floor: each stack alone vs batched, another SDPA kernel")
-    floor = measure_batch_invariance(probe, ran) if spec.capture.batch_invariance else None
     top_k = routes.top_k if run_routing is not None else None
-    kernel, kernel_routes = kernel_noise(probe, ran, top_k) if spec.capture.batch_invariance else (None, None)
-    parallel = train_parallel_noise(probe, ran) if spec.capture.batch_invariance else None
+    floor, kernel, kernel_routes, parallel = None, None, None, None
+    if spec.capture.batch_invariance:
+        with timings.timed("run.noise_floor.batch"):
+            floor = measure_batch_invariance(probe, ran)
+        with timings.timed("run.noise_floor.kernel"):
+            kernel, kernel_routes = kernel_noise(probe, ran, top_k)
+            parallel = train_parallel_noise(probe, ran)
     if parallel is not None:  # the trainer's parallelism floor beside its kernel floor
         kernel = parallel if kernel is None else concat_floors([kernel, parallel])
     engine_regions = spec.align.regions if spec.align.side != "train" else ()
     if spec.capture.engine_noise:
         phase(progress, "noise floor: the engine in its other mode")
-    engine = engine_noise(probe, ran, engine_regions, noise_engines) if spec.capture.engine_noise else None
+    engine = None
+    if spec.capture.engine_noise:
+        with timings.timed("run.noise_floor.engine"):
+            engine = engine_noise(probe, ran, engine_regions, noise_engines)
     route_floor = pd.concat([routing_noise(probe, ran, top_k), kernel_routes], ignore_index=True) \
         if spec.capture.batch_invariance and run_routing is not None else None
     floor_prompts = floor_prompt_table(sequence_prompts(tokens, ran, source.mode == "generate"), floor, kernel, engine)

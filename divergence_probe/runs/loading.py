@@ -15,7 +15,7 @@ import torch
 
 from ..models import memory_plan
 from ..engines import torch_state
-from .. import versions
+from .. import timings, versions
 from .manifest import model_section
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
@@ -143,7 +143,8 @@ def load_stacks(model: str | None = None, *, spec: LoadSpec | None = None, befor
 def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool,
           loaded: type[LoadedStacks]) -> LoadedStacks:
     """load()'s work, under its quieting."""
-    from transformers import AutoTokenizer
+    with timings.timed("load.import_transformers"):
+        from transformers import AutoTokenizer
 
     versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
@@ -157,12 +158,13 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
                                                             routes=routes or _replays_routes(plan_for)))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(source.path)
-    if before_stacks is not None:
-        before_stacks(source, tokenizer)
-    plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
+    with timings.timed("load.tokenizer_prompts_plan"):
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+        if before_stacks is not None:
+            before_stacks(source, tokenizer)
+        plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
     train = trainer_stack_for(cfg.train, settings)
-    with memory_errors(plan, "loading the training stack"):
+    with memory_errors(plan, "loading the training stack"), timings.timed("load.train"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
     if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
         from ..engines.vllm.tensor_parallel import stack_for
@@ -171,7 +173,7 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
     else:
         infer = get_stack(cfg.infer)
     try:
-        with memory_errors(plan, "starting the inference stack"):
+        with memory_errors(plan, "starting the inference stack"), timings.timed("load.infer"):
             infer.load(replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1))  # the training side's only
     except BaseException:
         train.close()

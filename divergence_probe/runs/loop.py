@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..environment import to_device
+from .. import timings
 from ..errors import NumericsError, StackError
 from ..models.memory_plan import Peaks
 from ..numerics.metrics import token_kl
@@ -150,7 +151,8 @@ def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect
     ran: list[Prompt] = []
     for group in batches(prompts, source.batch_tokens(probe), source.batch_count(probe)):
         peaks.start()
-        sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
+        with timings.timed("run.score.infer"):
+            sequences = source.run(probe, group, infer_taps, capture.park, len(ran))
         peaks.end("engine_step")
         capture.add_sequences(sequences)  # a grafting capture (runs/graft.py) scores against the inference logits
         fed = {seq.key: seq.fed for seq in sequences}
@@ -174,7 +176,8 @@ def _score_both(probe, prompts, source, infer_taps, train_taps, capture, collect
             pending, trained = scores, trained + 1
 
         peaks.start()
-        probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
+        with timings.timed("run.score.train"):  # the taps' reduction (run.score.train.reduction) runs inside
+            probe.train.score([seq.prompt for seq in sequences], train_taps, pair, on_scored=finish)
         peaks.end("train_and_reduce")
         if trained != len(sequences):
             raise StackError(f"of {len(sequences)} sequences, the training stack scored {trained}")

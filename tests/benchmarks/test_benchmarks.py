@@ -100,3 +100,14 @@ def test_the_gpu_lane_runs_its_perf_part_on_the_cpu(tmp_path):
     perf = json.loads((out / "perf.json").read_text())
     assert {"load_s", "compare_all_s", "compare_none_s", "ablate_both_s", "taps_ratio", "ablate_ratio",
             "load_plus_compare_s", "cold_cli_compare", "anatomy_s"} <= set(perf)
+
+
+@every_benchmark
+def test_bench_processes_renders_its_section(tmp_path, benchmark_module):
+    """Three engine starts (the bare vLLM process and both compares) and one more timed compare for the breakdown."""
+    raw = raw_numbers(tmp_path, "bench_processes.py", "--rounds", 1, "--num-prompts", 2, "--breakdown")
+    assert set(raw["times_s"]) == {"transformers", "vllm", "taps_none", "taps_all"}
+    assert all(len(t) == 1 and t[0] > 0 for t in raw["times_s"].values())
+    assert {"load.infer", "run.score.train.reduction.first_call", "until_written"} <= set(raw["breakdown"]["timings"])
+    section = benchmark_module("bench_processes").render(raw)
+    assert "## The tool against two bare processes (CPU)" in section and "none / both" in section

@@ -152,3 +152,21 @@ def test_a_generate_run_exports_rollouts_that_score_reads_back(toy_args, qwen3_t
         assert scored[column].tolist() == generated[column].tolist(), column
     assert scored.logprob_rollout.tolist() == generated.logprob_infer.tolist()
     assert json.loads((tmp_path / "scored" / "manifest.json").read_text())["score"]["format"] == "slime"
+
+
+def test_compare_records_its_phase_seconds_only_when_asked(toy_args, tmp_path, monkeypatch):
+    """DIVERGENCE_PROBE_TIMINGS=1: the manifest says where the run's wall time went (timings.py); without it, nothing
+    is recorded. --taps none: no reduction to compile."""
+    monkeypatch.delenv("DIVERGENCE_PROBE_TIMINGS", raising=False)
+    cli("compare", *toy_args, "--taps", "none", "--out", tmp_path / "off")
+    assert "timings" not in json.loads((tmp_path / "off" / "manifest.json").read_text())
+    monkeypatch.setenv("DIVERGENCE_PROBE_TIMINGS", "1")
+    cli("compare", *toy_args, "--taps", "none", "--batch-invariance", "--out", tmp_path / "on")
+    timings = json.loads((tmp_path / "on" / "manifest.json").read_text())["timings"]
+    phases = {"start", "load", "load.train", "load.infer", "run", "run.score", "run.score.infer", "run.score.train",
+              "run.noise_floor.batch", "run.noise_floor.kernel", "until_written"}
+    assert phases <= set(timings) and "run.noise_floor.engine" not in timings  # only what ran
+    assert all(s >= 0 for s in timings.values())
+    # a parent includes its children, and the run so far includes the load and the run
+    assert timings["run.score"] >= timings["run.score.infer"] + timings["run.score.train"] - 0.01
+    assert timings["until_written"] >= timings["start"] + timings["load"] + timings["run"] - 0.01

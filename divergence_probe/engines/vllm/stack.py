@@ -43,6 +43,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .. import torch_state
+from ... import timings
 from ...errors import StackError, one_line
 from ...models import family_of, find
 from ..layouts import layout_of
@@ -325,7 +326,8 @@ class VLLMStack:
         self.weight_session: WeightSession | None = None  # an RL loop's weight sync, from start_weight_sync on
 
     def load(self, settings: StackSettings) -> None:
-        vllm = _import_vllm()
+        with timings.timed("load.infer.import_vllm"):
+            vllm = _import_vllm()
         self.settings = settings
         key = _engine_key(settings)
         if _ENGINE and _ENGINE["key"] != key:
@@ -334,7 +336,8 @@ class VLLMStack:
                 "cannot host a second one; run the other model, dtype, engine mode or tap points in a new process"
             )
         if not _ENGINE:
-            check_engine_args(settings.engine_kwargs(), settings.engine)
+            with timings.timed("load.infer.check_engine_args"):
+                check_engine_args(settings.engine_kwargs(), settings.engine)
             if settings.device == "cuda":
                 _disable_flashinfer_sampler_if_missing()
             _track_dist_files()
@@ -345,7 +348,8 @@ class VLLMStack:
                 try:
                     with warnings.catch_warnings(), self._building(settings, tap_points):
                         warnings.simplefilter("ignore", FutureWarning)
-                        llm = vllm.LLM(**self._engine_kwargs(settings))
+                        with timings.timed("load.infer.engine_start"):
+                            llm = vllm.LLM(**self._engine_kwargs(settings))
                 except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
                     _remove_dist_files()
                     raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
