@@ -26,7 +26,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from rich.table import Column, Table
 
-from .errors import ProbeError, one_line
+from .errors import ProbeError, docs_at_hand, one_line
 from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
 
@@ -178,7 +178,7 @@ def _libraries_silenced():
 def _fail(error: ProbeError) -> None:
     if os.environ.get("DP_RAISE_ERRORS"):
         raise error
-    console.print(f"[bold red]error:[/] {escape(one_line(error))}", highlight=False, markup=True)
+    console.print(f"[bold red]error:[/] {escape(docs_at_hand(one_line(error)))}", highlight=False, markup=True)
     raise typer.Exit(error.exit_code)
 
 
