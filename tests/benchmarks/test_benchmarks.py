@@ -100,3 +100,14 @@ def test_the_gpu_lane_runs_its_perf_part_on_the_cpu(tmp_path):
     perf = json.loads((out / "perf.json").read_text())
     assert {"load_s", "compare_all_s", "compare_none_s", "ablate_both_s", "taps_ratio", "ablate_ratio",
             "load_plus_compare_s", "cold_cli_compare", "anatomy_s"} <= set(perf)
+
+
+def test_moe_tap_cost_parses_its_command_line(tmp_path):
+    """benchmarks/moe_tap_cost.py makes the numbers of docs/results/h200/moe/tap-cost/ on a GPU; here its command line
+    parses, and a run with no round left after the warm-up is refused before anything loads."""
+    script = REPO / "benchmarks" / "moe_tap_cost.py"
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "layers" in shown.stdout and "--device" in shown.stdout, shown.stderr
+    refused = subprocess.run([sys.executable, str(script), "8", "1", str(tmp_path / "t.json")], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "at least 2" in refused.stderr and not (tmp_path / "t.json").exists()
