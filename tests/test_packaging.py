@@ -76,14 +76,16 @@ def test_the_wheel_carries_the_model_the_prompts_and_the_docs_its_messages_name(
 def test_the_readme_recipes_run_from_the_installed_wheel_in_an_empty_folder(cli_processes, installed_env,
                                                                              tmp_path):
     """conftest's "builtin" process runs the README's compares and ablation on the built-in model from the wheel
-    installed in a new environment, in an empty folder (cli_processes); its console script renders one of them."""
+    installed in a new environment, in an empty folder (cli_processes); its console script compares two of them
+    (diff: no model, a second or so)."""
     from packaging_env import user_env
 
-    run = cli_processes["builtin"]["readme-normal"]
-    assert json.loads((run / "manifest.json").read_text())["spec"]["load"]["infer"] == "vllm"
+    runs = cli_processes["builtin"]
+    assert json.loads((runs["readme-normal"] / "manifest.json").read_text())["spec"]["load"]["infer"] == "vllm"
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = subprocess.run([installed_env / "divergence-probe", "report", str(run), "--out", "report"], cwd=empty,
-                          env=user_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([installed_env / "divergence-probe", "diff", str(runs["readme-normal"]),
+                           str(runs["readme-where"]), "--out", "diff"], cwd=empty, env=user_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (empty / "report" / "report.md").is_file()
+    assert (empty / "diff" / "diff_summary.csv").is_file()
