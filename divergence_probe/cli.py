@@ -27,7 +27,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Column, Table
 
 from . import timings
-from .errors import ProbeError, one_line
+from .errors import ProbeError, docs_at_hand, one_line
 from .quiet import quiet_libraries, show_libraries
 from .versions import ALLOW_HELP
 
@@ -179,7 +179,7 @@ def _libraries_silenced():
 def _fail(error: ProbeError) -> None:
     if os.environ.get("DP_RAISE_ERRORS"):
         raise error
-    console.print(f"[bold red]error:[/] {escape(one_line(error))}", highlight=False, markup=True)
+    console.print(f"[bold red]error:[/] {escape(docs_at_hand(one_line(error)))}", highlight=False, markup=True)
     raise typer.Exit(error.exit_code)
 
 
@@ -984,8 +984,9 @@ def score_command(
                                          "columns: infer=COL,train=COL (with the trainer's, no model is needed)."),
     infer: Optional[str] = typer.Option(None, "--infer", help="vllm: also re-score every sequence with the engine's "
                                         "prefill (logprob_prefill; the three-way split)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="The run's sampling temperature: tests "
-                                                "whether the recorded logprobs are tempered ones."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="The run's sampling temperature: every "
+                                                "logprob compared (trainer, prefill, KL) is taken at it, as in a "
+                                                "tempered recording; the raw gap stays beside it."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="The trainer's dtype: bfloat16, float16 or float32."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when present), cpu or cuda."),
     train_attn: str = typer.Option("sdpa", "--train-attn", help="transformers attention: sdpa, eager or "

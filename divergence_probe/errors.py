@@ -3,6 +3,14 @@
 Anything that is not a ProbeError is a bug in divergence-probe and keeps its traceback.
 """
 
+import re
+from pathlib import Path
+
+# The documentation the package carries (package data: divergence_probe/docs is docs/ of the repository), so that an
+# installed wheel has the pages its messages point at.
+DOCS = Path(__file__).resolve().parent / "docs"
+_DOC_POINTER = re.compile(r"(?<![\w/.])docs/([\w./-]+\.md)")
+
 
 def printable(text: object) -> str:
     """text with every character a terminal would act on (ESC, a newline, a carriage return, other control and
@@ -16,6 +24,18 @@ def one_line(text: object, limit: int | None = None) -> str:
     hold neither."""
     flat = printable(" ".join(str(text).split()))
     return flat[:limit] if limit else flat
+
+
+def docs_at_hand(message: str) -> str:
+    """`message` with each pointer to a page of the documentation (written as its repository path, "docs/reference.md,
+    'Supported versions'") naming a copy the user has: the path as written where it leads from the current folder (a
+    checkout's root), else the copy installed with the package, by its full path."""
+    def at_hand(pointer: re.Match) -> str:
+        shipped = DOCS / pointer.group(1)
+        if Path(pointer.group(0)).is_file() or not shipped.is_file():
+            return pointer.group(0)
+        return str(shipped.resolve())
+    return _DOC_POINTER.sub(at_hand, message)
 
 
 class ProbeError(Exception):

@@ -52,7 +52,9 @@ COLUMNS = {
     "routing_noise.csv": ("side", "layer", "frac_topk_set_differs"),
 }
 # score's tokens.csv holds the logprobs the user's run recorded (logprob_rollout) where compare's holds the engine's
-KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollout", "delta_logprob", "kl")}}
+KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollout", "delta_logprob", "kl")},
+                # score over many files (runs/history.py): a row per step instead of one summary row
+                "history": {"steps.csv": ("step", "file"), "alarms.csv": ("metric", "threshold", "first_step")}}
 OPTIONAL = ("tokens.csv",)
 RERUN = "rerun the command that made the run folder"
 MARK = ".divergence-probe"  # in every output folder the tool makes: which output it is, and the files it wrote
@@ -589,7 +591,8 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
     if not path.is_dir():
         raise RunFolderError(f"{path} is a file, not a run folder; pass the --out folder of a compare, ablate or "
                              "score run")
-    lacking = [f for f in (MANIFEST, "summary.csv") if not (path / f).is_file() and not (path / f).is_symlink()]
+    table = "steps.csv" if (path / "steps.csv").is_file() else "summary.csv"  # a history's rows are its steps
+    lacking = [f for f in (MANIFEST, table) if not (path / f).is_file() and not (path / f).is_symlink()]
     if lacking:
         raise RunFolderError(f"{path} is not a divergence-probe run folder (no {' or '.join(lacking)}); pass the "
                              "--out folder of a compare, ablate or score run")
@@ -625,7 +628,7 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
             if record is not None:
                 _check_listed(stored, stored.name, hashed, record, lambda: len(_parse_prompts(stored, data)))
             run.prompts = _parse_prompts(stored, data)
-        elif base in COLUMNS:
+        elif base in columns:
             if record is not None:  # hash first: a cut file may still parse, and must never be used
                 _check_listed(stored, stored.name, hashed, record, lambda: len(parse_csv(stored, data, columns[base])))
             run.tables[stored.name] = parse_csv(stored, data, columns[base], drop)

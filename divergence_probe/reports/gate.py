@@ -69,11 +69,13 @@ _SPLIT = [name for name in ratio_split({s: np.zeros(1) for s in ("train", "prefi
           if not name.endswith("_mean_abs_dlogp")]
 _SCORE = [*(c for c in SUMMARY_COLUMNS if not c.startswith("first_")), *_rl_names("train"), *_SPLIT,
           "rollout_vs_train_mean_abs_dlogp", "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp",
-          "far_bound", "recorded_far", "wrong_token_share", "tempered_mean_abs_dlogp", "likely_cause"]
+          "far_bound", "recorded_far", "wrong_token_share", "tempered_mean_abs_dlogp", "untempered_mean_abs_dlogp",
+          "fitted_temperature", "likely_cause"]
 # score measures these only with the engine's prefill (--infer vllm): the three-way split
 _PREFILLED = frozenset({*_SPLIT, "rollout_vs_prefill_mean_abs_dlogp", "prefill_vs_train_mean_abs_dlogp"})
 # score measures these only with a model (the trainer's logits): without one, k1, k2 and k3 estimate the KL
 _LOGITS = ("mean_kl", "max_kl")
+_TEMPERED = ("tempered_mean_abs_dlogp", "untempered_mean_abs_dlogp", "fitted_temperature")
 # The metrics that are words (a tap's name, a cause, a factor's name): compared with == and != only, to a word. The
 # rest are numbers (a bool reads as 0 or 1, and as the words true and false).
 WORDS = frozenset({"first_inexact", "first_over_threshold", "likely_cause",
@@ -159,10 +161,16 @@ def will_not_measure(kind: str, spec, metric: str, model_free: bool = False) -> 
     if kind in ("score", "history"):
         if metric in _LOGITS and model_free:
             return "--model (a KL needs the trainer's logits; the file's logprobs hold none)"
+        if metric in _TEMPERED and model_free:
+            return "--model (a temperature needs the trainer's logits; the file's logprobs hold none)"
         if metric in _PREFILLED and spec.infer is None:
             return "--infer vllm (the engine's prefill)"
-        if metric == "tempered_mean_abs_dlogp" and spec.temperature is None:
+        # with --temperature the headline is the tempered comparison and the raw gap is kept beside it; without it,
+        # a far recording gets the temperature that fits it best (and its gap): measured or not, by the data
+        if metric == "untempered_mean_abs_dlogp" and spec.temperature is None:
             return "--temperature T (the run's sampling temperature)"
+        if metric == "fitted_temperature" and spec.temperature is not None:
+            return "no --temperature (a temperature is fitted only when none is given)"
         return None
     capture = spec.capture
     if metric in _TAPPED and not capture.tap_names and capture.taps.strip() != "all":

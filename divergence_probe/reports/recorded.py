@@ -30,7 +30,11 @@ MEANINGS = {
     "far_bound": "how far (mean |Δlogprob|, nats) the recording may be from the trainer before it is called far",
     "recorded_far": "the recorded logprobs are farther than far_bound from the trainer (and the prefill)",
     "wrong_token_share": "share of the gap on tokens the model gives < 1e-4 that the recording calls likelier",
-    "tempered_mean_abs_dlogp": "mean |logprob_rollout − trainer logprob at --temperature| (nats)",
+    "tempered_mean_abs_dlogp": "mean |logprob_rollout − trainer logprob at --temperature, or at fitted_temperature| "
+                               "(nats)",
+    "untempered_mean_abs_dlogp": "with --temperature: mean |logprob_rollout − the trainer's raw logprob| (nats)",
+    "fitted_temperature": "without --temperature: the tested temperature whose trainer logprobs are closest to the "
+                          "recording",
     "likely_cause": "the explanation that fits a far recording (a flag, not a verdict); empty when not far",
 }
 

@@ -52,6 +52,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, fmt: st
     out_dir that is neither new, empty nor a previous report."""
     if fmt not in FORMATS:
         raise ReportError(f"--format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if (Path(run_dir) / "steps.csv").is_file():  # score over many files: a history, rendered by its steps
+        from .history import write_history_report
+
+        return write_history_report(run_dir, out_dir, fmt)
     run = load_run(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     if out_dir.resolve() == run.path.resolve():

@@ -14,10 +14,17 @@ FIGURE = "steps"
 def draw_steps(folder: Path, alarms: list) -> list[str]:
     """steps.png/.pdf, read back from folder/steps.csv (only the plotted columns come into memory): one panel per
     alarm (history.Alarm) whose metric is a number, the mean reward beside the first when recorded."""
-    wanted = ["step", "reward_mean", *dict.fromkeys(a.condition.metric for a in alarms)]
+    panels = [(a.condition.metric, float(a.condition.value), a.first_step) for a in alarms]
+    wanted = ["step", "reward_mean", *dict.fromkeys(metric for metric, _, _ in panels)]
+    steps = pd.read_csv(folder / "steps.csv", usecols=lambda c: c in wanted)
+    return [p.name for p in save(steps_figure(steps, panels), folder, FIGURE)]
+
+
+def steps_figure(steps: pd.DataFrame, panels: list[tuple[str, float, int | None]]):
+    """The history's figure from steps.csv's rows and (metric, threshold, first step past it) per alarm: a panel per
+    alarm whose metric is a number, the mean reward beside the first when recorded (the run's and its report's)."""
     # in step order: a folder written before steps.csv was sorted may hold its rows in file order (a zigzag)
-    steps = pd.read_csv(folder / "steps.csv", usecols=lambda c: c in wanted).sort_values("step", kind="stable")
-    panels = [(a.condition.metric, float(a.condition.value), a.first_step) for a in alarms
-              if a.condition.metric in steps and pd.api.types.is_numeric_dtype(steps[a.condition.metric])]
+    steps = steps.sort_values("step", kind="stable")
+    panels = [p for p in panels if p[0] in steps and pd.api.types.is_numeric_dtype(steps[p[0]])]
     reward = steps["reward_mean"] if steps["reward_mean"].notna().any() else None
-    return [p.name for p in save(metrics_by_step(steps["step"], steps, panels, reward), folder, FIGURE)]
+    return metrics_by_step(steps["step"], steps, panels, reward)

