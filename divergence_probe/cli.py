@@ -701,7 +701,8 @@ def _rerun_rl(run_dir: Path, where: str, out_dir: Path, report: bool, allowed) -
 
 
 def _print_ablation(run) -> None:
-    from .numerics.shapley import CHANGE, SHARE, attribution_lines, effect_words
+    from .numerics.noise_verdict import floor_moved
+    from .numerics.shapley import CHANGE, SHARE, SHIPPED, attribution_lines, effect_words
     from .numerics.tables import NOT_CAPTURED
 
     metric = run.spec.ablate.metric
@@ -732,7 +733,10 @@ def _print_ablation(run) -> None:
                      f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
-    for line in attribution_lines(rows, metric, factors, level[:-3]):
+    summaries = run.ablation_table.set_index("combo")
+    everything = summaries.index[-1]  # subsets() order: every region aligned comes last
+    moved = floor_moved(summaries.loc[SHIPPED].to_dict(), summaries.loc[everything].to_dict(), everything)
+    for line in attribution_lines(rows, metric, factors, level[:-3]) + ([moved] if moved else []):
         out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 

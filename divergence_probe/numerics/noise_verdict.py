@@ -130,3 +130,19 @@ def in_words(summary) -> str | None:
             WITHIN: f"within {floor}: the mismatch is {span}",
             CANNOT_TELL: f"cannot tell from {floor}: the mismatch is {span}, an interval that straddles 1; more "
                          "prompts (--num-prompts, a larger --prompts file) would narrow it"}[v]
+
+
+def floor_moved(before, after, label: str) -> str | None:
+    """When two combinations of an ablation (summary rows: the shipped one, `before`, and `label`'s, `after`) get
+    different verdicts and the floor each is read against differs too: a sentence saying how much the floor moved,
+    since part of the verdict's change is then the floor's and not the mismatch's. None otherwise."""
+    v0, v1 = before.get(VERDICT), after.get(VERDICT)
+    if not (isinstance(v0, str) and isinstance(v1, str)) or v0 == v1:
+        return None
+    n0, n1 = _floor_of(before), _floor_of(after)
+    f0, f1 = float(before[n0]), float(after[n1])
+    if n0 == n1 and f0 == f1:
+        return None
+    which = "" if n0 == n1 else f"; from {NOISE_FLOORS[n0]} to {NOISE_FLOORS[n1]}"
+    return (f"The verdict moves from {v0} as shipped to {v1} with {label}, and the floor it is read against moved "
+            f"too, from {f0:.3g} to {f1:.3g} nats{which}: part of that change is the floor's, not the mismatch's.")

@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, NOT_DETECTED, SHARE, SHIPPED, change_words, effect, \
     effect_words
-from ..numerics.noise_verdict import VERDICT, WITHIN, in_words
+from ..numerics.noise_verdict import VERDICT, WITHIN, floor_moved, in_words
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
@@ -290,7 +290,8 @@ def _headline(run: RunData) -> list:
         blocks.append(Paragraph(
             f"With every region aligned (`{run.all_aligned}`), {sentence(full)}. The ablation metric `{m}` goes "
             f"from {_num(before)} to {_num(after)}{change}; the lowest `{m}` of all combinations is "
-            f"{_num(best[m])}, with `{best['combo']}`."))
+            f"{_num(best[m])}, with `{best['combo']}`." + (" " + moved if (moved := floor_moved(
+                shipped, full, f"`{run.all_aligned}`")) else "")))
     rho = response_rho(run)
     if rho is not None and len(rho):
         eps = run.clip_eps
