@@ -146,3 +146,18 @@ def floor_moved(before, after, label: str) -> str | None:
     which = "" if n0 == n1 else f"; from {NOISE_FLOORS[n0]} to {NOISE_FLOORS[n1]}"
     return (f"The verdict moves from {v0} as shipped to {v1} with {label}, and the floor it is read against moved "
             f"too, from {f0:.3g} to {f1:.3g} nats{which}: part of that change is the floor's, not the mismatch's.")
+
+
+def as_read(summary, prompts: int | None) -> dict:
+    """A recorded summary row as the verdict reads it today: a run folder from before the minimum number of prompts
+    may hold an interval on fewer; that interval is dropped and the verdict is too_few_prompts, as a run today
+    would write it. `prompts`: how many the run scored (None: not known, the row as recorded)."""
+    row = dict(summary)
+    v = row.get(VERDICT)
+    if prompts is None or prompts >= MIN_PROMPTS or not isinstance(v, str) or v == TOO_FEW:
+        return row
+    nan = float("nan")
+    ratio = row.get(RATIO, nan)
+    if not (isinstance(ratio, float) and ratio == ratio):  # a floor of 0: no interval either way
+        return row
+    return row | {VERDICT: TOO_FEW, PROMPTS: prompts, RATIO + "_ci_low": nan, RATIO + "_ci_high": nan}

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words
+from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words, effect_words
 from .document import Column, Heading, Paragraph, Table
 from .run_data import RunData, row_of, shipped_rows
 from ..numerics.tables import ROUTING_NOISE_FLOORS
-from .wording import _code, _finite, _get, _num, _signed_pct
+from .wording import _code, _finite, _get, _num, read_intervals, share_interval, too_few_prompts
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
 REPLAYS = {  # manifest compare.routing.replay / spec.align.routing_replay -> what the trainer ran
@@ -257,17 +257,15 @@ def _attribution(run: RunData) -> str | None:
     a = run.attribution
     if a is None or ROUTING not in run.regions or not (a["region"] == ROUTING).any():
         return None
+    a, few = read_intervals(run, a)
     r = a[a["region"] == ROUTING].iloc[0]
     m = run.metric
     shipped = float(row_of(run.summary, SHIPPED)[m])
-    text = (f"In the ablation, replaying the routes (region `routing`) **{change_words(float(r[SHARE]))}** of the "
-            f"shipped `{m}` ({_num(shipped)}; Shapley change {_num(r[CHANGE])}")
-    if _finite(r["share_ci_low"]) and _finite(r["share_ci_high"]):
-        low, high = float(r["share_ci_low"]), float(r["share_ci_high"])
-        text += (f", {run.ci_level} interval {_signed_pct(low)} to {_signed_pct(high)} of shipped"
-                 + ("; it contains 0, so routing's effect is not distinguishable from prompt-to-prompt noise"
-                    if low <= 0 <= high else ""))
-    text += ")"
+    low, high = float(r["share_ci_low"]), float(r["share_ci_high"])
+    text = (too_few_prompts(run) if few else "") + (
+        f"In the ablation, replaying the routes (region `routing`) **{effect_words(float(r[SHARE]), low, high, run.ci_level)}**"
+        f"{share_interval(low, high, run.ci_level)} of the shipped `{m}` ({_num(shipped)}; Shapley change "
+        f"{_num(r[CHANGE])})")
     others = [x for x in run.regions if x != ROUTING]
     if others:
         rest = a[a["region"].isin(others)][SHARE].astype(float).sum()

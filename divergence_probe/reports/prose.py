@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, NOT_DETECTED, SHARE, SHIPPED, change_words, effect, \
-    effect_words
-from ..numerics.noise_verdict import VERDICT, WITHIN, floor_moved, in_words
+from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, SHARE, SHIPPED, change_words, effect_words
+from ..numerics.noise_verdict import VERDICT, WITHIN, as_read, floor_moved, in_words
 from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
 from .moe import routing_section
 from .recorded import MEANINGS, recorded_section, setup_items
-from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct
+from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct, read_intervals, scored_prompts, \
+    share_interval, too_few_prompts
 
 # Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
@@ -311,7 +311,7 @@ def _headline(run: RunData) -> list:
     if "dominant_factor" in shipped and not run.is_score:  # a score run's split: "What the run saw"
         blocks.append(_ratio_split(shipped))
     if not run.is_score:  # a score run's baseline is the engine's prefill: "What the run saw"
-        blocks += _noise_floor(shipped)
+        blocks += _noise_floor(as_read(shipped, scored_prompts(run)))
     blocks.append(Paragraph("Numbers in this report are rounded to 3 significant digits (scientific notation "
                             "below 1e-4); the run's CSV files hold full precision."))
     return blocks
@@ -348,7 +348,7 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
     return Paragraph(text)
 
 
-def _noise_floor(shipped: pd.Series) -> list:
+def _noise_floor(shipped) -> list:
     """Each noise floor measured (a stack against itself under a batch, kernel or engine-mode change), and the
     vLLM-vs-transformers mismatch set against the largest of them: one kernel change can move logprobs as much as
     the whole gap, so the mismatch alone says little."""
@@ -535,24 +535,23 @@ def _attribution_words(run: RunData) -> Paragraph | None:
     if a is None or SHARE not in a:
         return None
     m = run.metric
+    a, few = read_intervals(run, a)  # an interval on too few prompts is not read (as the noise verdict's: as_read)
     total = a[a["region"] == ALL_REGIONS]
     regions = a[a["region"] != ALL_REGIONS].sort_values(SHARE, kind="stable")
     text = ""
+    if few:
+        text += too_few_prompts(run)
     if len(total):
         t = total.iloc[0]
         low, high = t.get("share_ci_low", float("nan")), t.get("share_ci_high", float("nan"))
         text += (f"Aligning every region together: **{effect_words(float(t[SHARE]), float(low), float(high), run.ci_level)}**"
-                 f" of the shipped `{m}`")
-        text += (f" ({run.ci_level} interval {_signed_pct(low)} to {_signed_pct(high)})."
-                 if _finite(low) and effect(float(low), float(high)) != NOT_DETECTED else ".")
+                 f" of the shipped `{m}`{share_interval(low, high, run.ci_level)}.")
     parts = []
     for r in regions.itertuples(index=False):
         row = r._asdict()
         low, high = float(row.get("share_ci_low", float("nan"))), float(row.get("share_ci_high", float("nan")))
-        part = f"`{row['region']}` {effect_words(float(row[SHARE]), low, high, run.ci_level)}"
-        if _finite(low) and _finite(high) and effect(low, high) != NOT_DETECTED:
-            part += f" ({_signed_pct(low)} to {_signed_pct(high)})"
-        parts.append(part)
+        parts.append(f"`{row['region']}` {effect_words(float(row[SHARE]), low, high, run.ci_level)}"
+                     + share_interval(low, high, run.ci_level))
     if parts:
         text += " Of that, as Shapley values: " + "; ".join(parts) + "."
     for row in a.to_dict("records"):

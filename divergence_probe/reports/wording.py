@@ -49,3 +49,38 @@ def _finite(x) -> bool:
 def _signed_pct(share) -> str:
     """A share of the shipped metric in percent with its sign (the attribution's convention: − removes, + adds)."""
     return f"{100 * float(share):+.3g}%"
+
+
+def scored_prompts(run) -> int | None:
+    """How many prompts a run scored: the manifest's count (a folder's prompts.jsonl may be cut), else the folder's."""
+    recorded = _get(run.manifest, "compare", "num_prompts")
+    return int(recorded) if isinstance(recorded, int) else run.n_prompts
+
+
+def read_intervals(run, attribution):
+    """attribution.csv as the words read it: the share intervals of a run that scored fewer than MIN_PROMPTS prompts
+    (a folder from before the minimum) left out, as a run today would write none; and whether they were."""
+    from ..numerics.shapley import MIN_PROMPTS
+
+    prompts = scored_prompts(run)
+    if prompts is None or prompts >= MIN_PROMPTS:
+        return attribution, False
+    return attribution.assign(share_ci_low=float("nan"), share_ci_high=float("nan")), True
+
+
+def too_few_prompts(run) -> str:
+    from ..numerics.shapley import MIN_PROMPTS
+
+    return (f"The run scored {scored_prompts(run)} prompts, fewer than the {MIN_PROMPTS} a bootstrap interval needs "
+            "(docs/reference.md, \"How many prompts\"): the intervals attribution.csv holds are not read, and no "
+            "effect here is a detected one. ")
+
+
+def share_interval(low, high, level: str) -> str:
+    """" (95% interval -10% to -8.13%)" after a share whose interval excludes 0; "" otherwise, the words of a share
+    whose interval holds 0 or that has none carrying what there is to say (shapley.effect_words)."""
+    from ..numerics.shapley import ADDS, REMOVES, effect
+
+    if not (_finite(low) and _finite(high)) or effect(float(low), float(high)) not in (REMOVES, ADDS):
+        return ""
+    return f" ({level} interval {_signed_pct(low)} to {_signed_pct(high)})"

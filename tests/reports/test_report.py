@@ -134,11 +134,11 @@ REGIONS = ("rope", "swiglu")
 COMBOS = {"none": 1.0, "rope": 0.9, "swiglu": 0.97, "rope+swiglu": 0.8}
 
 
-def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> Path:
+def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS, n_prompts: int = 3) -> Path:
     rng = np.random.default_rng(2)
     tokens, layers, summary, ablation = [], [], [], []
     for combo, factor in combos.items():
-        t = _tokens(rng, 0.01 * factor)
+        t = _tokens(rng, 0.01 * factor, n_prompts=n_prompts)
         tokens.append(t.assign(combo=combo))
         layers.append(_layers(rng, 0.01 * factor).assign(combo=combo))
         s = _summary(t, "input_norm@0" if combo == "none" else "attn_core@1")
@@ -154,6 +154,7 @@ def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS) -> 
     attribution["share_ci_high"] = attribution["ci_high"] / m["none"]
     manifest = _manifest(ablate={"regions": list(REGIONS), "side": "both", "metric": "mean_kl", "bootstrap": 100,
                                  "seed": 0, "combos": list(combos)})
+    manifest["compare"]["num_prompts"] = n_prompts
     return _write(path, manifest, {"layers": lead(layers), "summary": pd.DataFrame(summary),
                                    "ablation": pd.DataFrame(ablation), "attribution": attribution},
                   lead(tokens) if with_tokens else None)
@@ -334,7 +335,9 @@ def _noise_floor_paragraph(tmp_path, **noise) -> str:
     summary = {**_summary(tokens, "q_rope@0"), **noise}
     # the ratio's interval and verdict, as compare writes them
     summary |= floor_columns(tokens, summary, 0, _floor_prompts(tokens, summary))
-    run = _write(tmp_path / "run", _manifest(), {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
+    manifest = _manifest()
+    manifest["compare"]["num_prompts"] = MIN_PROMPTS
+    run = _write(tmp_path / "run", manifest, {"layers": _layers(rng, 0.01), "summary": pd.DataFrame([summary])},
                  tokens)
     text = write_report(run).read_text()
     return next(line for line in text.splitlines() if line.startswith(("Noise floor", "No noise floor")))
@@ -777,8 +780,10 @@ def test_an_ablation_with_routing_says_what_share_of_the_mismatch_routing_explai
     routing = pd.read_csv(run / "routing.csv")
     section = _routing_section(write_report(run, tmp_path / "md"))
     share = -attribution["shapley"] / shipped_kl  # a folder written before the signed changes, read as one
-    assert share < 0 and f"**{change_words(share)}** of the shipped `mean_kl`" in section
-    assert change_words(share).startswith("removes ")
+    # its 16 prompts are fewer than an interval needs: the interval it recorded is not read, nothing is "detected"
+    assert share < 0 and f"**{change_words(share)} (no interval)** of the shipped `mean_kl`" in section
+    assert change_words(share).startswith("removes ") and f"fewer than the {MIN_PROMPTS}" in section
+    assert "interval" not in section.split("(no interval)")[1].split(".")[0]
     assert "Routes are replayed in every combination that aligns `routing`" in section
     # per layer: the shipped block, and the block with every region aligned, whose routers still disagree
     rows = _md_rows(section)
@@ -856,7 +861,8 @@ def test_attribution_words_say_adds_and_removes_with_signs_of_the_shipped_value(
     """Aligning both regions adds mismatch while rope removes some: every share keeps its sign (a share of the total
     change would flip both), the words say "removes"/"adds" where the interval excludes 0 and "no detectable effect"
     where it holds 0 (swiglu's here), the all-regions change leads."""
-    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1})
+    run = make_ablate(tmp_path / "run", combos={"none": 1.0, "rope": 0.75, "swiglu": 1.4, "rope+swiglu": 1.1},
+                      n_prompts=MIN_PROMPTS)
     attribution = pd.read_csv(run / "attribution.csv").set_index("region")
     assert attribution.loc["rope", SHARE] < 0 < attribution.loc["swiglu", SHARE]
     assert attribution.loc[ALL_REGIONS, SHARE] > 0

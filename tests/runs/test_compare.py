@@ -352,3 +352,33 @@ def test_kernel_noise_is_the_trainer_against_itself_under_another_sdpa_kernel(hf
     assert row.mean_abs_dlogp == d.mean() and row.max_abs_dlogp == d.max() and row.n_tokens == d.size
     assert row.mean_abs_dlogp > 0  # on this CPU torch picks its flash kernel for auto, which rounds differently
     assert run.summary["noise_train_kernel_mean_abs_dlogp"] == row.mean_abs_dlogp
+
+
+def test_each_floor_is_summed_per_prompt_for_the_verdicts_resampling():
+    """The floor tables carry each sequence's |Δlogp| sums beside their means, through a concatenation, and compare
+    files them under the prompt each sequence came from: in generate mode a prompt's samples are one prompt."""
+    import pandas as pd
+
+    from divergence_probe.runs.batch_invariance import _change_row, concat_floors
+    from divergence_probe.runs.compare import floor_prompt_table, noise_floor_columns, sequence_prompts
+    from divergence_probe.runs.scored import TokenScore
+
+    sequences = [Prompt(10 + i, f"s{i}", "", (1, 2, 3)) for i in range(3)]  # prompt 0 twice, then prompt 1
+    tokens = [TokenScore(p, pos, 0, "", 0.0, 0.0, 0.0, sample_id=s)
+              for p, s in ((0, 0), (0, 1), (1, 0)) for pos in (1, 2)]
+    prompt_of = sequence_prompts(tokens, sequences, generate=True)
+    assert prompt_of == {10: 0, 11: 0, 12: 1}
+    deltas = [np.array([1.0, 3.0]), np.array([2.0, 2.0]), np.array([4.0, 8.0])]
+    kls = [np.zeros(2)] * 3
+    kernel = _change_row("hf", "train", "sdpa math vs auto", deltas, kls, sequences)
+    parallel = _change_row("hf", "train", "train_tp 1 vs 2", [d / 2 for d in deltas], kls, sequences)
+    both = concat_floors([kernel, parallel])
+    table = floor_prompt_table(prompt_of, None, both).set_index(["floor", "prompt_id"])
+    kernel_floor = table.loc["noise_train_kernel_mean_abs_dlogp"]
+    assert kernel_floor.loc[0, "n"] == 4 and kernel_floor.loc[0, "sum_abs_dlogp"] == 8.0
+    assert kernel_floor.loc[1, "sum_abs_dlogp"] == 12.0
+    assert table.loc[("noise_train_tensor_parallel_mean_abs_dlogp", 1), "sum_abs_dlogp"] == 6.0
+    # the per-prompt sums add up to the mean summary.csv holds
+    columns = noise_floor_columns(None, both)
+    assert kernel_floor["sum_abs_dlogp"].sum() / kernel_floor["n"].sum() == columns["noise_train_kernel_mean_abs_dlogp"]
+    assert len(floor_prompt_table(prompt_of, None)) == 0 and isinstance(floor_prompt_table(prompt_of, None), pd.DataFrame)

@@ -15,7 +15,7 @@ from divergence_probe.cli import app
 from divergence_probe.models import get_family
 from divergence_probe.runs.next_steps import NUMERIC_REGIONS, after_ablate, after_compare, after_rl, after_score
 from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, FLOOR_KIND, FLOOR_USED, PROMPTS, RATIO, TOO_FEW, \
-    VERDICT, WITHIN, floor_columns, in_words, manifest_record, verdict
+    VERDICT, WITHIN, as_read, floor_columns, floor_moved, in_words, manifest_record, verdict
 from divergence_probe.numerics.tables import NOISE, SYSTEMATIC
 from divergence_probe.spec.rl import RLSpec
 from divergence_probe.numerics.shapley import ADDS, ALL_REGIONS, CHANGE, EFFECT, MIN_PROMPTS, NO_INTERVAL, NOT_DETECTED, \
@@ -158,6 +158,17 @@ def test_too_few_prompts_give_no_interval_and_say_how_many_are_needed():
     assert math.isnan(bootstrap(MIN_PROMPTS - 1, lambda w: {"x": float(w.sum())}, 10, 0)["x"][0])
 
 
+def test_a_verdict_recorded_on_too_few_prompts_is_read_as_too_few():
+    """A run folder from before the minimum holds an interval on 4 prompts and `above_floor`: the report reads it as
+    a run today would write it, with no interval and the prompts it needs."""
+    recorded = {**FLOOR, "mean_abs_dlogp": 3e-3, RATIO: 1.5, RATIO + "_ci_low": 1.23, RATIO + "_ci_high": 1.45,
+                VERDICT: ABOVE}
+    read = as_read(recorded, 4)
+    assert read[VERDICT] == TOO_FEW and math.isnan(read[RATIO + "_ci_low"]) and read[RATIO] == 1.5
+    assert "on 4 prompts" in in_words(read) and f"at least {MIN_PROMPTS}" in in_words(read)
+    assert as_read(recorded, MIN_PROMPTS) == recorded and as_read(recorded, None) == recorded
+
+
 def test_the_verdict_names_its_floor_and_whether_it_is_noise_or_a_systematic_swap():
     """The trainer's kernel swap is a systematic difference, not noise: when it is the largest floor the verdict is
     against it and says so, in summary.csv and in words."""
@@ -168,6 +179,17 @@ def test_the_verdict_names_its_floor_and_whether_it_is_noise_or_a_systematic_swa
     assert in_words(row).startswith("within the systematic floor") and "attention-kernel" in in_words(row)
     noise = _columns([3e-3] * n, [1e-3] * n)
     assert noise[FLOOR_KIND] == NOISE and in_words(noise).startswith("above the noise floor")
+
+
+def test_an_ablation_says_when_its_floor_moved_between_the_verdicts():
+    """Aligning regions can move the floor itself: a flip from above to within the floor is then partly the floor's."""
+    name = "noise_train_mean_abs_dlogp"
+    shipped = {VERDICT: ABOVE, FLOOR_USED: name, name: 0.0114}
+    aligned = {VERDICT: WITHIN, FLOOR_USED: name, name: 0.0153}
+    words = floor_moved(shipped, aligned, "rope+swiglu")
+    assert "from above_floor as shipped to within_floor with rope+swiglu" in words and "0.0114 to 0.0153" in words
+    assert floor_moved(shipped, {**aligned, name: 0.0114}, "rope") is None  # the floor held: the mismatch moved
+    assert floor_moved(shipped, {**aligned, VERDICT: ABOVE}, "rope") is None  # no flip
 
 
 def test_after_ablate_after_score_after_rl():
