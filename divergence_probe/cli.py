@@ -333,17 +333,18 @@ def _print_summary(run) -> None:
     worst = worst_layer(run.tap_stats)
     if worst:
         table.add_row("worst layer (resid_out rel_l2)", f"{worst[0]} ({worst[1]:.3e})")
-    for key, label in [("noise_infer_mean_abs_dlogp", "noise floor: infer alone vs batched"),
-                       ("noise_train_mean_abs_dlogp", "noise floor: train alone vs batched"),
-                       ("noise_train_kernel_mean_abs_dlogp", "noise floor: train, another SDPA kernel"),
-                       ("noise_infer_engine_mode_mean_abs_dlogp", "noise floor: engine, other mode"),
-                       ("noise_infer_tensor_parallel_mean_abs_dlogp", "noise floor: engine, tensor_parallel_size 1"),
-                       ("noise_train_tensor_parallel_mean_abs_dlogp", "noise floor: train, unsharded (--train-tp 1)"),
+    # each floor labelled by its kind (tables.FLOOR_KINDS): "noise floor: ..." or "systematic floor: ..."
+    for key, label in [("noise_infer_mean_abs_dlogp", "infer alone vs batched"),
+                       ("noise_train_mean_abs_dlogp", "train alone vs batched"),
+                       ("noise_train_kernel_mean_abs_dlogp", "train, another SDPA kernel"),
+                       ("noise_infer_engine_mode_mean_abs_dlogp", "engine, other mode"),
+                       ("noise_infer_tensor_parallel_mean_abs_dlogp", "engine, tensor_parallel_size 1"),
+                       ("noise_train_tensor_parallel_mean_abs_dlogp", "train, unsharded (--train-tp 1)"),
                        ("tap_points_mean_abs_dlogp", "engine with vs without tap points"),
                        ("k3", "k3 KL estimate"), ("ratio_min", "min importance ratio"), ("ratio_max", "max importance ratio"),
                        ("ppo_clip_frac", "PPO-clipped fraction (numerics alone)"), ("ess", "effective sample size")]:
         if key in s:
-            table.add_row(label, f"{s[key]:.3e}")
+            table.add_row(f"{FLOOR_KINDS[key]} floor: {label}" if key in FLOOR_KINDS else label, f"{s[key]:.3e}")
     if "dominant_factor" in s:  # generate mode: trainer/prefill, prefill/decode or decode/recorded
         table.add_row("largest factor of π_train/π_recorded", s["dominant_factor"])
     largest = largest_noise_floor(s)
@@ -718,7 +719,8 @@ def _print_ablation(run) -> None:
     shipped = run.metric_of()[frozenset()]
     attr = Table(title=f"change in {metric} when aligned, as a share of the shipped {shipped:.3e} "
                        "(− removes mismatch, + adds)")
-    level = f"{run.spec.ablate.ci_level:.0%} CI"
+    pct = f"{run.spec.ablate.ci_level:.0%}"
+    level = f"{pct} CI"
     factors = bool(run.spec.ablate.factors)
     for col in ("region" + (" or factor" if factors else ""), "shapley change", "share of shipped", level,
                 "main effect", "leave-one-out"):
@@ -728,15 +730,15 @@ def _print_ablation(run) -> None:
 
     rows = run.attribution_table.to_dict("records")
     for row in rows:
-        attr.add_row(row["region"], signed(row[CHANGE]), effect_words(row[SHARE], row["share_ci_low"],
-                                                                      row["share_ci_high"], level[:-3]),
-                     f"[{signed(row['share_ci_low'], '+.1%')}, {signed(row['share_ci_high'], '+.1%')}]",
+        low, high = row["share_ci_low"], row["share_ci_high"]
+        attr.add_row(row["region"], signed(row[CHANGE]), effect_words(row[SHARE], low, high, pct),
+                     f"[{signed(low, '+.1%')}, {signed(high, '+.1%')}]" if low == low and high == high else "none",
                      signed(row["main_effect_change"]), signed(row["leave_one_out_change"]))
     out.print(attr)
     summaries = run.ablation_table.set_index("combo")
     everything = summaries.index[-1]  # subsets() order: every region aligned comes last
     moved = floor_moved(summaries.loc[SHIPPED].to_dict(), summaries.loc[everything].to_dict(), everything)
-    for line in attribution_lines(rows, metric, factors, level[:-3]) + ([moved] if moved else []):
+    for line in attribution_lines(rows, metric, factors, pct) + ([moved] if moved else []):
         out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 

@@ -101,8 +101,7 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
         return step
     if not spec.generate.generates:
         return _step(_changed(spec, generate={"mode": "generate"}),
-                     "the mismatch is within its noise floor; see what it does to sampled responses and the RL metrics",
-                     family)
+                     in_words(summary) + "; see what it does to sampled responses and the RL metrics", family)
     return None
 
 
