@@ -61,19 +61,20 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     return _with_sums(pd.DataFrame(rows, columns=COLUMNS), sums)
 
 
-# A floor table's attrs key: each row's |Δlogp| summed per sequence (columns SUM_COLUMNS), so that the noise verdict
-# resamples the floor's prompts with the mismatch's (numerics/noise_verdict.py). Not written: the CSVs hold the means.
+# A floor table's attrs key: each row's |Δlogp| summed per sequence, records (row, sequence, n, sum_abs_dlogp), so that
+# the noise verdict resamples the floor's prompts with the mismatch's (numerics/noise_verdict.py). Not written: the
+# CSVs hold the means. Plain tuples, not a DataFrame: pandas compares attrs when it concatenates tables, and a
+# DataFrame has no truth value.
 PER_SEQUENCE = "per_sequence"
 SUM_COLUMNS = ["row", "sequence", "n", "sum_abs_dlogp"]
 
 
-def _sequence_sums(row: int, keys: Sequence[int], deltas: Sequence[np.ndarray]) -> pd.DataFrame:
-    return pd.DataFrame({"row": row, "sequence": list(keys), "n": [int(d.size) for d in deltas],
-                         "sum_abs_dlogp": [float(d.sum()) for d in deltas]}, columns=SUM_COLUMNS)
+def _sequence_sums(row: int, keys: Sequence[int], deltas: Sequence[np.ndarray]) -> tuple:
+    return tuple((row, int(key), int(d.size), float(d.sum())) for key, d in zip(keys, deltas))
 
 
-def _with_sums(table: pd.DataFrame, sums: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    table.attrs[PER_SEQUENCE] = pd.concat(sums, ignore_index=True) if sums else pd.DataFrame(columns=SUM_COLUMNS)
+def _with_sums(table: pd.DataFrame, sums: Sequence[tuple]) -> pd.DataFrame:
+    table.attrs[PER_SEQUENCE] = tuple(record for part in sums for record in part)
     return table
 
 
@@ -81,17 +82,15 @@ def concat_floors(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
     """Floor tables one after the other, with their per-sequence sums (PER_SEQUENCE) renumbered to match."""
     sums, at = [], 0
     for table in tables:
-        part = table.attrs.get(PER_SEQUENCE)
-        if part is not None:
-            sums.append(part.assign(row=part["row"] + at))
+        sums.append(tuple((row + at, *rest) for row, *rest in table.attrs.get(PER_SEQUENCE, ())))
         at += len(table)
     return _with_sums(pd.concat(tables, ignore_index=True), sums)
 
 
 def sequence_sums(table: pd.DataFrame, row: int) -> pd.DataFrame:
     """Row `row` of a floor table, per sequence: columns sequence, n, sum_abs_dlogp (empty when not recorded)."""
-    part = table.attrs.get(PER_SEQUENCE, pd.DataFrame(columns=SUM_COLUMNS))
-    return part[part["row"] == row][SUM_COLUMNS[1:]]
+    records = [r for r in table.attrs.get(PER_SEQUENCE, ()) if r[0] == row]
+    return pd.DataFrame(records, columns=SUM_COLUMNS)[SUM_COLUMNS[1:]]
 
 
 ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_experts_differ",

@@ -382,3 +382,6 @@ def test_each_floor_is_summed_per_prompt_for_the_verdicts_resampling():
     columns = noise_floor_columns(None, both)
     assert kernel_floor["sum_abs_dlogp"].sum() / kernel_floor["n"].sum() == columns["noise_train_kernel_mean_abs_dlogp"]
     assert len(floor_prompt_table(prompt_of, None)) == 0 and isinstance(floor_prompt_table(prompt_of, None), pd.DataFrame)
+    # an ablation stacks each combination's floor tables into one CSV: the sums they carry must not stop pandas
+    stacked = pd.concat([kernel.assign(combo="none"), parallel.assign(combo="rope"), both.assign(combo="x")])
+    assert len(stacked) == 4
