@@ -910,7 +910,7 @@ def _rl_run(spec, out_dir: Path, report: bool, check=None) -> None:
     except ProbeError as e:
         _fail(e)
     _print_rl_summary(result.summary)
-    _closing(out_dir, report, after_rl(spec, _family(result.manifest)))
+    _closing(out_dir, report, after_rl(spec, _family(result.manifest), result.summary))
 
 
 def _print_rl_summary(summary) -> None:

@@ -105,6 +105,8 @@ def effect_words(share: float, low: float, high: float, level: str = "95%") -> s
     """A share of the shipped metric in words that follow its interval (shares, same sign convention): "removes
     24.7%", "no detectable effect (point -6.51%, 95% interval -20% to +7%)", "removes 6.51% (no interval)"."""
     kind = effect(low, high)
+    if share != share:  # a shipped metric of 0: no share to word
+        return change_words(share)
     if kind == NO_INTERVAL:
         return f"{change_words(share)} (no interval)"
     if kind == NOT_DETECTED:
@@ -185,10 +187,11 @@ def attribution_lines(rows: Sequence[Mapping], metric: str, factors: bool = Fals
     everything = "Aligning every region and setting every factor" if factors else "Aligning every region"
     lines = [f"{everything}: {effect_words(total[SHARE], total['share_ci_low'], total['share_ci_high'], level)} "
              f"of the shipped {metric}."]
-    found = sorted((r for r in regions if r.get(EFFECT) in (REMOVES, ADDS)), key=lambda r: -abs(r[SHARE]))
+    found = sorted((r for r in regions if r.get(EFFECT) in (REMOVES, ADDS)), key=lambda r: -abs(r[CHANGE]))
     if found:
-        lines.append("Detectable, largest first: " + "; ".join(f"{r['region']} {change_words(r[SHARE])}"
-                                                               for r in found) + ".")
+        lines.append("Detectable, largest first: " + "; ".join(
+            f"{r['region']} {change_words(r[SHARE])}" if r[SHARE] == r[SHARE]  # else a shipped metric of 0
+            else f"{r['region']} {'removes' if r[CHANGE] < 0 else 'adds'} {abs(r[CHANGE]):.3g}" for r in found) + ".")
     elif any(r.get(EFFECT) == NOT_DETECTED for r in regions):
         lines.append(f"No region has a detectable effect on {metric}: every interval holds 0.")
     elif regions:

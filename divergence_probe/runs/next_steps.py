@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from ..errors import ProbeError
 from .rerun import command_line, rl_command_line, score_command_line
 from ..numerics.noise_verdict import ABOVE, CANNOT_TELL, TOO_FEW, VERDICT, in_words
+from ..numerics.rl_summary import DIFF_VERDICT, MOST_SEEDS, NOT_DETECTED, SEEDS_NEEDED
 from ..numerics.shapley import EFFECT, MIN_PROMPTS, REMOVES
 
 NUMERIC_REGIONS = ("rope", "swiglu", "rmsnorm")  # rl's setting with every one the family has, as the README's recipe
@@ -158,13 +159,21 @@ def after_score(call, load, summary: dict) -> Step | None:
     return _step(compare, "the engine's own mismatch on this model, against its noise floor")
 
 
-def after_rl(spec, family=None) -> Step | None:
+def after_rl(spec, family=None, summary=None) -> Step | None:
     """One setting: shipped against every region aligned in the trainer. Several settings on one seed: more seeds,
-    to tell the settings apart from seed noise."""
+    to tell the settings apart from seed noise. Several seeds that did not separate the settings (rl_summary.csv's
+    comparison, `summary`): the seeds a difference that large would need, when that is a number a run can reach."""
     if not spec.setting and _can(family, "rl"):
         aligned = ",".join(_regions_of(family) or NUMERIC_REGIONS)
         return _rl_step(lambda: replace(spec, align="none", setting=("none", aligned), side="train"),
                         "whether aligning the trainer changes training", family)
     if len(spec.setting) > 1 and spec.seeds == 1:
         return _rl_step(lambda: replace(spec, seeds=3), "tell the settings apart from seed noise", family)
+    if len(spec.setting) > 1 and summary is not None and DIFF_VERDICT in summary:
+        open_ = summary[summary[DIFF_VERDICT] == NOT_DETECTED][SEEDS_NEEDED].dropna()
+        need = int(open_.max()) if len(open_) else 0
+        if spec.seeds < need < MOST_SEEDS:
+            return _rl_step(lambda: replace(spec, seeds=need), f"{spec.seeds} seeds did not separate the settings; "
+                            f"a difference as large as the one measured would need about {need} (rl_summary.csv "
+                            "seeds_needed)", family)
     return None

@@ -100,7 +100,7 @@ def test_a_change_whose_interval_holds_0_reads_as_no_detectable_effect():
 
 
 def _row(region, share, low, high, other):
-    return {"region": region, SHARE: share, "share_ci_low": low, "share_ci_high": high,
+    return {"region": region, CHANGE: share * 2e-3, SHARE: share, "share_ci_low": low, "share_ci_high": high,
             EFFECT: effect(low, high), "other_metric": "mean_abs_dlogp", "other_metric_share": other,
             DISAGREE: disagree(share, other)}
 
@@ -114,6 +114,11 @@ def test_the_attribution_lines_rank_only_what_is_detectable_and_say_when_the_met
     assert "rope" not in lines[1]
     [flip] = [line for line in lines if "disagree" in line]
     assert flip.startswith("rmsnorm: mean_kl and mean_abs_dlogp disagree in sign (+8.5% vs -6.4%")
+    # a shipped metric of 0 (two identical stacks): no share, the change itself is ranked
+    zero = [{**_row("rope", float("nan"), float("nan"), float("nan"), float("nan")), CHANGE: 3e-6, EFFECT: ADDS},
+            {**_row(ALL_REGIONS, float("nan"), float("nan"), float("nan"), float("nan")), CHANGE: 3e-6}]
+    assert attribution_lines(zero, "mean_kl")[:2] == ["Aligning every region: n/a of the shipped mean_kl.",
+                                                      "Detectable, largest first: rope adds 3e-06."]
     none = attribution_lines([_row("rope", -0.015, -0.05, 0.02, -0.01), _row(ALL_REGIONS, -0.01, -0.05, 0.03, -0.01)],
                              "mean_kl")
     assert none[1] == "No region has a detectable effect on mean_kl: every interval holds 0."

@@ -18,6 +18,7 @@ from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, FLOOR_KI
     VERDICT, WITHIN, as_read, floor_columns, floor_moved, in_words, manifest_record, verdict
 from divergence_probe.numerics.tables import NOISE, SYSTEMATIC
 from divergence_probe.spec.rl import RLSpec
+from divergence_probe.numerics.rl_summary import SEEDS_NEEDED, with_comparison
 from divergence_probe.numerics.shapley import ADDS, ALL_REGIONS, CHANGE, EFFECT, MIN_PROMPTS, NO_INTERVAL, NOT_DETECTED, \
     REMOVES, bootstrap
 from divergence_probe.spec.score import ScoreSpec
@@ -219,6 +220,15 @@ def test_after_ablate_after_score_after_rl():
     step = after_rl(RLSpec(setting=("none", "rope")))
     assert step.argv[-2:] == ["--seeds", "3"]
     assert after_rl(RLSpec(setting=("none", "rope"), seeds=3)) is None
+    # two seeds that did not separate the settings: the seeds rl_summary.csv says a difference that large would need
+    runs = pd.DataFrame({"setting": ["none", "none", "rope", "rope"], "seed": [0, 1, 0, 1],
+                         "reward_end": [0.45, 0.60, 0.50, 0.70]})
+    undecided = with_comparison(runs)
+    need = int(undecided[SEEDS_NEEDED].max())
+    step = after_rl(RLSpec(setting=("none", "rope"), seeds=2), None, undecided)
+    assert need > 2 and step.argv[-2:] == ["--seeds", str(need)] and "did not separate" in step.why
+    apart = with_comparison(runs.assign(reward_end=[0.20, 0.21, 0.60, 0.61]))
+    assert after_rl(RLSpec(setting=("none", "rope"), seeds=2), None, apart) is None  # they differ: nothing to add
 
 
 def test_no_step_is_a_command_the_model_refuses():
