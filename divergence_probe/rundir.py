@@ -407,10 +407,15 @@ def _write_files(folder: Path, manifest: dict, prompts, tables: dict[str, pd.Dat
             raise
 
 
+def rescue_dir(out_dir: Path) -> Path:
+    """Where the results of a run that could not be written to `out_dir` go instead: a new folder in the temp folder."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{Path(out_dir).name}-{stamp}-{os.getpid()}"
+
+
 def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
     """Write the run into the temp folder instead; (where, None) or (None, why not)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    where = Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{out_dir.name}-{stamp}-{os.getpid()}"
+    where = rescue_dir(out_dir)
     try:
         with atomic_dir(where) as tmp:
             _write_files(tmp, manifest, prompts, tables)

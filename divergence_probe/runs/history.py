@@ -14,6 +14,7 @@ DEFAULT_ALARMS watch those two.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import re
@@ -26,11 +27,11 @@ import pandas as pd
 
 from .manifest import build_manifest
 from .progress import Progress, phase
-from ..errors import ProbeError
+from ..errors import OutputError, ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
 from ..rollouts import RolloutBatch, RolloutError
 from ..rollouts.read import JSONL, PARQUET
-from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, write_csv, write_json
+from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, open_to_write, rescue_dir, write_csv, write_json
 
 # Starting points, not verdicts: k3 (the KL(π_infer‖π_train) estimate a trainer sees) past 1e-3 nats per token, and
 # more than one token in a thousand whose probability differs by over 2x between the two stacks. Set your own with
@@ -118,52 +119,138 @@ def step_row(step: int, batch: RolloutBatch, summary: dict) -> dict:
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan, **summary}
 
 
+class _Steps:
+    """The steps as they are scored, each row written to steps.csv and flushed at once: the file holds whole rows
+    (what a rescue copies), and memory does not grow with the steps. `into` points the rows at another file (a
+    rescue folder's) after a write error, carrying the rows written so far; the scoring goes on from the next file."""
+
+    def __init__(self, files: list[Path], score_one, watching: list[Alarm], watch: GateWatch | None,
+                 progress: Progress | None) -> None:
+        self.files, self.score_one, self.watching, self.watch, self.progress = files, score_one, watching, watch, progress
+        self.done, self.seen, self.from_field, self.last = 0, set(), False, {}
+        self.columns: list[str] | None = None
+        self.file, self.path, self.good, self.pending = None, None, 0, b""  # pending: a scored row not yet on disk
+
+    def into(self, path: Path) -> None:
+        previous, good = self.path, self.good
+        self.close()
+        self.file, self.path, self.good = open_to_write(path, "wb"), path, 0
+        if previous is not None:
+            with previous.open("rb") as f:
+                while self.good < good:
+                    chunk = f.read(min(1 << 20, good - self.good))
+                    self.file.write(chunk)
+                    self.good += len(chunk)
+        self._put(b"")
+
+    def _put(self, text: bytes) -> None:
+        self.pending += text
+        self.file.write(self.pending)
+        self.file.flush()
+        self.good += len(self.pending)
+        self.pending = b""
+
+    def score(self) -> None:
+        while self.done < len(self.files):
+            path = self.files[self.done]
+            batch, summary = self.score_one(path)
+            step = self.done if batch.step is None else batch.step
+            self.from_field |= batch.step is not None
+            if step in self.seen:
+                raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
+            self.seen.add(step)
+            row = step_row(step, batch, summary)
+            frame = pd.DataFrame([row])
+            if self.columns is None:
+                self.columns = list(frame.columns)
+            text = frame.reindex(columns=self.columns).to_csv(header=self.done == 0, index=False, lineterminator="\n")
+            for alarm in self.watching:
+                alarm.see(step, row)
+            if self.watch is not None:
+                self.watch.see(f"step {step}", row)
+            self.last, self.done = row, self.done + 1
+            self._put(text.encode("utf-8"))
+            if self.progress is not None:
+                self.progress(self.done, len(self.files))
+        self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # a failed write's buffer: its rows are in `pending`
+                self.file.close()
+            self.file = None
+
+
 def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, gate: Gate | None = None,
                   manifest: dict | None = None, draw: Draw | None = None,
                   progress: Progress | None = None) -> History:
     """Score every file (`score_one(batch_path) -> (batch, summary)`) in order and write the history folder: all or
     nothing (atomic_dir), the manifest last; `draw` adds the figures. Steps are the files' `step` fields, else
-    their order (0, 1, ...)."""
+    their order (0, 1, ...). A write error (a full disk, a file-size limit) is an OutputError naming the file and
+    the OS error; the steps written so far and the rest go to a rescue folder in the temp folder (rundir.rescue_dir)
+    if possible, and the message says where."""
     watching = [Alarm(c) for c in alarms.conditions]
     watch = GateWatch(gate) if gate else None
-    columns: list[str] | None = None
-    seen: set[int] = set()
-    from_field = False
-    last: dict = {}
-    with locked(out_dir), atomic_dir(out_dir) as tmp:
-        phase(progress, "scoring the steps")
-        with (tmp / STEPS).open("w", encoding="utf-8", newline="") as f:
-            for n, path in enumerate(files):
-                batch, summary = score_one(path)
-                step = n if batch.step is None else batch.step
-                from_field |= batch.step is not None
-                if step in seen:
-                    raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
-                seen.add(step)
-                row = step_row(step, batch, summary)
-                frame = pd.DataFrame([row])
-                if columns is None:
-                    columns = list(frame.columns)
-                frame.reindex(columns=columns).to_csv(f, header=n == 0, index=False, lineterminator="\n")
-                for alarm in watching:
-                    alarm.see(step, row)
-                if watch is not None:
-                    watch.see(f"step {step}", row)
-                last = row
-                if progress is not None:
-                    progress(n + 1, len(files))
-        write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
-        figures = draw(tmp, watching) if draw is not None else []
-        verdict = watch.verdict if watch is not None else None
+    steps = _Steps(files, score_one, watching, watch, progress)
+    out_dir = Path(out_dir)
+    rescued: tuple[Path | None, str | None] = (None, None)
+    with locked(out_dir):
+        try:
+            with atomic_dir(out_dir) as tmp:
+                phase(progress, "scoring the steps")
+                try:
+                    _write(tmp, steps, manifest, draw)
+                except OSError as e:  # while tmp still holds the rows written so far
+                    rescued = _rescue(out_dir, steps, manifest, draw)
+                    raise
+        except OSError as e:
+            name = e.run_file if isinstance(getattr(e, "run_file", None), str) else None
+            where = out_dir / name if name else out_dir
+            rescue, why = rescued
+            saved = (f"the results were saved to {rescue} instead (move that folder where you want it)" if rescue
+                     else f"the results could not be saved elsewhere either ({why})")
+            raise OutputError(f"cannot write {where} ({e.strerror or e}); {saved}; free space there or choose "
+                              "another --out and rerun") from e
+        finally:
+            steps.close()
+    return History(out_dir, len(files), watching, watch.verdict if watch is not None else None, steps.last)
+
+
+def _write(folder: Path, steps: _Steps, manifest: dict | None, draw: Draw | None) -> None:
+    """steps.csv (the scoring streams into it), alarms.csv, the figures and the manifest, into `folder`. An OSError
+    leaves with `run_file`, the name of the file being written (None: a figure)."""
+    name: str | None = STEPS
+    try:
+        steps.into(folder / STEPS)
+        steps.score()
+        name = ALARMS
+        write_csv(pd.DataFrame([a.row() for a in steps.watching]), folder / ALARMS)
+        name = None  # one of the figures, which draw names
+        figures = draw(folder, steps.watching) if draw is not None else []
+        name = MANIFEST
         record = build_manifest("history", manifest or {}, {"history": {
-            "n_steps": len(files), "alarms": [a.row() for a in watching],
-            "steps_from": "the rows' step field" if from_field else "the file order"}}, command=sys.argv)
-        if verdict is not None:
-            record["gate"] = verdict.record()
-        record["files"] = {name: {"rows": _rows(tmp / name), "sha256": file_sha256(tmp / name)}
-                           for name in (STEPS, ALARMS, *figures)}
-        write_json(record, tmp / MANIFEST)
-    return History(out_dir, len(files), watching, verdict, last)
+            "n_steps": len(steps.files), "alarms": [a.row() for a in steps.watching],
+            "steps_from": "the rows' step field" if steps.from_field else "the file order"}}, command=sys.argv)
+        if steps.watch is not None:
+            record["gate"] = steps.watch.verdict.record()
+        record["files"] = {n: {"rows": _rows(folder / n), "sha256": file_sha256(folder / n)}
+                           for n in (STEPS, ALARMS, *figures)}
+        write_json(record, folder / MANIFEST)
+    except OSError as e:
+        e.run_file = name
+        raise
+
+
+def _rescue(out_dir: Path, steps: _Steps, manifest: dict | None, draw: Draw | None) -> tuple[Path | None, str | None]:
+    """The history written into a rescue folder instead, the steps not yet scored scored there; (where, None) or
+    (None, why not)."""
+    where = rescue_dir(out_dir)
+    try:
+        with atomic_dir(where) as tmp:
+            _write(tmp, steps, manifest, draw)
+    except (OSError, ProbeError) as e:
+        return None, getattr(e, "strerror", None) or str(e)
+    return where, None
 
 
 def _rows(path: Path) -> int:
