@@ -431,15 +431,20 @@ def rescue_dir(out_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{Path(out_dir).name}-{stamp}-{os.getpid()}"
 
 
-def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
-    """Write the run into the temp folder instead; (where, None) or (None, why not)."""
+def rescue(out_dir: Path, write: Callable[[Path], None]) -> tuple[Path | None, str | None]:
+    """`write(folder)` into a new rescue folder (rescue_dir), all or nothing: (where, None), or (None, why not)."""
     where = rescue_dir(out_dir)
     try:
         with atomic_dir(where) as tmp:
-            _write_files(tmp, manifest, prompts, tables)
+            write(tmp)
     except (OSError, ProbeError) as e:
         return None, getattr(e, "strerror", None) or str(e)
     return where, None
+
+
+def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
+    """Write the run into the temp folder instead; (where, None) or (None, why not)."""
+    return rescue(out_dir, lambda folder: _write_files(folder, manifest, prompts, tables))
 
 
 def write_run(out_dir: str | Path, manifest: dict, prompts, tables: dict[str, pd.DataFrame]) -> Path:

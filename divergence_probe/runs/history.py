@@ -31,7 +31,7 @@ from ..errors import OutputError, ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
 from ..rollouts import RolloutBatch, RolloutError
 from ..rollouts.read import JSONL, PARQUET
-from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, open_to_write, rescue_dir, write_csv, write_json
+from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, open_to_write, rescue, write_csv, write_json
 
 # Starting points, not verdicts: k3 (the KL(π_infer‖π_train) estimate a trainer sees) past 1e-3 nats per token, and
 # more than one token in a thousand whose probability differs by over 2x between the two stacks. Set your own with
@@ -187,7 +187,7 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
     """Score every file (`score_one(batch_path) -> (batch, summary)`) in order and write the history folder: all or
     nothing (atomic_dir), the manifest last; `draw` adds the figures. Steps are the files' `step` fields, else
     their order (0, 1, ...). A write error (a full disk, a file-size limit) is an OutputError naming the file and
-    the OS error; the steps written so far and the rest go to a rescue folder in the temp folder (rundir.rescue_dir)
+    the OS error; the steps written so far and the rest go to a rescue folder in the temp folder (rundir.rescue)
     if possible, and the message says where."""
     watching = [Alarm(c) for c in alarms.conditions]
     watch = GateWatch(gate) if gate else None
@@ -200,14 +200,14 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
                 phase(progress, "scoring the steps")
                 try:
                     _write(tmp, steps, manifest, draw)
-                except OSError as e:  # while tmp still holds the rows written so far
-                    rescued = _rescue(out_dir, steps, manifest, draw)
+                except OSError:  # while tmp still holds the rows written so far
+                    rescued = rescue(out_dir, lambda folder: _write(folder, steps, manifest, draw))  # the rest too
                     raise
         except OSError as e:
             name = e.run_file if isinstance(getattr(e, "run_file", None), str) else None
             where = out_dir / name if name else out_dir
-            rescue, why = rescued
-            saved = (f"the results were saved to {rescue} instead (move that folder where you want it)" if rescue
+            saved_to, why = rescued
+            saved = (f"the results were saved to {saved_to} instead (move that folder where you want it)" if saved_to
                      else f"the results could not be saved elsewhere either ({why})")
             raise OutputError(f"cannot write {where} ({e.strerror or e}); {saved}; free space there or choose "
                               "another --out and rerun") from e
@@ -239,18 +239,6 @@ def _write(folder: Path, steps: _Steps, manifest: dict | None, draw: Draw | None
     except OSError as e:
         e.run_file = name
         raise
-
-
-def _rescue(out_dir: Path, steps: _Steps, manifest: dict | None, draw: Draw | None) -> tuple[Path | None, str | None]:
-    """The history written into a rescue folder instead, the steps not yet scored scored there; (where, None) or
-    (None, why not)."""
-    where = rescue_dir(out_dir)
-    try:
-        with atomic_dir(where) as tmp:
-            _write(tmp, steps, manifest, draw)
-    except (OSError, ProbeError) as e:
-        return None, getattr(e, "strerror", None) or str(e)
-    return where, None
 
 
 def _rows(path: Path) -> int:
