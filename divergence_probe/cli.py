@@ -123,8 +123,46 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Find where vLLM and the transformers training stack round differently, layer by layer and token by token.",
 )
-console = Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one line in a pipe or CI log (no 80-column wrap)
-out = Console()
+# Outside a terminal (a pipe, a CI log, a file) the tables take their natural width: a width a log does not have would
+# cut numbers and names (`1.18e…`). In one, COLUMNS (or the terminal's size) rules, but a width that cannot hold a
+# table's row (COLUMNS=0 printed nothing at all, errors included) is raised to NARROWEST.
+UNCUT, NARROWEST = 100_000, 40
+
+
+def columns_for(stream) -> int:
+    """The width to draw at on `stream`: UNCUT unless it is a terminal; there COLUMNS when it is a whole number,
+    else the terminal's own width, at least NARROWEST either way."""
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        terminal = False
+    if not terminal:
+        return UNCUT
+    columns = os.environ.get("COLUMNS", "").strip()
+    if not columns.isdigit() or int(columns) == 0:
+        try:
+            columns = os.get_terminal_size(stream.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+    return max(int(columns), NARROWEST)
+
+
+class _Console(Console):
+    """A rich console whose width is `columns_for` its stream, asked at every print (the stream can be replaced)."""
+
+    @property
+    def size(self):
+        from rich.console import ConsoleDimensions
+
+        return ConsoleDimensions(columns_for(self.file), super().size.height)
+
+    @size.setter
+    def size(self, new_size) -> None:
+        Console.size.fset(self, new_size)
+
+
+console = _Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one line in a pipe or CI log (no wrap)
+out = _Console()
 
 OutOpt = typer.Option(None, "--out", "-o", help="New or empty output folder. Default: runs/<date>-<time>-<microseconds>.")
 FAIL_IF_HELP = ("Exit 1 (after writing everything) when METRIC OP VALUE holds, e.g. mean_kl>1e-3, "
@@ -202,7 +240,8 @@ class _Phases:
 
     Outside a terminal (a CI log, a batch job, `| tee`) there are no bars, so a run would say nothing for minutes:
     a phase still running after LOG_AFTER seconds writes a line saying it runs, and one with its duration when it
-    ends, on stdout, so that an error stays the one line on stderr however long the run went before it. `timings` (phase name -> seconds) goes into the run's manifest either way."""
+    ends, on stderr: stdout holds the results alone, to pipe or parse, and an error's line still comes last (the
+    phases end before it). `timings` (phase name -> seconds) goes into the run's manifest either way."""
 
     LOG_AFTER = 10.0
 
@@ -212,13 +251,16 @@ class _Phases:
         self.timings: dict[str, float] = {}
         self.name, self.described, self.started = "", "", 0.0
         self.announced, self.timer, self.lock = False, None, threading.Lock()
+        self.talking = False  # a phase line was written: the log follows the run, every later phase writes its lines
 
     def phase(self, name: str, *, offset: int = 0, scale: int = 1, total: int | None = None) -> None:
         self.end()
         self.task = self.bar.add_task(name, total=total)
         self.offset, self.scale = offset, scale
         self.name, self.described, self.started, self.announced = name, name, time.monotonic(), False
-        if self.log:  # the line comes while the phase runs, from a timer: a log shows what a long run is doing
+        if self.log and self.talking:  # a short phase after a long one (a noise floor after the scoring) is shown too
+            self._announce(self.task)
+        elif self.log:  # the line comes while the phase runs, from a timer: a log shows what a long run is doing
             self.timer = threading.Timer(self.LOG_AFTER, self._announce, args=(self.task,))
             self.timer.daemon = True
             self.timer.start()
@@ -245,7 +287,7 @@ class _Phases:
             self.timings[self.name] = round(self.timings.get(self.name, 0.0) + seconds, 6)
             self.stop_timer()
             with self.lock:
-                if self.log and seconds >= self.LOG_AFTER:
+                if self.log and (seconds >= self.LOG_AFTER or self.announced):
                     if not self.announced:  # the timer had not yet written its line
                         self._line(f"{self.name}…")
                     self._line(f"{self.described}: done in {seconds:.1f} s")
@@ -263,7 +305,8 @@ class _Phases:
                 self._line(f"{self.name}…")
 
     def _line(self, text: str) -> None:
-        out.print(text, highlight=False, markup=False, soft_wrap=True)  # stdout: stderr holds an error's one line
+        self.talking = True
+        console.print(text, highlight=False, markup=False, soft_wrap=True)  # stderr: stdout holds the results alone
 
 
 @contextlib.contextmanager
@@ -1182,11 +1225,25 @@ def _usage_line(error: click.UsageError) -> str:
     return one_line(error.format_message()) + where
 
 
+def _plain_streams() -> None:
+    """A stdout that cannot encode a character (PYTHONIOENCODING=ascii, LANG=C with a pipe) shows it as `?`: the
+    results were written already, and an encoding error there would turn a run's exit code into 1, the code of a
+    gate that failed. A COLUMNS that is no width (0, empty, a word) is dropped, so typer's help ignores it as the
+    tool's consoles do (columns_for)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # not a text stream, or a closed one
+            stream.reconfigure(errors="replace" if stream is sys.stdout else "backslashreplace")
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and not (columns.strip().isdigit() and int(columns) > 0):
+        del os.environ["COLUMNS"]
+
+
 def main() -> None:
     """The console entry point: SIGTERM stops a command like Ctrl-C (its cleanups run), then one line and 128+N;
     the libraries' own output is silenced unless -v (`_libraries_silenced`)."""
     from .signals import stop_behind, stop_on_signals
 
+    _plain_streams()
     quiet = contextlib.nullcontext() if _wants_verbose(sys.argv[1:]) else _libraries_silenced()
     try:
         with stop_on_signals(), quiet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from importlib import metadata
@@ -89,3 +90,25 @@ def environment(device: str) -> dict:
         "versions": versions,
         "untested_versions": untested(),  # {library: version} outside the supported ranges (versions.py)
     }
+
+
+CPU_KV_CACHE, CPU_KV_CACHE_DEFAULT = "VLLM_CPU_KVCACHE_SPACE", 1  # GiB: ample for a few thousand tokens of a small model
+
+
+def cpu_kv_cache_gib() -> int:
+    """The GiB vLLM's CPU engine gives its KV cache: VLLM_CPU_KVCACHE_SPACE read as vLLM reads it (int(): a whole
+    number, `2` or `+2`, never `0.5`), CPU_KV_CACHE_DEFAULT when unset or empty. What vLLM would fail on, later and
+    as a traceback (a fraction, a word, 0 or less: no KV cache), is one line before anything loads."""
+    text = os.environ.get(CPU_KV_CACHE, "")
+    if not text.strip():
+        return CPU_KV_CACHE_DEFAULT
+    try:
+        gib = int(text)
+    except ValueError:
+        raise ProbeError(f"{CPU_KV_CACHE}={text!r} is not a whole number of GiB, which is what vLLM's CPU engine reads "
+                         f"there; set it to one (e.g. {CPU_KV_CACHE}=2), or unset it for {CPU_KV_CACHE_DEFAULT} GiB") \
+            from None
+    if gib < 1:
+        raise ProbeError(f"{CPU_KV_CACHE}={text!r} leaves vLLM's CPU engine no KV cache; set it to a whole number of "
+                         f"GiB from 1 (e.g. {CPU_KV_CACHE}=2), or unset it for {CPU_KV_CACHE_DEFAULT} GiB")
+    return gib

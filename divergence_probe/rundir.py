@@ -56,6 +56,24 @@ KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollo
                 # score over many files (runs/history.py): a row per step instead of one summary row
                 "history": {"steps.csv": ("step", "file"), "alarms.csv": ("metric", "threshold", "first_step")}}
 OPTIONAL = ("tokens.csv",)
+# The columns of each file the readers (report, diff) compute with: each value must be a number, or the file is
+# refused naming the row. A run folder edited consistently with its manifest's hashes (or one older than them) is
+# read as the tool wrote it otherwise. In summary.csv every metric whose name says it is one (SUMMARY_NUMBER_SUFFIXES)
+# is checked too: the other columns may hold words (the first inexact tap, a floor's name).
+NUMBERS = {
+    "summary.csv": ("mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "mean_kl", "max_kl", "n_tokens"),
+    "layers.csv": ("layer", "rel_l2"),
+    "tokens.csv": ("position", "logprob_infer", "logprob_rollout", "delta_logprob", "kl"),
+    "local.csv": ("layer", "local_rel_l2", "propagated_rel_l2"),
+    "local_families.csv": ("local_rel_l2",),
+    "local_routing.csv": ("layer", "frac_topk_set_differs"),
+    "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
+    "routing.csv": ("layer", "frac_topk_set_differs"),
+    "routing_noise.csv": ("layer", "frac_topk_set_differs"),
+}
+SUMMARY_NUMBER_SUFFIXES = ("_abs_dlogp", "_kl", "_ci_low", "_ci_high", "_over_floor")
+# prompts.jsonl: each line a JSON object; the fields a reader uses, when there, of these types
+PROMPT_FIELDS = {"prompt_id": (int, str), "source": (str,), "text": (str,), "token_ids": (list,), "truncated": (bool,)}
 RERUN = "rerun the command that made the run folder"
 MARK = ".divergence-probe"  # in every output folder the tool makes: which output it is, and the files it wrote
 TOOL = "divergence-probe"
@@ -409,16 +427,26 @@ def _write_files(folder: Path, manifest: dict, prompts, tables: dict[str, pd.Dat
             raise
 
 
-def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
-    """Write the run into the temp folder instead; (where, None) or (None, why not)."""
+def rescue_dir(out_dir: Path) -> Path:
+    """Where the results of a run that could not be written to `out_dir` go instead: a new folder in the temp folder."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    where = Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{out_dir.name}-{stamp}-{os.getpid()}"
+    return Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{Path(out_dir).name}-{stamp}-{os.getpid()}"
+
+
+def rescue(out_dir: Path, write: Callable[[Path], None]) -> tuple[Path | None, str | None]:
+    """`write(folder)` into a new rescue folder (rescue_dir), all or nothing: (where, None), or (None, why not)."""
+    where = rescue_dir(out_dir)
     try:
         with atomic_dir(where) as tmp:
-            _write_files(tmp, manifest, prompts, tables)
+            write(tmp)
     except (OSError, ProbeError) as e:
         return None, getattr(e, "strerror", None) or str(e)
     return where, None
+
+
+def _rescue(out_dir: Path, manifest: dict, prompts, tables) -> tuple[Path | None, str | None]:
+    """Write the run into the temp folder instead; (where, None) or (None, why not)."""
+    return rescue(out_dir, lambda folder: _write_files(folder, manifest, prompts, tables))
 
 
 def write_run(out_dir: str | Path, manifest: dict, prompts, tables: dict[str, pd.DataFrame]) -> Path:
@@ -520,11 +548,32 @@ def parse_csv(path: Path, data: bytes, columns: Iterable[str] = (), drop: Iterab
     if missing:
         raise RunFolderError(f"{path} lacks the column(s) {', '.join(missing)}; was it written by this version "
                              f"of {TOOL}? {RERUN[0].upper() + RERUN[1:]}")
-    for column in numeric:
-        if not pd.api.types.is_numeric_dtype(df[column]) or pd.api.types.is_bool_dtype(df[column]):
-            raise RunFolderError(f"{path} has values in column {column} that are not numbers; it is not a file {TOOL} "
-                                 f"wrote: {RERUN}")
+    check_numbers(path, df, numeric)
     return df
+
+
+def check_numbers(path: Path, df: pd.DataFrame, columns: Iterable[str]) -> None:
+    """RunFolderError naming the first row where one of `columns` (those of the frame) holds no number."""
+    for column in columns:
+        if column in df.columns and (not pd.api.types.is_numeric_dtype(df[column])
+                                     or pd.api.types.is_bool_dtype(df[column])):
+            values = df[column]
+            numbers = pd.to_numeric(values.where(values.map(type) != bool), errors="coerce")  # True is no number
+            bad = (numbers.isna() & values.notna()).to_numpy()
+            if not bad.any():  # no rows, or every value empty: nothing that is not a number
+                continue
+            row = int(bad.argmax())
+            raise RunFolderError(f"{path} row {row + 1} (line {row + 2}): column {column} holds "
+                                 f"{one_line(repr(values.iloc[row]), 60)}, not a number; it is not a file {TOOL} "
+                                 f"wrote, or it was edited: {RERUN}")
+
+
+def numbers_of(name: str, columns: Iterable[str]) -> tuple[str, ...]:
+    """The columns of run file `name` (tokens.csv or tokens.csv.gz) that must hold numbers (NUMBERS)."""
+    base = name.removesuffix(".gz")
+    found = [c for c in columns if c in NUMBERS.get(base, ())
+             or (base == "summary.csv" and c.endswith(SUMMARY_NUMBER_SUFFIXES))]
+    return tuple(found)
 
 
 def read_file(path: Path) -> bytes:
@@ -552,14 +601,34 @@ def _columns(manifest: dict) -> dict[str, tuple]:
 
 
 def _parse_prompts(path: Path, data: bytes) -> list[dict]:
+    """prompts.jsonl's records: each line a JSON object whose PROMPT_FIELDS have their types (token_ids: whole
+    numbers); RunFolderError naming the line otherwise."""
     records = []
+    n = 0
     try:
         for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
             if line.strip():
-                records.append(json.loads(line))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _cut(path, f"has a line that is not JSON (line {n}: {e})") from e
+                records.append(_prompt_record(path, n, json.loads(line)))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or a 5000-digit int
+        raise _cut(path, f"has a line that is not JSON (line {n}: {one_line(e, 200)})") from e
     return records
+
+
+def _prompt_record(path: Path, n: int, record) -> dict:
+    def bad(what: str) -> RunFolderError:
+        return RunFolderError(f"{path} line {n}: {what}; it is not a file {TOOL} wrote, or it was edited: {RERUN}")
+
+    if not isinstance(record, dict):
+        raise bad(f"a JSON {type(record).__name__}, not an object of a prompt's fields")
+    for name, types in PROMPT_FIELDS.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise bad(f"`{name}` is {one_line(repr(value), 60)}, not a {' or '.join(t.__name__ for t in types)}")
+        if name == "token_ids" and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise bad("`token_ids` holds something other than whole numbers")
+    return record
 
 
 def _check_listed(path: Path, name: str, hashed: bytes, record: dict, rows: Callable[[], int]) -> None:
@@ -631,7 +700,9 @@ def read_run(run_dir: str | Path, drop: Iterable[str] = ()) -> RunFolder:
         elif base in columns:
             if record is not None:  # hash first: a cut file may still parse, and must never be used
                 _check_listed(stored, stored.name, hashed, record, lambda: len(parse_csv(stored, data, columns[base])))
-            run.tables[stored.name] = parse_csv(stored, data, columns[base], drop)
+            table = parse_csv(stored, data, columns[base], drop)
+            check_numbers(stored, table, numbers_of(base, table.columns))
+            run.tables[stored.name] = table
         elif record is not None:
             _check_listed(stored, stored.name, hashed, record, lambda: data.count(b"\n"))
     return run

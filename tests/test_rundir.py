@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -351,6 +352,62 @@ def test_shipped_run_folders_read(tmp_path):
     for run in runs:
         folder = read_run(run)
         assert "summary.csv" in folder.tables
+
+
+def _edit_line(path: Path, line: int, old: str, new: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    assert old in lines[line - 1]
+    lines[line - 1] = lines[line - 1].replace(old, new, 1)
+    path.write_text("".join(lines))
+
+
+def _rehash(run: Path) -> None:
+    """The manifest's `files` made to match the files as they are now (an edit that keeps the hashes consistent)."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    for name, record in manifest["files"].items():
+        record["sha256"] = hashlib.sha256((run / name).read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+# (file, line, text there, edited to, what the one line says after the file's name)
+EDITS = [
+    ("summary.csv", 2, "input_norm@0", "input_norm@0", None),  # untouched: the fixture reads
+    ("summary.csv", 2, "0.02461902890354395", "abc",
+     "summary.csv row 1 (line 2): column mean_abs_dlogp holds 'abc', not a number"),
+    ("summary.csv", 2, "0.0054", "1e-3x", "summary.csv row 1 (line 2): column noise_infer_mean_abs_dlogp holds"),
+    ("layers.csv", 3, "0.002819915918253825", "x", "layers.csv row 2 (line 3): column rel_l2 holds 'x', not a number"),
+    ("layers.csv", 2, "-1,embed", "first,embed", "layers.csv row 1 (line 2): column layer holds 'first'"),
+    ("prompts.jsonl", 1, '{"prompt_id": 0', '[{"prompt_id": 0', "prompts.jsonl line 1"),
+    ("prompts.jsonl", 2, '{"prompt_id": 1', '{"prompt_id": [1]', "prompts.jsonl line 2: `prompt_id` is [1], not a"),
+    ("prompts.jsonl", 1, '"token_ids": [', '"token_ids": [true, ', "prompts.jsonl line 1: `token_ids` holds"),
+]
+
+
+@pytest.mark.parametrize("name, line, old, new, says", EDITS)
+@pytest.mark.parametrize("hashed", [False, True], ids=["older folder", "hashes kept consistent"])
+def test_an_edited_run_folder_is_one_line_for_diff_and_report(name, line, old, new, says, hashed, tmp_path):
+    """A run folder edited where a reader needs numbers or prompt records: diff and report refuse it in one line
+    naming the file and the row, exit code 2, nothing written, whether the folder predates the manifest's hashes or
+    its hashes were edited to match."""
+    good = shutil.copytree(LEGACY_RUNS / "generate", tmp_path / "good")
+    run = shutil.copytree(LEGACY_RUNS / "generate", tmp_path / "run")
+    if name == "prompts.jsonl" and new.startswith("["):
+        _edit_line(run / name, line, "\n", "]\n")
+    _edit_line(run / name, line, old, new)
+    if hashed:
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["files"] = {p.name: {"sha256": ""} for p in run.iterdir() if p.name != "manifest.json"}
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        _rehash(run)
+    for args in (["diff", good, run, "--out", tmp_path / "d"], ["report", run, "--out", tmp_path / "r.md"]):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+        if says is None:
+            assert result.exit_code == 0, result.output
+            continue
+        assert result.exit_code == 2, result.output
+        (error,) = result.output.splitlines()
+        assert error.startswith(f"error: {run / name.split(' ')[0]}") and says in error, error
+        assert not (tmp_path / "d").exists() and not (tmp_path / "r.md").exists()
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])

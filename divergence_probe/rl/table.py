@@ -13,15 +13,14 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
 
 from ..errors import ProbeError
-from ..rundir import (MANIFEST, atomic_dir, check_out_dir, file_sha256, locked, mark, open_to_write, write_csv,
-                      write_json)
+from ..rundir import (MANIFEST, atomic_dir, check_out_dir, file_sha256, locked, mark, open_to_write, rescue_dir,
+                      write_csv, write_json)
 
 ROWS = "rl.csv"
 SUMMARY = "rl_summary.csv"
@@ -111,8 +110,7 @@ def rl_folder(out_dir: Path) -> Iterator[RLWriter]:
 def rescue(out_dir: Path, rows: list[dict], finished: tuple[dict, pd.DataFrame] | None) -> tuple[Path | None, str | None]:
     """The rows (and, for a run that finished, its summary and manifest) written to a new folder in the temp folder,
     when --out could not take them (a full disk): (where, None), or (None, why not)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    where = Path(tempfile.gettempdir()) / f"divergence-probe-rescue-{Path(out_dir).name}-{stamp}-{os.getpid()}"
+    where = rescue_dir(out_dir)
     try:
         with atomic_dir(where) as tmp:
             writer = RLWriter(tmp)

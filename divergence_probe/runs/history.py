@@ -14,6 +14,7 @@ DEFAULT_ALARMS watch those two.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 from array import array
@@ -28,11 +29,11 @@ import pandas as pd
 
 from .manifest import build_manifest
 from .progress import Progress, phase
-from ..errors import ProbeError
+from ..errors import OutputError, ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
 from ..rollouts import RolloutBatch, RolloutError
 from ..rollouts.read import JSONL, PARQUET
-from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, write_csv, write_json
+from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, open_to_write, rescue, write_csv, write_json
 
 # Starting points, not verdicts: k3 (the KL(π_infer‖π_train) estimate a trainer sees) past 1e-3 nats per token, and
 # more than one token in a thousand whose probability differs by over 2x between the two stacks. Set your own with
@@ -122,6 +123,110 @@ def step_row(step: int, batch: RolloutBatch, summary: dict) -> dict:
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan, **summary}
 
 
+class _Steps:
+    """The steps as they are scored, each row written to steps.csv and flushed at once: the file holds whole rows
+    (what a rescue copies), and memory does not grow with the steps. `into` points the rows at another file (a
+    rescue folder's) after a write error, carrying the rows written so far; the scoring goes on from the next file."""
+
+    def __init__(self, files: list[Path], score_one, watching: list[Alarm], watch: GateWatch | None,
+                 progress: Progress | None) -> None:
+        self.files, self.score_one, self.watching, self.watch, self.progress = files, score_one, watching, watch, progress
+        self.done, self.seen, self.last = 0, set(), {}
+        self.from_field: Path | None = None  # the first file that records its step, and the first that does not
+        self.from_order: Path | None = None
+        self.spans = array("q")  # step, offset, length of each row in steps.csv as written: 24 bytes a step
+        self.in_step_order: bool | None = None  # whether the files came in step order (known once sorted)
+        self.columns: list[str] | None = None
+        self.file, self.path, self.good, self.pending = None, None, 0, b""  # pending: a scored row not yet on disk
+
+    def into(self, path: Path) -> None:
+        previous, good = self.path, self.good
+        self.close()
+        self.file, self.path, self.good = open_to_write(path, "wb"), path, 0
+        if previous is not None:
+            with previous.open("rb") as f:
+                while self.good < good:
+                    chunk = f.read(min(1 << 20, good - self.good))
+                    self.file.write(chunk)
+                    self.good += len(chunk)
+        self._put(b"")
+
+    def _put(self, text: bytes) -> None:
+        self.pending += text
+        self.file.write(self.pending)
+        self.file.flush()
+        self.good += len(self.pending)
+        self.pending = b""
+
+    def score(self) -> None:
+        while self.done < len(self.files):
+            path = self.files[self.done]
+            batch, summary = self.score_one(path)
+            step = self.done if batch.step is None else batch.step
+            if batch.step is None:
+                self.from_order = self.from_order or path
+            else:
+                self.from_field = self.from_field or path
+            if self.from_field is not None and self.from_order is not None:
+                raise RolloutError(f"{self.from_field} records its step (a `step` field) and {self.from_order} does "
+                                   "not, so their step numbers would mix two orders; give every file's rows their "
+                                   "step, or none (the file order numbers the steps)")
+            if step in self.seen:
+                raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
+            self.seen.add(step)
+            row = step_row(step, batch, summary)
+            frame = pd.DataFrame([row])
+            if self.columns is None:
+                self.columns = list(frame.columns)
+            text = frame.reindex(columns=self.columns).to_csv(header=self.done == 0, index=False, lineterminator="\n")
+            head = b""  # the header, before the first row: a row's span is its own bytes
+            if self.done == 0:
+                header, _, text = text.partition("\n")
+                head = f"{header}\n".encode("utf-8")
+            for alarm in self.watching:
+                alarm.see(step, row)
+            if self.watch is not None:
+                self.watch.see(f"step {step}", row, order=step)
+            if not self.last or step > self.last["step"]:
+                self.last = row
+            self.done += 1
+            data = text.encode("utf-8")
+            self.spans.extend((step, self.good + len(self.pending) + len(head), len(data)))
+            self._put(head + data)
+            if self.progress is not None:
+                self.progress(self.done, len(self.files))
+        self.close()
+
+    def sort(self) -> None:
+        """Rewrite steps.csv with its rows in step order: each row copied from where it was written, one at a time,
+        so the rows never sit in memory together. The spans then describe the sorted file (a rescue after this copies
+        it as it is, and sorting it again changes nothing)."""
+        rows = np.frombuffer(self.spans, dtype=np.int64).reshape(-1, 3)
+        in_order = bool((np.diff(rows[:, 0]) > 0).all())
+        if self.in_step_order is None:
+            self.in_step_order = in_order
+        if in_order:
+            return
+        path = self.path
+        ordered = rows[np.argsort(rows[:, 0], kind="stable")]
+        sorted_path = path.with_name(path.name + ".sorted")
+        with path.open("rb") as source, open_to_write(sorted_path, "wb") as out:
+            out.write(source.read(int(rows[0, 1])))  # the header
+            for offset, length in ordered[:, 1:]:
+                source.seek(int(offset))
+                out.write(source.read(int(length)))
+        sorted_path.replace(path)
+        offsets = int(rows[0, 1]) + np.concatenate([[0], np.cumsum(ordered[:-1, 2])])
+        spans = np.column_stack([ordered[:, 0], offsets, ordered[:, 2]]).astype(np.int64)
+        self.spans = array("q", spans.tobytes())
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # a failed write's buffer: its rows are in `pending`
+                self.file.close()
+            self.file = None
+
+
 def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, gate: Gate | None = None,
                   manifest: dict | None = None, draw: Draw | None = None,
                   progress: Progress | None = None) -> History:
@@ -133,78 +238,63 @@ def write_history(files: list[Path], out_dir: Path, score_one, *, alarms: Gate, 
     timestamps, a glob's order): steps.csv is written in step order, an alarm's first crossing and a gate's failure
     are at the least step where they hold, and the figure runs left to right. Rows still stream to disk as they are
     made (only each row's step and place in the file are kept), so memory stays flat. A step named twice, or files
-    of which some record a `step` field and others do not (their numbers would mix two orders), are one line."""
+    of which some record a `step` field and others do not (their numbers would mix two orders), are one line.
+
+    A write error (a full disk, a file-size limit) is an OutputError naming the file and
+    the OS error; the steps written so far and the rest go to a rescue folder in the temp folder (rundir.rescue)
+    if possible, and the message says where."""
     watching = [Alarm(c) for c in alarms.conditions]
     watch = GateWatch(gate) if gate else None
-    columns: list[str] | None = None
-    seen: set[int] = set()
-    spans = array("q")  # step, offset, length of each row in steps.csv as written: 24 bytes a step
-    from_field: Path | None = None
-    from_order: Path | None = None
-    last: dict = {}
-    with locked(out_dir), atomic_dir(out_dir) as tmp:
-        phase(progress, "scoring the steps")
-        with (tmp / STEPS).open("wb") as f:
-            for n, path in enumerate(files):
-                batch, summary = score_one(path)
-                step = n if batch.step is None else batch.step
-                if batch.step is None:
-                    from_order = from_order or path
-                else:
-                    from_field = from_field or path
-                if from_field is not None and from_order is not None:
-                    raise RolloutError(f"{from_field} records its step (a `step` field) and {from_order} does not, "
-                                       "so their step numbers would mix two orders; give every file's rows their "
-                                       "step, or none (the file order numbers the steps)")
-                if step in seen:
-                    raise RolloutError(f"{path} is step {step} again (its `step` field); pass each step's file once")
-                seen.add(step)
-                row = step_row(step, batch, summary)
-                frame = pd.DataFrame([row])
-                if columns is None:
-                    columns = list(frame.columns)
-                text = frame.reindex(columns=columns).to_csv(header=n == 0, index=False, lineterminator="\n")
-                if n == 0:
-                    header, _, text = text.partition("\n")
-                    f.write(f"{header}\n".encode())
-                spans.extend((step, f.tell(), f.write(text.encode())))
-                for alarm in watching:
-                    alarm.see(step, row)
-                if watch is not None:
-                    watch.see(f"step {step}", row, order=step)
-                if not last or step > last["step"]:
-                    last = row
-                if progress is not None:
-                    progress(n + 1, len(files))
-        rows = np.frombuffer(spans, dtype=np.int64).reshape(-1, 3)
-        in_order = bool((np.diff(rows[:, 0]) > 0).all())
-        if not in_order:
-            _sort_rows(tmp / STEPS, rows)
-        write_csv(pd.DataFrame([a.row() for a in watching]), tmp / ALARMS)
-        figures = draw(tmp, watching) if draw is not None else []
-        verdict = watch.verdict if watch is not None else None
+    steps = _Steps(files, score_one, watching, watch, progress)
+    out_dir = Path(out_dir)
+    rescued: tuple[Path | None, str | None] = (None, None)
+    with locked(out_dir):
+        try:
+            with atomic_dir(out_dir) as tmp:
+                phase(progress, "scoring the steps")
+                try:
+                    _write(tmp, steps, manifest, draw)
+                except OSError:  # while tmp still holds the rows written so far
+                    rescued = rescue(out_dir, lambda folder: _write(folder, steps, manifest, draw))  # the rest too
+                    raise
+        except OSError as e:
+            name = e.run_file if isinstance(getattr(e, "run_file", None), str) else None
+            where = out_dir / name if name else out_dir
+            saved_to, why = rescued
+            saved = (f"the results were saved to {saved_to} instead (move that folder where you want it)" if saved_to
+                     else f"the results could not be saved elsewhere either ({why})")
+            raise OutputError(f"cannot write {where} ({e.strerror or e}); {saved}; free space there or choose "
+                              "another --out and rerun") from e
+        finally:
+            steps.close()
+    return History(out_dir, len(files), watching, watch.verdict if watch is not None else None, steps.last)
+
+
+def _write(folder: Path, steps: _Steps, manifest: dict | None, draw: Draw | None) -> None:
+    """steps.csv (the scoring streams into it), alarms.csv, the figures and the manifest, into `folder`. An OSError
+    leaves with `run_file`, the name of the file being written (None: a figure)."""
+    name: str | None = STEPS
+    try:
+        steps.into(folder / STEPS)
+        steps.score()
+        steps.sort()
+        name = ALARMS
+        write_csv(pd.DataFrame([a.row() for a in steps.watching]), folder / ALARMS)
+        name = None  # one of the figures, which draw names
+        figures = draw(folder, steps.watching) if draw is not None else []
+        name = MANIFEST
         record = build_manifest("history", manifest or {}, {"history": {
-            "n_steps": len(files), "alarms": [a.row() for a in watching],
-            "steps_from": "the rows' step field" if from_field else "the file order",
-            "files_in_step_order": in_order}}, command=sys.argv)
-        if verdict is not None:
-            record["gate"] = verdict.record()
-        record["files"] = {name: {"rows": _rows(tmp / name), "sha256": file_sha256(tmp / name)}
-                           for name in (STEPS, ALARMS, *figures)}
-        write_json(record, tmp / MANIFEST)
-    return History(out_dir, len(files), watching, verdict, last)
-
-
-def _sort_rows(path: Path, spans: np.ndarray) -> None:
-    """Rewrite steps.csv with its rows in step order: each row copied from where it was written (`spans`: step,
-    offset, length), one at a time, so the rows never sit in memory together."""
-    ordered = path.with_name(path.name + ".sorted")
-    with path.open("rb") as rows, ordered.open("wb") as out:
-        out.write(rows.read(int(spans[0, 1])))  # the header
-        for offset, length in spans[np.argsort(spans[:, 0], kind="stable"), 1:]:
-            rows.seek(int(offset))
-            out.write(rows.read(int(length)))
-    ordered.replace(path)
+            "n_steps": len(steps.files), "alarms": [a.row() for a in steps.watching],
+            "steps_from": "the rows' step field" if steps.from_field else "the file order",
+            "files_in_step_order": steps.in_step_order}}, command=sys.argv)
+        if steps.watch is not None:
+            record["gate"] = steps.watch.verdict.record()
+        record["files"] = {n: {"rows": _rows(folder / n), "sha256": file_sha256(folder / n)}
+                           for n in (STEPS, ALARMS, *figures)}
+        write_json(record, folder / MANIFEST)
+    except OSError as e:
+        e.run_file = name
+        raise
 
 
 def _rows(path: Path) -> int:

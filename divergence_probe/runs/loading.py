@@ -17,7 +17,7 @@ from ..models import memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
-from ..environment import environment, resolve_device, resolve_train_device, same_device
+from ..environment import cpu_kv_cache_gib, environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
@@ -213,7 +213,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     user = cfg.engine_args
     fixed_kv = user.get("kv_cache_memory_bytes")
     if cfg.infer == "vllm" and settings.device == "cpu":
-        fixed_kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * memory_plan.GiB  # engines/vllm/stack.py's default
+        fixed_kv = cpu_kv_cache_gib() * memory_plan.GiB  # what engines/vllm/stack.py gives the engine
     elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
         stacks_here = 1 if apart else 2  # vLLM's share counts the weights on its device: its own, and the trainer's
         fixed_kv = max(0, int(user["gpu_memory_utilization"] * total)

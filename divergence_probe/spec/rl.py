@@ -88,6 +88,23 @@ def parse_setting(text: str) -> RLSetting:
     return RLSetting(parse_regions(",".join(regions)) if regions else (), tuple(knobs[k] for k in sorted(knobs)))
 
 
+def check_trainer_knobs(arms: list[RLSetting], device: str) -> None:
+    """Each setting's trainer knobs (train:kernels=liger) meet the checks their flags meet (--train-kernels liger: the
+    device its ops run on, its package installed), before anything loads: after the loads, a missing library would
+    cost the loads and end in a traceback. (The engine's knobs are checked where the one engine is built.)"""
+    from ..environment import resolve_train_device
+    from .knobs import parse_factor
+
+    for arm in arms:
+        for label in arm.knobs:
+            if label.startswith("train:") and not label.startswith(CORRECTION_KNOB):
+                factor = parse_factor(label)
+                try:
+                    factor.knob.check(factor.value, resolve_train_device(None, device))
+                except ProbeError as e:
+                    raise ProbeError(f"--setting {arm.name!r}: {e}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class RLSpec:
     """A GRPO run (or an experiment: several settings x seeds) on one checkpoint, one engine."""
@@ -219,6 +236,7 @@ class RLSpec:
             raise ProbeError(f"--setting values run on different engines ({shown}); an rl run has one engine, so give "
                              "every setting the same engine:KEY=VALUE items and run each engine configuration as an rl "
                              "run of its own (several fit side by side on one GPU with gpu_memory_utilization)")
+        check_trainer_knobs(arms, self.device)
         if self.engine_args.get("quantization") is not None or any(k.startswith("engine:quantization=") for e in engines for k in e):
             # the trainer pushes BF16 weights every step
             raise ProbeError("engine quantization (--engine-args or --setting): rl pushes the trainer's BF16 weights "

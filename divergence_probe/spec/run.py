@@ -261,3 +261,13 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
          *(["--mode generate"] if run is not None and run.generate.generates else [])])
     if refusal:
         raise StackError(refusal)
+    if run is not None and run.kind == "ablate" and run.ablate.factors:
+        # a factor's load settings (--factor engine:enforce_eager=false is --engine compiled) meet the checks its
+        # flag meets, for every combination that loads them, before anything loads
+        for combo in subsets(run.ablate.players):
+            each = run.combination(combo)
+            if each.load != load:
+                try:
+                    check_family(each, each.load, family)
+                except ProbeError as e:
+                    raise type(e)(f"the combination {combo_name(combo, run.ablate.players)} cannot run: {e}") from None

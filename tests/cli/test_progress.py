@@ -96,9 +96,10 @@ def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
     """The line that says a phase runs comes from a timer, before the phase ends; a short phase writes no line."""
     import time
 
-    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), force_terminal=False, width=80))  # no terminal
-    console = Console(file=io.StringIO(), width=80)  # stdout, where the phase lines go
-    monkeypatch.setattr(cli, "out", console)
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)  # stderr, no terminal: the lines go there
+    monkeypatch.setattr(cli, "console", console)
+    results = Console(file=io.StringIO(), width=80)  # stdout holds the results alone
+    monkeypatch.setattr(cli, "out", results)
     monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
     with cli._phases() as shown:
         shown.phase("short")
@@ -110,3 +111,22 @@ def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
         shown.end()
     lines = console.file.getvalue().splitlines()
     assert lines[0] == "long…" and re.fullmatch(r"long: done in \d+\.\d s", lines[1]) and len(lines) == 2
+    assert results.file.getvalue() == ""
+
+
+def test_after_a_long_phase_every_phase_writes_its_lines(monkeypatch):
+    """Once a log shows a phase, the short ones after it show too: compare's noise floor, a few seconds after a
+    scoring of minutes, says that it ran and how long it took."""
+    import time
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    monkeypatch.setattr(cli, "console", console)
+    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
+    floor = "noise floor: each stack alone vs batched, another SDPA kernel"
+    with cli._phases() as shown:
+        shown.phase("scoring prompts, reducing taps")
+        time.sleep(0.3)
+        shown.phase(floor)
+        shown.end()
+    lines = console.file.getvalue().splitlines()
+    assert lines[2] == f"{floor}…" and re.fullmatch(rf"{floor}: done in \d+\.\d s", lines[3]) and len(lines) == 4

@@ -217,6 +217,26 @@ def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, pro
     assert elapsed < 20  # no engine start, no model load: the checkpoint's headers and the prompts only
 
 
+@pytest.mark.parametrize("value, says", [("0.5", "is not a whole number of GiB"), ("2GB", "is not a whole number"),
+                                         ("0", "leaves vLLM's CPU engine no KV cache")])
+def test_a_cpu_kv_cache_space_vllm_cannot_read_is_one_line_before_anything_loads(value, says, qwen3_tiny, prompts_file,
+                                                                                   tmp_path, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE is read as vLLM reads it (a whole number of GiB): what vLLM would fail on is refused by
+    the memory plan, which reads it first, in one line naming the variable."""
+    import divergence_probe.runs.loading as loading
+
+    def no_stack(name):
+        raise AssertionError(f"a stack ({name}) was loaded although the KV cache setting is unreadable")
+
+    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device",
+                                 "cpu", "--out", str(out_dir)], catch_exceptions=False)
+    one_line_error(result, f"VLLM_CPU_KVCACHE_SPACE={value!r}", says, "VLLM_CPU_KVCACHE_SPACE=2")
+    assert nothing_written(out_dir)
+
+
 @pytest.mark.parametrize("where, expected", [("forward", "the training stack's forward"),
                                              ("reduction", "the tap reduction")])
 def test_an_out_of_memory_mid_run_is_one_line_and_nothing_is_left(where, expected, qwen3_tiny, prompts_file,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +22,7 @@ from test_compare_cli import assert_one_line_error
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child
 
 REPO = Path(__file__).resolve().parents[2]
+LIGER_RUNS = torch.cuda.is_available() and find_spec("liger_kernel") is not None  # the trainer kernel set's needs
 
 
 def test_bracket_reward():
@@ -169,6 +171,9 @@ def test_every_rl_option_is_a_flag():
     (("train:correction=clip",), "train:correction takes tis, mis"),
     (("train:correction=tis,train:correction=mis",), "sets train:correction twice"),
     (("engine:nope=1",), "not SIDE:KEY=VALUE of a known knob"),
+    # checked as --train-kernels liger is, before loading: on this machine its device or its package is missing
+    pytest.param(("none", "rope,train:kernels=liger"), "--setting 'rope,train:kernels=liger': --train-kernels liger ",
+                 marks=pytest.mark.skipif(LIGER_RUNS, reason="liger runs here")),
 ])
 def test_knob_settings_that_cannot_run_are_one_line(settings, message, tmp_path):
     result = CliRunner().invoke(app, ["rl", *[a for s in settings for a in ("--setting", s)], "--out",

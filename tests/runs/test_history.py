@@ -289,3 +289,77 @@ def test_a_bad_step_file_writes_nothing(steps_folder, tmp_path):
     assert result.exit_code == 2 and "> 0" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "h").exists()
+
+
+def test_a_full_disk_mid_history_rescues_every_step(steps_folder, tmp_path, monkeypatch):
+    """No space left while steps.csv grows (its third row): one line naming the file, nothing left beside --out, and
+    the history goes on into a rescue folder in the temp folder, the rows written before the error carried over:
+    the same steps.csv a run with room writes, its alarms, figures and manifest."""
+    import errno
+    import tempfile
+
+    import divergence_probe.runs.history as history
+    from divergence_probe.rundir import read_manifest
+
+    folder, _ = steps_folder
+    assert invoke("score", folder, "--out", tmp_path / "room").exit_code == 0
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    real = history.open_to_write
+
+    class Full:
+        """A file of the --out folder on a disk that fills at its third row."""
+
+        def __init__(self, path, mode):
+            self.file, self.rows = real(path, mode), 0
+
+        def write(self, data):
+            self.rows += bool(data)
+            if self.rows == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(history, "open_to_write", lambda path, mode: (
+        real(path, mode) if "divergence-probe-rescue-" in str(path) else Full(path, mode)))
+    (tmp_path / "out").mkdir()
+    result = invoke("score", folder, "--out", tmp_path / "out" / "h")
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert f"cannot write {tmp_path / 'out' / 'h' / 'steps.csv'} (No space left on device)" in line
+    assert not any((tmp_path / "out").iterdir())
+    (rescue,) = scratch.iterdir()
+    assert f"saved to {rescue} instead" in line
+    assert (rescue / "steps.csv").read_bytes() == (tmp_path / "room" / "steps.csv").read_bytes()
+    assert {p.name for p in rescue.iterdir()} == {p.name for p in (tmp_path / "room").iterdir()}
+    assert set(read_manifest(rescue)["files"]) == {"steps.csv", "alarms.csv", "steps.png", "steps.pdf"}
+
+
+@pytest.mark.engine  # a child process (the suite's marker for those): a file-size limit is the process's own
+def test_a_file_size_limit_on_a_history_is_one_line(steps_folder, tmp_path):
+    """RLIMIT_FSIZE below the figures' size, everywhere (so the rescue fails as well): one line that says so, exit
+    code 2, nothing left beside --out or in the temp folder."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, _ = steps_folder
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "out").mkdir()
+    limit = 8000  # steps.csv fits, steps.png does not
+    result = subprocess.run(
+        [sys.executable, "-m", "divergence_probe", "score", str(folder), "--out", str(tmp_path / "out" / "h")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: cannot write {tmp_path / 'out' / 'h'} (File too large)")
+    assert "could not be saved elsewhere either (File too large)" in line
+    assert not any((tmp_path / "out").iterdir()) and not any(scratch.iterdir())

@@ -44,6 +44,7 @@ import torch
 
 from .. import torch_state
 from ... import timings
+from ...environment import CPU_KV_CACHE, cpu_kv_cache_gib
 from ...errors import StackError, one_line
 from ...models import family_of, find
 from ..layouts import layout_of
@@ -184,7 +185,7 @@ def _check_compilation_config(value) -> None:
 def _import_vllm():
     torch_state.snapshot_before_engine()  # the trainer's torch state, before vLLM touches any of it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for a few thousand tokens of a small model
+    os.environ[CPU_KV_CACHE] = str(cpu_kv_cache_gib())  # checked, the tool's default where unset
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter drowns our output
     try:
         with warnings.catch_warnings():  # vLLM's import-time deprecation chatter is not the user's problem

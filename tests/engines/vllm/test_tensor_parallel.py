@@ -203,6 +203,11 @@ def test_a_failed_rank_is_one_line(tp2):
     ({"mode": "generate"}, "--mode generate cannot run at tensor_parallel_size 2"),
     ({"engine": "compiled"}, "--engine compiled cannot run at tensor_parallel_size 2"),
     ({"align": "rope", "side": "train"}, None),
+    # a factor's settings as its flag's: the combination that runs compiled is refused before loading
+    ({"kind": "ablate", "side": "train", "factor": "engine:enforce_eager=false"},
+     "the combination engine:enforce_eager=false cannot run: --engine compiled cannot run at tensor_parallel_size 2"),
+    ({"kind": "ablate", "side": "train", "engine": "compiled", "factor": "engine:enforce_eager=true"},
+     "--engine compiled cannot run at tensor_parallel_size 2"),
 ])
 def test_what_cannot_run_sharded_is_refused_before_loading(flags, refused):
     flags = dict(flags)
