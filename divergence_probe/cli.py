@@ -566,8 +566,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
 
             with _phases() as phases:
                 phases.phase("loading the model in transformers and the inference stack")
-                probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps, plan_for=spec)
-                run = probe.run(spec, phases)
+                run = dp.run(spec, phases, before_stacks=before_stacks, spill_near=out_dir, notice=_placement_notice)
                 phases.end()
             if check_run is not None:
                 check_run(run.manifest)
@@ -575,9 +574,23 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             run.manifest["phases"] = phases.timings
             verdict = _judged(gate, run.manifest, _summary_rows(run))
             run.write(out_dir)
+            _move_kept_outputs(run.manifest, out_dir)
     except ProbeError as e:
         _fail(e)
     return run, out_dir, verdict
+
+
+def _placement_notice(line: str) -> None:
+    """The placement the memory plan chose, when it is not the usual one (both stacks together)."""
+    if not line.startswith("placement: together"):
+        console.print(escape(line), highlight=False, markup=True)
+
+
+def _move_kept_outputs(manifest: dict, out_dir: Path) -> None:
+    """--keep-engine-outputs: the engine's outputs that spilled to chunk files go into the written run folder."""
+    folder = manifest.get("placement", {}).get("kept_outputs", {}).get("folder")
+    if folder and Path(folder).is_dir():
+        Path(folder).rename(Path(out_dir) / "engine_outputs")
 
 
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
