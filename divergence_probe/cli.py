@@ -573,8 +573,10 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             run.manifest["command"] = sys.argv
             run.manifest["phases"] = phases.timings
             verdict = _judged(gate, run.manifest, _summary_rows(run))
+            kept = _kept_outputs(run.manifest)
             run.write(out_dir)
-            _move_kept_outputs(run.manifest, out_dir)
+            if kept is not None:
+                kept.rename(Path(out_dir) / KEPT_OUTPUTS)
     except ProbeError as e:
         _fail(e)
     return run, out_dir, verdict
@@ -586,11 +588,18 @@ def _placement_notice(line: str) -> None:
         console.print(escape(line), highlight=False, markup=True)
 
 
-def _move_kept_outputs(manifest: dict, out_dir: Path) -> None:
-    """--keep-engine-outputs: the engine's outputs that spilled to chunk files go into the written run folder."""
-    folder = manifest.get("placement", {}).get("kept_outputs", {}).get("folder")
-    if folder and Path(folder).is_dir():
-        Path(folder).rename(Path(out_dir) / "engine_outputs")
+KEPT_OUTPUTS = "engine_outputs"  # --keep-engine-outputs: the chunk files' folder in the run folder
+
+
+def _kept_outputs(manifest: dict) -> Path | None:
+    """--keep-engine-outputs: the folder of the engine's outputs that spilled to chunk files, which goes into the run
+    folder once it is written (the manifest says where it will be)."""
+    kept = manifest.get("placement", {}).get("kept_outputs", {})
+    folder = kept.get("folder")
+    if not folder or not Path(folder).is_dir():
+        return None
+    kept["folder"] = KEPT_OUTPUTS
+    return Path(folder)
 
 
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
