@@ -39,7 +39,10 @@ class Probe(LoadedStacks):
                              "load a probe for them (divergence_probe.run(spec) does both)")
         check_family(spec, self.config, self.source.family)
         with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
-            return self._run(spec, progress)
+            run = self._run(spec, progress)
+        if "placement" in run.manifest:  # both stacks together: the engine ran every prompt once per combination
+            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind == "ablate" else 1
+        return run
 
     def _run(self, spec: RunSpec, progress: Progress | None):
         self.infer.begin_run()  # the manifest's captured-logits gap describes this run alone
