@@ -98,7 +98,8 @@ def run_alternate(prepared: Prepared, spec: RunSpec, progress: Progress | None =
     kept = {c: KeptOutputs(folder / f"pass-{i}" if folder is not None else None) for i, c in enumerate(configurations)}
     trainer_probe, done = None, False
     try:
-        recorded, starts = _engine_passes(prepared, steps, configurations, kept, progress)
+        with memory_errors(prepared.plan, "the engine's pass over the prompts"):
+            recorded, starts = _engine_passes(prepared, steps, configurations, kept, progress)
         memory_after = _memory_after_release(settings.device)
         phase(progress, "loading the model in transformers")
         from ..engines.hf.tensor_parallel import trainer_stack_for

@@ -3,8 +3,8 @@ prompt first (in a worker process, which exits), its outputs kept on the host or
 against them through the same pairing and reduction.
 
 The together runs are the suite's own: the CLI processes' Qwen2 compare, generate-mode compare and ablation
-(conftest.cli_processes), the session's in-process tiny Qwen3 engine and transformers pair. Each alternate run here is
-in this process, its engine in a worker of its own.
+(conftest.cli_processes), the in-process tiny Qwen3 engine (conftest.vllm_probe) and transformers pair
+(conftest.hf_probe). Each alternate run here is in this process, its engine in a worker of its own.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def test_qwen2_alternate_writes_the_together_files(mode, cli_processes, qwen2_ti
 
 
 def test_qwen3_alternate_with_the_noise_floor(vllm_probe, prompts_file, tmp_path):
-    """The session's in-process engine together with the trainer, against a worker engine, then the trainer alone;
-    --batch-invariance's engine calls (each sequence alone, batched) come from the kept outputs too."""
+    """The in-process engine (conftest.vllm_probe) beside the trainer, against a worker engine and then the trainer
+    alone; --batch-invariance's engine calls (each sequence alone, batched) come from the kept outputs too."""
     together = vllm_probe.compare(prompts=str(prompts_file), taps="all", batch_invariance=True)
     together.write(tmp_path / "together")
     run = alternate_run("compare", tmp_path / "alternate", model=vllm_probe.config.model, dtype="bfloat16",
