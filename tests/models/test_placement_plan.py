@@ -101,3 +101,28 @@ def test_a_loaded_probe_refuses_alternate():
 def test_placement_choice_checked():
     with pytest.raises(ProbeError, match="--placement 'apart' is not valid"):
         spec_from_flat("compare", placement="apart")
+
+
+def test_refusals_are_one_cli_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
+    """--graft under alternate, and outputs that fit neither the host nor the disk: one line, exit 2, nothing written,
+    no stack loaded."""
+    from typer.testing import CliRunner
+
+    import divergence_probe.runs.loading as loading
+    from divergence_probe.cli import app
+
+    def no_stack(*args, **kwargs):
+        raise AssertionError("a stack was loaded although the run was refused")
+
+    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "trainer_stack_for", no_stack)
+    base = ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device", "cpu",
+            "--placement", "alternate"]
+    monkeypatch.setenv(memory_plan.HOST_ENV, "1")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("U", (), {"free": 1})())
+    for extra, fragment in ((["--graft"], "use --placement together"), ([], "keeps the engine's outputs")):
+        out_dir = tmp_path / f"run{len(extra)}"
+        result = CliRunner().invoke(app, [*base, *extra, "--out", str(out_dir)], catch_exceptions=False)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and fragment in lines[0], result.output
+        assert not out_dir.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out_dir.name}.")]
