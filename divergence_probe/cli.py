@@ -620,11 +620,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             with _phases() as phases:
                 phases.phase("loading the model in transformers and the inference stack")
                 timings.add("start", timings.process_age() or 0.0)  # the interpreter, the CLI's imports, the spec
-                with timings.timed("load"):
-                    probe = dp.load(spec=spec.load, before_stacks=before_stacks, taps=spec.capture.taps,
-                                    plan_for=spec)
-                with timings.timed("run"):
-                    run = probe.run(spec, phases)
+                run = dp.run(spec, phases, before_stacks=before_stacks, spill_near=out_dir, notice=_placement_notice)
                 phases.end()
             if check_run is not None:
                 check_run(run.manifest)
@@ -633,10 +629,33 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             if timings.enabled():  # the writing, the report and the exit follow: a whole-process clock has the rest
                 run.manifest["timings"] = timings.record() | {"until_written": round(timings.process_age() or 0.0, 3)}
             verdict = _judged(gate, run.manifest, _summary_rows(run))
+            kept = _kept_outputs(run.manifest)
             run.write(out_dir)
+            if kept is not None:
+                kept.rename(Path(out_dir) / KEPT_OUTPUTS)
     except ProbeError as e:
         _fail(e)
     return run, out_dir, verdict
+
+
+def _placement_notice(line: str) -> None:
+    """The placement the memory plan chose, when it is not the usual one (both stacks together)."""
+    if not line.startswith("placement: together"):
+        console.print(escape(line), highlight=False, markup=True)
+
+
+KEPT_OUTPUTS = "engine_outputs"  # --keep-engine-outputs: the chunk files' folder in the run folder
+
+
+def _kept_outputs(manifest: dict) -> Path | None:
+    """--keep-engine-outputs: the folder of the engine's outputs that spilled to chunk files, which goes into the run
+    folder once it is written (the manifest says where it will be)."""
+    kept = manifest.get("placement", {}).get("kept_outputs", {})
+    folder = kept.get("folder")
+    if not folder or not Path(folder).is_dir():
+        return None
+    kept["folder"] = KEPT_OUTPUTS
+    return Path(folder)
 
 
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of

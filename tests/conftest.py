@@ -50,7 +50,7 @@ ENGINE_FIXTURES = frozenset({"vllm_probe", "cli_processes"})
 # The modules whose tests use `cli_processes`, whose engine processes should start once per test run: under
 # pytest-xdist's `--dist loadfile` they are one unit of work, on one worker (collection refuses a module missing here).
 SHARED_PROCESS_MODULES = frozenset({"test_compare_cli", "test_ablation", "test_reproducible", "test_readme",
-                                    "test_packaging"})
+                                    "test_packaging", "test_placement"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

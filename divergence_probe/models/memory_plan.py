@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
@@ -196,6 +196,11 @@ class PlanInputs:
     train_tp: int = 1  # --train-tp: the trainer's ranks (engines/hf/tensor_parallel.py)
     train_free_bytes: int = 0
     train_free_source: str = ""
+    # --placement alternate: the engine runs every prompt first and leaves the device before the trainer loads, so the
+    # device holds one stack at a time (and what the trainer runs against comes back from the host one batch at a time)
+    alternate: bool = False
+    engine_passes: int = 1  # runs of the engine over every prompt: an ablation's engine-side combinations
+    engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -398,14 +403,20 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     return train
 
 
-def _phases(t: dict[str, int]) -> dict[str, int]:
-    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it)."""
-    fixed = t.get("train_weights", 0) + t.get("train_rank_processes", 0) + t["infer_weights"] + t["kv_cache"] \
-        + t["runtime_allowance"] + t["fragmentation_allowance"]
+def _phases(t: dict[str, int], alternate: bool = False) -> dict[str, int]:
+    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it).
+    `alternate`: the engine's phases hold no trainer, the trainer's no engine (it left the device in between); the
+    trainer's phase still holds one inference batch, moved back from the host."""
+    allowances = t["runtime_allowance"] + t["fragmentation_allowance"]
+    trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
+    engine = t["infer_weights"] + t["kv_cache"]
+    fixed = trainer + engine + allowances
+    engine_fixed, train_fixed = (engine + allowances, trainer + allowances) if alternate else (fixed, fixed)
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
+    fixed = train_fixed
     return {
-        "engine_start": fixed + t["engine_profile_activations"],
-        "engine_step": fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
+        "engine_start": engine_fixed + t["engine_profile_activations"],
+        "engine_step": engine_fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
         "train_and_reduce": fixed + held + t.get("train_taps", 0) + t.get("train_forward", 0)
         + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"] + t["reduction_temporaries"]
         + t.get("train_amp_weight_casts", 0),
@@ -426,7 +437,7 @@ def _train_phases(t: dict[str, int]) -> dict[str, int]:
 
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:
     terms, kv, train = _terms(i, batch_tokens, chunk)
-    phases = _phases(terms)
+    phases = _phases(terms, i.alternate)
     apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
                                       "train_needed": max(tp.values())}
     return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
@@ -462,6 +473,79 @@ def plan(i: PlanInputs) -> MemoryPlan:
     return _evaluate(i, i.batch_tokens, None, batch_tokens_fitting=fitting.batch_tokens if fitting else None)
 
 
+HOST_ENV = "DIVERGENCE_PROBE_HOST_MEMORY"
+
+
+def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[MemoryPlan, str]:
+    """The plan for --placement `asked` and why it is that placement. auto: both stacks together when they fit the
+    device (nothing is kept on the host, the engine starts once), else one at a time when that fits and the run can
+    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse."""
+    together = plan(replace(i, alternate=False))
+    if asked == "together" or (asked == "auto" and not can_alternate):
+        return together, f"asked (--placement {asked})" if asked == "together" else \
+            "this run needs both stacks at once"
+    alternate = plan(replace(i, alternate=True))
+    if asked == "alternate":
+        return alternate, "asked (--placement alternate)"
+    if together.fits:
+        return together, f"both stacks fit together ({_gib(together.needed)} of {_gib(i.free_bytes)} free)"
+    if alternate.fits:
+        return alternate, (f"both stacks together need {_gib(together.needed)} of {i.device} memory but "
+                           f"{_gib(i.free_bytes)} is free; one at a time {_gib(alternate.needed)}")
+    return min((together, alternate), key=lambda p: p.needed), "neither placement fits"
+
+
+def kept_output_bytes(p: MemoryPlan) -> int:
+    """--placement alternate: the bytes of everything the engine hands over, kept on the host until the trainer has
+    run against it: every sequence's taps (the logits tap too), its logits and logprobs, once per engine pass; in
+    generate mode the engine's prefill of every sampled sequence, with --batch-invariance each sequence alone and
+    batched (and a mixture's router logits both ways), with --engine-noise both engines' scores."""
+    i, m, b = p.inputs, p.inputs.model, p.inputs.dtype_bytes
+    samples, new = max(1, i.samples), max(0, i.new_tokens)
+    lengths = i.prompt_lengths or (min(p.batch_tokens, i.max_model_len),)
+    rows = sum(n + new for n in lengths) * samples
+    scored = sum(n + new - 1 for n in lengths) * samples
+    per_row = m.tap_elements_per_token(i.taps) * b + (m.vocab * b if "logits" in i.taps else 0)
+    copies = 1 + (1 if new else 0) + (2 if i.noise_floor else 0) + (2 if i.engine_noise else 0)
+    routers = 2 * rows * m.experts * m.layers * (b + 8) if i.noise_floor and m.experts else 0
+    return max(1, i.engine_passes) * (rows * per_row + scored * (m.vocab * b + 4) * copies + routers)
+
+
+def host_budget(p: MemoryPlan) -> tuple[int, str]:
+    """Host memory the kept outputs may take, and where the count came from: the system's available RAM (on the CPU
+    less the plan's peak: the device is the host), or DIVERGENCE_PROBE_HOST_MEMORY."""
+    override = os.environ.get(HOST_ENV)
+    if override:
+        return parse_bytes(override, HOST_ENV), HOST_ENV
+    free, _ = _system_memory()
+    if p.inputs.device == "cpu":
+        return max(0, free - p.needed), "system RAM available less the plan's peak (the CPU is the device)"
+    return free, "system RAM available"
+
+
+def keep_where(p: MemoryPlan, folder: str) -> dict:
+    """Where --placement alternate keeps the engine's outputs: in host memory when they fit its budget, else in
+    chunk files under `folder` when its disk has room; neither: one line, before anything loads."""
+    import shutil
+
+    kept = kept_output_bytes(p)
+    budget, source = host_budget(p)
+    record = {"bytes": kept, "host_budget_bytes": budget, "host_budget_source": source}
+    if kept <= budget:
+        return record | {"kept": "host"}
+    parent = folder
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent) or "."
+    disk = shutil.disk_usage(parent).free
+    if kept <= disk:
+        return record | {"kept": "file", "disk_free_bytes": disk}
+    raise DeviceMemoryError(
+        f"--placement alternate keeps the engine's outputs ({_gib(kept)}) until the trainer runs, but the host may "
+        f"hold {_gib(budget)} ({source}) and {parent} has {_gib(disk)} free; nothing was loaded. Options: fewer --taps "
+        f"(--taps none keeps logprobs and logits only), fewer prompts (--num-prompts), --placement together on a "
+        f"larger device, or free disk space there")
+
+
 def check(p: MemoryPlan) -> MemoryPlan:
     """The plan if it fits; else one line naming the device that does not fit, what was needed, what was free, and the
     options."""
@@ -492,6 +576,7 @@ def check(p: MemoryPlan) -> MemoryPlan:
         options.append("a GPU with more free memory" + ("" if i.train_device else " (or --train-device cuda:1)"))
     options.append(f"a larger {ENV}" if source == ENV else f"{ENV}=BYTES if {source} is wrong")
     whose = ("" if i.train_device is None else " (the engine's device)") if engine else " (--train-device)"
+    whose += " with one stack at a time (--placement alternate)" if i.alternate else ""
     raise DeviceMemoryError(
         f"the run needs about {_gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
         f"{p.batch_tokens}) but {_gib(free)} is free ({source}); nothing was loaded. "
@@ -507,17 +592,17 @@ def _gib(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the device's memory
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, env: str = ENV) -> int:
     """`80000000000`, `8e10`, `80GB`, `74.5GiB`, `512MiB`: a byte count."""
     m = re.fullmatch(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
     if not m:
-        raise DeviceMemoryError(f"{ENV}={text!r} is not a byte count; give bytes (80000000000) or e.g. 80GB, 74.5GiB")
+        raise DeviceMemoryError(f"{env}={text!r} is not a byte count; give bytes (80000000000) or e.g. 80GB, 74.5GiB")
     scale = {None: 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
              "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": GiB, "gib": GiB, "ti": 1 << 40,
              "tib": 1 << 40}[m.group(2)]
     count = float(m.group(1)) * scale
     if not 0 < count <= MAX_DEVICE_BYTES:  # 1e999 is inf: no int holds it, and no device is that large
-        raise DeviceMemoryError(f"{ENV}={text!r} must be positive and at most {MAX_DEVICE_BYTES >> 50} PiB; give "
+        raise DeviceMemoryError(f"{env}={text!r} must be positive and at most {MAX_DEVICE_BYTES >> 50} PiB; give "
                                 "the device's bytes (e.g. 80GB)")
     value = int(count)
     return value

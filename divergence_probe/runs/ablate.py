@@ -21,6 +21,7 @@ from .batch_invariance import NoiseEngines
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .progress import Progress, phase
+from .loading import engine_settings_for
 from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..engines.patching import aligned
@@ -143,11 +144,10 @@ def _engine_changed(probe, step: RunSpec) -> bool:
 
 def _engine_settings(probe, step: RunSpec):
     """The probe's engine settings (as its memory plan made them) with the combination's engine factors."""
-    from ..engines.protocol import freeze_engine_args
+    return engine_settings_for(probe.config, probe.settings, step)
 
-    added = {k: v for k, v in step.load.engine_args.items() if probe.config.engine_args.get(k) != v}
-    return replace(probe.settings, engine=step.load.engine,
-                   engine_args=freeze_engine_args({**probe.settings.engine_kwargs(), **added}))
+
+
 
 
 def _needs_worker(probe, step: RunSpec, side: str) -> bool:
@@ -169,17 +169,7 @@ def _configured(probe, step: RunSpec, worker):
     loaded beside) and its engine factors (an engine built in a worker), with its regions aligned."""
     side = step.align.side
     with ExitStack() as stack:
-        view = probe
-        if step.load != probe.config:
-            view = replace(probe, config=step.load)
-        train_changes = {f: getattr(step.load, f) for f in ("train_precision",)
-                         if getattr(step.load, f) != getattr(probe.config, f)}
-        if train_changes:  # another trainer, loaded beside the run's own for this combination
-            view = probe.with_trainer(**train_changes, train_kernels=step.load.train_kernels)
-            view = replace(view, config=step.load)
-            stack.callback(view.train.close)
-        elif step.load.train_kernels != probe.config.train_kernels:
-            stack.enter_context(probe.train.kernels_used(step.load.train_kernels))
+        view = trainer_configured(probe, step, stack)
         if _engine_changed(probe, step):
             worker = worker or _worker(probe, step)
             stack.callback(worker.close)
@@ -189,6 +179,23 @@ def _configured(probe, step: RunSpec, worker):
             yield view
             return
         yield stack.enter_context(aligned_probe(view, step.align.regions, side, worker))
+
+
+def trainer_configured(probe, step: RunSpec, stack: ExitStack):
+    """The probe with a combination's trainer factors: the kernel set swapped in place (undone by `stack`), another
+    precision loaded beside the run's own trainer (closed by `stack`)."""
+    view = probe
+    if step.load != probe.config:
+        view = replace(probe, config=step.load)
+    train_changes = {f: getattr(step.load, f) for f in ("train_precision",)
+                     if getattr(step.load, f) != getattr(probe.config, f)}
+    if train_changes:  # another trainer, loaded beside the run's own for this combination
+        view = probe.with_trainer(**train_changes, train_kernels=step.load.train_kernels)
+        view = replace(view, config=step.load)
+        stack.callback(view.train.close)
+    elif step.load.train_kernels != probe.config.train_kernels:
+        stack.enter_context(probe.train.kernels_used(step.load.train_kernels))
+    return view
 
 
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:
@@ -226,6 +233,35 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         noise_engines.close()
         for worker in started.values():
             worker.close()
+    return ablation(spec, runs)
+
+
+def run_ablation_kept(probe, spec: RunSpec, engine_for, progress: Progress | None = None) -> AblationRun:
+    """--placement alternate's trainer pass (runs/alternate.py): each combination on the trainer alone, against its
+    engine pass's outputs (`engine_for(step)`: the kept engine and --engine-noise's kept other engines), with its
+    trainer factors and its regions aligned in the trainer (the engine pass had its own)."""
+    players = spec.ablate.players
+    combos = subsets(players)
+    runs, done_before = {}, 0
+    for i, combo in enumerate(combos):
+        step = spec.combination(combo)
+        phase(progress, f"combination {combo_name(combo, players)} ({i + 1}/{len(combos)})",
+              offset=done_before, scale=len(combos))
+        engine, noise = engine_for(step)
+        with ExitStack() as stack:
+            view = replace(trainer_configured(probe, step, stack), infer=engine, owns_infer=False,
+                           settings=engine_settings_for(probe.config, probe.settings, step))
+            stack.enter_context(aligned([view.train] if step.align.side != "infer" else [], step.align.regions))
+            runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
+                                      noise_engines=noise)
+        done_before += len(runs[combo].prompts)
+    return ablation(spec, runs)
+
+
+def ablation(spec: RunSpec, runs: dict) -> AblationRun:
+    """The ablation of its combinations' runs: the manifest of the shipped one, with what accumulates over all."""
+    players = spec.ablate.players
+    combos = list(runs)
     # The shipped combination's manifest says what each region ran as; what accumulates over the combinations (the
     # reduction's compile state, the largest captured-logits gap) is taken from all of them.
     manifests = [run.manifest for run in runs.values()]

@@ -39,24 +39,8 @@ def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
     micro-batch of padded logits), as the memory plan counts it, not every batch's at once."""
     rows, sums = [], []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
-        deltas, kls, keys = [], [], []
-        groups = stack.batch_groups(sequences)
-        for group in groups:
-            together = {s.prompt_id: s for s in stack.score_batched(group)}
-            for seq in group:
-                keys.append(seq.prompt_id)
-                [alone] = stack.score([seq], frozenset(), _ignore)
-                batched = together[seq.prompt_id]
-                deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
-                kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
-            del together
-        d, k = np.concatenate(deltas), np.concatenate(kls)
-        # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
-        # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
-        size = max(map(len, groups))
-        rows.append({"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()),
-                     "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
-                     "n_tokens": int(d.size), "batch_size": size})
+        row, keys, deltas = measure_side(side, stack, sequences)
+        rows.append(row)
         sums.append(_sequence_sums(len(rows) - 1, keys, deltas))
     return _with_sums(pd.DataFrame(rows, columns=COLUMNS), sums)
 
@@ -93,6 +77,29 @@ def sequence_sums(table: pd.DataFrame, row: int) -> pd.DataFrame:
     return pd.DataFrame(records, columns=SUM_COLUMNS)[SUM_COLUMNS[1:]]
 
 
+def measure_side(side: str, stack, sequences: Sequence[Prompt]) -> tuple[dict, list[int], list[np.ndarray]]:
+    """One stack's batch_invariance.csv row, and each sequence's key and |Δlogp| (the floor's per-prompt sums); an
+    engine pass of --placement alternate runs the engine's alone."""
+    deltas, kls, keys = [], [], []
+    groups = stack.batch_groups(sequences)
+    for group in groups:
+        together = {s.prompt_id: s for s in stack.score_batched(group)}
+        for seq in group:
+            keys.append(seq.prompt_id)
+            [alone] = stack.score([seq], frozenset(), _ignore)
+            batched = together[seq.prompt_id]
+            deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
+            kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
+        del together
+    d, k = np.concatenate(deltas), np.concatenate(kls)
+    # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
+    # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
+    size = max(map(len, groups))
+    return {"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "mean_kl": float(k.mean()), "max_kl": float(k.max()), "n_tokens": int(d.size), "batch_size": size}, \
+        keys, deltas
+
+
 ROUTING_NOISE_COLUMNS = ["stack", "side", "change", "layer", "tokens", "frac_experts_differ",
                          "frac_differ_strict_order", "frac_differ_tie_collision", "frac_topk_set_differs",
                          "frac_topk_order_differs", "frac_flipped_near_tie", "frac_tokens_any_flip"]
@@ -108,12 +115,18 @@ def routing_noise(probe, sequences: Sequence[Prompt], top_k: int) -> pd.DataFram
     expert ids)."""
     rows = []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
-        alone, together = _KeptTaps(), _KeptTaps()
-        for seq in sequences:
-            stack.score([seq], ROUTER_TAPS, alone)
-        stack.score_batched(sequences, ROUTER_TAPS, together)
+        alone, together = routing_taps(stack, sequences)
         rows += _routing_rows(stack.name, side, "batched vs alone", together, alone, sequences, top_k)
     return pd.DataFrame(rows, columns=ROUTING_NOISE_COLUMNS)
+
+
+def routing_taps(stack, sequences: Sequence[Prompt]) -> tuple["_KeptTaps", "_KeptTaps"]:
+    """One stack's router taps of every sequence alone, then batched (what routing_noise compares)."""
+    alone, together = _KeptTaps(), _KeptTaps()
+    for seq in sequences:
+        stack.score([seq], ROUTER_TAPS, alone)
+    stack.score_batched(sequences, ROUTER_TAPS, together)
+    return alone, together
 
 
 ROUTER_TAPS = frozenset({"router_logits", "expert_ids"})  # the logits and the experts the router returned
@@ -238,7 +251,7 @@ class NoiseEngines:
             self._workers[key] = worker = WorkerStack(settings, built)  # kept first: close() covers a failed start
             worker.load(settings)
         patched = tuple(regions) if not built else ()
-        return self._workers[key].score_batched(sequences, patched)
+        return self._workers[key].score_batched(sequences, patched=patched)
 
     def __len__(self) -> int:
         """How many engines were built."""

@@ -47,6 +47,7 @@ class LoadedStacks:
     memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (models/memory_plan.py)
     load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
     quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
+    placement: dict | None = None  # how the stacks shared the device, and why (Prepared.placement)
 
     def with_trainer(self, **changes) -> "LoadedStacks":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
@@ -81,12 +82,14 @@ class LoadedStacks:
                 "engine_args": self.config.engine_args,
                 "seed": self.config.seed,
                 "batch_tokens": self.config.batch_tokens,
+                "placement": self.config.placement,
                 "max_model_len": self.settings.max_model_len,
             },
             "stacks": {side: vars(stack.info()) for side, stack in (("infer", self.infer), ("train", self.train))},
             "environment": self._environment,
             **({"memory_plan": self.memory_plan.record() | {"measured_load_peak_bytes": self.load_peak_bytes}}
                if self.memory_plan is not None else {}),
+            **({"placement": dict(self.placement)} if self.placement is not None else {}),
         }
 
     def close(self) -> None:
@@ -122,6 +125,19 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
     )
 
 
+def engine_settings(settings: StackSettings) -> StackSettings:
+    """The engine's settings: the run's, without what only the training side takes."""
+    return replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1)
+
+
+def engine_settings_for(config: LoadSpec, settings: StackSettings, step: RunSpec) -> StackSettings:
+    """The run's engine settings (`settings`, as the memory plan of `config` made them) with an ablation
+    combination's engine factors."""
+    added = {k: v for k, v in step.load.engine_args.items() if config.engine_args.get(k) != v}
+    return replace(settings, engine=step.load.engine,
+                   engine_args=freeze_engine_args({**settings.engine_kwargs(), **added}))
+
+
 def train_settings(cfg: LoadSpec, settings: StackSettings) -> StackSettings:
     """The training stack's settings: the run's, on --train-device (the engine keeps --device)."""
     return replace(settings, device=resolve_train_device(cfg.train_device, cfg.device))
@@ -140,9 +156,41 @@ def load_stacks(model: str | None = None, *, spec: LoadSpec | None = None, befor
     return probe
 
 
+@dataclass
+class Prepared:
+    """What a load decides before either stack loads: the model, the settings both stacks get, the memory plan and
+    the placement it chose (`placement`: "together" or "alternate", and why), and for alternate where the engine's
+    outputs will be kept (`kept`: memory_plan.keep_where's record)."""
+
+    config: LoadSpec
+    source: ModelSource
+    settings: StackSettings
+    tokenizer: object
+    plan: memory_plan.MemoryPlan
+    placement: dict
+    kept: dict | None = None
+
+    @property
+    def alternate(self) -> bool:
+        return self.placement["placement"] == "alternate"
+
+
 def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool,
           loaded: type[LoadedStacks]) -> LoadedStacks:
-    """load()'s work, under its quieting."""
+    """load()'s work, under its quieting: a loaded probe holds both stacks at once."""
+    if cfg.placement == "alternate":
+        raise ProbeError("a loaded probe holds both stacks at once (load(), rl), which --placement alternate never "
+                         "does; run the spec with divergence_probe.run(spec) (or compare/ablate), or use --placement "
+                         "together")
+    return load_prepared(prepare(cfg, before_stacks, taps, plan_for, routes, can_alternate=False), loaded)
+
+
+def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool = False, *,
+            can_alternate: bool, spill_near: Path | None = None) -> Prepared:
+    """Everything before the loads: the versions and inputs checked, the model resolved, the memory plan made and the
+    placement chosen (`can_alternate`: the caller can run the spec one stack at a time). Under alternate, where the
+    engine's outputs will be kept is decided here too (chunk files beside `spill_near`, or in the temp folder, when
+    the host cannot hold them), so a run that fits neither way is refused before anything loads."""
     with timings.timed("load.import_transformers"):
         from transformers import AutoTokenizer
 
@@ -162,7 +210,33 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
         tokenizer = AutoTokenizer.from_pretrained(source.path)
         if before_stacks is not None:
             before_stacks(source, tokenizer)
-        plan, settings = _planned(cfg, source, settings, tokenizer, plan_for)
+        plan, why, settings = _planned(cfg, source, settings, tokenizer, plan_for,
+                                       can_alternate and _can_alternate(cfg, plan_for))
+    placement = {"placement": "alternate" if plan.inputs.alternate else "together", "why": why}
+    kept = None
+    if plan.inputs.alternate:
+        import tempfile
+
+        import secrets
+
+        parent = spill_near.absolute().parent if spill_near is not None else Path(tempfile.gettempdir())
+        name = f".{spill_near.name}." if spill_near is not None else "divergence-probe-"
+        kept = memory_plan.keep_where(plan, str(parent))
+        kept["folder"] = str(parent / f"{name}engine-outputs-{secrets.token_hex(4)}")
+    return Prepared(cfg, source, settings, tokenizer, plan, placement, kept)
+
+
+def _can_alternate(cfg: LoadSpec, run: RunSpec | None) -> bool:
+    """Whether this run can hold one stack at a time: a compare or ablate without --graft/--depth (which run the
+    trainer on the engine's tensors as they are made), the trainer on the engine's device, unsharded."""
+    return run is not None and not (run.capture.graft or run.capture.depth) and cfg.train_device is None \
+        and cfg.train_tp == 1
+
+
+def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStacks:
+    """Both stacks loaded as prepared, the trainer first (it checks the weights before the engine starts)."""
+    cfg, source, settings, tokenizer, plan = (prepared.config, prepared.source, prepared.settings, prepared.tokenizer,
+                                              prepared.plan)
     train = trainer_stack_for(cfg.train, settings)
     with memory_errors(plan, "loading the training stack"), timings.timed("load.train"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
@@ -174,13 +248,13 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
         infer = get_stack(cfg.infer)
     try:
         with memory_errors(plan, "starting the inference stack"), timings.timed("load.infer"):
-            infer.load(replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1))  # the training side's only
+            infer.load(engine_settings(settings))
     except BaseException:
         train.close()
         raise
     load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
     return loaded(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                  load_peak_bytes=load_peak)
+                  load_peak_bytes=load_peak, placement=prepared.placement)
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -192,10 +266,11 @@ def _replays_routes(run: RunSpec | None) -> bool:
     return run is not None and "routing" in (run.ablate.regions if run.kind == "ablate" else run.align.regions)
 
 
-def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer,
-             plan_for: RunSpec | None) -> tuple[memory_plan.MemoryPlan, StackSettings]:
-    """The memory plan for this load (raises DeviceMemoryError when nothing fits), and the settings it implies: the
-    planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args win)."""
+def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer, plan_for: RunSpec | None,
+             can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
+    """The memory plan for this load (raises DeviceMemoryError when nothing fits), why its placement, and the settings
+    it implies: the planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args
+    win)."""
     from ..models.checkpoint import checkpoint_tensors
 
     free, total, source_of_free = memory_plan.device_memory(settings.device)
@@ -231,15 +306,26 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
         tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
-        train_free_bytes=train_free, train_free_source=train_source)
-    plan = memory_plan.check(memory_plan.plan(inputs))
+        train_free_bytes=train_free, train_free_source=train_source,
+        engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise)
+    plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
+    plan = memory_plan.check(plan)
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
     engine = plan.engine_args()
     if engine and "gpu_memory_utilization" not in user:
         engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)
-    return plan, replace(settings, batch_tokens=plan.batch_tokens,
-                         engine_args=freeze_engine_args({**engine, **user}))
+    return plan, why, replace(settings, batch_tokens=plan.batch_tokens,
+                              engine_args=freeze_engine_args({**engine, **user}))
+
+
+def _engine_passes(run: RunSpec | None) -> int:
+    """How many times the engine runs every prompt: once, or once per engine-side configuration of an ablation."""
+    if run is None or run.kind != "ablate":
+        return 1
+    from ..numerics.shapley import subsets
+
+    return len({run.combination(c).engine_configuration for c in subsets(run.ablate.players)})
 
 
 @contextmanager

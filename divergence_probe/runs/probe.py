@@ -13,10 +13,13 @@ comparison and ablation on that model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from .compare import run_compare
 from .loading import LoadedStacks, load_stacks, memory_errors
 from .progress import Progress
+from .. import timings
 from ..errors import ProbeError
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
@@ -37,7 +40,10 @@ class Probe(LoadedStacks):
                              "load a probe for them (divergence_probe.run(spec) does both)")
         check_family(spec, self.config, self.source.family)
         with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
-            return self._run(spec, progress)
+            run = self._run(spec, progress)
+        if "placement" in run.manifest:  # both stacks together: the engine ran every prompt once per combination
+            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind == "ablate" else 1
+        return run
 
     def _run(self, spec: RunSpec, progress: Progress | None):
         self.infer.begin_run()  # the manifest's captured-logits gap describes this run alone
@@ -90,8 +96,28 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
                        quiet=quiet, loaded=Probe, **config)
 
 
-def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True):
-    """Load the spec's model into both stacks, run it, and return the run (CompareRun or AblationRun). `quiet`: as
-    load's."""
-    probe = load(spec=spec.load, taps=spec.capture.taps, plan_for=spec, quiet=quiet)
-    return probe.run(spec, progress)
+def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, before_stacks=None,
+        spill_near: Path | None = None, notice: Callable[[str], None] | None = None):
+    """Load the spec's model, run it, and return the run (CompareRun or AblationRun). `quiet`, `before_stacks`: as
+    load's. The memory plan places the stacks (--placement): both loaded at once, or one at a time (runs/alternate.py),
+    the engine's outputs kept in between, in chunk files beside `spill_near` (the run folder to be) when the host
+    cannot hold them. `notice(line)` is told which placement and why, before anything loads."""
+    from .alternate import run_alternate
+    from .loading import load_prepared, prepare
+
+    with libraries_quieted(quiet):
+        with timings.timed("load"):
+            prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=True,
+                               spill_near=spill_near)
+        if notice is not None:
+            notice(f"placement: {prepared.placement['placement']} ({prepared.placement['why']})")
+        if prepared.alternate:
+            from .ablate import run_ablation_kept
+
+            with timings.timed("run"):  # the engine's pass and the trainer's, each with its own load
+                return run_alternate(prepared, spec, progress, run_ablation_kept)
+        with timings.timed("load"):
+            probe = load_prepared(prepared, Probe)
+    probe.quiet = quiet
+    with timings.timed("run"):
+        return probe.run(spec, progress)

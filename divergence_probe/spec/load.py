@@ -21,6 +21,7 @@ TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
 TRAIN_PRECISIONS = ("bf16", "amp")
 DEVICES = ("auto", "cpu", "cuda")
+PLACEMENTS = ("auto", "together", "alternate")  # --placement (models/memory_plan.placed)
 TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
 
 
@@ -90,6 +91,13 @@ class LoadSpec:
     seed: int = option(0, "Seed for every random choice (recorded in the manifest).")
     batch_tokens: int = option(8192, "Most prompt tokens per inference batch; bounds the memory held while pairing "
                                      "taps.")
+    placement: str = option("auto", "How the two stacks share the device: together (both loaded at once), alternate "
+                                    "(the engine runs every prompt first and its outputs are kept on the host; it is "
+                                    "shut down before the trainer loads on the same device and runs against them: "
+                                    "for a model whose weights fit the device once) or auto (together when the memory "
+                                    "plan says both fit, else alternate). Same numbers either way.")
+    keep_engine_outputs: bool = option(False, "--placement alternate: keep the engine's outputs where they spilled to "
+                                              "disk (OUT/engine_outputs/) instead of removing them at the end.")
     allow_untested_versions: bool = option(False, ALLOW_HELP)
 
     @property
@@ -110,6 +118,10 @@ class LoadSpec:
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
         _choice(self.train_kernels, tuple(KERNELS), "--train-kernels")
+        _choice(self.placement, PLACEMENTS, "--placement")
+        if self.placement == "alternate" and (self.train_tp > 1 or self.train_device is not None):
+            raise ProbeError("--placement alternate loads the trainer on the engine's device once the engine is gone; "
+                             "drop --train-tp/--train-device, or use --placement together")
         if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
             raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
                              "(e.g. cuda:1), or drop it for --device's")

@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 from ..engines import capabilities_of
 from ..engines.hf.kernels import get_kernels
-from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS
+from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
 from ..options import option
-from ..regions import check_regions_exist
+from ..regions import check_regions_exist, patched
 from ..rundir import KINDS
 from .align import AblateSpec, AlignSpec
 from .capture import CaptureSpec
@@ -83,6 +83,9 @@ class RunSpec:
                              f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
                              "--train-device or --graft/--depth")
         self._check_trainer()
+        if self.load.placement == "alternate" and self._graft_features():
+            raise ProbeError(f"{'/'.join(self._graft_features())} run the trainer's ops on the engine's tensors as they "
+                             "are made, which needs both stacks loaded at once; use --placement together")
         refusal = infer.first_refused(self._graft_features())
         if refusal:  # a compiled engine's
             raise ProbeError(refusal)
@@ -134,6 +137,14 @@ class RunSpec:
         load = applied(self.load, [f for f in self.ablate.factors if f in combo])
         return replace(self, kind="compare", ablate=None, load=load,
                        align=replace(self.align, regions=regions, routing_replay=replay))
+
+    @property
+    def engine_configuration(self) -> tuple:
+        """What makes one engine pass of a run (--placement alternate): the engine's mode and arguments (an ablation's
+        engine factors) and the regions aligned in it. Combinations that differ only on the trainer's side share one
+        pass."""
+        regions = tuple(patched(self.align.regions)) if self.align.side != "train" else ()
+        return self.load.engine, freeze_engine_args(self.load.engine_args), regions
 
     def _graft_features(self) -> list[str]:
         return [feature for feature, on in (("--graft", self.capture.graft), ("--depth", self.capture.depth)) if on]

@@ -93,6 +93,7 @@ def no_load(monkeypatch):
         raise AssertionError("a model was loaded before the refusal")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    monkeypatch.setattr(divergence_probe, "run", load)  # compare's and ablate's (the CLI's), either placement
     import divergence_probe.rl.experiment as rl_experiment
 
     monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
@@ -162,6 +163,7 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
         raise ProbeError("stopped where the model would load")
 
     monkeypatch.setattr(divergence_probe, "load", load)
+    monkeypatch.setattr(divergence_probe, "run", load)  # compare's and ablate's (the CLI's), either placement
     import divergence_probe.rl.experiment as rl_experiment
 
     monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer

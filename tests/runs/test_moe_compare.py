@@ -75,3 +75,16 @@ def test_unsupported_refused_in_one_line(moe_tiny, prompts_file, tmp_path):
     assert "not supported for Qwen3-MoE yet" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
+
+
+def test_alternate_placement_writes_the_same_files(vllm_run, moe_tiny, prompts_file, tmp_path):
+    """--placement alternate (the engine first, in a worker, then the trainer alone): the same tokens, layers, summary
+    and routing, byte for byte, as the run with both stacks together."""
+    import divergence_probe as dp
+    from divergence_probe.spec import spec_from_flat
+
+    spec = spec_from_flat("compare", model=str(moe_tiny), taps="all", device="cpu", prompts=str(prompts_file),
+                          placement="alternate")
+    dp.run(spec, spill_near=tmp_path / "alternate").write(tmp_path / "alternate")
+    for name in ("tokens.csv", "layers.csv", "summary.csv", "routing.csv"):
+        assert (tmp_path / "alternate" / name).read_bytes() == (vllm_run / name).read_bytes(), name

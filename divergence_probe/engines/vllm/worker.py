@@ -56,6 +56,9 @@ class WorkerStack:
                              "0.3}' (both engines get it)")
         self.settings, self.regions = settings, tuple(regions)
         self.recompute_gap = 0.0  # the probe resets it per run; the child's own value is in info()
+        # regions patched into an eager engine around each call, beside those it was built with: one eager worker then
+        # serves every engine-side combination of an ablation run with --placement alternate (runs/alternate.py)
+        self.patched: tuple[str, ...] = ()
         self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
         self._calls = 0
         self._idle = False  # True while the child waits for a request: only then does it read "close"
@@ -170,12 +173,12 @@ class WorkerStack:
         aligned = f"{'+'.join(self.regions)} aligned" if self.regions else "shipped"
         return f"vLLM engine ({self.settings.engine}, {aligned})"
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, patched: Sequence[str] = ()):
         if self._proc is None:
             raise StackError("the engine worker is not running (closed, or never started)")
         self._calls += 1
         name = f"call-{self._calls}"
-        torch.save({"method": method, "args": args}, self._folder / f"{name}.pt")
+        torch.save({"method": method, "args": args, "patched": tuple(patched)}, self._folder / f"{name}.pt")
         self._idle = False
         self._proc.stdin.write(f"{name}\n".encode())
         self._proc.stdin.flush()
@@ -187,7 +190,7 @@ class WorkerStack:
         return result
 
     def score(self, prompts, taps: frozenset[str], sink: TapSink, on_scored: ScoresSink | None = None) -> list[PromptScores]:
-        result = self._call("score", list(prompts), frozenset(taps))
+        result = self._call("score", list(prompts), frozenset(taps), patched=self.patched)
         for prompt_id, key, x in result["taps"]:
             sink(prompt_id, key, x)
         self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
@@ -197,13 +200,18 @@ class WorkerStack:
             on_scored(scores)
         return []
 
-    def score_batched(self, prompts, patched: Sequence[str] = ()) -> list[PromptScores]:
-        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with
-        (an eager engine runs its modules as Python at every step, as the tool's own eager engine takes them)."""
-        return self._call("score_batched", list(prompts), tuple(patched))["scores"]
+    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None, *,
+                      patched: Sequence[str] = ()) -> list[PromptScores]:
+        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with and
+        `self.patched` (an eager engine runs its modules as Python at every step, as the tool's own eager engine
+        takes them)."""
+        result = self._call("score_batched", list(prompts), frozenset(taps), patched=(*self.patched, *patched))
+        for prompt_id, key, x in result["taps"] if sink is not None else ():
+            sink(prompt_id, key, x)
+        return result["scores"]
 
     def sample(self, prompts, spec: SamplingSpec, taps: frozenset[str], sink: TapSink) -> list[SequenceScores]:
-        result = self._call("sample", list(prompts), spec, frozenset(taps))
+        result = self._call("sample", list(prompts), spec, frozenset(taps), patched=self.patched)
         for seq_id, key, x in result["taps"]:
             sink(seq_id, key, x)
         self.recompute_gap = max(self.recompute_gap, result["recompute_gap"])
@@ -278,7 +286,12 @@ def _serve(folder: Path) -> None:
             break
         request = torch.load(folder / f"{name}.pt", weights_only=False)
         try:
-            result = _run(stack, request["method"], request["args"])
+            with contextlib.ExitStack() as patches:
+                if request.get("patched"):
+                    from ..patching import aligned
+
+                    patches.enter_context(aligned([stack], request["patched"]))  # a compiled engine refuses
+                result = _run(stack, request["method"], request["args"])
         except Exception as e:
             traceback.print_exc()
             reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -299,13 +312,8 @@ def _run(stack, method: str, args: tuple):
         prompts, wanted = args
         return {"scores": stack.score(prompts, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
     if method == "score_batched":
-        prompts, patched = args
-        if not patched:
-            return {"scores": stack.score_batched(prompts)}
-        from ..patching import aligned
-
-        with aligned([stack], patched):  # a compiled engine refuses (Capabilities.patch)
-            return {"scores": stack.score_batched(prompts)}
+        prompts, wanted = args
+        return {"scores": stack.score_batched(prompts, wanted, sink), "taps": taps}
     if method == "sample":
         prompts, spec, wanted = args
         return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}

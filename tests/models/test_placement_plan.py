@@ -1,0 +1,128 @@
+"""--placement: the memory plan's choice between both stacks together and one at a time, the bytes of the engine's
+outputs it keeps on the host meanwhile, where it keeps them, and the one-line refusals, all before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from divergence_probe.errors import DeviceMemoryError, ProbeError
+from divergence_probe.models import memory_plan
+from divergence_probe.models.memory_plan import GiB, ModelSize, PlanInputs, placed
+from divergence_probe.spec import spec_from_flat
+
+# the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "tie_word_embeddings": False}
+
+
+def inputs(free: int, **changes) -> PlanInputs:
+    size = ModelSize.of(QWEN3_30B_A3B)
+    base = dict(model=size, dtype_bytes=2, taps=frozenset(size.tap_widths()), prompt_lengths=(300,) * 8,
+                batch_tokens=8192, batch_tokens_fixed=False, max_model_len=4096, device="cuda", free_bytes=free,
+                free_source="test")
+    return PlanInputs(**(base | changes))
+
+
+def test_auto_keeps_both_together_when_they_fit():
+    p, why = placed(inputs(10**15), "auto")
+    assert not p.inputs.alternate and p.fits and why.startswith("both stacks fit together")
+
+
+def test_auto_alternates_when_only_one_stack_fits():
+    """An 80 GB device holds the 30B weights once, not twice: auto picks one stack at a time and says why."""
+    together, _ = placed(inputs(80 * 10**9), "together")
+    p, why = placed(inputs(80 * 10**9), "auto")
+    assert not together.fits and p.fits and p.inputs.alternate
+    assert p.needed < together.needed and "one at a time" in why
+    weights = p.inputs.model.parameters * 2
+    # the engine's phases hold no trainer and the trainer's phase holds no engine
+    assert p.phases["engine_start"] < together.phases["engine_start"] - weights // 2
+    assert p.phases["train_and_reduce"] <= together.phases["train_and_reduce"] - p.terms["infer_weights"]
+
+
+def test_auto_together_when_the_run_cannot_alternate():
+    p, why = placed(inputs(80 * 10**9), "auto", can_alternate=False)
+    assert not p.inputs.alternate and not p.fits and "both stacks at once" in why
+    with pytest.raises(DeviceMemoryError):
+        memory_plan.check(p)
+
+
+def test_neither_fits_refused_naming_the_placement():
+    p, _ = placed(inputs(30 * 10**9), "auto")
+    with pytest.raises(DeviceMemoryError, match="one stack at a time"):
+        memory_plan.check(p)
+
+
+def test_kept_bytes_grow_with_passes_and_floors():
+    p, _ = placed(inputs(80 * 10**9), "alternate")
+    once = memory_plan.kept_output_bytes(p)
+    size = p.inputs.model
+    rows = sum(p.inputs.prompt_lengths)
+    assert once >= rows * size.tap_elements_per_token(p.inputs.taps) * 2  # every tap of every prompt
+    twice, _ = placed(inputs(80 * 10**9, engine_passes=2), "alternate")
+    assert memory_plan.kept_output_bytes(twice) == 2 * once
+    floors, _ = placed(inputs(80 * 10**9, noise_floor=True), "alternate")
+    assert memory_plan.kept_output_bytes(floors) > once
+
+
+def test_kept_on_host_then_file_then_refused(monkeypatch, tmp_path):
+    p, _ = placed(inputs(80 * 10**9), "alternate")
+    kept = memory_plan.kept_output_bytes(p)
+    monkeypatch.setenv(memory_plan.HOST_ENV, str(kept))
+    assert memory_plan.keep_where(p, str(tmp_path))["kept"] == "host"
+    monkeypatch.setenv(memory_plan.HOST_ENV, str(kept - 1))
+    assert memory_plan.keep_where(p, str(tmp_path))["kept"] == "file"
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("U", (), {"free": kept - 1})())
+    with pytest.raises(DeviceMemoryError) as e:
+        memory_plan.keep_where(p, str(tmp_path))
+    assert "nothing was loaded" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    ({"graft": True}, "--graft run the trainer's ops"),
+    ({"depth": True}, "--depth run the trainer's ops"),
+    ({"train_device": "cpu"}, "drop --train-tp/--train-device"),
+])
+def test_what_needs_both_stacks_refused_in_one_line(flags, fragment):
+    with pytest.raises(ProbeError) as e:
+        spec_from_flat("compare", placement="alternate", **flags)
+    assert fragment in str(e.value) and "--placement together" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_loaded_probe_refuses_alternate():
+    """load() (and rl, which loads through it) holds both stacks: refused before anything resolves or loads."""
+    import divergence_probe as dp
+
+    with pytest.raises(ProbeError, match="--placement together"):
+        dp.load("no-such-model", placement="alternate")
+
+
+def test_placement_choice_checked():
+    with pytest.raises(ProbeError, match="--placement 'apart' is not valid"):
+        spec_from_flat("compare", placement="apart")
+
+
+def test_refusals_are_one_cli_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
+    """--graft under alternate, and outputs that fit neither the host nor the disk: one line, exit 2, nothing written,
+    no stack loaded."""
+    from typer.testing import CliRunner
+
+    import divergence_probe.runs.loading as loading
+    from divergence_probe.cli import app
+
+    def no_stack(*args, **kwargs):
+        raise AssertionError("a stack was loaded although the run was refused")
+
+    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "trainer_stack_for", no_stack)
+    base = ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device", "cpu",
+            "--placement", "alternate"]
+    monkeypatch.setenv(memory_plan.HOST_ENV, "1")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("U", (), {"free": 1})())
+    for extra, fragment in ((["--graft"], "use --placement together"), ([], "keeps the engine's outputs")):
+        out_dir = tmp_path / f"run{len(extra)}"
+        result = CliRunner().invoke(app, [*base, *extra, "--out", str(out_dir)], catch_exceptions=False)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and fragment in lines[0], result.output
+        assert not out_dir.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out_dir.name}.")]
