@@ -689,6 +689,9 @@ def rerun(
     fail_if: Optional[list[str]] = typer.Option(
         None, "--fail-if", help="Also fail when METRIC OP VALUE holds (as compare's --fail-if), beside the gate the "
         "run recorded, which rerun replays: exit 1 after writing everything when any condition holds; repeatable."),
+    no_recorded_gate: bool = typer.Option(
+        False, "--no-recorded-gate", help="Judge the new run by rerun's own --fail-if alone, leaving out the gate the "
+        "run recorded: the way out when a recorded condition is refused (one an older version accepted)."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -718,7 +721,7 @@ def rerun(
     try:
         manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
         kind = manifest.get("kind")
-        gate = recorded_gate(manifest, kind if kind in METRICS else "compare", fail_if, where)
+        gate = recorded_gate(manifest, kind if kind in METRICS else "compare", fail_if, where, not no_recorded_gate)
     except ProbeError as e:
         _fail(e)
     if kind == "score":
@@ -728,6 +731,8 @@ def rerun(
 
     def make_spec():
         spec = recorded.read_spec(report, allow_engine_arg or ())
+        if gate:
+            gate.check_measured(spec)  # a gate refused is the one line, before what would run is shown
         for line in describe(spec, target, gate):  # before anything loads: what this folder makes the tool run
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec
