@@ -413,7 +413,7 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
     of the tokens right after a flipped position against the others (routing.csv: per layer). With routes replayed
     the trainer ran the engine's experts, so the count is zero by construction and the routers' own disagreement is
     in routing.csv's logit columns: the row says so rather than read as agreement."""
-    from .numerics.tables import ROUTING_NOISE_FLOORS, noise_floors
+    from .numerics.tables import FLOOR_KINDS, ROUTING_NOISE_FLOORS, noise_floors
 
     if "frac_tokens_any_flip" not in s:
         return
@@ -428,7 +428,8 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
     if "routing_largest_noise_floor" in s:
         table.add_row("routed differently / largest routing floor",
                       f"{s['frac_tokens_any_flip_over_largest_floor']:.3g}x "
-                      f"({ROUTING_NOISE_FLOORS[s['routing_largest_noise_floor']]})")
+                      f"({ROUTING_NOISE_FLOORS[s['routing_largest_noise_floor']]}: "
+                      f"{FLOOR_KINDS[s['routing_largest_noise_floor']]})")  # by the floor's name: older folders too
     after, elsewhere = s["mean_abs_dlogp_after_flip"], s["mean_abs_dlogp_not_after_flip"]
     table.add_row("mean |Δlogp| after a flip / elsewhere",
                   "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip
