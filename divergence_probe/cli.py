@@ -413,7 +413,7 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
     of the tokens right after a flipped position against the others (routing.csv: per layer). With routes replayed
     the trainer ran the engine's experts, so the count is zero by construction and the routers' own disagreement is
     in routing.csv's logit columns: the row says so rather than read as agreement."""
-    from .numerics.tables import ROUTING_NOISE_FLOORS, noise_floors
+    from .numerics.tables import FLOOR_KINDS, ROUTING_NOISE_FLOORS, noise_floors
 
     if "frac_tokens_any_flip" not in s:
         return
@@ -428,7 +428,8 @@ def _routing_rows(table, s: dict, replayed: bool) -> None:
     if "routing_largest_noise_floor" in s:
         table.add_row("routed differently / largest routing floor",
                       f"{s['frac_tokens_any_flip_over_largest_floor']:.3g}x "
-                      f"({ROUTING_NOISE_FLOORS[s['routing_largest_noise_floor']]})")
+                      f"({ROUTING_NOISE_FLOORS[s['routing_largest_noise_floor']]}: "
+                      f"{FLOOR_KINDS[s['routing_largest_noise_floor']]})")  # by the floor's name: older folders too
     after, elsewhere = s["mean_abs_dlogp_after_flip"], s["mean_abs_dlogp_not_after_flip"]
     table.add_row("mean |Δlogp| after a flip / elsewhere",
                   "no flips" if after != after else f"{after:.3e} / {elsewhere:.3e}")  # NaN: no token after a flip
@@ -708,6 +709,9 @@ def rerun(
     fail_if: Optional[list[str]] = typer.Option(
         None, "--fail-if", help="Also fail when METRIC OP VALUE holds (as compare's --fail-if), beside the gate the "
         "run recorded, which rerun replays: exit 1 after writing everything when any condition holds; repeatable."),
+    no_recorded_gate: bool = typer.Option(
+        False, "--no-recorded-gate", help="Judge the new run by rerun's own --fail-if alone, leaving out the gate the "
+        "run recorded: the way out when a recorded condition is refused (one an older version accepted)."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -737,7 +741,7 @@ def rerun(
     try:
         manifest = read_run(run_dir).manifest  # refuses a cut or changed run folder, and files outside it
         kind = manifest.get("kind")
-        gate = recorded_gate(manifest, kind if kind in METRICS else "compare", fail_if, where)
+        gate = recorded_gate(manifest, kind if kind in METRICS else "compare", fail_if, where, not no_recorded_gate)
     except ProbeError as e:
         _fail(e)
     if kind == "score":
@@ -747,6 +751,8 @@ def rerun(
 
     def make_spec():
         spec = recorded.read_spec(report, allow_engine_arg or ())
+        if gate:
+            gate.check_measured(spec)  # a gate refused is the one line, before what would run is shown
         for line in describe(spec, target, gate):  # before anything loads: what this folder makes the tool run
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return spec

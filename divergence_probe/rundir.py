@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import fcntl
 import gzip
@@ -541,7 +542,8 @@ def parse_csv(path: Path, data: bytes, columns: Iterable[str] = (), drop: Iterab
     drop = set(drop)
     try:
         df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""], usecols=lambda c: c not in drop)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
+        _check_fields(path, data)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError, csv.Error) as e:
         raise RunFolderError(f"cannot read {path} ({one_line(e, 200)}); it is not a file {TOOL} wrote, or it was "
                              f"cut short: {RERUN}") from e
     missing = [c for c in columns if c not in df.columns]
@@ -550,6 +552,24 @@ def parse_csv(path: Path, data: bytes, columns: Iterable[str] = (), drop: Iterab
                              f"of {TOOL}? {RERUN[0].upper() + RERUN[1:]}")
     check_numbers(path, df, numeric)
     return df
+
+
+def _check_fields(path: Path, data: bytes) -> None:
+    """RunFolderError naming the first row whose number of fields is not its header's. pandas reads a first row
+    with one field more as an index column, shifting every value one column left, drops extra fields of later
+    rows when columns are chosen, and fills a short row with empty values: each reads as a table of wrong
+    numbers. Streamed row by row, so the check holds no second copy of the file."""
+    rows = csv.reader(io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline=""))
+    header = next(rows, [])
+    n = 0
+    for row in rows:
+        if not row:  # a blank line, which pandas skips as well
+            continue
+        n += 1
+        if len(row) != len(header):
+            raise RunFolderError(f"{path} row {n} (line {rows.line_num}) has {len(row)} fields, not the "
+                                 f"{len(header)} of its header; it is not a file {TOOL} wrote, or it was edited: "
+                                 f"{RERUN}")
 
 
 def check_numbers(path: Path, df: pd.DataFrame, columns: Iterable[str]) -> None:

@@ -40,6 +40,10 @@ FLOOR_KINDS = {
     "noise_infer_engine_mode_mean_abs_dlogp": SYSTEMATIC,
     "noise_infer_tensor_parallel_mean_abs_dlogp": SYSTEMATIC,
     "noise_train_tensor_parallel_mean_abs_dlogp": SYSTEMATIC,
+    # the routing floors (ROUTING_NOISE_FLOORS, below), by the same rule
+    "noise_infer_frac_tokens_any_flip": NOISE,
+    "noise_train_frac_tokens_any_flip": NOISE,
+    "noise_train_kernel_frac_tokens_any_flip": SYSTEMATIC,
 }
 # summary.csv's routing noise floors (compare.routing_noise_columns): the share of positions a stack runs through other
 # experts, in at least one layer, against itself under one change. The cross-stack frac_tokens_any_flip is read

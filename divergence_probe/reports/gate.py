@@ -229,11 +229,19 @@ def _shown(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+NO_RECORDED_GATE = "--no-recorded-gate"  # rerun's switch: judge by its own --fail-if alone
+WITHOUT_RECORDED = (f"rerun with {NO_RECORDED_GATE} to leave the recorded gate out (and --fail-if for conditions of "
+                    "your own)")
+
+
 @dataclass(frozen=True)
 class Gate:
     conditions: tuple[Condition, ...]
     kind: str = "compare"
     flag: str = "--fail-if"
+    # rerun: the conditions the run folder recorded (gate.fail_if). Dropping one is not a flag away there, so its
+    # refusal names the switch that reruns without the recorded gate instead.
+    recorded: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, texts, kind: str, flag: str = "--fail-if") -> "Gate":
@@ -253,8 +261,7 @@ class Gate:
         for c in self.conditions:
             needed = will_not_measure(self.kind, spec, c.metric, model_free)
             if needed:
-                raise ProbeError(f"{self.flag} {c.text!r}: this run will not measure {c.metric}; add {needed}, or "
-                                 "drop the condition")
+                raise self._refusal(c, f"this run will not measure {c.metric}", f"add {needed}, or drop the condition")
 
     def check_model(self, family) -> None:
         """Once the model's config is read, before its stacks load: ProbeError (one line) for a routing metric when
@@ -263,9 +270,15 @@ class Gate:
             return
         for c in self.conditions:
             if c.metric in _ROUTED:
-                raise ProbeError(f"{self.flag} {c.text!r}: a {family.model_type} model has no mixture-of-experts "
-                                 f"routers, so this run will not measure {c.metric}; point --model at a MoE "
-                                 "checkpoint, or drop the condition")
+                raise self._refusal(c, f"a {family.model_type} model has no mixture-of-experts routers, so this run "
+                                       f"will not measure {c.metric}", "point --model at a MoE checkpoint, or drop "
+                                                                       "the condition")
+
+    def _refusal(self, c: Condition, problem: str, fix: str) -> ProbeError:
+        if c.text in self.recorded:
+            return ProbeError(f"the gate the run folder recorded (gate.fail_if) has {c.text!r}: {problem}; "
+                              f"{WITHOUT_RECORDED}")
+        return ProbeError(f"{self.flag} {c.text!r}: {problem}; {fix}")
 
     def judge(self, rows) -> Verdict:
         """`rows`: (where, summary dict) pairs, e.g. one per step. A condition fails at the first row it holds in."""

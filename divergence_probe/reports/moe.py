@@ -15,7 +15,7 @@ import pandas as pd
 from ..numerics.shapley import CHANGE, SHARE, SHIPPED, change_words, effect_words
 from .document import Column, Heading, Paragraph, Table
 from .run_data import RunData, row_of, shipped_rows
-from ..numerics.tables import ROUTING_NOISE_FLOORS
+from ..numerics.tables import FLOOR_KINDS, ROUTING_NOISE_FLOORS
 from .wording import _code, _finite, _get, _num, read_intervals, share_interval, too_few_prompts
 
 ROUTING = "routing"  # the ablation region that replays the engine's routes in the trainer
@@ -227,7 +227,7 @@ def _flips(run: RunData) -> str:
     name, largest = max(((n, float(shipped[n])) for n in floors), key=lambda item: item[1])
     if largest > 0:
         text += (f" The mismatch flips {_num(any_flip / largest)}× as many positions as the largest floor ("
-                 f"{floors[name]})" + (": no more than a stack's own change does." if any_flip <= largest else "."))
+                 f"{floors[name]}, a {FLOOR_KINDS[name]} floor)" + (": no more than a stack's own change does." if any_flip <= largest else "."))
     return text
 
 

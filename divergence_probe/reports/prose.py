@@ -91,6 +91,8 @@ SUMMARY_MEANINGS = {
     "noise_train_kernel_frac_tokens_any_flip": "routing noise floor: positions that kernel change flips in at least "
                                                "one layer",
     "routing_largest_noise_floor": "the largest routing noise floor measured (its summary column)",
+    "routing_noise_floor_kind": "that floor's kind: noise (a stack's batch change) or systematic (the trainer's "
+                                "kernel change)",
     "frac_tokens_any_flip_over_largest_floor": "frac_tokens_any_flip over the largest routing noise floor",
     "tap_points_mean_abs_dlogp": "mean |Δlogprob| of the compiled engine with tap points vs one built without them "
                                  "(0: the tap points left its numerics alone)",

@@ -18,9 +18,8 @@ from typing import Iterator
 
 import pandas as pd
 
-from ..errors import ProbeError
-from ..rundir import (MANIFEST, atomic_dir, check_out_dir, file_sha256, locked, mark, open_to_write, rescue_dir,
-                      write_csv, write_json)
+from ..rundir import MANIFEST, check_out_dir, file_sha256, locked, mark, open_to_write, write_csv, write_json
+from ..rundir import rescue as rescue_into
 
 ROWS = "rl.csv"
 SUMMARY = "rl_summary.csv"
@@ -110,16 +109,13 @@ def rl_folder(out_dir: Path) -> Iterator[RLWriter]:
 def rescue(out_dir: Path, rows: list[dict], finished: tuple[dict, pd.DataFrame] | None) -> tuple[Path | None, str | None]:
     """The rows (and, for a run that finished, its summary and manifest) written to a new folder in the temp folder,
     when --out could not take them (a full disk): (where, None), or (None, why not)."""
-    where = rescue_dir(out_dir)
-    try:
-        with atomic_dir(where) as tmp:
-            writer = RLWriter(tmp)
-            for row in rows:
-                writer.add(row)
-            writer.close()
-            if finished is not None:
-                writer.finish(*finished)
-            mark(tmp, "rl")
-    except (OSError, ProbeError) as e:
-        return None, getattr(e, "strerror", None) or str(e)
-    return where, None
+    def write(folder: Path) -> None:
+        writer = RLWriter(folder)
+        for row in rows:
+            writer.add(row)
+        writer.close()
+        if finished is not None:
+            writer.finish(*finished)
+        mark(folder, "rl")
+
+    return rescue_into(out_dir, write)

@@ -40,7 +40,8 @@ from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, t
 from ..rundir import ROLLOUTS
 from ..spec.run import RunSpec
 from ..numerics.noise_verdict import FLOOR_PROMPT_COLUMNS, floor_columns, manifest_record
-from ..numerics.tables import ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row, tokens_frame
+from ..numerics.tables import (FLOOR_KINDS, ROUTING_NOISE_FLOORS, largest_noise_floor, layers_frame, summary_row,
+                               tokens_frame)
 from ..taps import ROUTE_RECORDS, TapKey, expected_taps
 
 class SampledSource(SequenceSource):
@@ -310,13 +311,15 @@ def routing_noise_columns(floor: pd.DataFrame | None) -> dict:
 def routing_verdict_columns(summary: dict) -> dict:
     """The cross-stack frac_tokens_any_flip against the largest routing noise floor measured, whichever change made
     it (tables.ROUTING_NOISE_FLOORS: each stack's batch change, the trainer's kernel change): the floor's summary
-    column and the ratio. Empty when no floor was measured."""
+    column, its kind (tables.FLOOR_KINDS: a ratio over a kernel swap's flips is not one over noise) and the ratio.
+    Empty when no floor was measured."""
     largest = largest_noise_floor(summary, ROUTING_NOISE_FLOORS)
     if largest is None:
         return {}
     flips = summary.get("frac_tokens_any_flip", math.nan)
     ratio = flips / largest[1] if largest[1] > 0 else (math.inf if flips > 0 else math.nan)
-    return {"routing_largest_noise_floor": largest[0], "frac_tokens_any_flip_over_largest_floor": ratio}
+    return {"routing_largest_noise_floor": largest[0], "routing_noise_floor_kind": FLOOR_KINDS[largest[0]],
+            "frac_tokens_any_flip_over_largest_floor": ratio}
 
 
 def source_for(spec: RunSpec) -> SequenceSource:

@@ -73,23 +73,25 @@ def _flag_words(f, value) -> list[str]:
     return [flag, _flag_value(value)]
 
 
-def recorded_gate(manifest: dict, kind: str, added, where: str):
+def recorded_gate(manifest: dict, kind: str, added, where: str, replay: bool = True):
     """The gate a rerun judges (a reports.gate.Gate, or None when there is none): the conditions the run recorded
     (gate.fail_if), each checked as --fail-if checks it (the manifest is data: one line naming the field), then
-    those of rerun's --fail-if, each once."""
-    from ..reports.gate import Gate
+    those of rerun's --fail-if, each once. `replay` False (--no-recorded-gate): rerun's own alone, the way out of a
+    recorded gate that is now refused (one an older version accepted, or an edited one)."""
+    from ..reports.gate import WITHOUT_RECORDED, Gate
 
-    section = manifest.get("gate")
+    section = manifest.get("gate") if replay else None
     texts = [] if section is None else section.get("fail_if") if isinstance(section, dict) else None
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ProbeError(f"{where}: gate.fail_if is not a list of conditions (METRIC OP VALUE); restore the manifest, "
-                         "or re-run its `command`")
+                         f"re-run its `command`, or {WITHOUT_RECORDED}")
     try:
         Gate.parse(texts, kind)
     except ProbeError as e:
-        raise ProbeError(f"{where} records a gate rerun cannot judge (gate.fail_if): {e}") from None
+        raise ProbeError(f"{where} records a gate rerun cannot judge (gate.fail_if): {e}; {WITHOUT_RECORDED}") \
+            from None
     both = list(dict.fromkeys([*texts, *(added or ())]))
-    return Gate.parse(both, kind) if both else None
+    return Gate(Gate.parse(both, kind).conditions, kind, recorded=tuple(texts)) if both else None
 
 
 def _gate_words(gate) -> list[str]:

@@ -17,6 +17,10 @@ SIDES = ("both", "train", "infer")
 # process, with no progress of its own: the bound keeps the longest (every region and factor) to minutes, where a
 # mistyped count would run for days. Percentile intervals settle within a few thousand resamples.
 MAX_BOOTSTRAP = 10_000
+# Every combination of regions and factors is one full compare on the same prompts (an engine build too, for an
+# engine factor or a compiled engine aligned), so the count doubles with each region or factor: the bound admits
+# all six regions, or three with three factors, where a long list would run for days.
+MAX_COMBINATIONS = 64
 ROUTING_REPLAYS = ("ids", "ids+weights")
 
 
@@ -74,6 +78,10 @@ class AblateSpec:
             raise ProbeError("--build-ahead must be >= 0")
         if not self.regions:
             raise ProbeError("--regions is empty; name at least one region")
+        if 2 ** len(self.players) > MAX_COMBINATIONS:
+            raise ProbeError(f"ablate would run {2 ** len(self.players):,} combinations ({len(self.regions)} regions "
+                             f"and {len(self.factors)} factors), over the {MAX_COMBINATIONS} it runs at most, each a "
+                             "full compare; ablate fewer with --regions and --factor, or split them over runs")
         builds = 2 ** len(self.players) - 1  # every combination but the shipped one builds an engine
         if self.build_ahead is not None and self.build_ahead > builds:  # more would only start nothing, slowly
             raise ProbeError(f"--build-ahead {self.build_ahead} is more than the {builds} engine builds of "

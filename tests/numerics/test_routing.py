@@ -259,3 +259,29 @@ def test_bad_logits_are_refused(bad, match):
         routing.compare_layer(bad, bad, top_k=1)
     with pytest.raises(ValueError, match="top_k"):
         routing.compare_layer(torch.zeros(1, 2), torch.zeros(1, 2), top_k=3)
+
+
+@pytest.mark.parametrize("largest, kind", [
+    ("noise_train_kernel_frac_tokens_any_flip", "systematic"),  # a kernel swap: the same flips every time
+    ("noise_infer_frac_tokens_any_flip", "noise"),  # the engine's own batch change
+])
+def test_the_routing_ratio_names_the_kind_of_its_floor(largest, kind):
+    """The cross-stack flip ratio, like the logprob verdict, says whether the floor it is read against is noise or
+    one systematic swap: in summary.csv and in compare's printed row."""
+    from rich.table import Table
+
+    from divergence_probe.cli import _routing_rows
+    from divergence_probe.numerics.tables import ROUTING_NOISE_FLOORS
+    from divergence_probe.runs.compare import routing_verdict_columns
+
+    s = {"frac_tokens_any_flip": 0.3, "mean_abs_dlogp_after_flip": 0.1, "mean_abs_dlogp_not_after_flip": 0.01}
+    s |= {name: 0.05 for name in ROUTING_NOISE_FLOORS} | {largest: 0.1}
+    s |= routing_verdict_columns(s)
+    assert s["routing_largest_noise_floor"] == largest and s["routing_noise_floor_kind"] == kind
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    _routing_rows(table, s, False)
+    printed = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    assert printed["routed differently / largest routing floor"].endswith(
+        f"({ROUTING_NOISE_FLOORS[largest]}: {kind})")

@@ -185,6 +185,30 @@ def test_a_rerun_gate_that_cannot_judge_is_refused_before_anything_loads(edit, f
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("recorded, named", [
+    ("first_inexact==attn_core@0", "will not measure first_inexact"),  # the run has --taps none
+    ("mean_kl>nan", "not a finite number"),
+])
+def test_a_recorded_gate_rerun_cannot_judge_names_the_way_out(recorded, named, toy_args, tmp_path):
+    """A run folder whose recorded gate is now refused (recorded by an older version, or edited): the one line says
+    it is the recorded gate and how to rerun without it, and --no-recorded-gate reruns judged by rerun's own
+    --fail-if alone."""
+    assert invoke("compare", *toy_args, "--fail-if", "mean_kl<0", "--out", tmp_path / "first").exit_code == 0
+    path = tmp_path / "first" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["gate"]["fail_if"] = [recorded]
+    path.write_text(json.dumps(manifest))
+    refused = invoke("rerun", tmp_path / "first", "--out", tmp_path / "again")
+    assert refused.exit_code == 2 and named in refused.output and "--no-recorded-gate" in refused.output, \
+        refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "again").exists()
+    again = invoke("rerun", tmp_path / "first", "--no-recorded-gate", "--fail-if", "mean_abs_dlogp>0",
+                   "--out", tmp_path / "again")
+    assert again.exit_code == 1, again.output
+    gate = json.loads((tmp_path / "again" / "manifest.json").read_text())["gate"]
+    assert gate["fail_if"] == ["mean_abs_dlogp>0"]
+
+
 def test_rerun_of_an_rl_folder_takes_no_gate(tmp_path):
     (tmp_path / "rl").mkdir()
     (tmp_path / "rl" / "rl.csv").write_text("setting,seed,step\n")

@@ -750,7 +750,7 @@ def test_a_moe_run_renders_the_numbers_of_its_routing_csv(tmp_path):
         assert f"{_pct(summary[name])} under {change}" in section
     largest = max(floors, key=lambda name: summary[name])
     assert (f"flips {sig(summary['frac_tokens_any_flip'] / summary[largest])}× as many positions as the largest "
-            f"floor ({floors[largest]})") in section
+            f"floor ({floors[largest]}, a noise floor)") in section  # a batch change: noise, not a swap
     assert f"**{sig(summary['mean_abs_dlogp_after_flip'])}** nats, against " \
            f"{sig(summary['mean_abs_dlogp_not_after_flip'])} for the others" in section
     assert "Routes were not replayed" in section

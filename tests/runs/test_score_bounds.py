@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.rollouts import read, read_rollouts
 from divergence_probe.runs.paired import paired_run
-from divergence_probe.spec.align import MAX_BOOTSTRAP
+from divergence_probe.spec.align import MAX_BOOTSTRAP, MAX_COMBINATIONS
 from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,6 +190,8 @@ def test_running_out_of_memory_while_scoring_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, says", [
     (["ablate", "--bootstrap", "1000000000"], f"outside 0 to {MAX_BOOTSTRAP:,}"),
     (["ablate", "--bootstrap", str(MAX_BOOTSTRAP + 1)], f"outside 0 to {MAX_BOOTSTRAP:,}"),
+    (["ablate", "--regions", "rope,swiglu,rmsnorm,routing,lm_head,residual", "--factor", "train:precision=amp"],
+     f"over the {MAX_COMBINATIONS} it runs at most, each a full compare; ablate fewer with --regions and --factor"),
     (["compare", "--mode", "generate", "--samples-per-prompt", "1000000000"], "--samples-per-prompt must be from 1"),
     (["compare", "--mode", "generate", "--max-new-tokens", "1000000000"], "--max-new-tokens must be from 1"),
 ])
