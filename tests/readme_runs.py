@@ -1,8 +1,8 @@
 """The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md (and
-of docs/reference/recipes.md, its further recipes) is either run, on the built-in model (`--model M` left out, as the README tells users to), or listed in NOT_RUN with
-why: a new recipe in the README needs a decision here (tests/docs/test_readme.py checks that, and that every command
-parses and builds its run spec). NOT_RUN may name a recipe the README does not have yet (one landing on another
-branch); RUN may not.
+of docs/reference/recipes.md, its further recipes) is either run, on the built-in model (`--model M` left out, as
+the README tells users to), or listed in NOT_RUN with why: a new recipe in the README needs a decision here
+(tests/docs/test_readme.py checks that, and that every command parses and builds its run spec). NOT_RUN may name a
+recipe the README does not have yet (one landing on another branch); RUN may not.
 
 The runs share the built-in model's engine in the "builtin" process of conftest.cli_processes (it is started there
 for the ablation anyway), so each costs its own scoring alone; SIZE keeps that to two short prompts on the CPU.

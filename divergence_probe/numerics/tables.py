@@ -1,6 +1,6 @@
 """Turn a run's raw results into the tables of tokens.csv, layers.csv and summary.csv.
 
-Column meanings are documented in the README ("Output files"); keep the two in step.
+Column meanings are documented in docs/reference/outputs.md ("Output files"); keep the two in step.
 """
 
 from __future__ import annotations

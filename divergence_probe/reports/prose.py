@@ -461,7 +461,8 @@ def _summary_table(run: RunData) -> Table:
             text = SUMMARY_MEANINGS[c]
             return text.replace("scored tokens", "response tokens") if run.is_generate else text
         if c.startswith("ratio_"):
-            return "importance-ratio statistic, ρ = exp(Δlogprob) on response tokens (see README)"
+            return ("importance-ratio statistic, ρ = exp(Δlogprob) on response tokens "
+                    "(docs/reference/generate-mode.md)")
         return ""
 
     def value(v):
