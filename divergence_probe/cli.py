@@ -662,7 +662,7 @@ def _kept_outputs(manifest: dict) -> Path | None:
 _COMPARE_DOC = _command_doc("""Load the same weights in vLLM and transformers, feed both the same token ids, and diff every tap of
     every decoder layer and every token's logprob.
 
-    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference.md,
+    Writes manifest.json, prompts.jsonl, tokens.csv, layers.csv and summary.csv (columns: docs/reference/outputs.md,
     "Output files"). Without --model, the built-in model and the packaged sample prompts: it runs offline.
 
     Examples:
@@ -705,7 +705,7 @@ def rerun(
     report: bool = typer.Option(False, "--report", help="Render OUT/report after the run is written."),
     allow_engine_arg: Optional[list[str]] = typer.Option(
         None, "--allow-engine-arg", help="Replay this engine arg of the manifest although it is not one rerun replays "
-        "without asking (docs/reference.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
+        "without asking (docs/reference/commands.md, 'rerun'); repeatable. Only for a run folder whose maker you trust."),
     fail_if: Optional[list[str]] = typer.Option(
         None, "--fail-if", help="Also fail when METRIC OP VALUE holds (as compare's --fail-if), beside the gate the "
         "run recorded, which rerun replays: exit 1 after writing everything when any condition holds; repeatable."),
@@ -1003,7 +1003,7 @@ def _print_rl_summary(summary) -> None:
     out.print(table)
     fell = summary[summary.collapsed_at_step.notna()]
     out.print(f"collapse (reward below its start to the end while k3 or the |Δlogp| tail grew {GROWTH:g}x; "
-              f"docs/reference.md): {len(fell)} of {len(summary)} runs"
+              f"docs/reference/rl.md): {len(fell)} of {len(summary)} runs"
               + "".join(f"; {r.setting} seed {r.seed} at step {r.collapsed_at_step}" for r in fell.itertuples()))
     for line in comparison_words(summary):
         out.print(line, highlight=False, markup=False, soft_wrap=True)
@@ -1019,7 +1019,7 @@ _RL_DOC = _command_doc("""A small GRPO loop: vLLM samples, a verifiable reward s
     Writes rl.csv (one row per step, flushed as it goes), rl_summary.csv and manifest.json. With several
     --setting values or --seeds > 1, every (setting, seed) run shares one engine (weights reset between runs).
     Each run's first step measures both stacks' noise floors (each against itself, alone against batched); the closing lines
-    say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference.md).
+    say which runs collapsed (reward below its start for good while the mismatch grew tenfold: docs/reference/rl.md).
 
     Examples:
       divergence-probe rl --steps 20 --report
@@ -1080,7 +1080,7 @@ def score_command(
     with the RL metrics, manifest.json with the file's sha256 and the format read). A file that records the
     trainer's logprobs too (verl old_log_probs, OpenRLHF action_log_probs, slime log_probs, TRL old_per_token_logps,
     or --fields train=COL) needs no --model. Several files: steps.csv, alarms.csv and steps.png, one row per step.
-    See docs/reference.md, "score:
+    See docs/reference/score.md, "score:
     what your RL run saw".
 
     Examples:
@@ -1181,7 +1181,7 @@ def _score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256
         _fail(e)
     except MemoryError:  # below the rollout bounds, under a tighter limit than they were set for (or a model's size)
         _fail(ProbeError(f"out of memory scoring {call.rollouts}: this process may not take the memory the scoring "
-                         "needs (docs/reference.md: what each rollout bound costs); raise its memory limit or split "
+                         "needs (docs/reference/errors.md: what each rollout bound costs); raise its memory limit or split "
                          "the file (one RL step per file)"))
     return run, verdict
 

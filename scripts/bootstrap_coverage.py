@@ -1,5 +1,5 @@
 """How often the noise verdict's 95% interval holds the true ratio, by number of prompts: the measurement behind
-MIN_PROMPTS (docs/reference.md, "How many prompts"). Synthetic per-prompt |Δlogp| sums, lognormal (σ = 1) for the
+MIN_PROMPTS (docs/reference/outputs.md, "How many prompts"). Synthetic per-prompt |Δlogp| sums, lognormal (σ = 1) for the
 mismatch at 1.5 times the floor's scale, ten tokens a prompt; the interval as the tool computes it
 (noise_verdict.paired_ratio_interval), and, for comparison, with the floor held at its mean as older versions did.
 

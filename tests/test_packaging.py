@@ -66,10 +66,10 @@ def _doc_pointers() -> set[str]:
 def test_the_wheel_carries_the_model_the_prompts_and_the_docs_its_messages_name(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"divergence_probe/data/default_model/config.json", "divergence_probe/data/default_model/model.safetensors",
-            "divergence_probe/docs/reference.md"} <= names
+            "divergence_probe/docs/reference/install.md"} <= names
     assert any(n.startswith("divergence_probe/data/sample_prompts/") for n in names)
     pointers = _doc_pointers()
-    assert "docs/reference.md" in pointers
+    assert "docs/reference/install.md" in pointers
     assert not {p for p in pointers if f"divergence_probe/{p}" not in names}
 
 

@@ -151,7 +151,7 @@ def test_an_error_the_model_itself_raises_is_not_taken_for_a_broken_library(tmp_
 
 def test_an_error_run_outside_a_checkout_points_at_docs_the_user_has(toy, qwen3_tiny, prompts_file, tmp_path,
                                                                      fake_versions, monkeypatch):
-    """Messages point at docs/reference.md; from a folder that has no docs/ (an installed wheel's user), the pointer
+    """Messages point at docs/reference/install.md; from a folder that has no docs/ (an installed wheel's user), the pointer
     names the copy the package carries, a file that exists."""
     import re
 
@@ -161,6 +161,6 @@ def test_an_error_run_outside_a_checkout_points_at_docs_the_user_has(toy, qwen3_
                                        "--prompts", str(prompts_file), "--taps", "none", "--out", "run"])
     assert refused.exit_code == 2, refused.output
     output = " ".join(refused.output.split())
-    pointers = re.findall(r"\(([^ (]*docs/reference\.md), 'Supported versions'\)", output)
+    pointers = re.findall(r"\(([^ (]*docs/reference/install\.md), 'Supported versions'\)", output)
     assert pointers and all(Path(p).is_file() for p in pointers), output
     assert "## Supported versions" in Path(pointers[0]).read_text()

@@ -75,7 +75,7 @@ def plan(engine: str, model, regions: Sequence[str]) -> dict[str, list[Replaceme
                              "aligned regions")
         where = f"region {name} cannot be aligned on the {engine} stack ({library(model)})"
         fix = f"this version's modeling code moved the seam: leave {name} out of the aligned regions or use a " \
-              "supported transformers/vLLM version (docs/reference.md, 'Supported versions')"
+              "supported transformers/vLLM version (docs/reference/install.md, 'Supported versions')"
         try:
             found = patches[name](model)
         except SeamMissing as e:

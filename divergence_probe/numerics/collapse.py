@@ -1,4 +1,5 @@
-"""When an rl run has collapsed: the definition docs/reference.md ("When a run has collapsed") gives, read from rl.csv.
+"""When an rl run has collapsed: the definition docs/reference/rl.md ("When a run has collapsed") gives, read from
+rl.csv.
 
 A collapse is what the published failures show together: the reward falls below where the run started and stays
 there, while the two stacks' policies come apart, the mismatch growing by an order of magnitude. Either alone is

@@ -9,7 +9,7 @@ ratio a trainer applies to a sample drawn from the engine:
 - ρ statistics, PPO clipping by numerics alone (ρ outside [1−ε, 1+ε]), TIS truncation (ρ > C), token MIS
   masking (ρ outside [1/C, C]), sequence geometric-mean ratio exp(mean r) outside [1−ε, 1+ε], and the
   normalised effective sample size (Σρ)² / (n Σρ²).
-Formulas are repeated in docs/reference.md ("Reading the RL metrics").
+Formulas are repeated in docs/reference/generate-mode.md ("Reading the RL metrics").
 """
 
 from __future__ import annotations

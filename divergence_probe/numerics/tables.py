@@ -1,6 +1,6 @@
 """Turn a run's raw results into the tables of tokens.csv, layers.csv and summary.csv.
 
-Column meanings are documented in the README ("Output files"); keep the two in step.
+Column meanings are documented in docs/reference/outputs.md ("Output files"); keep the two in step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ NO_DIVERGENCE = "none"  # every captured tap was bitwise equal / under the thres
 
 # summary.csv's noise floors (compare.noise_floor_columns), each with the change that made it: one stack against
 # itself. A mismatch is read against the largest one measured: on real shapes one kernel change can move logprobs as
-# much as the whole gap (docs/reference.md, "The noise floor").
+# much as the whole gap (docs/reference/generate-mode.md, "The noise floor").
 NOISE_FLOORS = {
     "noise_infer_mean_abs_dlogp": "the inference stack's own batch change",
     "noise_train_mean_abs_dlogp": "the training stack's own batch change",

@@ -121,7 +121,7 @@ class Condition:
         if metric not in METRICS[kind]:
             near = [m for m in METRICS[kind] if metric.lower() in m or m in metric.lower()][:4]
             raise ProbeError(f"{flag} {text!r}: {kind} writes no metric {metric!r}; use a summary column such as "
-                             f"{', '.join(near or METRICS[kind][:4])} (docs/reference.md lists them)")
+                             f"{', '.join(near or METRICS[kind][:4])} (docs/reference/outputs.md lists them)")
         try:
             value: float | str = float(raw)
         except ValueError:

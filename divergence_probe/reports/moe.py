@@ -5,7 +5,7 @@ flips and the token goes through other experts. So the section puts the flip rat
 stack's own flips under a batch change (a flip rate alone says little when a stack flips as often against itself),
 sets the |Δlogprob| of tokens after a flip against the others, says whether the trainer replayed the engine's routes,
 and, in an ablation with a `routing` region, how much of the mismatch routing explains. What every column means:
-docs/reference.md, "MoE routing".
+docs/reference/moe.md, "MoE routing".
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from .recorded import MEANINGS, recorded_section, setup_items
 from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct, read_intervals, scored_prompts, \
     share_interval, too_few_prompts
 
-# Column meanings as docs/reference.md documents them ("Output files", "Reading the RL metrics", "The noise floor").
+# Column meanings as docs/reference/outputs.md ("Output files") and docs/reference/generate-mode.md ("Reading the RL
+# metrics", "The noise floor") document them.
 # In generate mode r = logprob_train − logprob_infer of a sampled response token and ρ = exp(r).
 SUMMARY_MEANINGS = {
     "mean_abs_dlogp": "mean |Δlogprob| over scored tokens (nats)",
@@ -466,7 +467,8 @@ def _summary_table(run: RunData) -> Table:
             text = SUMMARY_MEANINGS[c]
             return text.replace("scored tokens", "response tokens") if run.is_generate else text
         if c.startswith("ratio_"):
-            return "importance-ratio statistic, ρ = exp(Δlogprob) on response tokens (see README)"
+            return ("importance-ratio statistic, ρ = exp(Δlogprob) on response tokens "
+                    "(docs/reference/generate-mode.md)")
         return ""
 
     def value(v):

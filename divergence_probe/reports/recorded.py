@@ -6,7 +6,7 @@ prefill: the decode path or the recording; prefill vs trainer: the engine's nume
 run's importance ratios saw) and, when the recording is far from both, the explanation that fits (runs/score.py
 `diagnosis`). Throughout the report the recorded logprobs stand where a compare run has the engine's (tokens.csv's
 `logprob_rollout` is read as `logprob_infer`), so the figures and ratios read the same way. Columns:
-docs/reference.md, "score".
+docs/reference/score.md, "score".
 """
 
 from __future__ import annotations

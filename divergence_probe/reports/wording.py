@@ -72,7 +72,7 @@ def too_few_prompts(run) -> str:
     from ..numerics.shapley import MIN_PROMPTS
 
     return (f"The run scored {scored_prompts(run)} prompts, fewer than the {MIN_PROMPTS} a bootstrap interval needs "
-            "(docs/reference.md, \"How many prompts\"): the intervals attribution.csv holds are not read, and no "
+            "(docs/reference/outputs.md, \"How many prompts\"): the intervals attribution.csv holds are not read, and no "
             "effect here is a detected one. ")
 
 

@@ -9,7 +9,7 @@ is running out of memory below the bounds (a tighter limit than the bounds were 
 
 What a read holds grows with the values read (every list entry: a token id, a logprob), not with the bytes: a
 value becomes a Python object the scoring keeps as a row of its tables. So the values are the bound that sets the
-memory (docs/reference.md states what each bound costs); the byte bounds only keep the parse itself bounded.
+memory (docs/reference/errors.md states what each bound costs); the byte bounds only keep the parse itself bounded.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _over_row(path: Path, where: str, held: str) -> None:
 
 def _out_of_memory(path: Path, where: str) -> RolloutError:
     return RolloutError(f"out of memory reading {path} at {where}: this process may not take the memory its rows "
-                        f"need (docs/reference.md: what each bound costs); raise its memory limit or split the file "
+                        f"need (docs/reference/errors.md: what each bound costs); raise its memory limit or split the file "
                         "(one RL step per file)")
 
 

@@ -90,7 +90,7 @@ class AblateSpec:
         if not 0 <= self.bootstrap <= MAX_BOOTSTRAP:
             raise ProbeError(f"--bootstrap {self.bootstrap} is outside 0 to {MAX_BOOTSTRAP:,}: each resample "
                              f"recomputes all {2 ** len(self.players)} combinations' metric, so {MAX_BOOTSTRAP:,} "
-                             "already take minutes (docs/reference.md); 1,000 give stable 95% intervals")
+                             "already take minutes (docs/reference/errors.md); 1,000 give stable 95% intervals")
         if not 0 < self.ci_level < 1:
             raise ProbeError("--ci-level must be in (0, 1), e.g. 0.95")
 

@@ -59,7 +59,7 @@ class LoadSpec:
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
                                   "(vLLM's own defaults, as RL frameworks run it; every layer tap but the residual stream "
-                                  "and q/k norms). See docs/reference.md, 'Engine modes and the "
+                                  "and q/k norms). See docs/reference/engines.md, 'Engine modes and the "
                                   "trainer's process state'.")
     engine_args: dict = option(default_factory=dict, help="JSON object of extra vllm.LLM keyword arguments, passed "
                                "as given and recorded in the manifest (e.g. '{\"max_num_seqs\": 64}').",

@@ -1,12 +1,14 @@
 """The command line as users meet it: every command's --help against a committed snapshot (so a CLI change is a
-deliberate one), every flag documented in docs/reference.md (whose flag tables are generated from the same click
-parameters), the README's command blocks naming only commands and flags that exist, and --help from a shell.
+deliberate one), every flag documented in docs/reference/flags.md (whose flag tables are generated from the same
+click parameters), the README's command blocks (and those of the recipes it links, docs/reference/recipes.md) naming
+only commands and flags that exist, and --help from a shell.
 
 After a deliberate CLI change (a spec field added, a help text edited):
 
     UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest -q tests/cli/test_cli_help.py
 
-rewrites tests/snapshots/help_*.txt and the generated flag section of docs/reference.md; review the diff, commit both.
+rewrites tests/snapshots/help_*.txt and the generated flag section of docs/reference/flags.md; review the diff, commit
+both.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from divergence_probe.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "snapshots"
-REFERENCE = ROOT / "docs" / "reference.md"
+REFERENCE = ROOT / "docs" / "reference" / "flags.md"  # the page that holds the generated flag tables
 README = ROOT / "README.md"
+GUIDES = (README, ROOT / "docs" / "reference" / "recipes.md")  # the recipes the README links, moved there as they were
 UPDATE = bool(os.environ.get("UPDATE_SNAPSHOTS"))
 PROG = "divergence-probe"
 WIDTH = 120
@@ -84,7 +87,7 @@ def test_help_matches_snapshot(command, fixed_terminal):
         path.write_text(text)
     assert path.is_file(), f"{path} is missing; UPDATE_SNAPSHOTS=1 pytest {Path(__file__).name} writes it"
     assert text == path.read_text(), (f"`{PROG} {command or ''} --help` changed; if that is deliberate, rerun with "
-                                      "UPDATE_SNAPSHOTS=1 and commit tests/snapshots/ and docs/reference.md")
+                                      "UPDATE_SNAPSHOTS=1 and commit tests/snapshots/ and docs/reference/flags.md")
 
 
 def test_no_stale_snapshots():
@@ -92,7 +95,7 @@ def test_no_stale_snapshots():
     assert {p.name for p in SNAPSHOTS.glob("help_*.txt")} <= wanted
 
 
-# --- docs/reference.md -------------------------------------------------------------------------------------------
+# --- docs/reference/flags.md ------------------------------------------------------------------------------------
 
 def _is_argument(param) -> bool:
     return param.param_type_name == "argument"
@@ -150,7 +153,7 @@ def _table(command) -> list[str]:
 
 
 def generated_flags() -> str:
-    """The flag tables of docs/reference.md, from the click parameters --help shows."""
+    """The flag tables of docs/reference/flags.md, from the click parameters --help shows."""
     lines = [START, "", "### Options before the command", ""] + _table(_group()) + [""]
     for name, command in _commands().items():
         summary = " ".join((command.help or "").split("\n\n")[0].split())
@@ -175,7 +178,7 @@ def test_reference_flag_tables_are_generated_from_the_code():
     text = _reference_text()
     assert START in text and END in text, f"{REFERENCE} lacks its generated flag section"
     section = text[text.index(START):text.index(END) + len(END)]
-    assert section == generated_flags(), ("docs/reference.md's flag tables differ from the CLI; rerun with "
+    assert section == generated_flags(), ("docs/reference/flags.md's flag tables differ from the CLI; rerun with "
                                           "UPDATE_SNAPSHOTS=1 and commit the result")
 
 
@@ -184,61 +187,63 @@ def test_every_flag_of_help_is_in_the_reference(name, fixed_terminal):
     command = _commands()[name]
     text = _reference_text()
     heading = f"### `{PROG} {name}`"
-    assert heading in text, f"docs/reference.md has no section {heading!r}"
+    assert heading in text, f"docs/reference/flags.md has no section {heading!r}"
     section = text.split(heading, 1)[1].split("\n### ", 1)[0]
     shown = render_help(name)
     for param in command.params:
         if not _is_argument(param) and param.name != "help":
             for flag in _flags(param):
                 assert flag in shown, (name, flag)  # the flags checked are those --help shows
-                assert f"`{flag}`" in section, f"{name} {flag} is not in docs/reference.md's {heading} section"
+                assert f"`{flag}`" in section, f"{name} {flag} is not in docs/reference/flags.md's {heading} section"
 
 
 # --- README commands ---------------------------------------------------------------------------------------------
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line, words) of every command in a ```bash block of README.md that runs divergence-probe (also as
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(page:line, words) of every command in a ```bash block of the GUIDES that runs divergence-probe (also as
     `python -m divergence_probe` or through scripts/demo.sh, which passes its words on to compare), and of every
-    `divergence-probe ...` code span in its prose."""
+    `divergence-probe ...` code span in their prose."""
     found = []
-    in_block = False
-    pending, start = "", 0
-    for number, line in enumerate(README.read_text().splitlines(), 1):
-        if line.startswith("```"):
-            in_block = line.strip() == "```bash" if not in_block else False
-            continue
-        if not in_block:
-            continue
-        if not pending:
-            start = number
-        pending += line[:-1] + " " if line.rstrip().endswith("\\") else line
-        if line.rstrip().endswith("\\"):
-            continue
-        try:
-            words = shlex.split(pending, comments=True)
-        except ValueError as e:  # unbalanced quotes: the test of this line says so
-            words = ["divergence-probe", f"<README.md:{start}: {e}>"]
-        pending = ""
-        for i, word in enumerate(words):
-            if word.endswith("divergence-probe"):
-                found.append((start, words[i + 1:]))
-            elif word == "divergence_probe" and words[i - 1:i] == ["-m"]:
-                found.append((start, words[i + 1:]))
-            elif word == "scripts/demo.sh":
-                found.append((start, ["compare", *words[i + 1:]]))
-    for number, line in enumerate(README.read_text().splitlines(), 1):  # and `divergence-probe ...` in the prose
-        for span in re.findall(r"`(divergence-probe [^`]+)`", line):
-            found.append((number, shlex.split(span)[1:]))
+    for page in GUIDES:
+        where = page.relative_to(ROOT)
+        in_block = False
+        pending, start = "", 0
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_block = line.strip() == "```bash" if not in_block else False
+                continue
+            if not in_block:
+                continue
+            if not pending:
+                start = number
+            pending += line[:-1] + " " if line.rstrip().endswith("\\") else line
+            if line.rstrip().endswith("\\"):
+                continue
+            try:
+                words = shlex.split(pending, comments=True)
+            except ValueError as e:  # unbalanced quotes: the test of this line says so
+                words = ["divergence-probe", f"<{where}:{start}: {e}>"]
+            pending = ""
+            for i, word in enumerate(words):
+                if word.endswith("divergence-probe"):
+                    found.append((f"{where}:{start}", words[i + 1:]))
+                elif word == "divergence_probe" and words[i - 1:i] == ["-m"]:
+                    found.append((f"{where}:{start}", words[i + 1:]))
+                elif word == "scripts/demo.sh":
+                    found.append((f"{where}:{start}", ["compare", *words[i + 1:]]))
+        for number, line in enumerate(page.read_text().splitlines(), 1):  # and `divergence-probe ...` in the prose
+            for span in re.findall(r"`(divergence-probe [^`]+)`", line):
+                found.append((f"{where}:{number}", shlex.split(span)[1:]))
     return found
 
 
 def test_readme_has_commands():
-    assert len(readme_commands()) >= 8
+    assert len([where for where, _ in readme_commands() if where.startswith("README.md:")]) >= 8
 
 
-@pytest.mark.parametrize("line,words", readme_commands(), ids=lambda v: str(v) if isinstance(v, int) else None)
-def test_readme_command_uses_real_flags(line, words):
-    check_command(f"README.md:{line}", words)
+@pytest.mark.parametrize("where,words", readme_commands(), ids=lambda v: v if isinstance(v, str) else None)
+def test_readme_command_uses_real_flags(where, words):
+    check_command(where, words)
 
 
 def _examples(command) -> list[str]:
@@ -344,26 +349,3 @@ def test_help_imports_no_torch(argv, light):
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-
-
-# --- links -------------------------------------------------------------------------------------------------------
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def _anchors(path: Path) -> set[str]:
-    return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if re.match(r"#{1,6} ", line)}
-
-
-@pytest.mark.parametrize("page", [README, REFERENCE], ids=lambda p: p.name)
-def test_relative_links_resolve(page):
-    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-        if re.match(r"^[a-z]+:", target):
-            continue
-        path, _, anchor = target.partition("#")
-        file = (page.parent / path).resolve() if path else page
-        assert file.exists(), f"{page.name}: link to missing {target}"
-        if anchor and file.suffix == ".md":
-            assert anchor in _anchors(file), f"{page.name}: no heading #{anchor} in {file.name}"

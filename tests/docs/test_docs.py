@@ -111,16 +111,33 @@ def markdown_pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_' dropped, spaces to '-',
+    and a repeated heading suffixed -1, -2, ... (headings inside a code block are not headings)."""
+    found: set[str] = set()
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    for line in text.splitlines():
+        if re.match(r"#{1,6} ", line):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            repeat = next(n for n in range(len(found) + 1) if (f"{slug}-{n}" if n else slug) not in found)
+            found.add(f"{slug}-{repeat}" if repeat else slug)
+    return found
+
+
 def broken_links(page: Path) -> list[str]:
+    """Links whose file is not in the repository, or whose #anchor names no heading of the Markdown page it
+    points to (the reference is many pages that link each other by anchor)."""
     broken = []
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # a link inside a code block is an example
     for match in LINK.finditer(text):
-        target = (match.group(1) or match.group(2)).split("#")[0]
-        if not target or re.match(r"[a-z]+:", target):  # an anchor in the page itself, or an http(s)/mailto URL
+        target, _, anchor = (match.group(1) or match.group(2)).partition("#")
+        if re.match(r"[a-z]+:", target):  # an http(s)/mailto URL
             continue
-        resolved = (page.parent / target).resolve()
+        resolved = (page.parent / target).resolve() if target else page
         if not resolved.exists() or ROOT not in (resolved, *resolved.parents):
             broken.append(f"{page.relative_to(ROOT)}: {match.group(0)}")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{page.relative_to(ROOT)}: {match.group(0)} (no such heading)")
     return broken
 
 
@@ -130,13 +147,18 @@ def test_every_relative_link_in_readme_and_docs_resolves_inside_the_repository()
 
 
 def test_a_broken_link_is_caught(tmp_path):
-    (tmp_path / "there.md").write_text("x\n")
+    (tmp_path / "there.md").write_text("# There\n## A\n## A\n```\n## In code\n```\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](there.md#a) [gone](missing.md) [web](https://example.com)\n```\n[code](nowhere.md)\n```\n")
+    page.write_text("# Page\n[ok](there.md#a) [again](there.md#a-1) [here](#page) [gone](missing.md) "
+                    "[web](https://example.com#x)\n[no heading](there.md#b) [not here](#a) [code](there.md#in-code)\n"
+                    "```\n[code](nowhere.md)\n```\n")
     global ROOT
     root, ROOT = ROOT, tmp_path
     try:
-        assert broken_links(page) == ["page.md: [gone](missing.md)"]
+        assert broken_links(page) == ["page.md: [gone](missing.md)",
+                                      "page.md: [no heading](there.md#b) (no such heading)",
+                                      "page.md: [not here](#a) (no such heading)",
+                                      "page.md: [code](there.md#in-code) (no such heading)"]
     finally:
         ROOT = root
 
@@ -158,6 +180,25 @@ def test_docs_stay_a_library_a_clone_can_afford():
     size = sum((ROOT / name).stat().st_size for name in listed if (ROOT / name).is_file())
     assert size <= 8 * 2**20, f"docs/ holds {size / 2**20:.1f} MiB"
     assert not [n for n in listed if n.endswith((".log", ".jsonl", ".py", ".sh"))], "docs/ holds logs or scripts"
+
+
+# ------------------------------------------------------------------------------------------- guide and reference
+README_BYTES = 15_000  # a guide read top to bottom: which command answers which question, details one link away
+PAGE_BYTES = 32 * 1024  # the largest reference page (the generated flag tables) with room to grow
+
+
+def test_the_readme_is_a_guide_and_the_reference_is_pages():
+    """The README names the commands and what to read in their output; every detail lives in the reference, one
+    page per topic, each listed on its index, so a reader finds a page rather than scrolls a book."""
+    size = (ROOT / "README.md").stat().st_size
+    assert size <= README_BYTES, f"README.md is {size} bytes; move details to a page of docs/reference/"
+    reference = ROOT / "docs" / "reference"
+    assert not (ROOT / "docs" / "reference.md").exists(), "the reference is docs/reference/, one page per topic"
+    index = (reference / "README.md").read_text()
+    pages = sorted(path for path in reference.glob("*.md") if path.name != "README.md")
+    assert [path.name for path in pages if f"]({path.name}" not in index] == [], "pages the index does not list"
+    large = [f"{path.name}: {path.stat().st_size} bytes" for path in pages if path.stat().st_size > PAGE_BYTES]
+    assert not large, "reference pages to split by topic:\n" + "\n".join(large)
 
 
 REPO_PATH = re.compile(

@@ -31,8 +31,8 @@ def test_every_readme_command_is_run_or_says_why_not():
     assert ran - written == set(), "readme_runs runs commands the README no longer has"
 
 
-@pytest.mark.parametrize("line, words", COMMANDS, ids=[f"README.md:{n}" for n, _ in COMMANDS])
-def test_readme_command_parses_and_builds_its_spec(line, words):
+@pytest.mark.parametrize("where, words", COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_readme_command_parses_and_builds_its_spec(where, words):
     """As written (M stands for a checkpoint; nothing loads): the values parse, and compare/ablate's spec passes every
     check that runs before loading."""
     group = typer.main.get_command(app)

@@ -1,4 +1,4 @@
-"""Aligned regions: each computes the README's formula rounded once (float64 references, through the patched
+"""Aligned regions: each computes the reference's formula rounded once (float64 references, through the patched
 transformers decoder layers), maps bitwise-equal inputs to bitwise-equal outputs on both real stacks, and is
 undone bitwise; and the patch contract (find every target first, real counts, overlaps raise)."""
 
@@ -153,7 +153,8 @@ def test_side_train_leaves_vllm_untouched(vllm_probe, prompts_file):
 
 
 # -----------------------------------------------------------------------------
-# The aligned formula (README "Region alignment") against an independent float64 reference, rounded once.
+# The aligned formula (docs/reference/ablation.md, "Region alignment") against an independent float64 reference,
+# rounded once.
 #
 # Why "within the FP32 error bound" and not "equal": each aligned region evaluates the formula in FP32 and
 # rounds once; FP32 differs from the exact value by a few FP32 ULPs (2^-24 relative each). Rounding the FP32
@@ -223,7 +224,7 @@ SWIGLU_EPS = 16 * U  # silu in FP32 (exp within 1 ULP, an add, a division) and t
 
 
 def rope_exact(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """x [T, heads, d]; returns (exact rotation, |terms| for the error bound). The README's formula takes the
+    """x [T, heads, d]; returns (exact rotation, |terms| for the error bound). The reference's formula takes the
     angle position * inv_freq in FP32: the product is exact in float64 and rounded to FP32 once; cos, sin and
     the rotation are float64."""
     angle = (positions.double()[:, None] * inv_freq.double()).float().double()[:, None, :]  # [T, 1, d/2]
@@ -792,7 +793,7 @@ def test_residual_on_one_side_refuses_what_pairs_the_stream():
 
 def test_residual_is_what_an_amp_trainer_already_computes(hf_tiny):
     """Under AMP (FP32 weights, BF16 autocast) the shipped stream is FP32 and the norm's FP32 output is rounded once by
-    autocast at the next GEMM: the region's forward, bit for bit (docs/reference.md says so)."""
+    autocast at the next GEMM: the region's forward, bit for bit (docs/reference/ablation.md says so)."""
     model = copy.deepcopy(hf_tiny["qwen3"]).float()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):

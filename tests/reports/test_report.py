@@ -161,8 +161,8 @@ def make_ablate(path: Path, with_tokens: bool = True, combos: dict = COMBOS, n_p
 
 
 def make_generate(path: Path, clip_eps: float = 0.01) -> Path:
-    """Generate mode as README "Reading the RL metrics" describes it: headline columns on response tokens,
-    RL columns, buckets.csv, and the noise floor (batch_invariance.csv)."""
+    """Generate mode as docs/reference/generate-mode.md ("Reading the RL metrics") describes it: headline columns on
+    response tokens, RL columns, buckets.csv, and the noise floor (batch_invariance.csv)."""
     rng = np.random.default_rng(3)
     tokens = _tokens(rng, 0.01, generate=True)
     # the engine's prefill near the trainer, far from its own decode: prefill_vs_decode dominates
@@ -344,8 +344,9 @@ def _noise_floor_paragraph(tmp_path, **noise) -> str:
 
 
 def test_the_mismatch_is_read_against_the_largest_noise_floor(tmp_path):
-    """The trainer's own kernel change can move its logprobs as much as the whole gap (README "The noise floor"): the
-    report sets the mismatch against the largest floor measured, not against the batch noise alone."""
+    """The trainer's own kernel change can move its logprobs as much as the whole gap (docs/reference/generate-mode.md,
+    "The noise floor"): the report sets the mismatch against the largest floor measured, not against the batch noise
+    alone."""
     mismatch = _summary(_tokens(np.random.default_rng(2), 0.01, n_prompts=MIN_PROMPTS), "q_rope@0")["mean_abs_dlogp"]
     kernel = 2 * mismatch
     text = _noise_floor_paragraph(tmp_path / "a", noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-5,

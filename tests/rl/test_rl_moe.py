@@ -95,7 +95,7 @@ def test_compiled_rollout_routes_are_the_eager_engines_up_to_rounding(rl_moe_eag
     (hooks) and the compiled one (tap points), at the checkpoint's weights. Each engine's recorded routes are a top-k
     of its own router logits in every row and layer. Where the two engines' router logits are bitwise equal, the
     routes must be too; on the CPU build that is no row (Inductor keeps the residual stream in FP32 and rounds
-    elsewhere: docs/reference.md, rl), so the routes are also compared where rounding cannot explain a difference:
+    elsewhere: docs/reference/rl.md), so the routes are also compared where rounding cannot explain a difference:
     in every row whose compiled top-k margin (k-th minus (k+1)-th logit) is over twice the largest difference between
     the two engines' logits of that row, no logit can overtake another, so both records must name the same experts
     (a row filed under another position or sequence would not); every set that differs lies within that bound."""

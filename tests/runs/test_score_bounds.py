@@ -1,5 +1,5 @@
 """Memory and time inside the documented limits: a rollout file past a bound is refused in one line under an
-address-space cap, a file at a bound is scored within the memory docs/reference.md states for it, running out of
+address-space cap, a file at a bound is scored within the memory docs/reference/errors.md states for it, running out of
 memory below the bounds is named as such (not as a broken file), and counts whose cost grows without bound are
 refused before anything loads.
 
@@ -33,7 +33,7 @@ from test_compare_cli import assert_nothing_written, assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
-# What docs/reference.md states a model-free score holds per value it reads (a token id, a logprob), with room for
+# What docs/reference/errors.md states a model-free score holds per value it reads (a token id, a logprob), with room for
 # the allocator; and what the command takes over its imports whatever it reads (its tables, pandas' and arrow's pools).
 PER_VALUE = 150
 OVERHEAD = 512 * MiB

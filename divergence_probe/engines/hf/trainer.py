@@ -233,7 +233,7 @@ class HFStack:
             if not (isinstance(output, tuple) and len(output) == 3):
                 raise StackError(f"transformers' router of layer {layer} returned {type(output).__name__}, not (logits, "
                                  "weights, ids): its modeling code changed; routing replay needs a supported "
-                                 "transformers version (docs/reference.md, 'Supported versions')")
+                                 "transformers version (docs/reference/install.md, 'Supported versions')")
             logits, own_weights, own_ids = output
             ids, weights = routes(self._running, layer)
             n = ids.shape[0]

@@ -98,7 +98,7 @@ def layer_seams(layer, family: Family, sizes: dict[str, int], wanted: frozenset[
         if module is None:
             raise StackError(f"vLLM's {type(layer).__name__} has no {layout.layer[seam.module]}, where the "
                              f"{family.model_type} family reads {', '.join(seam.taps)}; use a supported vLLM version "
-                             "(docs/reference.md, 'Supported versions')")
+                             "(docs/reference/install.md, 'Supported versions')")
         before, read = _read(seam, family, layout, sizes)
         seams.append(Seam(seam.taps, module, before, read, "select_experts" if seam.read == "select_experts" else None))
     return seams

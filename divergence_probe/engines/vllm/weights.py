@@ -132,7 +132,7 @@ def _experts_kernel(module):
     if kernel is None or not callable(getattr(kernel, "process_weights_after_loading", None)):
         raise SyncError(f"weight sync: vLLM's {type(module).__name__} has no experts kernel where vLLM 0.32 keeps it "
                         "(quant_method.moe_kernel.fused_experts); use a supported vLLM version "
-                        "(docs/reference.md, 'Supported versions')")
+                        "(docs/reference/install.md, 'Supported versions')")
     return kernel
 
 

@@ -166,8 +166,8 @@ def test_a_trainer_sharded_over_two_gloo_ranks_stands_beside_its_own_floor(qwen3
     whole mismatch is what sharding does, so it must equal the trainer's parallelism floor (kernel_noise.csv's
     `train_tp 1 vs 2`), measured on its own path. Its taps come back gathered: every tap before layer 0's o_proj (the
     first row-parallel sum) bitwise equal to the unsharded trainer's, and from there within the bound
-    docs/reference.md states; the logprobs differ (the partial sums are rounded to BF16 before they are added). A rank
-    that dies is one line."""
+    docs/reference/devices.md states; the logprobs differ (the partial sums are rounded to BF16 before they are
+    added). A rank that dies is one line."""
     import os
     import signal
 
