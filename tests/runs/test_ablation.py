@@ -187,7 +187,8 @@ def test_ablate_cli_writes_its_tables(qwen3_tiny, prompts_file, tmp_path):
     assert list(ablation.columns[:3]) == ["combo", "rope", "rmsnorm"]
     attribution_csv = pd.read_csv(out_dir / "attribution.csv")
     assert list(attribution_csv.columns) == ["region", CHANGE, SHARE, "main_effect_change", "leave_one_out_change",
-                                             "ci_low", "ci_high", "share_ci_low", "share_ci_high"]
+                                             "ci_low", "ci_high", "share_ci_low", "share_ci_high", EFFECT, "other_metric",
+                                             "other_metric_share", DISAGREE]
     assert list(attribution_csv.region) == ["rope", "rmsnorm", ALL_REGIONS]
     for name in ("tokens.csv", "layers.csv", "summary.csv"):
         assert pd.read_csv(out_dir / name).columns[0] == "combo"

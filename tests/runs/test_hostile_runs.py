@@ -351,7 +351,7 @@ DAMAGE = {
     "rl-manifest-list": (make_rl, lambda r: (r / "manifest.json").write_text("[1, 2]"), "not a JSON object"),
     "rl-manifest-no-files": (make_rl, lambda r: edit(r / "manifest.json", lambda m: m.pop("files")), "`files`"),
     "rl-csv-lacks-column": (make_rl, _rl_without_column, "lacks the column(s) mean_abs_dlogp"),
-    "rl-csv-not-numbers": (make_rl, _rl_not_numbers, "column reward_mean that are not numbers"),
+    "rl-csv-not-numbers": (make_rl, _rl_not_numbers, "column reward_mean holds"),
     "rl-summary-changed": (make_rl, lambda r: (r / "rl_summary.csv").write_text("setting,seed\nx,0\n"), "sha256"),
     "compare-manifest-cut": (make_compare, lambda r: _cut(r / "manifest.json"), "manifest.json"),
     "compare-manifest-list": (make_compare, lambda r: (r / "manifest.json").write_text("[]"), "not a JSON object"),
