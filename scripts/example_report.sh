@@ -17,5 +17,5 @@ mkdir -p docs/example_report
 cp -R "$tmp/run/report/." docs/example_report/
 cp "$tmp/html/report.html" docs/example_report/report.html
 # The replace-on-rerender marker of the report folder means nothing inside the docs.
-rm -f docs/example_report/.divergence-probe-report
+rm -f docs/example_report/.divergence-probe
 echo "wrote docs/example_report/ (report.md, report.html, figures/)"
