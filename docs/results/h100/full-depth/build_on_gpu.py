@@ -21,9 +21,8 @@ def main(preset: str, out_dir: str, seed: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=False)
     config = make_config(preset=preset)
     build_tokenizer(model_max_length=config.max_position_embeddings).save_pretrained(out)
-    with torch.device("cuda"):
-        torch.cuda.manual_seed_all(seed)
-        model = _random_model(config, seed)
+    model = _random_model(config, seed, device="cuda")
+    print(f"device peak while drawing: {torch.cuda.max_memory_allocated() / 1e9:.1f} GB")
     model.save_pretrained(out, max_shard_size="5GB")
     print(f"{preset}: {sum(p.numel() for p in model.parameters()):,} parameters in {out}")
 
