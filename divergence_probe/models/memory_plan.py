@@ -349,6 +349,9 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["train_taps"] = longest * per_token
     # tensor parallel on the CPU: rank 0's host copy of every tap and the others' of their slices, beside the gathered
     terms["tensor_parallel_rank_taps"] = 2 * terms["infer_taps"] if ranks > 1 and i.device != "cuda" else 0
+    # --placement alternate, the engine in a worker process: each call's outputs come back through this process's
+    # device on their way to the host, while the worker still holds its own copy
+    terms["alternate_handover"] = terms["infer_taps"] + terms["infer_logits"] if i.alternate and vllm else 0
     # one sequence's forward past what its taps hold, its logits ([T, V] in the dtype), their FP32 upcast and
     # log-softmax (token_logprobs), and the KL's float64 chunks of 256 rows (token_kl: both log-softmaxes, exp, product)
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
@@ -415,7 +418,7 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tupl
     return {
         "engine_start": (engine_weights, engine_kv + t["engine_profile_activations"]),
         "engine_step": (engine_weights, engine_kv + held + t["engine_step_activations"]
-                        + t["engine_logprobs_transient"]),
+                        + t["engine_logprobs_transient"] + t["alternate_handover"]),
         "train_and_reduce": (train_weights, train_kv + held + t.get("train_taps", 0) + t.get("train_forward", 0)
                              + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
                              + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),

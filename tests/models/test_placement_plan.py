@@ -65,6 +65,15 @@ def test_alternate_holds_the_32b_shape_on_an_80gb_device():
     assert p.fits and p.inputs.alternate, why
 
 
+def test_alternate_counts_the_outputs_passing_through_this_process():
+    """The worker's outputs come back through this process's device while the worker holds its own copy: at the
+    Qwen3-30B-A3B shape, 16 prompts of 512 tokens, a batch of 8192 tokens ran out of memory in the engine's pass on an
+    80 GB H100 and 2048 ran (docs/results/h100/full-depth/): the plan must not pick the larger batches."""
+    p, why = placed(inputs(int(78.7 * GiB), prompt_lengths=(512,) * 16), "auto")
+    assert p.fits and p.inputs.alternate, why
+    assert p.batch_tokens <= 2048
+
+
 def test_auto_together_when_the_run_cannot_alternate():
     p, why = placed(inputs(80 * 10**9), "auto", can_alternate=False)
     assert not p.inputs.alternate and not p.fits and "both stacks at once" in why
