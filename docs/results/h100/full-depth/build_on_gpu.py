@@ -59,6 +59,7 @@ def save(model, out: Path) -> None:
         total += sum(v.numel() * v.element_size() for v in shard.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    model.config.architectures = [type(model).__name__]  # save_pretrained's own: both stacks pick the class by it
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
 
