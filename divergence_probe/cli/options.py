@@ -154,10 +154,15 @@ def rl_flags() -> list[Flag]:
 
 
 def score_flags() -> list[Flag]:
-    """The options of score: the ScoreSpec and LoadSpec fields spec.score.SCORE_FLAGS names, in its order."""
+    """The options of score: the ScoreSpec and LoadSpec fields spec.score.SCORE_FLAGS names, in its order, then any
+    other ScoreSpec field (the rollouts are score's argument, not an option)."""
     from ..spec.load import LoadSpec
     from ..spec.score import SCORE_FLAGS, ScoreSpec
 
     owners = {"score": ScoreSpec, "load": LoadSpec}
-    found = {(part, f.name): f for part, owner in owners.items() for f in dataclasses.fields(owner)}
-    return [Flag(owners[part], found[part, name], name, None, help_text) for part, name, help_text in SCORE_FLAGS]
+    found = {(part, f.name): f for part, owner in owners.items() for f in dataclasses.fields(owner)
+             if f.metadata.get("cli", True)}
+    listed = {(part, name) for part, name, _ in SCORE_FLAGS}
+    return ([Flag(owners[part], found[part, name], name, None, help_text) for part, name, help_text in SCORE_FLAGS]
+            + [Flag(ScoreSpec, f, name) for (part, name), f in found.items() if part == "score"
+               and (part, name) not in listed])

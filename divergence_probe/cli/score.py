@@ -43,7 +43,7 @@ def score_command(rollouts: list[Path], out_dir: Optional[Path] = None, alarm: O
     from ..runs.history import parse_alarms, step_files
     from ..rundir import default_out_dir
     from ..spec.load import LoadSpec
-    from ..spec.score import SCORE_FLAGS, ScoreSpec
+    from ..spec.score import ScoreSpec
 
     try:
         files = step_files(rollouts)
@@ -53,10 +53,10 @@ def score_command(rollouts: list[Path], out_dir: Optional[Path] = None, alarm: O
         if alarm and not many:
             raise ProbeError("--alarm marks steps of a run's history; pass several rollout files (a folder or a "
                              "glob), or drop --alarm")
-        part = {name: owner for owner, name, _ in SCORE_FLAGS}
+        owner = {flag.name: flag.owner for flag in score_flags()}
         call = ScoreSpec(rollouts=str(files[0].absolute()),
-                         **{k: v for k, v in flags.items() if part[k] == "score"})
-        load = LoadSpec(**{k: v for k, v in flags.items() if part[k] == "load"})
+                         **{k: v for k, v in flags.items() if owner[k] is ScoreSpec})
+        load = LoadSpec(**{k: v for k, v in flags.items() if owner[k] is LoadSpec})
         for conditions in (gate, alarms):
             if conditions:
                 conditions.check_measured(call)

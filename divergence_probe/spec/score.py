@@ -16,7 +16,7 @@ class ScoreSpec:
     (score.spec, score.load_spec) and `rerun` reads them back with the checks their flags get (spec.recorded)."""
 
     rollouts: str = option(help="The rollout file, as an absolute path (a rerun may start elsewhere).",
-                           flag="ROLLOUTS")
+                           flag="ROLLOUTS", cli=False)  # score's argument: files, a folder or a glob
     fmt: str = option("auto", "auto (from the field names), verl, openrlhf, slime, trl or generic.", flag="--format")
     fields: str | None = option(None, "Generic format's columns: prompt_ids=COL,response_ids=COL,logprobs=COL[,group="
                                       "COL]; in any format, the two logprob columns: infer=COL,train=COL (with the "
