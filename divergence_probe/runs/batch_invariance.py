@@ -23,10 +23,11 @@ import pandas as pd
 import torch
 
 from ..numerics.metrics import token_kl
+from ..numerics.tables import HEADLINE, headline
 from ..prompts import Prompt
 
-COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
-KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
+COLUMNS = ["stack", "side", *HEADLINE, "n_tokens", "batch_size"]
+KERNEL_COLUMNS = ["stack", "side", "change", *HEADLINE, "n_tokens"]
 ENGINE_MODES = {"eager": "compiled", "compiled": "eager"}  # a run's engine mode -> the one engine_noise compares to
 
 
@@ -95,8 +96,7 @@ def measure_side(side: str, stack, sequences: Sequence[Prompt]) -> tuple[dict, l
     # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
     # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
     size = max(map(len, groups))
-    return {"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
-            "mean_kl": float(k.mean()), "max_kl": float(k.max()), "n_tokens": int(d.size), "batch_size": size}, \
+    return {"stack": stack.name, "side": side, **headline(d, k), "n_tokens": int(d.size), "batch_size": size}, \
         keys, deltas
 
 
@@ -323,7 +323,6 @@ def _change_row(stack: str, side: str, change: str, deltas: list, kls: list, seq
     """One stack against itself under one change: the row kernel_noise.csv / engine_noise.csv hold (`deltas`: one
     array per sequence, in the order of `sequences`)."""
     d, k = np.concatenate(deltas), np.concatenate(kls)
-    table = pd.DataFrame([{"stack": stack, "side": side, "change": change, "mean_abs_dlogp": float(d.mean()),
-                           "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
-                           "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    table = pd.DataFrame([{"stack": stack, "side": side, "change": change, **headline(d, k), "n_tokens": int(d.size)}],
+                         columns=KERNEL_COLUMNS)
     return _with_sums(table, [_sequence_sums(0, [seq.prompt_id for seq in sequences], deltas)])

@@ -125,7 +125,8 @@ class RLSpec:
                                           "train:kernels=liger, train:precision=amp, train:correction=tis|mis, "
                                           "engine:kv_cache_dtype=fp8 (the same engine items in every setting: "
                                           "one engine serves them all), e.g. --setting none --setting "
-                                          "train:correction=tis --setting rope,swiglu,rmsnorm,train:kernels=liger.")
+                                          "train:correction=tis --setting rope,swiglu,rmsnorm,train:kernels=liger.",
+                                  repeat=True)
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
     engine: str = option("eager", "The rollout engine: eager (enforce_eager; regions can be aligned in it) or compiled "
                                   "(vLLM's defaults, as RL frameworks deploy it: torch.compile, and CUDA graphs on a "

@@ -5,7 +5,7 @@
 
 Each component owns its fields, defaults and checks (`__post_init__`), so a bad flag fails before anything
 loads, and every default lives in exactly one place: its component. Fields are declared with `options.option`, which
-also carries the flag's help text; `cli.py` generates each command's options from these fields. The manifest
+also carries the flag's help text; `cli/options.py` generates each command's options from these fields. The manifest
 stores `spec.to_dict()`, and `RunSpec.from_dict` turns it back into the same spec, which is what `rerun` runs.
 """
 
