@@ -93,8 +93,8 @@ class ToyStack:
             (on_scored or results.append)(self._scores(p.prompt_id, p.token_ids, emit))
         return results
 
-    def score_batched(self, prompts):
-        return self.score(prompts, frozenset(), lambda *_: None)
+    def score_batched(self, prompts, taps=frozenset(), sink=None):
+        return self.score(prompts, taps, sink)
 
     def batch_groups(self, prompts):
         return [list(prompts)]

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
 from ..errors import StackError
 from ..options import option
 from ..prompts import Prompt
-from ..taps import Tap
+from ..taps import Tap, TapKey
 
 TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
@@ -241,9 +241,50 @@ class Grafter(Protocol):
 
     def replay(self, taps: Mapping) -> dict: ...
 
-    def forward_from(self, point: int, hidden: "torch.Tensor", embed: "torch.Tensor") -> "torch.Tensor": ...
+    def forward_from(self, start: int, hidden: "torch.Tensor", embeds: "torch.Tensor") -> "torch.Tensor": ...
 
-    def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor": ...
+    def lm_head(self, final_norm: "torch.Tensor") -> "torch.Tensor": ...
+
+
+# The trainer: what rl and ablate drive beyond the comparison's calls.
+TapEmit = Callable[["TapKey", "torch.Tensor"], None]
+"""emit(key, tensor): one tap of the forward running now, as the trainer's capture hands it over ([tokens, features]
+views for one sequence; a router's rows for a batch)."""
+
+
+class Trainer(Stack, Protocol):
+    """A training stack as rl's trainer and ablate's trainer factors drive it, in this process: the compute model
+    they differentiate, push and align regions on, its training forward and backward under the trainer's own torch
+    numerics, its capture, and the kernel set it runs. engines/hf/trainer.py's HFStack is one; a trainer sharded over
+    processes is a Stack only (its model is not here)."""
+
+    model: "torch.nn.Module"  # the compute model: rl's weights, the modules a region patch replaces
+    settings: StackSettings
+    kernels: str  # the kernel set the forward runs now (--train-kernels)
+
+    def forward(self, ids: "torch.Tensor", mask: "torch.Tensor", positions: "torch.Tensor", *,
+                routes: "RouteSource | None" = None) -> "torch.Tensor":
+        """Logits [B, L, V] of one right-padded batch (mask 1 on its tokens, positions from 0 per row) under the
+        numerics of the "train" kind, outside inference mode so a loss can be differentiated through them. `routes`
+        (a trainer that declares replays_routes): every expert layer runs the experts `routes(0, layer)` names for the
+        batch's flattened rows, as `routes_replayed` does, and a route that is not a route is refused once the forward
+        ran."""
+        ...
+
+    def numerics(self, kind: str) -> "AbstractContextManager[Callable[..., AbstractContextManager[None]]]":
+        """The trainer's torch state for a block of this kind of work ("train", "score", ...); it yields the context
+        for the block's model calls (`observed(autocast=False)` for a backward), which also records the SDPA kernel
+        the first block of each kind chose."""
+        ...
+
+    def capture(self, taps: frozenset[str], emit: TapEmit) -> AbstractContextManager:
+        """Hand each selected tap of every forward inside the block to `emit` (as `score` does, without the prompt
+        ids: the caller knows what runs)."""
+        ...
+
+    def kernels_used(self, name: str) -> AbstractContextManager[None]:
+        """The forwards of this block on the kernel set `name`; the set the trainer was loaded with again after."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -250,8 +250,9 @@ class NoiseEngines:
         if key not in self._workers:
             self._workers[key] = worker = WorkerStack(settings, built)  # kept first: close() covers a failed start
             worker.load(settings)
-        patched = tuple(regions) if not built else ()
-        return self._workers[key].score_batched(sequences, patched=patched)
+        worker = self._workers[key]
+        worker.patched = tuple(regions) if not built else ()  # an eager engine takes this call's regions in place
+        return worker.score_batched(sequences)
 
     def __len__(self) -> int:
         """How many engines were built."""

@@ -37,7 +37,7 @@ from ...errors import StackError, one_line
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
 from ..protocol import (CAPTURED, PATCH_NEVER, PATCH_ONCE_LOADED, TRAINER_REGIONS, Capabilities, PromptScores,
-                        ScoresSink, StackInfo, StackSettings, TapSink)
+                        SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 
 START_SECONDS = 600  # most a rank may take to load its shard and answer
 STOP_SECONDS = 30
@@ -96,9 +96,11 @@ class ShardedHFStack:
                  "modules over worker processes; drop --graft/--depth or use --train-tp 1")
         regions = (f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s worker "
                    "processes; use --side infer (the engine alone) or --train-tp 1")
+        generate = (f"--mode generate samples with transformers' generate in this process, but --train-tp {ranks} "
+                    "shards the model over worker processes; use --mode prefill or --train-tp 1")
         return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, patch=PATCH_NEVER,
                             refused={"--graft": graft, "--depth": graft, TRAINER_REGIONS: regions,
-                                     PATCH_ONCE_LOADED: regions})
+                                     PATCH_ONCE_LOADED: regions, "--mode generate": generate})
 
     def capabilities(self) -> Capabilities:
         return self.declare(ranks=self.settings.train_tp)
@@ -150,7 +152,7 @@ class ShardedHFStack:
         while pending:
             ready = wait(list(pending.values()), timeout)
             if not ready:
-                self.close(force=True)
+                self._stop(force=True)
                 raise StackError(f"the sharded trainer's ranks did not answer {what} within {timeout:.0f} s; "
                                  "lower --train-tp or check the machine's load")
             for conn in ready:
@@ -161,7 +163,7 @@ class ShardedHFStack:
                     status, value = "died", None
                 if status != "ok":
                     message = self._failure(rank, ranks, what, value)
-                    self.close(force=True)
+                    self._stop(force=True)
                     raise StackError(message)
                 answers[rank] = value
                 del pending[rank]
@@ -198,6 +200,11 @@ class ShardedHFStack:
             raise StackError(f"a sharded trainer captures no taps in a batched forward (asked: {', '.join(sorted(taps))})")
         return self._ask(("score_batched", list(prompts)))[0]
 
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str],
+               sink: TapSink) -> list[SequenceScores]:
+        """Refused as declared: the ranks serve scoring only."""
+        raise StackError(self.capabilities().refused["--mode generate"])
+
     def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
         from ...prompts import padded_batches
 
@@ -212,7 +219,10 @@ class ShardedHFStack:
             "logits": "rank 0's, gathered over the vocabulary by the LM head's colwise_gather_output"}
         return info
 
-    def close(self, force: bool = False) -> None:
+    def close(self) -> None:
+        self._stop(force=False)
+
+    def _stop(self, force: bool) -> None:
         """Stop the ranks: asked to, or at once (`force`: after a rank failed, the others may wait in a collective
         for it and would never read the request)."""
         conns, procs, self._conns, self._procs = self._conns, self._procs, [], []

@@ -200,12 +200,9 @@ class WorkerStack:
             on_scored(scores)
         return []
 
-    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None, *,
-                      patched: Sequence[str] = ()) -> list[PromptScores]:
-        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with and
-        `self.patched` (an eager engine runs its modules as Python at every step, as the tool's own eager engine
-        takes them)."""
-        result = self._call("score_batched", list(prompts), frozenset(taps), patched=(*self.patched, *patched))
+    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None
+                      ) -> list[PromptScores]:
+        result = self._call("score_batched", list(prompts), frozenset(taps), patched=self.patched)
         for prompt_id, key, x in result["taps"] if sink is not None else ():
             sink(prompt_id, key, x)
         return result["scores"]

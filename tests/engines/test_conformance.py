@@ -1,0 +1,126 @@
+"""Every class the registry hands out, and every stand-in a run puts where a stack goes, conforms to its protocol
+(engines/protocol.py) by signature: each method the protocol declares is there, of the same kind (a classmethod, a
+method), with the same parameters (names, kinds, which are optional). A protocol the runs call through is otherwise a
+promise nobody checks: a stack that misses a call fails only when a run reaches it, and one whose parameters differ
+fails only for the caller that passes the one it lacks. Annotations are not compared (they are strings, spelled by
+each module); a default's value is the class's own (a sharded class declares for 2 ranks unless told)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol
+
+import pytest
+
+from divergence_probe.engines import SHARDED, STACKS, TRAIN_STACKS, stack_class
+from divergence_probe.engines.kept import KeptEngine, KeptOutputs, Recording
+from divergence_probe.engines.protocol import (Capabilities, Grafter, RouteRecorder, RouteReplayer, Stack, StackInfo,
+                                               StackSettings, Trainer)
+
+ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
+
+
+def _members(protocol: type) -> tuple[dict[str, object], set[str]]:
+    """The methods (name -> the protocol's declaration) and data members a protocol declares, its protocol bases'
+    included."""
+    methods, data = {}, set()
+    for base in reversed(protocol.__mro__):
+        if base in (Protocol, object) or Protocol not in base.__mro__ or base.__module__ == "typing":
+            continue
+        data |= set(vars(base).get("__annotations__", {}))
+        methods.update({name: value for name, value in vars(base).items() if not name.startswith("_")
+                        and (inspect.isfunction(value) or isinstance(value, classmethod))})
+    return methods, data
+
+
+def _shape(method) -> list[tuple[str, object, bool]]:
+    function = method.__func__ if isinstance(method, classmethod) else method
+    return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(function).parameters.values()]
+
+
+def mismatches(cls: type, protocol: type, instance: object | None = None, class_seats: bool = True) -> list[str]:
+    """How `cls` departs from `protocol`, one line each (empty: it conforms). `instance`: an unloaded one, where the
+    protocol's data members are set in __init__. `class_seats`: False for a stand-in of a loaded stack, which is
+    asked nothing before loading (what a class declares is asked of the registry's class)."""
+    methods, data = _members(protocol)
+    found = []
+    for name, declared in methods.items():
+        if isinstance(declared, classmethod) and not class_seats:
+            continue
+        have = inspect.getattr_static(cls, name, None)
+        if have is None:
+            found.append(f"{cls.__name__} has no {name}")
+        elif isinstance(declared, classmethod) != isinstance(have, classmethod) or not (
+                inspect.isfunction(have) or isinstance(have, classmethod)):
+            found.append(f"{cls.__name__}.{name} is a {type(have).__name__}, the protocol's a "
+                         f"{type(declared).__name__}")
+        elif _shape(have) != _shape(declared):
+            found.append(f"{cls.__name__}.{name}{inspect.signature(have.__func__ if isinstance(have, classmethod) else have)}"
+                         f" differs from {protocol.__name__}.{name}{inspect.signature(declared.__func__ if isinstance(declared, classmethod) else declared)}")
+    for name in sorted(data):
+        if inspect.getattr_static(cls, name, None) is None and name not in vars(instance if instance is not None else cls):
+            found.append(f"{cls.__name__} has no {name}")
+    return found
+
+
+def _registered() -> list[tuple[str, int]]:
+    return [(name, 1) for name in STACKS] + [(name, 2) for name in SHARDED]
+
+
+@pytest.mark.parametrize("name,ranks", _registered())
+def test_every_registered_class_conforms_to_stack_and_to_the_roles_it_declares(name, ranks):
+    cls = stack_class(name, ranks)
+    assert mismatches(cls, Stack, cls()) == []
+    declared = cls.declare("eager", ranks)
+    for role, protocol in ROLES.items():
+        if getattr(declared, role):
+            assert mismatches(cls, protocol) == [], role
+
+
+@pytest.mark.parametrize("name", TRAIN_STACKS)
+def test_every_in_process_trainer_conforms_to_trainer(name):
+    """rl and ablate drive the training side through protocol.Trainer: its forward, numerics, capture and kernels."""
+    cls = stack_class(name)
+    assert mismatches(cls, Trainer, cls()) == []
+
+
+def test_the_stand_ins_a_run_puts_where_a_stack_goes_conform():
+    """An engine in a worker process (ablate's combinations, the engine-noise floor) and an engine pass's recordings
+    (--placement alternate) answer the run loop's calls as the stack they stand in for."""
+    from divergence_probe.engines.vllm.worker import WorkerStack
+
+    kept = KeptOutputs()
+    engine = KeptEngine(kept, Capabilities(taps={}), StackInfo("vllm"))
+    assert mismatches(WorkerStack, Stack) == []
+    assert mismatches(KeptEngine, Stack, engine, class_seats=False) == []
+    assert mismatches(Recording, Stack, Recording(engine, kept), class_seats=False) == []
+
+
+def test_the_check_sees_a_missing_method_and_a_changed_signature():
+    """The check itself: a stack that lacks a call, takes a parameter the protocol does not, drops a default or
+    declares at the class what the protocol asks of the instance is named, and one that conforms is not."""
+    from divergence_probe.engines.hf.trainer import HFStack
+
+    class Conforming(HFStack):
+        pass
+
+    class Broken(HFStack):
+        def score_batched(self, prompts, taps=frozenset(), sink=None, *, patched=()):
+            ...
+
+        def numerics(self, kind, strict):
+            ...
+
+        def forward(self, ids, mask, positions, routes=None):  # routes no longer keyword-only
+            ...
+
+        @classmethod
+        def capabilities(cls):
+            ...
+
+        begin_run = None
+
+    assert mismatches(Conforming, Trainer, Conforming()) == []
+    found = mismatches(Broken, Trainer, Broken())
+    assert [line.split("(")[0].split(" is ")[0] for line in found] == [
+        "Broken.capabilities", "Broken.score_batched", "Broken has no begin_run", "Broken.forward", "Broken.numerics"]
