@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..protocol import ENGINE_REGIONS, Capabilities, PromptScores, ScoresSink, StackInfo, StackSettings, TapSink
+from ..protocol import ENGINE_REGIONS, Capabilities, StackPolicy, PromptScores, ScoresSink, StackInfo, StackSettings, TapSink
 from ...errors import StackError
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
@@ -21,7 +21,7 @@ NOT_CAPTURED = "not captured: recorded rollouts hold logprobs only"
 REFUSED = ("--graft", "--depth", "ablate", "--mode generate", "rl", ENGINE_REGIONS)
 
 
-class RecordedStack:
+class RecordedStack(StackPolicy):
     """The recorded response logprobs of each sequence, by prompt id: `recorded[prompt_id]` holds one logprob per
     response token, the sequence's last tokens. A prompt position has none (NaN): the run never sampled it."""
 
