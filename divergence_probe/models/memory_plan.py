@@ -177,13 +177,16 @@ class PlanInputs:
     device: str  # "cpu" or "cuda"
     free_bytes: int
     free_source: str  # where free_bytes came from
-    infer: str = "vllm"
+    # the inference stack is an engine (its StackClass.plan has KV bytes per token): it keeps a paged KV cache sized
+    # here, fills max_num_batched_tokens in a profile run at start-up and hands over views of fused buffers; False: a
+    # second trainer, which keeps none of them
+    engine_kv: bool = True
     engine: str = "eager"
     new_tokens: int = 0  # generate mode: most tokens sampled per response
     samples: int = 1  # generate mode: responses per prompt
     kv_cache_bytes_fixed: int | None = None  # the user's kv_cache_memory_bytes, or vLLM CPU's VLLM_CPU_KVCACHE_SPACE
     engine_share: float | None = None  # the user's gpu_memory_utilization (in the manifest's spec already)
-    kv_dtype_bytes: int | None = None  # None: the run's dtype
+    kv_bytes_per_token: int | None = None  # the engine's KV cache per token (StackClass.plan); None: the run's dtype
     reduction: str = "compiled"  # "compiled" or "eager" (DIVERGENCE_PROBE_EAGER=1)
     # --batch-invariance: after the run, the trainer's micro-batches of batch_tokens padded tokens and a second trainer
     # (another SDPA kernel) beside the first
@@ -242,16 +245,9 @@ class MemoryPlan:
         """The trainer's own device (--train-device), when it has one."""
         return self.train_terms is None or self.train_needed <= self.inputs.train_free_bytes
 
-    def engine_args(self) -> dict:
-        """vllm.LLM keywords for the KV budget (CUDA only). vLLM 0.24 still checks at start-up that
-        gpu_memory_utilization x total memory is free, even when kv_cache_memory_bytes is given; the share asked is
-        the engine's part of the plan, so the check passes whenever the plan fits. On the CPU the KV cache stays
-        VLLM_CPU_KVCACHE_SPACE (vLLM CPU's platform sets kv_cache_memory_bytes from it over any engine arg)."""
-        if self.inputs.device != "cuda" or self.inputs.infer != "vllm" or self.inputs.kv_cache_bytes_fixed:
-            return {}
-        return {"kv_cache_memory_bytes": self.kv_cache_bytes}
-
-    def gpu_memory_utilization(self, total_bytes: int) -> float:
+    def engine_share(self, total_bytes: int) -> float:
+        """The engine's part of the plan as a share of the device (what an engine that checks its share is free at
+        start-up is asked for: StackClass.plan's `budget`)."""
         engine = self.terms["infer_weights"] + self.kv_cache_bytes + self.terms["engine_profile_activations"]
         return min(0.95, max(0.01, round(engine / total_bytes + 0.005, 3)))
 
@@ -293,7 +289,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     """The byte count of every term for one choice of batch_tokens and chunking, the KV cache it implies, and the terms
     of the trainer's own device (--train-device; None when it shares the engine's)."""
     m, b = i.model, i.dtype_bytes
-    vllm = i.infer == "vllm"
+    engine = i.engine_kv
     samples, new = max(1, i.samples), max(0, i.new_tokens)
     per_batch = max(1, batch_tokens // samples) if samples > 1 or new else batch_tokens
     lengths = i.prompt_lengths or (min(batch_tokens, i.max_model_len),)
@@ -322,29 +318,29 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # (one at least: vLLM replicates a KV head over ranks when there are fewer) and of the MLP and attention widths;
     # KV budgets (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE) are per rank. On the CPU every rank's share is in the
     # one host memory: the sum, and each rank's host copy of its taps until they are gathered.
-    ranks = max(1, i.tensor_parallel) if vllm else 1
+    ranks = max(1, i.tensor_parallel) if engine else 1
     device_ranks = ranks if i.device == "cuda" else 1  # engine shares summed on this device: 1 of N, or all
     norms = (2 * m.layers + 1) * m.hidden * b
     terms["infer_weights"] = weights if ranks == 1 else (weights - norms) // device_ranks + norms * ranks // device_ranks
     kv_share = max(1, m.kv_heads // ranks) / m.kv_heads * (ranks // device_ranks)  # of the whole KV width, summed
     kv = 0
-    if vllm:
-        kv_b = i.kv_dtype_bytes or b
+    if engine:
         blocks = max(-(-i.max_model_len // KV_BLOCK),  # vLLM refuses a cache that cannot hold one longest request
                      max(sum(-(-(n + new) // KV_BLOCK) + 1 for n in group) * samples for group in groups))
-        kv = i.kv_cache_bytes_fixed or int(blocks * KV_BLOCK * m.kv_bytes_per_token(kv_b) * kv_share)
+        kv = i.kv_cache_bytes_fixed or int(blocks * KV_BLOCK * (i.kv_bytes_per_token or m.kv_bytes_per_token(b))
+                                           * kv_share)
     terms["kv_cache"] = kv * (ranks // device_ranks) if i.kv_cache_bytes_fixed else kv
     # a decoder layer's forward at its widest (the MLP: gate_up, its activation, the residual and hidden states),
     # attention's q/k/v and output: transient, once per step (per rank: its share of the sharded widths)
     act_per_token = (3 * m.intermediate // device_ranks + 2 * (m.q_width // device_ranks + 2 * int(m.kv_width * kv_share))
                      + 4 * m.hidden * (ranks // device_ranks)) * b
     max_batched = max(batch_tokens, i.max_model_len)  # vLLM's max_num_batched_tokens, which its profile run fills
-    terms["engine_profile_activations"] = max_batched * act_per_token if vllm else 0
+    terms["engine_profile_activations"] = max_batched * act_per_token if engine else 0
     terms["engine_step_activations"] = step_tokens * act_per_token
     # prompt logprobs, per request: its logits, upcast to FP32 and log-softmaxed
     terms["engine_logprobs_transient"] = longest * m.vocab * (b + 8)
     terms["infer_taps"] = batch_rows * per_token
-    terms["infer_views_retained"] = batch_rows * m.fused_views_retained_per_token(i.taps) * b if vllm else 0
+    terms["infer_views_retained"] = batch_rows * m.fused_views_retained_per_token(i.taps) * b if engine else 0
     terms["infer_logits"] = batch_logit_rows * m.vocab * b
     terms["train_taps"] = longest * per_token
     # tensor parallel on the CPU: rank 0's host copy of every tap and the others' of their slices, beside the gathered

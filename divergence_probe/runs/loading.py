@@ -17,17 +17,15 @@ from ..models import memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
-from ..environment import cpu_kv_cache_gib, environment, resolve_device, resolve_train_device, same_device
+from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family
-from ..engines import Stack, StackSettings, get_stack
-from ..engines.protocol import freeze_engine_args
-from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for
-from ..engines.vllm.compiled_taps import tap_points_for
+from ..engines import stack_class
+from ..engines.protocol import Stack, StackSettings, freeze_engine_args
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -125,6 +123,11 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
     )
 
 
+def trainer_stack_for(name: str, settings: StackSettings) -> Stack:
+    """A fresh, unloaded training stack for the run's settings (sharded at train_tp > 1, where it shards)."""
+    return stack_class(name).for_settings(settings)
+
+
 def engine_settings(settings: StackSettings) -> StackSettings:
     """The engine's settings: the run's, without what only the training side takes."""
     return replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1)
@@ -194,16 +197,17 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
     with timings.timed("load.import_transformers"):
         from transformers import AutoTokenizer
 
-    versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
+    infer = stack_class(cfg.infer)
+    versions.check(infer.libraries, cfg.allow_untested_versions)  # before anything loads or imports vLLM
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
     # after both stacks have loaded
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
-    check_shardable(source.config, cfg.train_tp, resolve_train_device(cfg.train_device, cfg.device))
     settings = stack_settings(cfg, source)
-    settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
-                                                            routes=routes or _replays_routes(plan_for)))
+    stack_class(cfg.train).check_model(train_settings(cfg, settings), source.config)
+    settings = replace(settings, engine_taps=infer.plan(settings, family=source.family, taps=taps,
+                                                         routes=routes or _replays_routes(plan_for)).taps)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     with timings.timed("load.tokenizer_prompts_plan"):
@@ -240,12 +244,7 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
     train = trainer_stack_for(cfg.train, settings)
     with memory_errors(plan, "loading the training stack"), timings.timed("load.train"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
-    if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
-        from ..engines.vllm.tensor_parallel import stack_for
-
-        infer = stack_for(settings)
-    else:
-        infer = get_stack(cfg.infer)
+    infer = stack_class(cfg.infer).for_settings(engine_settings(settings))  # sharded where its args ask for ranks
     try:
         with memory_errors(plan, "starting the inference stack"), timings.timed("load.infer"):
             infer.load(engine_settings(settings))
@@ -269,8 +268,8 @@ def _replays_routes(run: RunSpec | None) -> bool:
 def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer, plan_for: RunSpec | None,
              can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
     """The memory plan for this load (raises DeviceMemoryError when nothing fits), why its placement, and the settings
-    it implies: the planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args
-    win)."""
+    it implies: the planned batch_tokens, and the engine args its class plans for the KV budget (StackClass.plan; the
+    user's own engine args win)."""
     from ..models.checkpoint import checkpoint_tensors
 
     free, total, source_of_free = memory_plan.device_memory(settings.device)
@@ -285,26 +284,20 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     else:  # the worst case: every tap, and batches of one prompt of batch_tokens tokens
         lengths, new, samples = (), 0, 1
         tap_names = frozenset(size.tap_widths()) | {"logits"}
-    user = cfg.engine_args
-    fixed_kv = user.get("kv_cache_memory_bytes")
-    if cfg.infer == "vllm" and settings.device == "cpu":
-        fixed_kv = cpu_kv_cache_gib() * memory_plan.GiB  # what engines/vllm/stack.py gives the engine
-    elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
-        stacks_here = 1 if apart else 2  # vLLM's share counts the weights on its device: its own, and the trainer's
-        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total)
-                       - stacks_here * size.parameters * _DTYPE_BYTES[cfg.dtype])
+    infer = stack_class(cfg.infer)
+    engine = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2)
     default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")
     inputs = memory_plan.PlanInputs(
         model=size,
         dtype_bytes=_DTYPE_BYTES[cfg.dtype], taps=frozenset(tap_names), prompt_lengths=lengths,
         batch_tokens=cfg.batch_tokens, batch_tokens_fixed=cfg.batch_tokens != default_batch,
         max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
-        infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
-        engine_share=user.get("gpu_memory_utilization") if settings.device == "cuda" else None,
-        kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
+        engine_kv=engine.kv_bytes_per_token is not None, engine=cfg.engine, new_tokens=new, samples=samples,
+        kv_cache_bytes_fixed=engine.kv_cache_bytes, engine_share=engine.share,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
-        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
+        tensor_parallel=engine.ranks,
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
         engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise)
@@ -312,11 +305,10 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     plan = memory_plan.check(plan)
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
-    engine = plan.engine_args()
-    if engine and "gpu_memory_utilization" not in user:
-        engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)
+    planned = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2,
+                         budget=(plan.kv_cache_bytes, plan.engine_share(total)) if total else None).engine_args
     return plan, why, replace(settings, batch_tokens=plan.batch_tokens,
-                              engine_args=freeze_engine_args({**engine, **user}))
+                              engine_args=freeze_engine_args({**planned, **cfg.engine_args}))
 
 
 def _engine_passes(run: RunSpec | None) -> int:

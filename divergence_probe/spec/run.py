@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of
-from ..engines.hf.kernels import get_kernels
+from ..engines import capabilities_of, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -28,7 +27,7 @@ from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
 from .knobs import applied, check_factor
-from .load import LoadSpec
+from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
 
 
@@ -89,13 +88,14 @@ class RunSpec:
         refusal = infer.first_refused(self._graft_features())
         if refusal:  # a compiled engine's
             raise ProbeError(refusal)
-        if self.capture.engine_noise and self.load.infer != "vllm":
-            raise ProbeError(f"--engine-noise measures vLLM's eager-vs-compiled gap, but --infer is {self.load.infer}; "
-                             "drop --engine-noise or use --infer vllm")
+        refusal = infer.first_refused(["--engine-noise"] if self.capture.engine_noise else [])
+        if refusal:  # an inference stack without another engine mode
+            raise ProbeError(refusal)
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
-        get_kernels(self.load.train_kernels).check_regions(regions, self.align.side)
+        if self.load.train_kernels != SHIPPED_KERNELS:
+            stack_class(self.load.train).kernel_set(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
                 "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
             raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
@@ -254,7 +254,7 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
         raise ProbeError(f"--train-tp {load.train_tp} is built for dense models; {family.model_type} is a mixture of "
                          "experts; use --train-tp 1")
     wanted = []
-    if load.engine == "compiled" and load.infer == "vllm":
+    if load.engine == "compiled":  # another inference stack refuses --engine itself (StackClass.check_settings)
         wanted.append("--engine compiled")
     if run is not None:
         wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),

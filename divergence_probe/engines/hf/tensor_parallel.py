@@ -36,6 +36,7 @@ import torch
 from ...errors import StackError, one_line
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
+from .policy import HFPolicy, rank_devices
 from ..protocol import (CAPTURED, PATCH_NEVER, PATCH_ONCE_LOADED, TRAINER_REGIONS, Capabilities, PromptScores,
                         SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 
@@ -43,45 +44,8 @@ START_SECONDS = 600  # most a rank may take to load its shard and answer
 STOP_SECONDS = 30
 
 
-def trainer_stack_for(name: str, settings: StackSettings):
-    """A fresh, unloaded training stack for these settings: sharded at train_tp > 1."""
-    from .. import stack_class
-
-    return stack_class(name, settings.train_tp)()
-
-
-def check_shardable(config: dict, ranks: int, device: str) -> None:
-    """Refuse, before anything loads, ranks on GPUs this torch does not see, and a size the plan cannot split evenly:
-    whole attention and KV heads per rank (a head split over ranks would attend with half its dimensions), and the
-    MLP width and vocabulary (the LM head's gather needs equal slices). `device`: the trainer's, resolved."""
-    if ranks <= 1:
-        return
-    last = rank_devices(device, ranks)[-1]
-    if last != "cpu" and int(last.partition(":")[2]) >= torch.cuda.device_count():
-        raise StackError(f"--train-tp {ranks} from {device} needs GPUs up to {last}, but this torch sees "
-                         f"{torch.cuda.device_count()}; lower --train-tp or pick another --train-device")
-    sizes = {"num_attention_heads": config.get("num_attention_heads"),
-             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
-             "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
-    for field, value in sizes.items():
-        if isinstance(value, int) and value % ranks:
-            raise StackError(f"--train-tp {ranks} does not divide the model's {field} ({value}), which the trainer's "
-                             "tensor-parallel plan splits evenly over its ranks; use a --train-tp that divides it")
-
-
-def rank_devices(device: str, ranks: int) -> list[str]:
-    """Each rank's device: the CPU for all, or consecutive GPUs from `device`'s index (its own checks: spec/probe)."""
-    if device == "cpu":
-        return ["cpu"] * ranks
-    first = torch.device(device).index
-    first = torch.cuda.current_device() if first is None else first
-    return [f"cuda:{first + r}" for r in range(ranks)]
-
-
-class ShardedHFStack:
+class ShardedHFStack(HFPolicy):
     """The `hf` stack at --train-tp N: N spawned ranks, this process proxies score/score_batched/info to them."""
-
-    name = "hf"
 
     def __init__(self) -> None:
         self.settings: StackSettings | None = None

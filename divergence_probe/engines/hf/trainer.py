@@ -35,14 +35,12 @@ from ...versions import broken_import
 from ..protocol import (CAPTURED, Capabilities, PromptScores, RouteSource, SamplingSpec, ScoresSink, SequenceScores,
                         StackInfo, StackSettings, TapEmit, TapSink)
 from .kernels import SHIPPED, get_kernels
+from .policy import HFPolicy
 from .replay import HFReplay
 from ..hooks import HookSet, PatchConflict, arg, first_tensor
 
 
-
-class HFStack:
-    name = "hf"
-
+class HFStack(HFPolicy):
     def __init__(self) -> None:
         self.model = None
         self.settings: StackSettings | None = None
@@ -84,8 +82,11 @@ class HFStack:
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
         """Every tap by a hook on its module, patches in place, and the trainer's ops on another stack's inputs
-        (replay, forward_from, lm_head) and its experts on another stack's routes (routes_replayed)."""
-        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, grafts=True, replays_routes=True)
+        (replay, forward_from, lm_head) and its experts on another stack's routes (routes_replayed). As the inference
+        side it has no other engine mode to measure against."""
+        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, grafts=True, replays_routes=True,
+                            refused={"--engine-noise": f"--engine-noise measures vLLM's eager-vs-compiled gap, but "
+                                                       f"--infer is {cls.name}; drop --engine-noise or use --infer vllm"})
 
     def capabilities(self) -> Capabilities:
         return self.declare()

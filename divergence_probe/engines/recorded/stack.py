@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..protocol import (ENGINE_REGIONS, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores,
-                        StackInfo, StackSettings, TapSink)
+                        StackInfo, StackPolicy, StackSettings, TapSink)
 from ...errors import StackError
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
@@ -22,7 +22,7 @@ NOT_CAPTURED = "not captured: recorded rollouts hold logprobs only"
 REFUSED = ("--graft", "--depth", "ablate", "--mode generate", "--batch-invariance", "rl", ENGINE_REGIONS)
 
 
-class RecordedStack:
+class RecordedStack(StackPolicy):
     """The recorded response logprobs of each sequence, by prompt id: `recorded[prompt_id]` holds one logprob per
     response token, the sequence's last tokens. A prompt position has none (NaN): the run never sampled it."""
 
