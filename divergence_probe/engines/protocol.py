@@ -380,6 +380,8 @@ class StackClass(Protocol):
     released: str  # what became of it once an alternate placement's engine passes are done (the manifest's words)
     libraries: tuple[str, ...]  # what it imports beyond torch and transformers (versions checked before loading)
     owned_args: Mapping[str, str]  # engine args the tool sets itself (or that would make capture wrong), and why
+    patches: str  # "module:NAME" of its region patches (region -> patcher, engines/patching.py), imported when it is
+    # first patched; "": it takes no region
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities: ...
@@ -458,6 +460,7 @@ class StackPolicy:
     released = "closed: the engine was dropped in this process before the trainer loaded"
     libraries: tuple[str, ...] = ()
     owned_args: Mapping[str, str] = MappingProxyType({})
+    patches = ""
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:

@@ -56,6 +56,7 @@ class HFPolicy(StackPolicy):
     name = "hf"
     title = "transformers"
     released = "closed: the second transformers instance was dropped in this process before the trainer loaded"
+    patches = "divergence_probe.engines.hf.patches:PATCHES"
 
     @classmethod
     def knobs(cls) -> Mapping[str, Knob]:

@@ -31,6 +31,7 @@ class VLLMPolicy(StackPolicy):
                 "(its device and host memory returned)")
     libraries = ("vllm",)
     owned_args = OWNED_ENGINE_ARGS
+    patches = "divergence_probe.engines.vllm.patches:PATCHES"
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:
