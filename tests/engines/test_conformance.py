@@ -12,10 +12,10 @@ from typing import Protocol
 
 import pytest
 
-from divergence_probe.engines import SHARDED, STACKS, TRAIN_STACKS, stack_class
+from divergence_probe.engines import SHARDED, STACKS, TRAIN_STACKS, WORKERS, stack_class
 from divergence_probe.engines.kept import KeptEngine, KeptOutputs, Recording
-from divergence_probe.engines.protocol import (Capabilities, Grafter, RouteRecorder, RouteReplayer, Stack, StackInfo,
-                                               StackSettings, Trainer)
+from divergence_probe.engines.protocol import (Capabilities, Grafter, RouteRecorder, RouteReplayer, Stack, StackClass,
+                                               StackInfo, Trainer)
 
 ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
 
@@ -63,15 +63,19 @@ def mismatches(cls: type, protocol: type, instance: object | None = None, class_
     return found
 
 
-def _registered() -> list[tuple[str, int]]:
-    return [(name, 1) for name in STACKS] + [(name, 2) for name in SHARDED]
+def _registered() -> list[tuple[str, int, bool]]:
+    return ([(name, 1, False) for name in STACKS] + [(name, 2, False) for name in SHARDED]
+            + [(name, 1, True) for name in WORKERS])
 
 
-@pytest.mark.parametrize("name,ranks", _registered())
-def test_every_registered_class_conforms_to_stack_and_to_the_roles_it_declares(name, ranks):
-    cls = stack_class(name, ranks)
-    assert mismatches(cls, Stack, cls()) == []
-    declared = cls.declare("eager", ranks)
+@pytest.mark.parametrize("name,ranks,worker", _registered())
+def test_every_registered_class_conforms_to_its_protocols_and_to_the_roles_it_declares(name, ranks, worker):
+    """Its pre-load policy (StackClass), the calls a run makes of it (Stack), and each optional role its
+    declaration says it plays."""
+    cls = stack_class(name, ranks, worker=worker)
+    assert mismatches(cls, StackClass) == []
+    assert mismatches(cls, Stack, None if worker else cls()) == []  # a worker is made for settings; its members are
+    declared = cls.declare("eager", ranks)                           # the class's
     for role, protocol in ROLES.items():
         if getattr(declared, role):
             assert mismatches(cls, protocol) == [], role
@@ -85,13 +89,10 @@ def test_every_in_process_trainer_conforms_to_trainer(name):
 
 
 def test_the_stand_ins_a_run_puts_where_a_stack_goes_conform():
-    """An engine in a worker process (ablate's combinations, the engine-noise floor) and an engine pass's recordings
-    (--placement alternate) answer the run loop's calls as the stack they stand in for."""
-    from divergence_probe.engines.vllm.worker import WorkerStack
-
+    """An engine pass's recordings (--placement alternate) answer the run loop's calls as the engine they stand in
+    for."""
     kept = KeptOutputs()
     engine = KeptEngine(kept, Capabilities(taps={}), StackInfo("vllm"))
-    assert mismatches(WorkerStack, Stack) == []
     assert mismatches(KeptEngine, Stack, engine, class_seats=False) == []
     assert mismatches(Recording, Stack, Recording(engine, kept), class_seats=False) == []
 
