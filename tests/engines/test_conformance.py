@@ -125,3 +125,27 @@ def test_the_check_sees_a_missing_method_and_a_changed_signature():
     found = mismatches(Broken, Trainer, Broken())
     assert [line.split("(")[0].split(" is ")[0] for line in found] == [
         "Broken.capabilities", "Broken.score_batched", "Broken has no begin_run", "Broken.forward", "Broken.numerics"]
+
+
+def test_a_call_a_stack_cannot_serve_raises_the_refusal_it_declared():
+    """Conforming by signature is not serving: a recorded file samples nothing and was batched by no one, and a
+    sharded trainer's ranks only score. Each such call raises the line its class declares, the one the spec refuses
+    the feature with before anything loads."""
+    import torch
+
+    from divergence_probe.engines.hf.tensor_parallel import ShardedHFStack
+    from divergence_probe.engines.protocol import SamplingSpec, StackSettings
+    from divergence_probe.engines.recorded.stack import RecordedStack
+    from divergence_probe.errors import StackError
+
+    recorded = RecordedStack({0: [-0.5]})
+    sharded = ShardedHFStack()
+    sharded.settings = StackSettings(model_path="unused", dtype=torch.bfloat16, device="cpu", train_tp=2)
+    for stack, feature, call in [
+            (recorded, "--mode generate", lambda s: s.sample([], SamplingSpec(), frozenset(), print)),
+            (recorded, "--batch-invariance", lambda s: s.score_batched([])),
+            (recorded, "--batch-invariance", lambda s: s.batch_groups([])),
+            (sharded, "--mode generate", lambda s: s.sample([], SamplingSpec(), frozenset(), print))]:
+        with pytest.raises(StackError) as refused:
+            call(stack)
+        assert str(refused.value) == stack.capabilities().refused[feature]
