@@ -1,11 +1,11 @@
 """A dense Qwen2/Qwen3 decoder written in plain torch, read straight from the checkpoint's safetensors: the engine's
-own kernels, each rounding where this engine chose to round, not where transformers does.
+own kernels, each rounding where this engine chose to round.
 
-    logits = Model.load(path, config, dtype, device)(ids, mask, emit)     # ids [B, T]; emit(row, TapKey, [T, F])
+    logits = Model.load(path, config, dtype, device)(ids, lengths, emit)    # ids [B, T] right-padded to `lengths`;
+                                                                            # emit(row, TapKey, [tokens, F])
 
-Where it rounds, as shipped (one R per line, in the run's dtype unless said):
-    RMSNorm       the input in FP32, normalised in FP32, rounded, then times the weight in the run's dtype (2 R,
-                  as vLLM's native norm; transformers' is 3 R)
+Where it rounds, as shipped (R: a rounding to the run's dtype):
+    RMSNorm       the input normalised in FP32, rounded, then times the weight in the run's dtype (2 R)
     RoPE          cos/sin and the rotation in FP32, rounded once (transformers rotates in the run's dtype)
     attention     torch SDPA over the whole padded batch, with an explicit mask
     SwiGLU        silu(gate) rounded, times up rounded (2 R); `act` is the seam the swiglu region replaces
