@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from divergence_probe.regions.base import Region
-from divergence_probe.engines.protocol import CAPTURED, Capabilities, PromptScores, SequenceScores, StackInfo
+from divergence_probe.engines.protocol import CAPTURED, Capabilities, PromptScores, SequenceScores, StackInfo, StackPolicy
 from divergence_probe.engines.hooks import Replacement
 from divergence_probe.models import get_family
 from divergence_probe.taps import ALL_TAPS, TapKey
@@ -45,7 +45,7 @@ class ToyModel(torch.nn.Module):
         self.head = torch.nn.Parameter((torch.randn(WIDTH, vocab, generator=g) * 2).to(dtype), requires_grad=False)
 
 
-class ToyStack:
+class ToyStack(StackPolicy):
     name = "toy"
     fused = False
 
