@@ -360,9 +360,10 @@ def _print_summary(run) -> None:
     from .numerics.noise_verdict import LEVEL, RATIO, in_words
     from .numerics.shapley import MIN_PROMPTS
     from .numerics.tables import FLOOR_KINDS, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
+    from .spec.load import DEFAULT_INFER
 
     s = run.summary
-    table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
+    table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == DEFAULT_INFER else "infer vs train", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("response tokens scored" if "k3" in s else "tokens scored", str(s["n_tokens"]))
@@ -606,10 +607,10 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
             gate.check_measured(spec)  # a condition this run's flags will not measure: refused before the claim
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
-            if spec.load.infer == "vllm" and spec.load.engine_args:
-                from .engines.vllm.stack import check_engine_args
+            if spec.load.engine_args:
+                from .engines import stack_class
 
-                check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
+                stack_class(spec.load.infer).check_settings(spec.load, imports=True)  # starts no engine
 
             def before_stacks(source, tokenizer):  # seconds in: everything a bad input can break, before the loads
                 if check is not None:

@@ -378,6 +378,8 @@ class StackClass(Protocol):
     title: str  # how a line for the user names it ("vLLM")
     workers: bool  # whether `for_settings(settings, regions)` builds it in a worker process of its own
     released: str  # what became of it once an alternate placement's engine passes are done (the manifest's words)
+    modes: tuple[str, ...]  # the engine modes it runs (--engine); empty: none, it runs as it loads
+    sdpa: bool  # its forward runs torch's SDPA, whose kernel --train-sdpa picks (the kernel noise floor switches it)
     libraries: tuple[str, ...]  # what it imports beyond torch and transformers (versions checked before loading)
     owned_args: Mapping[str, str]  # engine args the tool sets itself (or that would make capture wrong), and why
     patches: str  # "module:NAME" of its region patches (region -> patcher, engines/patching.py), imported when it is
@@ -458,13 +460,15 @@ class StackPolicy:
     title = ""
     workers = False
     released = "closed: the engine was dropped in this process before the trainer loaded"
+    modes: tuple[str, ...] = ()
+    sdpa = False
     libraries: tuple[str, ...] = ()
     owned_args: Mapping[str, str] = MappingProxyType({})
     patches = ""
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:
-        if load.engine != ENGINE_MODES[0] or load.engine_args:
+        if load.engine not in (cls.modes or ENGINE_MODES[:1]) or load.engine_args:
             raise StackError(f"--engine and --engine-args configure vLLM, but --infer is {load.infer}; "
                              "drop them or use --infer vllm")
 

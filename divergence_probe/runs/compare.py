@@ -28,7 +28,7 @@ from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
 from .loading import load_run_prompts
 from ..errors import ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
-from ..models.memory_plan import Peaks, engine_report
+from .measured import Peaks, engine_report
 from ..numerics.metrics import DiffStats
 from ..prompts import Prompt
 from ..regions import from_engine

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..models import memory_plan
+from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
+from ..models.size import ModelSize, device_memory
 from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
 from ..quiet import libraries_quieted
@@ -42,7 +43,7 @@ class LoadedStacks:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
     owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
-    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (models/memory_plan.py)
+    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (runs/memory.py)
     load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
     quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
     placement: dict | None = None  # how the stacks shared the device, and why (Prepared.placement)
@@ -56,7 +57,7 @@ class LoadedStacks:
         config = replace(self.config, **changes)
         settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
                            batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = trainer_stack_for(config.train, settings)
+        train = stack_for(config.train, settings)
         train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
 
@@ -123,8 +124,9 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
     )
 
 
-def trainer_stack_for(name: str, settings: StackSettings) -> Stack:
-    """A fresh, unloaded training stack for the run's settings (sharded at train_tp > 1, where it shards)."""
+def stack_for(name: str, settings: StackSettings) -> Stack:
+    """A fresh, unloaded stack of the registry's `name`, the variant these settings need (StackClass.for_settings:
+    a trainer sharded at train_tp > 1, an engine over its tensor-parallel ranks)."""
     return stack_class(name).for_settings(settings)
 
 
@@ -241,10 +243,10 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
     """Both stacks loaded as prepared, the trainer first (it checks the weights before the engine starts)."""
     cfg, source, settings, tokenizer, plan = (prepared.config, prepared.source, prepared.settings, prepared.tokenizer,
                                               prepared.plan)
-    train = trainer_stack_for(cfg.train, settings)
+    train = stack_for(cfg.train, settings)
     with memory_errors(plan, "loading the training stack"), timings.timed("load.train"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
-    infer = stack_class(cfg.infer).for_settings(engine_settings(settings))  # sharded where its args ask for ranks
+    infer = stack_for(cfg.infer, engine_settings(settings))  # over its ranks where its args ask for several
     try:
         with memory_errors(plan, "starting the inference stack"), timings.timed("load.infer"):
             infer.load(engine_settings(settings))
@@ -272,11 +274,11 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     user's own engine args win)."""
     from ..models.checkpoint import checkpoint_tensors
 
-    free, total, source_of_free = memory_plan.device_memory(settings.device)
+    free, total, source_of_free = device_memory(settings.device)
     train_device = resolve_train_device(cfg.train_device, cfg.device)
     apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
-    train_free, train_total, train_source = memory_plan.device_memory(train_device) if apart else (0, 0, "")
-    size = memory_plan.ModelSize.of(source.config, checkpoint_tensors(source.path))
+    train_free, train_total, train_source = device_memory(train_device) if apart else (0, 0, "")
+    size = ModelSize.of(source.config, checkpoint_tensors(source.path))
     if plan_for is not None:
         lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
         tap_names, g = plan_for.capture.tap_names, plan_for.generate

@@ -87,7 +87,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     (rl records every rollout's routes there); a run that replays routes (`plan_for`) implies it.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
-    `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (models/memory_plan.py) sizes
+    `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (runs/memory.py) sizes
     vLLM's KV cache, the tap batch and the reduction for its prompts, taps and mode, or fails in one line when nothing
     fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens.
     `quiet`: the libraries' own output (vLLM's and transformers' logs, the hub's progress bars) is quieted while

@@ -14,6 +14,7 @@ from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
 NO_SIGNAL_STEPS = ("step", "skip")
+BUILT_IN_REWARDS = ("brackets", "letters")  # --reward's tasks by name (rl/reward.py BUILT_IN); anything else is code
 CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few

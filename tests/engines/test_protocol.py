@@ -123,7 +123,7 @@ def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(r
                                                                                prompts_file, tmp_path, monkeypatch):
     from divergence_probe.runs import loading
 
-    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the refusal"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the refusal"))
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-refusing", "--train",
                                       "toy", "--prompts", str(prompts_file), "--mode", "generate", "--out", str(out)])

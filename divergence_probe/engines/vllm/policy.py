@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from ...environment import cpu_kv_cache_gib, resolve_device
-from ..protocol import Knob, LoadPlan, StackPolicy, StackSettings
+from ..protocol import ENGINE_MODES, Knob, LoadPlan, StackPolicy, StackSettings
 from .knobs import KNOBS, OWNED_ENGINE_ARGS, check_knobs, quantized
 from .replayable import refused_engine_args
 
@@ -29,6 +29,7 @@ class VLLMPolicy(StackPolicy):
     workers = True
     released = ("shut down: the engine ran in a worker process of its own, which exited before the trainer loaded "
                 "(its device and host memory returned)")
+    modes = ENGINE_MODES
     libraries = ("vllm",)
     owned_args = OWNED_ENGINE_ARGS
     patches = "divergence_probe.engines.vllm.patches:PATCHES"

@@ -312,7 +312,7 @@ class VLLMStack(VLLMPolicy):
             seed=settings.seed,
             max_model_len=settings.max_model_len,
             max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
-            # Without a memory plan: a share of the device. probe.load's plan (models/memory_plan.py) replaces it on CUDA, through
+            # Without a memory plan: a share of the device. probe.load's plan (runs/memory.py) replaces it on CUDA, through
             # the engine args, by kv_cache_memory_bytes sized to the run and the share the engine's part of the plan is
             # (vLLM 0.24 still checks that share is free at start-up). On the CPU the KV cache is VLLM_CPU_KVCACHE_SPACE.
             gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
