@@ -208,6 +208,7 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
     settings = stack_settings(cfg, source)
     stack_class(cfg.train).check_model(train_settings(cfg, settings), source.config)
+    infer.check_model(engine_settings(settings), source.config)  # what each side cannot run of this model, unloaded
     settings = replace(settings, engine_taps=infer.plan(settings, family=source.family, taps=taps,
                                                          routes=routes or _replays_routes(plan_for)).taps)
     random.seed(cfg.seed)

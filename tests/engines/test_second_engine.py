@@ -90,7 +90,11 @@ def test_what_the_engine_declares_it_cannot_do_is_one_line_before_it_loads(secon
     assert not out.exists()
 
 
-def test_a_model_the_engine_cannot_run_is_one_line(second, qwen3_moe_tiny, tmp_path):
+def test_a_model_the_engine_cannot_run_is_one_line_before_anything_loads(second, qwen3_moe_tiny, tmp_path,
+                                                                          monkeypatch):
+    from divergence_probe.engines.hf.trainer import HFStack
+
+    monkeypatch.setattr(HFStack, "load", lambda self, settings: pytest.fail("the trainer loaded"))
     flags = [qwen3_moe_tiny if flag == second[1] else flag for flag in second]
     result = cli("compare", *flags, "--taps", "none", "--out", tmp_path / "moe")
     assert result.exit_code == 2 and "runs dense models" in result.output and len(result.output.splitlines()) == 1
