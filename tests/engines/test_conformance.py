@@ -149,3 +149,13 @@ def test_a_call_a_stack_cannot_serve_raises_the_refusal_it_declared():
         with pytest.raises(StackError) as refused:
             call(stack)
         assert str(refused.value) == stack.capabilities().refused[feature]
+
+
+@pytest.mark.parametrize("name", sorted(STACKS))
+def test_the_patches_a_registered_class_names_are_patchers_of_known_regions(name):
+    from divergence_probe.engines.patching import patches_of
+    from divergence_probe.regions import REGIONS
+
+    patches = patches_of(name)
+    assert set(patches) <= set(REGIONS) and all(callable(patch) for patch in patches.values())
+    assert bool(patches) == bool(stack_class(name).patches)
