@@ -596,7 +596,6 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
-    from .runs.loading import load_run_prompts
     from .rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
@@ -612,17 +611,11 @@ def _run(make_spec, out_dir: Optional[Path], check=None, gate=None, check_run=No
 
                 stack_class(spec.load.infer).check_settings(spec.load, imports=True)  # starts no engine
 
-            def before_stacks(source, tokenizer):  # seconds in: everything a bad input can break, before the loads
-                if check is not None:
-                    check(source)
-                if gate:
-                    gate.check_model(source.family)
-                load_run_prompts(spec, tokenizer, source.max_model_len)
-
             with _phases() as phases:
                 phases.phase("loading the model in transformers and the inference stack")
                 timings.add("start", timings.process_age() or 0.0)  # the interpreter, the CLI's imports, the spec
-                run = dp.run(spec, phases, before_stacks=before_stacks, spill_near=out_dir, notice=_placement_notice)
+                run = dp.run(spec, phases, check=check, gate=gate or None, spill_near=out_dir,
+                             notice=_placement_notice)
                 phases.end()
             if check_run is not None:
                 check_run(run.manifest)

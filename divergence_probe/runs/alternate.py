@@ -22,7 +22,7 @@ from pathlib import Path
 from .batch_invariance import NoiseEngines, engine_noise, measure_side, routing_taps
 from .capture import TapPairing
 from .compare import _route_capture, capturable_taps, engine_prefill, run_compare, source_for
-from .loading import LoadedStacks, Prepared, engine_settings, engine_settings_for, load_run_prompts, memory_errors, \
+from .loading import LoadedStacks, Prepared, engine_settings, engine_settings_for, memory_errors, \
     train_settings, stack_for
 from .progress import Progress, phase
 from ..engines import stack_class
@@ -41,7 +41,7 @@ def _ignore(*_) -> None:
 
 def _engine_pass(view, spec: RunSpec, noise) -> None:
     """The engine's calls of run_compare(view, spec), in its order; `view.infer` records them."""
-    _, prompts = load_run_prompts(spec, view.tokenizer, view.settings.max_model_len)
+    _, prompts = view.run_prompts(spec)
     taps, _ = capturable_taps(view, spec)
     routes, infer_taps, _ = _route_capture(view, spec, TapPairing([]), taps)
     source = source_for(spec)
@@ -103,7 +103,7 @@ def run_alternate(prepared: Prepared, spec: RunSpec, progress: Progress | None =
         capabilities, info, _ = recorded[configurations[0]]
         trainer_probe = LoadedStacks(cfg, prepared.source, settings, KeptEngine(kept[configurations[0]], capabilities, info), train,
                               prepared.tokenizer, environment(settings.device), memory_plan=prepared.plan,
-                              placement=prepared.placement)
+                              placement=prepared.placement, prompts=prepared.prompts)
         with memory_errors(prepared.plan, "run"):
             run = _trainer_passes(trainer_probe, spec, kept, recorded, progress, ablate)
         run.manifest["placement"] = prepared.placement | {
@@ -153,7 +153,7 @@ def _engine_passes(prepared: Prepared, steps: list[RunSpec], configurations: lis
                 engine.begin_run()
                 noise.kept = kept[configuration]
                 view = LoadedStacks(step.load, prepared.source, step_settings, Recording(engine, kept[configuration]),
-                                    stack_for(cfg.train, settings), prepared.tokenizer)
+                                    stack_for(cfg.train, settings), prepared.tokenizer, prompts=prepared.prompts)
                 _engine_pass(view, step, noise)
                 recorded[configuration] = (engine.capabilities(), engine.info())
         starts = len(workers) + len(noise) + (len(configurations) if not infer.workers else 0)

@@ -47,6 +47,8 @@ class LoadedStacks:
     load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
     quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
     placement: dict | None = None  # how the stacks shared the device, and why (Prepared.placement)
+    checked: RunSpec | None = None  # the run the load checked (check_family) before anything loaded
+    prompts: dict = field(default_factory=dict)  # a run's prompts, tokenized once (run_prompts)
 
     def with_trainer(self, **changes) -> "LoadedStacks":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
@@ -60,6 +62,14 @@ class LoadedStacks:
         train = stack_for(config.train, settings)
         train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
+
+    def run_prompts(self, spec: RunSpec) -> tuple[Path, list[Prompt]]:
+        """The run's prompts, tokenized and checked against the context once: the load read them for its plan, and
+        every combination of an ablation, every pass of an alternate placement reads the same."""
+        key = _prompts_key(spec)
+        if key not in self.prompts:
+            self.prompts[key] = load_run_prompts(spec, self.tokenizer, self.settings.max_model_len)
+        return self.prompts[key]
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
@@ -174,6 +184,8 @@ class Prepared:
     plan: memory_plan.MemoryPlan
     placement: dict
     kept: dict | None = None
+    checked: RunSpec | None = None  # the run it was prepared for, checked (check_family) before anything loads
+    prompts: dict = field(default_factory=dict)  # that run's prompts, tokenized once (LoadedStacks.run_prompts)
 
     @property
     def alternate(self) -> bool:
@@ -191,11 +203,13 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
 
 
 def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool = False, *,
-            can_alternate: bool, spill_near: Path | None = None) -> Prepared:
-    """Everything before the loads: the versions and inputs checked, the model resolved, the memory plan made and the
-    placement chosen (`can_alternate`: the caller can run the spec one stack at a time). Under alternate, where the
-    engine's outputs will be kept is decided here too (chunk files beside `spill_near`, or in the temp folder, when
-    the host cannot hold them), so a run that fits neither way is refused before anything loads."""
+            can_alternate: bool, spill_near: Path | None = None, check=None, gate=None) -> Prepared:
+    """Everything before the loads, in order: the versions and inputs checked, the model resolved, its family checked
+    against the run, the tokenizer loaded and `before_stacks(source, tokenizer)`, `check(source)` and the gate's
+    model condition (`gate.check_model(family)`) asked, the run's prompts read and tokenized once, the memory plan
+    made and the placement chosen (`can_alternate`: the caller can run the spec one stack at a time). Under
+    alternate, where the engine's outputs will be kept is decided here too (chunk files beside `spill_near`, or in the
+    temp folder, when the host cannot hold them), so a run that fits neither way is refused before anything loads."""
     with timings.timed("load.import_transformers"):
         from transformers import AutoTokenizer
 
@@ -217,7 +231,12 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
         tokenizer = AutoTokenizer.from_pretrained(source.path)
         if before_stacks is not None:
             before_stacks(source, tokenizer)
-        plan, why, settings = _planned(cfg, source, settings, tokenizer, plan_for,
+        if check is not None:
+            check(source)
+        if gate is not None:
+            gate.check_model(source.family)
+        prompts = None if plan_for is None else load_run_prompts(plan_for, tokenizer, source.max_model_len)
+        plan, why, settings = _planned(cfg, source, settings, plan_for, prompts,
                                        can_alternate and _can_alternate(cfg, plan_for))
     placement = {"placement": "alternate" if plan.inputs.alternate else "together", "why": why}
     kept = None
@@ -230,7 +249,8 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
         name = f".{spill_near.name}." if spill_near is not None else "divergence-probe-"
         kept = memory_plan.keep_where(plan, str(parent))
         kept["folder"] = str(parent / f"{name}engine-outputs-{secrets.token_hex(4)}")
-    return Prepared(cfg, source, settings, tokenizer, plan, placement, kept)
+    return Prepared(cfg, source, settings, tokenizer, plan, placement, kept, plan_for,
+                    {} if prompts is None else {_prompts_key(plan_for): prompts})
 
 
 def _can_alternate(cfg: LoadSpec, run: RunSpec | None) -> bool:
@@ -256,7 +276,8 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
         raise
     load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
     return loaded(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                  load_peak_bytes=load_peak, placement=prepared.placement)
+                  load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
+                  prompts=prepared.prompts)
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -268,8 +289,8 @@ def _replays_routes(run: RunSpec | None) -> bool:
     return run is not None and "routing" in (run.ablate.regions if run.kind == "ablate" else run.align.regions)
 
 
-def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer, plan_for: RunSpec | None,
-             can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
+def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_for: RunSpec | None,
+             prompts: tuple[Path, list[Prompt]] | None, can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
     """The memory plan for this load (raises DeviceMemoryError when nothing fits), why its placement, and the settings
     it implies: the planned batch_tokens, and the engine args its class plans for the KV budget (StackClass.plan; the
     user's own engine args win)."""
@@ -281,7 +302,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     train_free, train_total, train_source = device_memory(train_device) if apart else (0, 0, "")
     size = ModelSize.of(source.config, checkpoint_tensors(source.path))
     if plan_for is not None:
-        lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
+        lengths = tuple(len(p.token_ids) for p in prompts[1])
         tap_names, g = plan_for.capture.tap_names, plan_for.generate
         new, samples = (g.max_new_tokens, g.samples_per_prompt) if g.generates else (0, 1)
     else:  # the worst case: every tap, and batches of one prompt of batch_tokens tokens
@@ -334,6 +355,11 @@ def memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
         if memory_plan.is_out_of_memory(e):
             raise memory_plan.out_of_memory_error(e, plan, phase) from e
         raise
+
+
+def _prompts_key(spec: RunSpec) -> tuple:
+    """What the run's tokenized prompts depend on (load_run_prompts reads these)."""
+    return spec.prompts, spec.generate.generates, spec.generate.max_new_tokens
 
 
 def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:

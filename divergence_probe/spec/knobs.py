@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engines import knobs_of, stack_class
+from ..engines import knobs_of
 from ..errors import ProbeError
 
 SIDES = ("engine", "train")
@@ -57,31 +57,6 @@ def parse_factors(texts) -> tuple[str, ...]:
                              "knob at a time")
         seen[f.knob.name] = f.label
     return tuple(dict.fromkeys(f.label for f in factors))
-
-
-def check_factor(label: str, load) -> None:
-    """A factor against the run's own load settings, before anything loads: its knob's checker on the device, and a
-    value the run already has (no change to attribute) refused."""
-    from dataclasses import replace
-
-    from ..environment import resolve_device, resolve_train_device
-
-    factor = parse_factor(label)
-    knob = factor.knob
-    flag, stack = ("--infer", load.infer) if knob.side == "engine" else ("--train", load.train)
-    if knob.owner != stack:  # a knob of another stack than the run's on that side
-        raise ProbeError(f"--factor {label} changes {stack_class(knob.owner).title}, but {flag} is {stack}; drop it or "
-                         f"use {flag} {knob.owner}")
-    device = resolve_device(load.device) if knob.side == "engine" else resolve_train_device(load.train_device,
-                                                                                            load.device)
-    if knob.change(factor.value, load) == getattr(load, knob.field):
-        raise ProbeError(f"--factor {label} is what the run already runs; ablate a change (e.g. drop the matching "
-                         "--train-*/--engine flag)")
-    try:
-        knob.check(factor.value, device)
-        replace(load, **{knob.field: knob.change(factor.value, load)})  # the LoadSpec's own checks of the change
-    except ProbeError as e:
-        raise ProbeError(f"--factor {label}: {e}") from None
 
 
 def applied(load, labels) -> object:

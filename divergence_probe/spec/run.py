@@ -26,7 +26,7 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
-from .knobs import applied, check_factor
+from .knobs import applied, parse_factor
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
 
@@ -243,6 +243,29 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
     if kind == "ablate":
         built.setdefault("ablate", AblateSpec())
     return RunSpec(kind=kind, **built, **top)
+
+
+def check_factor(label: str, load) -> None:
+    """A factor against the run's own load settings, before anything loads: its knob's checker on the device, and a
+    value the run already has (no change to attribute) refused."""
+    from ..environment import resolve_device, resolve_train_device
+
+    factor = parse_factor(label)
+    knob = factor.knob
+    flag, stack = ("--infer", load.infer) if knob.side == "engine" else ("--train", load.train)
+    if knob.owner != stack:  # a knob of another stack than the run's on that side
+        raise ProbeError(f"--factor {label} changes {stack_class(knob.owner).title}, but {flag} is {stack}; drop it or "
+                         f"use {flag} {knob.owner}")
+    device = resolve_device(load.device) if knob.side == "engine" else resolve_train_device(load.train_device,
+                                                                                            load.device)
+    if knob.change(factor.value, load) == getattr(load, knob.field):
+        raise ProbeError(f"--factor {label} is what the run already runs; ablate a change (e.g. drop the matching "
+                         "--train-*/--engine flag)")
+    try:
+        knob.check(factor.value, device)
+        replace(load, **{knob.field: knob.change(factor.value, load)})  # the LoadSpec's own checks of the change
+    except ProbeError as e:
+        raise ProbeError(f"--factor {label}: {e}") from None
 
 
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:

@@ -562,22 +562,22 @@ def test_rerun_shows_the_manifests_strings_escaped(run, tmp_path, no_load):
 def test_a_swapped_prompt_file_is_caught_before_rerun_writes(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     """rerun checks the prompt files before anything loads and again on the bytes the run read: a file replaced in
     between makes no run recorded as if made of the original prompts."""
-    import divergence_probe.runs.compare as compare
+    import divergence_probe.runs.loading as loading
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(prompts_file.read_text())
     args = ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts, "--taps", "none"]
     assert invoke("compare", *args, "--out", tmp_path / "first").exit_code == 0
-    load_run_prompts = compare.load_run_prompts
+    load_run_prompts = loading.load_run_prompts
 
-    def swapped(*a, **kw):  # first called right after rerun's check, before the stacks load and the run reads them
+    def swapped(*a, **kw):  # called once, right after rerun's check and before the stacks load: the run's one read
         if not swapped.done:
             prompts.write_text(prompts_file.read_text() + "\n\nanother prompt\n")
             swapped.done = True
         return load_run_prompts(*a, **kw)
 
     swapped.done = False
-    monkeypatch.setattr(compare, "load_run_prompts", swapped)
+    monkeypatch.setattr(loading, "load_run_prompts", swapped)
     assert_refused(invoke("rerun", tmp_path / "first", "--out", tmp_path / "again"), "changed since")
     assert not (tmp_path / "again").exists()
 
