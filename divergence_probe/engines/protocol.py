@@ -267,8 +267,8 @@ class Trainer(Stack, Protocol):
         """Logits [B, L, V] of one right-padded batch (mask 1 on its tokens, positions from 0 per row) under the
         numerics of the "train" kind, outside inference mode so a loss can be differentiated through them. `routes`
         (a trainer that declares replays_routes): every expert layer runs the experts `routes(0, layer)` names for the
-        batch's flattened rows, as `routes_replayed` does, and a route that is not a route is refused once the forward
-        ran."""
+        batch's flattened rows, as `routes_replayed` does; rows that are not k distinct experts are refused once the
+        forward ran."""
         ...
 
     def numerics(self, kind: str) -> "AbstractContextManager[Callable[..., AbstractContextManager[None]]]":
