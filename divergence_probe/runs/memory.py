@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
-from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes
+from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
 # default 16), plus one block per sequence, so that a batch's step never waits for blocks (engines/vllm/stack.py needs one step).
@@ -402,7 +402,7 @@ def host_budget(p: MemoryPlan) -> tuple[int, str]:
     override = os.environ.get(HOST_ENV)
     if override:
         return parse_bytes(override, HOST_ENV), HOST_ENV
-    free, _ = _system_memory()
+    free, _ = system_memory()
     if p.inputs.device == "cpu":
         return max(0, free - p.needed), "system RAM available less the plan's peak (the CPU is the device)"
     return free, "system RAM available"
