@@ -153,14 +153,14 @@ def device_memory(device: str) -> tuple[int, int, str]:
         free, total = torch.cuda.mem_get_info(torch.device(device) if ":" in device else None)
         source = "torch.cuda.mem_get_info" + (f"({device})" if ":" in device else "")
     else:
-        free, total = _system_memory()
+        free, total = system_memory()
         source = "system RAM available"
     if override:
         return parse_bytes(override), total, f"{ENV}"
     return free, total, source
 
 
-def _system_memory() -> tuple[int, int]:
+def system_memory() -> tuple[int, int]:
     try:
         import psutil
 

@@ -186,8 +186,12 @@ def _memory_after_release(device: str) -> dict:
     if device == "cuda":
         import torch
 
+        # the engine's outputs came back through this process's device on their way to the host: the blocks they
+        # left in its allocator's cache go back to the driver, so the trainer's load starts from an empty device
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         return {"device": "cuda", "free_bytes": int(free), "total_bytes": int(total),
-                "allocated_by_this_process_bytes": int(torch.cuda.memory_allocated())}
+                "allocated_by_this_process_bytes": int(torch.cuda.memory_allocated()),
+                "reserved_by_this_process_bytes": int(torch.cuda.memory_reserved())}
     free, total, source = device_memory(device)
     return {"device": device, "free_bytes": int(free), "total_bytes": int(total), "source": source}

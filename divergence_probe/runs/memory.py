@@ -36,14 +36,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
-from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes
+from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
 # default 16), plus one block per sequence, so that a batch's step never waits for blocks (engines/vllm/stack.py needs one step).
 KV_BLOCK = 128
 # Allowances, in bytes, for what is not a tensor the plan can count.
 CUDA_RUNTIME = 2 * GiB  # CUDA context, cuBLAS/NCCL workspaces, the sampler's warm-up, CUDA graphs (compiled mode)
-FRAGMENTATION = 0.10  # the caching allocator rounds and splits blocks: share of the counted tensor bytes
+FRAGMENTATION = 0.10  # the caching allocator rounds and splits blocks: share of the tensor bytes, weights aside
 # Temporaries of the reduction per element of a pair reduced in one call (metrics.row_diff_sums): eagerly, FP32 copies
 # of both sides, their difference, its absolute value and a product, and the int32 bit patterns of the ULP distance
 # (12 four-byte tensors at its peak); compiled on a GPU, blocks_first's [pairs, blocks, 7] float64 sums (7*8/64 bytes);
@@ -234,6 +234,9 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["train_taps"] = longest * per_token
     # tensor parallel on the CPU: rank 0's host copy of every tap and the others' of their slices, beside the gathered
     terms["tensor_parallel_rank_taps"] = 2 * terms["infer_taps"] if ranks > 1 and i.device != "cuda" else 0
+    # --placement alternate, the engine in a worker process: each call's outputs come back through this process's
+    # device on their way to the host, while the worker still holds its own copy
+    terms["alternate_handover"] = terms["infer_taps"] + terms["infer_logits"] if i.alternate and engine else 0
     # one sequence's forward past what its taps hold, its logits ([T, V] in the dtype), their FP32 upcast and
     # log-softmax (token_logprobs), and the KL's float64 chunks of 256 rows (token_kl: both log-softmaxes, exp, product)
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
@@ -259,10 +262,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
     moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
-    counted = sum(terms.values())
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
-    terms["fragmentation_allowance"] = int(FRAGMENTATION * counted) if i.device == "cuda" else 0
     return terms, kv, train
 
 
@@ -288,25 +289,26 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     return train
 
 
-def _phases(t: dict[str, int], alternate: bool = False) -> dict[str, int]:
-    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it).
-    `alternate`: the engine's phases hold no trainer, the trainer's no engine (it left the device in between); the
-    trainer's phase still holds one inference batch, moved back from the host."""
-    allowances = t["runtime_allowance"] + t["fragmentation_allowance"]
+def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tuple[int, int]]:
+    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it),
+    before the allowances, as (weights, the rest). `alternate`: the engine's phases hold no trainer, the trainer's no
+    engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
+    host."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
-    engine = t["infer_weights"] + t["kv_cache"]
-    fixed = trainer + engine + allowances
-    engine_fixed, train_fixed = (engine + allowances, trainer + allowances) if alternate else (fixed, fixed)
+    engine = t["infer_weights"]
+    engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
+    kv = t["kv_cache"]
+    engine_kv, train_kv = (kv, 0) if alternate else (kv, kv)
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
-    fixed = train_fixed
     return {
-        "engine_start": engine_fixed + t["engine_profile_activations"],
-        "engine_step": engine_fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
-        "train_and_reduce": fixed + held + t.get("train_taps", 0) + t.get("train_forward", 0)
-        + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"] + t["reduction_temporaries"]
-        + t.get("train_amp_weight_casts", 0),
-    } | ({"noise_floor": fixed + t.get("train_amp_weight_casts", 0)
-          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+        "engine_start": (engine_weights, engine_kv + t["engine_profile_activations"]),
+        "engine_step": (engine_weights, engine_kv + held + t["engine_step_activations"]
+                        + t["engine_logprobs_transient"] + t["alternate_handover"]),
+        "train_and_reduce": (train_weights, train_kv + held + t.get("train_taps", 0) + t.get("train_forward", 0)
+                             + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
+                             + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
+    } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
+                          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"]))}
          if "noise_floor_second_trainer" in t else {})
 
 
@@ -322,7 +324,13 @@ def _train_phases(t: dict[str, int]) -> dict[str, int]:
 
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:
     terms, kv, train = _terms(i, batch_tokens, chunk)
-    phases = _phases(terms, i.alternate)
+    # the allocator's rounding is a share of what a phase allocates and frees as it runs: weights are allocated once,
+    # whole, and under alternate the stack that left the device holds no blocks at all
+    share = FRAGMENTATION if i.device == "cuda" else 0.0
+    tensors = _phase_tensors(terms, i.alternate)
+    phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
+              for phase, (weights, rest) in tensors.items()}
+    terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
     apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
                                       "train_needed": max(tp.values())}
     return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
@@ -402,7 +410,7 @@ def host_budget(p: MemoryPlan) -> tuple[int, str]:
     override = os.environ.get(HOST_ENV)
     if override:
         return parse_bytes(override, HOST_ENV), HOST_ENV
-    free, _ = _system_memory()
+    free, _ = system_memory()
     if p.inputs.device == "cpu":
         return max(0, free - p.needed), "system RAM available less the plan's peak (the CPU is the device)"
     return free, "system RAM available"

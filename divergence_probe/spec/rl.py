@@ -231,7 +231,7 @@ class RLSpec:
         for arm in arms:
             kernels = arm.value("train:kernels")
             if kernels is not None:
-                get_kernels(kernels).check_backward()
+                stack_class(DEFAULT_TRAIN).kernel_set(kernels).check_backward()
         engines = {arm.engine_knobs for arm in arms}
         if len(engines) > 1:  # one process holds one vLLM engine (engines/vllm/stack.py), and rl's settings share it
             shown = " vs ".join(",".join(e) or "the engine as given" for e in sorted(engines))

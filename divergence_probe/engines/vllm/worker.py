@@ -215,7 +215,7 @@ class WorkerStack(VLLMPolicy):
         return result["scores"]
 
     def info(self) -> StackInfo:
-        info = self._call("info")
+        info, peak = self._call("info")
         info.settings["captured_logits_vs_reported_logprobs_max_gap"] = self.recompute_gap
         info.settings["engine_process"] = {
             "worker": "a child process of its own (one engine per process; built with these regions before it compiled)",
@@ -223,6 +223,7 @@ class WorkerStack(VLLMPolicy):
             "regions": self._status.get("regions", {}),
             "vllm_cache_root": self.cache_root,
             "build_seconds": self.build_seconds,
+            "device_peak": peak,
         }
         return info
 
@@ -298,6 +299,16 @@ def _serve(folder: Path) -> None:
     stack.close()
 
 
+def _device_peak(device: str) -> dict | None:
+    """The most torch's allocator held in this process on the device so far (weights, KV cache, activations, CUDA
+    graph pools; not the CUDA context or library workspaces): the engine's side of a memory plan, which the parent's
+    own counters cannot see."""
+    if device != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return {"max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+            "max_allocated_bytes": int(torch.cuda.max_memory_allocated())}
+
+
 def _run(stack, method: str, args: tuple):
     taps: list = []
 
@@ -315,7 +326,7 @@ def _run(stack, method: str, args: tuple):
         prompts, spec, wanted = args
         return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
     if method == "info":
-        return stack.info()
+        return stack.info(), _device_peak(stack.settings.device)
     raise StackError(f"unknown engine worker call {method!r}")
 
 
