@@ -103,7 +103,6 @@ def run_spec(make_spec, out_dir: Optional[Path], check=None, gate=None, check_ru
     from transformers.utils import logging as hf_logging
 
     import divergence_probe as dp
-    from ..runs.loading import load_run_prompts
     from ..rundir import claim_out_dir, default_out_dir
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
@@ -114,22 +113,15 @@ def run_spec(make_spec, out_dir: Optional[Path], check=None, gate=None, check_ru
             gate.check_measured(spec)  # a condition this run's flags will not measure: refused before the claim
         out_dir = out_dir or default_out_dir()
         with claim_out_dir(out_dir):  # held until the run is written: a second run aiming here fails at once
-            if spec.load.infer == "vllm" and spec.load.engine_args:
-                from ..engines.vllm.stack import check_engine_args
+            if spec.load.engine_args:
+                from ..engines import stack_class
 
-                check_engine_args(spec.load.engine_args, spec.load.engine)  # imports vLLM, starts no engine
-
-            def before_stacks(source, tokenizer):  # seconds in: everything a bad input can break, before the loads
-                if check is not None:
-                    check(source)
-                if gate:
-                    gate.check_model(source.family)
-                load_run_prompts(spec, tokenizer, source.max_model_len)
+                stack_class(spec.load.infer).check_settings(spec.load, imports=True)  # starts no engine
 
             with phases() as shown:
                 shown.phase("loading the model in transformers and the inference stack")
                 timings.add("start", timings.process_age() or 0.0)  # the interpreter, the CLI's imports, the spec
-                run = dp.run(spec, shown, before_stacks=before_stacks, spill_near=out_dir, notice=_placement_notice)
+                run = dp.run(spec, shown, check=check, gate=gate or None, spill_near=out_dir, notice=_placement_notice)
                 shown.end()
             if check_run is not None:
                 check_run(run.manifest)

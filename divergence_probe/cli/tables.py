@@ -12,9 +12,10 @@ def print_summary(run) -> None:
     from ..numerics.noise_verdict import LEVEL, RATIO, in_words
     from ..numerics.shapley import MIN_PROMPTS
     from ..numerics.tables import FLOOR_KINDS, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
+    from ..spec.load import DEFAULT_INFER
 
     s = run.summary
-    table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == "vllm" else "infer vs train", show_header=False)
+    table = Table(title="vLLM vs transformers" if run.manifest["load"]["infer"] == DEFAULT_INFER else "infer vs train", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("response tokens scored" if "k3" in s else "tokens scored", str(s["n_tokens"]))

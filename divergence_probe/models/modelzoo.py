@@ -408,7 +408,7 @@ def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None) -
     a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
-    from .memory_plan import CPU_RUNTIME, ENV, ModelSize, device_memory
+    from .size import CPU_RUNTIME, ENV, ModelSize, device_memory
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers

@@ -8,6 +8,7 @@ from ..errors import ProbeError
 from ..options import check_finite, option
 from ..rollouts.adapters import FORMATS, parse_fields
 from .generate import GenerateSpec
+from .load import DEFAULT_INFER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +32,7 @@ class ScoreSpec:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        if self.infer not in (None, "vllm"):
+        if self.infer not in (None, DEFAULT_INFER):  # the engine a rollout came from
             raise ProbeError(f"--infer {self.infer!r}: score re-scores with vllm or not at all; use --infer vllm or "
                              "leave it out")
         if self.fmt not in FORMATS:

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from divergence_probe.errors import DeviceMemoryError, ProbeError
-from divergence_probe.models import memory_plan
-from divergence_probe.models.memory_plan import GiB, ModelSize, PlanInputs, placed
 from divergence_probe.models.modelzoo import make_config
+from divergence_probe.runs import memory as memory_plan
+from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
 from divergence_probe.spec import spec_from_flat
 
 # the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
@@ -147,8 +147,7 @@ def test_refusals_are_one_cli_line_before_anything_loads(qwen3_tiny, prompts_fil
     def no_stack(*args, **kwargs):
         raise AssertionError("a stack was loaded although the run was refused")
 
-    monkeypatch.setattr(loading, "get_stack", no_stack)
-    monkeypatch.setattr(loading, "trainer_stack_for", no_stack)
+    monkeypatch.setattr(loading, "stack_for", no_stack)
     base = ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device", "cpu",
             "--placement", "alternate"]
     monkeypatch.setenv(memory_plan.HOST_ENV, "1")

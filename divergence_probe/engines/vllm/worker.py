@@ -36,16 +36,16 @@ from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptS
                         SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
 from .knobs import tap_meanings
+from .policy import VLLMPolicy
 from .stack import VLLMStack
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
 STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
 
 
-class WorkerStack:
+class WorkerStack(VLLMPolicy):
     """The `vllm` stack, run by a child process with `regions` aligned in its engine before it was built."""
 
-    name = "vllm"
     _proc: subprocess.Popen | None = None  # the child, once started; None too for a worker whose __init__ refused
 
     def __init__(self, settings: StackSettings, regions: Sequence[str] = ()) -> None:
@@ -200,12 +200,9 @@ class WorkerStack:
             on_scored(scores)
         return []
 
-    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None, *,
-                      patched: Sequence[str] = ()) -> list[PromptScores]:
-        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with and
-        `self.patched` (an eager engine runs its modules as Python at every step, as the tool's own eager engine
-        takes them)."""
-        result = self._call("score_batched", list(prompts), frozenset(taps), patched=(*self.patched, *patched))
+    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None
+                      ) -> list[PromptScores]:
+        result = self._call("score_batched", list(prompts), frozenset(taps), patched=self.patched)
         for prompt_id, key, x in result["taps"] if sink is not None else ():
             sink(prompt_id, key, x)
         return result["scores"]
