@@ -100,7 +100,8 @@ def growth_kind(exponent: float) -> str:
 def per_tap(sums: pd.DataFrame) -> pd.DataFrame:
     """Per-sequence sums (columns prompt_id, layer, tap and SUMS) -> one row per (layer, tap): each side's rel_l2
     against the reference, the floor's, which side is closer."""
-    totals = sums.groupby(["layer", "tap"], sort=False)[list(SUMS)].sum().reset_index()
+    # min_count: a side with no error at all (NaN: a local reading its stack cannot make) stays NaN, not 0
+    totals = sums.groupby(["layer", "tap"], sort=False)[list(SUMS)].sum(min_count=1).reset_index()
     out = pd.DataFrame({"layer": totals["layer"], "tap": totals["tap"]})
     for side in SIDES:
         out[f"ref_err_{side}"] = [rel(e, r) for e, r in zip(totals[f"sq_err_{side}"], totals["sq_ref"])]

@@ -118,3 +118,18 @@ def test_ablate_rmsnorm_on_the_trainer_leaves_it_one_rounding_from_float64(hf_pr
     assert aligned["ref_err_train"] == pytest.approx(aligned["ref_floor"], rel=1e-2)
     summary = run.summary_table.set_index("combo")
     assert summary.loc["rmsnorm", "ref_logprob_err_infer"] == summary.loc["none", "ref_logprob_err_infer"]
+
+
+def test_rmsnorm_aligned_on_both_sides_leaves_vllm_and_transformers_equally_far_at_input_norm_0(vllm_probe,
+                                                                                               prompts_file):
+    """Aligned on both sides, each stack's first input norm rounds the same FP32 result once: the two errors against
+    float64 are equal. The engine does not run its ops on given inputs, so its local reading is empty."""
+    run = vllm_probe.compare(prompts=prompts_file, taps="input_norm,logits", align="rmsnorm", side="both",
+                             reference="float64")
+    layers = run.layers_table
+    norm0 = layers[(layers["tap"] == "input_norm") & (layers["layer"] == 0)].iloc[0]
+    assert norm0["frac_equal"] == 1 and norm0["ref_err_infer"] == norm0["ref_err_train"] > 0
+    local = run.files()["reference_local.csv"]
+    assert local["ref_err_infer"].isna().all() and (local["closer_to_ref"] == "").all()
+    assert (local["ref_err_train"] > 0).all()
+    assert run.manifest["reference"]["local"]["stacks"] == ["train"]
