@@ -142,23 +142,23 @@ class ReferenceCapture:
     def add_sequences(self, sequences) -> None:
         """The reference runs the inference batch's sequences, the rows each one's engine fed kept of its taps."""
         self.inner.add_sequences(sequences)
-        fed = {seq.key: seq.fed for seq in sequences}
+        if any(seq.prompt.prompt_id != seq.key for seq in sequences):  # the reference files its taps by prompt id
+            raise StackError("a scored sequence's prompt id is not its key; report this as a bug")
+        by_key = {seq.key: seq for seq in sequences}
         self._prompt_of.update({seq.key: seq.prompt_id for seq in sequences})
 
-        def sink(key: int, tap: TapKey, x: torch.Tensor) -> None:
-            self._ref[key][tap] = x[: fed[key]]
+        def sink(key: int, tap: TapKey, x: torch.Tensor) -> None:  # the rows the engine fed, as the stacks' taps
+            self._ref[key][tap] = x[: by_key[key].fed]
 
         def scored(scores) -> None:
             ids = torch.tensor(by_key[scores.prompt_id].prompt.token_ids[1:], device=scores.logits.device)
             self._ref_scores[scores.prompt_id] = ref_logprobs(scores.logits, ids, self.arm.run_dtype)
 
-        by_key = {seq.key: seq for seq in sequences}
-        if any(seq.prompt.prompt_id != seq.key for seq in sequences):
-            raise StackError("a scored sequence's prompt id is not its key; report this as a bug")
         self.arm.stack.score([seq.prompt for seq in sequences], self.taps, sink, on_scored=scored)
 
     def finish_prompt(self, key: int) -> None:
         infer, train, ref = self._infer.pop(key, {}), self._train.pop(key, {}), self._ref.pop(key, {})
+        prompt = self._prompt_of.pop(key)
         rows = []
         for tap in self.expected:
             if tap not in infer or tap not in train or tap not in ref:
@@ -167,9 +167,9 @@ class ReferenceCapture:
                                  "reference's comparison; report this as a bug")
             rows.append(error_sums(infer[tap], train[tap], ref[tap], self.arm.run_dtype))
         if rows:
-            self._sums.append((self._prompt_of[key], torch.stack(rows)))
+            self._sums.append((prompt, torch.stack(rows)))
         if self.seams:
-            self._local.append((self._prompt_of[key], self._local_sums(ref)))
+            self._local.append((prompt, self._local_sums(ref)))
         self._logprobs.append(self._ref_scores.pop(key))
         self.inner.finish_prompt(key)
 
