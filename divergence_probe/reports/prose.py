@@ -661,7 +661,8 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_
     blocks: list = [Heading(title(run), 1), _intro(run)]
 
 
-    blocks += _setup(run) + _headline(run) + reference_section(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
+    blocks += _setup(run) + _headline(run) + reference_section(run) + (recorded_section(run) if run.is_score else [])
+    blocks += _first_divergence(run)
     blocks += routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
     if figure_specs and figure_files:
