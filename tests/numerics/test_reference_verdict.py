@@ -84,3 +84,14 @@ def test_a_7b_reference_in_float64_is_refused_for_float32_where_that_fits_and_ou
     with pytest.raises(DeviceMemoryError, match=r"\(float32: about .*\); drop --reference"):
         check_fits(size, "float64", 512, weights64 // 4, "cuda", "beside the two stacks as planned")
     check_fits(size, "float32", 512, free, "cuda", "beside the two stacks as planned")  # fits: no error
+
+
+def test_an_ablation_says_whether_each_combination_moved_the_trainer_toward_exact():
+    from divergence_probe.numerics.reference import combination_lines
+
+    table = pd.DataFrame({"combo": ["none", "rope", "swiglu"], "reference": "float64", "mean_abs_dlogp": [3e-3, 1e-3, 2e-3],
+                          "ref_logprob_err_train": [4e-3, 3e-3, 5e-3], "ref_logprob_err_infer": [2e-3] * 3})
+    lines = combination_lines(table, "none")
+    assert lines[0].startswith("Against float64") and len(lines) == 4
+    assert lines[2].endswith("the trainer moved toward exact") and lines[3].endswith("the trainer moved away from exact")
+    assert combination_lines(table.drop(columns="reference"), "none") == []
