@@ -840,7 +840,7 @@ def _print_ablation(run) -> None:
     moved = floor_moved(summaries.loc[SHIPPED].to_dict(), summaries.loc[everything].to_dict(), everything)
     for line in attribution_lines(rows, metric, factors, pct) + ([moved] if moved else []):
         out.print(line, highlight=False, markup=False, soft_wrap=True)
-    for line in combination_lines(run.ablation_table, SHIPPED):  # --reference
+    for line in combination_lines(run.ablation_table, run.tokens_table, SHIPPED, run.spec.load.seed):  # --reference
         out.print(line, highlight=False, markup=False, soft_wrap=True)
 
 

@@ -240,7 +240,7 @@ def in_words(summary) -> str | None:
     floor_words = f"the floor, the reference rounded once to the run's dtype, is {floor:.3g}"
     if verdict == BOTH_EXACT:
         return f"Against {reference}, {where}: both stacks equal the reference exactly."
-    interval = (f"{LEVEL:.0%} interval over prompts {low:.3g}x to {high:.3g}x" if low == low and high == high else
+    interval = (f"{LEVEL:.0%} interval over prompts {low:.4g}x to {high:.4g}x" if low == low and high == high else
                 f"no interval: fewer than {MIN_PROMPTS} prompts")
     lead = {TRAIN_FURTHER: "the training stack is further from exact",
             INFER_FURTHER: "the inference stack is further from exact",
@@ -248,7 +248,7 @@ def in_words(summary) -> str | None:
             TOO_FEW: f"which stack is further from exact cannot be told on {summary.get('ref_prompts')} prompts "
                      f"(it needs at least {MIN_PROMPTS})"}[verdict]
     within = "within" if summary["ref_within_k"] else "not within"
-    text = (f"Against {reference}, {where}: {lead}; the training stack's error is {ratio:.3g}x the inference "
+    text = (f"Against {reference}, {where}: {lead}; the training stack's error is {ratio:.4g}x the inference "
             f"stack's ({interval}); {errors}; {floor_words}; the worse side is {within} {K:g}x the better one plus "
             "the floor.")
     kinds = [summary.get(f"ref_position_growth_kind_{side}") for side in SIDES]
@@ -258,27 +258,54 @@ def in_words(summary) -> str | None:
     return text
 
 
-def combination_lines(ablation: pd.DataFrame, shipped: str) -> list[str]:
+def combination_lines(ablation: pd.DataFrame, tokens: pd.DataFrame | None, shipped: str, seed: int) -> list[str]:
     """ablate: each combination's logprob error against the reference beside the shipped one's, so a user sees
     whether aligning a region moves the trainer toward exact arithmetic or only toward the engine (the logprobs: the
-    one reading every combination has at the same place; ablation.csv has each one's tap reading too). Empty
-    without a reference."""
+    one reading every combination has at the same place; ablation.csv has each one's tap reading too). The direction
+    is read from the change's interval over prompts (`tokens`: the ablation's stacked tokens.csv, response tokens only
+    in generate mode), not from its point value; without the tokens, or below MIN_PROMPTS prompts, no direction is
+    claimed. Empty without a reference."""
     if "reference" not in ablation or not ablation["reference"].map(lambda v: isinstance(v, str)).all():
         return []
     rows = ablation.set_index("combo")
     base = rows.loc[shipped]
+    per_prompt = _trainer_sums(tokens)
     lines = [f"Against {base['reference']}: mean |logprob - logprob_ref| of each combination, the training stack's "
              "(the inference stack's) and the mismatch between them:"]
     for combo, row in rows.iterrows():
-        change = "" if combo == shipped else (
-            f"; the trainer moved {_toward(base['ref_logprob_err_train'], row['ref_logprob_err_train'])} exact")
+        change = "" if combo == shipped else "; " + _moved(per_prompt, shipped, combo, seed)
         lines.append(f"  {combo}: {row['ref_logprob_err_train']:.3g} ({row['ref_logprob_err_infer']:.3g}), mismatch "
                      f"{row['mean_abs_dlogp']:.3g}{change}")
     return lines
 
 
-def _toward(before: float, after: float) -> str:
-    return "toward" if after < before else "away from" if after > before else "neither toward nor away from"
+def _trainer_sums(tokens: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Per prompt (rows) and combination (columns): the trainer's summed |logprob - logprob_ref|, and the count."""
+    if tokens is None or "ref_err_train" not in tokens:
+        return None
+    if "is_response" in tokens:
+        tokens = tokens[tokens["is_response"].astype(bool)]
+    grouped = tokens.groupby(["prompt_id", "combo"])["ref_err_train"]
+    return pd.concat({"sum": grouped.sum().unstack("combo"), "n": grouped.size().unstack("combo")}, axis=1)
+
+
+def _moved(per_prompt: pd.DataFrame | None, shipped: str, combo: str, seed: int) -> str:
+    """The trainer's change of mean |logprob - logprob_ref| from `shipped` to `combo`, worded from its bootstrap
+    interval over prompts (both combinations' sums of a prompt drawn together)."""
+    if per_prompt is None:
+        return "no interval (tokens.csv not read): no direction claimed"
+    a, b = per_prompt["sum"][shipped].to_numpy(np.float64), per_prompt["sum"][combo].to_numpy(np.float64)
+    n = per_prompt["n"][shipped].to_numpy(np.float64)
+    change = float((b.sum() - a.sum()) / n.sum())
+    low, high = bootstrap(len(a), lambda w: {"change": float((w @ b - w @ a) / (w @ n))}, DRAWS, seed, LEVEL)["change"]
+    if not (low == low and high == high):
+        return f"the trainer's error changed by {change:+.3g} (no interval: fewer than {MIN_PROMPTS} prompts)"
+    span = f"{change:+.3g}, {LEVEL:.0%} interval {low:+.3g} to {high:+.3g}"
+    if high < 0:
+        return f"the trainer moved toward exact ({span})"
+    if low > 0:
+        return f"the trainer moved away from exact ({span})"
+    return f"no detectable move of the trainer ({span})"
 
 
 LOCAL_COLUMNS = ["layer", "tap", "ref_err_infer", "ref_err_train", "ref_floor", "closer_to_ref"]

@@ -40,7 +40,7 @@ def reference_section(run: RunData) -> list:
     if growth:
         blocks.append(Paragraph(growth))
     if run.is_ablate:
-        lines = combination_lines(run.ablation, SHIPPED)
+        lines = combination_lines(run.ablation, run.tokens, SHIPPED, int(run.manifest.get('ablate', {}).get('seed', 0)))
         if lines:
             blocks += [Paragraph(lines[0]), Bullets(tuple(line.strip() for line in lines[1:]))]
     return blocks
@@ -49,7 +49,8 @@ def reference_section(run: RunData) -> list:
 def _layer_growth(layers: pd.DataFrame) -> str | None:
     """The taps whose error against the reference grows like n over the layers, on each side (layers.csv's
     ref_growth_kind columns)."""
-    if "ref_growth_kind_train" not in layers:
+    if "ref_growth_kind_train" not in layers or not layers["ref_growth_kind_train"].map(
+            lambda kind: isinstance(kind, str) and kind != "").any():  # no tap grows over layers (or none captured)
         return None
     parts = []
     for side, stack in zip(SIDES, ("inference", "training")):

@@ -86,12 +86,22 @@ def test_a_7b_reference_in_float64_is_refused_for_float32_where_that_fits_and_ou
     check_fits(size, "float32", 512, free, "cuda", "beside the two stacks as planned")  # fits: no error
 
 
-def test_an_ablation_says_whether_each_combination_moved_the_trainer_toward_exact():
+def test_an_ablation_says_whether_each_combination_moved_the_trainer_toward_exact_from_its_interval():
     from divergence_probe.numerics.reference import combination_lines
 
-    table = pd.DataFrame({"combo": ["none", "rope", "swiglu"], "reference": "float64", "mean_abs_dlogp": [3e-3, 1e-3, 2e-3],
-                          "ref_logprob_err_train": [4e-3, 3e-3, 5e-3], "ref_logprob_err_infer": [2e-3] * 3})
-    lines = combination_lines(table, "none")
-    assert lines[0].startswith("Against float64") and len(lines) == 4
-    assert lines[2].endswith("the trainer moved toward exact") and lines[3].endswith("the trainer moved away from exact")
-    assert combination_lines(table.drop(columns="reference"), "none") == []
+    table = pd.DataFrame({"combo": ["none", "rope", "swiglu", "rmsnorm"], "reference": "float64",
+                          "mean_abs_dlogp": [3e-3] * 4, "ref_logprob_err_train": [4e-3, 3e-3, 5e-3, 4e-3],
+                          "ref_logprob_err_infer": [2e-3] * 4})
+    rng = np.random.default_rng(1)
+    base = rng.uniform(3e-3, 5e-3, 20)  # per prompt; rope lowers every prompt's, swiglu raises every one's
+    parts = {"none": base, "rope": base - 1e-3, "swiglu": base + 1e-3,
+             "rmsnorm": base + rng.choice([-1e-3, 1e-3], 20)}  # up on some prompts, down on others
+    tokens = pd.concat([pd.DataFrame({"combo": combo, "prompt_id": np.arange(20), "ref_err_train": values})
+                        for combo, values in parts.items()], ignore_index=True)
+    lines = combination_lines(table, tokens, "none", 0)
+    assert lines[0].startswith("Against float64") and len(lines) == 5
+    assert "the trainer moved toward exact" in lines[2] and "the trainer moved away from exact" in lines[3]
+    assert "no detectable move" in lines[4]
+    assert "no direction claimed" in combination_lines(table, None, "none", 0)[2]
+    assert "no interval: fewer than 20 prompts" in combination_lines(table, tokens[tokens["prompt_id"] < 19], "none", 0)[2]
+    assert combination_lines(table.drop(columns="reference"), tokens, "none", 0) == []
