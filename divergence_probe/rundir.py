@@ -51,6 +51,7 @@ COLUMNS = {
     "engine_noise.csv": (),
     "routing.csv": ("layer", "frac_topk_set_differs"),
     "routing_noise.csv": ("side", "layer", "frac_topk_set_differs"),
+    "reference_local.csv": ("layer", "tap", "ref_err_infer", "ref_err_train"),  # --reference's local reading
 }
 # score's tokens.csv holds the logprobs the user's run recorded (logprob_rollout) where compare's holds the engine's
 KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollout", "delta_logprob", "kl")},
@@ -71,6 +72,7 @@ NUMBERS = {
     "depth.csv": ("layer", "mean_abs_dlogp", "mean_kl"),
     "routing.csv": ("layer", "frac_topk_set_differs"),
     "routing_noise.csv": ("layer", "frac_topk_set_differs"),
+    "reference_local.csv": ("layer", "ref_err_train"),
 }
 SUMMARY_NUMBER_SUFFIXES = ("_abs_dlogp", "_kl", "_ci_low", "_ci_high", "_over_floor")
 # prompts.jsonl: each line a JSON object; the fields a reader uses, when there, of these types

@@ -10,6 +10,7 @@ from .console import out, say
 
 def print_summary(run) -> None:
     from ..numerics.noise_verdict import LEVEL, RATIO, in_words
+    from ..numerics.reference import in_words as reference_words
     from ..numerics.shapley import MIN_PROMPTS
     from ..numerics.tables import FLOOR_KINDS, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, worst_layer
     from ..spec.load import DEFAULT_INFER
@@ -56,6 +57,8 @@ def print_summary(run) -> None:
                           f"{s[RATIO]:.3g}x, {interval} ({NOISE_FLOORS[largest[0]]}: {FLOOR_KINDS[largest[0]]})")
         table.add_row("normal or not", in_words(s))
     routing_rows(table, s, "routing" in run.spec.align.regions)
+    if reference_words(s):  # --reference: which side is further from exact
+        table.add_row("further from exact", reference_words(s))
     out.print(table)
     print_graft(getattr(run, "graft_tables", {}), run.manifest.get("model", {}).get("num_layers"))
 
@@ -109,6 +112,7 @@ def print_graft(tables: dict, num_layers: int | None) -> None:
 
 def print_ablation(run) -> None:
     from ..numerics.noise_verdict import floor_moved
+    from ..numerics.reference import combination_lines
     from ..numerics.shapley import CHANGE, SHARE, SHIPPED, attribution_lines, effect_words
     from ..numerics.tables import NOT_CAPTURED
 
@@ -145,5 +149,7 @@ def print_ablation(run) -> None:
     everything = summaries.index[-1]  # subsets() order: every region aligned comes last
     moved = floor_moved(summaries.loc[SHIPPED].to_dict(), summaries.loc[everything].to_dict(), everything)
     for line in attribution_lines(rows, metric, factors, pct) + ([moved] if moved else []):
+        say(line)
+    for line in combination_lines(run.ablation_table, run.tokens_table, SHIPPED, run.spec.load.seed):  # --reference
         say(line)
 

@@ -142,6 +142,11 @@ def parse_bytes(text: str, env: str = ENV) -> int:
     return value
 
 
+def gib(n: int) -> str:
+    """Bytes as a user reads them in a one-line error: GiB, or MiB below a tenth of one."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
 def device_memory(device: str) -> tuple[int, int, str]:
     """(free bytes, total bytes, where the free count came from) of a device a stack loads on ("cpu", "cuda",
     "cuda:N"). The override caps the free memory of each device (a GPU shared with others, or a test); on the CPU the

@@ -15,6 +15,7 @@ from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
 from .moe import routing_section
+from .reference import MEANINGS as REFERENCE_MEANINGS, reference_section
 from .recorded import MEANINGS, recorded_section, setup_items
 from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct, read_intervals, scored_prompts, \
     share_interval, too_few_prompts
@@ -463,8 +464,8 @@ def _summary_table(run: RunData) -> Table:
             return f"first tap whose rel_l2 exceeds {_get(run.manifest, 'compare', 'threshold')}"
         if run.is_score and c in MEANINGS:
             return MEANINGS[c]
-        if c in SUMMARY_MEANINGS:
-            text = SUMMARY_MEANINGS[c]
+        if c in SUMMARY_MEANINGS or c in REFERENCE_MEANINGS:
+            text = SUMMARY_MEANINGS.get(c) or REFERENCE_MEANINGS[c]
             return text.replace("scored tokens", "response tokens") if run.is_generate else text
         if c.startswith("ratio_"):
             return ("importance-ratio statistic, ρ = exp(Δlogprob) on response tokens "
@@ -660,7 +661,8 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_
     blocks: list = [Heading(title(run), 1), _intro(run)]
 
 
-    blocks += _setup(run) + _headline(run) + (recorded_section(run) if run.is_score else []) + _first_divergence(run)
+    blocks += _setup(run) + _headline(run) + reference_section(run) + (recorded_section(run) if run.is_score else [])
+    blocks += _first_divergence(run)
     blocks += routing_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
     if figure_specs and figure_files:

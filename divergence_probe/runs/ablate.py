@@ -22,6 +22,7 @@ from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .progress import Progress, phase
 from .loading import engine_settings_for
+from .reference import reference_arm
 from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
 from ..engines import stack_class
@@ -122,6 +123,8 @@ class AblationRun:
             tables["routing.csv"] = self._stacked("routing_table")
         if first.routing_noise is not None:
             tables["routing_noise.csv"] = self._stacked("routing_noise")
+        if first.reference is not None and first.reference.local is not None:  # --reference's local reading
+            tables["reference_local.csv"] = self._stacked("reference_local_table")
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -219,7 +222,9 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
             started[i] = _worker(probe, steps[i])
 
     noise_engines = NoiseEngines(probe.config.infer)  # --engine-noise: one eager engine serves every combination
+    arm = ExitStack()  # --reference: one reference stack serves every combination
     try:
+        reference = arm.enter_context(reference_arm(probe, spec.capture.reference))
         for i, (combo, step) in enumerate(zip(combos, steps)):
             for j in range(i, i + 1 + ahead):
                 start(j)
@@ -227,9 +232,10 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
                   offset=done_before, scale=len(combos))
             with _configured(probe, step, started.pop(i, None)) as view:
                 runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
-                                          noise_engines=noise_engines)
+                                          noise_engines=noise_engines, reference=reference)
             done_before += len(runs[combo].prompts)
     finally:
+        arm.close()
         noise_engines.close()
         for worker in started.values():
             worker.close()

@@ -30,10 +30,12 @@ from ..errors import ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from .measured import Peaks, engine_report
 from ..numerics.metrics import DiffStats
+from ..numerics import reference as reference_columns
 from ..prompts import Prompt
 from ..regions import from_engine
 from .manifest import build_manifest
 from .progress import Progress, phase
+from .reference import ReferenceCapture, ReferenceResult, reference_arm
 from .route_capture import RouteCapture, RunRouting
 from .scored import TokenScore
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
@@ -119,6 +121,7 @@ class CompareRun:
     routing: RunRouting | None = None  # a mixture-of-experts model's routing comparison (runs/route_capture.py)
     routing_noise: pd.DataFrame | None = None  # each stack's own routing under a batch change (--batch-invariance)
     floor_prompts: pd.DataFrame | None = None  # each floor's per-prompt |Δlogp| sums (floor_prompt_table), not written
+    reference: ReferenceResult | None = None  # --reference: each stack against the reference (runs/reference.py)
 
     @property
     def mode(self) -> str:
@@ -131,11 +134,19 @@ class CompareRun:
     @property
     def tokens_table(self) -> pd.DataFrame:
         df = tokens_frame(self.tokens, sampled=self.mode == "generate")
-        return self.routing.token_columns(df) if self.routing is not None else df
+        df = self.routing.token_columns(df) if self.routing is not None else df
+        return df if self.reference is None else \
+            reference_columns.token_columns(df, self.reference.logprob_ref, self.reference.floor)
 
     @property
     def layers_table(self) -> pd.DataFrame:
-        return layers_frame(self.tap_stats)
+        df = layers_frame(self.tap_stats)
+        return df if self.reference is None else reference_columns.layer_columns(df, self.reference.sums)
+
+    @property
+    def reference_local_table(self) -> pd.DataFrame:
+        """reference_local.csv (--reference, a stack that replays its ops): the local reading."""
+        return reference_columns.local_frame(self.reference.local)
 
     @property
     def routing_table(self) -> pd.DataFrame | None:
@@ -169,7 +180,18 @@ class CompareRun:
     def summary(self) -> dict:
         row = self._summary()
         floors = self.floor_prompts if self.floor_prompts is not None else pd.DataFrame(columns=FLOOR_PROMPT_COLUMNS)
-        return row | floor_columns(self.tokens_table, row, self.spec.load.seed, floors) | self._routing_summary()
+        return (row | floor_columns(self.tokens_table, row, self.spec.load.seed, floors) | self._routing_summary()
+                | self._reference_summary(row))
+
+    def _reference_summary(self, row: dict) -> dict:
+        """--reference: which side is further from exact where the mismatch starts (numerics/reference.py)."""
+        if self.reference is None:
+            return {}
+        tokens = self.tokens_table
+        if self.mode == "generate":
+            tokens = tokens[tokens["is_response"]]
+        return reference_columns.summary_columns(self.reference.precision, self.reference.sums, tokens,
+                                                 reference_columns.start_of(row), self.spec.load.seed)
 
     def _routing_summary(self) -> dict:
         if self.routing is None:
@@ -229,6 +251,8 @@ class CompareRun:
             tables["routing.csv"] = self.routing_table
         if self.routing_noise is not None:
             tables["routing_noise.csv"] = self.routing_noise
+        if self.reference is not None and self.reference.local is not None:
+            tables["reference_local.csv"] = self.reference_local_table
         return tables
 
     def write(self, out_dir: str | Path) -> Path:
@@ -369,11 +393,19 @@ def capturable_taps(probe, spec: RunSpec) -> tuple[frozenset[str], dict[str, str
 
 
 def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_before: int = 0,
-                total_scale: int = 1, noise_engines=None) -> CompareRun:
+                total_scale: int = 1, noise_engines=None, reference=None) -> CompareRun:
     """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate). `noise_engines`: the
-    other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines)."""
+    other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines);
+    `reference`: --reference's arm, when the caller shares it (runs/reference.py)."""
+    with reference_arm(probe, spec.capture.reference, reference) as arm:
+        return _run_compare(probe, spec, progress, done_before, total_scale, noise_engines, arm)
+
+
+def _run_compare(probe, spec: RunSpec, progress: Progress | None, done_before: int, total_scale: int, noise_engines,
+                 arm) -> CompareRun:
     prompts_path, prompts = probe.run_prompts(spec)
     taps, not_captured = capturable_taps(probe, spec)
+    user_taps = taps
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
     capture = graft = pairing
     plan = probe.memory_plan
@@ -387,6 +419,8 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
                                        probe.source.family.layer_taps, spec.capture.depth, _top_k(probe))
     routes, infer_taps, train_taps = _route_capture(probe, spec, capture, taps)
     capture = routes or capture
+    if arm is not None:
+        capture = ReferenceCapture(capture, arm, probe, user_taps)
     source = source_for(spec)
     tokens: list[TokenScore] = []
     per_prompt = spec.generate.samples_per_prompt if source.mode == "generate" else 1
@@ -410,6 +444,9 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
             phase(progress, "the engine's prefill of every sampled sequence")
         with_prefill(tokens, ran, engine_prefill(probe.infer, ran))
     manifest = run_manifest(probe, spec, prompts_path, prompts, taps)
+    reference = capture.result() if arm is not None else None
+    if reference is not None:
+        manifest["reference"] = reference.manifest
     if "memory_plan" in manifest:
         manifest["memory_plan"]["measured"] = peaks.record() | {"engine": engine_report(probe.infer)}
     run_routing = routes.result() if routes is not None else None
@@ -445,7 +482,8 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
         if spec.capture.batch_invariance and run_routing is not None else None
     floor_prompts = floor_prompt_table(sequence_prompts(tokens, ran, source.mode == "generate"), floor, kernel, engine)
     return CompareRun(spec, prompts, tokens, pairing.stats, manifest, floor, kernel, graft_tables=graft_tables,
-                      engine_noise=engine, routing=run_routing, routing_noise=route_floor, floor_prompts=floor_prompts)
+                      engine_noise=engine, routing=run_routing, routing_noise=route_floor, floor_prompts=floor_prompts,
+                      reference=reference)
 
 
 def _route_capture(probe, spec: RunSpec, capture, taps: frozenset[str]

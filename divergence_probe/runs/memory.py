@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
-from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes, system_memory
+from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, gib, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
 # default 16), plus one block per sequence, so that a batch's step never waits for blocks (engines/vllm/stack.py needs one step).
@@ -381,10 +381,10 @@ def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[Memor
     if asked == "alternate":
         return alternate, "asked (--placement alternate)"
     if together.fits:
-        return together, f"both stacks fit together ({_gib(together.needed)} of {_gib(i.free_bytes)} free)"
+        return together, f"both stacks fit together ({gib(together.needed)} of {gib(i.free_bytes)} free)"
     if alternate.fits:
-        return alternate, (f"both stacks together need {_gib(together.needed)} of {i.device} memory but "
-                           f"{_gib(i.free_bytes)} is free; one at a time {_gib(alternate.needed)}")
+        return alternate, (f"both stacks together need {gib(together.needed)} of {i.device} memory but "
+                           f"{gib(i.free_bytes)} is free; one at a time {gib(alternate.needed)}")
     return min((together, alternate), key=lambda p: p.needed), "neither placement fits"
 
 
@@ -433,8 +433,8 @@ def keep_where(p: MemoryPlan, folder: str) -> dict:
     if kept <= disk:
         return record | {"kept": "file", "disk_free_bytes": disk}
     raise DeviceMemoryError(
-        f"--placement alternate keeps the engine's outputs ({_gib(kept)}) until the trainer runs, but the host may "
-        f"hold {_gib(budget)} ({source}) and {parent} has {_gib(disk)} free; nothing was loaded. Options: fewer --taps "
+        f"--placement alternate keeps the engine's outputs ({gib(kept)}) until the trainer runs, but the host may "
+        f"hold {gib(budget)} ({source}) and {parent} has {gib(disk)} free; nothing was loaded. Options: fewer --taps "
         f"(--taps none keeps logprobs and logits only), fewer prompts (--num-prompts), --placement together on a "
         f"larger device, or free disk space there")
 
@@ -450,7 +450,7 @@ def check(p: MemoryPlan) -> MemoryPlan:
     device, free, source = (i.device, i.free_bytes, i.free_source) if engine else \
         (i.train_device, i.train_free_bytes, i.train_free_source)
     biggest = sorted(((v, k) for k, v in terms.items() if v), reverse=True)[:4]
-    parts = ", ".join(f"{k} {_gib(v)}" for v, k in biggest)
+    parts = ", ".join(f"{k} {gib(v)}" for v, k in biggest)
     options = []
     if p.batch_tokens_fitting:
         options.append(f"--batch-tokens {p.batch_tokens_fitting} (fits)")
@@ -471,17 +471,13 @@ def check(p: MemoryPlan) -> MemoryPlan:
     whose = ("" if i.train_device is None else " (the engine's device)") if engine else " (--train-device)"
     whose += " with one stack at a time (--placement alternate)" if i.alternate else ""
     raise DeviceMemoryError(
-        f"the run needs about {_gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
-        f"{p.batch_tokens}) but {_gib(free)} is free ({source}); nothing was loaded. "
+        f"the run needs about {gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
+        f"{p.batch_tokens}) but {gib(free)} is free ({source}); nothing was loaded. "
         f"Options: {'; '.join(options)}")
 
 
 def _fields(i: PlanInputs) -> dict:
     return {name: getattr(i, name) for name in i.__dataclass_fields__}
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def enforce_cap(plan_: MemoryPlan, total_bytes: int) -> None:
@@ -548,7 +544,7 @@ def out_of_memory_error(error: BaseException, p: MemoryPlan | None, phase: str) 
     planned = ""
     fixes = "--batch-tokens lower than now, fewer --taps, shorter prompts (--max-prompt-tokens), or a larger device"
     if p is not None:
-        planned = (f"; the plan expected {_gib(p.needed)} of {_gib(p.inputs.free_bytes)} free ({p.inputs.free_source}), "
+        planned = (f"; the plan expected {gib(p.needed)} of {gib(p.inputs.free_bytes)} free ({p.inputs.free_source}), "
                    f"batch_tokens {p.batch_tokens}")
         fixes = (f"--batch-tokens {max(1, p.batch_tokens // 2)}, fewer --taps, shorter prompts (--max-prompt-tokens), "
                  f"a larger device, or {ENV}=BYTES set below what other processes leave free")

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from ..errors import ProbeError
 from ..options import check_finite, option
+from .fields import _choice
 from ..taps import ALL_TAPS, parse_tap_selection
+
+REFERENCES = ("float64", "float32")  # --reference (numerics/reference.py: PRECISIONS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,9 +35,15 @@ class CaptureSpec:
                                        "is also checked against one built without them (tap_points_mean_abs_dlogp: 0 "
                                        "when the taps left its numerics alone). At tensor_parallel_size N > 1: the "
                                        "engine at 1 instead (the parallelism floor). Costs one or two engine builds.")
+    reference: str | None = option(None, "Also run the checkpoint in float64 or float32 (transformers, eager attention) "
+                                         "on the same token ids under the same capture, and measure each stack's "
+                                         "taps and logprobs against it: which side is further from exact where the "
+                                         "mismatch starts (layers.csv, tokens.csv and summary.csv's ref_ columns).")
 
     def __post_init__(self) -> None:
         check_finite(self)
+        if self.reference is not None:
+            _choice(self.reference, REFERENCES, "--reference")
         if not self.threshold >= 0:
             raise ProbeError("--threshold must be a non-negative number")
         parse_tap_selection(self.taps)

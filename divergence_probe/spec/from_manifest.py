@@ -34,7 +34,8 @@ LATER_FIELDS: dict[tuple[str, str], object] = {
     ("load", "train_device"): None, ("load", "train_tp"): 1, ("load", "train_kernels"): "torch", ("ablate", "factors"): (),
     ("spec", "train_kernels"): "torch",
     ("load", "allow_untested_versions"): False, ("generate", "rollouts_format"): "generic",
-    ("load", "placement"): "together", ("load", "keep_engine_outputs"): False}
+    ("load", "placement"): "together", ("load", "keep_engine_outputs"): False,
+    ("capture", "reference"): None}
 
 
 def _fields_of(data, known: dict, where: str) -> dict:
