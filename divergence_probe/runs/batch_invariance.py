@@ -8,7 +8,7 @@ Each stack scores the same token sequences twice, with no taps: one sequence per
 steps of at most --batch-tokens tokens; transformers: right-padded micro-batches of at most --batch-tokens padded
 tokens, with an attention mask). A trainer's
 attention kernel is a choice torch makes per process and machine (cuDNN, flash, efficient, math), so the training
-stack also scores the sequences under another SDPA kernel (`kernel_noise`). Compiling changes an engine's numerics
+stack also scores the sequences under another SDPA kernel (`KernelFloor`). Compiling changes an engine's numerics
 (Inductor fuses and keeps intermediates in FP32; by how much: docs/results/h200/), so `engine_noise` scores
 the sequences on a second engine in the other mode, with the same regions aligned: every compiled-mode mismatch
 then stands beside the engine's own eager-vs-compiled gap.
@@ -35,12 +35,13 @@ def _ignore(*_) -> None:
     pass
 
 
-def measure(probe, sequences: Sequence[Prompt]) -> pd.DataFrame:
+def measure(probe, sequences: Sequence[Prompt], kernel: "KernelFloor | None" = None) -> pd.DataFrame:
     """One batch at a time, each sequence of it then alone: what is held is one batch's scores (a trainer's
-    micro-batch of padded logits), as the memory plan counts it, not every batch's at once."""
+    micro-batch of padded logits), as the memory plan counts it, not every batch's at once. `kernel`: the trainer's
+    kernel floor, handed each sequence the trainer scored alone, so that one trainer pass serves both floors."""
     rows, sums = [], []
     for side, stack in (("infer", probe.infer), ("train", probe.train)):
-        row, keys, deltas = measure_side(side, stack, sequences)
+        row, keys, deltas = measure_side(side, stack, sequences, kernel if side == "train" else None)
         rows.append(row)
         sums.append(_sequence_sums(len(rows) - 1, keys, deltas))
     return _with_sums(pd.DataFrame(rows, columns=COLUMNS), sums)
@@ -78,19 +79,25 @@ def sequence_sums(table: pd.DataFrame, row: int) -> pd.DataFrame:
     return pd.DataFrame(records, columns=SUM_COLUMNS)[SUM_COLUMNS[1:]]
 
 
-def measure_side(side: str, stack, sequences: Sequence[Prompt]) -> tuple[dict, list[int], list[np.ndarray]]:
+def measure_side(side: str, stack, sequences: Sequence[Prompt], kernel: "KernelFloor | None" = None
+                 ) -> tuple[dict, list[int], list[np.ndarray]]:
     """One stack's batch_invariance.csv row, and each sequence's key and |Δlogp| (the floor's per-prompt sums); an
-    engine pass of --placement alternate runs the engine's alone."""
+    engine pass of --placement alternate runs the engine's alone. `kernel` (the trainer's side): each sequence's
+    alone score goes to the kernel floor too, scored with the taps it asks for (a mixture of experts: the router's)."""
     deltas, kls, keys = [], [], []
+    taps, sink = (kernel.taps, kernel.mine_taps) if kernel is not None else (frozenset(), _ignore)
     groups = stack.batch_groups(sequences)
     for group in groups:
         together = {s.prompt_id: s for s in stack.score_batched(group)}
         for seq in group:
             keys.append(seq.prompt_id)
-            [alone] = stack.score([seq], frozenset(), _ignore)
+            [alone] = stack.score([seq], taps, sink)
+            if kernel is not None:
+                kernel.against(seq, alone)
             batched = together[seq.prompt_id]
-            deltas.append((batched.logprobs.double().cpu() - alone.logprobs.double().cpu()).abs().numpy())
-            kls.append(token_kl(alone.logits, batched.logits.to(alone.logits.device)).cpu().numpy())
+            delta, kl = _one_change(alone, batched)
+            deltas.append(delta)
+            kls.append(kl)
         del together
     d, k = np.concatenate(deltas), np.concatenate(kls)
     # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
@@ -170,41 +177,78 @@ class _KeptTaps:
         return torch.cat([self._taps[(name, layer, seq.prompt_id)] for seq in sequences])
 
 
-def _against(probe, variant, sequences: Sequence[Prompt], taps: frozenset[str] = frozenset(), mine_taps=_ignore,
-             theirs_taps=_ignore) -> tuple[list, list]:
+def _against(probe, variant, sequences: Sequence[Prompt]) -> tuple[list, list]:
     """The run's trainer and `variant`'s (a probe beside it, closed here) on each sequence alone: per sequence
     |Δlogprob| (variant − run) and the token KL."""
     deltas, kls = [], []
     try:
         for seq in sequences:
-            [mine] = probe.train.score([seq], taps, mine_taps)
-            [theirs] = variant.train.score([seq], taps, theirs_taps)
-            deltas.append((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy())
-            kls.append(token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
+            [mine] = probe.train.score([seq], frozenset(), _ignore)
+            [theirs] = variant.train.score([seq], frozenset(), _ignore)
+            delta, kl = _one_change(mine, theirs)
+            deltas.append(delta)
+            kls.append(kl)
     finally:
         variant.close()
     return deltas, kls
 
 
-def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
-                 ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+def _one_change(mine, theirs) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's |Δlogprob| (theirs − mine) and token KL."""
+    return ((theirs.logprobs.double().cpu() - mine.logprobs.double().cpu()).abs().numpy(),
+            token_kl(mine.logits, theirs.logits.to(mine.logits.device)).cpu().numpy())
+
+
+class KernelFloor:
     """The training stack against itself with another SDPA kernel (math, or torch's own choice when math is the
-    configured one), each sequence alone: (its kernel_noise.csv row, and with `top_k` (a mixture of experts) its
-    routing_noise.csv rows: how often the kernel change alone flips the trainer's routes, the trainer's kernel floor
-    for routing); (None, None) when the training side has no SDPA kernel to switch."""
-    config = probe.config
-    if not stack_class(config.train).sdpa or config.train_attn != "sdpa":
-        return None, None
-    other = "math" if config.train_sdpa != "math" else "auto"
-    change = f"sdpa {other} vs {config.train_sdpa}"
-    taps = ROUTER_TAPS if top_k else frozenset()
-    mine_taps, theirs_taps = (_KeptTaps(), _KeptTaps()) if top_k else (_ignore, _ignore)
-    deltas, kls = _against(probe, probe.with_trainer(train_sdpa=other), sequences, taps, mine_taps, theirs_taps)
-    routes = None
-    if top_k:
-        routes = pd.DataFrame(_routing_rows(probe.train.name, "train", change, theirs_taps, mine_taps, sequences, top_k),
-                              columns=ROUTING_NOISE_COLUMNS)
-    return _change_row(probe.train.name, "train", change, deltas, kls, sequences), routes
+    configured one), each sequence alone. The trainer's alone scores are those the batch floor runs anyway (`measure`
+    hands them over), so only the other kernel's forwards are added: the second trainer is loaded at the first
+    sequence and scores it while the first's scores and the batch floor's micro-batch are held (the memory plan's
+    noise_floor phase counts them together). A context: the second trainer is closed at its end."""
+
+    def __init__(self, probe, top_k: int | None = None) -> None:
+        config = probe.config
+        self._probe, self._top_k, self._variant = probe, top_k, None
+        self.other = "math" if config.train_sdpa != "math" else "auto"
+        self.change = f"sdpa {self.other} vs {config.train_sdpa}"
+        self.taps = ROUTER_TAPS if top_k else frozenset()
+        self.mine_taps, self.theirs_taps = (_KeptTaps(), _KeptTaps()) if top_k else (_ignore, _ignore)
+        self._changes: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # prompt id -> (|Δlogprob|, token KL)
+
+    @staticmethod
+    def applies(probe) -> bool:
+        """Whether the training side has an SDPA kernel to switch."""
+        return stack_class(probe.config.train).sdpa and probe.config.train_attn == "sdpa"
+
+    def against(self, seq: Prompt, mine) -> None:
+        """`seq` on the second trainer, against the first's score of it alone (`mine`)."""
+        if self._variant is None:
+            self._variant = self._probe.with_trainer(train_sdpa=self.other)
+        [theirs] = self._variant.train.score([seq], self.taps, self.theirs_taps)
+        self._changes[seq.prompt_id] = _one_change(mine, theirs)
+
+    def result(self, sequences: Sequence[Prompt]) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+        """The kernel_noise.csv row, in the order of `sequences`, and with `top_k` (a mixture of experts) the
+        routing_noise.csv rows: how often the kernel change alone flips the trainer's routes, the trainer's kernel
+        floor for routing."""
+        deltas, kls = zip(*(self._changes[seq.prompt_id] for seq in sequences))
+        name = self._probe.train.name
+        routes = None
+        if self._top_k:
+            routes = pd.DataFrame(_routing_rows(name, "train", self.change, self.theirs_taps, self.mine_taps, sequences,
+                                                self._top_k), columns=ROUTING_NOISE_COLUMNS)
+        return _change_row(name, "train", self.change, list(deltas), list(kls), sequences), routes
+
+    def close(self) -> None:
+        variant, self._variant = self._variant, None
+        if variant is not None:
+            variant.close()
+
+    def __enter__(self) -> "KernelFloor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 TRAIN_TENSOR_PARALLEL_CHANGE = "train_tp"  # "train_tp 1 vs N": the trainer unsharded vs this run's sharded one
@@ -303,9 +347,9 @@ def _engine_row(probe, sequences: Sequence[Prompt], other, regions: Sequence[str
     theirs = {s.prompt_id: s for s in engines.score(other, regions, sequences)}
     deltas, kls = [], []
     for seq in sequences:
-        a, b = mine[seq.prompt_id], theirs[seq.prompt_id]
-        deltas.append((b.logprobs.double().cpu() - a.logprobs.double().cpu()).abs().numpy())
-        kls.append(token_kl(a.logits, b.logits.to(a.logits.device)).cpu().numpy())
+        delta, kl = _one_change(mine[seq.prompt_id], theirs[seq.prompt_id])
+        deltas.append(delta)
+        kls.append(kl)
     return _change_row(probe.infer.name, "infer", change, deltas, kls, sequences)
 
 

@@ -12,15 +12,15 @@ trainer/prefill × prefill/decode × decode/recorded (rl_metrics.ratio_split).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import pandas as pd
 
-from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, engine_noise, \
-    kernel_noise, routing_noise, train_parallel_noise, concat_floors, sequence_sums
+from .batch_invariance import TAP_POINTS_CHANGE, TENSOR_PARALLEL_CHANGE, TRAIN_TENSOR_PARALLEL_CHANGE, KernelFloor, \
+    engine_noise, routing_noise, train_parallel_noise, concat_floors, sequence_sums
 from .batch_invariance import measure as measure_batch_invariance
 from .. import timings
 from .capture import TapPairing
@@ -464,11 +464,14 @@ def _run_compare(probe, spec: RunSpec, progress: Progress | None, done_before: i
     top_k = routes.top_k if run_routing is not None else None
     floor, kernel, kernel_routes, parallel = None, None, None, None
     if spec.capture.batch_invariance:
-        with timings.timed("run.noise_floor.batch"):
-            floor = measure_batch_invariance(probe, ran)
-        with timings.timed("run.noise_floor.kernel"):
-            kernel, kernel_routes = kernel_noise(probe, ran, top_k)
-            parallel = train_parallel_noise(probe, ran)
+        with timings.timed("run.noise_floor.batch"), \
+                (KernelFloor(probe, top_k) if KernelFloor.applies(probe) else nullcontext()) as kernel_floor:
+            floor = measure_batch_invariance(probe, ran, kernel_floor)
+            if kernel_floor is not None:
+                kernel, kernel_routes = kernel_floor.result(ran)
+        if probe.config.train_tp > 1:
+            with timings.timed("run.noise_floor.train_tp"):
+                parallel = train_parallel_noise(probe, ran)
     if parallel is not None:  # the trainer's parallelism floor beside its kernel floor
         kernel = parallel if kernel is None else concat_floors([kernel, parallel])
     engine_regions = spec.align.regions if spec.align.side != "train" else ()

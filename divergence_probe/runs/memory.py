@@ -242,7 +242,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
                               + longest * m.vocab * (b + 8) + min(longest, 256) * m.vocab * 8 * 4)
     # --batch-invariance: a trainer micro-batch's forward (batch_tokens padded tokens: its widest activation, logits
-    # and their FP32 log-softmax), and kernel_noise's second trainer beside the first
+    # and their FP32 log-softmax), and the kernel floor's second trainer beside the first, which runs each sequence
+    # while the micro-batch's scores are held (one trainer pass serves both floors: batch_invariance.KernelFloor)
     if i.noise_floor:
         terms["noise_floor_train_batch"] = (batch_tokens * (m.intermediate + 2 * m.hidden + m.q_width) * b
                                             + batch_tokens * m.vocab * (b + 8))
@@ -308,7 +309,7 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tupl
                              + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
                              + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
     } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
-                          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"]))}
+                          + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {})
 
 
@@ -318,7 +319,7 @@ def _train_phases(t: dict[str, int]) -> dict[str, int]:
     fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
         + t["runtime_allowance"] + t["fragmentation_allowance"]
     return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
-        {"noise_floor": fixed + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+        {"noise_floor": fixed + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"]}
         if "noise_floor_second_trainer" in t else {})
 
 

@@ -126,7 +126,7 @@ def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_
 
 def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
     """--batch-invariance runs the trainer in micro-batches of batch_tokens padded tokens and loads a second trainer
-    (kernel_noise): both are planned, and only with it (an H200 OOMed at the 14B shape when they were not)."""
+    (the kernel floor): both are planned, and only with it (an H200 OOMed at the 14B shape when they were not)."""
     without, with_floor = plan(inputs()), plan(inputs(noise_floor=True))
     assert "noise_floor" not in without.phases and "noise_floor_second_trainer" not in without.terms
     weights = without.terms["train_weights"]
@@ -134,6 +134,10 @@ def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
     assert with_floor.phases["noise_floor"] >= without.phases["engine_start"] - without.terms[
         "engine_profile_activations"] + weights
     assert with_floor.terms["noise_floor_train_batch"] >= with_floor.batch_tokens * QWEN25_7B["vocab_size"] * 10
+    # the second trainer scores each sequence while the first's micro-batch scores are held (one pass, both floors)
+    terms = with_floor.terms
+    assert with_floor.phases["noise_floor"] >= (terms["train_weights"] + terms["noise_floor_train_batch"]
+                                                + terms["noise_floor_second_trainer"] + terms["train_forward"])
     untapped, untapped_floor = plan(inputs(taps=frozenset())), plan(inputs(taps=frozenset(), noise_floor=True))
     assert untapped_floor.needed == untapped_floor.phases["noise_floor"] > untapped.needed  # the second trainer
     assert not plan(inputs(taps=frozenset(), noise_floor=True, free_bytes=untapped.needed)).fits

@@ -354,6 +354,21 @@ def test_kernel_noise_is_the_trainer_against_itself_under_another_sdpa_kernel(hf
     assert run.summary["noise_train_kernel_mean_abs_dlogp"] == row.mean_abs_dlogp
 
 
+def test_the_batch_and_kernel_floors_share_the_trainers_alone_pass(hf_probe, prompts_file, monkeypatch):
+    """Both floors compare against the trainer's score of each sequence alone, which is the same forward: the run's
+    own pass and one alone pass for the floors, not one per floor."""
+    calls = []
+    score = hf_probe.train.score
+
+    def counted(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return score(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(hf_probe.train, "score", counted)
+    run = hf_probe.compare(prompts=prompts_file, taps="none", batch_invariance=True)
+    assert run.kernel_noise is not None and sum(calls) == 2 * len(run.prompts)
+
+
 def test_each_floor_is_summed_per_prompt_for_the_verdicts_resampling():
     """The floor tables carry each sequence's |Δlogp| sums beside their means, through a concatenation, and compare
     files them under the prompt each sequence came from: in generate mode a prompt's samples are one prompt."""

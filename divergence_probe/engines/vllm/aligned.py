@@ -15,11 +15,8 @@ The compile cache must never serve one combination's graph to another: see `cach
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -27,6 +24,7 @@ import torch
 from ...errors import StackError
 from ..protocol import StackSettings
 from ..hooks import HookSet
+from .cache_root import namespace, sources
 
 CACHE_SUBDIR = "divergence_probe_aligned"  # under VLLM_CACHE_ROOT; one folder per aligned-region set
 
@@ -48,34 +46,8 @@ def cache_namespace(regions: Sequence[str], root: str | None = None) -> str | No
         return None
     from ..patching import patches_of
 
-    digest = hashlib.sha256()
-    for name in sorted(regions):
-        digest.update(name.encode() + b"\0")
-        for source in sorted(_sources(inspect.getmodule(patches_of("vllm")[name]))):
-            digest.update(Path(sys.modules[source].__file__).read_bytes())
-    base = root or os.environ.get("VLLM_CACHE_ROOT") or _default_vllm_cache_root()
-    return str(Path(base) / CACHE_SUBDIR / f"{'+'.join(sorted(regions))}-{digest.hexdigest()[:16]}")
-
-
-def _sources(patch_module) -> set[str]:
-    """The modules whose code a region's vLLM patch runs: its own, and those of the engine's patches and of the
-    regions' reference math it takes code from, followed through what they take in turn (residual's patch runs
-    rmsnorm's patch, which runs rmsnorm's norm)."""
-    packages = {patch_module.__name__.rpartition(".")[0], "divergence_probe.regions"}
-    found, todo = set(), [patch_module.__name__]
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        found.add(name)
-        todo += [m for m in (getattr(value, "__module__", None) for value in vars(sys.modules[name]).values())
-                 if m and m.rpartition(".")[0] in packages]
-    return found
-
-
-def _default_vllm_cache_root() -> str:
-    """vLLM's own default (vllm/envs.py), without importing vLLM."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+    parts = [(name, sources(inspect.getmodule(patches_of("vllm")[name]))) for name in sorted(regions)]
+    return namespace(CACHE_SUBDIR, "+".join(sorted(regions)), parts, root)
 
 
 def _runner_classes() -> list[type]:

@@ -277,12 +277,10 @@ class VLLMStack(VLLMPolicy):
     @contextlib.contextmanager
     def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | None"):
         """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
-        compiles it, and vLLM's compile cache is off for this build. Its keys (the AOT artifact's: config and the
-        model's forward; the backend's: config and the traced files) cannot be trusted to tell a tapped graph from
-        an untapped one, so a tapped build neither loads an artifact (it could be untapped: no taps, or taps from
-        another graph) nor saves one (an untapped run could load it: not vLLM as deployed). Inductor's own FX graph
-        cache stays on: it is keyed by the graph itself. VLLM_DISABLE_COMPILE_CACHE is read while the engine starts,
-        before vLLM freezes its environment cache, and restored afterwards."""
+        compiles it, and vLLM compiles into (and in a later process loads from) a cache root of this set of tap
+        points (compiled_taps.cache_namespace: vLLM's own keys cannot tell a tapped graph from an untapped one).
+        VLLM_CACHE_ROOT is read while the engine starts, before vLLM freezes its environment cache, and restored
+        afterwards."""
         if not _tap_points(settings):
             yield
             return
@@ -290,17 +288,17 @@ class VLLMStack(VLLMPolicy):
         from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
         from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-        before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
-        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        before = os.environ.get("VLLM_CACHE_ROOT")
+        os.environ["VLLM_CACHE_ROOT"] = compiled_taps.cache_namespace(_tap_points(settings))
         try:
             with tap_points.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
                                      _tap_points(settings)):
                 yield
         finally:
             if before is None:
-                os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+                os.environ.pop("VLLM_CACHE_ROOT", None)
             else:
-                os.environ["VLLM_DISABLE_COMPILE_CACHE"] = before
+                os.environ["VLLM_CACHE_ROOT"] = before
 
     @staticmethod
     def _engine_kwargs(settings: StackSettings) -> dict:
