@@ -86,7 +86,7 @@ class _LazyGroup(typer.core.TyperGroup):
             self._listing = False
 
 
-_ORDER = ("compare", "ablate", "rerun", "report", "diff", "rl", "score", "make-model")
+_ORDER = ("compare", "ablate", "remedies", "rerun", "report", "diff", "rl", "score", "make-model")
 _LAZY: dict = {}  # name -> (docstring, function making the command's callback); filled where each command is defined
 
 
@@ -695,6 +695,27 @@ def _compare_command():
 @_lazy_command("ablate", _ABLATE_DOC)
 def _ablate_command():
     return _spec_command("ablate", _ABLATE_DOC, _print_ablation)
+
+
+_REMEDIES_DOC = _command_doc("""Try each candidate remedy (aligned regions, FP16, the trainer's most divergent layers in
+    FP32, trainer kernels, AMP, FP8 off, MoE routing replay) against the stacks as shipped on the same prompts, and
+    rank what removes a detectable part of the mismatch by effect and by what it costs each side.
+
+    Writes remedies.csv (one row per arm, run or not and why: its change with a paired bootstrap interval, its noise
+    floor, what it needs, the time and peak memory it adds to the trainer's forward, forward+backward and the engine's
+    step) and compare's files with a combo column per arm.
+
+    Examples:
+      divergence-probe remedies
+      divergence-probe remedies --model M --num-prompts 40 --out runs/remedies
+      divergence-probe remedies --model M --arms aligned_trainer,fp32_layers,fp16 --fp32-layers 4
+    """)
+
+
+@_lazy_command("remedies", _REMEDIES_DOC)
+def _remedies_command():
+    return _spec_command("remedies", _REMEDIES_DOC, lambda run: [
+        out.print(line, highlight=False, markup=False, soft_wrap=True) for line in run.lines()])
 
 
 @app.command(cls=_Command)

@@ -62,6 +62,13 @@ def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
         capture=replace(spec.capture, taps=taps, graft=False, depth=False, batch_invariance=False)))
 
 
+def _as_remedies(spec):
+    """The same model, prompts and load as a compare spec, as a remedies run over every arm (prefill mode)."""
+    from ..spec.run import spec_from_flat
+
+    return _valid(lambda: replace(spec_from_flat("remedies", load=spec.load), prompts=spec.prompts))
+
+
 def _runs_on(spec, family) -> bool:
     """Whether the command would get past its own pre-load checks for this family (None: not known, so yes)."""
     from ..spec.run import check_family
@@ -74,10 +81,13 @@ def _step(spec, why: str, family=None) -> Step | None:
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
-    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): where it starts (graft,
-    depth), or on a MoE model whether routing or rounding carries it (ablate with routing). Within its floor: what RL
-    sees (generate mode), if not seen yet. An interval that straddles the floor: the same run on more prompts, which
-    narrows it (when the run used only some of its prompts; otherwise the user has to bring more)."""
+    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): which remedy removes it and
+    at what cost (remedies); where remedies cannot run, where it starts (graft, depth), or on a MoE model whether
+    routing or rounding carries it (ablate with routing). Within its floor: what RL sees (generate mode), if not seen
+    yet. An interval that straddles the floor: the same run on more prompts, which narrows it (when the run used only
+    some of its prompts; otherwise the user has to bring more). A remedies run ends with its own ranking: no step."""
+    if spec.kind == "remedies":
+        return None
     verdict = summary.get(VERDICT)
     if verdict is None:
         return _step(_changed(spec, capture={"batch_invariance": True}),
@@ -88,6 +98,9 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
         return _step(more, in_words(summary), family) if more else None
     if verdict == ABOVE:
         why = in_words(summary)
+        step = _step(_as_remedies(spec), why + ": which change removes it, and what it costs", family)
+        if step is not None:
+            return step
         if "frac_tokens_any_flip" in summary:  # a mixture of experts: routing is one more factor
             step = _step(_as_ablate(spec, MOE_REGIONS, spec.capture.taps) if _can(family, "ablate") else None,
                          why + ": split it into routing and rounding", family)

@@ -42,7 +42,7 @@ class Probe(LoadedStacks):
         with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
             run = self._run(spec, progress)
         if "placement" in run.manifest:  # both stacks together: the engine ran every prompt once per combination
-            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind == "ablate" else 1
+            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind != "compare" else 1
         return run
 
     def _run(self, spec: RunSpec, progress: Progress | None):
@@ -51,6 +51,10 @@ class Probe(LoadedStacks):
             from .ablate import run_ablation
 
             return run_ablation(self, spec, progress)
+        if spec.kind == "remedies":
+            from .remedies import run_remedies
+
+            return run_remedies(self, spec, progress)
         from .engine_align import aligned_probe
 
         with aligned_probe(self, spec.align.regions, spec.align.side) as probe:
@@ -107,7 +111,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
 
     with libraries_quieted(quiet):
         with timings.timed("load"):
-            prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=True,
+            prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=spec.kind != "remedies",
                                spill_near=spill_near)
         if notice is not None:
             notice(f"placement: {prepared.placement['placement']} ({prepared.placement['why']})")
