@@ -66,9 +66,10 @@ def test_every_chosen_arm_is_listed_and_those_the_platform_cannot_run_say_why(ru
 
 def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costlier(run):
     slow, quick = _row(run, "aligned_trainer"), _row(run, "fp32_layers")
-    # 4 layers' 4 norms and the final norm against one layer's 4: about 13 more sleeps per forward
-    assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 10 * SLOW
-    assert slow["train_forward_backward_added_s"] - quick["train_forward_backward_added_s"] > 10 * SLOW
+    # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
+    # above what a loaded machine moves a median of three by
+    assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
+    assert slow["train_forward_backward_added_s"] - quick["train_forward_backward_added_s"] > 6 * SLOW
     for side in remedies.SIDES:
         assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"])
     # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds
