@@ -334,6 +334,15 @@ class RemediesRun:
     def prompts(self):
         return self.shipped.prompts
 
+    @property
+    def tap_stats(self) -> dict:
+        """The shipped run's per-tap readings (what rerun's summary table reads)."""
+        return self.shipped.tap_stats
+
+    @property
+    def threshold(self) -> float:
+        return self.shipped.threshold
+
     def _stacked(self, table: str) -> pd.DataFrame:
         frames = [getattr(run, table).assign(combo=name) for name, run in self.runs.items()
                   if getattr(run, table) is not None]
