@@ -365,7 +365,7 @@ class RemediesRun:
 
 
 @contextmanager
-def _arm_view(probe, arm: str, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]:
+def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]:
     """The loaded stacks as the arm runs them: FP16 loads both stacks again beside the shipped ones; fp32_layers
     patches the chosen layers of the trainer; every other arm is configured as ablate configures a combination."""
     from ..engines.hooks import HookSet
@@ -412,12 +412,14 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     family = probe.source.family
     shipped_spec = replace(spec, kind="compare", remedies=None)
     arm_base = replace(shipped_spec, capture=replace(spec.capture, taps="none"))  # every arm: its floors, no taps
-    phase(progress, "the stacks as shipped")
-    shipped = run_compare(probe, shipped_spec, progress)
+    chosen = options.chosen
+    scale = len(chosen) + 1  # the shipped run and every arm's: one bar over the prompts of all
+    phase(progress, "the stacks as shipped", scale=scale)
+    shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)
+    done = len(shipped.prompts)
     first_cost = measure_cost(probe, shipped.prompts, options.cost_repeats, steps)
     layers, choice = divergent_layers(shipped.layers_table, options.fp32_layers, probe.source.num_layers)
     runs, costs, reasons, records = {SHIPPED: shipped}, {}, {}, {}
-    chosen = options.chosen
     for i, name in enumerate(chosen):
         arm = ARMS[name]
         try:
@@ -426,16 +428,17 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
         except ProbeError as e:
             reasons[name] = str(e)
             continue
-        phase(progress, f"arm {name} ({i + 1}/{len(chosen)})")
+        phase(progress, f"arm {name} ({i + 1}/{len(chosen)})", offset=done, scale=scale)
         arm_layers = layers if name == "fp32_layers" else ()
         try:
-            with _arm_view(probe, name, step, arm_layers) as view:
-                runs[name] = run_compare(view, step, progress)
+            with _arm_view(probe, step, arm_layers) as view:
+                runs[name] = run_compare(view, step, progress, done_before=done, total_scale=scale)
                 costs[name] = measure_cost(view, shipped.prompts, options.cost_repeats, steps)
         except StackError as e:  # a stack that refuses the arm once loaded (a seam this version moved)
             reasons[name] = str(e)
             runs.pop(name, None)
             continue
+        done += len(shipped.prompts)
         records[name] = {"load": runs[name].manifest["load"], "align": {"regions": list(step.align.regions),
                                                                          "side": step.align.side,
                                                                          "routing_replay": step.align.routing_replay}}

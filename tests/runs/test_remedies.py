@@ -82,7 +82,7 @@ def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costli
 def test_fp16_arm_runs_both_stacks_in_fp16_against_its_own_floors(hf_probe, run):
     step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
     seen = {}
-    with remedies._arm_view(hf_probe, "fp16", step, ()) as view:
+    with remedies._arm_view(hf_probe, step, ()) as view:
         for side in ("infer", "train"):
             stack = getattr(view, side)
             assert {p.dtype for p in stack.model.parameters()} == {torch.float16}
@@ -192,3 +192,17 @@ def test_the_run_folder_and_its_report_section(run, tmp_path):
     assert set(read.tables["tokens.csv"]["combo"]) == {SHIPPED, "aligned_trainer", "fp32_layers", "fp16"}
     report = write_report(folder).read_text()
     assert "What to change: remedies ranked" in report and "not run: correction" in report
+
+
+def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import RunSpec
+
+    spec = spec_from_flat("remedies", arms="fp16,aligned_both", fp32_layers=3)
+    assert spec.remedies.arms == ("aligned_both", "fp16")  # ARMS order
+    assert RunSpec.from_dict(spec.to_dict()) == spec  # what rerun runs
+    with pytest.raises(ProbeError, match="not an arm"):
+        spec_from_flat("remedies", arms="fp8")
+    with pytest.raises(ProbeError, match="--placement together"):
+        spec_from_flat("remedies", placement="alternate")
+    assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
