@@ -45,8 +45,8 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
         return timed
 
     steps = {side: slowed(step) if side.startswith("train") else step for side, step in remedies.STEPS.items()}
-    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), arms=ARMS, fp32_layers=1,
-                          cost_repeats=3)
+    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
+                          fp32_layers=1, cost_repeats=2)
     return remedies.run_remedies(hf_probe, spec, steps=steps)
 
 
@@ -67,7 +67,7 @@ def test_every_chosen_arm_is_listed_and_those_the_platform_cannot_run_say_why(ru
 def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costlier(run):
     slow, quick = _row(run, "aligned_trainer"), _row(run, "fp32_layers")
     # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
-    # above what a loaded machine moves a median of three by
+    # above what a loaded machine moves a median of two by
     assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
     assert slow["train_forward_backward_added_s"] - quick["train_forward_backward_added_s"] > 6 * SLOW
     for side in remedies.SIDES:
