@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..numerics.remedies import ranking_lines
-from .document import Bullets, Column, Heading, Paragraph, Table
+from .document import Bullets, Column, Heading, Table
 from .run_data import RunData
 
 # remedies.csv's columns the report shows, in this order (the CSV has every side's spread and peak memory too)

@@ -81,7 +81,10 @@ def _aligned(side: str, regions=NUMERIC, replay: str = "ids"):
 
 def _factor(label: str):
     def step(base: RunSpec, family) -> RunSpec:
-        check_factor(label, base.load)  # the knob's own check on this device (Liger: CUDA and its package)
+        try:
+            check_factor(label, base.load)  # the knob's own check on this device (Liger: CUDA and its package)
+        except ProbeError as e:
+            raise NotRun(str(e).removeprefix(f"--factor {label}: ")) from None
         return replace(base, load=applied(base.load, [label]))
     return step
 
