@@ -370,7 +370,8 @@ class RemediesRun:
 @contextmanager
 def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]:
     """The loaded stacks as the arm runs them: FP16 loads both stacks again beside the shipped ones; fp32_layers
-    patches the chosen layers of the trainer; every other arm is configured as ablate configures a combination."""
+    patches the chosen layers of the trainer (the numeric regions its family has); every other arm is configured as
+    ablate configures a combination."""
     from ..engines.hooks import HookSet
 
     with ExitStack() as stack:
@@ -379,7 +380,8 @@ def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]
         elif layers:
             from ..engines.hf.patches.layers import patch
 
-            stack.enter_context(HookSet()).apply(patch(probe.train.model, layers))
+            stack.enter_context(HookSet()).apply(patch(probe.train.model, layers,
+                                                       _regions_of(probe.source.family, NUMERIC)))
             yield probe
         else:
             yield stack.enter_context(_configured(probe, step, None))
