@@ -447,7 +447,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
         records[name] = {"load": runs[name].manifest["load"], "align": {"regions": list(step.align.regions),
                                                                          "side": step.align.side,
                                                                          "routing_replay": step.align.routing_replay}}
-        if arm_layers:
+        if arm_layers:  # aligned by its own patch, in those layers of the trainer alone
+            records[name]["align"] |= {"regions": list(_regions_of(family, NUMERIC)), "side": "train"}
             records[name]["layers"] = list(arm_layers)
             records[name]["layer_choice"] = choice
     shipped_cost = _pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))

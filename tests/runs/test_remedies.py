@@ -25,8 +25,8 @@ SLOW = 0.1  # seconds each aligned RMSNorm call sleeps while costs are timed: fa
 
 @pytest.fixture(scope="module")
 def run(hf_probe, prompts_file, tmp_path_factory, request):
-    """Every arm the dense tiny model runs on three prompts, with the aligned RMSNorm slowed while costs are timed:
-    aligned_trainer calls it in every layer, fp32_layers in one."""
+    """Every arm the dense tiny model runs on two prompts, with the aligned RMSNorm slowed while the trainer's forward is
+    timed: aligned_trainer calls it in every layer, fp32_layers in one."""
     import divergence_probe.engines.hf.patches.rmsnorm as patched_norm
 
     shipped_normalize = patched_norm.normalize
@@ -44,7 +44,7 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
                 patched_norm.normalize = shipped_normalize
         return timed
 
-    steps = {side: slowed(step) if side.startswith("train") else step for side, step in remedies.STEPS.items()}
+    steps = {side: slowed(step) if side == "train_forward" else step for side, step in remedies.STEPS.items()}
     spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
                           fp32_layers=1, cost_repeats=2)
     return remedies.run_remedies(hf_probe, spec, steps=steps)
@@ -69,12 +69,13 @@ def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costli
     # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
     # above what a loaded machine moves a median of two by
     assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
-    assert slow["train_forward_backward_added_s"] - quick["train_forward_backward_added_s"] > 6 * SLOW
-    for side in remedies.SIDES:
-        assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"])
-    # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds
+    for side in remedies.SIDES:  # every side is timed, each with its spread
+        assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"]) and np.isfinite(quick[f"{side}_s"])
+    # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds: the forward's,
+    # since on a shared machine the backward's and the engine's own spread can exceed the slowdown
     both = run.table.assign(effect=[REMOVES if a in ("aligned_trainer", "fp32_layers") else e
-                                    for a, e in zip(run.table["arm"], run.table["effect"])])
+                                    for a, e in zip(run.table["arm"], run.table["effect"])],
+                            step_added_s=run.table["train_forward_added_s"])
     ranks = ranked(both).set_index("arm")["cost_rank"]
     assert ranks["fp32_layers"] == 1 and ranks["aligned_trainer"] == 2
 
@@ -132,6 +133,7 @@ def test_fp32_layers_changes_exactly_those_layers_norms_rope_and_swiglu(hf_probe
     assert torch.equal(outputs()[1], shipped[1])  # undone on exit
     recorded = run.manifest["remedies"]["arms"]["fp32_layers"]
     assert len(recorded["layers"]) == 1 and "rise of resid_out" in recorded["layer_choice"]
+    assert recorded["align"]["regions"] == ["rope", "swiglu", "rmsnorm"] and recorded["align"]["side"] == "train"
 
 
 def test_layers_are_chosen_by_the_rise_of_the_shipped_runs_divergence():
