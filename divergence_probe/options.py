@@ -1,6 +1,6 @@
 """`option()`: a dataclass field that also describes its command-line flag, so a spec field is declared once.
 
-The CLI builds every command's options from these fields (cli.py), and the manifest records the same fields
+The CLI builds every command's options from these fields (cli/options.py), and the manifest records the same fields
 as data; a new option is one field. Kept free of imports (but errors.py) so every layer, stacks included, can use
 it. `finite_number` is the one test of a number-valued option, for its flag (`check_finite`, from each spec's
 __post_init__) and for the manifest field a rerun or a report reads (spec._typed).

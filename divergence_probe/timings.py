@@ -1,8 +1,8 @@
 """Where a run's wall time goes, phase by phase: opt-in, recorded in the manifest as `timings`.
 
 With DIVERGENCE_PROBE_TIMINGS=1 in the environment, each `timed(name)` block adds its wall seconds to `name`, and a
-run's manifest gets them (cli.py); without it, `timed` hands back one shared do-nothing context, so the run loop pays
-a function call per block and nothing else. Names nest with dots ("score.train.reduction" is inside "score.train"):
+run's manifest gets them (cli/runner.py); without it, `timed` hands back one shared do-nothing context, so the run
+loop pays a function call per block and nothing else. Names nest with dots ("score.train.reduction" is inside "score.train"):
 a parent's seconds include its children's. On CUDA each block ends with a device synchronize while timing is on, so
 the kernels a block launched are counted in it and not in whichever block happens to wait for them next: timing
 changes how the host and the device overlap, which is why it is off by default.

@@ -77,10 +77,10 @@ def untested(libraries=tuple(SUPPORTED)) -> dict[str, str]:
     return found
 
 
-def check(uses_vllm: bool, allow: bool) -> None:
-    """Stop in one line when torch, transformers or (for a run that uses it) vLLM is outside its supported range,
-    unless `allow`."""
-    libraries = ("torch", "transformers") + (("vllm",) if uses_vllm else ())
+def check(engine_libraries: tuple[str, ...], allow: bool) -> None:
+    """Stop in one line when torch, transformers or a library the run's engine imports (StackClass.libraries: vLLM)
+    is outside its supported range, unless `allow`."""
+    libraries = ("torch", "transformers", *engine_libraries)
     found = untested(libraries)
     if found and not allow:
         listed = ", ".join(f"{name} {version} (supported: {supported_range(name)})" for name, version in found.items())

@@ -223,17 +223,13 @@ def toy():
     through the same registries as the shipped ones for the duration of a test."""
     from divergence_probe.regions import REGIONS
     from divergence_probe.engines import register_stack
-    from divergence_probe.engines.patching import PATCH_SETS
 
     removers = [register_stack("toy", "toy_stack:ToyStack"), register_stack("toy-fused", "toy_stack:FusedToyStack")]
     REGIONS["toy-align"] = "toy_stack:TOY_ALIGN"
-    PATCH_SETS.update({"toy": "toy_stack:TOY_PATCHES", "toy-fused": "toy_stack:TOY_PATCHES"})
     try:
         yield
     finally:
         REGIONS.pop("toy-align")
-        for name in ("toy", "toy-fused"):
-            PATCH_SETS.pop(name)
         for remove in removers:
             remove()
 

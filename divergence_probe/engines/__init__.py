@@ -1,15 +1,20 @@
-"""Stack registry. A new stack (SGLang, Megatron) is one module plus one line here.
+"""Stack registry. A new stack (SGLang, Megatron) is one package plus one line here.
 
-Entries are "module:Class" strings so a heavy engine is imported only when it is chosen.
+Entries are "module:Class" strings so a heavy engine is imported only when it is chosen. The class an entry hands out
+declares what it can do (`declare`) and owns its pre-load policy (protocol.StackClass): its settings check, knobs,
+replayable args, load plan and the variant it builds for given settings (`for_settings`). Outside engines/, only this
+module and protocol.py are imported.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import import_module
 
 from ..errors import ProbeError
-from .protocol import (Capabilities, PromptScores, SamplingSpec, SequenceScores, Stack, StackInfo, StackSettings,
-                       TapSink)
+
+# The types below are engines/protocol.py's (Capabilities, Knob, Stack, StackClass); the registry does not import them,
+# so that a spec asking it for a class sits no deeper in the import graph than the registry itself.
 
 STACKS: dict[str, str] = {
     "vllm": "divergence_probe.engines.vllm.stack:VLLMStack",
@@ -19,6 +24,9 @@ STACKS: dict[str, str] = {
 SHARDED: dict[str, str] = {  # the same stack over several processes (tensor parallel), where it has such a class
     "vllm": "divergence_probe.engines.vllm.tensor_parallel:TensorParallelStack",
     "hf": "divergence_probe.engines.hf.tensor_parallel:ShardedHFStack",
+}
+WORKERS: dict[str, str] = {  # the same stack built with regions in a worker process of its own (StackClass.workers)
+    "vllm": "divergence_probe.engines.vllm.worker:WorkerStack",
 }
 INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison
 TRAIN_STACKS = ["hf"]  # may sit on the training side (a trainer's forward: transformers)
@@ -40,25 +48,38 @@ def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "t
     return unregister
 
 
-def stack_class(name: str, ranks: int = 1) -> type:
-    """The class of a stack by registry name, at `ranks` processes; imported, never instantiated (no engine library
-    is imported: every stack imports its engine when it loads)."""
+def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
+    """The class of a stack by registry name, at `ranks` processes (`worker`: its worker-process variant); imported,
+    never instantiated (no engine library is imported: every stack imports its engine when it loads). A caller
+    that has settings asks `stack_class(name).for_settings(settings)` for the variant they need."""
     if name not in STACKS:
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join(STACKS)}")
-    module, cls = (SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name]).split(":")
+    entry = WORKERS[name] if worker else SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name]
+    module, cls = entry.split(":")
     return getattr(import_module(module), cls)
 
 
-def capabilities_of(name: str, *, engine: str = "eager", ranks: int = 1) -> Capabilities:
+def knobs_of(infer: str | None = None, train: str | None = None) -> dict:
+    """The deployment knobs, by name (`engine:kv_cache_dtype`): the engine side's of the inference stacks, the
+    training side's of the trainers, each marked with the stack that owns it; `infer`/`train`: those stacks only."""
+    found = {}
+    for side, names in (("engine", [infer] if infer else INFER_STACKS), ("train", [train] if train else TRAIN_STACKS)):
+        for name in names:
+            for knob in stack_class(name).knobs().values():
+                if knob.side == side:
+                    found.setdefault(knob.name, replace(knob, owner=name))
+    return found
+
+
+def capabilities_of(name: str, *, engine: str = "eager", ranks: int = 1):
     """What a stack declares it can do (protocol.Capabilities), before anything loads: what a spec check asks."""
     return stack_class(name, ranks).declare(engine, ranks)
 
 
-def get_stack(name: str) -> Stack:
+def get_stack(name: str):
     """A fresh, unloaded stack instance by registry name."""
     return stack_class(name)()
 
 
-__all__ = ["STACKS", "SHARDED", "INFER_STACKS", "TRAIN_STACKS", "capabilities_of", "get_stack", "register_stack",
-           "stack_class", "Capabilities", "PromptScores", "SamplingSpec", "SequenceScores", "Stack", "StackInfo",
-           "StackSettings", "TapSink"]
+__all__ = ["STACKS", "SHARDED", "WORKERS", "INFER_STACKS", "TRAIN_STACKS", "capabilities_of", "get_stack", "knobs_of",
+           "register_stack", "stack_class"]

@@ -106,6 +106,9 @@ class Recording:
     def capabilities(self) -> Capabilities:
         return self.engine.capabilities()
 
+    def load(self, settings) -> None:
+        """The engine belongs to the caller, who loaded it."""
+
     def begin_run(self) -> None:
         self.engine.begin_run()
 

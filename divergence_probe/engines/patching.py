@@ -7,8 +7,8 @@ it. `patch` and `aligned` apply the plans of every requested region only once al
 half-patched model cannot exist and every change is undone on exit. The math a patch runs is the region's
 (regions/); where it goes is the engine's (engines/<engine>/patches/, one module per region).
 
-A new region is its regions/ module plus one patch module and one PATCHES line per engine; a new engine is one
-PATCH_SETS line here.
+A new region is its regions/ module plus one patch module and one PATCHES line per engine; a new engine names its
+patches in its stack class (`StackClass.patches`).
 """
 
 from __future__ import annotations
@@ -32,18 +32,15 @@ log = logging.getLogger(__name__)
 
 Patcher = Callable[["torch.nn.Module"], list[Replacement]]
 
-# engine -> "module:NAME" of its patches (region -> patcher), imported when that engine is first patched
-PATCH_SETS: dict[str, str] = {
-    "hf": "divergence_probe.engines.hf.patches:PATCHES",
-    "vllm": "divergence_probe.engines.vllm.patches:PATCHES",
-}
-
-
 def patches_of(engine: str) -> Mapping[str, Patcher]:
-    """The region patches of `engine` (none for an engine that patches nothing)."""
-    if engine not in PATCH_SETS:
+    """The region patches the stack class registered as `engine` names (none for one that patches nothing),
+    imported now."""
+    from . import stack_class
+
+    target = stack_class(engine).patches
+    if not target:
         return {}
-    module, attr = PATCH_SETS[engine].split(":")
+    module, attr = target.split(":")
     return getattr(import_module(module), attr)
 
 

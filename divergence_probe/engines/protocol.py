@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
 from ..errors import StackError
 from ..options import option
 from ..prompts import Prompt
-from ..taps import Tap
+from ..taps import Tap, TapKey
 
 TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
@@ -241,9 +241,50 @@ class Grafter(Protocol):
 
     def replay(self, taps: Mapping) -> dict: ...
 
-    def forward_from(self, point: int, hidden: "torch.Tensor", embed: "torch.Tensor") -> "torch.Tensor": ...
+    def forward_from(self, start: int, hidden: "torch.Tensor", embeds: "torch.Tensor") -> "torch.Tensor": ...
 
-    def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor": ...
+    def lm_head(self, final_norm: "torch.Tensor") -> "torch.Tensor": ...
+
+
+# The trainer: what rl and ablate drive beyond the comparison's calls.
+TapEmit = Callable[["TapKey", "torch.Tensor"], None]
+"""emit(key, tensor): one tap of the forward running now, as the trainer's capture hands it over ([tokens, features]
+views for one sequence; a router's rows for a batch)."""
+
+
+class Trainer(Stack, Protocol):
+    """A training stack as rl's trainer and ablate's trainer factors drive it, in this process: the compute model
+    they differentiate, push and align regions on, its training forward and backward under the trainer's own torch
+    numerics, its capture, and the kernel set it runs. engines/hf/trainer.py's HFStack is one; a trainer sharded over
+    processes is a Stack only (its model is not here)."""
+
+    model: "torch.nn.Module"  # the compute model: rl's weights, the modules a region patch replaces
+    settings: StackSettings
+    kernels: str  # the kernel set the forward runs now (--train-kernels)
+
+    def forward(self, ids: "torch.Tensor", mask: "torch.Tensor", positions: "torch.Tensor", *,
+                routes: "RouteSource | None" = None) -> "torch.Tensor":
+        """Logits [B, L, V] of one right-padded batch (mask 1 on its tokens, positions from 0 per row) under the
+        numerics of the "train" kind, outside inference mode so a loss can be differentiated through them. `routes`
+        (a trainer that declares replays_routes): every expert layer runs the experts `routes(0, layer)` names for the
+        batch's flattened rows, as `routes_replayed` does; rows that are not k distinct experts are refused once the
+        forward ran."""
+        ...
+
+    def numerics(self, kind: str) -> "AbstractContextManager[Callable[..., AbstractContextManager[None]]]":
+        """The trainer's torch state for a block of this kind of work ("train", "score", ...); it yields the context
+        for the block's model calls (`observed(autocast=False)` for a backward), which also records the SDPA kernel
+        the first block of each kind chose."""
+        ...
+
+    def capture(self, taps: frozenset[str], emit: TapEmit) -> AbstractContextManager:
+        """Hand each selected tap of every forward inside the block to `emit` (as `score` does, without the prompt
+        ids: the caller knows what runs)."""
+        ...
+
+    def kernels_used(self, name: str) -> AbstractContextManager[None]:
+        """The forwards of this block on the kernel set `name`; the set the trainer was loaded with again after."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,3 +319,199 @@ class SequenceScores:
     n_prompt: int
     logits: torch.Tensor
     logprobs: torch.Tensor
+
+
+# The pre-load policy: what the class a registry entry hands out (`engines.stack_class`) decides before anything
+# loads, so that the specs, the load and the runs ask the class and never import an engine's modules or compare an
+# engine's name.
+ENGINE_MODES = ("eager", "compiled")  # --engine: an engine run eagerly (every module hook fires), or compiled
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One deployment knob as an ablation factor (`ablate --factor SIDE:KEY=VALUE`), declared by the stack that
+    owns it (StackClass.knobs): the values the tool measures, the LoadSpec field a factor changes and how, and who
+    checks a value on a device (an engine's arg check, a kernel set's device and package check)."""
+
+    side: str  # "engine" (the inference stack) or "train" (the trainer)
+    key: str
+    values: tuple[str, ...]  # the settings a factor may name
+    field: str  # the LoadSpec field a factor of this knob changes
+    change: Callable[[str, object], object]  # (the factor's value, the LoadSpec) -> the field's new value
+    check: Callable[[str, str], None]  # (the factor's value, the device) -> None, or a ProbeError
+    summary: str
+    owner: str = ""  # the registry name of the stack that declares it (filled by the registry)
+
+    @property
+    def name(self) -> str:
+        return f"{self.side}:{self.key}"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a stack needs decided before it loads (StackClass.plan), for the load and its memory plan."""
+
+    taps: frozenset[str] = frozenset()  # tap points it is built with (a compiled engine's graph seams); empty: none
+    ranks: int = 1  # processes its model lives in (tensor parallel)
+    kv_bytes_per_token: int | None = None  # its KV cache per token; None: it keeps no cache the memory plan sizes
+    kv_cache_bytes: int | None = None  # a KV cache fixed before planning (the user's, or the platform's); None: planned
+    share: float | None = None  # the share of the device the user gave it, where it takes one
+    engine_args: Mapping[str, object] = field(default_factory=dict)  # planned arguments, merged under the user's
+
+
+class KernelSet(Protocol):
+    """Which ops a trainer's forward runs (`--train-kernels`), as far as a check before loading asks."""
+
+    name: str
+
+    def check(self, device: str) -> None: ...
+
+    def check_regions(self, regions: Sequence[str], side: str) -> None: ...
+
+    def check_backward(self) -> None: ...
+
+
+class StackClass(Protocol):
+    """The class a registry entry hands out: its capabilities (`Stack.declare`) and its pre-load policy."""
+
+    name: str
+    title: str  # how a line for the user names it ("vLLM")
+    workers: bool  # whether `for_settings(settings, regions)` builds it in a worker process of its own
+    released: str  # what became of it once an alternate placement's engine passes are done (the manifest's words)
+    modes: tuple[str, ...]  # the engine modes it runs (--engine); empty: none, it runs as it loads
+    sdpa: bool  # its forward runs torch's SDPA, whose kernel --train-sdpa picks (the kernel noise floor switches it)
+    libraries: tuple[str, ...]  # what it imports beyond torch and transformers (versions checked before loading)
+    owned_args: Mapping[str, str]  # engine args the tool sets itself (or that would make capture wrong), and why
+    patches: str  # "module:NAME" of its region patches (region -> patcher, engines/patching.py), imported when it is
+    # first patched; "": it takes no region
+
+    @classmethod
+    def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities: ...
+
+    @classmethod
+    def check_settings(cls, load, *, imports: bool = False) -> None:
+        """Refuse in one line what it cannot load of these settings (a LoadSpec); `imports`: also ask its installed
+        library (it may be imported; nothing starts)."""
+        ...
+
+    @classmethod
+    def ranks(cls, engine_args: Mapping[str, object]) -> int:
+        """The processes its model lives in under these engine args (an arg of another type counts as one: the
+        settings check refuses it)."""
+        ...
+
+    @classmethod
+    def knobs(cls) -> Mapping[str, Knob]:
+        """Its deployment knobs, by Knob.name."""
+        ...
+
+    @classmethod
+    def kernel_sets(cls) -> tuple[str, ...]:
+        """The kernel sets its forward can run (--train-kernels); empty: it runs its own."""
+        ...
+
+    @classmethod
+    def kernel_set(cls, name: str) -> KernelSet: ...
+
+    @classmethod
+    def refused_replay(cls, engine_args: Mapping[str, object], allowed: Sequence[str] = ()) -> list[str]:
+        """Which of a run folder's recorded engine args a rerun does not pass again without asking (dotted for a
+        nested key); `allowed`: those the user allowed."""
+        ...
+
+    @classmethod
+    def check_model(cls, settings: StackSettings, config: dict) -> None:
+        """Refuse in one line what it cannot load of this model (its config.json) under these settings."""
+        ...
+
+    @classmethod
+    def plan(cls, settings: StackSettings, *, family=None, taps: str | None = None, routes: bool = False,
+             size=None, total_bytes: int = 0, stacks_on_device: int = 1, budget: tuple[int, float] | None = None
+             ) -> LoadPlan:
+        """Its load plan for `settings`: the tap points for the `taps` the runs ask (`routes`: a run replays its
+        routes), its ranks, and for the memory plan its KV bytes per token (`size`: models.ModelSize) and a cache
+        fixed before planning (`total_bytes`: the device's, shared by `stacks_on_device` stacks' weights). With
+        `budget` (the KV bytes the memory plan gave it, and its share of the device), the engine args that size it."""
+        ...
+
+    @classmethod
+    def for_settings(cls, settings: StackSettings, regions: Sequence[str] | None = None) -> Stack:
+        """A fresh, unloaded stack of the variant these settings need: in this process, or over several processes
+        (tensor parallel); with `regions` (those it is built with), one built in a worker process of its own
+        (`workers`), started with `start()` or `load(settings)`."""
+        ...
+
+    @classmethod
+    def unsharded(cls, settings: StackSettings) -> StackSettings:
+        """These settings on one rank: the parallelism noise floor's stack."""
+        ...
+
+    @classmethod
+    def other_mode(cls, settings: StackSettings) -> StackSettings:
+        """These settings in the other engine mode: the engine noise floor's stack (`--engine-noise`, where the
+        stack does not refuse it)."""
+        ...
+
+
+class StackPolicy:
+    """The pre-load policy of a stack that declares nothing more: no knobs, no kernel sets, no engine args, one
+    process, no tap points, no worker. A stack class inherits it and overrides what it has."""
+
+    title = ""
+    workers = False
+    released = "closed: the engine was dropped in this process before the trainer loaded"
+    modes: tuple[str, ...] = ()
+    sdpa = False
+    libraries: tuple[str, ...] = ()
+    owned_args: Mapping[str, str] = MappingProxyType({})
+    patches = ""
+
+    @classmethod
+    def check_settings(cls, load, *, imports: bool = False) -> None:
+        if load.engine not in (cls.modes or ENGINE_MODES[:1]) or load.engine_args:
+            raise StackError(f"--engine and --engine-args configure vLLM, but --infer is {load.infer}; "
+                             "drop them or use --infer vllm")
+
+    @classmethod
+    def ranks(cls, engine_args: Mapping[str, object]) -> int:
+        return 1
+
+    @classmethod
+    def knobs(cls) -> Mapping[str, Knob]:
+        return {}
+
+    @classmethod
+    def kernel_sets(cls) -> tuple[str, ...]:
+        return ()
+
+    @classmethod
+    def kernel_set(cls, name: str) -> KernelSet:
+        raise StackError(f"--train-kernels {name!r}: the {cls.name} stack runs its own kernels")
+
+    @classmethod
+    def refused_replay(cls, engine_args: Mapping[str, object], allowed: Sequence[str] = ()) -> list[str]:
+        return [key for key in engine_args if key not in allowed]
+
+    @classmethod
+    def check_model(cls, settings: StackSettings, config: dict) -> None:
+        pass
+
+    @classmethod
+    def plan(cls, settings: StackSettings, *, family=None, taps: str | None = None, routes: bool = False,
+             size=None, total_bytes: int = 0, stacks_on_device: int = 1, budget: tuple[int, float] | None = None
+             ) -> LoadPlan:
+        return LoadPlan()
+
+    @classmethod
+    def for_settings(cls, settings: StackSettings, regions: Sequence[str] | None = None) -> Stack:
+        if regions is not None:
+            raise StackError(f"the {cls.name} stack is not built in a worker process; align its regions in place")
+        return cls()
+
+    @classmethod
+    def unsharded(cls, settings: StackSettings) -> StackSettings:
+        return settings
+
+    @classmethod
+    def other_mode(cls, settings: StackSettings) -> StackSettings:
+        raise StackError(f"the {cls.name} stack has no other engine mode")

@@ -266,16 +266,23 @@ def make_config(*, arch: str | None = None, preset: str = "tiny", num_layers: in
     )
 
 
-def _random_model(config, seed: int):
-    """The model with weights drawn from `seed`, built directly in bfloat16 (2 bytes a parameter, not 4)."""
+def _random_model(config, seed: int, device: str = "cpu"):
+    """The model with weights drawn from `seed`, built directly in bfloat16 (2 bytes a parameter, not 4). On another
+    device than the CPU the weights are drawn there, by its generator (other bytes than the CPU's for one seed)."""
     import torch
     import transformers
 
-    # fork_rng: seeding must not change the caller's random state. devices=[]: we build on the CPU only.
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    # fork_rng: seeding must not change the caller's random state (the CPU's, and the device's when it draws)
+    with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.device(device)]), torch.no_grad():
         torch.manual_seed(seed)
-        # _init_weights draws linear and embedding weights from normal(0, config.initializer_range)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if device == "cpu":
+            # _init_weights draws linear and embedding weights from normal(0, config.initializer_range)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        else:  # laid out without memory, given its storage on the device once, then drawn in place there
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model.to_empty(device=device)
+            model.init_weights()
         # _init_weights sets every RMSNorm weight to exactly 1, and x * 1 is exact in any dtype: a stack that
         # multiplies by the weight before rounding to bf16 and one that multiplies after would agree, hiding a
         # rounding difference that trained weights expose. N(1, 0.1) leaves about 2% of the bf16 weights at 1.
@@ -401,7 +408,7 @@ def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None) -
     a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
-    from .memory_plan import CPU_RUNTIME, ENV, ModelSize, device_memory
+    from .size import CPU_RUNTIME, ENV, ModelSize, device_memory
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers

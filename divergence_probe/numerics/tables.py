@@ -10,6 +10,9 @@ import pandas as pd
 
 TOKEN_COLUMNS = ["prompt_id", "position", "token_id", "token", "logprob_infer", "logprob_train", "delta_logprob", "kl"]
 LAYER_COLUMNS = ["layer", "tap", "max_abs", "mean_abs", "rel_l2", "cosine", "frac_equal", "max_ulp"]
+# The four headline numbers of a set of scored tokens (`headline`): summary.csv's, each noise floor's row, each depth
+# point's; the terminal, the report and the gate read them by these names.
+HEADLINE = ("mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl")
 SUMMARY_COLUMNS = [
     "mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "mean_kl", "max_kl",
     "first_inexact", "first_over_threshold", "n_tokens",
@@ -96,16 +99,22 @@ def summary_row(tokens, tap_stats, threshold: float) -> dict:
 def summary_of(delta: np.ndarray, kl: np.ndarray, tap_stats, threshold: float) -> dict:
     """summary_row of the tokens' delta_logprob and kl columns (a tokens table's, or the tokens')."""
     abs_delta = np.abs(delta)
-    return {
-        "mean_abs_dlogp": float(abs_delta.mean()),
-        "max_abs_dlogp": float(abs_delta.max()),
+    row = headline(abs_delta, kl) | {
         "p99_abs_dlogp": float(np.percentile(abs_delta, 99)),
-        "mean_kl": float(kl.mean()),
-        "max_kl": float(kl.max()),
         "first_inexact": first_divergence(tap_stats, lambda s: not s.bitwise_equal),
         "first_over_threshold": first_divergence(tap_stats, lambda s: s.rel_l2 > threshold),
         "n_tokens": len(delta),
     }
+    return {column: row[column] for column in SUMMARY_COLUMNS}
+
+
+def headline(abs_dlogp: np.ndarray, kl: np.ndarray) -> dict[str, float]:
+    """HEADLINE of a set of tokens, from their |Δlogp| and their KL(infer‖train): the mean and the largest of each,
+    NaN where there is no token to average (a depth point no sequence reached)."""
+    def mean_max(values: np.ndarray) -> tuple[float, float]:
+        return (float(values.mean()), float(values.max())) if len(values) else (float("nan"), float("nan"))
+
+    return dict(zip(HEADLINE, (*mean_max(abs_dlogp), *mean_max(kl))))
 
 
 def worst_layer(tap_stats, tap: str = "resid_out") -> tuple[int, float] | None:

@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..numerics.shapley import ALL_REGIONS, CHANGE, DISAGREE, SHARE, SHIPPED, change_words, effect_words
 from ..numerics.noise_verdict import VERDICT, WITHIN, as_read, floor_moved, in_words
-from ..numerics.tables import NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
+from ..numerics.tables import HEADLINE, NOISE_FLOORS, NOT_CAPTURED, largest_noise_floor, noise_floors
 from .document import Bullets, Column, Figure, Heading, Paragraph, Table
 from ..numerics.graft_reading import amplification_text, families_by_local, findings
 from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
@@ -249,7 +249,7 @@ def _setup(run: RunData) -> list:
 
 
 def _zero_run(row: pd.Series) -> bool:
-    cols = [c for c in ("mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl") if c in row]
+    cols = [c for c in HEADLINE if c in row]
     return bool(cols) and all(float(row[c]) == 0.0 for c in cols)
 
 

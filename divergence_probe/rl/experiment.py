@@ -11,7 +11,7 @@ from typing import Callable
 
 import pandas as pd
 
-from ..errors import OutputError
+from ..errors import OutputError, StackError
 from ..prompts import file_hashes, read_prompt_sources
 from ..rundir import MANIFEST
 from ..runs.manifest import build_manifest
@@ -46,12 +46,14 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
         read_prompt_sources(Path(spec.prompts))
         prompt_hashes = {"prompt_files_sha256": file_hashes(Path(spec.prompts))}
     if probe is None and spec.engine_args:
-        from ..engines.vllm.stack import check_engine_args
+        from ..engines import capabilities_of, stack_class
 
-        check_engine_args(load_spec(spec).engine_args, spec.engine)  # imports vLLM, starts nothing
-        from ..engines.vllm.tensor_parallel import refuse, size
-
-        refuse(["rl"], size(spec.engine_args))
+        settings = load_spec(spec)
+        stack_class(settings.infer).check_settings(settings, imports=True)  # imports vLLM, starts nothing
+        refusal = capabilities_of(settings.infer, engine=settings.engine, ranks=settings.engine_ranks
+                                  ).first_refused(["rl"])
+        if refusal:  # an engine over several processes, whose weights rl cannot push
+            raise StackError(refusal)
     with ExitStack() as claim:
         try:
             writer = claim.enter_context(rl_folder(out_dir))

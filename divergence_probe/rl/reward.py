@@ -35,6 +35,7 @@ from typing import Callable
 
 from ..errors import ProbeError, one_line
 from ..signals import Stopped
+from ..spec.rl import BUILT_IN_REWARDS
 
 Reward = Callable[[str, str], float]
 
@@ -82,7 +83,7 @@ def letter_share(prompt: str, response: str) -> float:
     return sum("a" <= ch <= "z" for ch in response) / len(response) if response else 0.0
 
 
-BUILT_IN: dict[str, Reward] = {"brackets": closes_brackets, "letters": letter_share}
+BUILT_IN: dict[str, Reward] = dict(zip(BUILT_IN_REWARDS, (closes_brackets, letter_share)))
 
 
 def load_reward(spec: str | None) -> Reward:

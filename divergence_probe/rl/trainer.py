@@ -16,7 +16,6 @@ to BF16, which is what the engine receives (`named_weights`), so the weights are
 from __future__ import annotations
 
 import weakref
-from contextlib import ExitStack
 
 import torch
 
@@ -31,7 +30,7 @@ _CHECKPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class Trainer:
     def __init__(self, stack, lr: float, grad_clip: float, weight_decay: float = 0.0) -> None:
-        self.stack = stack  # a loaded HFStack: stack.model is the BF16 compute model
+        self.stack = stack  # a loaded protocol.Trainer (HFStack): stack.model is the BF16 compute model
         self.model = stack.model
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
@@ -81,16 +80,11 @@ class Trainer:
         own: dict[int, torch.Tensor] = {}
         # on the device once, not per layer in the replay's hook
         engine = _batch_routes(routes, len(sequences), longest).to(device) if routes is not None else None
-        with ExitStack() as scope:
-            if routes is not None:  # the router's own choice ([B * L, k]); installed first, so it runs before a replay
-                scope.enter_context(self.stack._capture(frozenset({"expert_ids"}),
-                                                        lambda key, x: own.__setitem__(key.layer, x.detach())))
-            if replay:
-                scope.enter_context(self.stack.routes_replayed(lambda _, layer: (engine[layer], None)))
-                scope.enter_context(self.stack.running(0))
-            observed = scope.enter_context(self.stack._numerics("train"))
-            scope.enter_context(observed())
-            logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+        # the router's own choice ([B * L, k]); installed before the forward's replay, so it sees the router's own pick
+        with self.stack.capture(frozenset({"expert_ids"}) if routes is not None else frozenset(),
+                                lambda key, x: own.__setitem__(key.layer, x.detach())):
+            logits = self.stack.forward(ids, attention, positions,
+                                        routes=(lambda _, layer: (engine[layer], None)) if replay else None)
         logp = logits[:, :-1].float().log_softmax(dim=-1)  # as trainers do: log_softmax of the FP32-upcast logits
         chosen = logp.gather(-1, ids[:, 1:, None])[..., 0]
         with torch.no_grad():
@@ -106,7 +100,7 @@ class Trainer:
         Returns the gradient norm before clipping."""
         for p in self.params:
             p.grad = None
-        with self.stack._numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
+        with self.stack.numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
             loss.backward()
         for m, p in zip(self.master, self.params):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)

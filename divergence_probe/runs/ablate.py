@@ -24,6 +24,7 @@ from .progress import Progress, phase
 from .loading import engine_settings_for
 from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
+from ..engines import stack_class
 from ..engines.patching import aligned
 from ..numerics.shapley import DISAGREE, EFFECT, METRICS, OTHER_METRIC, SHARE, attribution, bootstrap_intervals, \
     combo_name, disagree, effect, per_prompt, subsets
@@ -156,11 +157,10 @@ def _needs_worker(probe, step: RunSpec, side: str) -> bool:
 
 def _worker(probe, step: RunSpec):
     """A started engine worker for a combination: its factors' engine settings, its engine-side regions."""
-    from ..engines.vllm.worker import WorkerStack
     from ..regions import patched
 
     regions = patched(step.align.regions) if step.align.side != "train" else ()
-    return WorkerStack(_engine_settings(probe, step), regions).start()
+    return stack_class(probe.config.infer).for_settings(_engine_settings(probe, step), regions).start()
 
 
 @contextmanager
@@ -218,7 +218,7 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
         if i < len(steps) and builds[i] and i not in started:
             started[i] = _worker(probe, steps[i])
 
-    noise_engines = NoiseEngines()  # --engine-noise: one eager engine serves every combination
+    noise_engines = NoiseEngines(probe.config.infer)  # --engine-noise: one eager engine serves every combination
     try:
         for i, (combo, step) in enumerate(zip(combos, steps)):
             for j in range(i, i + 1 + ahead):

@@ -22,9 +22,10 @@ from pathlib import Path
 from .batch_invariance import NoiseEngines, engine_noise, measure_side, routing_taps
 from .capture import TapPairing
 from .compare import _route_capture, capturable_taps, engine_prefill, run_compare, source_for
-from .loading import LoadedStacks, Prepared, engine_settings, engine_settings_for, load_run_prompts, memory_errors, \
-    train_settings
+from .loading import LoadedStacks, Prepared, engine_settings, engine_settings_for, memory_errors, \
+    train_settings, stack_for
 from .progress import Progress, phase
+from ..engines import stack_class
 from ..engines.kept import KeptEngine, KeptNoise, KeptOutputs, Recording, RecordingNoise
 from ..engines.patching import aligned
 from ..environment import environment
@@ -32,9 +33,6 @@ from ..numerics.shapley import subsets
 from ..prompts import batches
 from ..spec.run import RunSpec
 
-RELEASE = {"vllm": "shut down: the engine ran in a worker process of its own, which exited before the trainer loaded "
-                   "(its device and host memory returned)",
-           "hf": "closed: the second transformers instance was dropped in this process before the trainer loaded"}
 
 
 def _ignore(*_) -> None:
@@ -43,7 +41,7 @@ def _ignore(*_) -> None:
 
 def _engine_pass(view, spec: RunSpec, noise) -> None:
     """The engine's calls of run_compare(view, spec), in its order; `view.infer` records them."""
-    _, prompts = load_run_prompts(spec, view.tokenizer, view.settings.max_model_len)
+    _, prompts = view.run_prompts(spec)
     taps, _ = capturable_taps(view, spec)
     routes, infer_taps, _ = _route_capture(view, spec, TapPairing([]), taps)
     source = source_for(spec)
@@ -60,26 +58,23 @@ def _engine_pass(view, spec: RunSpec, noise) -> None:
         routing_taps(view.infer, ran)
 
 
-def _worker_for(settings, regions: tuple[str, ...], workers: dict):
-    """The started engine of these settings: an eager engine takes each pass's regions call by call, so one serves
-    them all; a compiled one has them built in."""
-    from ..engines.vllm.worker import WorkerStack
-
+def _worker_for(infer, settings, regions: tuple[str, ...], workers: dict):
+    """The started engine of these settings, in a worker process of its own (`infer`: its StackClass): an eager
+    engine takes each pass's regions call by call, so one serves them all; a compiled one has them built in."""
     built = regions if settings.engine == "compiled" else ()
     key = (settings, built)
     if key not in workers:
-        workers[key] = worker = WorkerStack(settings, built)  # kept first: closing covers a failed start
+        workers[key] = worker = infer.for_settings(settings, built)  # kept first: closing covers a failed start
         worker.load(settings)
     worker = workers[key]
     worker.patched = () if built else regions
     return worker
 
 
-def _in_process_engine(prepared: Prepared, settings, regions: tuple[str, ...], stack: ExitStack):
-    """A second transformers instance as the engine (--infer hf): loaded here, closed when the passes are done."""
-    from ..engines import get_stack
-
-    engine = get_stack(prepared.config.infer)
+def _in_process_engine(infer, settings, regions: tuple[str, ...], stack: ExitStack):
+    """An engine built in no worker process (--infer hf: a second transformers instance): loaded here, closed when
+    the passes are done."""
+    engine = infer.for_settings(settings)
     engine.load(settings)
     stack.callback(engine.close)
     if regions:
@@ -102,19 +97,17 @@ def run_alternate(prepared: Prepared, spec: RunSpec, progress: Progress | None =
             recorded, starts = _engine_passes(prepared, steps, configurations, kept, progress)
         memory_after = _memory_after_release(settings.device)
         phase(progress, "loading the model in transformers")
-        from ..engines.hf.tensor_parallel import trainer_stack_for
-
-        train = trainer_stack_for(cfg.train, settings)
+        train = stack_for(cfg.train, settings)
         with memory_errors(prepared.plan, "loading the training stack"):
             train.load(train_settings(cfg, settings))
         capabilities, info, _ = recorded[configurations[0]]
         trainer_probe = LoadedStacks(cfg, prepared.source, settings, KeptEngine(kept[configurations[0]], capabilities, info), train,
                               prepared.tokenizer, environment(settings.device), memory_plan=prepared.plan,
-                              placement=prepared.placement)
+                              placement=prepared.placement, prompts=prepared.prompts)
         with memory_errors(prepared.plan, "run"):
             run = _trainer_passes(trainer_probe, spec, kept, recorded, progress, ablate)
         run.manifest["placement"] = prepared.placement | {
-            "engine_passes": len(configurations), "engine_starts": starts, "engine_release": RELEASE[cfg.infer],
+            "engine_passes": len(configurations), "engine_starts": starts, "engine_release": stack_class(cfg.infer).released,
             "memory_after_release": memory_after,
             "kept_outputs": {**{k: v for k, v in prepared.kept.items() if k != "folder"},
                              "planned_bytes": prepared.kept["bytes"],
@@ -139,13 +132,12 @@ def _engine_passes(prepared: Prepared, steps: list[RunSpec], configurations: lis
                    ) -> tuple[dict, int]:
     """Every engine configuration's pass (the first combination that has it makes its calls), recorded into `kept`;
     every engine closed at the end. Returns each configuration's (capabilities, info) and the engines started."""
-    from ..engines.hf.tensor_parallel import trainer_stack_for
-
     cfg, settings = prepared.config, prepared.settings
+    infer = stack_class(cfg.infer)
     recorded = {}
     workers: dict = {}
     with ExitStack() as stack:
-        noise = RecordingNoise(NoiseEngines())
+        noise = RecordingNoise(NoiseEngines(cfg.infer))
         stack.callback(noise.close)
         stack.callback(lambda: [w.close() for w in workers.values()])
         for i, configuration in enumerate(configurations):
@@ -154,17 +146,17 @@ def _engine_passes(prepared: Prepared, steps: list[RunSpec], configurations: lis
             step_settings = engine_settings_for(cfg, settings, step)  # as the run's view has them (noise engines')
             regions = configuration[2]
             with ExitStack() as inner:
-                if cfg.infer == "vllm":
-                    engine = _worker_for(engine_settings(step_settings), regions, workers)
+                if infer.workers:
+                    engine = _worker_for(infer, engine_settings(step_settings), regions, workers)
                 else:
-                    engine = _in_process_engine(prepared, engine_settings(step_settings), regions, inner)
+                    engine = _in_process_engine(infer, engine_settings(step_settings), regions, inner)
                 engine.begin_run()
                 noise.kept = kept[configuration]
                 view = LoadedStacks(step.load, prepared.source, step_settings, Recording(engine, kept[configuration]),
-                                    trainer_stack_for(cfg.train, settings), prepared.tokenizer)
+                                    stack_for(cfg.train, settings), prepared.tokenizer, prompts=prepared.prompts)
                 _engine_pass(view, step, noise)
                 recorded[configuration] = (engine.capabilities(), engine.info())
-        starts = len(workers) + len(noise) + (len(configurations) if cfg.infer != "vllm" else 0)
+        starts = len(workers) + len(noise) + (len(configurations) if not infer.workers else 0)
     gc.collect()
     for configuration in configurations:  # the other-mode engines --engine-noise built, answered from the recordings
         recorded[configuration] += (len(noise),)
@@ -189,13 +181,17 @@ def _trainer_passes(probe, spec: RunSpec, kept: dict, recorded: dict, progress, 
 
 def _memory_after_release(device: str) -> dict:
     """What the device holds once the engine is gone and before the trainer loads."""
-    from ..models.memory_plan import device_memory
+    from ..models.size import device_memory
 
     if device == "cuda":
         import torch
 
+        # the engine's outputs came back through this process's device on their way to the host: the blocks they
+        # left in its allocator's cache go back to the driver, so the trainer's load starts from an empty device
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         return {"device": "cuda", "free_bytes": int(free), "total_bytes": int(total),
-                "allocated_by_this_process_bytes": int(torch.cuda.memory_allocated())}
+                "allocated_by_this_process_bytes": int(torch.cuda.memory_allocated()),
+                "reserved_by_this_process_bytes": int(torch.cuda.memory_reserved())}
     free, total, source = device_memory(device)
     return {"device": device, "free_bytes": int(free), "total_bytes": int(total), "source": source}

@@ -22,12 +22,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..engines import stack_class
 from ..numerics.metrics import token_kl
+from ..numerics.tables import HEADLINE, headline
 from ..prompts import Prompt
 
-COLUMNS = ["stack", "side", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens", "batch_size"]
-KERNEL_COLUMNS = ["stack", "side", "change", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
-ENGINE_MODES = {"eager": "compiled", "compiled": "eager"}  # a run's engine mode -> the one engine_noise compares to
+COLUMNS = ["stack", "side", *HEADLINE, "n_tokens", "batch_size"]
+KERNEL_COLUMNS = ["stack", "side", "change", *HEADLINE, "n_tokens"]
 
 
 def _ignore(*_) -> None:
@@ -95,8 +96,7 @@ def measure_side(side: str, stack, sequences: Sequence[Prompt]) -> tuple[dict, l
     # the largest batch score_batched ran: an engine step (at most --batch-tokens tokens and max_num_seqs
     # sequences), a trainer's micro-batch (at most --batch-tokens padded tokens)
     size = max(map(len, groups))
-    return {"stack": stack.name, "side": side, "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
-            "mean_kl": float(k.mean()), "max_kl": float(k.max()), "n_tokens": int(d.size), "batch_size": size}, \
+    return {"stack": stack.name, "side": side, **headline(d, k), "n_tokens": int(d.size), "batch_size": size}, \
         keys, deltas
 
 
@@ -193,7 +193,7 @@ def kernel_noise(probe, sequences: Sequence[Prompt], top_k: int | None = None
     routing_noise.csv rows: how often the kernel change alone flips the trainer's routes, the trainer's kernel floor
     for routing); (None, None) when the training side has no SDPA kernel to switch."""
     config = probe.config
-    if config.train != "hf" or config.train_attn != "sdpa":
+    if not stack_class(config.train).sdpa or config.train_attn != "sdpa":
         return None, None
     other = "math" if config.train_sdpa != "math" else "auto"
     change = f"sdpa {other} vs {config.train_sdpa}"
@@ -224,34 +224,26 @@ def train_parallel_noise(probe, sequences: Sequence[Prompt]) -> pd.DataFrame | N
                        sequences)
 
 
-def other_engine_settings(settings):
-    """This run's engine settings in the other engine mode; eager compiles nothing, so a compilation_config the
-    user passed for the compiled engine is left out of it."""
-    from dataclasses import replace
-
-    args = tuple((k, v) for k, v in settings.engine_args if not (k == "compilation_config"
-                                                                and ENGINE_MODES[settings.engine] == "eager"))
-    return replace(settings, engine=ENGINE_MODES[settings.engine], engine_args=args, engine_taps=frozenset())
-
-
 class NoiseEngines:
     """The engines in the other mode that one run's engine noise floors score on, each built once and closed with
     the run. An eager engine takes regions in place, call by call, as the tool's own eager engine does, so one eager
-    build serves every combination of an ablation; a compiled engine has its regions built in: one per region set."""
+    build serves every combination of an ablation; a compiled engine has its regions built in: one per region set.
+    `infer`: the registry name of the run's inference stack, whose worker variant they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, infer: str) -> None:
+        self._class = stack_class(infer)
         self._workers: dict = {}
 
     def score(self, settings, regions: Sequence[str], sequences: Sequence[Prompt]) -> list:
-        from ..engines.vllm.worker import WorkerStack
-
         built = () if settings.engine == "eager" else tuple(regions)
         key = (settings, built)
         if key not in self._workers:
-            self._workers[key] = worker = WorkerStack(settings, built)  # kept first: close() covers a failed start
+            # kept first: close() covers a failed start
+            self._workers[key] = worker = self._class.for_settings(settings, built)
             worker.load(settings)
-        patched = tuple(regions) if not built else ()
-        return self._workers[key].score_batched(sequences, patched=patched)
+        worker = self._workers[key]
+        worker.patched = tuple(regions) if not built else ()  # an eager engine takes this call's regions in place
+        return worker.score_batched(sequences)
 
     def __len__(self) -> int:
         """How many engines were built."""
@@ -280,16 +272,15 @@ def engine_noise(probe, sequences: Sequence[Prompt], regions: Sequence[str] = ()
     these shapes, so it is measured here rather than assumed. `engines`: shared by the runs of an ablation (closed
     by its owner); else built for this call alone."""
     if engines is None:
-        with NoiseEngines() as own:
+        with NoiseEngines(probe.config.infer) as own:
             return engine_noise(probe, sequences, regions, own)
-    from ..engines.vllm import tensor_parallel
-
+    infer = stack_class(probe.config.infer)
     aligned = f" ({'+'.join(regions)} aligned in both)" if regions else ""
-    ranks = tensor_parallel.size(probe.settings.engine_kwargs())
+    ranks = infer.ranks(probe.settings.engine_kwargs())
     if ranks > 1:  # the parallelism floor; the other engine mode is not built at tensor_parallel_size > 1
-        return _engine_row(probe, sequences, tensor_parallel.without(probe.settings), regions,
+        return _engine_row(probe, sequences, infer.unsharded(probe.settings), regions,
                            f"{TENSOR_PARALLEL_CHANGE} 1 vs {ranks}{aligned}", engines)
-    other = other_engine_settings(probe.settings)
+    other = infer.other_mode(probe.settings)
     rows = [_engine_row(probe, sequences, other, regions, f"engine {other.engine} vs {probe.settings.engine}{aligned}",
                         engines)]
     if probe.settings.engine == "compiled" and probe.settings.engine_taps:
@@ -323,7 +314,6 @@ def _change_row(stack: str, side: str, change: str, deltas: list, kls: list, seq
     """One stack against itself under one change: the row kernel_noise.csv / engine_noise.csv hold (`deltas`: one
     array per sequence, in the order of `sequences`)."""
     d, k = np.concatenate(deltas), np.concatenate(kls)
-    table = pd.DataFrame([{"stack": stack, "side": side, "change": change, "mean_abs_dlogp": float(d.mean()),
-                           "max_abs_dlogp": float(d.max()), "mean_kl": float(k.mean()), "max_kl": float(k.max()),
-                           "n_tokens": int(d.size)}], columns=KERNEL_COLUMNS)
+    table = pd.DataFrame([{"stack": stack, "side": side, "change": change, **headline(d, k), "n_tokens": int(d.size)}],
+                         columns=KERNEL_COLUMNS)
     return _with_sums(table, [_sequence_sums(0, [seq.prompt_id for seq in sequences], deltas)])

@@ -43,7 +43,7 @@ class TapPairing:
         self._parked: dict[int, dict[Tap, torch.Tensor]] = defaultdict(dict)  # by prompt, in arrival order
         self._filed: dict[int, list[tuple[TapKey, torch.Tensor]]] = defaultdict(list)
         self._plans: dict[tuple, _Plan] = {}  # by the order a prompt's taps arrived in, on each side
-        # Most elements (per side) one reduction call stacks and reduces (models/memory_plan.py sets it when a prompt's pairs
+        # Most elements (per side) one reduction call stacks and reduces (runs/memory.py sets it when a prompt's pairs
         # in one call would not fit); None: all of a prompt's pairs in one call. Each pair is reduced on its own
         # either way, so the statistics are the same to the bit (tests/models/test_memory_plan.py).
         self.chunk_elements: int | None = None

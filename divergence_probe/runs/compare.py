@@ -28,7 +28,7 @@ from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
 from .loading import load_run_prompts
 from ..errors import ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
-from ..models.memory_plan import Peaks, engine_report
+from .measured import Peaks, engine_report
 from ..numerics.metrics import DiffStats
 from ..prompts import Prompt
 from ..regions import from_engine
@@ -372,7 +372,7 @@ def run_compare(probe, spec: RunSpec, progress: Progress | None = None, *, done_
                 total_scale: int = 1, noise_engines=None) -> CompareRun:
     """One compare: the regions of `spec.align` are aligned by the caller (probe.run / ablate). `noise_engines`: the
     other-mode engines of --engine-noise, when the caller shares them between runs (batch_invariance.NoiseEngines)."""
-    prompts_path, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
+    prompts_path, prompts = probe.run_prompts(spec)
     taps, not_captured = capturable_taps(probe, spec)
     pairing = TapPairing(expected_taps(taps, probe.source.num_layers, probe.source.family.layer_taps))
     capture = graft = pairing

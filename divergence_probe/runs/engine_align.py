@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
+from ..engines import stack_class
 from ..engines.patching import aligned
 from ..engines.protocol import PATCH_AT_BUILD
 from ..regions import patched
@@ -28,9 +29,7 @@ def needs_engine_build(probe, regions: Sequence[str], side: str) -> bool:
 
 def engine_worker(probe, regions: Sequence[str]):
     """A started (not yet built) worker engine with the probe's engine settings and `regions` aligned."""
-    from ..engines.vllm.worker import WorkerStack
-
-    return WorkerStack(probe.settings, patched(regions)).start()
+    return stack_class(probe.config.infer).for_settings(probe.settings, patched(regions)).start()
 
 
 @contextmanager

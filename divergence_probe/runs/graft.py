@@ -40,6 +40,7 @@ from .capture import TapPairing
 from ..errors import ProbeError
 from ..numerics.graft_reading import FAMILIES
 from ..numerics.metrics import DiffStats, token_kl, token_logprobs
+from ..numerics.tables import HEADLINE, headline
 from .route_capture import cat_routing, routing_table
 from ..taps import ALL_TAPS, Tap, TapKey, each_tap, expected_taps
 
@@ -62,7 +63,7 @@ LOCAL_COLUMNS = ["layer", "tap", "family", "aligned", *(f"local_{c}" for c in ST
                  *(f"propagated_{c}" for c in STAT_COLUMNS), "amplification"]
 FAMILY_COLUMNS = ["family", "seams", "local_rel_l2", "local_frac_equal", "local_max_ulp", "propagated_rel_l2",
                   "amplification"]
-DEPTH_COLUMNS = ["layer", "graft", "mean_abs_dlogp", "max_abs_dlogp", "mean_kl", "max_kl", "n_tokens"]
+DEPTH_COLUMNS = ["layer", "graft", *HEADLINE, "n_tokens"]
 
 
 def seam_families(layer_taps: Sequence[str]) -> dict[str, str]:
@@ -202,11 +203,7 @@ class GraftCapture:
             dlogp = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
             kl = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0)
             graft = ("embed" if point == 0 else f"resid_out@{point - 1}") if point <= L else f"final_norm@{L}"
-            rows.append({"layer": point, "graft": graft,
-                         "mean_abs_dlogp": float(dlogp.mean()) if len(dlogp) else float("nan"),
-                         "max_abs_dlogp": float(dlogp.max()) if len(dlogp) else float("nan"),
-                         "mean_kl": float(kl.mean()) if len(kl) else float("nan"),
-                         "max_kl": float(kl.max()) if len(kl) else float("nan"), "n_tokens": len(dlogp)})
+            rows.append({"layer": point, "graft": graft, **headline(dlogp, kl), "n_tokens": len(dlogp)})
         return pd.DataFrame(rows, columns=DEPTH_COLUMNS)
 
 

@@ -13,21 +13,20 @@ from pathlib import Path
 
 import torch
 
-from ..models import memory_plan
+from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
-from ..environment import cpu_kv_cache_gib, environment, resolve_device, resolve_train_device, same_device
+from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
+from ..models.size import ModelSize, device_memory
 from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family
-from ..engines import Stack, StackSettings, get_stack
-from ..engines.protocol import freeze_engine_args
-from ..engines.hf.tensor_parallel import check_shardable, trainer_stack_for
-from ..engines.vllm.compiled_taps import tap_points_for
+from ..engines import stack_class
+from ..engines.protocol import Stack, StackSettings, freeze_engine_args
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -44,10 +43,12 @@ class LoadedStacks:
     tokenizer: object
     _environment: dict = field(default_factory=dict)
     owns_infer: bool = True  # False for a with_trainer() view: closing it leaves the shared engine to its owner
-    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (models/memory_plan.py)
+    memory_plan: memory_plan.MemoryPlan | None = None  # what load() planned to hold on the device (runs/memory.py)
     load_peak_bytes: int | None = None  # CUDA: the allocator's peak while both stacks loaded (the engine's start-up)
     quiet: bool = True  # the libraries' own output quieted while a run runs (quiet.py)
     placement: dict | None = None  # how the stacks shared the device, and why (Prepared.placement)
+    checked: RunSpec | None = None  # the run the load checked (check_family) before anything loaded
+    prompts: dict = field(default_factory=dict)  # a run's prompts, tokenized once (run_prompts)
 
     def with_trainer(self, **changes) -> "LoadedStacks":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
@@ -59,9 +60,17 @@ class LoadedStacks:
         config = replace(self.config, **changes)
         settings = replace(stack_settings(config, self.source, engine_taps=self.settings.engine_taps),
                            batch_tokens=self.settings.batch_tokens, engine_args=self.settings.engine_args)  # as planned
-        train = trainer_stack_for(config.train, settings)
+        train = stack_for(config.train, settings)
         train.load(train_settings(config, settings))
         return replace(self, config=config, settings=settings, train=train, owns_infer=False)
+
+    def run_prompts(self, spec: RunSpec) -> tuple[Path, list[Prompt]]:
+        """The run's prompts, tokenized and checked against the context once: the load read them for its plan, and
+        every combination of an ablation, every pass of an alternate placement reads the same."""
+        key = _prompts_key(spec)
+        if key not in self.prompts:
+            self.prompts[key] = load_run_prompts(spec, self.tokenizer, self.settings.max_model_len)
+        return self.prompts[key]
 
     def manifest(self) -> dict:
         """Everything about the loaded setup that a reader needs to reproduce a run."""
@@ -126,6 +135,12 @@ def stack_settings(cfg: LoadSpec, source: ModelSource, engine_taps: frozenset[st
     )
 
 
+def stack_for(name: str, settings: StackSettings) -> Stack:
+    """A fresh, unloaded stack of the registry's `name`, the variant these settings need (StackClass.for_settings:
+    a trainer sharded at train_tp > 1, an engine over its tensor-parallel ranks)."""
+    return stack_class(name).for_settings(settings)
+
+
 def engine_settings(settings: StackSettings) -> StackSettings:
     """The engine's settings: the run's, without what only the training side takes."""
     return replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1)
@@ -170,6 +185,8 @@ class Prepared:
     plan: memory_plan.MemoryPlan
     placement: dict
     kept: dict | None = None
+    checked: RunSpec | None = None  # the run it was prepared for, checked (check_family) before anything loads
+    prompts: dict = field(default_factory=dict)  # that run's prompts, tokenized once (LoadedStacks.run_prompts)
 
     @property
     def alternate(self) -> bool:
@@ -187,31 +204,40 @@ def _load(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | No
 
 
 def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | None, routes: bool = False, *,
-            can_alternate: bool, spill_near: Path | None = None) -> Prepared:
-    """Everything before the loads: the versions and inputs checked, the model resolved, the memory plan made and the
-    placement chosen (`can_alternate`: the caller can run the spec one stack at a time). Under alternate, where the
-    engine's outputs will be kept is decided here too (chunk files beside `spill_near`, or in the temp folder, when
-    the host cannot hold them), so a run that fits neither way is refused before anything loads."""
+            can_alternate: bool, spill_near: Path | None = None, check=None, gate=None) -> Prepared:
+    """Everything before the loads, in order: the versions and inputs checked, the model resolved, its family checked
+    against the run, the tokenizer loaded and `before_stacks(source, tokenizer)`, `check(source)` and the gate's
+    model condition (`gate.check_model(family)`) asked, the run's prompts read and tokenized once, the memory plan
+    made and the placement chosen (`can_alternate`: the caller can run the spec one stack at a time). Under
+    alternate, where the engine's outputs will be kept is decided here too (chunk files beside `spill_near`, or in the
+    temp folder, when the host cannot hold them), so a run that fits neither way is refused before anything loads."""
     with timings.timed("load.import_transformers"):
         from transformers import AutoTokenizer
 
-    versions.check(cfg.infer == "vllm", cfg.allow_untested_versions)  # before anything loads or imports vLLM
+    infer = stack_class(cfg.infer)
+    versions.check(infer.libraries, cfg.allow_untested_versions)  # before anything loads or imports vLLM
     # the training side's SDPA choice, checked again at its first forward, is known now: refuse it in seconds, not
     # after both stacks have loaded
     torch_state.check_sdpa(cfg.train_sdpa, resolve_train_device(cfg.train_device, cfg.device), cfg.train_attn)
     source = resolve_model(cfg.model)
     check_family(plan_for, cfg, source.family)  # what the model's family cannot do yet: one line, before the loads
-    check_shardable(source.config, cfg.train_tp, resolve_train_device(cfg.train_device, cfg.device))
     settings = stack_settings(cfg, source)
-    settings = replace(settings, engine_taps=tap_points_for(taps, settings, source.family,
-                                                            routes=routes or _replays_routes(plan_for)))
+    stack_class(cfg.train).check_model(train_settings(cfg, settings), source.config)
+    infer.check_model(engine_settings(settings), source.config)  # what each side cannot run of this model, unloaded
+    settings = replace(settings, engine_taps=infer.plan(settings, family=source.family, taps=taps,
+                                                         routes=routes or _replays_routes(plan_for)).taps)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     with timings.timed("load.tokenizer_prompts_plan"):
         tokenizer = AutoTokenizer.from_pretrained(source.path)
         if before_stacks is not None:
             before_stacks(source, tokenizer)
-        plan, why, settings = _planned(cfg, source, settings, tokenizer, plan_for,
+        if check is not None:
+            check(source)
+        if gate is not None:
+            gate.check_model(source.family)
+        prompts = None if plan_for is None else load_run_prompts(plan_for, tokenizer, source.max_model_len)
+        plan, why, settings = _planned(cfg, source, settings, plan_for, prompts,
                                        can_alternate and _can_alternate(cfg, plan_for))
     placement = {"placement": "alternate" if plan.inputs.alternate else "together", "why": why}
     kept = None
@@ -224,7 +250,8 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
         name = f".{spill_near.name}." if spill_near is not None else "divergence-probe-"
         kept = memory_plan.keep_where(plan, str(parent))
         kept["folder"] = str(parent / f"{name}engine-outputs-{secrets.token_hex(4)}")
-    return Prepared(cfg, source, settings, tokenizer, plan, placement, kept)
+    return Prepared(cfg, source, settings, tokenizer, plan, placement, kept, plan_for,
+                    {} if prompts is None else {_prompts_key(plan_for): prompts})
 
 
 def _can_alternate(cfg: LoadSpec, run: RunSpec | None) -> bool:
@@ -238,15 +265,10 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
     """Both stacks loaded as prepared, the trainer first (it checks the weights before the engine starts)."""
     cfg, source, settings, tokenizer, plan = (prepared.config, prepared.source, prepared.settings, prepared.tokenizer,
                                               prepared.plan)
-    train = trainer_stack_for(cfg.train, settings)
+    train = stack_for(cfg.train, settings)
     with memory_errors(plan, "loading the training stack"), timings.timed("load.train"):
         train.load(train_settings(cfg, settings))  # first: it checks the weights for NaN/Inf before the engine starts
-    if cfg.infer == "vllm":  # at tensor_parallel_size > 1 the engine's model lives in its ranks
-        from ..engines.vllm.tensor_parallel import stack_for
-
-        infer = stack_for(settings)
-    else:
-        infer = get_stack(cfg.infer)
+    infer = stack_for(cfg.infer, engine_settings(settings))  # over its ranks where its args ask for several
     try:
         with memory_errors(plan, "starting the inference stack"), timings.timed("load.infer"):
             infer.load(engine_settings(settings))
@@ -255,7 +277,8 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
         raise
     load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
     return loaded(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                  load_peak_bytes=load_peak, placement=prepared.placement)
+                  load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
+                  prompts=prepared.prompts)
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -267,45 +290,39 @@ def _replays_routes(run: RunSpec | None) -> bool:
     return run is not None and "routing" in (run.ablate.regions if run.kind == "ablate" else run.align.regions)
 
 
-def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokenizer, plan_for: RunSpec | None,
-             can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
+def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_for: RunSpec | None,
+             prompts: tuple[Path, list[Prompt]] | None, can_alternate: bool) -> tuple[memory_plan.MemoryPlan, str, StackSettings]:
     """The memory plan for this load (raises DeviceMemoryError when nothing fits), why its placement, and the settings
-    it implies: the planned batch_tokens, and on CUDA vLLM's KV budget as engine args (the user's own engine args
-    win)."""
+    it implies: the planned batch_tokens, and the engine args its class plans for the KV budget (StackClass.plan; the
+    user's own engine args win)."""
     from ..models.checkpoint import checkpoint_tensors
 
-    free, total, source_of_free = memory_plan.device_memory(settings.device)
+    free, total, source_of_free = device_memory(settings.device)
     train_device = resolve_train_device(cfg.train_device, cfg.device)
     apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
-    train_free, train_total, train_source = memory_plan.device_memory(train_device) if apart else (0, 0, "")
-    size = memory_plan.ModelSize.of(source.config, checkpoint_tensors(source.path))
+    train_free, train_total, train_source = device_memory(train_device) if apart else (0, 0, "")
+    size = ModelSize.of(source.config, checkpoint_tensors(source.path))
     if plan_for is not None:
-        lengths = tuple(len(p.token_ids) for p in load_run_prompts(plan_for, tokenizer, source.max_model_len)[1])
+        lengths = tuple(len(p.token_ids) for p in prompts[1])
         tap_names, g = plan_for.capture.tap_names, plan_for.generate
         new, samples = (g.max_new_tokens, g.samples_per_prompt) if g.generates else (0, 1)
     else:  # the worst case: every tap, and batches of one prompt of batch_tokens tokens
         lengths, new, samples = (), 0, 1
         tap_names = frozenset(size.tap_widths()) | {"logits"}
-    user = cfg.engine_args
-    fixed_kv = user.get("kv_cache_memory_bytes")
-    if cfg.infer == "vllm" and settings.device == "cpu":
-        fixed_kv = cpu_kv_cache_gib() * memory_plan.GiB  # what engines/vllm/stack.py gives the engine
-    elif fixed_kv is None and "gpu_memory_utilization" in user and settings.device == "cuda":
-        stacks_here = 1 if apart else 2  # vLLM's share counts the weights on its device: its own, and the trainer's
-        fixed_kv = max(0, int(user["gpu_memory_utilization"] * total)
-                       - stacks_here * size.parameters * _DTYPE_BYTES[cfg.dtype])
+    infer = stack_class(cfg.infer)
+    engine = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2)
     default_batch = next(f.default for f in fields(LoadSpec) if f.name == "batch_tokens")
     inputs = memory_plan.PlanInputs(
         model=size,
         dtype_bytes=_DTYPE_BYTES[cfg.dtype], taps=frozenset(tap_names), prompt_lengths=lengths,
         batch_tokens=cfg.batch_tokens, batch_tokens_fixed=cfg.batch_tokens != default_batch,
         max_model_len=settings.max_model_len, device=settings.device, free_bytes=free, free_source=source_of_free,
-        infer=cfg.infer, engine=cfg.engine, new_tokens=new, samples=samples, kv_cache_bytes_fixed=fixed_kv,
-        engine_share=user.get("gpu_memory_utilization") if settings.device == "cuda" else None,
-        kv_dtype_bytes=1 if str(user.get("kv_cache_dtype", "")).startswith("fp8") else None,
+        engine_kv=engine.kv_bytes_per_token is not None, engine=cfg.engine, new_tokens=new, samples=samples,
+        kv_cache_bytes_fixed=engine.kv_cache_bytes, engine_share=engine.share,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
         reduction="eager" if os.environ.get("DIVERGENCE_PROBE_EAGER") == "1" else "compiled",
         noise_floor=plan_for is not None and plan_for.capture.batch_invariance,
-        tensor_parallel=ranks if isinstance(ranks := user.get("tensor_parallel_size"), int) else 1,
+        tensor_parallel=engine.ranks,
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
         engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise)
@@ -313,11 +330,10 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, tokeni
     plan = memory_plan.check(plan)
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
-    engine = plan.engine_args()
-    if engine and "gpu_memory_utilization" not in user:
-        engine["gpu_memory_utilization"] = plan.gpu_memory_utilization(total)
+    planned = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2,
+                         budget=(plan.kv_cache_bytes, plan.engine_share(total)) if total else None).engine_args
     return plan, why, replace(settings, batch_tokens=plan.batch_tokens,
-                              engine_args=freeze_engine_args({**engine, **user}))
+                              engine_args=freeze_engine_args({**planned, **cfg.engine_args}))
 
 
 def _engine_passes(run: RunSpec | None) -> int:
@@ -340,6 +356,11 @@ def memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
         if memory_plan.is_out_of_memory(e):
             raise memory_plan.out_of_memory_error(e, plan, phase) from e
         raise
+
+
+def _prompts_key(spec: RunSpec) -> tuple:
+    """What the run's tokenized prompts depend on (load_run_prompts reads these)."""
+    return spec.prompts, spec.generate.generates, spec.generate.max_new_tokens
 
 
 def load_run_prompts(spec: RunSpec, tokenizer, max_model_len: int) -> tuple[Path, list[Prompt]]:

@@ -14,7 +14,7 @@ import torch
 from ..environment import to_device
 from .. import timings
 from ..errors import NumericsError, StackError
-from ..models.memory_plan import Peaks
+from .measured import Peaks
 from ..numerics.metrics import token_kl
 from ..prompts import Prompt, batches
 from .scored import TokenScore
@@ -112,7 +112,7 @@ def score_both(probe, prompts: Sequence[Prompt], source: SequenceSource, infer_t
     done, its taps are finished and its scores queued. `collect` gets every sequence's scores one sequence late
     (PendingScores says why). `capture` files taps (capture.TapPairing, or a benchmark's stand-in with the same
     park/pair/finish_prompt methods). Returns the sequences, as the training stack ran them. `peaks` records the
-    device's peak memory of each engine step and of each batch's training and reduction (memory_plan.Peaks).
+    device's peak memory of each engine step and of each batch's training and reduction (measured.Peaks).
     `make_scores(sequence, train_scores)` makes a sequence's scores (anything with `read()`); by default PendingScores,
     the token KL over the full distribution, which only an inference stack that hands over logits allows (score's
     recorded rollouts hold logprobs only, and make their own)."""

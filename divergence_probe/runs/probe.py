@@ -43,7 +43,10 @@ class Probe(LoadedStacks):
         if spec.load != self.config:
             raise ProbeError("the run spec asks for other load settings than this probe was loaded with; "
                              "load a probe for them (divergence_probe.run(spec) does both)")
-        check_family(spec, self.config, self.source.family)
+        if spec != self.checked:  # the load checked the run it was prepared for; another is checked here
+            self.prompts.clear()
+            check_family(spec, self.config, self.source.family)
+        self.checked = None  # a later run reads its prompt files again: they may have changed
         with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
             run = self._run(spec, progress)
         if "placement" in run.manifest:  # both stacks together: the engine ran every prompt once per combination
@@ -91,7 +94,7 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
     (rl records every rollout's routes there); a run that replays routes (`plan_for`) implies it.
     `before_stacks(source, tokenizer)` runs once the checkpoint and tokenizer are known and before the slow loads:
     the CLI checks the prompts there, so a bad prompt fails in seconds, not after an engine start.
-    `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (models/memory_plan.py) sizes
+    `plan_for`: the run this probe is loaded for. Before either stack loads, the memory plan (runs/memory.py) sizes
     vLLM's KV cache, the tap batch and the reduction for its prompts, taps and mode, or fails in one line when nothing
     fits; without it, the plan assumes every tap and batches of one prompt of --batch-tokens tokens.
     `quiet`: the libraries' own output (vLLM's and transformers' logs, the hub's progress bars) is quieted while
@@ -101,9 +104,10 @@ def load(model: str | None = None, *, spec: LoadSpec | None = None, before_stack
 
 
 def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, before_stacks=None,
-        spill_near: Path | None = None, notice: Callable[[str], None] | None = None):
+        spill_near: Path | None = None, notice: Callable[[str], None] | None = None, check=None, gate=None):
     """Load the spec's model, run it, and return the run (CompareRun or AblationRun). `quiet`, `before_stacks`: as
-    load's. The memory plan places the stacks (--placement): both loaded at once, or one at a time (runs/alternate.py),
+    load's. `check(source)` and `gate.check_model(family)` (reports/gate.py) are asked once the model is resolved,
+    before anything loads (rerun: is this the recorded checkpoint?). The memory plan places the stacks (--placement): both loaded at once, or one at a time (runs/alternate.py),
     the engine's outputs kept in between, in chunk files beside `spill_near` (the run folder to be) when the host
     cannot hold them. `notice(line)` is told which placement and why, before anything loads."""
     from .alternate import run_alternate
@@ -112,7 +116,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
     with libraries_quieted(quiet):
         with timings.timed("load"):
             prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=spec.kind != "remedies",
-                               spill_near=spill_near)
+                               spill_near=spill_near, check=check, gate=gate)
         if notice is not None:
             notice(f"placement: {prepared.placement['placement']} ({prepared.placement['why']})")
         if prepared.alternate:

@@ -36,8 +36,8 @@ from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
 from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
 from ..numerics.shapley import METRICS, NO_INTERVAL, SHIPPED, bootstrap, effect, per_prompt
 from ..numerics.tables import NOISE_FLOORS, largest_noise_floor
-from ..spec.knobs import applied, check_factor
-from ..spec.run import READING_TAP, RunSpec, check_family
+from ..spec.knobs import applied
+from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
 
 TRAINER, ENGINE, BOTH = "trainer only", "engine setting", "both"
 SIDES = ("train_forward", "train_forward_backward", "engine_step")  # the steps whose cost is timed, per arm
@@ -98,9 +98,11 @@ def _fp16(base: RunSpec, family) -> RunSpec:
 
 
 def _fp8_off(base: RunSpec, family) -> RunSpec:
-    from ..engines.vllm.knobs import quantized
+    from ..engines import knobs_of
 
-    fp8 = quantized(base.load.engine_args) if base.load.infer == "vllm" else {}
+    args = base.load.engine_args
+    fp8 = {knob.key for knob in knobs_of(infer=base.load.infer).values()  # the engine's own knobs (none for hf)
+           if knob.side == "engine" and knob.field == "engine_args" and "fp8" in str(args.get(knob.key, ""))}
     if not fp8:
         raise NotRun("the engine runs no FP8 (no kv_cache_dtype or quantization in --engine-args): nothing to turn "
                      "off; FP8 in vLLM needs a GPU")
@@ -117,8 +119,12 @@ def _routing(replay: str):
 
 
 def _fp32_layers(base: RunSpec, family) -> RunSpec:
-    if base.load.train != "hf" or base.load.train_tp > 1:
-        raise NotRun("its patch runs on an unsharded transformers trainer (--train-tp 1)")
+    from ..engines import capabilities_of
+    from ..engines.protocol import TRAINER_REGIONS
+
+    refusal = capabilities_of(base.load.train, ranks=base.load.train_tp).first_refused([TRAINER_REGIONS])
+    if refusal:
+        raise NotRun(refusal)
     return base  # the layers are patched by run_remedies, not by an aligned region
 
 
@@ -236,12 +242,10 @@ def _forward_backward(view, prompts) -> None:
     try:
         for p in params:
             p.requires_grad_(True)
-        with stack._numerics("train") as observed:
-            with observed():
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            chosen = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-            with observed(autocast=False):
-                (chosen * mask[:, 1:]).sum().backward()
+        logits = stack.forward(ids, mask, positions)  # the Trainer protocol's training forward, as rl runs it
+        chosen = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        with stack.numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
+            (chosen * mask[:, 1:]).sum().backward()
     finally:
         for p, grad in zip(params, was):
             p.grad = None
@@ -378,35 +382,27 @@ def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]
         if step.load.dtype != probe.config.dtype:
             yield _fp16_view(probe, step, stack)
         elif layers:
-            from ..engines.hf.patches.layers import patch
-
-            stack.enter_context(HookSet()).apply(patch(probe.train.model, layers,
-                                                       _regions_of(probe.source.family, NUMERIC)))
+            stack.enter_context(HookSet()).apply(probe.train.layers_aligned(layers,
+                                                                            _regions_of(probe.source.family, NUMERIC)))
             yield probe
         else:
             yield stack.enter_context(_configured(probe, step, None))
 
 
 def _fp16_view(probe, step: RunSpec, stack: ExitStack):
-    """Both stacks in the arm's dtype: another trainer, and another engine (vLLM in a worker process: its CPU backend
-    hosts one engine per process; a second transformers instance beside the first for --infer hf)."""
+    """Both stacks in the arm's dtype: another trainer, and another engine (in a worker process where the stack builds
+    one there, as vLLM, whose CPU backend hosts one engine per process; else beside the first in this process)."""
+    from ..engines import stack_class
     from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
 
     view = probe.with_trainer(dtype=step.load.dtype)
     stack.callback(view.train.close)
     settings = replace(engine_settings_for(probe.config, probe.settings, step), dtype=TORCH_DTYPES[step.load.dtype])
-    if probe.config.infer == "vllm":
-        from ..engines.vllm.worker import WorkerStack
-
-        engine = WorkerStack(settings).start()
-        stack.callback(engine.close)
-        engine.wait_ready()
-    else:
-        from ..engines import get_stack
-
-        engine = get_stack(probe.config.infer)
-        engine.load(engine_settings(settings))
-        stack.callback(engine.close)
+    kind = stack_class(probe.config.infer)
+    settings = engine_settings(settings)
+    engine = kind.for_settings(settings, () if kind.workers else None)  # vLLM's CPU backend: one engine a process
+    stack.callback(engine.close)
+    engine.load(settings)
     return replace(view, infer=engine, owns_infer=False, settings=replace(view.settings, dtype=settings.dtype))
 
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
-from ..engines.vllm.replayable import refused_engine_args
+from ..engines import stack_class
 from ..errors import ProbeError, printable
 from ..spec.run import COMPONENTS, RunSpec, flat_fields
-from ..spec.load import LoadSpec
+from ..spec.load import DEFAULT_INFER, LoadSpec
 from ..spec.fields import flag_of
 from ..spec.from_manifest import recorded
 
@@ -44,11 +44,12 @@ ALLOW_FLAG = "--allow-engine-arg"
 def check_replayable(spec: RunSpec, allowed: Iterable[str], where: str) -> None:
     """ProbeError, one line naming the manifest field and the flag that allows it, for the first engine arg of
     `spec` that rerun does not replay without asking."""
-    _check_engine_args(spec.load.engine_args, "spec.load.engine_args", allowed, where)
+    _check_engine_args(spec.load.engine_args, spec.load.infer, "spec.load.engine_args", allowed, where)
 
 
-def _check_engine_args(engine_args: dict, field: str, allowed: Iterable[str], where: str) -> None:
-    refused = refused_engine_args(engine_args, allowed)
+def _check_engine_args(engine_args: dict, infer: str, field: str, allowed: Iterable[str], where: str) -> None:
+    """`infer`: the registry name of the stack the args go to, which says which of them it replays."""
+    refused = stack_class(infer).refused_replay(engine_args, tuple(allowed))
     if refused:
         more = f" (and {', '.join(refused[1:])})" if len(refused) > 1 else ""
         raise ProbeError(f"{where} sets {field}.{refused[0]}{more}, which rerun does not replay without "
@@ -120,7 +121,7 @@ def describe(spec: RunSpec, out_dir, gate=None) -> list[str]:
     """What rerun is about to run, in lines for the console: the model, the prompts, the engine args, the command."""
     load = spec.load
     lines = [f"rerun: {spec.kind} of model {load.model or 'builtin:default'} ({load.infer} vs {load.train}, "
-             f"{load.dtype} on {load.device}, engine {load.engine if load.infer == 'vllm' else 'none'})",
+             f"{load.dtype} on {load.device}, engine {load.engine if stack_class(load.infer).modes else 'none'})",
              f"  prompts: {spec.prompts.prompts or 'the packaged sample prompts'}",
              f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
              f"  same as: {shlex.join(command_line(spec, out_dir, gate))}"]
@@ -164,15 +165,14 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
-    from ..rl.reward import BUILT_IN
-    from ..spec.rl import RLSpec
+    from ..spec.rl import BUILT_IN_REWARDS, RLSpec
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
                          "`command` instead")
     spec = recorded(RLSpec, manifest["spec"], "spec")
-    _check_engine_args(spec.engine_args, "spec.engine_args", allowed, where)
-    if spec.reward is not None and spec.reward not in BUILT_IN:
+    _check_engine_args(spec.engine_args, DEFAULT_INFER, "spec.engine_args", allowed, where)
+    if spec.reward is not None and spec.reward not in BUILT_IN_REWARDS:
         raise ProbeError(f"{where} sets spec.reward to the plug-in {spec.reward!r}, Python code rerun does not import "
                          "from a run folder; if you trust whoever made it, run "
                          f"`{shlex.join(rl_command_line(spec))}` yourself")

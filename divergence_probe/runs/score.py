@@ -30,7 +30,7 @@ from .manifest import build_manifest, model_section
 from .progress import Progress, phase
 from .scored import FAR_FACTOR, FAR_FLOOR, FIT_TEMPERATURES, ScoreRun, TokenScore, numbered
 from ..engines.protocol import PromptScores
-from ..engines.recorded.stack import RecordedStack
+from ..engines import stack_class
 from ..errors import NumericsError, ProbeError, one_line
 from ..numerics.metrics import token_kl, token_logprobs
 from ..prompts import Prompt
@@ -102,7 +102,7 @@ class RecordedSides:
     """What compare's run loop asks of a probe, for score: the recorded rollouts on the inference side, the
     training stack on the other."""
 
-    infer: RecordedStack
+    infer: object  # the registry's "recorded" stack
     train: object
 
 
@@ -165,7 +165,7 @@ def score_batch(scorer: Scorer, batch: RolloutBatch, *, temperature: float | Non
     ids = numbered(batch)
     sequences = [Prompt(i, f"{batch.path.name} row {r.row}", "", r.prompt_ids + r.response_ids)
                  for i, r in enumerate(batch.rollouts)]
-    sides = RecordedSides(RecordedStack({i: r.logprobs for i, r in enumerate(batch.rollouts)}), scorer.train)
+    sides = RecordedSides(stack_class("recorded")({i: r.logprobs for i, r in enumerate(batch.rollouts)}), scorer.train)
     source = RecordedSource(scorer.batch_tokens, scorer.infer)
     tokens: list[TokenScore] = []
     # With --temperature every logprob of the comparison is at that temperature (the trainer's, the engine's prefill,
@@ -242,19 +242,18 @@ def _prompts(batch: RolloutBatch, ids, tokenizer) -> list[Prompt]:
     return list(out.values())
 
 
-def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
-    """The training stack alone (the engine too for `prefill`, through divergence_probe.load). `check(source,
+def load_scorer(spec: LoadSpec, infer: str | None, check=None) -> Scorer:
+    """The training stack alone (and the engine `infer` for its prefill, through divergence_probe.load). `check(source,
     tokenizer)` runs before any stack loads, so a file that does not fit the model fails in seconds."""
     from ..engines import torch_state
     from ..environment import environment, resolve_device
     from ..models.source import resolve_model
-    from .loading import load_stacks, stack_settings, train_settings
-    from ..engines.hf.tensor_parallel import trainer_stack_for
+    from .loading import load_stacks, stack_settings, train_settings, stack_for
     from ..versions import check as check_versions
 
-    check_versions(prefill, spec.allow_untested_versions)  # before anything loads
-    if prefill:
-        probe = load_stacks(spec=replace(spec, infer="vllm"), before_stacks=check, taps="none")
+    check_versions(stack_class(infer).libraries if infer else (), spec.allow_untested_versions)  # before any load
+    if infer is not None:
+        probe = load_stacks(spec=replace(spec, infer=infer), before_stacks=check, taps="none")
         return Scorer.of_probe(probe, prefill=True)
     from transformers import AutoTokenizer
 
@@ -266,7 +265,7 @@ def load_scorer(spec: LoadSpec, prefill: bool, check=None) -> Scorer:
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     if check is not None:
         check(source, tokenizer)
-    train = trainer_stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
+    train = stack_for(spec.train, settings)  # on --train-device, sharded at --train-tp, as compare's trainer
     train.load(train_settings(spec, settings))
     manifest = {"model": model_section(source),
                 "load": {k: getattr(spec, k) for k in ("train", "dtype", "train_attn", "train_sdpa", "train_state",
@@ -314,9 +313,9 @@ def score_spec(call: ScoreSpec, spec: LoadSpec, check=None, progress: Progress |
         if check is not None:
             check(source)
         check_fits(batch, tokenizer, vocab_size(source.config, tokenizer), source.max_model_len,
-                   engine=call.infer == "vllm")
+                   engine=call.infer is not None)
 
-    scorer = load_scorer(spec, call.infer == "vllm", before_stacks)
+    scorer = load_scorer(spec, call.infer, before_stacks)
     try:
         run = score_batch(scorer, batch, temperature=call.temperature, clip_eps=call.clip_eps, tis_cap=call.tis_cap,
                           progress=progress)
@@ -342,7 +341,7 @@ def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, g
     for conditions in (alarms, gate):
         if conditions:
             conditions.check_measured(call, model_free)
-    scorer = None if model_free else load_scorer(load, call.infer == "vllm")
+    scorer = None if model_free else load_scorer(load, call.infer)
     try:
         def score_one(path: Path):
             batch = first if path == files[0] else read_rollouts(path, call.fmt, call.fields)
@@ -355,7 +354,7 @@ def score_steps(files: list[Path], out_dir: Path, call, load, *, alarms: Gate, g
 
         manifest = {} if scorer is None else {k: v for k, v in scorer.manifest.items() if k != "kind"}
         manifest["score"] = {"spec": asdict(replace(call, rollouts=str(files[0]))), "load_spec": asdict(load),
-                             "trainer": "recorded" if model_free else "scored", "prefill": call.infer == "vllm",
+                             "trainer": "recorded" if model_free else "scored", "prefill": call.infer is not None,
                              "format": first.format, "first_file": str(files[0]), "last_file": str(files[-1]),
                              "n_files": len(files)}
         return write_history(files, out_dir, score_one, alarms=alarms, gate=gate, manifest=manifest, draw=draw,

@@ -7,9 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..engines import INFER_STACKS, TRAIN_STACKS
-from ..engines.hf.kernels import KERNELS, get_kernels
-from ..engines.vllm.knobs import ENGINES, check_engine_args, quantized
+from ..engines import INFER_STACKS, TRAIN_STACKS, stack_class
+from ..engines.protocol import ENGINE_MODES
 from ..errors import ProbeError, one_line
 from ..options import option
 from ..versions import ALLOW_HELP
@@ -21,7 +20,9 @@ TRAIN_SDPA = ("auto", "math", "flash", "efficient", "cudnn")
 TRAIN_STATES = ("isolated", "inherited")
 TRAIN_PRECISIONS = ("bf16", "amp")
 DEVICES = ("auto", "cpu", "cuda")
-PLACEMENTS = ("auto", "together", "alternate")  # --placement (models/memory_plan.placed)
+PLACEMENTS = ("auto", "together", "alternate")  # --placement (runs/memory.placed)
+DEFAULT_INFER, DEFAULT_TRAIN = "vllm", "hf"  # the stacks a run loads unless told (rl's, always)
+SHIPPED_KERNELS = "torch"  # --train-kernels' default: the trainer's own ops, as it ships
 TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
 
 
@@ -53,8 +54,8 @@ class LoadSpec:
 
     model: str | None = option(None, "Checkpoint folder or hub id (e.g. Qwen/Qwen2.5-1.5B). Default: the built-in "
                                      "tiny trained Qwen3.", short="-m")
-    infer: str = option("vllm", "Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
-    train: str = option("hf", "Training side: hf (transformers).")
+    infer: str = option(DEFAULT_INFER, "Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
+    train: str = option(DEFAULT_TRAIN, "Training side: hf (transformers).")
     dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
@@ -75,7 +76,7 @@ class LoadSpec:
                                           "torch.autocast to --dtype, as torch AMP and FSDP mixed precision run: norms, "
                                           "the residual stream and RoPE stay FP32; needs --dtype bfloat16 or float16 "
                                           "and --taps none or logits).")
-    train_kernels: str = option("torch", "Kernel set of the training side's forward: torch (transformers' eager "
+    train_kernels: str = option(SHIPPED_KERNELS, "Kernel set of the training side's forward: torch (transformers' eager "
                                          "ops, as shipped), vllm (the engine's own RMSNorm, fused add+norm, "
                                          "SiLU-and-mul and rotary kernels: what stays different is GEMMs and attention; "
                                          "no backward) or liger (Liger-Kernel's RMSNorm, RoPE and SwiGLU, as verl, "
@@ -103,21 +104,22 @@ class LoadSpec:
     @property
     def engine_ranks(self) -> int:
         """The processes the inference stack runs on (vLLM's tensor_parallel_size): which of its classes is asked what
-        it can do. Another type than int counts as one: check_engine_args refuses it."""
-        ranks = self.engine_args.get("tensor_parallel_size") if self.infer == "vllm" else 1
-        return ranks if isinstance(ranks, int) else 1
+        it can do. Another type than int counts as one: the stack's settings check refuses it."""
+        return stack_class(self.infer).ranks(self.engine_args)
 
     def __post_init__(self) -> None:
         _choice(self.infer, INFER_STACKS, "--infer")
         _choice(self.train, TRAIN_STACKS, "--train")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
-        _choice(self.engine, ENGINES, "--engine")
+        _choice(self.engine, ENGINE_MODES, "--engine")
         _choice(self.train_attn, TRAIN_ATTN, "--train-attn")
         _choice(self.train_sdpa, TRAIN_SDPA, "--train-sdpa")
         _choice(self.train_state, TRAIN_STATES, "--train-state")
         _choice(self.train_precision, TRAIN_PRECISIONS, "--train-precision")
-        _choice(self.train_kernels, tuple(KERNELS), "--train-kernels")
+        trainer = stack_class(self.train)
+        if self.train_kernels != SHIPPED_KERNELS:
+            _choice(self.train_kernels, trainer.kernel_sets(), "--train-kernels")
         _choice(self.placement, PLACEMENTS, "--placement")
         if self.placement == "alternate" and (self.train_tp > 1 or self.train_device is not None):
             raise ProbeError("--placement alternate loads the trainer on the engine's device once the engine is gone; "
@@ -129,10 +131,6 @@ class LoadSpec:
             raise ProbeError("--train-precision amp autocasts an FP32 model to --dtype, which is float32 here; use "
                              "--dtype bfloat16 or float16, or --train-precision bf16")
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
-        if self.infer == "vllm" and quantized(self.engine_args):  # the engine's own check, before anything loads
-            from ..environment import resolve_device
-
-            check_engine_args(self.engine_args, resolve_device(self.device))
         if self.train_tp < 1:
             raise ProbeError(f"--train-tp must be at least 1, got {self.train_tp}")
         if self.train_tp > 1 and self.train_precision == "amp":
@@ -147,7 +145,7 @@ class LoadSpec:
         if self.train_kernels != "torch":  # before anything loads: a device it cannot run on, a package not installed
             from ..environment import resolve_train_device
 
-            get_kernels(self.train_kernels).check(resolve_train_device(self.train_device, self.device))
+            trainer.kernel_set(self.train_kernels).check(resolve_train_device(self.train_device, self.device))
         if self.batch_tokens < 1:
             raise ProbeError("--batch-tokens must be positive")
         if not 0 <= self.seed < 2**32:
@@ -155,6 +153,4 @@ class LoadSpec:
         if self.train_sdpa != "auto" and self.train_attn != "sdpa":
             raise ProbeError(f"--train-sdpa {self.train_sdpa} needs --train-attn sdpa (got {self.train_attn}); "
                              "drop --train-sdpa or use --train-attn sdpa")
-        if self.infer != "vllm" and (self.engine != "eager" or self.engine_args):
-            raise ProbeError(f"--engine and --engine-args configure vLLM, but --infer is {self.infer}; "
-                             "drop them or use --infer vllm")
+        stack_class(self.infer).check_settings(self)  # the engine's own check, before anything loads

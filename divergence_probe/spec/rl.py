@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..engines.protocol import ENGINE_MODES
 from ..errors import ProbeError
 from ..options import check_finite, option
 from ..regions import ALL_REGIONS, get_region, parse_regions
 from .generate import MAX_GROUP_SIZE, MAX_NEW_TOKENS
-from .load import DEVICES, TRAIN_PRECISIONS, parse_engine_args
+from .load import DEFAULT_INFER, DEFAULT_TRAIN, DEVICES, SHIPPED_KERNELS, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
 
 SIDES = ("both", "train")
-ENGINES = ("eager", "compiled")
 NO_SIGNAL_STEPS = ("step", "skip")
+BUILT_IN_REWARDS = ("brackets", "letters")  # --reward's tasks by name (rl/reward.py BUILT_IN); anything else is code
 CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
@@ -22,8 +23,8 @@ MAX_STEPS = 100_000
 MAX_SEEDS = 100
 MAX_PROMPTS_PER_STEP = 1024
 MAX_RESPONSES_PER_STEP = 8192  # the trainer scores every response of a step in one forward batch
-# vllm.LLM keywords rl sets itself. The reasons compare gives for them (engines/vllm/knobs.py OWNED_ENGINE_ARGS) name flags rl does not
-# have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
+# vllm.LLM keywords rl sets itself. The reasons compare gives for them (the engine's StackClass.owned_args) name flags rl
+# does not have, so rl refuses them here, with its own reasons, before vLLM is imported; any other key compare owns is covered
 # by the generic reason.
 ENGINE_ARGS_OWNED = {
     "dtype": "rl runs both sides in bfloat16",
@@ -125,7 +126,8 @@ class RLSpec:
                                           "train:kernels=liger, train:precision=amp, train:correction=tis|mis, "
                                           "engine:kv_cache_dtype=fp8 (the same engine items in every setting: "
                                           "one engine serves them all), e.g. --setting none --setting "
-                                          "train:correction=tis --setting rope,swiglu,rmsnorm,train:kernels=liger.")
+                                          "train:correction=tis --setting rope,swiglu,rmsnorm,train:kernels=liger.",
+                                  repeat=True)
     side: str = option("both", "Where regions are aligned: both (trainer and engine) or train (the engine as shipped).")
     engine: str = option("eager", "The rollout engine: eager (enforce_eager; regions can be aligned in it) or compiled "
                                   "(vLLM's defaults, as RL frameworks deploy it: torch.compile, and CUDA graphs on a "
@@ -171,7 +173,8 @@ class RLSpec:
         checks = [
             (self.device in DEVICES, f"--device {self.device!r} is not valid; choose one of: {', '.join(DEVICES)}"),
             (self.side in SIDES, f"--side {self.side!r} is not valid; choose one of: {', '.join(SIDES)}"),
-            (self.engine in ENGINES, f"--engine {self.engine!r} is not valid; choose one of: {', '.join(ENGINES)}"),
+            (self.engine in ENGINE_MODES, f"--engine {self.engine!r} is not valid; choose one of: "
+                                         f"{', '.join(ENGINE_MODES)}"),
             (self.correction in CORRECTIONS, f"--correction {self.correction!r} is not valid; choose one of: "
                                              f"{', '.join(CORRECTIONS)}"),
             (1 <= self.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}"),
@@ -205,17 +208,17 @@ class RLSpec:
                 raise ProbeError(message)
         object.__setattr__(self, "setting", tuple(self.setting))
         object.__setattr__(self, "engine_args", parse_engine_args(self.engine_args))
-        from ..engines.vllm.knobs import OWNED_ENGINE_ARGS
+        from ..engines import stack_class
 
+        owned = stack_class(DEFAULT_INFER).owned_args
         for key, value in self.engine_args.items():
             if key == "enable_prefix_caching" and value is True:  # what rl sets anyway
                 continue
-            if key in ENGINE_ARGS_OWNED or key in OWNED_ENGINE_ARGS:
+            if key in ENGINE_ARGS_OWNED or key in owned:
                 why = ENGINE_ARGS_OWNED.get(key, "rl sets it itself")
                 raise ProbeError(f"--engine-args key {key!r}: {why}; drop the key")
-        from ..engines.hf.kernels import get_kernels
-
-        get_kernels(self.train_kernels).check_backward()
+        if self.train_kernels != SHIPPED_KERNELS:
+            stack_class(DEFAULT_TRAIN).kernel_set(self.train_kernels).check_backward()
         arms = [parse_setting(s) for s in (self.setting or (self.align,))]
         seen: dict[RLSetting, str] = {}
         for text, arm in zip(self.setting, arms):
@@ -229,7 +232,7 @@ class RLSpec:
         for arm in arms:
             kernels = arm.value("train:kernels")
             if kernels is not None:
-                get_kernels(kernels).check_backward()
+                stack_class(DEFAULT_TRAIN).kernel_set(kernels).check_backward()
         engines = {arm.engine_knobs for arm in arms}
         if len(engines) > 1:  # one process holds one vLLM engine (engines/vllm/stack.py), and rl's settings share it
             shown = " vs ".join(",".join(e) or "the engine as given" for e in sorted(engines))

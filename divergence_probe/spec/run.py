@@ -5,7 +5,7 @@
 
 Each component owns its fields, defaults and checks (`__post_init__`), so a bad flag fails before anything
 loads, and every default lives in exactly one place: its component. Fields are declared with `options.option`, which
-also carries the flag's help text; `cli.py` generates each command's options from these fields. The manifest
+also carries the flag's help text; `cli/options.py` generates each command's options from these fields. The manifest
 stores `spec.to_dict()`, and `RunSpec.from_dict` turns it back into the same spec, which is what `rerun` runs.
 """
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of
-from ..engines.hf.kernels import get_kernels
+from ..engines import capabilities_of, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -27,8 +26,8 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
-from .knobs import applied, check_factor
-from .load import LoadSpec
+from .knobs import applied, parse_factor
+from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
 from .remedies import RemediesSpec
 
@@ -106,13 +105,14 @@ class RunSpec:
         refusal = infer.first_refused(self._graft_features())
         if refusal:  # a compiled engine's
             raise ProbeError(refusal)
-        if self.capture.engine_noise and self.load.infer != "vllm":
-            raise ProbeError(f"--engine-noise measures vLLM's eager-vs-compiled gap, but --infer is {self.load.infer}; "
-                             "drop --engine-noise or use --infer vllm")
+        refusal = infer.first_refused(["--engine-noise"] if self.capture.engine_noise else [])
+        if refusal:  # an inference stack without another engine mode
+            raise ProbeError(refusal)
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
-        get_kernels(self.load.train_kernels).check_regions(regions, self.align.side)
+        if self.load.train_kernels != SHIPPED_KERNELS:
+            stack_class(self.load.train).kernel_set(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
                 "logits" in self.capture.tap_names or self.capture.graft or self.capture.depth):
             raise ProbeError(f"lm_head on --side {self.align.side} alone makes one stack's logits FP32 and the other's "
@@ -275,6 +275,29 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
     return RunSpec(kind=kind, **built, **top)
 
 
+def check_factor(label: str, load) -> None:
+    """A factor against the run's own load settings, before anything loads: its knob's checker on the device, and a
+    value the run already has (no change to attribute) refused."""
+    from ..environment import resolve_device, resolve_train_device
+
+    factor = parse_factor(label)
+    knob = factor.knob
+    flag, stack = ("--infer", load.infer) if knob.side == "engine" else ("--train", load.train)
+    if knob.owner != stack:  # a knob of another stack than the run's on that side
+        raise ProbeError(f"--factor {label} changes {stack_class(knob.owner).title}, but {flag} is {stack}; drop it or "
+                         f"use {flag} {knob.owner}")
+    device = resolve_device(load.device) if knob.side == "engine" else resolve_train_device(load.train_device,
+                                                                                            load.device)
+    if knob.change(factor.value, load) == getattr(load, knob.field):
+        raise ProbeError(f"--factor {label} is what the run already runs; ablate a change (e.g. drop the matching "
+                         "--train-*/--engine flag)")
+    try:
+        knob.check(factor.value, device)
+        replace(load, **{knob.field: knob.change(factor.value, load)})  # the LoadSpec's own checks of the change
+    except ProbeError as e:
+        raise ProbeError(f"--factor {label}: {e}") from None
+
+
 def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
     """Refuse, before any stack loads, what the model's family cannot do yet (models/: `Family.unsupported`), regions
     its layers do not have, and what cannot run on an engine at tensor_parallel_size > 1 (engines/vllm/
@@ -284,7 +307,7 @@ def check_family(run: "RunSpec | None", load: LoadSpec, family) -> None:
         raise ProbeError(f"--train-tp {load.train_tp} is built for dense models; {family.model_type} is a mixture of "
                          "experts; use --train-tp 1")
     wanted = []
-    if load.engine == "compiled" and load.infer == "vllm":
+    if load.engine == "compiled":  # another inference stack refuses --engine itself (StackClass.check_settings)
         wanted.append("--engine compiled")
     if run is not None:
         wanted += [f for f, on in (("--graft", run.capture.graft), ("--depth", run.capture.depth),

@@ -46,7 +46,7 @@ def _group():
 
 
 def _commands() -> dict:
-    """Every command, built (compare, ablate and rl are built on first use: cli._LazyGroup)."""
+    """Every command, built (compare, ablate, rl and score are built on first use: cli/app.py, LazyGroup)."""
     group = _group()
     ctx = typer.Context(group, info_name=PROG)
     return {name: group.get_command(ctx, name) for name in group.list_commands(ctx)}

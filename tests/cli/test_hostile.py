@@ -369,7 +369,7 @@ def test_make_model_on_a_full_disk_is_one_line(limit, tmp_path):
 @pytest.mark.slow
 def test_failed_vllm_start_leaves_no_dist_file(qwen3_tiny, tmp_path):
     """The engine cannot get the KV cache it is asked for: one line, and vLLM's vllm_dist_* file is removed. The
-    memory plan would refuse this KV cache before vLLM starts (models/memory_plan.py), so the test tells the plan the
+    memory plan would refuse this KV cache before vLLM starts (runs/memory.py), so the test tells the plan the
     machine has room for it: the failure is vLLM's own, at start-up."""
     proc = cli("compare", "--model", qwen3_tiny, "--device", "cpu", "--out", tmp_path / "out", tmpdir=tmp_path,
                env={"VLLM_CPU_KVCACHE_SPACE": "100000", "DIVERGENCE_PROBE_DEVICE_MEMORY": str(200_000 * 2**30)})

@@ -1,4 +1,4 @@
-"""The CLI's progress display (cli._Phases): one bar per long phase, each counting its own work, with the time left;
+"""The CLI's progress display (cli/console.py, Phases): one bar per long phase, each counting its own work, with the time left;
 fed by the API's phases (compare.phase) on the toy stacks (no engine)."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import pytest
 from rich.console import Console
 
 import divergence_probe as dp
-from divergence_probe import cli
+from divergence_probe.cli import app
+from divergence_probe.cli import console as terminal
 
 
 @pytest.fixture
 def phases(monkeypatch):
     """The CLI's own bars on a console that is a terminal (recorded, so what it drew can be read back)."""
     console = Console(file=io.StringIO(), force_terminal=True, record=True, width=160)
-    monkeypatch.setattr(cli, "console", console)
-    with cli._phases() as shown:
+    monkeypatch.setattr(terminal, "console", console)
+    with terminal.phases() as shown:
         yield shown
 
 
@@ -53,8 +54,8 @@ def test_a_plain_callback_sees_what_it_always_saw(toy, qwen3_tiny, prompts_file)
 def test_an_80_column_terminal_keeps_the_counts_and_the_time_left(monkeypatch):
     """A long phase name is cut, not the counts or the times after it."""
     console = Console(file=io.StringIO(), force_terminal=True, record=True, width=80)
-    monkeypatch.setattr(cli, "console", console)
-    with cli._phases() as shown:
+    monkeypatch.setattr(terminal, "console", console)
+    with terminal.phases() as shown:
         shown.phase("noise floor: each stack alone vs batched, another SDPA kernel")
         shown(7, 7)
         shown.phase("combination rope,swiglu,rmsnorm,lm_head,residual (31/32), another long name")
@@ -75,8 +76,8 @@ def test_outside_a_terminal_each_phase_writes_lines_and_the_manifest_its_seconds
 
     from typer.testing import CliRunner
 
-    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.0)
-    result = CliRunner().invoke(cli.app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-fused", "--train",
+    monkeypatch.setattr(terminal.Phases, "LOG_AFTER", 0.0)
+    result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-fused", "--train",
                                           "toy", "--prompts", str(prompts_file), "--taps", "none",
                                           "--batch-invariance", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
@@ -97,11 +98,11 @@ def test_a_long_phase_is_announced_while_it_runs(monkeypatch):
     import time
 
     console = Console(file=io.StringIO(), force_terminal=False, width=80)  # stderr, no terminal: the lines go there
-    monkeypatch.setattr(cli, "console", console)
+    monkeypatch.setattr(terminal, "console", console)
     results = Console(file=io.StringIO(), width=80)  # stdout holds the results alone
-    monkeypatch.setattr(cli, "out", results)
-    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
-    with cli._phases() as shown:
+    monkeypatch.setattr(terminal, "out", results)
+    monkeypatch.setattr(terminal.Phases, "LOG_AFTER", 0.2)
+    with terminal.phases() as shown:
         shown.phase("short")
         shown.phase("long")
         deadline = time.monotonic() + 30
@@ -120,10 +121,10 @@ def test_after_a_long_phase_every_phase_writes_its_lines(monkeypatch):
     import time
 
     console = Console(file=io.StringIO(), force_terminal=False, width=80)
-    monkeypatch.setattr(cli, "console", console)
-    monkeypatch.setattr(cli._Phases, "LOG_AFTER", 0.2)
+    monkeypatch.setattr(terminal, "console", console)
+    monkeypatch.setattr(terminal.Phases, "LOG_AFTER", 0.2)
     floor = "noise floor: each stack alone vs batched, another SDPA kernel"
-    with cli._phases() as shown:
+    with terminal.phases() as shown:
         shown.phase("scoring prompts, reducing taps")
         time.sleep(0.3)
         shown.phase(floor)

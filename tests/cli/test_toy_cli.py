@@ -109,10 +109,10 @@ def test_rerun_refuses_changed_prompts(toy_args, tmp_path, prompts_file):
 def test_bad_prompts_fail_before_any_stack_loads(qwen3_tiny, tmp_path, monkeypatch, prompt_text, message):
     import divergence_probe.runs.loading as loading
 
-    def no_stack(name):
+    def no_stack(name, settings):
         raise AssertionError(f"stack {name} was loaded before the prompts were checked")
 
-    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "stack_for", no_stack)
     prompts = tmp_path / "p.txt"
     prompts.write_text(prompt_text)
     result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts),

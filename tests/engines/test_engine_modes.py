@@ -224,7 +224,7 @@ def test_isolated_trainer_equals_a_fresh_process_bitwise(compiled_run, qwen3_tin
     ({"compilation_config": {"no_such_field": 1}}, "compiled", "compilation config"),
 ])
 def test_bad_engine_args_are_one_line_errors(args, engine, words):
-    from divergence_probe.engines.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.args import check_engine_args
 
     with pytest.raises(StackError) as e:
         check_engine_args(args, engine)
@@ -232,7 +232,7 @@ def test_bad_engine_args_are_one_line_errors(args, engine, words):
 
 
 def test_good_engine_args_pass():
-    from divergence_probe.engines.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.args import check_engine_args
 
     check_engine_args({"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 8,
                        "compilation_config": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}, "compiled")

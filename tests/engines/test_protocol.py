@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.engines import SHARDED, STACKS, capabilities_of, register_stack, stack_class
+from divergence_probe.engines import SHARDED, STACKS, WORKERS, capabilities_of, register_stack, stack_class
 from divergence_probe.errors import StackError
 from divergence_probe.engines.protocol import (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER, PATCH_ONCE_LOADED,
                                                Capabilities, Grafter, RouteRecorder, RouteReplayer, StackSettings)
@@ -92,6 +92,35 @@ def test_every_registered_stack_class_declares_its_capabilities(name, ranks, eng
         assert not getattr(declared, role) or issubclass(cls, protocol), (name, role)
 
 
+def _registered_classes() -> list[str]:
+    return sorted({*STACKS.values(), *SHARDED.values(), *WORKERS.values()})
+
+
+@pytest.mark.parametrize("entry", _registered_classes())
+def test_every_registered_class_owns_its_pre_load_policy_as_the_protocol_declares_it(entry):
+    """Every class the registry hands out (in process, sharded, in a worker) has each seat of StackClass, with the
+    protocol's signature: what a caller outside engines/ asks before anything loads."""
+    import inspect
+    from importlib import import_module
+
+    from divergence_probe.engines.protocol import StackClass
+
+    module, name = entry.split(":")
+    cls = getattr(import_module(module), name)
+    for seat, declared in vars(StackClass).items():
+        if seat.startswith("_"):
+            continue
+        member = inspect.getattr_static(cls, seat)
+        if isinstance(declared, classmethod):
+            assert isinstance(member, classmethod), (entry, seat)
+            ours, theirs = ([(p.name, p.kind, p.annotation) for p in inspect.signature(getattr(c, seat)).parameters
+                             .values()] for c in (cls, StackClass))  # defaults may differ: a sharded class's ranks
+            assert ours == theirs, (entry, seat)
+    for seat in inspect.get_annotations(StackClass):  # its declared attributes: name, title, workers, ...
+        assert seat in dir(cls), (entry, seat)
+    assert cls.workers == (cls.name in WORKERS), entry  # a worker variant is registered where it declares one
+
+
 def test_the_engines_declarations_say_what_the_spec_refuses():
     """A compiled engine refuses the taps Inductor never writes, --graft and a patch once built; a sharded engine or
     trainer refuses what needs its modules in this process, with the ranks in the line."""
@@ -123,7 +152,7 @@ def test_a_feature_the_stack_refuses_is_refused_with_its_reason_before_loading(r
                                                                                prompts_file, tmp_path, monkeypatch):
     from divergence_probe.runs import loading
 
-    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the refusal"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the refusal"))
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["compare", "--model", str(qwen3_tiny), "--infer", "toy-refusing", "--train",
                                       "toy", "--prompts", str(prompts_file), "--mode", "generate", "--out", str(out)])

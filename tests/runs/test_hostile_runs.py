@@ -168,7 +168,7 @@ def test_rerun_replays_plain_engine_args_and_shows_what_will_run_before_loading(
 
     monkeypatch.setattr(rl_experiment, "load", load)  # rl's engine and trainer
     edit(run / "manifest.json", lambda m: m["spec"]["load"].update(infer="vllm", engine_args={"trust_remote_code": True}))
-    monkeypatch.setattr("divergence_probe.engines.vllm.stack.check_engine_args", lambda *a, **k: None)  # no vLLM import
+    monkeypatch.setattr("divergence_probe.engines.vllm.args.check_engine_args", lambda *a, **k: None)  # no vLLM import
     result = invoke("rerun", run, "--allow-engine-arg", "trust_remote_code", "--out", tmp_path / "again")
     assert_refused(result, "stopped where the model would load")  # the flag let it through to the load
     plan = result.stdout
@@ -486,7 +486,7 @@ def test_every_engine_arg_rerun_replays_is_one_vllm_takes():
     import dataclasses
 
     from divergence_probe.engines.vllm.replayable import COMPILATION_REPLAYED, REPLAYED
-    from divergence_probe.engines.vllm.stack import _import_vllm, _llm_keywords
+    from divergence_probe.engines.vllm.args import _import_vllm, _llm_keywords
 
     vllm = _import_vllm()  # as the tool imports it: the trainer's torch state is recorded first
     from vllm.config import CompilationConfig
@@ -562,22 +562,22 @@ def test_rerun_shows_the_manifests_strings_escaped(run, tmp_path, no_load):
 def test_a_swapped_prompt_file_is_caught_before_rerun_writes(toy, qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     """rerun checks the prompt files before anything loads and again on the bytes the run read: a file replaced in
     between makes no run recorded as if made of the original prompts."""
-    import divergence_probe.runs.compare as compare
+    import divergence_probe.runs.loading as loading
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(prompts_file.read_text())
     args = ["--model", qwen3_tiny, "--infer", "toy-fused", "--train", "toy", "--prompts", prompts, "--taps", "none"]
     assert invoke("compare", *args, "--out", tmp_path / "first").exit_code == 0
-    load_run_prompts = compare.load_run_prompts
+    load_run_prompts = loading.load_run_prompts
 
-    def swapped(*a, **kw):  # first called right after rerun's check, before the stacks load and the run reads them
+    def swapped(*a, **kw):  # called once, right after rerun's check and before the stacks load: the run's one read
         if not swapped.done:
             prompts.write_text(prompts_file.read_text() + "\n\nanother prompt\n")
             swapped.done = True
         return load_run_prompts(*a, **kw)
 
     swapped.done = False
-    monkeypatch.setattr(compare, "load_run_prompts", swapped)
+    monkeypatch.setattr(loading, "load_run_prompts", swapped)
     assert_refused(invoke("rerun", tmp_path / "first", "--out", tmp_path / "again"), "changed since")
     assert not (tmp_path / "again").exists()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import divergence_probe as dp
-from divergence_probe.models import memory_plan
+from divergence_probe.runs import memory as memory_plan
 from divergence_probe.spec import spec_from_flat
 
 pytestmark = pytest.mark.engine  # every test starts an engine (a worker) or compiles the reduction

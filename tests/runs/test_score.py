@@ -513,7 +513,7 @@ def test_a_row_at_the_context_is_refused_before_the_engine_loads(qwen3_tiny, tmp
     context = resolve_model(str(qwen3_tiny)).max_model_len
     row = {"prompt_ids": [5] * (context - 1), "response_ids": [6], "logprobs": [-1.0]}
     path = _jsonl(tmp_path / "r.jsonl", [row])
-    monkeypatch.setattr(loading, "trainer_stack_for", lambda *a, **k: pytest.fail("a stack loaded"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a, **k: pytest.fail("a stack loaded"))
     result = CliRunner().invoke(app, ["score", str(path), "--model", str(qwen3_tiny), "--device", "cpu",
                                       "--infer", "vllm", "--out", str(tmp_path / "out")])
     assert_one_line_error(result, f"row 0: {context} tokens", f"use at most {context - 1}")

@@ -36,52 +36,16 @@ import torch
 from ...errors import StackError, one_line
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
+from .policy import HFPolicy, rank_devices
 from ..protocol import (CAPTURED, PATCH_NEVER, PATCH_ONCE_LOADED, TRAINER_REGIONS, Capabilities, PromptScores,
-                        ScoresSink, StackInfo, StackSettings, TapSink)
+                        SamplingSpec, ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
 
 START_SECONDS = 600  # most a rank may take to load its shard and answer
 STOP_SECONDS = 30
 
 
-def trainer_stack_for(name: str, settings: StackSettings):
-    """A fresh, unloaded training stack for these settings: sharded at train_tp > 1."""
-    from .. import stack_class
-
-    return stack_class(name, settings.train_tp)()
-
-
-def check_shardable(config: dict, ranks: int, device: str) -> None:
-    """Refuse, before anything loads, ranks on GPUs this torch does not see, and a size the plan cannot split evenly:
-    whole attention and KV heads per rank (a head split over ranks would attend with half its dimensions), and the
-    MLP width and vocabulary (the LM head's gather needs equal slices). `device`: the trainer's, resolved."""
-    if ranks <= 1:
-        return
-    last = rank_devices(device, ranks)[-1]
-    if last != "cpu" and int(last.partition(":")[2]) >= torch.cuda.device_count():
-        raise StackError(f"--train-tp {ranks} from {device} needs GPUs up to {last}, but this torch sees "
-                         f"{torch.cuda.device_count()}; lower --train-tp or pick another --train-device")
-    sizes = {"num_attention_heads": config.get("num_attention_heads"),
-             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
-             "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
-    for field, value in sizes.items():
-        if isinstance(value, int) and value % ranks:
-            raise StackError(f"--train-tp {ranks} does not divide the model's {field} ({value}), which the trainer's "
-                             "tensor-parallel plan splits evenly over its ranks; use a --train-tp that divides it")
-
-
-def rank_devices(device: str, ranks: int) -> list[str]:
-    """Each rank's device: the CPU for all, or consecutive GPUs from `device`'s index (its own checks: spec/probe)."""
-    if device == "cpu":
-        return ["cpu"] * ranks
-    first = torch.device(device).index
-    first = torch.cuda.current_device() if first is None else first
-    return [f"cuda:{first + r}" for r in range(ranks)]
-
-
-class ShardedHFStack:
+class ShardedHFStack(HFPolicy):
     """The `hf` stack at --train-tp N: N spawned ranks, this process proxies score/score_batched/info to them."""
-
-    name = "hf"
 
     def __init__(self) -> None:
         self.settings: StackSettings | None = None
@@ -96,9 +60,11 @@ class ShardedHFStack:
                  "modules over worker processes; drop --graft/--depth or use --train-tp 1")
         regions = (f"regions are patched into the trainer's modules, which live in --train-tp {ranks}'s worker "
                    "processes; use --side infer (the engine alone) or --train-tp 1")
+        generate = (f"--mode generate samples with transformers' generate in this process, but --train-tp {ranks} "
+                    "shards the model over worker processes; use --mode prefill or --train-tp 1")
         return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, patch=PATCH_NEVER,
                             refused={"--graft": graft, "--depth": graft, TRAINER_REGIONS: regions,
-                                     PATCH_ONCE_LOADED: regions})
+                                     PATCH_ONCE_LOADED: regions, "--mode generate": generate})
 
     def capabilities(self) -> Capabilities:
         return self.declare(ranks=self.settings.train_tp)
@@ -150,7 +116,7 @@ class ShardedHFStack:
         while pending:
             ready = wait(list(pending.values()), timeout)
             if not ready:
-                self.close(force=True)
+                self._stop(force=True)
                 raise StackError(f"the sharded trainer's ranks did not answer {what} within {timeout:.0f} s; "
                                  "lower --train-tp or check the machine's load")
             for conn in ready:
@@ -161,7 +127,7 @@ class ShardedHFStack:
                     status, value = "died", None
                 if status != "ok":
                     message = self._failure(rank, ranks, what, value)
-                    self.close(force=True)
+                    self._stop(force=True)
                     raise StackError(message)
                 answers[rank] = value
                 del pending[rank]
@@ -198,6 +164,11 @@ class ShardedHFStack:
             raise StackError(f"a sharded trainer captures no taps in a batched forward (asked: {', '.join(sorted(taps))})")
         return self._ask(("score_batched", list(prompts)))[0]
 
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str],
+               sink: TapSink) -> list[SequenceScores]:
+        """Refused as declared: the ranks serve scoring only."""
+        raise StackError(self.capabilities().refused["--mode generate"])
+
     def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
         from ...prompts import padded_batches
 
@@ -212,7 +183,10 @@ class ShardedHFStack:
             "logits": "rank 0's, gathered over the vocabulary by the LM head's colwise_gather_output"}
         return info
 
-    def close(self, force: bool = False) -> None:
+    def close(self) -> None:
+        self._stop(force=False)
+
+    def _stop(self, force: bool) -> None:
         """Stop the ranks: asked to, or at once (`force`: after a rank failed, the others may wait in a collective
         for it and would never read the request)."""
         conns, procs, self._conns, self._procs = self._conns, self._procs, [], []

@@ -17,9 +17,9 @@ flags as they were before vLLM was imported, the engine's restored after), and u
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import replace
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -32,20 +32,15 @@ from ..layouts import layout_of
 from ...prompts import Prompt, padded_batches
 from ...taps import ALL_TAPS, TapKey
 from ...versions import broken_import
-from ..protocol import (CAPTURED, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores, StackInfo,
-                        StackSettings, TapSink)
+from ..protocol import (CAPTURED, Capabilities, PromptScores, RouteSource, SamplingSpec, ScoresSink, SequenceScores,
+                        StackInfo, StackSettings, TapEmit, TapSink)
 from .kernels import SHIPPED, get_kernels
+from .policy import HFPolicy
 from .replay import HFReplay
 from ..hooks import HookSet, PatchConflict, arg, first_tensor
 
 
-# (prompt_id, layer) -> the experts a replay sends that prompt's tokens to in that layer: ids [T, k], weights or None
-RouteSource = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]
-
-
-class HFStack:
-    name = "hf"
-
+class HFStack(HFPolicy):
     def __init__(self) -> None:
         self.model = None
         self.settings: StackSettings | None = None
@@ -57,7 +52,7 @@ class HFStack:
         self._kernel_patch = HookSet()  # its replacements, undone when the set changes or the stack closes
 
     @contextmanager
-    def _numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
+    def numerics(self, kind: str) -> Iterator[Callable[[], AbstractContextManager]]:
         """The trainer's torch state for a block of forwards of this kind. It yields `observed`, the context for the
         block's model forwards: in the first block of each kind it records the SDPA kernel chosen (a function mode
         that observes the dispatcher's choice and runs the same call). Only the forwards: the run loop reduces taps
@@ -87,8 +82,11 @@ class HFStack:
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
         """Every tap by a hook on its module, patches in place, and the trainer's ops on another stack's inputs
-        (replay, forward_from, lm_head) and its experts on another stack's routes (routes_replayed)."""
-        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, grafts=True, replays_routes=True)
+        (replay, forward_from, lm_head) and its experts on another stack's routes (routes_replayed). As the inference
+        side it has no other engine mode to measure against."""
+        return Capabilities(taps={name: CAPTURED for name in ALL_TAPS}, grafts=True, replays_routes=True,
+                            refused={"--engine-noise": f"--engine-noise measures vLLM's eager-vs-compiled gap, but "
+                                                       f"--infer is {cls.name}; drop --engine-noise or use --infer vllm"})
 
     def capabilities(self) -> Capabilities:
         return self.declare()
@@ -145,6 +143,13 @@ class HFStack:
         self._kernel_patch.apply(found)
         self.kernels = name
 
+    def layers_aligned(self, layers, regions) -> list:
+        """The replacements that align `regions` in the decoder layers `layers` alone, every other layer as shipped
+        (remedies' fp32_layers arm; patches/layers.py), for the caller's HookSet."""
+        from .patches.layers import patch
+
+        return patch(self.model, layers, regions)
+
     @contextmanager
     def kernels_used(self, name: str) -> Iterator[None]:
         """The forwards of this block on the kernel set `name` (ablate's train:kernels factor); the set the stack was
@@ -172,7 +177,7 @@ class HFStack:
             if not self._muted:
                 sink(prompt.prompt_id, key, x)
 
-        with torch.inference_mode(), self._numerics("score") as observed, self._capture(taps, emit):
+        with torch.inference_mode(), self.numerics("score") as observed, self.capture(taps, emit):
             for prompt in prompts:
                 ids = to_device(torch.tensor([prompt.token_ids]), self.settings.device)
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
@@ -180,6 +185,18 @@ class HFStack:
                     logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
                 deliver(PromptScores(prompt.prompt_id, logits, token_logprobs(logits, ids[0, 1:])))
         return results
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *,
+                routes: RouteSource | None = None) -> torch.Tensor:
+        """The training forward of one right-padded batch (protocol.Trainer): logits [B, L, V], differentiable. A
+        capture the caller installed runs first, then the replay of `routes` (the batch is key 0 of `running`)."""
+        with ExitStack() as scope:
+            if routes is not None:
+                scope.enter_context(self.routes_replayed(routes))
+                scope.enter_context(self.running(0))
+            observed = scope.enter_context(self.numerics("train"))
+            scope.enter_context(observed())
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
 
     @contextmanager
     def running(self, key: int) -> Iterator[None]:
@@ -295,7 +312,7 @@ class HFStack:
             for row, p in enumerate(prompts):
                 sink(p.prompt_id, key, x.view(len(prompts), longest, -1)[row, : len(p.token_ids)])
 
-        with torch.inference_mode(), self._numerics("score_batched") as observed, self._capture(taps, emit), \
+        with torch.inference_mode(), self.numerics("score_batched") as observed, self.capture(taps, emit), \
                 observed():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         results = []
@@ -311,7 +328,7 @@ class HFStack:
         for prompt in prompts:
             for k in range(spec.samples_per_prompt):
                 ids = torch.tensor([prompt.token_ids], device=self.settings.device)
-                with torch.random.fork_rng(devices=[]), torch.inference_mode(), self._numerics("generate") as observed, \
+                with torch.random.fork_rng(devices=[]), torch.inference_mode(), self.numerics("generate") as observed, \
                         observed():
                     torch.manual_seed(spec.request_seed(prompt.prompt_id, k))
                     out = self.model.generate(
@@ -337,7 +354,7 @@ class HFStack:
         while compare's training forward is still capturing, between two sequences)."""
         muted, self._muted = self._muted, True
         try:
-            with torch.inference_mode(), self._numerics("replay") as observed, observed():
+            with torch.inference_mode(), self.numerics("replay") as observed, observed():
                 yield
         finally:
             self._muted = muted
@@ -357,7 +374,7 @@ class HFStack:
         with self._replaying():
             return HFReplay(self.model).lm_head(final_norm)
 
-    def _capture(self, taps: frozenset[str], emit) -> HookSet:
+    def capture(self, taps: frozenset[str], emit: TapEmit) -> HookSet:
         """Install the captures for the selected taps; each hands a [tokens, features] view to emit (no copy:
         transformers' Qwen2/Qwen3 and our region patches never write an activation in place).
 

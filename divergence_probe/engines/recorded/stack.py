@@ -12,16 +12,17 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..protocol import ENGINE_REGIONS, Capabilities, PromptScores, ScoresSink, StackInfo, StackSettings, TapSink
+from ..protocol import (ENGINE_REGIONS, Capabilities, PromptScores, SamplingSpec, ScoresSink, SequenceScores,
+                        StackInfo, StackPolicy, StackSettings, TapSink)
 from ...errors import StackError
 from ...prompts import Prompt
 from ...taps import ALL_TAPS
 
 NOT_CAPTURED = "not captured: recorded rollouts hold logprobs only"
-REFUSED = ("--graft", "--depth", "ablate", "--mode generate", "rl", ENGINE_REGIONS)
+REFUSED = ("--graft", "--depth", "ablate", "--mode generate", "--batch-invariance", "rl", ENGINE_REGIONS)
 
 
-class RecordedStack:
+class RecordedStack(StackPolicy):
     """The recorded response logprobs of each sequence, by prompt id: `recorded[prompt_id]` holds one logprob per
     response token, the sequence's last tokens. A prompt position has none (NaN): the run never sampled it."""
 
@@ -62,6 +63,19 @@ class RecordedStack:
         for s in scores:
             on_scored(s)
         return []
+
+    def score_batched(self, prompts: Sequence[Prompt], taps: frozenset[str] = frozenset(),
+                      sink: TapSink | None = None) -> list[PromptScores]:
+        """Refused as declared: a file was batched by no one, so it has no batch-invariance floor to measure."""
+        raise StackError(self.declare().refused["--batch-invariance"])
+
+    def batch_groups(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        raise StackError(self.declare().refused["--batch-invariance"])
+
+    def sample(self, prompts: Sequence[Prompt], spec: SamplingSpec, taps: frozenset[str],
+               sink: TapSink) -> list[SequenceScores]:
+        """Refused as declared: the file's responses were sampled by the user's run, not here."""
+        raise StackError(self.declare().refused["--mode generate"])
 
     def info(self) -> StackInfo:
         return StackInfo(self.name)

@@ -2,7 +2,7 @@
 what each needs, and what the taps mean under them.
 
 RL frameworks ship FP8 rollouts against a BF16 trainer. The engine checks these args itself, before anything loads
-(`check_engine_args`): a setting this build or device cannot run is one line, not a failure minutes into an engine
+(`check_knobs`): a setting this build or device cannot run is one line, not a failure minutes into an engine
 start. It also says what a tap means under a quantized engine (`tap_meanings`), so that a tensor computed from
 quantized values is never reported as the same quantity as the trainer's BF16 one without saying so. Imports no vLLM.
 """
@@ -40,10 +40,10 @@ class EngineKnob:
         return self.setting(value) if self.setting is not None else {**load.engine_args, self.key: value}
 
     def check(self, value: str, device: str) -> None:
-        """An engine arg is checked by the engine (`check_engine_args`); a field of its own by the LoadSpec the
-        factor's combinations load."""
+        """An engine arg is checked by the engine (`check_knobs`); a field of its own by the LoadSpec the factor's
+        combinations load."""
         if self.setting is None:
-            check_engine_args({self.key: value}, device)
+            check_knobs({self.key: value}, device)
 
 
 def _kv_cache_meanings(dtype: str) -> dict[str, str]:
@@ -80,7 +80,7 @@ def quantized(args: dict) -> dict[str, str]:
             if knob.meanings is not None and key in args and args[key] != knob.default}
 
 
-def check_engine_args(args: dict, device: str) -> None:
+def check_knobs(args: dict, device: str) -> None:
     """Refuse, in one line and before anything loads, a knob setting the tool does not measure or that this device or
     installation cannot run."""
     for key, value in quantized(args).items():
@@ -99,7 +99,6 @@ def tap_meanings(args: dict) -> dict[str, str]:
     return {tap: meaning for key, value in quantized(args).items() for tap, meaning in KNOBS[key].meanings(value).items()}
 
 
-ENGINES = ("eager", "compiled")  # the engine modes (--engine): vLLM as run eagerly, or compiled
 # Engine args the tool sets itself, or that would make capture wrong: the reason and the fix, one line each.
 OWNED_ENGINE_ARGS = {
     "model": "the checkpoint is the run's model; pass it as the model argument",

@@ -14,7 +14,7 @@ from typing import Iterable
 
 # vllm.LLM / EngineArgs keywords that change how the engine schedules, caches or compiles the same model, and that
 # take plain values only. Read from vllm/engine/arg_utils.py EngineArgs (0.32); the ones divergence-probe sets
-# itself (dtype, seed, max_model_len, enforce_eager, ...) are refused by stack.check_engine_args anyway.
+# itself (dtype, seed, max_model_len, enforce_eager, ...) are refused by args.check_engine_args anyway.
 REPLAYED = frozenset({
     "compilation_config",  # its keys are checked too: COMPILATION_REPLAYED
     "max_num_seqs", "max_num_scheduled_tokens", "block_size", "enable_prefix_caching", "prefix_caching_hash_algo",

@@ -39,9 +39,9 @@ from ...errors import StackError, one_line
 from ...models import get_family
 from ...taps import TapKey
 from ..protocol import ENGINE_REGIONS, PATCH_NEVER, PATCH_ONCE_LOADED, Capabilities, StackInfo, StackSettings
+from .policy import ranks_of
 from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
 
-ARG = "tensor_parallel_size"
 # What cannot run sharded, by spec.check_family's feature names, and why (the one-line refusal says it).
 REFUSED = {
     "--engine compiled": "a compiled engine's tap points would live in every rank's graph, which is not built; use "
@@ -58,24 +58,6 @@ REFUSED = {
 }
 
 
-def refuse(features: Sequence[str], ranks: int) -> None:
-    """One line for the first of `features` (spec.check_family's names) that cannot run at `ranks` > 1."""
-    line = TensorParallelStack.declare(ranks=ranks).first_refused(features) if ranks > 1 else None
-    if line is not None:
-        raise StackError(line)
-
-
-def size(engine_args: dict) -> int:
-    """The engine's tensor-parallel size from its engine args (1 when not given)."""
-    value = engine_args.get(ARG)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1  # another type: check_engine_args
-
-
-def without(settings):
-    """These engine settings at tensor_parallel_size 1: the parallelism floor's engine."""
-    return replace(settings, engine_args=tuple((k, v) for k, v in settings.engine_args if k != ARG))
-
-
 @contextlib.contextmanager
 def _cores_bound(settings: StackSettings):
     """vLLM CPU: while the engine starts its ranks, VLLM_CPU_OMP_THREADS_BIND splits this process's cores evenly
@@ -85,7 +67,7 @@ def _cores_bound(settings: StackSettings):
     if settings.device != "cpu" or before:
         yield before if settings.device == "cpu" else None
         return
-    ranks, cores = size(settings.engine_kwargs()), sorted(os.sched_getaffinity(0))
+    ranks, cores = ranks_of(settings.engine_kwargs()), sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
         raise StackError(f"tensor_parallel_size {ranks} on the CPU needs a core per rank, and this process has "
                          f"{len(cores)}; lower tensor_parallel_size")
@@ -186,7 +168,7 @@ class TensorParallelStack(VLLMStack):
                        patch=PATCH_NEVER, records_routes=False)
 
     def _ranks(self) -> int:
-        return size(self.settings.engine_kwargs())
+        return ranks_of(self.settings.engine_kwargs())
 
     def load(self, settings: StackSettings) -> None:
         with _cores_bound(settings) as self._binding:
@@ -220,7 +202,7 @@ class TensorParallelStack(VLLMStack):
         """The model's family, and how many ranks share one KV head (1 when every rank has KV heads of its own)."""
         config = self.llm.llm_engine.vllm_config.model_config.hf_config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return get_family(config.model_type), max(1, size(self.settings.engine_kwargs()) // kv_heads)
+        return get_family(config.model_type), max(1, ranks_of(self.settings.engine_kwargs()) // kv_heads)
 
     def _run_step(self, prompts, taps, sink, requests, params):
         """One engine step with every rank capturing; the gathered taps to `sink`, rank 0's logits returned."""
@@ -248,21 +230,15 @@ class TensorParallelStack(VLLMStack):
             raise StackError(f"a vLLM tensor-parallel rank failed in its forward: {one_line(e)}") from e
 
     def sample(self, prompts, spec, taps, sink):
-        refuse(["--mode generate"], self._ranks())
+        raise StackError(self.declare(ranks=self._ranks()).refused["--mode generate"])
 
     def info(self) -> StackInfo:
         info = super().info()
         info.settings["model_runner"] = self._described["model_runner"]  # every rank's
         info.settings["tensor_parallel"] = {
-            "size": size(self.settings.engine_kwargs()),
+            "size": ranks_of(self.settings.engine_kwargs()),
             "column_parallel_taps_gathered": sorted(self._family_and_replicas()[0].column_parallel),
             "cpu_threads_bind": self._binding,  # VLLM_CPU_OMP_THREADS_BIND of the ranks (CPU)
         }
         return info
 
-
-def stack_for(settings: StackSettings) -> VLLMStack:
-    """A fresh, unloaded vLLM stack for these settings: tensor-parallel at tensor_parallel_size > 1."""
-    from .. import stack_class
-
-    return stack_class("vllm", size(settings.engine_kwargs()))()

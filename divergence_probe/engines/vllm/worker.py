@@ -36,16 +36,16 @@ from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptS
                         SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
 from .knobs import tap_meanings
+from .policy import VLLMPolicy
 from .stack import VLLMStack
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
 STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
 
 
-class WorkerStack:
+class WorkerStack(VLLMPolicy):
     """The `vllm` stack, run by a child process with `regions` aligned in its engine before it was built."""
 
-    name = "vllm"
     _proc: subprocess.Popen | None = None  # the child, once started; None too for a worker whose __init__ refused
 
     def __init__(self, settings: StackSettings, regions: Sequence[str] = ()) -> None:
@@ -200,12 +200,9 @@ class WorkerStack:
             on_scored(scores)
         return []
 
-    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None, *,
-                      patched: Sequence[str] = ()) -> list[PromptScores]:
-        """`patched`: regions patched into an eager engine for this call only, on top of those it was built with and
-        `self.patched` (an eager engine runs its modules as Python at every step, as the tool's own eager engine
-        takes them)."""
-        result = self._call("score_batched", list(prompts), frozenset(taps), patched=(*self.patched, *patched))
+    def score_batched(self, prompts, taps: frozenset[str] = frozenset(), sink: TapSink | None = None
+                      ) -> list[PromptScores]:
+        result = self._call("score_batched", list(prompts), frozenset(taps), patched=self.patched)
         for prompt_id, key, x in result["taps"] if sink is not None else ():
             sink(prompt_id, key, x)
         return result["scores"]
@@ -218,7 +215,7 @@ class WorkerStack:
         return result["scores"]
 
     def info(self) -> StackInfo:
-        info = self._call("info")
+        info, peak = self._call("info")
         info.settings["captured_logits_vs_reported_logprobs_max_gap"] = self.recompute_gap
         info.settings["engine_process"] = {
             "worker": "a child process of its own (one engine per process; built with these regions before it compiled)",
@@ -226,6 +223,7 @@ class WorkerStack:
             "regions": self._status.get("regions", {}),
             "vllm_cache_root": self.cache_root,
             "build_seconds": self.build_seconds,
+            "device_peak": peak,
         }
         return info
 
@@ -301,6 +299,16 @@ def _serve(folder: Path) -> None:
     stack.close()
 
 
+def _device_peak(device: str) -> dict | None:
+    """The most torch's allocator held in this process on the device so far (weights, KV cache, activations, CUDA
+    graph pools; not the CUDA context or library workspaces): the engine's side of a memory plan, which the parent's
+    own counters cannot see."""
+    if device != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return {"max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+            "max_allocated_bytes": int(torch.cuda.max_memory_allocated())}
+
+
 def _run(stack, method: str, args: tuple):
     taps: list = []
 
@@ -318,7 +326,7 @@ def _run(stack, method: str, args: tuple):
         prompts, spec, wanted = args
         return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
     if method == "info":
-        return stack.info()
+        return stack.info(), _device_peak(stack.settings.device)
     raise StackError(f"unknown engine worker call {method!r}")
 
 

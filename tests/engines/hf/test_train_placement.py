@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 import divergence_probe as dp
-from divergence_probe.models import memory_plan
+from divergence_probe.runs import memory as memory_plan
 from divergence_probe.cli import app
 from divergence_probe.errors import DeviceMemoryError, ProbeError
-from divergence_probe.models.memory_plan import plan
+from divergence_probe.runs.memory import plan
 from divergence_probe.spec import RunSpec, spec_from_flat
 
 from test_memory_plan import inputs, nothing_written, one_line_error
@@ -152,7 +152,7 @@ def test_what_a_sharded_trainer_cannot_do_is_one_line_when_the_spec_is_built(fla
 def test_a_train_tp_that_does_not_divide_the_model_is_refused_before_loading(qwen3_tiny, tmp_path, monkeypatch):
     import divergence_probe.runs.loading as loading
 
-    monkeypatch.setattr(loading, "trainer_stack_for", lambda *a: pytest.fail("a trainer was loaded"))
+    monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a trainer was loaded"))
     out_dir = tmp_path / "run"
     result = runner.invoke(app, ["compare", "--model", str(qwen3_tiny), "--device", "cpu", "--train-tp", "3",
                                  "--taps", "none", "--out", str(out_dir)], catch_exceptions=False)

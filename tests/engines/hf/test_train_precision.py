@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import divergence_probe as dp
 from divergence_probe.errors import ProbeError
-from divergence_probe.models.memory_plan import ModelSize, PlanInputs, plan
+from divergence_probe.runs.memory import ModelSize, PlanInputs, plan
 from divergence_probe.prompts import load_prompts
 from divergence_probe.spec import spec_from_flat
 
@@ -78,7 +78,7 @@ def test_the_plan_counts_the_amp_trainers_fp32_weights(amp_probe):
     size = ModelSize.of(amp_probe.source.config)
     inputs = dict(model=size, dtype_bytes=2, taps=frozenset(), prompt_lengths=(64,), batch_tokens=64,
                   batch_tokens_fixed=True, max_model_len=amp_probe.settings.max_model_len, device="cpu",
-                  free_bytes=1 << 40, free_source="test", infer="hf")
+                  free_bytes=1 << 40, free_source="test", engine_kv=False)
     pure, amp = plan(PlanInputs(**inputs)), plan(PlanInputs(**inputs, train_amp=True))
     storages = {t.data_ptr(): t.nbytes for t in amp_probe.train.model.state_dict().values()}  # tied weights once
     assert amp.terms["train_weights"] == sum(storages.values()) == 2 * pure.terms["train_weights"]

@@ -55,9 +55,10 @@ with WorkerStack(probe.settings, ()) as again:                                  
     third = again.score(prompts, frozenset(), lambda *a: None)
     result["third_cache_root"] = again.info().settings["engine_process"]["vllm_cache_root"]
 
-from divergence_probe.runs.batch_invariance import NoiseEngines, other_engine_settings                 # eager
-eager = other_engine_settings(probe.settings)
-with NoiseEngines() as engines:  # one eager engine, regions patched per call
+from divergence_probe.engines import stack_class                                                   # eager
+from divergence_probe.runs.batch_invariance import NoiseEngines
+eager = stack_class("vllm").other_mode(probe.settings)
+with NoiseEngines("vllm") as engines:  # one eager engine, regions patched per call
     patched = engines.score(eager, ("rope",), prompts)
     plain = engines.score(eager, (), prompts)
     result["noise_engine_builds"] = len(engines)
@@ -195,8 +196,10 @@ def test_a_region_missing_from_the_compiled_graph_is_refused():
 
 
 def test_engine_noise_builds_the_other_mode_with_the_run_s_engine_args():
-    from divergence_probe.runs.batch_invariance import other_engine_settings
+    from divergence_probe.engines import stack_class
     from divergence_probe.engines.protocol import StackSettings, freeze_engine_args
+
+    other_engine_settings = stack_class("vllm").other_mode
 
     args = freeze_engine_args({"max_num_seqs": 8, "compilation_config": {"mode": 2}})
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled", engine_args=args)

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.engines.vllm.knobs import check_engine_args, tap_meanings
+from divergence_probe.engines.vllm.knobs import check_knobs, tap_meanings
 from divergence_probe.errors import ProbeError
 from divergence_probe.spec.knobs import parse_factors
 from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE
@@ -21,16 +21,16 @@ from test_compare_cli import assert_nothing_written, assert_one_line_error
 def test_fp8_on_a_cpu_is_refused_by_the_engine_before_loading():
     for args in ({"kv_cache_dtype": "fp8"}, {"quantization": "fp8"}):
         with pytest.raises(ProbeError, match="runs on cuda only"):
-            check_engine_args(args, "cpu")
+            check_knobs(args, "cpu")
     with pytest.raises(ProbeError, match="not a setting the tool measures"):
-        check_engine_args({"quantization": "awq"}, "cuda")
-    check_engine_args({"kv_cache_dtype": "auto", "max_num_seqs": 8}, "cpu")  # nothing quantized: nothing to refuse
+        check_knobs({"quantization": "awq"}, "cuda")
+    check_knobs({"kv_cache_dtype": "auto", "max_num_seqs": 8}, "cpu")  # nothing quantized: nothing to refuse
 
 
 @pytest.mark.skipif(find_spec("compressed_tensors") is not None, reason="compressed-tensors is installed here")
 def test_fp8_weights_without_compressed_tensors_say_how_to_install_it():
     with pytest.raises(ProbeError, match="pip install compressed-tensors"):
-        check_engine_args({"quantization": "fp8"}, "cuda")
+        check_knobs({"quantization": "fp8"}, "cuda")
 
 
 def test_taps_under_a_quantized_engine_say_what_they_are():
@@ -110,7 +110,7 @@ def test_a_quantizing_knob_added_to_the_engines_table_is_checked_and_says_what_i
         meanings=lambda value: {"moe_out": f"the output of {value} experts"}))
     assert tap_meanings({"moe_dtype": "fp8", "kv_cache_dtype": "auto"}) == {"moe_out": "the output of fp8 experts"}
     with pytest.raises(ProbeError, match="moe_dtype='int4' is not a setting the tool measures"):
-        check_engine_args({"moe_dtype": "int4"}, "cuda")
+        check_knobs({"moe_dtype": "int4"}, "cuda")
     out_dir = tmp_path / "ab"
     result = CliRunner().invoke(app, ["ablate", "--device", "cpu", "--regions", "lm_head", "--factor",
                                       "engine:moe_dtype=fp8", "--out", str(out_dir)])

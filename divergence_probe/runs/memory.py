@@ -1,7 +1,8 @@
 """The memory plan: what a run will hold on its device, worked out before either stack loads, and what to change
 when it does not fit.
 
-    from divergence_probe.models.memory_plan import ModelSize, PlanInputs, plan
+    from divergence_probe.models.size import ModelSize
+    from divergence_probe.runs.memory import PlanInputs, plan
     size = ModelSize.of(config, checkpoint_tensors(folder))  # config.json + safetensors headers: no tensor is read
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=frozenset({"resid_out"}), prompt_lengths=(512, 700), ...))
     p.batch_tokens, p.kv_cache_bytes, p.reduction_chunk_elements, p.needed, p.fits
@@ -30,137 +31,25 @@ what was free and the options. `DIVERGENCE_PROBE_DEVICE_MEMORY=BYTES` replaces t
 from __future__ import annotations
 
 import os
-import re
 import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
+from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, parse_bytes, system_memory
 
-ENV = "DIVERGENCE_PROBE_DEVICE_MEMORY"
-GiB = 1 << 30
-MAX_DEVICE_BYTES = 1 << 60  # an override above any device's memory is a typo
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
 # default 16), plus one block per sequence, so that a batch's step never waits for blocks (engines/vllm/stack.py needs one step).
 KV_BLOCK = 128
 # Allowances, in bytes, for what is not a tensor the plan can count.
 CUDA_RUNTIME = 2 * GiB  # CUDA context, cuBLAS/NCCL workspaces, the sampler's warm-up, CUDA graphs (compiled mode)
-CPU_RUNTIME = 1 * GiB  # the libraries vLLM imports and starts (the process's RSS before it is already counted)
-FRAGMENTATION = 0.10  # the caching allocator rounds and splits blocks: share of the counted tensor bytes
+FRAGMENTATION = 0.10  # the caching allocator rounds and splits blocks: share of the tensor bytes, weights aside
 # Temporaries of the reduction per element of a pair reduced in one call (metrics.row_diff_sums): eagerly, FP32 copies
 # of both sides, their difference, its absolute value and a product, and the int32 bit patterns of the ULP distance
 # (12 four-byte tensors at its peak); compiled on a GPU, blocks_first's [pairs, blocks, 7] float64 sums (7*8/64 bytes);
 # compiled on the CPU, one fused loop per row, nothing of the pair's size.
 REDUCTION_TEMP_BYTES = {"eager": 48.0, "compiled-cuda": 0.875, "compiled-cpu": 0.0}
 CHUNKS = (1 << 28, 1 << 26, 1 << 24, 1 << 22)  # elements per reduction call, tried in this order when unchunked fails
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """The sizes the plan needs, from config.json; `parameters` from the safetensors headers (one count, however
-    the checkpoint stores them: both stacks load them in the run's dtype)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    qk_norm: bool
-    parameters: int
-    # the family's decoder-layer taps and their features per token (models/: Family.layer_taps, widths)
-    layer_tap_widths: tuple[tuple[str, int], ...] = ()
-    experts: int = 0  # a mixture of experts: experts per layer (0: a dense MLP)
-    expert_intermediate: int = 0  # one expert's intermediate size
-
-    @classmethod
-    def of(cls, config: dict, tensors: dict | None = None) -> "ModelSize":
-        """`tensors`: checkpoint.checkpoint_tensors(folder) (name -> Tensor with a shape); None: counted from the
-        config (a shape without files, for the benchmark's larger shapes). The taps and the MLP's width come from the
-        model's family: a mixture of experts' per-token MLP is its top-k experts (`intermediate` = top_k x one
-        expert's width), its router_logits tap one feature per expert."""
-        from types import SimpleNamespace
-
-        from ..models import dims, get_family
-
-        family = get_family(config.get("model_type", "qwen2"))
-        sizes = dims(SimpleNamespace(**config))
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        experts = sizes.get("experts", 0) if family.top_k_field else 0
-        expert_width = int(config["moe_intermediate_size"]) if experts else 0
-        intermediate = int(config[family.top_k_field]) * expert_width if experts else int(config["intermediate_size"])
-        size = cls(hidden=hidden, intermediate=intermediate,
-                   layers=int(config["num_hidden_layers"]), heads=heads,
-                   kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-                   vocab=int(config["vocab_size"]), qk_norm="q_norm" in family.layer_taps, parameters=0,
-                   layer_tap_widths=tuple((t, sizes[family.widths[t]]) for t in family.layer_taps),
-                   experts=experts, expert_intermediate=expert_width)
-        if tensors is None:
-            count = size.parameters_from_config(bool(config.get("tie_word_embeddings")),
-                                                config.get("model_type") == "qwen2")
-        else:
-            count = 0
-            for tensor in tensors.values():
-                n = 1
-                for d in tensor.shape:
-                    n *= d
-                count += n
-        return cls(**{**asdict(size), "parameters": count})
-
-    def parameters_from_config(self, tied: bool, qkv_bias: bool) -> int:
-        q, kv, h = self.q_width, self.kv_width, self.hidden
-        mlp = (self.experts * 3 * h * self.expert_intermediate + self.experts * h) if self.experts else \
-            3 * h * self.intermediate  # experts' gate/up/down and the router, or one dense MLP
-        layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
-        layer += (q + 2 * kv) if qkv_bias else 0
-        layer += 2 * self.head_dim if self.qk_norm else 0
-        return self.layers * layer + self.vocab * h * (1 if tied else 2) + h
-
-    @property
-    def q_width(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def tap_widths(self) -> dict[str, tuple[int, int]]:
-        """Per canonical tap: (features per token, how many of it a forward makes); `logits` is counted apart."""
-        h, n = self.hidden, self.layers
-        return {"embed": (h, 1), **{name: (w, n) for name, w in self.layer_tap_widths}, "final_norm": (h, 1)}
-
-    def tap_elements_per_token(self, taps: frozenset[str]) -> int:
-        """Elements of every selected tap but the logits, per token of one sequence (one side)."""
-        return sum(width * count for name, (width, count) in self.tap_widths().items() if name in taps)
-
-    def stacked_elements_per_token(self, taps: frozenset[str]) -> int:
-        """Of those, the elements of taps that share their width with another selected tap: runs/capture.py stacks these
-        into one pair per width, a copy of both sides (a tap alone in its width is reduced as a view)."""
-        by_width: dict[int, list[int]] = {}
-        for name, (width, count) in self.tap_widths().items():
-            if name in taps:
-                by_width.setdefault(width, []).append(count)
-        return sum(width * sum(counts) for width, counts in by_width.items() if sum(counts) > 1)
-
-    def fused_views_retained_per_token(self, taps: frozenset[str]) -> int:
-        """Elements per token that vLLM's hand-over keeps alive beyond the taps themselves: a tap that is a view of a
-        fused output (v_proj of qkv_proj's; gate_proj and up_proj of gate_up_proj's; Qwen2's q_rope and k_rope, which
-        RoPE writes in place into qkv_proj's output) keeps that whole buffer, of which only the selected views are
-        counted as taps. q_proj and k_proj are clones (engines/vllm/stack.py REWRITTEN); Qwen3 rotates its q/k norms' outputs."""
-        q, kv, i = self.q_width, self.kv_width, self.intermediate
-        qkv_views = {"v_proj": kv} | ({} if self.qk_norm else {"q_rope": q, "k_rope": kv})
-        fused = [(q + 2 * kv, qkv_views), (2 * i, {"gate_proj": i, "up_proj": i})]
-        extra = 0
-        for width, views in fused:
-            held = [w for name, w in views.items() if name in taps]
-            if held:
-                extra += width - sum(held)
-        return extra * self.layers
-
-    def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
-        return 2 * self.layers * self.kv_width * kv_dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,13 +66,16 @@ class PlanInputs:
     device: str  # "cpu" or "cuda"
     free_bytes: int
     free_source: str  # where free_bytes came from
-    infer: str = "vllm"
+    # the inference stack is an engine (its StackClass.plan has KV bytes per token): it keeps a paged KV cache sized
+    # here, fills max_num_batched_tokens in a profile run at start-up and hands over views of fused buffers; False: a
+    # second trainer, which keeps none of them
+    engine_kv: bool = True
     engine: str = "eager"
     new_tokens: int = 0  # generate mode: most tokens sampled per response
     samples: int = 1  # generate mode: responses per prompt
     kv_cache_bytes_fixed: int | None = None  # the user's kv_cache_memory_bytes, or vLLM CPU's VLLM_CPU_KVCACHE_SPACE
     engine_share: float | None = None  # the user's gpu_memory_utilization (in the manifest's spec already)
-    kv_dtype_bytes: int | None = None  # None: the run's dtype
+    kv_bytes_per_token: int | None = None  # the engine's KV cache per token (StackClass.plan); None: the run's dtype
     reduction: str = "compiled"  # "compiled" or "eager" (DIVERGENCE_PROBE_EAGER=1)
     # --batch-invariance: after the run, the trainer's micro-batches of batch_tokens padded tokens and a second trainer
     # (another SDPA kernel) beside the first
@@ -242,16 +134,9 @@ class MemoryPlan:
         """The trainer's own device (--train-device), when it has one."""
         return self.train_terms is None or self.train_needed <= self.inputs.train_free_bytes
 
-    def engine_args(self) -> dict:
-        """vllm.LLM keywords for the KV budget (CUDA only). vLLM 0.24 still checks at start-up that
-        gpu_memory_utilization x total memory is free, even when kv_cache_memory_bytes is given; the share asked is
-        the engine's part of the plan, so the check passes whenever the plan fits. On the CPU the KV cache stays
-        VLLM_CPU_KVCACHE_SPACE (vLLM CPU's platform sets kv_cache_memory_bytes from it over any engine arg)."""
-        if self.inputs.device != "cuda" or self.inputs.infer != "vllm" or self.inputs.kv_cache_bytes_fixed:
-            return {}
-        return {"kv_cache_memory_bytes": self.kv_cache_bytes}
-
-    def gpu_memory_utilization(self, total_bytes: int) -> float:
+    def engine_share(self, total_bytes: int) -> float:
+        """The engine's part of the plan as a share of the device (what an engine that checks its share is free at
+        start-up is asked for: StackClass.plan's `budget`)."""
         engine = self.terms["infer_weights"] + self.kv_cache_bytes + self.terms["engine_profile_activations"]
         return min(0.95, max(0.01, round(engine / total_bytes + 0.005, 3)))
 
@@ -293,7 +178,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     """The byte count of every term for one choice of batch_tokens and chunking, the KV cache it implies, and the terms
     of the trainer's own device (--train-device; None when it shares the engine's)."""
     m, b = i.model, i.dtype_bytes
-    vllm = i.infer == "vllm"
+    engine = i.engine_kv
     samples, new = max(1, i.samples), max(0, i.new_tokens)
     per_batch = max(1, batch_tokens // samples) if samples > 1 or new else batch_tokens
     lengths = i.prompt_lengths or (min(batch_tokens, i.max_model_len),)
@@ -322,33 +207,36 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # (one at least: vLLM replicates a KV head over ranks when there are fewer) and of the MLP and attention widths;
     # KV budgets (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE) are per rank. On the CPU every rank's share is in the
     # one host memory: the sum, and each rank's host copy of its taps until they are gathered.
-    ranks = max(1, i.tensor_parallel) if vllm else 1
+    ranks = max(1, i.tensor_parallel) if engine else 1
     device_ranks = ranks if i.device == "cuda" else 1  # engine shares summed on this device: 1 of N, or all
     norms = (2 * m.layers + 1) * m.hidden * b
     terms["infer_weights"] = weights if ranks == 1 else (weights - norms) // device_ranks + norms * ranks // device_ranks
     kv_share = max(1, m.kv_heads // ranks) / m.kv_heads * (ranks // device_ranks)  # of the whole KV width, summed
     kv = 0
-    if vllm:
-        kv_b = i.kv_dtype_bytes or b
+    if engine:
         blocks = max(-(-i.max_model_len // KV_BLOCK),  # vLLM refuses a cache that cannot hold one longest request
                      max(sum(-(-(n + new) // KV_BLOCK) + 1 for n in group) * samples for group in groups))
-        kv = i.kv_cache_bytes_fixed or int(blocks * KV_BLOCK * m.kv_bytes_per_token(kv_b) * kv_share)
+        kv = i.kv_cache_bytes_fixed or int(blocks * KV_BLOCK * (i.kv_bytes_per_token or m.kv_bytes_per_token(b))
+                                           * kv_share)
     terms["kv_cache"] = kv * (ranks // device_ranks) if i.kv_cache_bytes_fixed else kv
     # a decoder layer's forward at its widest (the MLP: gate_up, its activation, the residual and hidden states),
     # attention's q/k/v and output: transient, once per step (per rank: its share of the sharded widths)
     act_per_token = (3 * m.intermediate // device_ranks + 2 * (m.q_width // device_ranks + 2 * int(m.kv_width * kv_share))
                      + 4 * m.hidden * (ranks // device_ranks)) * b
     max_batched = max(batch_tokens, i.max_model_len)  # vLLM's max_num_batched_tokens, which its profile run fills
-    terms["engine_profile_activations"] = max_batched * act_per_token if vllm else 0
+    terms["engine_profile_activations"] = max_batched * act_per_token if engine else 0
     terms["engine_step_activations"] = step_tokens * act_per_token
     # prompt logprobs, per request: its logits, upcast to FP32 and log-softmaxed
     terms["engine_logprobs_transient"] = longest * m.vocab * (b + 8)
     terms["infer_taps"] = batch_rows * per_token
-    terms["infer_views_retained"] = batch_rows * m.fused_views_retained_per_token(i.taps) * b if vllm else 0
+    terms["infer_views_retained"] = batch_rows * m.fused_views_retained_per_token(i.taps) * b if engine else 0
     terms["infer_logits"] = batch_logit_rows * m.vocab * b
     terms["train_taps"] = longest * per_token
     # tensor parallel on the CPU: rank 0's host copy of every tap and the others' of their slices, beside the gathered
     terms["tensor_parallel_rank_taps"] = 2 * terms["infer_taps"] if ranks > 1 and i.device != "cuda" else 0
+    # --placement alternate, the engine in a worker process: each call's outputs come back through this process's
+    # device on their way to the host, while the worker still holds its own copy
+    terms["alternate_handover"] = terms["infer_taps"] + terms["infer_logits"] if i.alternate and engine else 0
     # one sequence's forward past what its taps hold, its logits ([T, V] in the dtype), their FP32 upcast and
     # log-softmax (token_logprobs), and the KL's float64 chunks of 256 rows (token_kl: both log-softmaxes, exp, product)
     terms["train_forward"] = (longest * (m.intermediate + 2 * m.hidden + m.q_width) * b
@@ -374,10 +262,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
     moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
-    counted = sum(terms.values())
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
-    terms["fragmentation_allowance"] = int(FRAGMENTATION * counted) if i.device == "cuda" else 0
     return terms, kv, train
 
 
@@ -403,25 +289,26 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     return train
 
 
-def _phases(t: dict[str, int], alternate: bool = False) -> dict[str, int]:
-    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it).
-    `alternate`: the engine's phases hold no trainer, the trainer's no engine (it left the device in between); the
-    trainer's phase still holds one inference batch, moved back from the host."""
-    allowances = t["runtime_allowance"] + t["fragmentation_allowance"]
+def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tuple[int, int]]:
+    """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it),
+    before the allowances, as (weights, the rest). `alternate`: the engine's phases hold no trainer, the trainer's no
+    engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
+    host."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
-    engine = t["infer_weights"] + t["kv_cache"]
-    fixed = trainer + engine + allowances
-    engine_fixed, train_fixed = (engine + allowances, trainer + allowances) if alternate else (fixed, fixed)
+    engine = t["infer_weights"]
+    engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
+    kv = t["kv_cache"]
+    engine_kv, train_kv = (kv, 0) if alternate else (kv, kv)
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
-    fixed = train_fixed
     return {
-        "engine_start": engine_fixed + t["engine_profile_activations"],
-        "engine_step": engine_fixed + held + t["engine_step_activations"] + t["engine_logprobs_transient"],
-        "train_and_reduce": fixed + held + t.get("train_taps", 0) + t.get("train_forward", 0)
-        + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"] + t["reduction_temporaries"]
-        + t.get("train_amp_weight_casts", 0),
-    } | ({"noise_floor": fixed + t.get("train_amp_weight_casts", 0)
-          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"])}
+        "engine_start": (engine_weights, engine_kv + t["engine_profile_activations"]),
+        "engine_step": (engine_weights, engine_kv + held + t["engine_step_activations"]
+                        + t["engine_logprobs_transient"] + t["alternate_handover"]),
+        "train_and_reduce": (train_weights, train_kv + held + t.get("train_taps", 0) + t.get("train_forward", 0)
+                             + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
+                             + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
+    } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
+                          + max(t["noise_floor_train_batch"], t["noise_floor_second_trainer"] + t["train_forward"]))}
          if "noise_floor_second_trainer" in t else {})
 
 
@@ -437,7 +324,13 @@ def _train_phases(t: dict[str, int]) -> dict[str, int]:
 
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:
     terms, kv, train = _terms(i, batch_tokens, chunk)
-    phases = _phases(terms, i.alternate)
+    # the allocator's rounding is a share of what a phase allocates and frees as it runs: weights are allocated once,
+    # whole, and under alternate the stack that left the device holds no blocks at all
+    share = FRAGMENTATION if i.device == "cuda" else 0.0
+    tensors = _phase_tensors(terms, i.alternate)
+    phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
+              for phase, (weights, rest) in tensors.items()}
+    terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
     apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
                                       "train_needed": max(tp.values())}
     return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
@@ -517,7 +410,7 @@ def host_budget(p: MemoryPlan) -> tuple[int, str]:
     override = os.environ.get(HOST_ENV)
     if override:
         return parse_bytes(override, HOST_ENV), HOST_ENV
-    free, _ = _system_memory()
+    free, _ = system_memory()
     if p.inputs.device == "cpu":
         return max(0, free - p.needed), "system RAM available less the plan's peak (the CPU is the device)"
     return free, "system RAM available"
@@ -591,52 +484,6 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
-# ------------------------------------------------------------------------------------------- the device's memory
-def parse_bytes(text: str, env: str = ENV) -> int:
-    """`80000000000`, `8e10`, `80GB`, `74.5GiB`, `512MiB`: a byte count."""
-    m = re.fullmatch(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
-    if not m:
-        raise DeviceMemoryError(f"{env}={text!r} is not a byte count; give bytes (80000000000) or e.g. 80GB, 74.5GiB")
-    scale = {None: 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-             "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": GiB, "gib": GiB, "ti": 1 << 40,
-             "tib": 1 << 40}[m.group(2)]
-    count = float(m.group(1)) * scale
-    if not 0 < count <= MAX_DEVICE_BYTES:  # 1e999 is inf: no int holds it, and no device is that large
-        raise DeviceMemoryError(f"{env}={text!r} must be positive and at most {MAX_DEVICE_BYTES >> 50} PiB; give "
-                                "the device's bytes (e.g. 80GB)")
-    value = int(count)
-    return value
-
-
-def device_memory(device: str) -> tuple[int, int, str]:
-    """(free bytes, total bytes, where the free count came from) of a device a stack loads on ("cpu", "cuda",
-    "cuda:N"). The override caps the free memory of each device (a GPU shared with others, or a test); on the CPU the
-    memory is the system's RAM."""
-    override = os.environ.get(ENV)
-    if device.startswith("cuda"):
-        import torch
-
-        free, total = torch.cuda.mem_get_info(torch.device(device) if ":" in device else None)
-        source = "torch.cuda.mem_get_info" + (f"({device})" if ":" in device else "")
-    else:
-        free, total = _system_memory()
-        source = "system RAM available"
-    if override:
-        return parse_bytes(override), total, f"{ENV}"
-    return free, total, source
-
-
-def _system_memory() -> tuple[int, int]:
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available), int(vm.total)
-    except ImportError:
-        pages = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * pages, os.sysconf("SC_PHYS_PAGES") * pages
-
-
 def enforce_cap(plan_: MemoryPlan, total_bytes: int) -> None:
     """With the override on a GPU, make the cap real for this process's allocator (both stacks: vLLM runs here), so
     a run planned for 80 GB on a larger card fails as it would on an 80 GB one instead of borrowing memory."""
@@ -653,116 +500,6 @@ def enforce_train_cap(plan_: MemoryPlan, total_bytes: int) -> None:
         import torch
 
         torch.cuda.set_per_process_memory_fraction(min(1.0, i.train_free_bytes / total_bytes), torch.device(i.train_device))
-
-
-# ------------------------------------------------------------------------------------------- what was measured
-class Peaks:
-    """Peak device memory per phase of the run loop (CUDA: torch's allocator, which both stacks share; vLLM's KV
-    cache and weights are in it too), and of the trainer's own GPU when it has one (--train-device cuda:N). On the
-    CPU no allocator keeps a peak: nothing is recorded, and benchmarks/memory_plan.py counts the tap bytes a run holds
-    instead."""
-
-    def __init__(self, device: str, train_device: str | None = None) -> None:
-        self.cuda = device == "cuda"
-        self.devices = ([None] if self.cuda else []) + ([train_device] if (train_device or "").startswith("cuda") else [])
-        self.peaks: dict[str, int] = {}
-
-    def start(self) -> None:
-        import torch
-
-        for device in self.devices:
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def end(self, phase: str) -> None:
-        import torch
-
-        for device in self.devices:
-            key = phase if device is None else f"{phase} ({device})"
-            self.peaks[key] = max(self.peaks.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
-
-    def record(self) -> dict:
-        if not self.devices:
-            return {"device": "cpu: no allocator peak (benchmarks/memory_plan.py counts the capture's bytes)"}
-        import torch
-
-        return {"max_memory_allocated_bytes_by_phase": dict(self.peaks),
-                "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved()) if self.cuda else None}
-
-
-def engine_report(stack) -> dict:
-    """What vLLM itself reports of its weights and KV cache (read from the live engine; absent where it keeps none)."""
-    runner, llm = getattr(stack, "runner", None), getattr(stack, "llm", None)
-    out = {}
-    weights = getattr(runner, "model_memory_usage", None)
-    if weights:
-        out["weights_bytes"] = int(weights)
-    try:
-        cache = llm.llm_engine.vllm_config.cache_config
-        out["kv_cache_memory_bytes"] = cache.kv_cache_memory_bytes
-        if cache.num_gpu_blocks:
-            out["kv_blocks"], out["block_size"] = int(cache.num_gpu_blocks), int(cache.block_size)
-    except AttributeError:
-        pass
-    return out
-
-
-class CountingCapture:
-    """A capture (compare.score_both's park/add_sequences/pair/finish_prompt) that files every hand-over with the real
-    one and counts what the run holds, independently of the plan's arithmetic: per inference batch (a batch starts at the first park
-    after a training-side finish) and per training sequence, the bytes of the tensors handed over (`taps`, `logits`)
-    and of the distinct storages behind them (`storage`: a view keeps its whole buffer alive, e.g. vLLM's fused
-    q/k/v output behind v_proj)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.batches: list[dict[str, int]] = []
-        self.sequences: dict[int, dict[str, int]] = {}
-        self._storages: dict[int, int] = {}
-        self._sequence_storages: dict[int, dict[int, int]] = {}
-        self._new_batch = True
-
-    @staticmethod
-    def _count(into: dict[str, int], storages: dict[int, int], name: str, x) -> None:
-        if name == "logits":  # the plan's infer_logits; a sequence's logits are held with or without the tap
-            into["logits"] += x.numel() * x.element_size()
-            return
-        into["taps"] += x.numel() * x.element_size()
-        storage = x.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-
-    def park(self, key, tap, x) -> None:
-        from ..taps import each_tap
-
-        if self._new_batch:
-            self.batches.append({"taps": 0, "logits": 0, "storage": 0})
-            self._storages, self._new_batch = {}, False
-        for k, t in each_tap(tap, x):
-            self._count(self.batches[-1], self._storages, k.name, t)
-        self.batches[-1]["storage"] = sum(self._storages.values())
-        self.inner.park(key, tap, x)
-
-    def add_sequences(self, sequences) -> None:
-        self.inner.add_sequences(sequences)
-
-    def pair(self, key, tap, x) -> None:
-        counts = self.sequences.setdefault(key, {"taps": 0, "logits": 0, "storage": 0})
-        storages = self._sequence_storages.setdefault(key, {})
-        self._count(counts, storages, tap.name, x)
-        counts["storage"] = sum(storages.values())
-        self.inner.pair(key, tap, x)
-
-    def finish_prompt(self, key) -> None:
-        self._new_batch = True
-        self._sequence_storages.pop(key, None)
-        self.inner.finish_prompt(key)
-
-    def largest(self) -> dict[str, int]:
-        """The largest batch's and the longest sequence's counts, as the plan's terms are."""
-        most = lambda rows, field: max((r[field] for r in rows), default=0)  # noqa: E731
-        seqs = list(self.sequences.values())
-        return {"infer_taps_handed_over": most(self.batches, "taps"), "infer_taps_storage": most(self.batches, "storage"),
-                "infer_logits": most(self.batches, "logits"), "train_taps_handed_over": most(seqs, "taps"),
-                "train_taps_storage": most(seqs, "storage")}
 
 
 # ------------------------------------------------------------------------------------------- out of memory

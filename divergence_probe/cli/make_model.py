@@ -1,0 +1,41 @@
+"""`make-model`: a Qwen checkpoint with seeded random weights (models/modelzoo.py), to run everything offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import ProbeError
+from .console import console, fail, out
+from .options import help_from_doc
+
+
+@help_from_doc
+def make_model(
+    out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
+    preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB; with --arch qwen3_moe: 32 experts, top-4), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b, qwen3-0.6b, qwen3-1.7b or qwen3-30b-a3b (real shapes, random weights)."),
+    seed: int = typer.Option(0, "--seed", help="Weight seed; same seed, same bytes."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty folder."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Number of decoder layers; default: the preset's. Cuts a real shape's depth to fit one device."),
+) -> None:
+    """Write a Hugging Face-format Qwen checkpoint with seeded random weights and a real BPE tokenizer.
+
+    Real weights need a network; these models let you run everything offline, at real shapes.
+
+    Examples:
+      divergence-probe make-model models/tiny
+      divergence-probe make-model models/moe --arch qwen3_moe
+      divergence-probe make-model models/q7 --preset qwen2.5-7b --layers 4
+      divergence-probe compare --model models/q7 --device cuda
+    """
+    from ..models.modelzoo import make_model as build
+
+    try:
+        with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):
+            path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite, num_layers=layers)
+    except ProbeError as e:
+        fail(e)
+    out.print(f"model: {path}")
