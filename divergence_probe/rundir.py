@@ -31,7 +31,7 @@ MANIFEST = "manifest.json"
 PROMPTS = "prompts.jsonl"
 # generate mode's samples as rollouts `score` reads back (checked by sha256 and line count like any listed file)
 ROLLOUTS = "rollouts.jsonl"
-KINDS = ("compare", "ablate")
+KINDS = ("compare", "ablate", "remedies")
 WRITTEN_KINDS = (*KINDS, "score")  # run folders write_run makes; score (runs/score.py) has no RunSpec kind
 # Files a run folder may hold, with the columns a reader relies on. tokens.csv may be gzipped (tokens.csv.gz)
 # or deleted to save space; every other file listed in the manifest must be there.
@@ -52,6 +52,7 @@ COLUMNS = {
     "routing.csv": ("layer", "frac_topk_set_differs"),
     "routing_noise.csv": ("side", "layer", "frac_topk_set_differs"),
     "reference_local.csv": ("layer", "tap", "ref_err_infer", "ref_err_train"),  # --reference's local reading
+    "remedies.csv": ("arm", "needs", "status", "reason"),
 }
 # score's tokens.csv holds the logprobs the user's run recorded (logprob_rollout) where compare's holds the engine's
 KIND_COLUMNS = {"score": {"tokens.csv": ("prompt_id", "position", "logprob_rollout", "delta_logprob", "kl")},

@@ -29,6 +29,8 @@ RUN = {
 # run in tests/docs/test_readme.py itself, on the folder the command before it wrote
 RENDERED = {"report runs/where-local": "readme-where-local"}
 NOT_RUN = {
+    "remedies --num-prompts 40": "a compare with its floors per arm and a second engine for FP16: minutes on a CPU; "
+    "test_remedies runs every arm a dense model has on the two-transformers probe",
     "ablate --taps none --regions lm_head --factor train:kernels=vllm": "four combinations with a second trainer; "
     "test_engine_knobs runs a region and a trainer-kernel factor on the built-in model",
     "compare --taps all --train-kernels vllm --batch-invariance": "test_train_kernels runs compare with the engine's "

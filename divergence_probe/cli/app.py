@@ -23,11 +23,12 @@ from . import compare, diff, make_model, report, rerun, rl, score
 from .console import console, error_line, libraries_silenced, plain_streams
 from .options import Command, untyped_flags
 
-ORDER = ("compare", "ablate", "rerun", "report", "diff", "rl", "score", "make-model")
+ORDER = ("compare", "ablate", "remedies", "rerun", "report", "diff", "rl", "score", "make-model")
 # The commands whose options are a spec's fields: name -> (docstring, function making the command's callback). They
 # are listed (name and summary) from a placeholder and built when resolved to run or to show their own --help.
 LAZY = {"compare": (compare.COMPARE_DOC, compare.compare_command),
         "ablate": (compare.ABLATE_DOC, compare.ablate_command),
+        "remedies": (compare.REMEDIES_DOC, compare.remedies_command),
         "rl": (rl.RL_DOC, rl.make_rl_command),
         "score": (score.SCORE_DOC, score.make_score_command)}
 

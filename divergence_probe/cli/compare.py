@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from .console import say
 from .options import PANELS, command_doc, fail_if_parameter, generated, out_parameter, parameters, run_flags
 from .runner import closing, exit_by, gate_of, next_step, run_spec
 from .tables import print_ablation, print_summary
@@ -38,10 +39,26 @@ ABLATE_DOC = command_doc("""Rerun compare with every combination of aligned regi
     """)
 
 
+REMEDIES_DOC = command_doc("""Try each candidate remedy (aligned regions, FP16, the trainer's most divergent layers in
+    FP32, trainer kernels, AMP, FP8 off, MoE routing replay) against the stacks as shipped on the same prompts, and
+    rank what removes a detectable part of the mismatch by effect and by what it costs each side.
+
+    Writes remedies.csv (one row per arm, run or not and why: its change with a paired bootstrap interval, its noise
+    floor, what it needs, the time and peak memory it adds to the trainer's forward, forward+backward and the engine's
+    step) and compare's files with a combo column per arm.
+
+    Examples:
+      divergence-probe remedies
+      divergence-probe remedies --model M --num-prompts 40 --out runs/remedies
+      divergence-probe remedies --model M --arms aligned_trainer,fp32_layers,fp16 --fp32-layers 4
+    """)
+
+
 def spec_command(kind: str, doc: str):
-    """The typer command of `kind` (compare or ablate): its options are the spec's fields; it builds the RunSpec,
-    runs it, writes it and shows its summary."""
-    after = print_ablation if kind == "ablate" else print_summary
+    """The typer command of `kind` (compare, ablate or remedies): its options are the spec's fields; it builds the
+    RunSpec, runs it, writes it and shows its summary (remedies: its ranking in words)."""
+    after = {"ablate": print_ablation, "remedies": lambda run: [say(line) for line in run.lines()]}.get(
+        kind, print_summary)
 
     def command(out_dir: Optional[Path] = None, fail_if: Optional[list[str]] = None, **flags) -> None:
         from ..spec.run import spec_from_flat
@@ -62,3 +79,7 @@ def compare_command():
 
 def ablate_command():
     return spec_command("ablate", ABLATE_DOC)
+
+
+def remedies_command():
+    return spec_command("remedies", REMEDIES_DOC)

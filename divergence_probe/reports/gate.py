@@ -90,12 +90,13 @@ _GENERATED = frozenset({*_rl_names("train", "prefill", "decode"), "prompt_mean_a
                        - set(SUMMARY_COLUMNS))
 _ENGINE_NOISE = ("noise_infer_engine_mode_mean_abs_dlogp", "noise_infer_tensor_parallel_mean_abs_dlogp",
                  "tap_points_mean_abs_dlogp")
-# The summary columns each run kind can write: the names --fail-if accepts. ablate's are compare's (its summary.csv
-# has one row per combination; the gate reads the shipped one); history's are score's, per step, and what steps.csv
+# The summary columns each run kind can write: the names --fail-if accepts. ablate's and remedies' are compare's (their
+# summary.csv has one row per combination or arm; the gate reads the shipped one); history's are score's, per step, and what steps.csv
 # adds to them (steps.csv).
 METRICS: dict[str, tuple[str, ...]] = {
     "compare": tuple(dict.fromkeys(_COMPARE)),
     "ablate": tuple(dict.fromkeys(_COMPARE)),
+    "remedies": tuple(dict.fromkeys(_COMPARE)),  # the stacks as shipped, as ablate's `none`
     "score": tuple(dict.fromkeys(_SCORE)),
     "history": tuple(dict.fromkeys([*_SCORE, "n_rollouts", "reward_mean"])),  # + history.step_row's own columns
 }

@@ -125,7 +125,7 @@ def load_run(run_dir: str | Path) -> RunData:
             run.tokens = run.tokens.rename(columns={"logprob_rollout": "logprob_infer"})
 
     for stem in ("buckets", "batch_invariance", "kernel_noise", "engine_noise", "local", "local_families", "depth",
-                 "routing", "routing_noise", "local_routing"):
+                 "routing", "routing_noise", "local_routing", "remedies"):
         if f"{stem}.csv" in tables:
             run.extra[stem] = tables[f"{stem}.csv"]
 

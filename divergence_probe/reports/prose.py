@@ -16,6 +16,7 @@ from ..numerics.graft_reading import amplification_text, families_by_local, find
 from .run_data import RunData, layers_of, response_rho, row_of, shipped_rows
 from .moe import routing_section
 from .reference import MEANINGS as REFERENCE_MEANINGS, reference_section
+from .remedies import remedies_section
 from .recorded import MEANINGS, recorded_section, setup_items
 from .wording import FACTORS, GENERATE_FACTORS, _code, _finite, _get, _num, _signed_pct, read_intervals, scored_prompts, \
     share_interval, too_few_prompts
@@ -641,7 +642,8 @@ def _intro(run: RunData) -> Paragraph:
                          f"checkpoint gives the same tokens in the training stack (transformers){engine}. Throughout, "
                          "`logprob_infer` is the recorded logprob (tokens.csv's `logprob_rollout`) and Δlogprob = "
                          "logprob_train − logprob_rollout. Run folder: " + _code(run.path.name) + ".")
-    what = {"compare": "compares", "ablate": "ablates", "generate": "compares, on generated rollouts,"}[run.kind]
+    what = {"compare": "compares", "ablate": "ablates", "generate": "compares, on generated rollouts,",
+            "remedies": "compares, as shipped and with each candidate remedy,"}[run.kind]
     text = (f"This report {what} the same checkpoint run by an inference engine (`{infer}`) and by a training "
             "stack (transformers), fed exactly the same token ids. Both compute in the same dtype, yet they round "
             "intermediate results at different places, so the policy that samples and the policy that is trained "
@@ -663,7 +665,7 @@ def build_document(run: RunData, figure_specs: list, skipped: list[str], figure_
 
     blocks += _setup(run) + _headline(run) + reference_section(run) + (recorded_section(run) if run.is_score else [])
     blocks += _first_divergence(run)
-    blocks += routing_section(run) + _tables(run)
+    blocks += routing_section(run) + remedies_section(run) + _tables(run)
     blocks.append(Heading("Figures"))
     if figure_specs and figure_files:
         blocks.append(Paragraph("Each figure is also saved as a vector PDF beside its PNG in `figures/`."))

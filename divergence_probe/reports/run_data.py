@@ -49,6 +49,8 @@ class RunData:
     def kind(self) -> str:
         if self.is_score:
             return "score"
+        if self.manifest.get("kind") == "remedies":
+            return "remedies"
         return "generate" if self.is_generate else "ablate" if self.is_ablate else "compare"
 
     @property

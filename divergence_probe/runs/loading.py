@@ -53,7 +53,8 @@ class LoadedStacks:
     def with_trainer(self, **changes) -> "LoadedStacks":
         """This probe's engine beside another training side (e.g. train_sdpa="math", train_state="inherited"):
         the engine is not reloaded, so two training configurations are compared against the very same engine."""
-        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp", "train_precision", "train_kernels"}
+        allowed = {"train", "train_attn", "train_sdpa", "train_state", "train_tp", "train_precision", "train_kernels",
+                   "dtype"}  # dtype: the trainer of an engine loaded beside in that dtype too (remedies' fp16 arm)
         if set(changes) - allowed:
             raise ProbeError(f"with_trainer changes only {', '.join(sorted(allowed))}; load a new probe for the rest")
         config = replace(self.config, **changes)

@@ -7,8 +7,8 @@ folder, its report and this step, so the next question a user has is one copy-pa
     step = after_rl(spec, family)
 
 The rules follow the README's recipes, in the order a user asks them: is the mismatch more than noise (measure a
-floor), where does it start (graft and depth, or routing on a mixture of experts), which region carries it
-(ablate), what the trainer alone can adopt (--side train), and whether it matters in training (rl). A command the
+floor), what should I change and at what cost (remedies; where it cannot run, which region or routing carries it:
+ablate), what the trainer alone can adopt (--side train), and whether it matters in training (rl). A command the
 model's family cannot run is never suggested: each candidate goes through the checks the command itself runs
 before loading (spec.check_family: `Family.unsupported`, regions the family lacks, what tensor parallelism refuses;
 rl: its settings' regions). Pure functions of the run: the same run gives the same step.
@@ -62,6 +62,13 @@ def _as_ablate(spec, regions: tuple[str, ...] | None, taps: str):
         capture=replace(spec.capture, taps=taps, graft=False, depth=False, batch_invariance=False)))
 
 
+def _as_remedies(spec):
+    """The same model, prompts and load as a compare spec, as a remedies run over every arm (prefill mode)."""
+    from ..spec.run import spec_from_flat
+
+    return _valid(lambda: replace(spec_from_flat("remedies", load=spec.load), prompts=spec.prompts))
+
+
 def _runs_on(spec, family) -> bool:
     """Whether the command would get past its own pre-load checks for this family (None: not known, so yes)."""
     from ..spec.run import check_family
@@ -74,10 +81,13 @@ def _step(spec, why: str, family=None) -> Step | None:
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
-    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): where it starts (graft,
-    depth), or on a MoE model whether routing or rounding carries it (ablate with routing). Within its floor: what RL
-    sees (generate mode), if not seen yet. An interval that straddles the floor: the same run on more prompts, which
-    narrows it (when the run used only some of its prompts; otherwise the user has to bring more)."""
+    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): which remedy removes it and
+    at what cost (remedies); where remedies cannot run (one stack at a time), which region removes it, or on a MoE
+    model whether routing or rounding carries it (ablate, with routing). Within its floor: what RL sees (generate mode), if not seen
+    yet. An interval that straddles the floor: the same run on more prompts, which narrows it (when the run used only
+    some of its prompts; otherwise the user has to bring more). A remedies run ends with its own ranking: no step."""
+    if spec.kind == "remedies":
+        return None
     verdict = summary.get(VERDICT)
     if verdict is None:
         return _step(_changed(spec, capture={"batch_invariance": True}),
@@ -88,14 +98,12 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
         return _step(more, in_words(summary), family) if more else None
     if verdict == ABOVE:
         why = in_words(summary)
+        step = _step(_as_remedies(spec), why + ": which change removes it, and what it costs", family)
+        if step is not None:
+            return step
         if "frac_tokens_any_flip" in summary:  # a mixture of experts: routing is one more factor
             step = _step(_as_ablate(spec, MOE_REGIONS, spec.capture.taps) if _can(family, "ablate") else None,
                          why + ": split it into routing and rounding", family)
-        elif not (spec.capture.graft or spec.capture.depth) and _can(family, "--graft") and _can(family, "--depth"):
-            step = _step(_changed(spec, capture={"graft": True, "depth": True, "batch_invariance": False}),
-                         why + ": find the layers and ops that make it", family)
-        else:
-            step = None
         if step is None and _can(family, "ablate"):
             step = _step(_as_ablate(spec, _regions_of(family), "none"), why + ": which aligned region removes it",
                          family)

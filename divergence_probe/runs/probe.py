@@ -13,6 +13,7 @@ comparison and ablation on that model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +28,10 @@ from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
 
 LoadConfig = LoadSpec  # the name of earlier releases
+# The kinds that run many compares on one probe, by their runner ("module:function"), imported when such a run runs: a
+# compare needs neither, and each runner brings the modules of its own arms.
+RUNNERS = {"ablate": "divergence_probe.runs.ablate:run_ablation",
+           "remedies": "divergence_probe.runs.remedies:run_remedies"}
 
 
 @dataclass
@@ -46,15 +51,14 @@ class Probe(LoadedStacks):
         with libraries_quieted(self.quiet), memory_errors(self.memory_plan, "run"):
             run = self._run(spec, progress)
         if "placement" in run.manifest:  # both stacks together: the engine ran every prompt once per combination
-            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind == "ablate" else 1
+            run.manifest["placement"]["engine_passes"] = len(run.runs) if spec.kind != "compare" else 1
         return run
 
     def _run(self, spec: RunSpec, progress: Progress | None):
         self.infer.begin_run()  # the manifest's captured-logits gap describes this run alone
-        if spec.kind == "ablate":
-            from .ablate import run_ablation
-
-            return run_ablation(self, spec, progress)
+        if spec.kind in RUNNERS:
+            module, name = RUNNERS[spec.kind].split(":")
+            return getattr(import_module(module), name)(self, spec, progress)
         from .engine_align import aligned_probe
 
         with aligned_probe(self, spec.align.regions, spec.align.side) as probe:
@@ -112,7 +116,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
 
     with libraries_quieted(quiet):
         with timings.timed("load"):
-            prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=True,
+            prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=spec.kind != "remedies",
                                spill_near=spill_near, check=check, gate=gate)
         check_planned(prepared.plan, spec.capture.reference)  # --reference: refused before anything loads
         if notice is not None:

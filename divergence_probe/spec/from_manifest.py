@@ -32,7 +32,7 @@ LATER_FIELDS: dict[tuple[str, str], object] = {
     ("capture", "graft"): False, ("capture", "depth"): False, ("capture", "engine_noise"): False,
     ("align", "routing_replay"): "ids", ("ablate", "build_ahead"): None, ("load", "train_precision"): "bf16",
     ("load", "train_device"): None, ("load", "train_tp"): 1, ("load", "train_kernels"): "torch", ("ablate", "factors"): (),
-    ("spec", "train_kernels"): "torch",
+    ("spec", "train_kernels"): "torch", ("spec", "remedies"): None,
     ("load", "allow_untested_versions"): False, ("generate", "rollouts_format"): "generic",
     ("load", "placement"): "together", ("load", "keep_engine_outputs"): False,
     ("capture", "reference"): None}

@@ -29,10 +29,18 @@ from .generate import GenerateSpec
 from .knobs import applied, parse_factor
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
+from .remedies import RemediesSpec
 
 
 COMPONENTS = {"load": LoadSpec, "prompts": PromptSpec, "capture": CaptureSpec, "generate": GenerateSpec,
-              "align": AlignSpec, "ablate": AblateSpec}
+              "align": AlignSpec, "ablate": AblateSpec, "remedies": RemediesSpec}
+# The components whose options a kind's command takes (flat_fields): remedies takes compare's model and prompt
+# options and makes every arm's capture, alignment and factors itself (runs/remedies.py).
+KIND_COMPONENTS = {"compare": ("load", "prompts", "capture", "generate", "align"),
+                   "ablate": ("load", "prompts", "capture", "generate", "align", "ablate"),
+                   "remedies": ("load", "prompts", "remedies")}
+# What a remedies run reads per layer in its shipped compare: the fp32_layers arm picks its layers from it.
+READING_TAP = "resid_out"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +55,8 @@ class RunSpec:
     align: AlignSpec = option(default_factory=AlignSpec)
     ablate: AblateSpec | None = None
     """None for a compare."""
+    remedies: RemediesSpec | None = None
+    """None but for a remedies run."""
     report: bool = option(False, "After the run is written, render OUT/report (report.md and figures; see the "
                                  "report command).")
 
@@ -56,6 +66,13 @@ class RunSpec:
             object.__setattr__(self, "ablate", AblateSpec())
         if self.kind == "compare" and self.ablate is not None:
             raise ProbeError("a compare run has no ablation; use kind 'ablate'")
+        if self.kind == "remedies" and self.remedies is None:
+            object.__setattr__(self, "remedies", RemediesSpec())
+        if self.kind != "remedies" and self.remedies is not None:
+            raise ProbeError(f"a {self.kind} run tries no remedies; use kind 'remedies'")
+        if self.kind == "remedies" and self.load.placement == "alternate":
+            raise ProbeError("remedies runs each arm beside the shipped stacks, both loaded at once; use --placement "
+                             "together or auto")
         infer = capabilities_of(self.load.infer, engine=self.load.engine)  # here: the CLI's --help imports no torch
         not_captured = infer.not_captured()
         refused = sorted(self.capture.tap_names & set(not_captured)) if self.capture.taps.strip() != "all" else []
@@ -135,7 +152,7 @@ class RunSpec:
         regions = tuple(r for r in self.ablate.regions if r in combo)
         replay = self.align.routing_replay if "routing" in regions else "ids"  # only a combination with routing replays
         load = applied(self.load, [f for f in self.ablate.factors if f in combo])
-        return replace(self, kind="compare", ablate=None, load=load,
+        return replace(self, kind="compare", ablate=None, remedies=None, load=load,
                        align=replace(self.align, regions=regions, routing_replay=replay))
 
     @property
@@ -178,7 +195,8 @@ class RunSpec:
             for name, value in values.items():
                 where = f"spec.{name}"
                 if name in COMPONENTS:
-                    parts[name] = None if value is None and name == "ablate" else _build(COMPONENTS[name], value, where)
+                    parts[name] = None if value is None and name in ("ablate", "remedies") \
+                        else _build(COMPONENTS[name], value, where)
                 else:
                     parts[name] = _typed(value, hints[name], where, "--report" if name == "report" else name)
             try:
@@ -188,6 +206,15 @@ class RunSpec:
         except _SpecError as e:
             raise ProbeError(f"the recorded run spec does not fit this version of divergence-probe ({e}); fix the "
                              "manifest or re-run the command from its `command` instead") from None
+
+
+def remedies_capture(load: LoadSpec) -> CaptureSpec:
+    """What a remedies run captures in its shipped compare: the noise floors every arm's change stands beside, and the
+    residual stream's per-layer readings where the stacks pair them (not from a compiled engine, nor from an AMP
+    trainer, whose stream is FP32)."""
+    readable = READING_TAP not in capabilities_of(load.infer, engine=load.engine).not_captured() \
+        and load.train_precision != "amp"
+    return CaptureSpec(taps=READING_TAP if readable else "none", batch_invariance=True)
 
 
 def _resolved_device(device: str) -> str:
@@ -209,7 +236,7 @@ def flat_fields(kind: str) -> list[tuple[str | None, Field, str]]:
     parameters and the keyword arguments of `Probe.compare`/`Probe.ablate` are called. Unique per kind."""
     out = []
     for component, cls in COMPONENTS.items():
-        if component == "ablate" and kind != "ablate":
+        if component not in KIND_COMPONENTS[kind]:
             continue
         for f in fields(cls):
             if not f.metadata.get("cli", True) or (kind == "ablate" and component == "align" and f.name == "regions"):
@@ -242,6 +269,9 @@ def spec_from_flat(kind: str, *, load: LoadSpec | None = None, **flat) -> RunSpe
         built["load"] = load
     if kind == "ablate":
         built.setdefault("ablate", AblateSpec())
+    if kind == "remedies":
+        built.setdefault("remedies", RemediesSpec())
+        built["capture"] = remedies_capture(built.get("load") or LoadSpec())
     return RunSpec(kind=kind, **built, **top)
 
 

@@ -184,7 +184,10 @@ def test_docs_stay_a_library_a_clone_can_afford():
 
 # ------------------------------------------------------------------------------------------- guide and reference
 README_BYTES = 15_000  # a guide read top to bottom: which command answers which question, details one link away
-PAGE_BYTES = 32 * 1024  # the largest reference page (the generated flag tables) with room to grow
+PAGE_BYTES = 32 * 1024  # the largest hand-written reference page, with room to grow
+# the flag tables, generated from the CLI (tests/cli/test_cli_help.py): a table per command, each repeating the run
+# spec's load and prompt options, so the page grows with every command rather than with prose to split by topic
+GENERATED = {"flags.md": 48 * 1024}
 
 
 def test_the_readme_is_a_guide_and_the_reference_is_pages():
@@ -197,7 +200,8 @@ def test_the_readme_is_a_guide_and_the_reference_is_pages():
     index = (reference / "README.md").read_text()
     pages = sorted(path for path in reference.glob("*.md") if path.name != "README.md")
     assert [path.name for path in pages if f"]({path.name}" not in index] == [], "pages the index does not list"
-    large = [f"{path.name}: {path.stat().st_size} bytes" for path in pages if path.stat().st_size > PAGE_BYTES]
+    large = [f"{path.name}: {path.stat().st_size} bytes" for path in pages
+             if path.stat().st_size > GENERATED.get(path.name, PAGE_BYTES)]
     assert not large, "reference pages to split by topic:\n" + "\n".join(large)
 
 

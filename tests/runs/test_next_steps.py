@@ -43,7 +43,7 @@ def invoke(argv):
 
 def test_compare_names_its_folder_report_and_a_next_command_that_runs(toy_args, tmp_path):
     """No floor measured: the next command is the same compare with --batch-invariance; it runs as printed, and
-    after it (a mismatch over its floor of 0: the toy stacks are batch-invariant) comes graft and depth."""
+    after it (a mismatch over its floor of 0: the toy stacks are batch-invariant) comes remedies."""
     first = tmp_path / "first"
     lines = closing(invoke(["compare", *map(str, toy_args), "--taps", "none", "--out", str(first)]).output)
     assert lines["run"] == str(first)
@@ -53,7 +53,7 @@ def test_compare_names_its_folder_report_and_a_next_command_that_runs(toy_args, 
     invoke(shlex.split(lines["report"])[1:])
     assert (first / "report" / "report.md").is_file()
     lines = closing(invoke(argv[1:] + ["--out", str(tmp_path / "second")]).output)
-    assert "--graft" in lines["next"] and "--depth" in lines["next"] and "noise floor" in lines["why"]
+    assert shlex.split(lines["next"])[:2] == ["divergence-probe", "remedies"] and "noise floor" in lines["why"]
 
 
 def _compare(**flags):
@@ -76,16 +76,19 @@ def test_after_compare_follows_the_recipes():
     within = after_compare(spec, _measured(1e-3))
     assert "--mode generate" in shlex.join(within.argv) and "within" in within.why
     assert after_compare(_compare(mode="generate", batch_invariance=True), _measured(1e-3)) is None
-    over = after_compare(spec, _measured(8e-3))
-    assert {"--graft", "--depth"} <= set(over.argv) and "--batch-invariance" not in over.argv
+    # over its floor: which remedy removes it and what it costs, on the same model and prompts
+    over = after_compare(_compare(taps="none", batch_invariance=True, num_prompts=30), _measured(8e-3))
+    assert over.argv[:2] == ["divergence-probe", "remedies"] and "--num-prompts" in over.argv
+    assert "--batch-invariance" not in over.argv and "what it costs" in over.why
     assert ("4x its largest floor (the training stack's own batch change, a noise floor; 95% interval over prompts "
             "3.6x to 4.4x, the floor's prompts resampled with the mismatch's)") in over.why
-    # a family that cannot graft (Qwen3-MoE), with routing compared: ablate with routing as a factor
     moe = after_compare(spec, _measured(8e-3, frac_tokens_any_flip=0.1), get_family("qwen3_moe"))
-    assert moe.argv[:2] == ["divergence-probe", "ablate"] and "rope,rmsnorm,routing" in moe.argv
-    # graft already run: which region removes it
-    done = after_compare(_compare(graft=True, batch_invariance=True), _measured(8e-3))
-    assert done.argv[:2] == ["divergence-probe", "ablate"] and "routing" not in shlex.join(done.argv)
+    assert moe.argv[:2] == ["divergence-probe", "remedies"]  # its routing arms split routing from rounding
+    # where remedies cannot run (one stack at a time), what ablate can: which region removes it
+    apart = after_compare(_compare(taps="none", batch_invariance=True, placement="alternate"), _measured(8e-3))
+    assert apart.argv[:2] == ["divergence-probe", "ablate"] and "routing" not in shlex.join(apart.argv)
+    # a remedies run ends with its own ranking
+    assert after_compare(spec_from_flat("remedies"), _measured(8e-3)) is None
 
 
 def test_a_ratio_over_1_whose_interval_straddles_1_asks_for_more_prompts_not_for_a_cause():

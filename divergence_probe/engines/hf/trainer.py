@@ -143,6 +143,13 @@ class HFStack(HFPolicy):
         self._kernel_patch.apply(found)
         self.kernels = name
 
+    def layers_aligned(self, layers, regions) -> list:
+        """The replacements that align `regions` in the decoder layers `layers` alone, every other layer as shipped
+        (remedies' fp32_layers arm; patches/layers.py), for the caller's HookSet."""
+        from .patches.layers import patch
+
+        return patch(self.model, layers, regions)
+
     @contextmanager
     def kernels_used(self, name: str) -> Iterator[None]:
         """The forwards of this block on the kernel set `name` (ablate's train:kernels factor); the set the stack was

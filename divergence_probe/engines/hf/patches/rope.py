@@ -19,9 +19,7 @@ def patch(model: torch.nn.Module) -> list[Replacement]:
     rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     if not rotaries:
         raise SeamMissing("rotary embedding module (a *RotaryEmbedding) anywhere in the model")
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    freqs = inv_freq(config.rope_parameters["rope_theta"], head_dim, device=model.device)
+    freqs = frequencies(model)
     found = []
     for rotary in rotaries:
         if getattr(rotary, "rope_type", "default") != "default" or getattr(rotary, "attention_scaling", 1.0) != 1.0:
@@ -38,6 +36,13 @@ def patch(model: torch.nn.Module) -> list[Replacement]:
         if not getattr(shipped, "_aligned", False):  # else a live patch of another model of the class did it
             found.append(Replacement(modeling, "apply_rotary_pos_emb", _dispatching(shipped), shared=True))
     return found
+
+
+def frequencies(model: torch.nn.Module) -> torch.Tensor:
+    """The model's RoPE inverse frequencies in FP32, on its device (regions/rope.py inv_freq)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return inv_freq(config.rope_parameters["rope_theta"], head_dim, device=model.device)
 
 
 def _dispatching(shipped):

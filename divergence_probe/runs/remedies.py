@@ -1,0 +1,524 @@
+"""remedies: which change to make, and what it costs. Every candidate remedy (an arm) runs as its own compare on the
+same prompts beside the stacks as shipped, with its own noise floors; its change of the mismatch gets a paired
+bootstrap interval over prompts, and its cost (the time and peak memory each side's step adds) is measured in this
+process on the same loaded stacks. Arms whose interval holds zero are "no detectable effect" and are not ranked.
+
+    run = probe.run(spec_from_flat("remedies", load=probe.config, arms="aligned_both,fp32_layers"))
+    run.table            # remedies.csv: one row per arm, run or not (and why not)
+
+An arm is a change a deployment can make, declared once in ARMS with the published claim it tests and what it needs
+(the trainer only, an engine setting, or both). Most are the regions and factors ablate already toggles (knobs.py,
+regions/), configured the way ablate configures a combination; three are this command's own: both stacks in FP16
+(a second trainer and engine in FP16, against their own FP16 floors), the trainer's k most divergent layers in FP32
+(engines/hf/patches/layers.py; the layers read from the shipped run's residual stream), and MoE routing replay of
+expert ids alone against ids plus the engine's combine weights, paired with each other.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pandas as pd
+
+from .ablate import _configured
+from .compare import CompareRun, run_compare
+from .manifest import build_manifest
+from .progress import Progress, phase
+from ..errors import ProbeError, StackError
+from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
+from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
+from ..numerics.shapley import METRICS, NO_INTERVAL, SHIPPED, bootstrap, effect, per_prompt
+from ..numerics.tables import NOISE_FLOORS, largest_noise_floor
+from ..spec.knobs import applied
+from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
+
+TRAINER, ENGINE, BOTH = "trainer only", "engine setting", "both"
+SIDES = ("train_forward", "train_forward_backward", "engine_step")  # the steps whose cost is timed, per arm
+NUMERIC = ("rope", "swiglu", "rmsnorm")  # the published alignment: what a dense layer has of them, aligned
+
+
+class NotRun(ProbeError):
+    """An arm this model, device or run cannot try: listed with the reason, never dropped."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    claim: str  # the published claim it tests
+    needs: str  # TRAINER, ENGINE or BOTH: what adopting it changes
+    step: Callable[[RunSpec, object], RunSpec]  # (the shipped compare, the model's family) -> the arm's compare
+    paired_with: str | None = None  # an arm it is also compared with directly, on the same prompt draws
+
+
+def _regions_of(family, wanted) -> tuple[str, ...]:
+    from ..regions import check_regions_exist
+
+    has = []
+    for region in wanted:
+        try:
+            check_regions_exist(family, [region])
+            has.append(region)
+        except ProbeError:
+            pass
+    return tuple(has)
+
+
+def _aligned(side: str, regions=NUMERIC, replay: str = "ids"):
+    def step(base: RunSpec, family) -> RunSpec:
+        found = _regions_of(family, regions)
+        if not found:
+            raise NotRun(f"{family.model_type} models have none of {', '.join(regions)}")
+        return replace(base, align=replace(base.align, regions=found, side=side, routing_replay=replay))
+    return step
+
+
+def _factor(label: str):
+    def step(base: RunSpec, family) -> RunSpec:
+        try:
+            check_factor(label, base.load)  # the knob's own check on this device (Liger: CUDA and its package)
+        except ProbeError as e:
+            raise NotRun(str(e).removeprefix(f"--factor {label}: ")) from None
+        return replace(base, load=applied(base.load, [label]))
+    return step
+
+
+def _fp16(base: RunSpec, family) -> RunSpec:
+    if base.load.dtype == "float16":
+        raise NotRun("the run is FP16 already")
+    if base.load.train_precision == "amp":
+        raise NotRun("--train-precision amp autocasts to --dtype; FP16 here would change two things at once")
+    return replace(base, load=replace(base.load, dtype="float16"))
+
+
+def _fp8_off(base: RunSpec, family) -> RunSpec:
+    from ..engines import knobs_of
+
+    args = base.load.engine_args
+    fp8 = {knob.key for knob in knobs_of(infer=base.load.infer).values()  # the engine's own knobs (none for hf)
+           if knob.side == "engine" and knob.field == "engine_args" and "fp8" in str(args.get(knob.key, ""))}
+    if not fp8:
+        raise NotRun("the engine runs no FP8 (no kv_cache_dtype or quantization in --engine-args): nothing to turn "
+                     "off; FP8 in vLLM needs a GPU")
+    return replace(base, load=replace(base.load, engine_args={k: v for k, v in base.load.engine_args.items()
+                                                              if k not in fp8}))
+
+
+def _routing(replay: str):
+    def step(base: RunSpec, family) -> RunSpec:
+        if family.top_k_field is None:
+            raise NotRun(f"{family.model_type} is a dense model: no router to replay")
+        return _aligned("train", ("routing",), replay)(base, family)
+    return step
+
+
+def _fp32_layers(base: RunSpec, family) -> RunSpec:
+    from ..engines import capabilities_of
+    from ..engines.protocol import TRAINER_REGIONS
+
+    refusal = capabilities_of(base.load.train, ranks=base.load.train_tp).first_refused([TRAINER_REGIONS])
+    if refusal:
+        raise NotRun(refusal)
+    return base  # the layers are patched by run_remedies, not by an aligned region
+
+
+def _correction(base: RunSpec, family) -> RunSpec:
+    raise NotRun("TIS/MIS reweight the policy loss and leave both stacks' logprobs as they are, so there is no "
+                 "change in the mismatch to measure; their effect on training: rl --setting train:correction=tis")
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm("aligned_both", "FP32 RoPE, SwiGLU and RMSNorm with one rounding on both stacks close the gap (the published "
+        "alignment)", BOTH, _aligned("both")),
+    Arm("aligned_trainer", "the same alignment in the trainer alone narrows the gap with the engine as deployed",
+        TRAINER, _aligned("train")),
+    Arm("lm_head", "an FP32 LM head (FP32 logits on both stacks) removes much of the gap", BOTH,
+        _aligned("both", ("lm_head",))),
+    Arm("fp32_layers", "upcasting the layers with the largest divergence increment beats upcasting the last ones",
+        TRAINER, _fp32_layers),
+    Arm("fp16", "scoring and rollouts in FP16 remove a BF16 trainer's out-of-band tokens at about BF16's cost", BOTH,
+        _fp16),
+    Arm("train_kernels_vllm", "the engine's own RMSNorm, SiLU-and-mul and rotary kernels in the trainer leave only "
+        "GEMMs and attention different", TRAINER, _factor("train:kernels=vllm")),
+    Arm("train_kernels_liger", "Liger-Kernel's RMSNorm, RoPE and SwiGLU, as verl, OpenRLHF and TRL enable it",
+        TRAINER, _factor("train:kernels=liger")),
+    Arm("train_amp", "AMP / FSDP mixed precision in the trainer (FP32 master weights, norms and RoPE in FP32)",
+        TRAINER, _factor("train:precision=amp")),
+    Arm("fp8_off", "an FP8 KV cache or FP8 weights widen the gap; turning FP8 off closes it", ENGINE, _fp8_off),
+    Arm("routing_ids", "replaying the engine's expert ids in the trainer (R3) removes routing's share of the gap",
+        BOTH, _routing("ids")),
+    Arm("routing_ids_weights", "replaying ids plus the engine's combine weights removes more than ids alone", BOTH,
+        _routing("ids+weights"), paired_with="routing_ids"),
+    Arm("correction", "TIS/MIS importance weights correct the gap in the loss", TRAINER, _correction),
+)}
+
+
+# ---------------------------------------------------------------------------------------------- layers
+def divergent_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tuple[int, ...], str]:
+    """The k layers whose residual stream's divergence rises most (the shipped run's resid_out rel_l2 minus the layer
+    before's), and how they were chosen; the first k when the run has no such reading."""
+    k = min(k, num_layers)
+    rows = layers[layers["tap"] == READING_TAP].sort_values("layer") if len(layers) else layers
+    if not len(rows):
+        return tuple(range(k)), f"the first {k} (the shipped run has no {READING_TAP} reading)"
+    rise = rows["rel_l2"].diff().fillna(rows["rel_l2"]).to_numpy()
+    order = sorted(range(len(rows)), key=lambda i: (-rise[i], i))[:k]  # ties: the earlier layer
+    chosen = tuple(sorted(int(rows["layer"].iloc[i]) for i in order))
+    return chosen, f"the {k} with the largest rise of {READING_TAP} rel_l2 in the shipped run"
+
+
+# ---------------------------------------------------------------------------------------------- cost
+class _PeakMemory:
+    """The peak of the memory this process holds above where it was when the block began: the CUDA allocator's own
+    peak on a GPU; on the CPU the resident set, sampled by a thread (torch's CPU allocator hands large blocks back
+    to the system, so the resident set follows what a step holds)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.peak = device, float("nan")
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak = float(torch.cuda.max_memory_allocated(self.device) - before)
+            return
+        before, high, done = _resident(), [0], threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.002):
+                high[0] = max(high[0], _resident())
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
+            self.peak = float(max(high[0], _resident()) - before)
+
+
+def _resident() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _forward(view, prompts) -> None:
+    view.train.score_batched(prompts)
+
+
+def _forward_backward(view, prompts) -> None:
+    """One right-padded batch forward with grad and the backward of its summed token logprobs: a training step's
+    compute without the optimizer (whose cost no remedy changes). Gradients are dropped after."""
+    import torch
+
+    stack = view.train
+    model = stack.model
+    params = [p for p in model.parameters()]
+    was = [p.requires_grad for p in params]
+    pad = model.generation_config.pad_token_id or 0
+    longest = max(len(p.token_ids) for p in prompts)
+    device = params[0].device
+    ids = torch.full((len(prompts), longest), pad, device=device)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
+        mask[row, : len(p.token_ids)] = 1
+    positions = torch.arange(longest, device=device)[None].expand_as(ids)
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        logits = stack.forward(ids, mask, positions)  # the Trainer protocol's training forward, as rl runs it
+        chosen = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        with stack.numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
+            (chosen * mask[:, 1:]).sum().backward()
+    finally:
+        for p, grad in zip(params, was):
+            p.grad = None
+            p.requires_grad_(grad)
+
+
+def _engine_step(view, prompts) -> None:
+    view.infer.score(prompts, frozenset(), lambda *_: None)
+
+
+STEPS = {"train_forward": _forward, "train_forward_backward": _forward_backward, "engine_step": _engine_step}
+
+
+def measure_cost(view, prompts, repeats: int, steps=STEPS) -> dict:
+    """Each side's step on one batch of `prompts` (a batch as each side groups them), timed `repeats` times after one
+    untimed warm-up: {side}_s (median), {side}_spread_s (max - min over the repeats), {side}_peak_bytes (the largest
+    peak above the start, trainer sides; the engine allocates from its own pool, often in its own process, so its peak
+    is not read here), and train_weights_bytes (what the trainer holds). A step the arm cannot run (a kernel set
+    without a backward) is NaN, its reason under {side}_note."""
+    row: dict = {}
+    train_device = str(next(view.train.model.parameters()).device) if view.config.train_tp == 1 else "cpu"
+    for side, run_step in steps.items():
+        group = (view.infer if side == "engine_step" else view.train).batch_groups(prompts)[0]
+        sync = _synchronizer(view.settings.device if side == "engine_step" else train_device)
+        times, peaks = [], []
+        try:
+            if side != "engine_step" and view.config.train_tp > 1:
+                raise NotRun("a sharded trainer runs in worker processes")
+            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
+            for _ in range(repeats):
+                peak = _PeakMemory(train_device)
+                sync()
+                start = time.perf_counter()
+                if side == "engine_step":
+                    run_step(view, group)
+                else:
+                    with peak.measuring():
+                        run_step(view, group)
+                sync()
+                times.append(time.perf_counter() - start)
+                peaks.append(peak.peak)
+        except (RuntimeError, NotImplementedError, NotRun) as e:  # e.g. a kernel set with no backward
+            from ..errors import one_line
+
+            row[f"{side}_note"] = one_line(e, 120)
+            times, peaks = [float("nan")], [float("nan")]
+        row[f"{side}_s"] = statistics.median(times)
+        row[f"{side}_spread_s"] = max(times) - min(times)
+        row[f"{side}_peak_bytes"] = max(peaks) if side != "engine_step" else float("nan")
+    row["train_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in
+                                           (*view.train.model.parameters(), *view.train.model.buffers()))) \
+        if view.config.train_tp == 1 else float("nan")
+    return row
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    import torch
+
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _pooled(first: dict, last: dict) -> dict:
+    """The shipped stacks' cost, measured before the arms and again after them: the median of both, the spread of
+    both (so a drift of the machine over the run shows as noise, not as an arm's cost)."""
+    row = {}
+    for side in SIDES:
+        values = [first[f"{side}_s"], last[f"{side}_s"]]
+        row[f"{side}_s"] = float(np.median(values))
+        row[f"{side}_spread_s"] = max(first[f"{side}_spread_s"], last[f"{side}_spread_s"],
+                                      abs(values[0] - values[1]))
+        row[f"{side}_peak_bytes"] = max(first[f"{side}_peak_bytes"], last[f"{side}_peak_bytes"])
+    row["train_weights_bytes"] = first["train_weights_bytes"]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass
+class RemediesRun:
+    spec: RunSpec
+    shipped: CompareRun
+    runs: dict  # arm name -> CompareRun; the shipped stacks first, as `none` (ablate's name for them)
+    table: pd.DataFrame  # remedies.csv
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict:
+        """The stacks as shipped: what the run's verdict and a --fail-if gate read."""
+        return self.shipped.summary
+
+    @property
+    def prompts(self):
+        return self.shipped.prompts
+
+    @property
+    def tap_stats(self) -> dict:
+        """The shipped run's per-tap readings (what rerun's summary table reads)."""
+        return self.shipped.tap_stats
+
+    @property
+    def threshold(self) -> float:
+        return self.shipped.threshold
+
+    def _stacked(self, table: str) -> pd.DataFrame:
+        frames = [getattr(run, table).assign(combo=name) for name, run in self.runs.items()
+                  if getattr(run, table) is not None]
+        return pd.concat(frames, ignore_index=True)[["combo", *getattr(self.shipped, table).columns]]
+
+    def files(self) -> dict[str, pd.DataFrame]:
+        return {"remedies.csv": self.table, "tokens.csv": self._stacked("tokens_table"),
+                "layers.csv": self.shipped.layers_table,
+                "summary.csv": pd.DataFrame([{"combo": name, **run.summary} for name, run in self.runs.items()]),
+                "batch_invariance.csv": self._stacked("batch_invariance")}
+
+    def write(self, out_dir: str | Path) -> Path:
+        from ..rundir import write_run
+
+        return write_run(Path(out_dir), self.manifest | manifest_record(self.summary), self.prompts, self.files())
+
+    def lines(self) -> list[str]:
+        """What the command prints: the ranking and the arms without a detectable effect or not run."""
+        return ranking_lines(self.table, self.spec.remedies.metric)
+
+
+@contextmanager
+def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]:
+    """The loaded stacks as the arm runs them: FP16 loads both stacks again beside the shipped ones; fp32_layers
+    patches the chosen layers of the trainer (the numeric regions its family has); every other arm is configured as
+    ablate configures a combination."""
+    from ..engines.hooks import HookSet
+
+    with ExitStack() as stack:
+        if step.load.dtype != probe.config.dtype:
+            yield _fp16_view(probe, step, stack)
+        elif layers:
+            stack.enter_context(HookSet()).apply(probe.train.layers_aligned(layers,
+                                                                            _regions_of(probe.source.family, NUMERIC)))
+            yield probe
+        else:
+            yield stack.enter_context(_configured(probe, step, None))
+
+
+def _fp16_view(probe, step: RunSpec, stack: ExitStack):
+    """Both stacks in the arm's dtype: another trainer, and another engine (in a worker process where the stack builds
+    one there, as vLLM, whose CPU backend hosts one engine per process; else beside the first in this process)."""
+    from ..engines import stack_class
+    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
+
+    view = probe.with_trainer(dtype=step.load.dtype)
+    stack.callback(view.train.close)
+    settings = replace(engine_settings_for(probe.config, probe.settings, step), dtype=TORCH_DTYPES[step.load.dtype])
+    kind = stack_class(probe.config.infer)
+    settings = engine_settings(settings)
+    engine = kind.for_settings(settings, () if kind.workers else None)  # vLLM's CPU backend: one engine a process
+    stack.callback(engine.close)
+    engine.load(settings)
+    return replace(view, infer=engine, owns_infer=False, settings=replace(view.settings, dtype=settings.dtype))
+
+
+def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, steps=STEPS) -> RemediesRun:
+    """The shipped compare (its floors and per-layer readings), then every chosen arm's compare and cost. `steps`:
+    the timed step of each side (tests slow one down)."""
+    options = spec.remedies
+    family = probe.source.family
+    shipped_spec = replace(spec, kind="compare", remedies=None)
+    arm_base = replace(shipped_spec, capture=replace(spec.capture, taps="none"))  # every arm: its floors, no taps
+    chosen = options.chosen
+    scale = len(chosen) + 1  # the shipped run and every arm's: one bar over the prompts of all
+    phase(progress, "the stacks as shipped", scale=scale)
+    shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)
+    done = len(shipped.prompts)
+    first_cost = measure_cost(probe, shipped.prompts, options.cost_repeats, steps)
+    layers, choice = divergent_layers(shipped.layers_table, options.fp32_layers, probe.source.num_layers)
+    runs, costs, reasons, records = {SHIPPED: shipped}, {}, {}, {}
+    for i, name in enumerate(chosen):
+        arm = ARMS[name]
+        try:
+            step = arm.step(arm_base, family)
+            check_family(step, step.load, family)
+        except ProbeError as e:
+            reasons[name] = str(e)
+            continue
+        phase(progress, f"arm {name} ({i + 1}/{len(chosen)})", offset=done, scale=scale)
+        arm_layers = layers if name == "fp32_layers" else ()
+        try:
+            with _arm_view(probe, step, arm_layers) as view:
+                runs[name] = run_compare(view, step, progress, done_before=done, total_scale=scale)
+                costs[name] = measure_cost(view, shipped.prompts, options.cost_repeats, steps)
+        except StackError as e:  # a stack that refuses the arm once loaded (a seam this version moved)
+            reasons[name] = str(e)
+            runs.pop(name, None)
+            continue
+        done += len(shipped.prompts)
+        records[name] = {"load": runs[name].manifest["load"], "align": {"regions": list(step.align.regions),
+                                                                         "side": step.align.side,
+                                                                         "routing_replay": step.align.routing_replay}}
+        if arm_layers:  # aligned by its own patch, in those layers of the trainer alone
+            records[name]["align"] |= {"regions": list(_regions_of(family, NUMERIC)), "side": "train"}
+            records[name]["layers"] = list(arm_layers)
+            records[name]["layer_choice"] = choice
+    shipped_cost = _pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))
+    table = remedies_table(runs, costs, shipped_cost, reasons, chosen, options, spec.load.seed)
+    section = {"metric": options.metric, "bootstrap": options.bootstrap, "ci_level": options.ci_level,
+               "seed": spec.load.seed, "cost_repeats": options.cost_repeats, "arms": records,
+               "not_run": reasons, "fp32_layers": {"k": options.fp32_layers, "layers": list(layers),
+                                                   "choice": choice},
+               "cost": {"device": probe.settings.device, "sides": list(SIDES),
+                        "shipped": "measured before the arms and again after them"}}
+    manifest = build_manifest("remedies", shipped.manifest, {"remedies": section}, spec=spec.to_dict())
+    return RemediesRun(spec, shipped, runs, table, manifest)
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, chosen, options, seed: int
+                   ) -> pd.DataFrame:
+    """remedies.csv: one row per chosen arm in ARMS order, run or not; each run arm's change of the metric against
+    the shipped stacks with its paired bootstrap interval, its floor, its cost added on each side; then the ranks."""
+    fn = METRICS[options.metric]
+    prompts = {name: per_prompt(run.tokens_table) for name, run in runs.items()}
+    ran = [n for n in chosen if n in runs]
+
+    def statistics_of(weights: np.ndarray) -> dict[str, float]:
+        value = {name: fn(p, weights) for name, p in prompts.items()}
+        base = value[SHIPPED]
+        out = {}
+        for name in ran:
+            out[name] = value[name] - base
+            out[name + "/share"] = (value[name] - base) / base if base else float("nan")
+            other = ARMS[name].paired_with
+            if other in value:
+                out[name + "/paired"] = value[name] - value[other]
+        return out
+
+    point = statistics_of(np.ones(len(prompts[SHIPPED])))
+    ci = bootstrap(len(prompts[SHIPPED]), statistics_of, options.bootstrap, seed, options.ci_level) \
+        if options.bootstrap else {k: (float("nan"), float("nan")) for k in point}
+    shipped_summary = runs[SHIPPED].summary
+    shipped_value = fn(prompts[SHIPPED], np.ones(len(prompts[SHIPPED])))
+    rows = []
+    for name in chosen:
+        arm = ARMS[name]
+        row = {"arm": name, "claim": arm.claim, "needs": arm.needs, "status": RAN if name in runs else NOT_RUN,
+               "reason": reasons.get(name, ""), "metric": options.metric, "shipped": shipped_value}
+        if name not in runs:
+            rows.append(row)
+            continue
+        summary = runs[name].summary
+        low, high = ci[name]
+        floor = largest_noise_floor(summary)
+        row |= {"value": row["shipped"] + point[name], "change": point[name], "change_ci_low": low,
+                "change_ci_high": high, "share": point[name + "/share"], "share_ci_low": ci[name + "/share"][0],
+                "share_ci_high": ci[name + "/share"][1], "effect": effect(low, high),
+                "floor": NOISE_FLOORS[floor[0]] if floor else "", "floor_mean_abs_dlogp": floor[1] if floor else
+                float("nan"), "mismatch_over_floor": summary.get(RATIO, float("nan")),
+                "verdict": summary.get(VERDICT, ""),
+                "shipped_mismatch_over_floor": shipped_summary.get(RATIO, float("nan"))}
+        if arm.paired_with:
+            key = name + "/paired"
+            row |= {"paired_with": arm.paired_with, "paired_change": point.get(key, float("nan")),
+                    "paired_ci_low": ci.get(key, (float("nan"),) * 2)[0],
+                    "paired_ci_high": ci.get(key, (float("nan"),) * 2)[1],
+                    "paired_effect": effect(*ci[key]) if key in ci else NO_INTERVAL}
+        cost = costs[name]
+        for side in SIDES:
+            row[f"{side}_s"] = cost[f"{side}_s"]
+            row[f"{side}_spread_s"] = cost[f"{side}_spread_s"]
+            row[f"{side}_added_s"] = cost[f"{side}_s"] - shipped_cost[f"{side}_s"]
+            row[f"{side}_shipped_spread_s"] = shipped_cost[f"{side}_spread_s"]
+            row[f"{side}_peak_added_bytes"] = cost[f"{side}_peak_bytes"] - shipped_cost[f"{side}_peak_bytes"]
+            if f"{side}_note" in cost:
+                row[f"{side}_note"] = cost[f"{side}_note"]
+        row["train_weights_added_bytes"] = cost["train_weights_bytes"] - shipped_cost["train_weights_bytes"]
+        row["step_added_s"] = float(np.nansum([row[f"{side}_added_s"] for side in SIDES]))
+        rows.append(row)
+    return ranked(pd.DataFrame(rows))

@@ -1,0 +1,210 @@
+"""remedies: each arm changes what it claims to, costs are measured (an arm slowed on purpose ranks costlier), and
+only arms whose interval is clear of zero are ranked. One remedies run on the two-transformers probe serves the
+module: no engine starts."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from divergence_probe.engines.hf.patches import layers as fp32_layers
+from divergence_probe.engines.hooks import HookSet
+from divergence_probe.numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
+from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
+from divergence_probe.runs import remedies
+from divergence_probe.spec.run import spec_from_flat
+
+ARMS = "aligned_trainer,fp32_layers,fp16,train_kernels_liger,routing_ids,correction"
+SLOW = 0.1  # seconds each aligned RMSNorm call sleeps while costs are timed: far above the machine's own spread
+
+
+@pytest.fixture(scope="module")
+def run(hf_probe, prompts_file, tmp_path_factory, request):
+    """Every arm the dense tiny model runs on two prompts, with the aligned RMSNorm slowed while the trainer's forward is
+    timed: aligned_trainer calls it in every layer, fp32_layers in one."""
+    import divergence_probe.engines.hf.patches.rmsnorm as patched_norm
+
+    shipped_normalize = patched_norm.normalize
+
+    def slow_normalize(*args):
+        time.sleep(SLOW)
+        return shipped_normalize(*args)
+
+    def slowed(step):
+        def timed(view, prompts):
+            patched_norm.normalize = slow_normalize
+            try:
+                step(view, prompts)
+            finally:
+                patched_norm.normalize = shipped_normalize
+        return timed
+
+    steps = {side: slowed(step) if side == "train_forward" else step for side, step in remedies.STEPS.items()}
+    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
+                          fp32_layers=1, cost_repeats=2)
+    return remedies.run_remedies(hf_probe, spec, steps=steps)
+
+
+def _row(run, arm: str) -> pd.Series:
+    return run.table.set_index("arm").loc[arm]
+
+
+def test_every_chosen_arm_is_listed_and_those_the_platform_cannot_run_say_why(run):
+    table = run.table
+    assert list(table["arm"]) == ARMS.split(",")
+    assert set(table[table["status"] == RAN]["arm"]) == {"aligned_trainer", "fp32_layers", "fp16"}
+    assert "cuda only" in _row(run, "train_kernels_liger")["reason"]  # Liger on the CPU
+    assert "dense" in _row(run, "routing_ids")["reason"] and "rl --setting" in _row(run, "correction")["reason"]
+    lines = ranking_lines(table, "mean_abs_dlogp")
+    assert sum(line.startswith("not run: ") for line in lines) == 3
+
+
+def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costlier(run):
+    slow, quick = _row(run, "aligned_trainer"), _row(run, "fp32_layers")
+    # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
+    # above what a loaded machine moves a median of two by
+    assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
+    for side in remedies.SIDES:  # every side is timed, each with its spread
+        assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"]) and np.isfinite(quick[f"{side}_s"])
+    # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds: the forward's,
+    # since on a shared machine the backward's and the engine's own spread can exceed the slowdown
+    both = run.table.assign(effect=[REMOVES if a in ("aligned_trainer", "fp32_layers") else e
+                                    for a, e in zip(run.table["arm"], run.table["effect"])],
+                            step_added_s=run.table["train_forward_added_s"])
+    ranks = ranked(both).set_index("arm")["cost_rank"]
+    assert ranks["fp32_layers"] == 1 and ranks["aligned_trainer"] == 2
+
+
+def test_fp16_arm_runs_both_stacks_in_fp16_against_its_own_floors(hf_probe, run):
+    step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    seen = {}
+    with remedies._arm_view(hf_probe, step, ()) as view:
+        for side in ("infer", "train"):
+            stack = getattr(view, side)
+            assert {p.dtype for p in stack.model.parameters()} == {torch.float16}
+            hook = stack.model.model.layers[0].register_forward_hook(
+                lambda m, a, out, side=side: seen.update({side: (out[0] if isinstance(out, tuple) else out).dtype}))
+            stack.score(run.prompts[:1], frozenset(), lambda *_: None)
+            hook.remove()
+    assert seen == {"infer": torch.float16, "train": torch.float16}
+    assert {p.dtype for p in hf_probe.train.model.parameters()} == {torch.bfloat16}  # the shipped stacks untouched
+    fp16 = run.runs["fp16"].summary
+    assert run.manifest["remedies"]["arms"]["fp16"]["load"]["dtype"] == "float16"
+    assert _row(run, "fp16")["floor_mean_abs_dlogp"] == max(fp16[k] for k in ("noise_infer_mean_abs_dlogp",
+                                                                             "noise_train_mean_abs_dlogp",
+                                                                             "noise_train_kernel_mean_abs_dlogp"))
+
+
+def test_fp32_layers_changes_exactly_those_layers_norms_rope_and_swiglu(hf_probe, run):
+    model = hf_probe.train.model
+    layers = model.model.layers
+    replacements = fp32_layers.patch(model, [1])
+    modules = {id(r.target) for r in replacements if isinstance(r.target, torch.nn.Module)}
+    layer = layers[1]
+    expected = {id(m) for m in (layer, layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                                layer.self_attn.k_norm, layer.mlp, layer.self_attn)}
+    assert modules == expected  # no other layer's module, no final norm, no rotary module
+    assert {r.name for r in replacements if not isinstance(r.target, torch.nn.Module)} == {"apply_rotary_pos_emb"}
+
+    ids = torch.tensor([run.prompts[0].token_ids])
+    positions = torch.arange(ids.shape[1])[None]
+
+    def outputs() -> list[torch.Tensor]:
+        got = []
+        hooks = [m.register_forward_hook(lambda mod, a, out: got.append(out[0] if isinstance(out, tuple) else out))
+                 for m in layers]
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=positions)
+        for h in hooks:
+            h.remove()
+        return got
+
+    shipped = outputs()
+    with HookSet() as hooks:
+        hooks.apply(replacements)
+        aligned = outputs()
+    assert torch.equal(shipped[0], aligned[0])  # before the chosen layer: bitwise as shipped
+    assert not torch.equal(shipped[1], aligned[1])
+    assert torch.equal(outputs()[1], shipped[1])  # undone on exit
+    recorded = run.manifest["remedies"]["arms"]["fp32_layers"]
+    assert len(recorded["layers"]) == 1 and "rise of resid_out" in recorded["layer_choice"]
+    assert recorded["align"]["regions"] == ["rope", "swiglu", "rmsnorm"] and recorded["align"]["side"] == "train"
+
+
+def test_layers_are_chosen_by_the_rise_of_the_shipped_runs_divergence():
+    layers = pd.DataFrame({"layer": [0, 1, 2, 3], "tap": "resid_out", "rel_l2": [0.01, 0.02, 0.10, 0.11]})
+    assert remedies.divergent_layers(layers, 2, 4)[0] == (0, 2)  # rises 0.01, 0.01, 0.08, 0.01: ties go earlier
+    first, why = remedies.divergent_layers(layers.iloc[:0], 3, 4)
+    assert first == (0, 1, 2) and "first 3" in why
+
+
+def _synthetic(effects: dict[str, tuple[float, float, float]]) -> pd.DataFrame:
+    rows = [{"arm": arm, "status": RAN, "reason": "", "needs": "both", "claim": "c", "change": change,
+             "change_ci_low": low, "change_ci_high": high, "share": change, "share_ci_low": low,
+             "share_ci_high": high, "effect": remedies.effect(low, high), "mismatch_over_floor": 1.0,
+             "step_added_s": 0.1 * i} for i, (arm, (change, low, high)) in enumerate(effects.items())]
+    return ranked(pd.DataFrame(rows + [{"arm": "off", "status": NOT_RUN, "reason": "why"}]))
+
+
+def test_ranking_ignores_arms_whose_interval_straddles_zero():
+    table = _synthetic({"big_but_unsure": (-0.9, -1.5, 0.1), "small": (-0.1, -0.2, -0.05), "large": (-0.5, -0.6, -0.4),
+                        "worse": (0.3, 0.2, 0.4)}).set_index("arm")
+    assert table.loc["big_but_unsure", "effect"] == NOT_DETECTED and table.loc["worse", "effect"] == ADDS
+    assert table["effect_rank"].dropna().to_dict() == {"large": 1, "small": 2}
+    assert table["cost_rank"].dropna().to_dict() == {"small": 1, "large": 2}  # small adds less time here
+    lines = ranking_lines(table.reset_index(), "mean_abs_dlogp")
+    assert lines[0].startswith("1. large") and "no detectable effect: big_but_unsure" in lines
+    assert not any(line.startswith(("3.", "4.")) for line in lines)
+
+
+def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
+    """ids+weights removes a little more than ids alone on every prompt: paired, that difference is detectable
+    even where each arm's own interval against shipped is wide."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 5.0, 40)  # prompts of very different mismatch: unpaired intervals are wide
+
+    def run_of(scale):
+        tokens = pd.DataFrame({"prompt_id": np.arange(40), "delta_logprob": base * scale, "kl": base * scale})
+        return SimpleNamespace(tokens_table=tokens, summary={})
+
+    runs = {SHIPPED: run_of(1.0), "routing_ids": run_of(0.6), "routing_ids_weights": run_of(0.55)}
+    cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
+        "train_weights_bytes": 0.0}
+    options = spec_from_flat("remedies").remedies
+    table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, ("routing_ids", "routing_ids_weights"),
+                                    options, 0).set_index("arm")
+    row = table.loc["routing_ids_weights"]
+    assert row["paired_with"] == "routing_ids" and row["paired_change"] == pytest.approx(-0.05 * base.mean())
+    assert row["paired_effect"] == REMOVES and row["paired_ci_high"] < 0
+
+
+def test_the_run_folder_and_its_report_section(run, tmp_path):
+    from divergence_probe.reports import write_report
+    from divergence_probe.rundir import read_run
+
+    folder = tmp_path / "remedies"
+    run.write(folder)
+    read = read_run(folder)
+    assert list(read.tables["remedies.csv"]["arm"]) == ARMS.split(",")
+    assert set(read.tables["tokens.csv"]["combo"]) == {SHIPPED, "aligned_trainer", "fp32_layers", "fp16"}
+    report = write_report(folder).read_text()
+    assert "What to change: remedies ranked" in report and "not run: correction" in report
+
+
+def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
+    from divergence_probe.errors import ProbeError
+    from divergence_probe.spec import RunSpec
+
+    spec = spec_from_flat("remedies", arms="fp16,aligned_both", fp32_layers=3)
+    assert spec.remedies.arms == ("aligned_both", "fp16")  # ARMS order
+    assert RunSpec.from_dict(spec.to_dict()) == spec  # what rerun runs
+    with pytest.raises(ProbeError, match="not an arm"):
+        spec_from_flat("remedies", arms="fp8")
+    with pytest.raises(ProbeError, match="--placement together"):
+        spec_from_flat("remedies", placement="alternate")
+    assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
