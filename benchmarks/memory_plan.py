@@ -7,12 +7,12 @@
 
 What is measured, and how honest each number is:
 - the tap bytes of the largest inference batch and of the longest training sequence, counted by a capture that
-  files every hand-over (memory_plan.CountingCapture): the bytes of the tensors handed over, which the plan's
+  files every hand-over (runs/measured.py CountingCapture): the bytes of the tensors handed over, which the plan's
   infer_taps/train_taps terms must equal exactly, and of the distinct storages behind them (a view keeps its whole
   buffer: what the device really holds for the taps);
 - each stack's weights: the distinct storages of transformers' parameters; vLLM's own report on CUDA
   (model_memory_usage; its CPU build repacks the weights outside the module, where nothing here can count them);
-- on CUDA, the allocator's peak per phase of the run loop (memory_plan.Peaks: both stacks share this process's
+- on CUDA, the allocator's peak per phase of the run loop (runs/measured.py Peaks: both stacks share this process's
   allocator) against the plan's phases. On the CPU there is no honest peak per stack (RSS mixes both stacks, the
   libraries and glibc's heap): the process's ru_maxrss is reported beside the plan's total, for scale only.
 

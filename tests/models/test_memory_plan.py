@@ -79,10 +79,14 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
                                                         probe.source.family.layer_taps)))
     score_both(probe, prompts, SequenceSource(), taps, taps, counting, lambda scores: scores.read())
     assert len(counting.batches) > 1  # several batches: the plan must pick the largest, not the sum
-    p = plan(PlanInputs(model=ModelSize.of(probe.source.config, checkpoint_tensors(probe.source.path)),
-                        dtype_bytes=2, taps=taps, prompt_lengths=tuple(len(q.token_ids) for q in prompts),
+    from divergence_probe.engines import stack_class
+
+    size = ModelSize.of(probe.source.config, checkpoint_tensors(probe.source.path))
+    engine = stack_class(probe.config.infer).plan(probe.settings, size=size)  # what the memory plan asks of it
+    p = plan(PlanInputs(model=size, dtype_bytes=2, taps=taps, prompt_lengths=tuple(len(q.token_ids) for q in prompts),
                         batch_tokens=40, batch_tokens_fixed=True, max_model_len=probe.settings.max_model_len,
-                        device="cpu", free_bytes=1 << 40, free_source="test", infer=probe.config.infer))
+                        device="cpu", free_bytes=1 << 40, free_source="test",
+                        engine_kv=engine.kv_bytes_per_token is not None))
     counted = counting.largest()
     assert p.terms["infer_taps"] == counted["infer_taps_handed_over"]
     assert p.terms["infer_logits"] == counted["infer_logits"]
