@@ -394,7 +394,7 @@ def test_the_terminal_summary_reads_the_mismatch_against_the_largest_noise_floor
 def test_every_noise_floor_column_the_tool_writes_has_a_meaning():
     from divergence_probe.runs.batch_invariance import TAP_POINTS_CHANGE
     from divergence_probe.runs.compare import noise_floor_columns
-    from divergence_probe.reports.prose import SUMMARY_MEANINGS
+    from divergence_probe.reports.tables import SUMMARY_MEANINGS
     from divergence_probe.numerics.tables import NOISE_FLOORS
 
     floor = pd.DataFrame({"side": ["infer", "train"], "mean_abs_dlogp": [0.0, 1e-4]})
