@@ -28,8 +28,9 @@ from divergence_probe.errors import OutputError, ProbeError, one_line
 from divergence_probe.prompts import Prompt
 from divergence_probe.reports import ReportError, write_report
 from divergence_probe.reports import figures
-from divergence_probe.rundir import (RunFolderError, check_out_dir, claim_out_dir, default_out_dir, locked, read_run,
-                                     write_csv, write_run)
+from divergence_probe.run_folder import read_run
+from divergence_probe.rundir import (RunFolderError, check_out_dir, claim_out_dir, default_out_dir, locked, write_csv,
+                                     write_run)
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]

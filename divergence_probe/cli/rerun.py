@@ -47,7 +47,8 @@ def rerun_command(
     """
     from ..reports.gate import METRICS
     from ..runs.rerun import RecordedRun, describe, recorded_gate
-    from ..rundir import MANIFEST, default_out_dir, read_run
+    from ..run_folder import read_run
+    from ..rundir import MANIFEST, default_out_dir
 
     where = f"{run_dir}/{MANIFEST}"
     target = out_dir or default_out_dir()

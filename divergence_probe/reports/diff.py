@@ -1,7 +1,7 @@
 """`diff RUN_A RUN_B`: what moved between two runs of the same prompts and model, e.g. before and after an engine,
 kernel or trainer upgrade, or with and without a region aligned.
 
-Both folders are read as untrusted input (load.py, rundir.read_run: hashes checked, columns checked). Two
+Both folders are read as untrusted input (load.py, run_folder.read_run: hashes checked, columns checked). Two
 runs are comparable only on the same prompts (prompt file hashes, or the rollout file's, and the prompts' token ids)
 and the same model (its config.json hash); anything else is refused in one line. Of an ablation, the shipped
 combination is compared. Written, all or nothing:

@@ -2,7 +2,7 @@
 alarms and the first step each fired at, the history's figure (steps.csv's metrics against step, as the run drew
 it) and a table of the steps, in Markdown, HTML or LaTeX (reports/document.py, as every run's report).
 
-steps.csv and alarms.csv are read checked against the sha256 the manifest recorded (rundir.read_run), before
+steps.csv and alarms.csv are read checked against the sha256 the manifest recorded (run_folder.read_run), before
 anything is drawn; the report folder is marked and replaced like every report's (rundir.output_folder).
 """
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..rundir import output_folder, read_run
+from ..run_folder import read_run
+from ..rundir import output_folder
 from . import document as doc
 from . import figures as F
 from .load import ReportError

@@ -1,4 +1,4 @@
-"""A run folder read for the report (load_run, via rundir.read_run): its tables into a RunData (run_data.py), the
+"""A run folder read for the report (load_run, via run_folder.read_run): its tables into a RunData (run_data.py), the
 manifest's numbers checked as their flags are."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..rundir import MANIFEST, RERUN, RunFolderError, read_run
+from ..run_folder import read_run
+from ..rundir import MANIFEST, RERUN, RunFolderError
 from ..numerics.shapley import ALL_REGIONS, CHANGE, SHARE, SHIPPED
 from .run_data import RunData, row_of
 

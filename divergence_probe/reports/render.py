@@ -8,7 +8,7 @@
 The run type is read from the files present: ablation.csv makes an ablate run; a `generate` manifest section
 or tokens with `is_response` make a generate run; otherwise a compare run. tokens.csv may also be
 tokens.csv.gz, or absent (then the token figures are skipped and the report says so). A cut or changed file
-is refused before anything is written (rundir.read_run).
+is refused before anything is written (run_folder.read_run).
 
 Output is written like every other output of the tool (rundir.atomic_dir): into a hidden sibling folder
 renamed into place when complete, removed on any failure or interrupt. A folder that holds exactly a previous

@@ -22,7 +22,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..numerics.rl_summary import FLOORS, comparison_words, summarize, window_label
-from ..rundir import MANIFEST, output_folder, read_manifest
+from ..run_folder import read_manifest
+from ..rundir import MANIFEST, output_folder
 from . import document as doc
 from . import figures as F
 from .load import ReportError

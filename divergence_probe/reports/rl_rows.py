@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..rundir import MANIFEST, RunFolderError as ReportError, inside, parse_csv, read_file, read_manifest
+from ..run_folder import inside, parse_csv, read_file, read_manifest
+from ..rundir import MANIFEST, RunFolderError as ReportError
 
 TIMES = ("t_rollout", "t_reward", "t_update", "t_metrics", "t_sync", "t_check")
 # what the figure, the summary and the verdict read

@@ -196,7 +196,7 @@ def recorded_rl_run(run_dir: Path, where: str, allowed: Iterable[str] = ()):
     """(manifest, RLSpec) of an rl run folder: a finished, unchanged run (its rows match the manifest's sha256) whose
     recorded spec passes recorded_rl's checks."""
     from ..reports.rl_rows import read_rows
-    from ..rundir import read_manifest
+    from ..run_folder import read_manifest
 
     read_rows(run_dir)  # refuses a run that did not finish and a changed rl.csv
     manifest = read_manifest(run_dir)

@@ -299,7 +299,7 @@ def test_a_full_disk_mid_history_rescues_every_step(steps_folder, tmp_path, monk
     import tempfile
 
     import divergence_probe.runs.history as history
-    from divergence_probe.rundir import read_manifest
+    from divergence_probe.run_folder import read_manifest
 
     folder, _ = steps_folder
     assert invoke("score", folder, "--out", tmp_path / "room").exit_code == 0

@@ -386,7 +386,7 @@ def test_a_tokens_file_that_expands_past_the_bound_is_one_line_in_a_capped_proce
     import subprocess
     import sys
 
-    from divergence_probe.rundir import FILE_LIMIT
+    from divergence_probe.run_folder import FILE_LIMIT
 
     run = make_compare(tmp_path / "run", tokens_as="gz")
     member = gzip.compress(b"0" * 2**20)

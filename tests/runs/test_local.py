@@ -20,7 +20,7 @@ from divergence_probe.runs.graft import REGION_SEAMS, SEAM_FAMILY, seam_inputs
 from divergence_probe.models import get_family
 from divergence_probe.prompts import load_prompts
 from divergence_probe.reports import write_report
-from divergence_probe.rundir import read_run
+from divergence_probe.run_folder import read_run
 from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps
 
 pytestmark = pytest.mark.engine  # every test here starts an engine or runs the tool in a child

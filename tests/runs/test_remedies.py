@@ -185,7 +185,7 @@ def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
 
 def test_the_run_folder_and_its_report_section(run, tmp_path):
     from divergence_probe.reports import write_report
-    from divergence_probe.rundir import read_run
+    from divergence_probe.run_folder import read_run
 
     folder = tmp_path / "remedies"
     run.write(folder)
