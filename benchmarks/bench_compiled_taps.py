@@ -103,7 +103,7 @@ def section(results: dict) -> str:
         f"taps all / untapped engine's taps none = **{ratio:.2f}x** ({verdict} the {TARGET_RATIO}x target); idle tap "
         f"points (taps none on the tapped engine / the untapped engine) = {idle:.2f}x. The build times are the engine "
         "start (`dp.load`, including the training stack), reported apart from the compares. A tapped build never uses "
-        "vLLM's own compile cache (engines/vllm/stack.py `_building`), so its warm start relies on Inductor's FX graph cache "
+        "vLLM's own compile cache (engines/vllm/engine_start.py `_building`), so its warm start relies on Inductor's FX graph cache "
         "alone.",
     ])
 

@@ -58,7 +58,7 @@ def engine_ids_gpu(model: str, load: dict, sequences: dict) -> dict[tuple[int, i
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from divergence_probe.engines.vllm.stack import _disable_flashinfer_sampler_if_missing
+    from divergence_probe.engines.vllm.engine_start import _disable_flashinfer_sampler_if_missing
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, as the tool's engine runs, so that
     _disable_flashinfer_sampler_if_missing()  # this reaches it: vLLM's CUDA sampler imports flashinfer unguarded

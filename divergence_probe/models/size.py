@@ -111,7 +111,7 @@ class ModelSize:
         """Elements per token that vLLM's hand-over keeps alive beyond the taps themselves: a tap that is a view of a
         fused output (v_proj of qkv_proj's; gate_proj and up_proj of gate_up_proj's; Qwen2's q_rope and k_rope, which
         RoPE writes in place into qkv_proj's output) keeps that whole buffer, of which only the selected views are
-        counted as taps. q_proj and k_proj are clones (engines/vllm/stack.py REWRITTEN); Qwen3 rotates its q/k norms' outputs."""
+        counted as taps. q_proj and k_proj are clones (engines/vllm/step.py REWRITTEN); Qwen3 rotates its q/k norms' outputs."""
         q, kv, i = self.q_width, self.kv_width, self.intermediate
         qkv_views = {"v_proj": kv} | ({} if self.qk_norm else {"q_rope": q, "k_rope": kv})
         fused = [(q + 2 * kv, qkv_views), (2 * i, {"gate_proj": i, "up_proj": i})]

@@ -50,7 +50,7 @@ def test_pairing_equals_diffstats_of_each_tap_merged_over_prompts():
 
 def test_vllm_step_taps_are_cloned_once_and_survive_buffer_reuse():
     """vLLM overwrites its buffers after the hook returns: what each prompt's view shows must not change."""
-    from divergence_probe.engines.vllm.stack import _Step
+    from divergence_probe.engines.vllm.step import _Step
 
     step = _Step(spans={0: (0, 2), 1: (2, 3)})
     live = torch.arange(10, dtype=torch.float32).reshape(5, 2)
@@ -62,7 +62,7 @@ def test_vllm_step_taps_are_cloned_once_and_survive_buffer_reuse():
 
 
 def test_vllm_step_taps_nothing_overwrites_are_kept_without_a_copy():
-    from divergence_probe.engines.vllm.stack import REWRITTEN, _Step
+    from divergence_probe.engines.vllm.step import REWRITTEN, _Step
 
     swiglu = next(key for key in KEYS if key.name == "swiglu")
     assert swiglu.name not in REWRITTEN
@@ -128,7 +128,7 @@ def test_a_stacked_hand_over_is_checked_per_tap():
 def test_vllm_stacked_step_taps_are_views_of_the_step_per_prompt():
     """A compiled engine's taps of one width, [taps, rows, features], are its live buffers, written again only by its
     next step: each prompt gets a view of its own rows, not a copy (base.TapSink: valid until the stack's next call)."""
-    from divergence_probe.engines.vllm.stack import _Step
+    from divergence_probe.engines.vllm.step import _Step
 
     live = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
     emitted = {}
@@ -144,7 +144,7 @@ def test_vllm_stacked_step_taps_are_views_of_the_step_per_prompt():
 def test_a_strided_stacked_hand_over_reduces_as_its_contiguous_copy():
     """A prompt's rows of a step's buffer (a view with the other prompts' rows between its taps) give the statistics of
     the same taps copied out, bit for bit, over prompts at several offsets."""
-    from divergence_probe.engines.vllm.stack import _Step
+    from divergence_probe.engines.vllm.step import _Step
 
     widths = tuple(key for key in KEYS if WIDTH[key.name] == 64)
     prompts = {0: _taps(0, tokens=5), 1: _taps(1, tokens=9), 2: _taps(2, tokens=3)}

@@ -113,14 +113,14 @@ def test_taps_do_not_change_logprobs(vllm_probe, prompts_file):
 
 
 def test_taps_kept_without_a_clone_are_never_written_again(vllm_probe, prompts_file, monkeypatch):
-    """vLLM's taps are cloned only where vLLM may overwrite the buffer later (vllm.REWRITTEN): with every tap
+    """vLLM's taps are cloned only where vLLM may overwrite the buffer later (step.REWRITTEN): with every tap
     cloned, every statistic is the same. A tap wrongly left out of REWRITTEN is paired after vLLM overwrote it
     (on this CPU build: q_norm and k_norm, which RoPE rotates in place; its fused add+norm is out of place)."""
-    from divergence_probe.engines.vllm import stack as vllm_stack
+    from divergence_probe.engines.vllm import step as vllm_step
     from divergence_probe.taps import ALL_TAPS
 
     selective = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table
-    monkeypatch.setattr(vllm_stack, "REWRITTEN", frozenset(ALL_TAPS))
+    monkeypatch.setattr(vllm_step, "REWRITTEN", frozenset(ALL_TAPS))
     cloned = vllm_probe.compare(prompts=prompts_file, taps="all").layers_table
     assert selective.equals(cloned)
 

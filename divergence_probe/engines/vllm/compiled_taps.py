@@ -45,7 +45,7 @@ Dynamo inlines the hooks and Inductor emits the op as an extern call. Why this s
 - Only the taps the engine was asked for at load become tap points, each with its buffer (rows x features per tap per
   layer): every op call hands a tensor out of the graph, a constraint on Inductor's fusion, so an engine asked for
   fewer taps has fewer chances to compile differently from the untapped one. The selection is part of the engine's
-  identity (engines/vllm/stack.py `_engine_key`).
+  identity (engines/vllm/engine_start.py `_engine_key`).
 - Steps outside a scoring or sampling call (vLLM's warm-up, profile and capture runs) write the buffers too and are
   never read: nothing is active then. Inside a call, a step run without a graph skips the taps the call does not read
   (`TapPoints.wanted`), so an engine built with every tap point and asked for a few copies only those; a graph replay

@@ -25,19 +25,17 @@ instruction on these machines), so one engine is kept per process and reused for
 
 Tap seams (vLLM 0.24 CUDA / 0.32 CPU, Qwen2/Qwen3; docs/numerics.md has the map): norms return
 `(normed, residual)` when fused with the residual add, and write both in place, so a tap whose buffer a later
-op overwrites is cloned at capture (once per engine step, `REWRITTEN`); `q_rope`/`k_rope` are the query/key
+op overwrites is cloned at capture (once per engine step, step.py `REWRITTEN`); `q_rope`/`k_rope` are the query/key
 arguments of the `Attention` module; `resid_out` is formed as R(float(mlp_out) + float(residual)), which is
 exactly what the next layer's fused add+norm computes.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
@@ -48,7 +46,7 @@ from ...errors import StackError, one_line
 from ...models import family_of, find
 from ..layouts import layout_of
 from ...prompts import Prompt, batches
-from ...taps import ALL_TAPS, ROUTE_RECORDS, Tap, TapKey
+from ...taps import ALL_TAPS, ROUTE_RECORDS, TapKey
 from . import compiled_taps
 from ..protocol import (CAPTURED, PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec,
                         ScoresSink, SequenceScores, StackInfo, StackSettings, TapSink)
@@ -60,24 +58,12 @@ from .knobs import tap_meanings
 from .rollout import RolloutRecorder
 from .weights import WeightSession
 from .seams import decoder_layers, model_seams
+from .engine_start import (_building, _disable_flashinfer_sampler_if_missing, _engine_key, _engine_kwargs,
+                           _find_runner, _remove_dist_files, _tap_points, _track_dist_files)
+from .step import _Step
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
-# Taps whose buffer vLLM may write again later in the same forward, so they are cloned when captured (on CUDA the
-# fused add+norm is vLLM's C kernel, registered `inplace=True`: it overwrites both its input and the residual):
-#   embed           becomes layer 0's residual, which the fused add of post_attention_layernorm overwrites
-#   q_norm, k_norm  rotated in place by RoPE right after (Qwen3)
-#   attn_out        o_proj's output, normalized in place by post_attention_layernorm
-#   resid_mid       the residual, overwritten by the next fused add (next input_layernorm or the final norm)
-#   mlp_out         down_proj's output, normalized in place by the next input_layernorm or the final norm
-# Every other tap is a buffer no op writes after the hook sees it (a norm's output read by the next projection,
-# RoPE's output read by attention, attention's and SiluAndMul's fresh outputs, our own resid_out) and is kept
-# as it is: cloning those too was four fifths of the capture's copy traffic (Qwen2.5-1.5B). tests/runs/test_compare.py
-# checks the list against cloning every tap on the CPU build, whose fused add+norm is out of place (so there it
-# catches q_norm and k_norm); on the H200, CSVs byte-identical to a run that cloned every tap checked it
-# (docs/results/h200/README.md).
-#   q_proj, k_proj  views of qkv_proj's output, which the CPU RoPE kernel rotates in place (Qwen2)
-REWRITTEN = frozenset({"embed", "q_proj", "k_proj", "q_norm", "k_norm", "attn_out", "resid_mid", "mlp_out"})
 _ENGINE: dict = {}  # the one live engine of this process: {"key": _engine_key(settings), "llm": LLM, "tap_points":
 # compiled_taps.TapPoints of a compiled engine, else None}
 _GRAFT_COMPILED = ("--graft/--depth need every layer tap of the engine, which a compiled engine does not expose; use "
@@ -88,136 +74,6 @@ COMPILED_REFUSED = {  # what a compiled engine cannot do, each in the one line t
     PATCH_ONCE_LOADED: "a compiled engine cannot take a region patch once built; align it through a run (compare "
                        "--align / ablate build an engine with the patch in a worker process) or use --engine eager",
 }
-
-
-def _engine_key(settings: StackSettings) -> tuple:
-    """What makes an engine: the training-side fields (train_attn, train_sdpa) may differ between probes."""
-    return (settings.model_path, settings.dtype, settings.device, settings.seed, settings.max_model_len,
-            settings.batch_tokens, settings.engine, settings.engine_args, _tap_points(settings))
-
-
-def _tap_points(settings: StackSettings) -> frozenset[str]:
-    """The layer taps the engine is built with tap points and buffers for (compiled mode only: eager taps are plain
-    hooks). An engine without them is vLLM exactly as deployed; one with them is another engine (another compiled
-    graph, and buffers for these taps)."""
-    return frozenset(settings.engine_taps) if settings.engine == "compiled" else frozenset()
-
-
-def _disable_flashinfer_sampler_if_missing() -> None:
-    """vLLM 0.24 on CUDA imports flashinfer unguarded when it builds its top-k/top-p sampler. Only when
-    flashinfer is absent, tell vLLM the sampler is unsupported so it takes its PyTorch fallback."""
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        try:  # the seam: a vLLM without this sampler switch has nothing to switch off
-            from vllm.v1.sample.ops import topk_topp_sampler
-            from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sampler_supported  # noqa: F401
-        except ImportError:
-            return
-        topk_topp_sampler.flashinfer_sampler_supported = lambda: False
-
-
-_DIST_FILES: list[str] = []  # the rendezvous files this process's engine start created
-
-
-def _track_dist_files() -> None:
-    """Record the path of the rendezvous file vLLM 0.32's single-process executor creates in the temp folder
-    (vllm_dist_<uuid>, utils/network_utils.get_file_store_init_method), so that it can be removed: torch's
-    FileStore deletes it only when the store is destroyed, which a failed engine start or a process killed by a
-    signal never does. Only this process's own files are touched; other processes' engines keep theirs."""
-    try:
-        from vllm.v1.executor import uniproc_executor
-    except ImportError:
-        return
-    make = getattr(uniproc_executor, "get_file_store_init_method", None)
-    if make is None or getattr(make, "tracked", False):  # vLLM 0.24 rendezvous over TCP: no file
-        return
-
-    def tracked() -> str:
-        method = make()
-        _DIST_FILES.append(method.removeprefix("file://"))
-        return method
-
-    tracked.tracked = True
-    uniproc_executor.get_file_store_init_method = tracked
-    atexit.register(_remove_dist_files)  # after a signal or at exit; FileStore tolerates its file being gone
-
-
-def _remove_dist_files() -> None:
-    while _DIST_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_DIST_FILES.pop())
-
-
-def _find_runner(llm):
-    """The in-process model runner; the attribute path moves between releases, so it is looked up here only."""
-    paths = [
-        ("model_executor", "driver_worker", "worker", "model_runner"),
-        ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"),
-    ]
-    for path in paths:
-        obj = llm.llm_engine
-        for name in path:
-            obj = getattr(obj, name, None)
-        if isinstance(getattr(obj, "model", None), torch.nn.Module) or callable(getattr(obj, "get_model", None)):
-            return obj
-    raise StackError(
-        "cannot reach vLLM's model in-process (is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM "
-        "version?); divergence-probe knows vLLM 0.24 (CUDA) and 0.32 (CPU)"
-    )
-
-
-@dataclass
-class _Step:
-    """The token rows of one engine step, mapped back to prompts."""
-
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt_id -> (first row, length)
-    final_hidden: torch.Tensor | None = None  # what compute_logits slices for prompt logprobs
-    logits_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1, V]
-    logits_seen: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt_id -> [T-1] bool
-
-    def add_logits(self, row: int, logits: torch.Tensor) -> None:
-        """Logits for step rows [row, row+n): keep those at each prompt's scored positions (0..T-2).
-
-        vLLM 0.32 (CPU) computes them per request, vLLM 0.24 (CUDA) over the whole step; either way each
-        position must come out once, or identical every time it does."""
-        for prompt_id, (start, length) in self.spans.items():
-            lo, hi = max(row, start), min(row + logits.shape[0], start + length - 1)
-            if lo >= hi:
-                continue
-            if prompt_id not in self.logits_rows:
-                self.logits_rows[prompt_id] = logits.new_empty(length - 1, logits.shape[1])
-                self.logits_seen[prompt_id] = torch.zeros(length - 1, dtype=torch.bool)
-            rows, seen = self.logits_rows[prompt_id], self.logits_seen[prompt_id]
-            new = logits[lo - row : hi - row]
-            if seen[lo - start : hi - start].any() and not torch.equal(rows[lo - start : hi - start], new):
-                raise StackError(f"vLLM computed two different logits for prompt {prompt_id}; capture seam moved")
-            rows[lo - start : hi - start] = new
-            seen[lo - start : hi - start] = True
-
-    def logits(self, prompt_id: int, length: int) -> torch.Tensor:
-        """The prompt's [T-1, V] logits; every scored position must have been computed."""
-        seen = self.logits_seen.get(prompt_id)
-        if seen is None or not bool(seen.all()) or len(seen) != length - 1:
-            raise StackError(f"vLLM computed no complete prompt logits for prompt {prompt_id}; capture seam moved")
-        return self.logits_rows[prompt_id]
-
-    def split(self, x: torch.Tensor, emit, tap: Tap) -> None:
-        """One tap's rows of the whole step ([rows, ...]) -> one [T, features] view per prompt, of one clone for the
-        step if vLLM writes the buffer again within the forward (REWRITTEN; one clone per step is one copy kernel, not
-        one per prompt). A tuple of taps stacked as [taps, rows, features] (a compiled engine's tap buffers) -> one
-        [taps, T, features] view per prompt, not a copy: the buffers are written again only by the engine's next step,
-        which is a later call of the stack (a scoring call is one step), and a sink keeps a tap no longer than that
-        unless it copies it (base.TapSink)."""
-        if not isinstance(tap, TapKey):
-            for prompt_id, (start, length) in self.spans.items():
-                emit(prompt_id, tap, x[:, start : start + length])
-            return
-        flat = x.reshape(x.shape[0], -1)
-        if tap.name in REWRITTEN:
-            flat = flat.clone()
-        for prompt_id, (start, length) in self.spans.items():
-            emit(prompt_id, tap, flat[start : start + length])
 
 
 class VLLMStack(VLLMPolicy):
@@ -250,10 +106,10 @@ class VLLMStack(VLLMPolicy):
                 if tap_points is not None:
                     failed.callback(tap_points.close)
                 try:
-                    with warnings.catch_warnings(), self._building(settings, tap_points):
+                    with warnings.catch_warnings(), _building(settings, tap_points):
                         warnings.simplefilter("ignore", FutureWarning)
                         with timings.timed("load.infer.engine_start"):
-                            llm = vllm.LLM(**self._engine_kwargs(settings))
+                            llm = vllm.LLM(**_engine_kwargs(settings))
                 except Exception as e:  # vLLM raises many types at start-up; all mean "this engine cannot start"
                     _remove_dist_files()
                     raise StackError(f"vLLM could not start on {settings.model_path}: {type(e).__name__}: "
@@ -272,53 +128,6 @@ class VLLMStack(VLLMPolicy):
             raise StackError(f"vLLM loaded {type(self.model).__name__}; supported: {', '.join(SUPPORTED_MODEL_CLASSES)}")
         if _tap_points(self.settings) & {"router_logits", *ROUTE_RECORDS}:
             compiled_taps.check_routes(self.model)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | None"):
-        """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
-        compiles it, and vLLM compiles into (and in a later process loads from) a cache root of this set of tap
-        points (compiled_taps.cache_namespace: vLLM's own keys cannot tell a tapped graph from an untapped one).
-        VLLM_CACHE_ROOT is read while the engine starts, before vLLM freezes its environment cache, and restored
-        afterwards."""
-        if not _tap_points(settings):
-            yield
-            return
-        from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-        from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-
-        before = os.environ.get("VLLM_CACHE_ROOT")
-        os.environ["VLLM_CACHE_ROOT"] = compiled_taps.cache_namespace(_tap_points(settings))
-        try:
-            with tap_points.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
-                                     _tap_points(settings)):
-                yield
-        finally:
-            if before is None:
-                os.environ.pop("VLLM_CACHE_ROOT", None)
-            else:
-                os.environ["VLLM_CACHE_ROOT"] = before
-
-    @staticmethod
-    def _engine_kwargs(settings: StackSettings) -> dict:
-        """vllm.LLM keywords: what the tool needs, the mode's settings, then the user's engine args verbatim."""
-        kwargs = dict(
-            model=settings.model_path,
-            skip_tokenizer_init=True,  # we send token ids (an engine arg may load the tokenizer: it changes no id we send)
-            dtype=str(settings.dtype).removeprefix("torch."),
-            seed=settings.seed,
-            max_model_len=settings.max_model_len,
-            max_num_batched_tokens=max(settings.batch_tokens, settings.max_model_len),
-            # Without a memory plan: a share of the device. probe.load's plan (runs/memory.py) replaces it on CUDA, through
-            # the engine args, by kv_cache_memory_bytes sized to the run and the share the engine's part of the plan is
-            # (vLLM 0.24 still checks that share is free at start-up). On the CPU the KV cache is VLLM_CPU_KVCACHE_SPACE.
-            gpu_memory_utilization=0.3 if settings.device == "cpu" else 0.5,
-        )
-        if settings.engine == "eager":  # today's laboratory engine: every module runs in Python, one whole step
-            kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False)
-        kwargs.update(settings.engine_kwargs())
-        return kwargs
 
     @property
     def compiled(self) -> bool:

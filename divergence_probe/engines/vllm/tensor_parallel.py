@@ -40,7 +40,8 @@ from ...models import get_family
 from ...taps import TapKey
 from ..protocol import ENGINE_REGIONS, PATCH_NEVER, PATCH_ONCE_LOADED, Capabilities, StackInfo, StackSettings
 from .policy import ranks_of
-from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack, _Step
+from .stack import SUPPORTED_MODEL_CLASSES, VLLMStack
+from .step import _Step
 
 # What cannot run sharded, by spec.check_family's feature names, and why (the one-line refusal says it).
 REFUSED = {

@@ -266,7 +266,8 @@ def _serve(folder: Path) -> None:
     init = torch.load(folder / "init.pt", weights_only=False)
     try:
         from .aligned import load_aligned
-        from .stack import _disable_flashinfer_sampler_if_missing, _import_vllm
+        from .engine_start import _disable_flashinfer_sampler_if_missing
+        from .stack import _import_vllm
 
         _import_vllm()
         if init["settings"].device == "cuda":  # before load_aligned imports the runners (V2 binds the sampler then)
