@@ -6,29 +6,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from .adapters import ADAPTERS, FORMATS, choose, parse_fields
 from .columns import read_row, row_step
 from .read import read_rows
-from .record import Rollout, RolloutError
+from .record import Rollout, RolloutBatch, RolloutError
 
 __all__ = ["ADAPTERS", "FORMATS", "Rollout", "RolloutBatch", "RolloutError", "read_rollouts"]
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    path: Path
-    sha256: str
-    format: str
-    rollouts: list[Rollout]
-    step: int | None = None  # the rows' `step` field, when they record one
-
-    @property
-    def has_train(self) -> bool:
-        """Every row holds the trainer's logprobs too: the mismatch needs no model (columns.py)."""
-        return all(r.train_logprobs is not None for r in self.rollouts)
 
 
 def read_rollouts(path: str | Path, fmt: str = "auto", fields: str | None = None) -> RolloutBatch:

@@ -1,10 +1,12 @@
-"""One sampled response as a rollout file recorded it, in the tool's own terms, whatever framework wrote it."""
+"""One sampled response as a rollout file recorded it, in the tool's own terms, whatever framework wrote it, and a
+file's rows as one batch: the plain records every layer that reads rollouts names, with no reader behind them."""
 
 from __future__ import annotations
 
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ProbeError
 
@@ -31,6 +33,20 @@ class Rollout:
     routed_experts: object = None
     train_logprobs: tuple[float, ...] | None = None  # the trainer's, when the file records them (columns.py)
     reward: float | None = None
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    path: Path
+    sha256: str
+    format: str
+    rollouts: list[Rollout]
+    step: int | None = None  # the rows' `step` field, when they record one
+
+    @property
+    def has_train(self) -> bool:
+        """Every row holds the trainer's logprobs too: the mismatch needs no model (columns.py)."""
+        return all(r.train_logprobs is not None for r in self.rollouts)
 
 
 def token_ids(row: dict, key: str, at: int) -> list[int]:

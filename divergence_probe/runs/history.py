@@ -31,7 +31,7 @@ from .manifest import build_manifest
 from .progress import Progress, phase
 from ..errors import OutputError, ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
-from ..rollouts import RolloutBatch, RolloutError
+from ..rollouts.record import RolloutBatch, RolloutError
 from ..rollouts.read import JSONL, PARQUET
 from ..rundir import MANIFEST, atomic_dir, file_sha256, locked, open_to_write, rescue, write_csv, write_json
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..numerics.tables import ROLLOUT_TOKEN_COLUMNS
 from ..prompts import Prompt
-from ..rollouts import RolloutBatch, RolloutError
+from ..rollouts.record import RolloutBatch, RolloutError
 from .manifest import build_manifest
 from .scored import FAR_FACTOR, FAR_FLOOR, ScoreRun, numbered
 

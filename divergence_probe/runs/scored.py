@@ -15,7 +15,7 @@ import pandas as pd
 from ..numerics.rl_metrics import bucket_table, ratio_split, sequence_metrics, token_metrics
 from ..numerics.tables import summary_of, tokens_frame
 from ..prompts import Prompt
-from ..rollouts import RolloutBatch
+from ..rollouts.record import RolloutBatch
 
 
 @dataclass(slots=True)
