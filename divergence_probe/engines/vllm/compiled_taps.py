@@ -130,6 +130,16 @@ def cache_namespace(taps: frozenset[str], root: str | None = None) -> str:
     return namespace(CACHE_SUBDIR, "+".join(selected), [("+".join(selected), code)], root)
 
 
+def cache_environment(taps: frozenset[str], device: str) -> dict[str, str]:
+    """The environment a compiled engine with tap points for `taps` builds under. On the CPU build its graph compiles
+    into (and a later process loads it from) a cache root of its own (cache_namespace). On CUDA vLLM 0.24 refuses to
+    save the tapped graph ("The compiled artifact is not serializable": the tap op's buffers are live Python
+    objects), so its compile cache is off for the build and every tapped process compiles anew."""
+    if device == "cuda":
+        return {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+    return {"VLLM_CACHE_ROOT": cache_namespace(taps)}
+
+
 def _impl(x: torch.Tensor, key: int) -> None:
     """The op: x's rows into the buffer of tap point `key` of the live engine's tap points (TapPoints.copy)."""
     owner = _OWNER

@@ -95,10 +95,9 @@ def _find_runner(llm):
 @contextlib.contextmanager
 def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | None"):
     """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
-    compiles it, and vLLM compiles into (and in a later process loads from) a cache root of this set of tap
-    points (compiled_taps.cache_namespace: vLLM's own keys cannot tell a tapped graph from an untapped one).
-    VLLM_CACHE_ROOT is read while the engine starts, before vLLM freezes its environment cache, and restored
-    afterwards."""
+    compiles it, and vLLM's compile cache is kept apart from untapped builds (compiled_taps.cache_environment: vLLM's
+    own keys cannot tell a tapped graph from an untapped one). The environment is read while the engine starts,
+    before vLLM freezes its environment cache, and restored afterwards."""
     if not _tap_points(settings):
         yield
         return
@@ -106,17 +105,20 @@ def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | No
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    before = os.environ.get("VLLM_CACHE_ROOT")
-    os.environ["VLLM_CACHE_ROOT"] = compiled_taps.cache_namespace(_tap_points(settings))
+    changes = compiled_taps.cache_environment(_tap_points(settings), settings.device)
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         with tap_points.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
                                  _tap_points(settings)):
             yield
     finally:
-        if before is None:
-            os.environ.pop("VLLM_CACHE_ROOT", None)
-        else:
-            os.environ["VLLM_CACHE_ROOT"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 def _engine_kwargs(settings: StackSettings) -> dict:
     """vllm.LLM keywords: what the tool needs, the mode's settings, then the user's engine args verbatim."""

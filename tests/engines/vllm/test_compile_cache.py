@@ -34,3 +34,13 @@ def test_an_edit_to_the_hook_code_is_a_miss(monkeypatch, tmp_path):
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + (b"# edited" if self.name == "seams.py" else b""))
     assert cache_namespace(ALL, str(tmp_path)) != before
+
+
+def test_on_cuda_a_tapped_build_saves_no_graph(monkeypatch, tmp_path):
+    """vLLM 0.24 on CUDA cannot serialize the tapped graph and fails the engine's start when its cache is on: there
+    the build runs with the cache off; on the CPU build it compiles under its own root."""
+    from divergence_probe.engines.vllm.compiled_taps import cache_environment
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    assert cache_environment(ALL, "cuda") == {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+    assert cache_environment(ALL, "cpu") == {"VLLM_CACHE_ROOT": cache_namespace(ALL)}
