@@ -57,9 +57,9 @@ def print_summary(run) -> None:
                           f"{s[RATIO]:.3g}x, {interval} ({NOISE_FLOORS[largest[0]]}: {FLOOR_KINDS[largest[0]]})")
         table.add_row("normal or not", in_words(s))
     routing_rows(table, s, "routing" in run.spec.align.regions)
-    if reference_words(s):  # --reference: which side is further from exact
-        table.add_row("further from exact", reference_words(s))
     out.print(table)
+    if reference_words(s):  # --reference: which side is further from exact, a paragraph under the table
+        say(reference_words(s))
     print_graft(getattr(run, "graft_tables", {}), run.manifest.get("model", {}).get("num_layers"))
 
 
