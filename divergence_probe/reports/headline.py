@@ -121,6 +121,19 @@ def _ratio_split(shipped: pd.Series) -> Paragraph:
     return Paragraph(text)
 
 
+# floors measured on one stack, as the report words them: column -> (the change, the file it is in)
+SINGLE_FLOORS = {
+    "noise_train_kernel_mean_abs_dlogp": ("running the training stack's attention on another SDPA kernel moves its "
+                                          "logprobs by", "kernel_noise.csv"),
+    "noise_infer_engine_mode_mean_abs_dlogp": ("the engine in its other mode (eager vs compiled) moves its logprobs by",
+                                               "engine_noise.csv"),
+    "noise_infer_tensor_parallel_mean_abs_dlogp": ("the engine at tensor_parallel_size 1 instead of this run's moves "
+                                                   "its logprobs by", "engine_noise.csv"),
+    "noise_train_tensor_parallel_mean_abs_dlogp": ("the training stack unsharded instead of this run's --train-tp "
+                                                   "moves its logprobs by", "kernel_noise.csv"),
+}
+
+
 def _noise_floor(shipped) -> list:
     """Each noise floor measured (a stack against itself under a batch, kernel or engine-mode change), and the
     vLLM-vs-transformers mismatch set against the largest of them: one kernel change can move logprobs as much as
@@ -135,18 +148,9 @@ def _noise_floor(shipped) -> list:
         parts.append("scoring the same sequences one at a time and then in one batch changes the inference stack's "
                      f"logprobs by {_num(floors['noise_infer_mean_abs_dlogp'])} nats on average and the training "
                      f"stack's by {_num(floors['noise_train_mean_abs_dlogp'])} nats (batch_invariance.csv)")
-    if "noise_train_kernel_mean_abs_dlogp" in floors:
-        parts.append("running the training stack's attention on another SDPA kernel moves its logprobs by "
-                     f"{_num(floors['noise_train_kernel_mean_abs_dlogp'])} nats (kernel_noise.csv)")
-    if "noise_infer_engine_mode_mean_abs_dlogp" in floors:
-        parts.append("the engine in its other mode (eager vs compiled) moves its logprobs by "
-                     f"{_num(floors['noise_infer_engine_mode_mean_abs_dlogp'])} nats (engine_noise.csv)")
-    if "noise_infer_tensor_parallel_mean_abs_dlogp" in floors:
-        parts.append("the engine at tensor_parallel_size 1 instead of this run's moves its logprobs by "
-                     f"{_num(floors['noise_infer_tensor_parallel_mean_abs_dlogp'])} nats (engine_noise.csv)")
-    if "noise_train_tensor_parallel_mean_abs_dlogp" in floors:
-        parts.append("the training stack unsharded instead of this run's --train-tp moves its logprobs by "
-                     f"{_num(floors['noise_train_tensor_parallel_mean_abs_dlogp'])} nats (kernel_noise.csv)")
+    for column, (before, after) in SINGLE_FLOORS.items():
+        if column in floors:
+            parts.append(f"{before} {_num(floors[column])} nats ({after})")
     text = "Noise floor: " + "; ".join(parts) + "."
     tap_points = shipped.get("tap_points_mean_abs_dlogp")
     if tap_points is not None and not pd.isna(tap_points):
