@@ -474,13 +474,15 @@ def test_engine_noise_checks_tap_points_against_an_engine_without_them(monkeypat
     monkeypatch.setattr(batch_invariance, "_engine_row", fake_row)
     settings = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled",
                              engine_taps=frozenset({"swiglu"}))
-    table = batch_invariance.engine_noise(types.SimpleNamespace(settings=settings), [])
+    table = batch_invariance.engine_noise(types.SimpleNamespace(settings=settings,
+                                                                config=types.SimpleNamespace(infer="vllm")), [])
     assert [(engine, taps) for engine, taps, _ in built] == [("eager", frozenset()), ("compiled", frozenset())]
     columns = noise_floor_columns(None, None, table)
     assert columns == {"noise_infer_engine_mode_mean_abs_dlogp": 0.25, "tap_points_mean_abs_dlogp": 0.5}
     built.clear()
     untapped = batch_invariance.engine_noise(types.SimpleNamespace(settings=StackSettings(
-        model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")), [])
+        model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled"),
+        config=types.SimpleNamespace(infer="vllm")), [])
     assert len(untapped) == 1 and "tap_points_mean_abs_dlogp" not in noise_floor_columns(None, None, untapped)
 
 
