@@ -1,5 +1,6 @@
-"""A VLLM_CACHE_ROOT of its own for each kind of engine build whose compiled graph vLLM's own cache keys cannot tell
-apart from another's: aligned regions (aligned.cache_namespace) and tap points (compiled_taps.cache_namespace).
+"""A VLLM_CACHE_ROOT of its own for each engine build whose compiled graph vLLM's own cache keys cannot tell apart
+from another's: aligned regions (aligned.cache_namespace). (A build with tap points runs with the cache off instead:
+vLLM 0.24 on CUDA cannot serialize its graph; engine_start._building.)
 
 vLLM's AOT compile cache (on by default with torch >= 2.10) is keyed by the vLLM config, its compile-relevant
 environment variables and the model forward's name, not by which Python code the trace inlined; its backend cache

@@ -67,7 +67,6 @@ from ...taps import ALL_TAPS, LAYER_TAPS, ROUTE_RECORDS, Tap, TapKey
 from ...models import dims, family_of, find
 from ..hooks import HookSet, after_call
 from ..layouts import layout_of
-from .cache_root import namespace, sources
 from .seams import decoder_layers, model_seams
 
 # Taps the compiled graph materialises whatever we do (checked per model in tests/engines/vllm/test_compiled_taps.py: the
@@ -110,34 +109,6 @@ _LIB: torch.library.Library | None = None  # the op's definition: once per proce
 def wants_tap_points(taps: frozenset[str]) -> bool:
     """Whether a compiled engine must be built with tap points for these taps."""
     return bool(taps & set(NEUTRAL + ROUTER))
-
-
-CACHE_SUBDIR = "divergence_probe_taps"  # under VLLM_CACHE_ROOT; one folder per set of tap points and their code
-
-
-def cache_namespace(taps: frozenset[str], root: str | None = None) -> str:
-    """The VLLM_CACHE_ROOT a compiled engine with tap points for `taps` compiles into, and loads from in a later
-    process. vLLM's compile cache keys (the AOT artifact's: its config, compile-relevant environment and the model
-    forward's name; the backend's: those and the traced files) do not tell a tapped graph from an untapped one, nor
-    one set of tap points from another: under one key a tapped build could load an untapped graph (no taps), or
-    taps from another set, and an untapped run a tapped graph (not vLLM as deployed). So each set of tap points
-    compiles under its own root, named by the set and the sha256 of the hook code the graph inlines (this module and
-    the modules of the engine's package it takes code from): an edit to that code compiles anew, and the untapped
-    engine keeps the user's root. Within it vLLM's own keys (model, shapes, dtype, compile settings, vLLM and torch
-    versions) and its check that the inlined sources are unchanged apply as for any engine."""
-    selected = sorted(frozenset(taps) & set(NEUTRAL + ROUTER))
-    code = sources(sys.modules[__name__], frozenset({"divergence_probe.engines", "divergence_probe"}))
-    return namespace(CACHE_SUBDIR, "+".join(selected), [("+".join(selected), code)], root)
-
-
-def cache_environment(taps: frozenset[str], device: str) -> dict[str, str]:
-    """The environment a compiled engine with tap points for `taps` builds under. On the CPU build its graph compiles
-    into (and a later process loads it from) a cache root of its own (cache_namespace). On CUDA vLLM 0.24 refuses to
-    save the tapped graph ("The compiled artifact is not serializable": the tap op's buffers are live Python
-    objects), so its compile cache is off for the build and every tapped process compiles anew."""
-    if device == "cuda":
-        return {"VLLM_DISABLE_COMPILE_CACHE": "1"}
-    return {"VLLM_CACHE_ROOT": cache_namespace(taps)}
 
 
 def _impl(x: torch.Tensor, key: int) -> None:

@@ -95,9 +95,13 @@ def _find_runner(llm):
 @contextlib.contextmanager
 def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | None"):
     """While `LLM(...)` builds a compiled engine with tap points: the model gets them before its first forward
-    compiles it, and vLLM's compile cache is kept apart from untapped builds (compiled_taps.cache_environment: vLLM's
-    own keys cannot tell a tapped graph from an untapped one). The environment is read while the engine starts,
-    before vLLM freezes its environment cache, and restored afterwards."""
+    compiles it, and vLLM's compile cache is off for this build. Its keys (the AOT artifact's: config and the
+    model's forward; the backend's: config and the traced files) cannot tell a tapped graph from an untapped one, so
+    a tapped build neither loads an artifact (it could be untapped: no taps, or taps from another graph) nor saves
+    one (an untapped run could load it: not vLLM as deployed); a cache root of its own would keep them apart, but
+    vLLM 0.24 on CUDA cannot serialize the tapped graph at all. Inductor's own FX graph cache stays on: it is keyed
+    by the graph itself. VLLM_DISABLE_COMPILE_CACHE is read while the engine starts, before vLLM freezes its
+    environment cache, and restored afterwards."""
     if not _tap_points(settings):
         yield
         return
@@ -105,19 +109,17 @@ def _building(settings: StackSettings, tap_points: "compiled_taps.TapPoints | No
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    changes = compiled_taps.cache_environment(_tap_points(settings), settings.device)
-    before = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
+    before = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     try:
         with tap_points.building([Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM],
                                  _tap_points(settings)):
             yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        if before is None:
+            os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+        else:
+            os.environ["VLLM_DISABLE_COMPILE_CACHE"] = before
 
 
 def _engine_kwargs(settings: StackSettings) -> dict:

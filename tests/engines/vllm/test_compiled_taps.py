@@ -157,14 +157,9 @@ def test_taps_all_captures_the_neutral_set_and_lists_the_rest(engines):
     assert plain["taps"]["mlp_out"] == compiled_taps.NO_TAP_POINTS and plain["taps"]["logits"] == "captured"
 
 
-def test_a_tapped_build_keeps_its_graph_apart_from_vllm_as_deployed(engines):
-    """vLLM's compile-cache keys do not see the hooks: a tapped build compiles under its tap points' own cache root
-    (compiled_taps.cache_namespace), for a later tapped process to load, and nothing into the user's root, where
-    the untapped engine (built after it here, bitwise equal to vLLM as deployed) compiles."""
-    from divergence_probe.engines.vllm.compiled_taps import CACHE_SUBDIR
-
-    compiled = [p for p in engines["artifacts_after_tapped"] if "torch_compile_cache" in p]
-    assert compiled and all(p.startswith(f"{CACHE_SUBDIR}/") for p in compiled)
+def test_tapped_build_leaves_no_compile_artifact(engines):
+    """vLLM's compile-cache keys do not see the hooks: a tapped build must neither save nor load an artifact."""
+    assert not [p for p in engines["artifacts_after_tapped"] if "torch_compile_cache" in p]
 
 
 def _inductor_row_sum(x: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
