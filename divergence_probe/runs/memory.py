@@ -93,6 +93,9 @@ class PlanInputs:
     alternate: bool = False
     engine_passes: int = 1  # runs of the engine over every prompt: an ablation's engine-side combinations
     engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
+    # remedies: the arms that load stacks beside the shipped ones for their compare (spec.run.stacks_beside): "fp16",
+    # a trainer and an engine in FP16 (a worker process of its own); "train_amp", a trainer with FP32 weights
+    beside: tuple[str, ...] = ()
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -265,7 +268,27 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
+    _arms_beside(i, terms, kv, train)
     return terms, kv, train
+
+
+def _arms_beside(i: PlanInputs, terms: dict[str, int], kv: int, train: dict | None) -> None:
+    """remedies' arms that load stacks beside the shipped ones, held on top of the shipped run's peak while the arm
+    runs: fp16's trainer and its kernel floor's second trainer at 2 bytes a weight in place of the run's, its engine's
+    weights, KV cache (the same budget: the worker is given the planned engine args), profile run and its process's
+    own runtime; train_amp's FP32 trainer with autocast's casts, and its kernel floor's trainer at FP32."""
+    m, b = i.model, i.dtype_bytes
+    trainer = train if train is not None else terms  # the trainer's device: its own, or the engine's
+    floor = 1 if i.noise_floor else 0
+    if "fp16" in i.beside:
+        trainer["arm_fp16_trainer"] = m.parameters * 2 + floor * m.parameters * max(0, 2 - b)
+        terms["arm_fp16_engine"] = (terms["infer_weights"] * 2 // b + kv + terms["engine_profile_activations"]
+                                    + (CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME))
+    if "train_amp" in i.beside:
+        trainer["arm_train_amp_trainer"] = m.parameters * (4 + b) + floor * m.parameters * (4 - b)
+
+
+ARM_TERMS = {"fp16": ("arm_fp16_trainer", "arm_fp16_engine"), "train_amp": ("arm_train_amp_trainer",)}
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
@@ -332,9 +355,19 @@ def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> M
     phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
               for phase, (weights, rest) in tensors.items()}
     terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
-    apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
+    phases = _with_arms(phases, terms, i.beside)
+    apart = {} if train is None else {"train_terms": train,
+                                      "train_phases": (tp := _with_arms(_train_phases(train), train, i.beside)),
                                       "train_needed": max(tp.values())}
     return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
+
+
+def _with_arms(phases: dict[str, int], terms: dict[str, int], beside: tuple[str, ...]) -> dict[str, int]:
+    """The phases with one more per arm that loads stacks beside (remedies): the shipped run's peak and what the arm
+    adds on this device (an arm runs every phase of a compare again with its stacks held)."""
+    peak = max(phases.values())
+    return phases | {f"arm_{arm}": peak + sum(terms.get(n, 0) for n in names) for arm, names in ARM_TERMS.items()
+                     if arm in beside and any(terms.get(n) for n in names)}
 
 
 def _batch_candidates(i: PlanInputs) -> list[int]:
@@ -468,6 +501,10 @@ def check(p: MemoryPlan) -> MemoryPlan:
         options.append("a machine with more memory (or --device cuda)")
     else:
         options.append("a GPU with more free memory" + ("" if i.train_device else " (or --train-device cuda:1)"))
+    if i.beside:
+        without = _first_fit(replace(i, beside=()), [p.batch_tokens] if i.batch_tokens_fixed else _batch_candidates(i))
+        options.insert(0, f"--arms without {','.join(i.beside)} (they load stacks beside the shipped ones; without them the run "
+                          f"{'fits' if without else 'still does not fit'})")
     options.append(f"a larger {ENV}" if source == ENV else f"{ENV}=BYTES if {source} is wrong")
     whose = ("" if i.train_device is None else " (the engine's device)") if engine else " (--train-device)"
     whose += " with one stack at a time (--placement alternate)" if i.alternate else ""
