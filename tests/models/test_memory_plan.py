@@ -161,6 +161,19 @@ def test_remedies_arms_that_load_stacks_beside_are_planned_and_refused_in_one_li
         memory_plan.check(plan(tight))
 
 
+def test_remedies_cost_step_is_planned_a_device_that_holds_the_compare_only_gets_a_smaller_batch():
+    """remedies times the trainer's forward with grad and its backward over one batch (every layer's activations, the
+    logits' FP32 log-softmax and both grads): on a device that holds the compare and not that, the batch is lowered,
+    and a batch the user set is refused naming one that fits."""
+    compare = plan(inputs(noise_floor=True))
+    remedies = plan(inputs(noise_floor=True, cost_step=True))
+    assert remedies.needed == remedies.phases["cost_step"] > compare.needed
+    tight = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed))
+    assert tight.fits and tight.batch_tokens < compare.batch_tokens
+    fixed = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed, batch_tokens_fixed=True))
+    assert not fixed.fits and fixed.batch_tokens_fitting == tight.batch_tokens
+
+
 def test_a_remedies_run_whose_fp16_arm_cannot_fit_is_refused_before_anything_loads(qwen3_tiny, prompts_file,
                                                                                    tmp_path, monkeypatch):
     import divergence_probe.runs.loading as loading
