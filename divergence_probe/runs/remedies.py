@@ -29,6 +29,7 @@ import pandas as pd
 from .ablate import _configured
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
+from .memory import is_out_of_memory
 from .progress import Progress, phase
 from ..engines.peak import PeakMemory
 from ..errors import ProbeError, StackError
@@ -383,6 +384,19 @@ def _fp16_view(probe, step: RunSpec, stack: ExitStack):
     return replace(view, infer=engine, owns_infer=False, settings=replace(view.settings, dtype=settings.dtype))
 
 
+def _arm_failed(error: Exception, device: str) -> str:
+    """Why an arm that failed once loaded is not run: a stack that refuses it (a seam this version moved), or no room
+    on the device for what it loads or runs (the shipped run and the other arms are kept). Anything else is raised."""
+    if isinstance(error, StackError):
+        return str(error)
+    if not is_out_of_memory(error):
+        raise error
+    from ..errors import one_line
+
+    return (f"out of {device} memory while the arm ran ({type(error).__name__}: {one_line(error, 160)}); its stacks "
+            "were closed and the other arms ran. Try it alone (--arms), or a lower --batch-tokens")
+
+
 def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, steps=STEPS) -> RemediesRun:
     """The shipped compare (its floors and per-layer readings), then every chosen arm's compare and cost. `steps`:
     the timed step of each side (tests slow one down)."""
@@ -413,8 +427,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
             with _arm_view(probe, step, arm_layers) as view:
                 runs[name] = run_compare(view, step, progress, done_before=done, total_scale=scale)
                 costs[name] = measure_cost(view, shipped.prompts, options.cost_repeats, steps)
-        except StackError as e:  # a stack that refuses the arm once loaded (a seam this version moved)
-            reasons[name] = str(e)
+        except Exception as e:
+            reasons[name] = _arm_failed(e, probe.settings.device)
             runs.pop(name, None)
             continue
         done += len(shipped.prompts)

@@ -121,6 +121,17 @@ def test_a_workers_resident_set_is_read_in_its_own_process():
     assert meter.peak > HELD / 2 and mine.peak < HELD / 2
 
 
+def test_an_arm_that_runs_out_of_memory_is_not_run_with_why_and_other_failures_are_raised():
+    from divergence_probe.errors import StackError
+
+    why = remedies._arm_failed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cuda")
+    assert why.startswith("out of cuda memory while the arm ran (OutOfMemoryError: CUDA out of memory") and \
+        "--batch-tokens" in why
+    assert remedies._arm_failed(StackError("the seam moved"), "cuda") == "the seam moved"
+    with pytest.raises(KeyError):
+        remedies._arm_failed(KeyError("a bug"), "cuda")
+
+
 def test_fp16_arm_runs_both_stacks_in_fp16_against_its_own_floors(hf_probe, run):
     step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
     seen = {}
