@@ -274,14 +274,14 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
 
 
 def _remedies_terms(i: PlanInputs, batch_tokens: int, terms: dict[str, int], kv: int, train: dict | None) -> None:
-    """A remedies run's terms. Its cost step, on the trainer's device: a forward with grad over one batch (each layer's
-    activations kept for the backward), its logits, their FP32 log-softmax and both grads, a grad per weight. Arms that
-    load stacks beside, held on top of the shipped peak while they run (_with_arms): fp16's trainers at 2 bytes a
-    weight, its engine's weights, KV budget (its worker gets the planned args), profile run and process; train_amp's
-    FP32 trainer, autocast's casts and its kernel floor's trainer at FP32."""
+    """A remedies run's terms: its cost step (a forward with grad over one batch, its logits, their FP32 log-softmax and
+    both grads, a grad per weight) and the arms that load stacks beside (_with_arms: fp16's trainers and engine, its KV
+    budget as planned, profile run and process; train_amp's FP32 trainer, casts and kernel floor's trainer)."""
     m, b, floor, trainer = i.model, i.dtype_bytes, int(i.noise_floor), terms if train is None else train
-    if i.cost_step:
-        saved = (3 * m.intermediate + 2 * m.q_width + 2 * m.kv_width + 6 * m.hidden) * m.layers * b
+    if i.cost_step:  # kept for the backward, per token and layer, as transformers' Qwen layers keep them:
+        top_k = m.intermediate // m.expert_intermediate if m.experts else 0  # the copies a mixture dispatches
+        saved = (4 * m.intermediate + 6 * m.q_width + 4 * m.kv_width + (7 + top_k) * m.hidden  # the MLP's 4 widths,
+                 + (3 * (m.q_width + m.kv_width) if m.qk_norm else 0)) * m.layers * b  # q/k/v, RoPE, norms in FP32
         trainer["cost_forward_backward"] = batch_tokens * (saved + m.vocab * (b + 16)) + m.parameters * b
     if "fp16" in i.beside:
         trainer["arm_fp16_trainer"] = m.parameters * 2 + floor * m.parameters * max(0, 2 - b)
