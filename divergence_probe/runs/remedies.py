@@ -370,18 +370,26 @@ def _fp16_view(probe, step: RunSpec, stack: ExitStack):
     """Both stacks in the arm's dtype: another trainer, and another engine (in a worker process where the stack builds
     one there, as vLLM, whose CPU backend hosts one engine per process; else beside the first in this process)."""
     from ..engines import stack_class
-    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
 
     view = probe.with_trainer(dtype=step.load.dtype)
     stack.callback(view.train.close)
-    settings = replace(engine_settings_for(probe.config, probe.settings, step), dtype=TORCH_DTYPES[step.load.dtype])
     kind = stack_class(probe.config.infer)
-    settings = engine_settings(settings)
+    settings = _fp16_engine_settings(probe, step)
     engine = kind.for_settings(settings, () if kind.workers else None)  # vLLM's CPU backend: one engine a process
     stack.callback(engine.close)  # a worker that fails to start, or an arm that fails, stops its process
     _release(probe.settings.device)  # the trainer's load temporaries: the engine's start checks its share is free
     engine.load(settings)
     return replace(view, infer=engine, owns_infer=False, settings=replace(view.settings, dtype=settings.dtype))
+
+
+def _fp16_engine_settings(probe, step: RunSpec):
+    """The FP16 engine's settings: the shipped engine's as the memory plan made them, in the arm's dtype. On a GPU
+    they hold the plan's KV budget and the engine's share of the device (kv_cache_memory_bytes,
+    gpu_memory_utilization), which a second engine needs to start beside the first: the plan counts it (arm_fp16)."""
+    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
+
+    return engine_settings(replace(engine_settings_for(probe.config, probe.settings, step),
+                                   dtype=TORCH_DTYPES[step.load.dtype]))
 
 
 def _arm_failed(error: Exception, device: str) -> str:

@@ -132,6 +132,20 @@ def test_an_arm_that_runs_out_of_memory_is_not_run_with_why_and_other_failures_a
         remedies._arm_failed(KeyError("a bug"), "cuda")
 
 
+def test_the_fp16_engine_is_given_the_shipped_engines_planned_kv_budget_and_share(hf_probe):
+    """On a GPU a second engine starts only with its KV cache sized and its share of the device given: the memory
+    plan's, as the shipped engine got them (the worker refuses to start without a share)."""
+    from dataclasses import replace
+
+    from divergence_probe.engines.protocol import freeze_engine_args
+
+    planned = {"kv_cache_memory_bytes": 123_456_789, "gpu_memory_utilization": 0.07}
+    probe = replace(hf_probe, settings=replace(hf_probe.settings, engine_args=freeze_engine_args(planned)))
+    step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    settings = remedies._fp16_engine_settings(probe, step)
+    assert settings.dtype == torch.float16 and settings.engine_kwargs() == planned
+
+
 def test_fp16_arm_runs_both_stacks_in_fp16_against_its_own_floors(hf_probe, run):
     step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
     seen = {}
