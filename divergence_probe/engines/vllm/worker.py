@@ -233,7 +233,7 @@ class WorkerStack(VLLMPolicy):
         """The child's peak over the calls made in the block, above what it held when the block began: its device
         allocator's, reset and read by the child (its info()'s device_peak is then the peak since this block); on the
         CPU its resident set, sampled from here."""
-        if self.settings.device != "cuda":
+        if not self.settings.device.startswith("cuda"):
             with PeakMemory("cpu", pid=self._proc.pid).measuring() as meter:
                 yield meter
             return
