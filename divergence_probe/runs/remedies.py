@@ -106,7 +106,7 @@ def _fp8_off(base: RunSpec, family) -> RunSpec:
            if knob.side == "engine" and knob.field == "engine_args" and "fp8" in str(args.get(knob.key, ""))}
     if not fp8:
         raise NotRun("the engine runs no FP8 (no kv_cache_dtype or quantization in --engine-args): nothing to turn "
-                     "off; FP8 in vLLM needs a GPU")
+                     "off" + ("" if base.load.device == "cuda" else "; FP8 in vLLM needs a GPU"))
     return replace(base, load=replace(base.load, engine_args={k: v for k, v in base.load.engine_args.items()
                                                               if k not in fp8}))
 

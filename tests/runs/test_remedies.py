@@ -274,3 +274,12 @@ def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
     with pytest.raises(ProbeError, match="--placement together"):
         spec_from_flat("remedies", placement="alternate")
     assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp8_off_with_no_fp8_says_why_and_names_the_gpu_only_off_one(device):
+    spec = spec_from_flat("remedies", device=device)
+    with pytest.raises(remedies.NotRun) as why:
+        remedies._fp8_off(spec, None)
+    assert "nothing to turn off" in str(why.value)
+    assert ("needs a GPU" in str(why.value)) == (device == "cpu")
