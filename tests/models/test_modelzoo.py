@@ -145,6 +145,18 @@ def test_a_build_that_cannot_finish_is_refused_before_anything_is_allocated(opti
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_gpu_build_is_measured_against_the_gpus_free_memory(tmp_path, monkeypatch):
+    """--device cuda: the weights against the free memory torch reports for the GPU (here 4 GB of 80, on a machine
+    whose RAM holds them), refused before anything is drawn or written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(modelzoo, "_random_model", lambda *a: pytest.fail("the build started"))
+    with pytest.raises(ModelError, match=r"qwen2.5-7b on cuda needs about 14\.\d GiB of its memory .* 3\.7 GiB is free "
+                                         r"\(torch.cuda.mem_get_info\)"):
+        make_model(tmp_path / "m", preset="qwen2.5-7b", device="cuda")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_preset_arch_mismatch(tmp_path):
     with pytest.raises(ModelError, match="qwen2"):
         make_model(tmp_path / "m", arch="qwen3", preset="qwen2.5-0.5b")
