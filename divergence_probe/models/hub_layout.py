@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE
 from . import get_family
 
-# The shard size save_pretrained defaults to, as the hub's large checkpoints are split.
+# save_pretrained's default shard size before transformers 5 (which writes 50 GB shards): the size of the hub's large
+# checkpoints' shards, and what the host holds of the weights at a time.
 SHARD_BYTES = 5 * 10**9
 
 
@@ -52,9 +52,10 @@ def save_hub_layout(model, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> Non
     model.safetensors if it fits one shard, else model-0000i-of-0000n.safetensors and their index. The tensors are
     copied to the host one shard at a time; none is copied on the model's device."""
     from safetensors.torch import save_file
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME  # save_pretrained's file names
 
     shards = plan_shards(hub_tensors(model), shard_bytes)
-    files = [SINGLE_FILE] if len(shards) == 1 else \
+    files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
@@ -62,10 +63,10 @@ def save_hub_layout(model, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> Non
         save_file(host, str(out_dir / file), metadata={"format": "pt"})  # save_pretrained's metadata
         weight_map |= dict.fromkeys(shard, file)
         total += sum(t.numel() * t.element_size() for t in host.values())
-        del host
+        del host  # before the next shard's copy is made, so the host never holds two
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     model.config.architectures = [type(model).__name__]  # as save_pretrained sets it
     model.config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
