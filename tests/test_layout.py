@@ -21,8 +21,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engines and trainers", frozenset({"engines", "align"})),
     ("engine-neutral models, regions, numerics and rollout files", frozenset({"models", "regions", "numerics",
                                                                                  "rollouts"})),
-    ("base modules", frozenset({"errors", "lazy", "options", "taps", "prompts", "environment", "rundir", "versions",
-                                "signals", "quiet", "timings", "run_folder",
+    ("base modules", frozenset({"errors", "lazy", "options", "taps", "tap_selection", "tokenized", "prompts",
+                                "environment", "rundir", "versions", "signals", "quiet", "timings", "run_folder",
                                 "engines.hooks"})),  # the conflict-checked hook set every patch goes through
 )
 # The most modules one chain of imports may pass through (__main__ -> cli -> ... -> errors counts every link). The

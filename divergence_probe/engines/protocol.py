@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
 
 from ..errors import StackError
 from ..options import option
-from ..prompts import Prompt
 from ..taps import Tap, TapKey
+from ..tokenized import Prompt
 
 TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]

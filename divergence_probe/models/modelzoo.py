@@ -408,11 +408,12 @@ def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None) -
     a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
+    from . import get_family
     from .size import CPU_RUNTIME, ENV, ModelSize, device_memory
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers
-    size = replace(ModelSize.of(one.to_dict()), layers=depth)
+    size = replace(ModelSize.of(one.to_dict(), get_family(arch)), layers=depth)
     weights = 2 * size.parameters_from_config(bool(one.tie_word_embeddings), arch == "qwen2")
     available, _, source = device_memory("cpu")
     what = f"{preset} with {depth} layers" if num_layers is not None else preset

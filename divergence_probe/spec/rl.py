@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass
 
 from ..engines.protocol import ENGINE_MODES
 from ..errors import ProbeError
-from ..options import check_finite, option
+from ..options import option
 from ..regions import ALL_REGIONS, get_region, parse_regions
+from .fields import check_finite
 from .generate import MAX_GROUP_SIZE, MAX_NEW_TOKENS
 from .load import DEFAULT_INFER, DEFAULT_TRAIN, DEVICES, SHIPPED_KERNELS, TRAIN_PRECISIONS, parse_engine_args
 from ..versions import ALLOW_HELP
@@ -69,7 +70,7 @@ def parse_setting(text: str) -> RLSetting:
     'routing' (a mixture of experts): the update's forward replays the rollout's routes (R3); a SIDE:KEY=VALUE item
     turns a deployment knob (engine:kv_cache_dtype=fp8, train:kernels=liger, train:precision=amp,
     train:correction=tis)."""
-    from .knobs import parse_factor
+    from ..engines import parse_factor
 
     items = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
     knobs: dict[str, str] = {}
@@ -94,7 +95,7 @@ def check_trainer_knobs(arms: list[RLSetting], device: str) -> None:
     device its ops run on, its package installed), before anything loads: after the loads, a missing library would
     cost the loads and end in a traceback. (The engine's knobs are checked where the one engine is built.)"""
     from ..environment import resolve_train_device
-    from .knobs import parse_factor
+    from ..engines import parse_factor
 
     for arm in arms:
         for label in arm.knobs:

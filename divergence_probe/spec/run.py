@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of, stack_class
+from ..engines import capabilities_of, parse_factor, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -26,7 +26,7 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
-from .knobs import applied, parse_factor
+from .knobs import applied
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
 from .remedies import RemediesSpec

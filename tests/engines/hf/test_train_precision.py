@@ -75,7 +75,7 @@ def test_amp_is_recorded_and_its_logprobs_are_the_amp_trainers(amp_probe, prompt
 
 
 def test_the_plan_counts_the_amp_trainers_fp32_weights(amp_probe):
-    size = ModelSize.of(amp_probe.source.config)
+    size = ModelSize.of(amp_probe.source.config, amp_probe.source.family)
     inputs = dict(model=size, dtype_bytes=2, taps=frozenset(), prompt_lengths=(64,), batch_tokens=64,
                   batch_tokens_fixed=True, max_model_len=amp_probe.settings.max_model_len, device="cpu",
                   free_bytes=1 << 40, free_source="test", engine_kv=False)
