@@ -165,12 +165,12 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
-    from ..spec.rl import BUILT_IN_REWARDS, RLSpec
+    from ..spec.rl import BUILT_IN_REWARDS, RLSpec, regrouped
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
                          "`command` instead")
-    spec = recorded(RLSpec, manifest["spec"], "spec")
+    spec = recorded(RLSpec, regrouped(manifest["spec"]), "spec")
     _check_engine_args(spec.load.engine_args, DEFAULT_INFER, "spec.load.engine_args", allowed, where)
     if spec.reward is not None and spec.reward not in BUILT_IN_REWARDS:
         raise ProbeError(f"{where} sets spec.reward to the plug-in {spec.reward!r}, Python code rerun does not import "

@@ -198,6 +198,21 @@ def rl_spec(**options) -> "RLSpec":
     return RLSpec(**{name: PARTS[name](**given[name]) for name in PARTS}, **given["rl"])
 
 
+
+def regrouped(values):
+    """A spec an earlier release recorded flat (rl's options side by side, before RLSpec was composed of its parts),
+    as to_dict records it now: each option under the part that declares it, the parts' other fields at their
+    defaults, which those runs used (rl had no flag for them). A spec recorded nested, or anything else, is returned
+    as it is, for the manifest checks to judge."""
+    if not isinstance(values, dict) or "load" in values or "model" not in values:
+        return values
+    part_of = {name: part for part, name, _ in RL_FLAGS}
+    nested = {part: {f.name: _default(f) for f in fields(cls)} for part, cls in PARTS.items()}
+    top: dict = {}
+    for name, value in values.items():
+        (nested[part_of[name]] if part_of.get(name, "rl") != "rl" else top)[name] = value
+    return {**top, **nested}
+
 @dataclass(frozen=True, kw_only=True)
 class RLSpec:
     """A GRPO run (or an experiment: several settings x seeds) on one checkpoint, one engine."""

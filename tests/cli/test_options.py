@@ -95,3 +95,16 @@ def test_rl_takes_its_model_engine_trainer_and_prompt_options_from_the_shared_pa
     spec = rl_spec(steps=3, seed=5, engine_args='{"max_num_seqs": 4}', setting=("none", "rope"))
     assert (spec.load.seed, spec.load.engine_args, spec.seed_list) == (5, {"max_num_seqs": 4}, (5,))
     assert recorded(RLSpec, json.loads(json.dumps(spec.to_dict())), "spec") == spec
+
+
+def test_an_rl_spec_recorded_flat_by_an_earlier_release_reads_back_as_the_same_spec():
+    """Before RLSpec was composed of its parts, the manifest recorded rl's options side by side: rerun regroups them."""
+    import json
+
+    from divergence_probe.spec.from_manifest import recorded
+    from divergence_probe.spec.rl import RLSpec, regrouped, rl_spec
+
+    spec = rl_spec(steps=2, seed=7, device="cpu", prompts=None, setting=("none", "rope"), train_precision="amp")
+    flat = json.loads(json.dumps(spec.options()))  # what asdict of the flat RLSpec wrote: its fields were the options
+    assert recorded(RLSpec, regrouped(flat), "spec") == spec
+    assert regrouped(spec.to_dict()) == spec.to_dict()
