@@ -426,12 +426,13 @@ def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None, d
     to the depth: a config of a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
+    from . import get_family
     from .hub_layout import SHARD_BYTES
     from .size import CPU_RUNTIME, ENV, ModelSize, device_memory, gib
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers
-    size = replace(ModelSize.of(one.to_dict()), layers=depth)
+    size = replace(ModelSize.of(one.to_dict(), get_family(arch)), layers=depth)
     weights = 2 * size.parameters_from_config(bool(one.tie_word_embeddings), arch == "qwen2")
     what = f"{preset} with {depth} layers" if num_layers is not None else preset
     fix = f"choose a smaller --preset or fewer --layers, or run on a machine with more memory ({ENV}=BYTES if the " \
