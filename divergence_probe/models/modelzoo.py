@@ -316,9 +316,10 @@ def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: i
         # One shard at any preset size: model.safetensors is what a hub checkpoint of this size ships.
         model.save_pretrained(out_dir, max_shard_size="1000GB")
     else:  # save_pretrained would copy a mixture's experts on the device; this writer copies them to the host
+        from . import get_family
         from .hub_layout import save_hub_layout
 
-        save_hub_layout(model, out_dir)
+        save_hub_layout(model, out_dir, get_family(arch))
     # safetensors creates its file with mode 0600 whatever the umask; give every file the mode the umask gives
     # (out_dir was made with it), so that a shared cache is readable by everyone who can read the directory.
     mode = out_dir.stat().st_mode & 0o666
