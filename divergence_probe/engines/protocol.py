@@ -130,8 +130,9 @@ class Capabilities:
     tap_meanings: tap -> what the stack's tensor of that name is, where that differs from the trainer's (a quantized
         engine's GEMM outputs, keys bound for an FP8 KV cache); known once the stack's settings are (a loaded stack's
         `capabilities`), and recorded in the manifest beside the taps.
-    own_process: its model runs in a process of its own (an engine worker), so the memory its calls take is that
-        process's, read there (the MemoryReporter role); else this process's allocator and resident set hold it.
+    own_process: its model runs in a process of its own (an engine worker), so the memory and the time its calls take
+        are that process's, read there (the Metered role); else this process's allocator, resident set and clock
+        measure them.
     """
 
     taps: Mapping[str, str]
@@ -250,11 +251,18 @@ class Grafter(Protocol):
 
 
 @runtime_checkable
-class MemoryReporter(Protocol):
-    """A stack whose model runs in a process of its own (Capabilities.own_process): the peak memory of the calls made
-    inside the block, read in that process (engines/peak.py PeakMemory, its `peak` set when the block ends)."""
+class Metered(Protocol):
+    """A stack whose model runs in a process of its own (Capabilities.own_process): what the calls made inside the
+    block take, read in that process and set when the block ends."""
 
-    def peak_memory(self) -> AbstractContextManager: ...
+    def peak_memory(self) -> AbstractContextManager:
+        """Their peak memory (engines/peak.py PeakMemory, `peak`)."""
+        ...
+
+    def step_time(self) -> AbstractContextManager:
+        """The time its model spent in them, timed where it runs (engines/elapsed.py Elapsed, `seconds`): without
+        the hand-over of their results to this process."""
+        ...
 
 
 # The trainer: what rl and ablate drive beyond the comparison's calls.

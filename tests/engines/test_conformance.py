@@ -14,10 +14,10 @@ import pytest
 
 from divergence_probe.engines import SHARDED, STACKS, TRAIN_STACKS, WORKERS, stack_class
 from divergence_probe.engines.kept import KeptEngine, KeptOutputs, Recording
-from divergence_probe.engines.protocol import (Capabilities, Grafter, RouteRecorder, RouteReplayer, Stack, StackInfo,
-                                               Trainer)
+from divergence_probe.engines.protocol import (Capabilities, Grafter, Metered, RouteRecorder, RouteReplayer, Stack,
+                                               StackInfo, Trainer)
 
-ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
+ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder, "own_process": Metered}
 
 
 def _members(protocol: type) -> tuple[dict[str, object], set[str]]:
