@@ -382,6 +382,7 @@ class KernelSet(Protocol):
     """Which ops a trainer's forward runs (`--train-kernels`), as far as a check before loading asks."""
 
     name: str
+    backward: bool  # whether its ops carry gradients: a training step (rl's, remedies' cost step) steps through them
 
     def check(self, device: str) -> None: ...
 

@@ -1,7 +1,7 @@
 """remedies: which change to make, and what it costs. Every candidate remedy (an arm) runs as its own compare on the
 same prompts beside the stacks as shipped, with its own noise floors; its change of the mismatch gets a paired
-bootstrap interval over prompts, and its cost (the time and peak memory each side's step adds) is measured in this
-process on the same loaded stacks. Arms whose interval holds zero are "no detectable effect" and are not ranked.
+bootstrap interval over prompts, and its cost (the time and peak memory each side's step adds) is measured on the
+same loaded stacks, each side in the process that runs it. Arms whose interval holds zero are "no detectable effect" and are not ranked.
 
     run = probe.run(spec_from_flat("remedies", load=probe.config, arms="aligned_both,fp32_layers"))
     run.table            # remedies.csv: one row per arm, run or not (and why not)
@@ -17,7 +17,6 @@ expert ids alone against ids plus the engine's combine weights, paired with each
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +30,7 @@ from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .memory import is_out_of_memory
 from .progress import Progress, phase
+from ..engines.elapsed import Elapsed
 from ..engines.peak import PeakMemory
 from ..errors import ProbeError, StackError
 from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
@@ -42,6 +42,7 @@ from ..spec.remedies import fp16_refusal
 from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
 
 TRAINER, ENGINE, BOTH = "trainer only", "engine setting", "both"
+SCORING = f"{TRAINER}, scoring side: cannot train"  # `needs` of a trainer arm whose kernel set has no backward
 SIDES = ("train_forward", "train_forward_backward", "engine_step")  # the steps whose cost is timed, per arm
 NUMERIC = ("rope", "swiglu", "rmsnorm")  # the published alignment: what a dense layer has of them, aligned
 
@@ -175,12 +176,27 @@ def divergent_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tup
 
 
 # ---------------------------------------------------------------------------------------------- cost
-def _meter(stack, device: str):
-    """Where a side's step peak is read: in the stack's own process when it runs in one (an engine worker, declared
-    in its capabilities), else in this one, on `device`."""
-    if stack.capabilities().own_process:
-        return stack.peak_memory()
-    return PeakMemory(device).measuring()
+@contextmanager
+def _measured(stack, device: str) -> Iterator[tuple[PeakMemory, Elapsed]]:
+    """Where a side's step is measured: in the stack's own process when it runs in one (an engine worker, declared in
+    its capabilities: its peak memory there, and its own clock around the engine's call, so the hand-over of the
+    results to this process is no part of the step), else in this one, on `device`. The peak's reset and read stay
+    outside the timed step."""
+    own = stack.capabilities().own_process
+    with (stack.peak_memory() if own else PeakMemory(device).measuring() as peak,
+          stack.step_time() if own else Elapsed(device).timing() as clock):
+        yield peak, clock
+
+
+def _untrained(load) -> str | None:
+    """Why the trainer `load` configures cannot take a training step (its kernel set declares no backward: a backward
+    through its ops raises nothing, it stops at the first one, so its time would be no step's), or None."""
+    from ..engines import stack_class
+    from ..spec.load import SHIPPED_KERNELS
+
+    if load.train_kernels == SHIPPED_KERNELS or stack_class(load.train).kernel_set(load.train_kernels).backward:
+        return None
+    return f"--train-kernels {load.train_kernels}: its ops carry no gradients: rl refuses this set"
 
 
 def _release(device: str) -> None:
@@ -240,35 +256,33 @@ STEPS = {"train_forward": _forward, "train_forward_backward": _forward_backward,
 
 def measure_cost(view, prompts, repeats: int, steps=STEPS) -> dict:
     """Each side's step on one batch of `prompts` (a batch as each side groups them), timed `repeats` times after one
-    untimed warm-up: {side}_s (median), {side}_spread_s (max - min over the repeats), {side}_peak_bytes (the largest
-    peak above the step's start, in the process that runs the side: the engine's own when it runs in a worker), and
-    train_weights_bytes (what the trainer holds). A step the arm cannot run (a kernel set without a backward) is NaN,
-    its reason under {side}_note."""
-    row: dict = {}
+    untimed warm-up, where the side runs: {side}_s (median), {side}_spread_s (max - min over the repeats),
+    {side}_peak_bytes (the largest peak above the step's start), engine_step_timed_in (`worker`: an engine in a worker
+    process timed there, `process`: in this one), trains (whether the trainer can take a training step), and
+    train_weights_bytes (what the trainer holds). A side the arm cannot run (the forward and backward of a kernel set
+    without a backward, a sharded trainer's sides) is never run: NaN, its reason under {side}_note."""
+    untrained = _untrained(view.config)
+    skipped = {"train_forward_backward": untrained} if untrained else {}
+    if view.config.train_tp > 1:  # its model is not in this process
+        skipped = dict.fromkeys(("train_forward", "train_forward_backward"), "a sharded trainer runs in worker processes")
+    row: dict = {"engine_step_timed_in": "worker" if view.infer.capabilities().own_process else "process",
+                 "trains": untrained is None}
     train_device = str(next(view.train.model.parameters()).device) if view.config.train_tp == 1 else "cpu"
     for side, run_step in steps.items():
         engine = side == "engine_step"
         stack, device = (view.infer, view.settings.device) if engine else (view.train, train_device)
         group = stack.batch_groups(prompts)[0]
-        sync = _synchronizer(device)
-        times, peaks = [], []
-        try:
-            if not engine and view.config.train_tp > 1:
-                raise NotRun("a sharded trainer runs in worker processes")
-            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
-            for _ in range(repeats):
-                with _meter(stack, device) as peak:  # its reset and read stay outside the timed step
-                    sync()
-                    start = time.perf_counter()
-                    run_step(view, group)
-                    sync()
-                    times.append(time.perf_counter() - start)
-                peaks.append(peak.peak)
-        except (RuntimeError, NotImplementedError, NotRun) as e:  # e.g. a kernel set with no backward
-            from ..errors import one_line
-
-            row[f"{side}_note"] = one_line(e, 120)
+        if side in skipped:
+            row[f"{side}_note"] = skipped[side]
             times, peaks = [float("nan")], [float("nan")]
+        else:
+            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
+            times, peaks = [], []
+            for _ in range(repeats):
+                with _measured(stack, device) as (peak, clock):
+                    run_step(view, group)
+                times.append(clock.seconds)
+                peaks.append(peak.peak)
         row[f"{side}_s"] = statistics.median(times)
         row[f"{side}_spread_s"] = max(times) - min(times)
         row[f"{side}_peak_bytes"] = max(peaks)
@@ -276,14 +290,6 @@ def measure_cost(view, prompts, repeats: int, steps=STEPS) -> dict:
                                            (*view.train.model.parameters(), *view.train.model.buffers()))) \
         if view.config.train_tp == 1 else float("nan")
     return row
-
-
-def _synchronizer(device: str) -> Callable[[], None]:
-    import torch
-
-    if device.startswith("cuda"):
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def _pooled(first: dict, last: dict) -> dict:
@@ -297,6 +303,7 @@ def _pooled(first: dict, last: dict) -> dict:
                                       abs(values[0] - values[1]))
         row[f"{side}_peak_bytes"] = max(first[f"{side}_peak_bytes"], last[f"{side}_peak_bytes"])
     row["train_weights_bytes"] = first["train_weights_bytes"]
+    row["engine_step_timed_in"] = first["engine_step_timed_in"]
     return row
 
 
@@ -455,7 +462,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
                "not_run": reasons, "fp32_layers": {"k": options.fp32_layers, "layers": list(layers),
                                                    "choice": choice},
                "cost": {"device": probe.settings.device, "sides": list(SIDES),
-                        "shipped": "measured before the arms and again after them"}}
+                        "shipped": "measured before the arms and again after them",
+                        "shipped_engine_step_timed_in": shipped_cost["engine_step_timed_in"]}}
     manifest = build_manifest("remedies", shipped.manifest, {"remedies": section}, spec=spec.to_dict())
     return RemediesRun(spec, shipped, runs, table, manifest)
 
@@ -511,6 +519,8 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
                     "paired_ci_high": ci.get(key, (float("nan"),) * 2)[1],
                     "paired_effect": effect(*ci[key]) if key in ci else NO_INTERVAL}
         cost = costs[name]
+        if not cost["trains"]:  # its effect is the scoring forward's; the step that trains runs as shipped
+            row["needs"] = SCORING
         for side in SIDES:
             row[f"{side}_s"] = cost[f"{side}_s"]
             row[f"{side}_spread_s"] = cost[f"{side}_spread_s"]
@@ -519,7 +529,9 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
             row[f"{side}_peak_added_bytes"] = cost[f"{side}_peak_bytes"] - shipped_cost[f"{side}_peak_bytes"]
             if f"{side}_note" in cost:
                 row[f"{side}_note"] = cost[f"{side}_note"]
+        row["engine_step_timed_in"] = cost["engine_step_timed_in"]
         row["train_weights_added_bytes"] = cost["train_weights_bytes"] - shipped_cost["train_weights_bytes"]
+        # the sides the arm has: one that cannot train adds nothing to the step that trains, which runs as shipped
         row["step_added_s"] = float(np.nansum([row[f"{side}_added_s"] for side in SIDES]))
         rows.append(row)
     return ranked(pd.DataFrame(rows))

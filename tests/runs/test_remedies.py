@@ -121,6 +121,37 @@ def test_a_workers_resident_set_is_read_in_its_own_process():
     assert meter.peak > HELD / 2 and mine.peak < HELD / 2
 
 
+def test_a_kernel_set_without_a_backward_is_never_stepped_backward_and_ranks_as_scoring_side(hf_probe, run):
+    """The engine's kernels in the trainer carry no gradients (their kernel set declares no backward): a backward
+    through them raises nothing, it stops at the first such op, so its time and memory are no training step's. The
+    side is not run, says why, and the arm is a scoring-side remedy ranked on the sides it has."""
+    from dataclasses import replace
+
+    called = []
+    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedies.STEPS}
+    step = remedies.ARMS["train_kernels_vllm"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    cost = remedies.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
+    assert called == ["train_forward", "train_forward", "engine_step", "engine_step"]  # a warm-up and one repeat each
+    assert np.isnan(cost["train_forward_backward_s"]) and np.isnan(cost["train_forward_backward_peak_bytes"])
+    assert cost["train_forward_backward_note"] == ("--train-kernels vllm: its ops carry no gradients: rl refuses "
+                                                   "this set")
+    shipped = remedies.measure_cost(hf_probe, run.prompts, 1, steps)
+    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedies.STEPS for _ in "12"]
+
+    def compared(scale):
+        tokens = pd.DataFrame({"prompt_id": np.arange(20), "delta_logprob": scale * np.linspace(1, 2, 20), "kl": 0.0})
+        return SimpleNamespace(tokens_table=tokens, summary={})
+
+    table = remedies.remedies_table({SHIPPED: compared(1.0), "train_kernels_vllm": compared(0.5)},
+                                    {"train_kernels_vllm": cost}, shipped, {}, ("train_kernels_vllm",),
+                                    spec_from_flat("remedies").remedies, 0)
+    row = table.iloc[0]
+    assert row["needs"] == "trainer only, scoring side: cannot train" and row["cost_rank"] == 1
+    assert row["step_added_s"] == row["train_forward_added_s"] + row["engine_step_added_s"]
+    assert ranking_lines(table, "mean_abs_dlogp")[0].startswith(
+        "1. train_kernels_vllm (trainer only, scoring side: cannot train)")
+
+
 def test_an_arm_that_runs_out_of_memory_is_not_run_with_why_and_other_failures_are_raised():
     from divergence_probe.errors import StackError
 
@@ -240,7 +271,7 @@ def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
 
     runs = {SHIPPED: run_of(1.0), "routing_ids": run_of(0.6), "routing_ids_weights": run_of(0.55)}
     cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
-        "train_weights_bytes": 0.0}
+        "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
     table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, ("routing_ids", "routing_ids_weights"),
                                     options, 0).set_index("arm")
