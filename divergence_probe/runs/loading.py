@@ -325,7 +325,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         tensor_parallel=engine.ranks,
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
-        engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise)
+        engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise,
+        reference=plan_for.capture.reference if plan_for is not None else None)
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
     plan = memory_plan.check(plan)
     memory_plan.enforce_cap(plan, total)

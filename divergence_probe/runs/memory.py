@@ -18,6 +18,9 @@ loop (runs/compare.py, runs/capture.py, engines/):
 - the reduction of that sequence's pairs: the taps of one width stacked into one `[taps, tokens, features]` pair per
   side (a copy of both sides), plus the reduction's own temporaries (FP32 working copies when it runs eagerly,
   per-block FP64 sums on a GPU). `reduction_chunk_elements` bounds the pairs reduced per call, and so both.
+- with --reference, the checkpoint in float64/float32 on the trainer's device, from the run loop's start to its end:
+  its weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py). With
+  both stacks together it is beside the engine's steps too; one at a time it loads after the engine has left.
 The engine's transient activations (its profile run at start-up, each step's forward) come on top of what is held
 when they run. Allowances the arithmetic cannot see (the CUDA context, cuBLAS and NCCL workspaces, CUDA graphs,
 allocator fragmentation) are named terms, so a measured peak can be set against each.
@@ -93,6 +96,9 @@ class PlanInputs:
     alternate: bool = False
     engine_passes: int = 1  # runs of the engine over every prompt: an ablation's engine-side combinations
     engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
+    # --reference float64|float32: a third stack, the checkpoint in that precision, on the trainer's device from the
+    # run loop's start to its end (runs/reference.py); None: no reference
+    reference: str | None = None
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -119,6 +125,8 @@ class MemoryPlan:
     train_terms: dict[str, int] | None = None
     train_phases: dict[str, int] | None = None
     train_needed: int = 0
+    # with a --reference that does not fit: the choices that would (`float32`, `none`: no reference), placed as asked
+    reference_fitting: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -262,6 +270,8 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["reduction_temporaries"] = int(call * REDUCTION_TEMP_BYTES.get(kind, 0.0))
     # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
     moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
+    if i.reference is not None:  # on the trainer's device: moved with the trainer's terms when it has its own
+        terms |= reference_terms(m, i.reference, batch_tokens)
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
@@ -269,7 +279,25 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
-               "noise_floor_second_trainer", "train_rank_processes")
+               "noise_floor_second_trainer", "train_rank_processes", "reference_weights", "reference_batch")
+
+
+def reference_terms(size: ModelSize, precision: str, batch_tokens: int) -> dict[str, int]:
+    """What --reference holds on the trainer's device, about: its weights in `precision`, and one inference batch of
+    every tap (the local reading captures them all) with a sequence's logits twice (the logits tap and the
+    log_softmax), each element in `precision`; the batch is held from the reference's forward of an inference batch
+    until the trainer has run its last sequence."""
+    from ..numerics.reference import PRECISIONS
+
+    width = PRECISIONS[precision].itemsize
+    taps = frozenset(size.tap_widths()) | {"logits"}
+    return {"reference_weights": width * size.parameters,
+            "reference_batch": width * (batch_tokens * size.tap_elements_per_token(taps) + 2 * batch_tokens * size.vocab)}
+
+
+def reference_bytes(size: ModelSize, precision: str, batch_tokens: int) -> int:
+    """reference_terms, summed: the reference at its largest."""
+    return sum(reference_terms(size, precision, batch_tokens).values())
 
 
 def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
@@ -290,35 +318,46 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     return train
 
 
-def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tuple[int, int]]:
+def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: int = 1) -> dict[str, tuple[int, int]]:
     """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it),
     before the allowances, as (weights, the rest). `alternate`: the engine's phases hold no trainer, the trainer's no
     engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
-    host."""
+    host.
+
+    --reference (on this device when the trainer is): it loads when the run loop starts, after both stacks, and stays
+    to its end. Together, its weights are beside the engine's steps, and its batch beside the trainer's phase, where
+    the reference's taps wait for the trainer's; an ablation's later engines (`engine_passes` above one) start beside
+    it. One at a time, it loads in the trainer's pass, after the engine has left the device: the engine's phases
+    never hold it."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
     engine = t["infer_weights"]
     engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
+    reference = t.get("reference_weights", 0)
+    beside_engine = 0 if alternate else reference
     kv = t["kv_cache"]
     engine_kv, train_kv = (kv, 0) if alternate else (kv, kv)
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
     return {
-        "engine_start": (engine_weights, engine_kv + t["engine_profile_activations"]),
-        "engine_step": (engine_weights, engine_kv + held + t["engine_step_activations"]
+        "engine_start": (engine_weights + (beside_engine if engine_passes > 1 else 0),
+                         engine_kv + t["engine_profile_activations"]),
+        "engine_step": (engine_weights + beside_engine, engine_kv + held + t["engine_step_activations"]
                         + t["engine_logprobs_transient"] + t["alternate_handover"]),
-        "train_and_reduce": (train_weights, train_kv + held + t.get("train_taps", 0) + t.get("train_forward", 0)
-                             + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
-                             + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
-    } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
+        "train_and_reduce": (train_weights + reference, train_kv + held + t.get("train_taps", 0)
+                             + t.get("train_forward", 0) + t.get("train_outputs_moved", 0)
+                             + t["reduction_stacked_copies"] + t["reduction_temporaries"]
+                             + t.get("train_amp_weight_casts", 0) + t.get("reference_batch", 0)),
+    } | ({"noise_floor": (train_weights + reference, train_kv + t.get("train_amp_weight_casts", 0)
                           + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {})
 
 
 def _train_phases(t: dict[str, int]) -> dict[str, int]:
     """The trainer's own device (--train-device): its weights, one sequence's forward and taps, and the noise floor's
-    batch or second trainer."""
+    batch or second trainer; the reference's weights throughout and its batch beside the trainer's forward."""
     fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
-        + t["runtime_allowance"] + t["fragmentation_allowance"]
-    return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
+        + t.get("reference_weights", 0) + t["runtime_allowance"] + t["fragmentation_allowance"]
+    return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]
+            + t.get("reference_batch", 0)} | (
         {"noise_floor": fixed + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"]}
         if "noise_floor_second_trainer" in t else {})
 
@@ -328,7 +367,7 @@ def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> M
     # the allocator's rounding is a share of what a phase allocates and frees as it runs: weights are allocated once,
     # whole, and under alternate the stack that left the device holds no blocks at all
     share = FRAGMENTATION if i.device == "cuda" else 0.0
-    tensors = _phase_tensors(terms, i.alternate)
+    tensors = _phase_tensors(terms, i.alternate, i.engine_passes)
     phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
               for phase, (weights, rest) in tensors.items()}
     terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
@@ -373,7 +412,19 @@ HOST_ENV = "DIVERGENCE_PROBE_HOST_MEMORY"
 def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[MemoryPlan, str]:
     """The plan for --placement `asked` and why it is that placement. auto: both stacks together when they fit the
     device (nothing is kept on the host, the engine starts once), else one at a time when that fits and the run can
-    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse."""
+    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse. The reference, when
+    asked for, is part of both (its bytes are in the phases that hold it): auto places the stacks where it fits too,
+    and a plan that does not fit with it records which smaller --reference would (`reference_fitting`)."""
+    p, why = _placed(i, asked, can_alternate)
+    if p.fits or i.reference is None:
+        return p, why
+    smaller = ("float32",) if i.reference == "float64" else ()
+    fitting = tuple(r for r in (*smaller, "none")
+                    if _placed(replace(i, reference=None if r == "none" else r), asked, can_alternate)[0].fits)
+    return replace(p, reference_fitting=fitting), why
+
+
+def _placed(i: PlanInputs, asked: str, can_alternate: bool) -> tuple[MemoryPlan, str]:
     together = plan(replace(i, alternate=False))
     if asked == "together" or (asked == "auto" and not can_alternate):
         return together, f"asked (--placement {asked})" if asked == "together" else \
@@ -381,11 +432,14 @@ def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[Memor
     alternate = plan(replace(i, alternate=True))
     if asked == "alternate":
         return alternate, "asked (--placement alternate)"
+    beside, alone = ("", "") if i.reference is None else \
+        (f" with the --reference {i.reference} stack", ", the reference beside the trainer,")
     if together.fits:
-        return together, f"both stacks fit together ({gib(together.needed)} of {gib(i.free_bytes)} free)"
+        return together, f"both stacks fit together{beside} ({gib(together.needed)} of {gib(i.free_bytes)} free)"
     if alternate.fits:
-        return alternate, (f"both stacks together need {gib(together.needed)} of {i.device} memory but "
-                           f"{gib(i.free_bytes)} is free; one at a time {gib(alternate.needed)}")
+        return alternate, (f"both stacks together{beside} need {gib(together.needed)} of {i.device} memory but "
+                           f"{gib(i.free_bytes)} is free; one at a time{alone}"
+                           f" {gib(alternate.needed)}")
     return min((together, alternate), key=lambda p: p.needed), "neither placement fits"
 
 
@@ -445,6 +499,8 @@ def check(p: MemoryPlan) -> MemoryPlan:
     options."""
     if p.fits:
         return p
+    if p.reference_fitting:
+        _refuse_reference(p)
     i = p.inputs
     engine = not p.engine_fits
     terms, needed = (p.terms, p.needed) if engine else (p.train_terms, p.train_needed)
@@ -475,6 +531,31 @@ def check(p: MemoryPlan) -> MemoryPlan:
         f"the run needs about {gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
         f"{p.batch_tokens}) but {gib(free)} is free ({source}); nothing was loaded. "
         f"Options: {'; '.join(options)}")
+
+
+def _refuse_reference(p: MemoryPlan) -> None:
+    """The one line for a run that fits without its --reference (or with a smaller one) and not with it."""
+    i = p.inputs
+    engine = not p.engine_fits
+    needed, device, free, source = (p.needed, i.device, i.free_bytes, i.free_source) if engine else \
+        (p.train_needed, i.train_device, i.train_free_bytes, i.train_free_source)
+    terms = p.terms if engine else p.train_terms
+    beside = "beside the trainer, one stack at a time (--placement alternate)" if i.alternate else \
+        "beside both stacks" if i.train_device is None else "beside the trainer (--train-device)"
+    options = ["--reference float32 (fits)"] if "float32" in p.reference_fitting else []
+    options.append("no --reference (fits)")
+    if i.batch_tokens_fixed:
+        options.append("a lower --batch-tokens")
+    if i.train_device is not None:
+        options.append("another --train-device")
+    elif device == "cpu":
+        options.append("a machine with more memory")
+    else:
+        options.append("the trainer and the reference on a GPU of their own (--train-device cuda:1)")
+    raise DeviceMemoryError(
+        f"--reference {i.reference} needs about {gib(terms['reference_weights'] + terms['reference_batch'])} of "
+        f"{device} memory {beside}, and the run's peak with it is about {gib(needed)} (batch_tokens {p.batch_tokens}) "
+        f"but {gib(free)} is free ({source}); nothing was loaded. Options: {'; '.join(options)}")
 
 
 def _fields(i: PlanInputs) -> dict:
