@@ -256,9 +256,10 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
 
 def _can_alternate(cfg: LoadSpec, run: RunSpec | None) -> bool:
     """Whether this run can hold one stack at a time: a compare or ablate without --graft/--depth (which run the
-    trainer on the engine's tensors as they are made), the trainer on the engine's device, unsharded."""
-    return run is not None and not (run.capture.graft or run.capture.depth) and cfg.train_device is None \
-        and cfg.train_tp == 1
+    trainer on the engine's tensors as they are made) and without a --reference that replays the engine's ops, the
+    trainer on the engine's device, unsharded."""
+    return run is not None and not (run.capture.graft or run.capture.depth or run.reference_replays_infer()) \
+        and cfg.train_device is None and cfg.train_tp == 1
 
 
 def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStacks:

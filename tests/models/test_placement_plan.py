@@ -116,11 +116,21 @@ def test_kept_on_host_then_file_then_refused(monkeypatch, tmp_path):
     ({"graft": True}, "--graft run the trainer's ops"),
     ({"depth": True}, "--depth run the trainer's ops"),
     ({"train_device": "cpu"}, "drop --train-tp/--train-device"),
+    ({"infer": "hf", "reference": "float64"}, "--reference measures --infer hf's own ops"),
 ])
 def test_what_needs_both_stacks_refused_in_one_line(flags, fragment):
     with pytest.raises(ProbeError) as e:
         spec_from_flat("compare", placement="alternate", **flags)
     assert fragment in str(e.value) and "--placement together" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_keeps_both_together_when_the_reference_replays_the_engine():
+    """--infer hf replays its ops on the reference's inputs in the trainer's pass: auto never sends it away."""
+    from divergence_probe.runs.loading import _can_alternate
+
+    assert _can_alternate((spec := spec_from_flat("compare", infer="hf")).load, spec)
+    assert not _can_alternate((spec := spec_from_flat("compare", infer="hf", reference="float64")).load, spec)
+    assert _can_alternate((spec := spec_from_flat("compare", reference="float64")).load, spec)  # vLLM replays none
 
 
 # --reference: the checkpoint in float64/float32 beside the stacks, at the Qwen2.5-7B shape (a BF16 run of 24 prompts
