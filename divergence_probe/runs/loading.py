@@ -17,6 +17,7 @@ from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
+from .reference import check_planned
 from ..environment import environment, resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory
@@ -329,7 +330,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise,
         reference=plan_for.capture.reference if plan_for is not None else None)
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
-    plan = memory_plan.check(plan)
+    plan = check_planned(plan)  # the reference's line where only it does not fit, else the plan's
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
     planned = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2,

@@ -271,7 +271,9 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
     moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
     if i.reference is not None:  # on the trainer's device: moved with the trainer's terms when it has its own
-        terms |= reference_terms(m, i.reference, batch_tokens)
+        from ..numerics.reference import reference_terms
+
+        terms |= reference_terms(m, i.reference, batch_rows)  # the batch it runs
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
@@ -280,24 +282,6 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
                "noise_floor_second_trainer", "train_rank_processes", "reference_weights", "reference_batch")
-
-
-def reference_terms(size: ModelSize, precision: str, batch_tokens: int) -> dict[str, int]:
-    """What --reference holds on the trainer's device, about: its weights in `precision`, and one inference batch of
-    every tap (the local reading captures them all) with a sequence's logits twice (the logits tap and the
-    log_softmax), each element in `precision`; the batch is held from the reference's forward of an inference batch
-    until the trainer has run its last sequence."""
-    from ..numerics.reference import PRECISIONS
-
-    width = PRECISIONS[precision].itemsize
-    taps = frozenset(size.tap_widths()) | {"logits"}
-    return {"reference_weights": width * size.parameters,
-            "reference_batch": width * (batch_tokens * size.tap_elements_per_token(taps) + 2 * batch_tokens * size.vocab)}
-
-
-def reference_bytes(size: ModelSize, precision: str, batch_tokens: int) -> int:
-    """reference_terms, summed: the reference at its largest."""
-    return sum(reference_terms(size, precision, batch_tokens).values())
 
 
 def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
@@ -324,11 +308,9 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: in
     engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
     host.
 
-    --reference (on this device when the trainer is): it loads when the run loop starts, after both stacks, and stays
-    to its end. Together, its weights are beside the engine's steps, and its batch beside the trainer's phase, where
-    the reference's taps wait for the trainer's; an ablation's later engines (`engine_passes` above one) start beside
-    it. One at a time, it loads in the trainer's pass, after the engine has left the device: the engine's phases
-    never hold it."""
+    --reference loads as the run loop starts and stays to its end: together, its weights are beside the engine's
+    steps (and an ablation's later engines' starts) and its batch beside the trainer's; one at a time, it loads once
+    the engine has left, so the engine's phases never hold it."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
     engine = t["infer_weights"]
     engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
@@ -496,11 +478,9 @@ def keep_where(p: MemoryPlan, folder: str) -> dict:
 
 def check(p: MemoryPlan) -> MemoryPlan:
     """The plan if it fits; else one line naming the device that does not fit, what was needed, what was free, and the
-    options."""
+    options (runs/reference.check_planned says it first where the reference is what does not fit)."""
     if p.fits:
         return p
-    if p.reference_fitting:
-        _refuse_reference(p)
     i = p.inputs
     engine = not p.engine_fits
     terms, needed = (p.terms, p.needed) if engine else (p.train_terms, p.train_needed)
@@ -531,31 +511,6 @@ def check(p: MemoryPlan) -> MemoryPlan:
         f"the run needs about {gib(needed)} of {device} memory{whose} at its peak ({parts}; batch_tokens "
         f"{p.batch_tokens}) but {gib(free)} is free ({source}); nothing was loaded. "
         f"Options: {'; '.join(options)}")
-
-
-def _refuse_reference(p: MemoryPlan) -> None:
-    """The one line for a run that fits without its --reference (or with a smaller one) and not with it."""
-    i = p.inputs
-    engine = not p.engine_fits
-    needed, device, free, source = (p.needed, i.device, i.free_bytes, i.free_source) if engine else \
-        (p.train_needed, i.train_device, i.train_free_bytes, i.train_free_source)
-    terms = p.terms if engine else p.train_terms
-    beside = "beside the trainer, one stack at a time (--placement alternate)" if i.alternate else \
-        "beside both stacks" if i.train_device is None else "beside the trainer (--train-device)"
-    options = ["--reference float32 (fits)"] if "float32" in p.reference_fitting else []
-    options.append("no --reference (fits)")
-    if i.batch_tokens_fixed:
-        options.append("a lower --batch-tokens")
-    if i.train_device is not None:
-        options.append("another --train-device")
-    elif device == "cpu":
-        options.append("a machine with more memory")
-    else:
-        options.append("the trainer and the reference on a GPU of their own (--train-device cuda:1)")
-    raise DeviceMemoryError(
-        f"--reference {i.reference} needs about {gib(terms['reference_weights'] + terms['reference_batch'])} of "
-        f"{device} memory {beside}, and the run's peak with it is about {gib(needed)} (batch_tokens {p.batch_tokens}) "
-        f"but {gib(free)} is free ({source}); nothing was loaded. Options: {'; '.join(options)}")
 
 
 def _fields(i: PlanInputs) -> dict:

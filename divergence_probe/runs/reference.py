@@ -28,10 +28,10 @@ import torch
 
 from ..engines import get_stack
 from ..environment import resolve_train_device
-from ..errors import StackError
-from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs
+from ..errors import DeviceMemoryError, StackError
+from ..models.size import gib
+from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs, reference_bytes
 from ..taps import Tap, TapKey, each_tap, expected_taps
-from .memory import reference_bytes
 
 ATTENTION = "eager"  # the reference's attention: transformers' plain matmul-softmax-matmul
 
@@ -217,16 +217,44 @@ def check_fits(size, precision: str | None, batch_tokens: int, free: int, device
     says beside what): float64 that does not fit where float32 would is told to use float32."""
     if precision is None:
         return
-    from ..errors import DeviceMemoryError
-    from ..models.size import gib as _gib
-
     need = {p: reference_bytes(size, p, batch_tokens) for p in PRECISIONS}
     if need[precision] <= free:
         return
-    head = (f"--reference {precision} needs about {_gib(need[precision])} on {device} {where}, and "
-            f"{_gib(max(0, free))} is left")
+    head = (f"--reference {precision} needs about {gib(need[precision])} on {device} {where}, and "
+            f"{gib(max(0, free))} is left")
     if precision == "float64" and need["float32"] <= free:
-        raise DeviceMemoryError(f"{head}; --reference float32 needs about {_gib(need['float32'])} and fits: use it")
-    also = "" if precision == "float32" else f" (float32: about {_gib(need['float32'])})"
+        raise DeviceMemoryError(f"{head}; --reference float32 needs about {gib(need['float32'])} and fits: use it")
+    also = "" if precision == "float32" else f" (float32: about {gib(need['float32'])})"
     raise DeviceMemoryError(f"{head}{also}; drop --reference, lower --batch-tokens, or give the trainer a device of "
                             "its own (--train-device)")
+
+
+def check_planned(p):
+    """The memory plan's check (runs/memory.py: the plan if it fits, else one line), before anything loads; for a plan
+    that fits without its --reference (or with a smaller one) and not with it, the line is the reference's. The
+    reference is on the trainer's device, and so is what does not fit."""
+    from .memory import check
+
+    if p.fits or not p.reference_fitting:
+        return check(p)
+    i = p.inputs
+    needed, device, free, source, terms = (p.needed, i.device, i.free_bytes, i.free_source, p.terms) \
+        if i.train_device is None else \
+        (p.train_needed, i.train_device, i.train_free_bytes, i.train_free_source, p.train_terms)
+    beside = "beside the trainer, one stack at a time (--placement alternate)" if i.alternate else \
+        "beside both stacks" if i.train_device is None else "beside the trainer (--train-device)"
+    options = ["--reference float32 (fits)"] if "float32" in p.reference_fitting else []
+    options.append("no --reference (fits)")
+    if i.batch_tokens_fixed:
+        options.append("a lower --batch-tokens")
+    if i.train_device is not None:
+        options.append("another --train-device")
+    elif device == "cpu":
+        options.append("a machine with more memory")
+    else:
+        options.append("the trainer and the reference on a GPU of their own (--train-device cuda:1)")
+    raise DeviceMemoryError(
+        f"--reference {i.reference} needs about {gib(terms['reference_weights'] + terms['reference_batch'])} of "
+        f"{device} memory {beside}, and the run's peak with it is about {gib(needed)} (batch_tokens {p.batch_tokens}) "
+        f"but {gib(free)} is free ({source}); nothing was loaded. Options: {'; '.join(options)}")
+

@@ -11,6 +11,7 @@ from divergence_probe.errors import DeviceMemoryError, ProbeError
 from divergence_probe.models.modelzoo import make_config
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
+from divergence_probe.runs.reference import check_planned
 from divergence_probe.spec import spec_from_flat
 
 # the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
@@ -149,12 +150,14 @@ def test_the_reference_is_counted_where_it_is_held():
     """Together, the reference's weights sit beside the engine's steps and its batch beside the trainer's; one at a
     time it loads after the engine has left, so the engine's phases are those of a run without it. On a trainer's
     device of its own, it is that device's."""
+    from divergence_probe.numerics.reference import reference_bytes
+
     size = ModelSize.of(QWEN25_7B)
     for asked in ("together", "alternate"):
         bare, _ = placed(reference_inputs(10**15, None), asked)
         p, _ = placed(reference_inputs(10**15, "float32"), asked)
         weights, batch = p.terms["reference_weights"], p.terms["reference_batch"]
-        assert weights == 4 * size.parameters and weights + batch == memory_plan.reference_bytes(size, "float32", 512)
+        assert weights == 4 * size.parameters and weights + batch == reference_bytes(size, "float32", 512)
         assert p.phases["engine_step"] - bare.phases["engine_step"] == (weights if asked == "together" else 0)
         assert p.phases["engine_start"] == bare.phases["engine_start"]  # the engine started before it loaded
         assert p.phases["train_and_reduce"] - bare.phases["train_and_reduce"] >= weights + batch
@@ -174,7 +177,7 @@ def test_auto_alternates_when_the_reference_fits_only_beside_the_trainer():
     p, why = placed(reference_inputs(free, "float32"), "auto")
     assert not together.fits and p.fits and p.inputs.alternate
     assert "--reference float32" in why and "one at a time" in why
-    assert memory_plan.check(p) is p
+    assert check_planned(p) is p
 
 
 def test_a_reference_that_fits_nowhere_is_refused_in_one_line_naming_the_fixes():
@@ -185,7 +188,7 @@ def test_a_reference_that_fits_nowhere_is_refused_in_one_line_naming_the_fixes()
         p, _ = placed(reference_inputs(free, reference), "auto")
         assert not p.fits and placed(reference_inputs(free, None), "auto")[0].fits
         with pytest.raises(DeviceMemoryError) as e:
-            memory_plan.check(p)
+            check_planned(p)
         line = str(e.value)
         assert line.startswith(f"--reference {reference} needs about") and "\n" not in line
         assert "nothing was loaded" in line and "--train-device cuda:1" in line and "no --reference (fits)" in line
