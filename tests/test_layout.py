@@ -263,12 +263,14 @@ def test_the_engine_neutrality_check_sees_lazy_and_relative_imports(tmp_path):
 
 # The modules of engines/ that code outside it may import: the registry and the protocols every stack meets, and the
 # engine-neutral machinery every stack shares (the conflict-checked hook set, region patching over any stacks, the
-# trainer's torch numerics state, an alternate placement's kept engine outputs). An engine's own package is never
-# among them: what a caller needs of an engine before it loads is its class's (protocol.StackClass).
+# trainer's torch numerics state, an alternate placement's kept engine outputs, the peak memory a stack's work takes in
+# its process). An engine's own package is never among them: what a caller needs of an engine before it loads is its
+# class's (protocol.StackClass).
 ENGINE_DOORS = frozenset({"divergence_probe.engines", "divergence_probe.engines.protocol",
                           "divergence_probe.engines.rollout_protocol"})
 ENGINE_SHARED = frozenset({"divergence_probe.engines.hooks", "divergence_probe.engines.patching",
-                           "divergence_probe.engines.torch_state", "divergence_probe.engines.kept"})
+                           "divergence_probe.engines.torch_state", "divergence_probe.engines.kept",
+                           "divergence_probe.engines.peak"})
 
 
 def engine_doors_crossed(edges: dict[str, frozenset[str]]) -> list[str]:

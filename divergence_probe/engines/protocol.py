@@ -130,6 +130,8 @@ class Capabilities:
     tap_meanings: tap -> what the stack's tensor of that name is, where that differs from the trainer's (a quantized
         engine's GEMM outputs, keys bound for an FP8 KV cache); known once the stack's settings are (a loaded stack's
         `capabilities`), and recorded in the manifest beside the taps.
+    own_process: its model runs in a process of its own (an engine worker), so the memory its calls take is that
+        process's, read there (the MemoryReporter role); else this process's allocator and resident set hold it.
     """
 
     taps: Mapping[str, str]
@@ -141,6 +143,7 @@ class Capabilities:
     replays_routes: bool = False
     grafts: bool = False
     tap_meanings: Mapping[str, str] = field(default_factory=dict)
+    own_process: bool = False
 
     def __post_init__(self) -> None:  # read-only, as the dataclass is frozen: a declaration is shared
         if self.patch not in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER):
@@ -244,6 +247,14 @@ class Grafter(Protocol):
     def forward_from(self, start: int, hidden: "torch.Tensor", embeds: "torch.Tensor") -> "torch.Tensor": ...
 
     def lm_head(self, final_norm: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class MemoryReporter(Protocol):
+    """A stack whose model runs in a process of its own (Capabilities.own_process): the peak memory of the calls made
+    inside the block, read in that process (engines/peak.py PeakMemory, its `peak` set when the block ends)."""
+
+    def peak_memory(self) -> AbstractContextManager: ...
 
 
 # The trainer: what rl and ablate drive beyond the comparison's calls.

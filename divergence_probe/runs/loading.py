@@ -25,7 +25,7 @@ from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
-from ..spec.run import RunSpec, check_family
+from ..spec.run import RunSpec, check_family, stacks_beside
 from ..engines import stack_class
 from ..engines.protocol import Stack, StackSettings, freeze_engine_args
 
@@ -328,6 +328,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
         engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise,
+        beside=stacks_beside(plan_for), cost_step=plan_for is not None and plan_for.kind == "remedies",
         reference=plan_for.capture.reference if plan_for is not None else None)
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
     plan = check_planned(plan)  # the reference's line where only it does not fit, else the plan's

@@ -29,7 +29,7 @@ from .generate import GenerateSpec
 from .knobs import applied, parse_factor
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
-from .remedies import RemediesSpec
+from .remedies import LOADS_BESIDE, RemediesSpec, fp16_refusal
 
 
 COMPONENTS = {"load": LoadSpec, "prompts": PromptSpec, "capture": CaptureSpec, "generate": GenerateSpec,
@@ -224,6 +224,26 @@ def remedies_capture(load: LoadSpec) -> CaptureSpec:
     readable = READING_TAP not in capabilities_of(load.infer, engine=load.engine).not_captured() \
         and load.train_precision != "amp"
     return CaptureSpec(taps=READING_TAP if readable else "none", batch_invariance=True)
+
+
+def stacks_beside(spec: "RunSpec | None") -> tuple[str, ...]:
+    """The arms of a remedies run that will load stacks beside the shipped ones (LOADS_BESIDE), those this load does
+    not refuse: what its memory plan counts on top of the shipped stacks."""
+    if spec is None or spec.kind != "remedies":
+        return ()
+    beside = []
+    for arm in LOADS_BESIDE:
+        if arm not in spec.remedies.chosen:
+            continue
+        if arm == "fp16" and fp16_refusal(spec.load) is None:
+            beside.append(arm)
+        elif arm == "train_amp":
+            try:
+                check_factor("train:precision=amp", spec.load)  # the arm's own check (runs/remedies.py _factor)
+                beside.append(arm)
+            except ProbeError:
+                pass
+    return tuple(beside)
 
 
 def _resolved_device(device: str) -> str:

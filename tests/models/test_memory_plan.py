@@ -147,6 +147,56 @@ def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
     assert not plan(inputs(taps=frozenset(), noise_floor=True, free_bytes=untapped.needed)).fits
 
 
+def test_remedies_arms_that_load_stacks_beside_are_planned_and_refused_in_one_line_naming_the_arms():
+    """The fp16 arm holds a second trainer and engine (its KV cache the same budget) on top of the shipped run's peak,
+    train_amp an FP32 trainer: planned, and a device that holds the shipped stacks only is refused naming --arms."""
+    shipped = plan(inputs(noise_floor=True, batch_tokens_fixed=True))
+    fp16 = plan(inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16",)))
+    weights = shipped.terms["train_weights"]
+    assert fp16.needed == fp16.phases["arm_fp16"] >= shipped.needed + 2 * weights + fp16.kv_cache_bytes
+    both = plan(inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16", "train_amp")))
+    assert both.phases["arm_train_amp"] >= shipped.needed + 3 * weights and both.phases["arm_fp16"] == fp16.needed
+    tight = inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16",), free_bytes=shipped.needed)
+    with pytest.raises(DeviceMemoryError, match=r"Options: --arms without fp16 \(.*the run fits\)"):
+        memory_plan.check(plan(tight))
+
+
+def test_remedies_cost_step_is_planned_a_device_that_holds_the_compare_only_gets_a_smaller_batch():
+    """remedies times the trainer's forward with grad and its backward over one batch (every layer's activations, the
+    logits' FP32 log-softmax and both grads): on a device that holds the compare and not that, the batch is lowered,
+    and a batch the user set is refused naming one that fits."""
+    compare = plan(inputs(noise_floor=True))
+    remedies = plan(inputs(noise_floor=True, cost_step=True))
+    assert remedies.needed == remedies.phases["cost_step"] > compare.needed
+    tight = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed))
+    assert tight.fits and tight.batch_tokens < compare.batch_tokens
+    fixed = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed, batch_tokens_fixed=True))
+    assert not fixed.fits and fixed.batch_tokens_fitting == tight.batch_tokens
+
+
+def test_a_remedies_run_whose_fp16_arm_cannot_fit_is_refused_before_anything_loads(qwen3_tiny, prompts_file,
+                                                                                   tmp_path, monkeypatch):
+    import divergence_probe.runs.loading as loading
+
+    spec = spec_from_flat("remedies", model=str(qwen3_tiny), prompts=str(prompts_file), num_prompts=2,
+                          device="cpu", arms="aligned_trainer")
+    monkeypatch.setenv(memory_plan.ENV, "64GB")  # whatever this machine has free: the plan of the shipped stacks
+    shipped = loading.prepare(spec.load, None, spec.capture.taps, spec, can_alternate=False).plan
+    assert "arm_fp16" not in shipped.phases
+
+    def no_stack(name, settings):
+        raise AssertionError(f"a stack ({name}) was loaded although the fp16 arm does not fit")
+
+    monkeypatch.setattr(loading, "stack_for", no_stack)
+    monkeypatch.setenv(memory_plan.ENV, str(shipped.needed))
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["remedies", "--model", str(qwen3_tiny), "--prompts", str(prompts_file),
+                                 "--num-prompts", "2", "--device", "cpu", "--arms", "aligned_trainer,fp16", "--out",
+                                 str(out_dir)], catch_exceptions=False)
+    one_line_error(result, "nothing was loaded", "--arms without fp16", "the run fits")
+    assert nothing_written(out_dir)
+
+
 def test_a_smaller_device_chunks_the_reduction_before_it_lowers_batch_tokens():
     full = plan(inputs())
     chunked = plan(inputs(free_bytes=full.needed - full.terms["reduction_stacked_copies"] // 2))

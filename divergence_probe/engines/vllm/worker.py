@@ -25,13 +25,14 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from ...errors import StackError
 from ...prompts import Prompt, batches
 from ...signals import forget, pass_on_to
+from ..peak import PeakMemory
 from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec, ScoresSink,
                         SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
@@ -227,12 +228,26 @@ class WorkerStack(VLLMPolicy):
         }
         return info
 
+    @contextlib.contextmanager
+    def peak_memory(self) -> Iterator[PeakMemory]:
+        """The child's peak over the calls made in the block, above what it held when the block began: its device
+        allocator's, reset and read by the child (its info()'s device_peak is then the peak since this block); on the
+        CPU its resident set, sampled from here."""
+        if not self.settings.device.startswith("cuda"):
+            with PeakMemory("cpu", pid=self._proc.pid).measuring() as meter:
+                yield meter
+            return
+        meter = PeakMemory(self.settings.device, pid=self._proc.pid)
+        before = self._call("memory", True)
+        yield meter
+        meter.peak = float(self._call("memory", False) - before)
+
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
         """The engine's own, with its regions built in: nothing is patched into it from this process, and its routes
         stay in the child."""
         declared = VLLMStack.declare(engine)
-        return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, refused={
+        return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, own_process=True, refused={
             **declared.refused,
             PATCH_ONCE_LOADED: "an engine in a worker process has its regions built in; start another worker for "
                                "others"})
@@ -328,6 +343,12 @@ def _run(stack, method: str, args: tuple):
         return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
     if method == "info":
         return stack.info(), _device_peak(stack.settings.device)
+    if method == "memory":  # (reset,): reset the allocator's peak and return what it holds, or return its peak
+        torch.cuda.synchronize()
+        if args[0]:
+            torch.cuda.reset_peak_memory_stats()
+            return int(torch.cuda.memory_allocated())
+        return int(torch.cuda.max_memory_allocated())
     raise StackError(f"unknown engine worker call {method!r}")
 
 
