@@ -53,8 +53,8 @@ def reference_terms(size, precision: str, batch_tokens: int) -> dict[str, int]:
     the reference's forward of an inference batch until the trainer has run its last sequence."""
     width = PRECISIONS[precision].itemsize
     taps = frozenset(size.tap_widths()) | {"logits"}
-    return {"reference_weights": width * size.parameters,
-            "reference_batch": width * (batch_tokens * size.tap_elements_per_token(taps) + 2 * batch_tokens * size.vocab)}
+    batch = batch_tokens * (size.tap_elements_per_token(taps) + 2 * size.vocab)
+    return {"reference_weights": width * size.parameters, "reference_batch": width * batch}
 
 
 def reference_bytes(size, precision: str, batch_tokens: int) -> int:

@@ -331,7 +331,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         beside=stacks_beside(plan_for), cost_step=plan_for is not None and plan_for.kind == "remedies",
         reference=plan_for.capture.reference if plan_for is not None else None)
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
-    plan = check_planned(plan)  # the reference's line where only it does not fit, else the plan's
+    plan = check_planned(plan, cfg.placement, can_alternate)  # the reference's line where only it does not fit
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
     planned = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2,

@@ -3,7 +3,7 @@ when it does not fit.
 
     from divergence_probe.models.size import ModelSize
     from divergence_probe.runs.memory import PlanInputs, plan
-    size = ModelSize.of(config, family, checkpoint_tensors(folder))  # config.json + safetensors headers only
+    size = ModelSize.of(config, checkpoint_tensors(folder))  # config.json + safetensors headers: no tensor is read
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=frozenset({"resid_out"}), prompt_lengths=(512, 700), ...))
     p.batch_tokens, p.kv_cache_bytes, p.reduction_chunk_elements, p.needed, p.fits
 
@@ -18,9 +18,8 @@ loop (runs/compare.py, runs/capture.py, engines/):
 - the reduction of that sequence's pairs: the taps of one width stacked into one `[taps, tokens, features]` pair per
   side (a copy of both sides), plus the reduction's own temporaries (FP32 working copies when it runs eagerly,
   per-block FP64 sums on a GPU). `reduction_chunk_elements` bounds the pairs reduced per call, and so both.
-- with --reference, the checkpoint in float64/float32 on the trainer's device, from the run loop's start to its end:
-  its weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py). With
-  both stacks together it is beside the engine's steps too; one at a time it loads after the engine has left.
+- --reference's checkpoint in float64/float32 on the trainer's device, from the run loop's start to its end: its
+  weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py).
 The engine's transient activations (its profile run at start-up, each step's forward) come on top of what is held
 when they run. Allowances the arithmetic cannot see (the CUDA context, cuBLAS and NCCL workspaces, CUDA graphs,
 allocator fragmentation) are named terms, so a measured peak can be set against each.
@@ -34,11 +33,11 @@ what was free and the options. `DIVERGENCE_PROBE_DEVICE_MEMORY=BYTES` replaces t
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
+from .out_of_memory import is_out_of_memory, part_that_ran_out  # noqa: F401 (is_out_of_memory: callers find it here)
 from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, gib, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
@@ -100,9 +99,7 @@ class PlanInputs:
     engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
     beside: tuple[str, ...] = ()  # remedies: the arms that load stacks beside the shipped ones (spec.run.stacks_beside)
     cost_step: bool = False  # remedies: each side's step timed on one batch, the trainer's backward among them
-    # --reference float64|float32: a third stack, the checkpoint in that precision, on the trainer's device from the
-    # run loop's start to its end (runs/reference.py); None: no reference
-    reference: str | None = None
+    reference: str | None = None  # --reference float64|float32: a third stack, on the trainer's device (reference.py)
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -129,8 +126,6 @@ class MemoryPlan:
     train_terms: dict[str, int] | None = None
     train_phases: dict[str, int] | None = None
     train_needed: int = 0
-    # with a --reference that does not fit: the choices that would (`float32`, `none`: no reference), placed as asked
-    reference_fitting: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -331,9 +326,8 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: in
     engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
     host.
 
-    --reference loads as the run loop starts and stays to its end: together, its weights are beside the engine's
-    steps (and an ablation's later engines' starts) and its batch beside the trainer's; one at a time, it loads once
-    the engine has left, so the engine's phases never hold it."""
+    --reference: together, its weights beside the engine's steps (and an ablation's later engine starts) and its batch
+    beside the trainer's; one at a time it loads once the engine has left, and the engine's phases never hold it."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
     engine = t["infer_weights"]
     engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
@@ -431,19 +425,8 @@ HOST_ENV = "DIVERGENCE_PROBE_HOST_MEMORY"
 def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[MemoryPlan, str]:
     """The plan for --placement `asked` and why it is that placement. auto: both stacks together when they fit the
     device (nothing is kept on the host, the engine starts once), else one at a time when that fits and the run can
-    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse. The reference, when
-    asked for, is part of both (its bytes are in the phases that hold it): auto places the stacks where it fits too,
-    and a plan that does not fit with it records which smaller --reference would (`reference_fitting`)."""
-    p, why = _placed(i, asked, can_alternate)
-    if p.fits or i.reference is None:
-        return p, why
-    smaller = ("float32",) if i.reference == "float64" else ()
-    fitting = tuple(r for r in (*smaller, "none")
-                    if _placed(replace(i, reference=None if r == "none" else r), asked, can_alternate)[0].fits)
-    return replace(p, reference_fitting=fitting), why
-
-
-def _placed(i: PlanInputs, asked: str, can_alternate: bool) -> tuple[MemoryPlan, str]:
+    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse. A --reference is in
+    both, in the phases that hold it: auto places the stacks where it fits too."""
     together = plan(replace(i, alternate=False))
     if asked == "together" or (asked == "auto" and not can_alternate):
         return together, f"asked (--placement {asked})" if asked == "together" else \
@@ -457,8 +440,7 @@ def _placed(i: PlanInputs, asked: str, can_alternate: bool) -> tuple[MemoryPlan,
         return together, f"both stacks fit together{beside} ({gib(together.needed)} of {gib(i.free_bytes)} free)"
     if alternate.fits:
         return alternate, (f"both stacks together{beside} need {gib(together.needed)} of {i.device} memory but "
-                           f"{gib(i.free_bytes)} is free; one at a time{alone}"
-                           f" {gib(alternate.needed)}")
+                           f"{gib(i.free_bytes)} is free; one at a time{alone} {gib(alternate.needed)}")
     return min((together, alternate), key=lambda p: p.needed), "neither placement fits"
 
 
@@ -577,47 +559,9 @@ def enforce_train_cap(plan_: MemoryPlan, total_bytes: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- out of memory
-_OOM_TEXT = ("out of memory", "can't allocate memory", "no available memory for the cache blocks",
-             "larger than the available kv cache memory", "less than desired gpu memory utilization",
-             "less than desired cpu memory utilization", "less than requested memory for kv")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch's OutOfMemoryError (CUDA), a CPU allocation failure, or one of vLLM's start-up errors for too little
-    memory (its text: vllm/v1/core/kv_cache_utils.py, v1/worker/utils.request_memory, cpu_worker.py), also when
-    wrapped in one of our errors."""
-    import torch
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        if isinstance(error, (RuntimeError, ValueError, MemoryError)) or type(error).__name__ == "StackError":
-            text = str(error).lower()
-            if isinstance(error, MemoryError) or any(t in text for t in _OOM_TEXT):
-                return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _where(error: BaseException) -> str:
-    """Which part of the run ran out: the deepest of our modules (or vLLM) in the traceback."""
-    places = {"engines/hf": "the training stack's forward", "runs/capture.py": "the tap reduction",
-              "numerics/fused.py": "the tap reduction", "numerics/metrics.py": "the tap reduction", "engines/vllm": "the inference engine",
-              "/vllm/": "the inference engine", "runs/compare.py": "the run loop"}
-    where = "the run"
-    for frame in traceback.extract_tb(error.__traceback__):
-        path = frame.filename.replace(os.sep, "/")
-        for key, name in places.items():
-            if key in path:
-                where = name
-    return where
-
-
 def out_of_memory_error(error: BaseException, p: MemoryPlan | None, phase: str) -> DeviceMemoryError:
     """One line for an out-of-memory: where it happened, what the plan expected, and the fix."""
-    where = _where(error) if phase == "run" else phase
+    where = part_that_ran_out(error) if phase == "run" else phase
     detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     planned = ""
     fixes = "--batch-tokens lower than now, fewer --taps, shorter prompts (--max-prompt-tokens), or a larger device"

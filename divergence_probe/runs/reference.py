@@ -229,22 +229,24 @@ def check_fits(size, precision: str | None, batch_tokens: int, free: int, device
                             "its own (--train-device)")
 
 
-def check_planned(p):
-    """The memory plan's check (runs/memory.py: the plan if it fits, else one line), before anything loads; for a plan
-    that fits without its --reference (or with a smaller one) and not with it, the line is the reference's. The
-    reference is on the trainer's device, and so is what does not fit."""
-    from .memory import check
+def check_planned(p, asked: str = "auto", can_alternate: bool = True):
+    """The memory plan's check (runs/memory.py: the plan if it fits, else one line), before anything loads; where the
+    run, placed as `asked` (memory.placed), fits without its --reference or with float32 and not as asked, the line
+    is the reference's. The reference is on the trainer's device, and so is what does not fit."""
+    from .memory import check, placed
 
-    if p.fits or not p.reference_fitting:
-        return check(p)
     i = p.inputs
+    fitting = [] if p.fits or i.reference is None else [
+        r for r in ("float32", None)
+        if r != i.reference and placed(replace(i, reference=r), asked, can_alternate)[0].fits]
+    if not fitting:
+        return check(p)
     needed, device, free, source, terms = (p.needed, i.device, i.free_bytes, i.free_source, p.terms) \
         if i.train_device is None else \
         (p.train_needed, i.train_device, i.train_free_bytes, i.train_free_source, p.train_terms)
     beside = "beside the trainer, one stack at a time (--placement alternate)" if i.alternate else \
         "beside both stacks" if i.train_device is None else "beside the trainer (--train-device)"
-    options = ["--reference float32 (fits)"] if "float32" in p.reference_fitting else []
-    options.append("no --reference (fits)")
+    options = [f"--reference {r} (fits)" if r else "no --reference (fits)" for r in fitting]
     if i.batch_tokens_fixed:
         options.append("a lower --batch-tokens")
     if i.train_device is not None:
