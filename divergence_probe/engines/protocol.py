@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
 
 from ..errors import StackError
 from ..options import option
-from ..prompts import Prompt
 from ..taps import Tap, TapKey
+from ..tokenized import Prompt
 
 TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
@@ -395,6 +395,8 @@ class StackClass(Protocol):
     owned_args: Mapping[str, str]  # engine args the tool sets itself (or that would make capture wrong), and why
     patches: str  # "module:NAME" of its region patches (region -> patcher, engines/patching.py), imported when it is
     # first patched; "": it takes no region
+    aligns: tuple[str, ...]  # the regions its patches align (the keys of `patches`), declared so that a run asking for
+    # another is refused before anything loads, where importing the patches would import the engine
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities: ...
@@ -476,6 +478,7 @@ class StackPolicy:
     libraries: tuple[str, ...] = ()
     owned_args: Mapping[str, str] = MappingProxyType({})
     patches = ""
+    aligns: tuple[str, ...] = ()
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:

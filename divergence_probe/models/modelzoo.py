@@ -316,9 +316,10 @@ def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: i
         # One shard at any preset size: model.safetensors is what a hub checkpoint of this size ships.
         model.save_pretrained(out_dir, max_shard_size="1000GB")
     else:  # save_pretrained would copy a mixture's experts on the device; this writer copies them to the host
+        from . import get_family
         from .hub_layout import save_hub_layout
 
-        save_hub_layout(model, out_dir)
+        save_hub_layout(model, out_dir, get_family(arch))
     # safetensors creates its file with mode 0600 whatever the umask; give every file the mode the umask gives
     # (out_dir was made with it), so that a shared cache is readable by everyone who can read the directory.
     mode = out_dir.stat().st_mode & 0o666
@@ -426,12 +427,13 @@ def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None, d
     to the depth: a config of a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
+    from . import get_family
     from .hub_layout import SHARD_BYTES
     from .size import CPU_RUNTIME, ENV, ModelSize, device_memory, gib
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers
-    size = replace(ModelSize.of(one.to_dict()), layers=depth)
+    size = replace(ModelSize.of(one.to_dict(), get_family(arch)), layers=depth)
     weights = 2 * size.parameters_from_config(bool(one.tie_word_embeddings), arch == "qwen2")
     what = f"{preset} with {depth} layers" if num_layers is not None else preset
     fix = f"choose a smaller --preset or fewer --layers, or run on a machine with more memory ({ENV}=BYTES if the " \

@@ -18,7 +18,7 @@ from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
 from .reference import check_planned
-from ..environment import environment, resolve_device, resolve_train_device, same_device
+from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory
 from ..models.source import ModelSource, resolve_model
@@ -278,8 +278,8 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
         train.close()
         raise
     load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
-    return loaded(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                  load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
+    return loaded(cfg, source, settings, infer, train, tokenizer, versions.environment(settings.device),
+                  memory_plan=plan, load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
                   prompts=prepared.prompts)
 
 
@@ -303,7 +303,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
     train_device = resolve_train_device(cfg.train_device, cfg.device)
     apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
     train_free, train_total, train_source = device_memory(train_device) if apart else (0, 0, "")
-    size = ModelSize.of(source.config, checkpoint_tensors(source.path))
+    size = ModelSize.of(source.config, source.family, checkpoint_tensors(source.path))
     if plan_for is not None:
         lengths = tuple(len(p.token_ids) for p in prompts[1])
         tap_names, g = plan_for.capture.tap_names, plan_for.generate

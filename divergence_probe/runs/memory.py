@@ -3,7 +3,7 @@ when it does not fit.
 
     from divergence_probe.models.size import ModelSize
     from divergence_probe.runs.memory import PlanInputs, plan
-    size = ModelSize.of(config, checkpoint_tensors(folder))  # config.json + safetensors headers: no tensor is read
+    size = ModelSize.of(config, family, checkpoint_tensors(folder))  # config.json + safetensors headers only
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=frozenset({"resid_out"}), prompt_lengths=(512, 700), ...))
     p.batch_tokens, p.kv_cache_bytes, p.reduction_chunk_elements, p.needed, p.fits
 

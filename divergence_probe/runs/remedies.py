@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from .ablate import _configured
+from .combination import configured
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .memory import is_out_of_memory
@@ -363,7 +363,7 @@ def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]
                                                                             _regions_of(probe.source.family, NUMERIC)))
             yield probe
         else:
-            yield stack.enter_context(_configured(probe, step, None))
+            yield stack.enter_context(configured(probe, step, None))
 
 
 def _fp16_view(probe, step: RunSpec, stack: ExitStack):

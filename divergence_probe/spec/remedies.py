@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ..errors import ProbeError
 from ..numerics.shapley import METRICS
-from ..options import check_finite, option
+from ..options import option
+from .fields import check_finite
 
 # The candidate arms, by name: what each changes is runs/remedies.py's ARMS (the published claim it tests, what it
 # needs, how its compare is made). Listed here so that the flag's help and its check need no torch.

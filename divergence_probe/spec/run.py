@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of, stack_class
+from ..engines import capabilities_of, parse_factor, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -26,7 +26,7 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
-from .knobs import applied, parse_factor
+from .knobs import applied
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
 from .remedies import LOADS_BESIDE, RemediesSpec, fp16_refusal
@@ -115,6 +115,7 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        self._check_aligns(regions)
         if self.load.train_kernels != SHIPPED_KERNELS:
             stack_class(self.load.train).kernel_set(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
@@ -174,6 +175,23 @@ class RunSpec:
 
     def _graft_features(self) -> list[str]:
         return [feature for feature, on in (("--graft", self.capture.graft), ("--depth", self.capture.depth)) if on]
+
+    def _check_aligns(self, regions) -> None:
+        """Each region patched on a stack is one its class declares it aligns (StackClass.aligns): refused here, in one
+        line, before anything loads, rather than by the stack's patches once it is loaded."""
+        flag = "--regions" if self.kind == "ablate" else "--align"
+        for side in ("infer", "train"):
+            if self.align.side not in (side, "both"):
+                continue
+            name = getattr(self.load, side)
+            cls = stack_class(name)
+            missing = [r for r in patched(regions) if r not in cls.aligns]
+            if missing:
+                other = "train" if side == "infer" else "infer"
+                raise ProbeError(f"{', '.join(missing)} cannot be aligned on {cls.title or name} (--{side} {name}), which "
+                                 f"aligns {', '.join(cls.aligns) or 'no region'}; leave "
+                                 f"{'them' if len(missing) > 1 else 'it'} out of {flag}, or align on the other stack "
+                                 f"alone (--side {other})")
 
     def _check_trainer(self) -> None:
         """What the trainer refuses (its Capabilities: one sharded over processes, engines/hf/tensor_parallel.py, runs

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from divergence_probe.models.checkpoint import INDEX_FILE, SINGLE_FILE, check_weights, checkpoint_tensors
+from divergence_probe.models import get_family
 from divergence_probe.models.hub_layout import save_hub_layout
 from divergence_probe.models.modelzoo import _random_model, make_config
 
@@ -29,7 +30,7 @@ def written(arch: str, out, shard_bytes: int):
     """The seed-0 tiny model of `arch` as make-model draws it on the CPU, written by the hub-layout writer."""
     out.mkdir()
     model = _random_model(make_config(arch=arch), 0)
-    save_hub_layout(model, out, shard_bytes)
+    save_hub_layout(model, out, get_family(arch), shard_bytes)
     return model
 
 

@@ -19,6 +19,7 @@ from divergence_probe.runs import capture as capture_module
 from divergence_probe.numerics import fused
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.measured import CountingCapture
+from divergence_probe.models import get_family
 from divergence_probe.models.size import parse_bytes
 from divergence_probe.runs.capture import TapPairing
 from divergence_probe.models.checkpoint import checkpoint_tensors
@@ -36,7 +37,7 @@ QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18
 
 
 def inputs(**changes) -> PlanInputs:
-    base = dict(model=ModelSize.of(QWEN25_7B), dtype_bytes=2, taps=frozenset(ModelSize.of(QWEN25_7B).tap_widths()),
+    base = dict(model=ModelSize.of(QWEN25_7B, get_family("qwen2")), dtype_bytes=2, taps=frozenset(ModelSize.of(QWEN25_7B, get_family("qwen2")).tap_widths()),
                 prompt_lengths=(900,) * 32, batch_tokens=8192, batch_tokens_fixed=False, max_model_len=8192,
                 device="cuda", free_bytes=141 * 10**9, free_source="test")
     return PlanInputs(**(base | changes))
@@ -81,7 +82,7 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
     assert len(counting.batches) > 1  # several batches: the plan must pick the largest, not the sum
     from divergence_probe.engines import stack_class
 
-    size = ModelSize.of(probe.source.config, checkpoint_tensors(probe.source.path))
+    size = ModelSize.of(probe.source.config, probe.source.family, checkpoint_tensors(probe.source.path))
     engine = stack_class(probe.config.infer).plan(probe.settings, size=size)  # what the memory plan asks of it
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=taps, prompt_lengths=tuple(len(q.token_ids) for q in prompts),
                         batch_tokens=40, batch_tokens_fixed=True, max_model_len=probe.settings.max_model_len,
@@ -101,7 +102,8 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
 def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
     for path in (qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
         config = json.loads((path / "config.json").read_text())
-        assert ModelSize.of(config, checkpoint_tensors(path)).parameters == ModelSize.of(config).parameters
+        family = get_family(config["model_type"])
+        assert ModelSize.of(config, family, checkpoint_tensors(path)).parameters == ModelSize.of(config, family).parameters
 
 
 def test_a_mixture_of_experts_is_planned_with_its_familys_taps(qwen3_moe_tiny):
@@ -110,7 +112,7 @@ def test_a_mixture_of_experts_is_planned_with_its_familys_taps(qwen3_moe_tiny):
     from divergence_probe.models import get_family
 
     config = json.loads((qwen3_moe_tiny / "config.json").read_text())
-    size = ModelSize.of(config)
+    size = ModelSize.of(config, get_family("qwen3_moe"))
     widths = size.tap_widths()
     assert set(widths) == {"embed", "final_norm", *get_family("qwen3_moe").layer_taps}
     experts = config.get("num_experts") or config["num_local_experts"]
@@ -125,7 +127,7 @@ def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_
     assert p.kv_cache_bytes >= 8192 * per_token  # at least one request of max_model_len
     assert p.kv_cache_bytes < 2 * GiB  # not half the GPU
     assert planned_args(p) == {"kv_cache_memory_bytes": p.kv_cache_bytes, "gpu_memory_utilization": 0.5}
-    assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B).tap_elements_per_token(inputs().taps) * 2
+    assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B, get_family("qwen2")).tap_elements_per_token(inputs().taps) * 2
 
 
 def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
