@@ -17,7 +17,7 @@ from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
-from .reference import check_planned
+from .reference_plan import check_planned
 from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory

@@ -497,7 +497,7 @@ def keep_where(p: MemoryPlan, folder: str) -> dict:
 
 def check(p: MemoryPlan) -> MemoryPlan:
     """The plan if it fits; else one line naming the device that does not fit, what was needed, what was free, and the
-    options (runs/reference.check_planned says it first where the reference is what does not fit)."""
+    options (runs/reference_plan.check_planned says it first where the reference is what does not fit)."""
     if p.fits:
         return p
     i = p.inputs

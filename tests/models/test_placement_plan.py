@@ -12,7 +12,7 @@ from divergence_probe.models import get_family
 from divergence_probe.models.modelzoo import make_config
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
-from divergence_probe.runs.reference import check_planned
+from divergence_probe.runs.reference_plan import check_planned
 from divergence_probe.spec import spec_from_flat
 
 # the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
