@@ -46,6 +46,22 @@ LAYER_COLUMNS = ["ref_err_infer", "ref_err_train", "ref_floor", "closer_to_ref",
 TOKEN_COLUMNS = ["logprob_ref", "ref_err_infer", "ref_err_train", "ref_floor", "closer_to_ref"]
 
 
+def reference_terms(size, precision: str, batch_tokens: int) -> dict[str, int]:
+    """What --reference holds on the trainer's device, about (`size`: models.size.ModelSize; the memory plan's terms):
+    its weights in `precision`, and one inference batch of every tap (the local reading captures them all) with a
+    sequence's logits twice (the logits tap and the log_softmax), each element in `precision`; the batch is held from
+    the reference's forward of an inference batch until the trainer has run its last sequence."""
+    width = PRECISIONS[precision].itemsize
+    taps = frozenset(size.tap_widths()) | {"logits"}
+    batch = batch_tokens * (size.tap_elements_per_token(taps) + 2 * size.vocab)
+    return {"reference_weights": width * size.parameters, "reference_batch": width * batch}
+
+
+def reference_bytes(size, precision: str, batch_tokens: int) -> int:
+    """reference_terms, summed: the reference at its largest."""
+    return sum(reference_terms(size, precision, batch_tokens).values())
+
+
 def error_sums(infer: torch.Tensor, train: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One tap of one sequence -> float64 [5] (SUMS): each stack's squared error against the reference, the
     reference's squared norm, the squared error of the reference rounded once to `dtype` (the floor), and the count.

@@ -17,6 +17,7 @@ from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
+from .reference_plan import check_planned
 from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory
@@ -256,9 +257,10 @@ def prepare(cfg: LoadSpec, before_stacks, taps: str | None, plan_for: RunSpec | 
 
 def _can_alternate(cfg: LoadSpec, run: RunSpec | None) -> bool:
     """Whether this run can hold one stack at a time: a compare or ablate without --graft/--depth (which run the
-    trainer on the engine's tensors as they are made), the trainer on the engine's device, unsharded."""
-    return run is not None and not (run.capture.graft or run.capture.depth) and cfg.train_device is None \
-        and cfg.train_tp == 1
+    trainer on the engine's tensors as they are made) and without a --reference that replays the engine's ops, the
+    trainer on the engine's device, unsharded."""
+    return run is not None and not (run.capture.graft or run.capture.depth or run.reference_replays_infer()) \
+        and cfg.train_device is None and cfg.train_tp == 1
 
 
 def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStacks:
@@ -326,9 +328,10 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
         engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise,
-        beside=stacks_beside(plan_for), cost_step=plan_for is not None and plan_for.kind == "remedies")
+        beside=stacks_beside(plan_for), cost_step=plan_for is not None and plan_for.kind == "remedies",
+        reference=plan_for.capture.reference if plan_for is not None else None)
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
-    plan = memory_plan.check(plan)
+    plan = check_planned(plan, cfg.placement, can_alternate)  # the reference's line where only it does not fit
     memory_plan.enforce_cap(plan, total)
     memory_plan.enforce_train_cap(plan, train_total)
     planned = infer.plan(settings, size=size, total_bytes=total, stacks_on_device=1 if apart else 2,

@@ -18,6 +18,8 @@ loop (runs/compare.py, runs/capture.py, engines/):
 - the reduction of that sequence's pairs: the taps of one width stacked into one `[taps, tokens, features]` pair per
   side (a copy of both sides), plus the reduction's own temporaries (FP32 working copies when it runs eagerly,
   per-block FP64 sums on a GPU). `reduction_chunk_elements` bounds the pairs reduced per call, and so both.
+- --reference's checkpoint in float64/float32 on the trainer's device, from the run loop's start to its end: its
+  weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py).
 The engine's transient activations (its profile run at start-up, each step's forward) come on top of what is held
 when they run. Allowances the arithmetic cannot see (the CUDA context, cuBLAS and NCCL workspaces, CUDA graphs,
 allocator fragmentation) are named terms, so a measured peak can be set against each.
@@ -31,11 +33,11 @@ what was free and the options. `DIVERGENCE_PROBE_DEVICE_MEMORY=BYTES` replaces t
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
+from .out_of_memory import is_out_of_memory, part_that_ran_out  # noqa: F401 (is_out_of_memory: callers find it here)
 from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, gib, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's
@@ -97,6 +99,7 @@ class PlanInputs:
     engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
     beside: tuple[str, ...] = ()  # remedies: the arms that load stacks beside the shipped ones (spec.run.stacks_beside)
     cost_step: bool = False  # remedies: each side's step timed on one batch, the trainer's backward among them
+    reference: str | None = None  # --reference float64|float32: a third stack, on the trainer's device (reference.py)
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -266,6 +269,10 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     terms["reduction_temporaries"] = int(call * REDUCTION_TEMP_BYTES.get(kind, 0.0))
     # the trainer's taps of one reduction call, the logits tap included (a copy apart from the logits the KL moves)
     moved_taps = min(longest * per_token + (longest * m.vocab * b if "logits" in i.taps else 0), call * b)
+    if i.reference is not None:  # on the trainer's device: moved with the trainer's terms when it has its own
+        from ..numerics.reference import reference_terms
+
+        terms |= reference_terms(m, i.reference, batch_rows)  # the batch it runs
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
@@ -292,7 +299,7 @@ def _remedies_terms(i: PlanInputs, batch_tokens: int, terms: dict[str, int], kv:
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
-               "noise_floor_second_trainer", "train_rank_processes")
+               "noise_floor_second_trainer", "train_rank_processes", "reference_weights", "reference_batch")
 
 
 def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
@@ -313,25 +320,32 @@ def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stac
     return train
 
 
-def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tuple[int, int]]:
+def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: int = 1) -> dict[str, tuple[int, int]]:
     """Bytes held at the peak of each phase on the engine's device (with the trainer's terms, when it shares it),
     before the allowances, as (weights, the rest). `alternate`: the engine's phases hold no trainer, the trainer's no
     engine (it left the device in between); the trainer's phase still holds one inference batch, moved back from the
-    host."""
+    host.
+
+    --reference: together, its weights beside the engine's steps (and an ablation's later engine starts) and its batch
+    beside the trainer's; one at a time it loads once the engine has left, and the engine's phases never hold it."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
     engine = t["infer_weights"]
     engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
+    reference = t.get("reference_weights", 0)
+    beside_engine = 0 if alternate else reference
     kv = t["kv_cache"]
     engine_kv, train_kv = (kv, 0) if alternate else (kv, kv)
     held = t["infer_taps"] + t["infer_views_retained"] + t["infer_logits"] + t["tensor_parallel_rank_taps"]
     return {
-        "engine_start": (engine_weights, engine_kv + t["engine_profile_activations"]),
-        "engine_step": (engine_weights, engine_kv + held + t["engine_step_activations"]
+        "engine_start": (engine_weights + (beside_engine if engine_passes > 1 else 0),
+                         engine_kv + t["engine_profile_activations"]),
+        "engine_step": (engine_weights + beside_engine, engine_kv + held + t["engine_step_activations"]
                         + t["engine_logprobs_transient"] + t["alternate_handover"]),
-        "train_and_reduce": (train_weights, train_kv + held + t.get("train_taps", 0) + t.get("train_forward", 0)
-                             + t.get("train_outputs_moved", 0) + t["reduction_stacked_copies"]
-                             + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
-    } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
+        "train_and_reduce": (train_weights + reference, train_kv + held + t.get("train_taps", 0)
+                             + t.get("train_forward", 0) + t.get("train_outputs_moved", 0)
+                             + t["reduction_stacked_copies"] + t["reduction_temporaries"]
+                             + t.get("train_amp_weight_casts", 0) + t.get("reference_batch", 0)),
+    } | ({"noise_floor": (train_weights + reference, train_kv + t.get("train_amp_weight_casts", 0)
                           + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {}) | _cost_phase(t, train_weights, train_kv
                                                                    + t.get("train_amp_weight_casts", 0))
@@ -344,10 +358,11 @@ def _cost_phase(t: dict[str, int], weights: int, held: int) -> dict:
 
 def _train_phases(t: dict[str, int]) -> dict[str, int]:
     """The trainer's own device (--train-device): its weights, one sequence's forward and taps, and the noise floor's
-    batch or second trainer."""
+    batch or second trainer; the reference's weights throughout and its batch beside the trainer's forward."""
     fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
-        + t["runtime_allowance"] + t["fragmentation_allowance"]
-    return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
+        + t.get("reference_weights", 0) + t["runtime_allowance"] + t["fragmentation_allowance"]
+    return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]
+            + t.get("reference_batch", 0)} | (
         {"noise_floor": fixed + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"]}
         if "noise_floor_second_trainer" in t else {}) | {k: fixed + w + r for k, (w, r) in _cost_phase(t, 0, 0).items()}
 
@@ -357,7 +372,7 @@ def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> M
     # the allocator's rounding is a share of what a phase allocates and frees as it runs: weights are allocated once,
     # whole, and under alternate the stack that left the device holds no blocks at all
     share = FRAGMENTATION if i.device == "cuda" else 0.0
-    tensors = _phase_tensors(terms, i.alternate)
+    tensors = _phase_tensors(terms, i.alternate, i.engine_passes)
     phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
               for phase, (weights, rest) in tensors.items()}
     terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
@@ -410,7 +425,8 @@ HOST_ENV = "DIVERGENCE_PROBE_HOST_MEMORY"
 def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[MemoryPlan, str]:
     """The plan for --placement `asked` and why it is that placement. auto: both stacks together when they fit the
     device (nothing is kept on the host, the engine starts once), else one at a time when that fits and the run can
-    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse."""
+    (`can_alternate`); when neither fits, the plan with the smaller need, for `check` to refuse. A --reference is in
+    both, in the phases that hold it: auto places the stacks where it fits too."""
     together = plan(replace(i, alternate=False))
     if asked == "together" or (asked == "auto" and not can_alternate):
         return together, f"asked (--placement {asked})" if asked == "together" else \
@@ -418,11 +434,13 @@ def placed(i: PlanInputs, asked: str, can_alternate: bool = True) -> tuple[Memor
     alternate = plan(replace(i, alternate=True))
     if asked == "alternate":
         return alternate, "asked (--placement alternate)"
+    beside, alone = ("", "") if i.reference is None else \
+        (f" with the --reference {i.reference} stack", ", the reference beside the trainer,")
     if together.fits:
-        return together, f"both stacks fit together ({gib(together.needed)} of {gib(i.free_bytes)} free)"
+        return together, f"both stacks fit together{beside} ({gib(together.needed)} of {gib(i.free_bytes)} free)"
     if alternate.fits:
-        return alternate, (f"both stacks together need {gib(together.needed)} of {i.device} memory but "
-                           f"{gib(i.free_bytes)} is free; one at a time {gib(alternate.needed)}")
+        return alternate, (f"both stacks together{beside} need {gib(together.needed)} of {i.device} memory but "
+                           f"{gib(i.free_bytes)} is free; one at a time{alone} {gib(alternate.needed)}")
     return min((together, alternate), key=lambda p: p.needed), "neither placement fits"
 
 
@@ -479,7 +497,7 @@ def keep_where(p: MemoryPlan, folder: str) -> dict:
 
 def check(p: MemoryPlan) -> MemoryPlan:
     """The plan if it fits; else one line naming the device that does not fit, what was needed, what was free, and the
-    options."""
+    options (runs/reference_plan.check_planned says it first where the reference is what does not fit)."""
     if p.fits:
         return p
     i = p.inputs
@@ -541,47 +559,9 @@ def enforce_train_cap(plan_: MemoryPlan, total_bytes: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- out of memory
-_OOM_TEXT = ("out of memory", "can't allocate memory", "no available memory for the cache blocks",
-             "larger than the available kv cache memory", "less than desired gpu memory utilization",
-             "less than desired cpu memory utilization", "less than requested memory for kv")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch's OutOfMemoryError (CUDA), a CPU allocation failure, or one of vLLM's start-up errors for too little
-    memory (its text: vllm/v1/core/kv_cache_utils.py, v1/worker/utils.request_memory, cpu_worker.py), also when
-    wrapped in one of our errors."""
-    import torch
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        if isinstance(error, (RuntimeError, ValueError, MemoryError)) or type(error).__name__ == "StackError":
-            text = str(error).lower()
-            if isinstance(error, MemoryError) or any(t in text for t in _OOM_TEXT):
-                return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _where(error: BaseException) -> str:
-    """Which part of the run ran out: the deepest of our modules (or vLLM) in the traceback."""
-    places = {"engines/hf": "the training stack's forward", "runs/capture.py": "the tap reduction",
-              "numerics/fused.py": "the tap reduction", "numerics/metrics.py": "the tap reduction", "engines/vllm": "the inference engine",
-              "/vllm/": "the inference engine", "runs/compare.py": "the run loop"}
-    where = "the run"
-    for frame in traceback.extract_tb(error.__traceback__):
-        path = frame.filename.replace(os.sep, "/")
-        for key, name in places.items():
-            if key in path:
-                where = name
-    return where
-
-
 def out_of_memory_error(error: BaseException, p: MemoryPlan | None, phase: str) -> DeviceMemoryError:
     """One line for an out-of-memory: where it happened, what the plan expected, and the fix."""
-    where = _where(error) if phase == "run" else phase
+    where = part_that_ran_out(error) if phase == "run" else phase
     detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     planned = ""
     fixes = "--batch-tokens lower than now, fewer --taps, shorter prompts (--max-prompt-tokens), or a larger device"

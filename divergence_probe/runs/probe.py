@@ -19,7 +19,6 @@ from typing import Callable
 from .compare import run_compare
 from .loading import LoadedStacks, load_stacks, memory_errors
 from .progress import Progress
-from .reference import check_planned
 from .. import timings
 from ..errors import ProbeError
 from ..quiet import libraries_quieted
@@ -120,7 +119,6 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
         with timings.timed("load"):
             prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=spec.kind != "remedies",
                                spill_near=spill_near, check=check, gate=gate)
-        check_planned(prepared.plan, spec.capture.reference)  # --reference: refused before anything loads
         if notice is not None:
             notice(f"placement: {prepared.placement['placement']} ({prepared.placement['why']})")
         if prepared.alternate:

@@ -28,8 +28,9 @@ import torch
 
 from ..engines import get_stack
 from ..environment import resolve_train_device
-from ..errors import StackError
-from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs
+from ..errors import DeviceMemoryError, StackError
+from ..models.size import gib
+from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs, reference_bytes
 from ..taps import Tap, TapKey, each_tap, expected_taps
 
 ATTENTION = "eager"  # the reference's attention: transformers' plain matmul-softmax-matmul
@@ -59,11 +60,11 @@ class ReferenceArm:
                            dtype=PRECISIONS[precision],
                            train_attn=ATTENTION, train_sdpa="auto", train_precision="bf16", train_kernels="torch",
                            train_tp=1)
-        if probe.memory_plan is not None:  # what is free now, with both stacks loaded
+        if probe.memory_plan is not None:  # what is free now, with the stacks loaded (one, under alternate)
             from ..models.size import device_memory
 
             check_fits(probe.memory_plan.inputs.model, precision, probe.settings.batch_tokens,
-                       device_memory(settings.device)[0], settings.device, "beside the two loaded stacks")
+                       device_memory(settings.device)[0], settings.device, "beside the stacks loaded now")
         self.stack = get_stack(probe.config.train)  # the trainer's own stack, in the reference's precision
         self.stack.load(settings)
 
@@ -211,43 +212,18 @@ class ReferenceCapture:
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def reference_bytes(size, precision: str, batch_tokens: int) -> int:
-    """What the reference holds on its device, about: its weights in `precision` (an FP64 copy of a 7B model is 56 GB),
-    one inference batch of every tap (the local reading captures them all) and a sequence's logits twice (the
-    logits tap and the log_softmax), each element in `precision`. `size`: memory_plan.ModelSize."""
-    width = PRECISIONS[precision].itemsize
-    taps = frozenset(size.tap_widths()) | {"logits"}
-    return width * (size.parameters + batch_tokens * size.tap_elements_per_token(taps) + 2 * batch_tokens * size.vocab)
-
-
 def check_fits(size, precision: str | None, batch_tokens: int, free: int, device: str, where: str) -> None:
     """Refuse --reference in one line, before it loads, when it does not fit in `free` bytes of `device` (`where`
     says beside what): float64 that does not fit where float32 would is told to use float32."""
     if precision is None:
         return
-    from ..errors import DeviceMemoryError
-    from ..models.size import gib as _gib
-
     need = {p: reference_bytes(size, p, batch_tokens) for p in PRECISIONS}
     if need[precision] <= free:
         return
-    head = (f"--reference {precision} needs about {_gib(need[precision])} on {device} {where}, and "
-            f"{_gib(max(0, free))} is left")
+    head = (f"--reference {precision} needs about {gib(need[precision])} on {device} {where}, and "
+            f"{gib(max(0, free))} is left")
     if precision == "float64" and need["float32"] <= free:
-        raise DeviceMemoryError(f"{head}; --reference float32 needs about {_gib(need['float32'])} and fits: use it")
-    also = "" if precision == "float32" else f" (float32: about {_gib(need['float32'])})"
+        raise DeviceMemoryError(f"{head}; --reference float32 needs about {gib(need['float32'])} and fits: use it")
+    also = "" if precision == "float32" else f" (float32: about {gib(need['float32'])})"
     raise DeviceMemoryError(f"{head}{also}; drop --reference, lower --batch-tokens, or give the trainer a device of "
                             "its own (--train-device)")
-
-
-def check_planned(plan, precision: str | None) -> None:
-    """check_fits against a memory plan (runs/memory.py), before either stack loads: what is left of the
-    trainer's device once the plan's stacks are on it."""
-    if precision is None or plan is None:
-        return
-    inputs = plan.inputs
-    if inputs.train_device is not None:
-        free, device = inputs.train_free_bytes - plan.train_needed, inputs.train_device
-    else:
-        free, device = inputs.free_bytes - plan.needed, inputs.device
-    check_fits(inputs.model, precision, plan.batch_tokens, free, device, "beside the two stacks as planned")

@@ -102,6 +102,10 @@ class RunSpec:
         if self.load.placement == "alternate" and self._graft_features():
             raise ProbeError(f"{'/'.join(self._graft_features())} run the trainer's ops on the engine's tensors as they "
                              "are made, which needs both stacks loaded at once; use --placement together")
+        if self.load.placement == "alternate" and self.reference_replays_infer():
+            raise ProbeError(f"--reference measures --infer {self.load.infer}'s own ops on the reference's inputs (its "
+                             "local reading) in the trainer's pass, which needs it loaded beside the trainer; use "
+                             "--placement together")
         refusal = infer.first_refused(self._graft_features())
         if refusal:  # a compiled engine's
             raise ProbeError(refusal)
@@ -163,6 +167,11 @@ class RunSpec:
         pass."""
         regions = tuple(patched(self.align.regions)) if self.align.side != "train" else ()
         return self.load.engine, freeze_engine_args(self.load.engine_args), regions
+
+    def reference_replays_infer(self) -> bool:
+        """--reference with an inference stack that replays its ops on captured inputs (Capabilities.grafts): the
+        local reading runs it beside the reference, so it cannot have left the device (--placement alternate)."""
+        return self.capture.reference is not None and capabilities_of(self.load.infer, engine=self.load.engine).grafts
 
     def _graft_features(self) -> list[str]:
         return [feature for feature, on in (("--graft", self.capture.graft), ("--depth", self.capture.depth)) if on]

@@ -12,6 +12,7 @@ from divergence_probe.models import get_family
 from divergence_probe.models.modelzoo import make_config
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
+from divergence_probe.runs.reference_plan import check_planned
 from divergence_probe.spec import spec_from_flat
 
 # the Qwen3-30B-A3B shape: 48 layers, 128 experts of which 8 per token
@@ -117,11 +118,82 @@ def test_kept_on_host_then_file_then_refused(monkeypatch, tmp_path):
     ({"graft": True}, "--graft run the trainer's ops"),
     ({"depth": True}, "--depth run the trainer's ops"),
     ({"train_device": "cpu"}, "drop --train-tp/--train-device"),
+    ({"infer": "hf", "reference": "float64"}, "--reference measures --infer hf's own ops"),
 ])
 def test_what_needs_both_stacks_refused_in_one_line(flags, fragment):
     with pytest.raises(ProbeError) as e:
         spec_from_flat("compare", placement="alternate", **flags)
     assert fragment in str(e.value) and "--placement together" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_keeps_both_together_when_the_reference_replays_the_engine():
+    """--infer hf replays its ops on the reference's inputs in the trainer's pass: auto never sends it away."""
+    from divergence_probe.runs.loading import _can_alternate
+
+    assert _can_alternate((spec := spec_from_flat("compare", infer="hf")).load, spec)
+    assert not _can_alternate((spec := spec_from_flat("compare", infer="hf", reference="float64")).load, spec)
+    assert _can_alternate((spec := spec_from_flat("compare", reference="float64")).load, spec)  # vLLM replays none
+
+
+# --reference: the checkpoint in float64/float32 beside the stacks, at the Qwen2.5-7B shape (a BF16 run of 24 prompts
+# of 512 tokens, every tap), the shape it was measured on
+QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def reference_inputs(free: int, reference: str | None, **changes) -> PlanInputs:
+    size = ModelSize.of(QWEN25_7B, get_family("qwen2"))
+    return inputs(free, model=size, taps=frozenset(size.tap_widths()) | {"logits"}, prompt_lengths=(512,) * 24,
+                  batch_tokens=512, batch_tokens_fixed=True, max_model_len=32768, reference=reference, **changes)
+
+
+def test_the_reference_is_counted_where_it_is_held():
+    """Together, the reference's weights sit beside the engine's steps and its batch beside the trainer's; one at a
+    time it loads after the engine has left, so the engine's phases are those of a run without it. On a trainer's
+    device of its own, it is that device's."""
+    from divergence_probe.numerics.reference import reference_bytes
+
+    size = ModelSize.of(QWEN25_7B, get_family("qwen2"))
+    for asked in ("together", "alternate"):
+        bare, _ = placed(reference_inputs(10**15, None), asked)
+        p, _ = placed(reference_inputs(10**15, "float32"), asked)
+        weights, batch = p.terms["reference_weights"], p.terms["reference_batch"]
+        assert weights == 4 * size.parameters and weights + batch == reference_bytes(size, "float32", 512)
+        assert p.phases["engine_step"] - bare.phases["engine_step"] == (weights if asked == "together" else 0)
+        assert p.phases["engine_start"] == bare.phases["engine_start"]  # the engine started before it loaded
+        assert p.phases["train_and_reduce"] - bare.phases["train_and_reduce"] >= weights + batch
+        record = p.record()
+        assert record["inputs"]["reference"] == "float32" and record["terms_bytes"]["reference_weights"] == weights
+    assert "reference_weights" not in bare.terms and bare.record()["inputs"]["reference"] is None
+    apart = memory_plan.plan(reference_inputs(10**15, "float64", train_device="cuda:1", train_free_bytes=10**15))
+    assert "reference_weights" not in apart.terms and apart.train_terms["reference_weights"] == 8 * size.parameters
+
+
+def test_auto_alternates_when_the_reference_fits_only_beside_the_trainer():
+    """Both stacks fit together and the reference does not fit beside them, but it does beside the trainer alone:
+    auto places one stack at a time and says why, rather than refusing."""
+    free = int(60 * GiB)
+    assert placed(reference_inputs(free, None), "auto")[0].inputs.alternate is False
+    together, _ = placed(reference_inputs(free, "float32"), "together")
+    p, why = placed(reference_inputs(free, "float32"), "auto")
+    assert not together.fits and p.fits and p.inputs.alternate
+    assert "--reference float32" in why and "one at a time" in why
+    assert check_planned(p) is p
+
+
+def test_a_reference_that_fits_nowhere_is_refused_in_one_line_naming_the_fixes():
+    """float64 where float32 fits is told to use float32; a reference that fits in no precision is told to drop it
+    or give the trainer (and so the reference) a device of its own; both before anything loads."""
+    for free, reference, float32_fits in ((int(60 * GiB), "float64", True), (int(40 * GiB), "float32", False),
+                                          (int(40 * GiB), "float64", False)):
+        p, _ = placed(reference_inputs(free, reference), "auto")
+        assert not p.fits and placed(reference_inputs(free, None), "auto")[0].fits
+        with pytest.raises(DeviceMemoryError) as e:
+            check_planned(p)
+        line = str(e.value)
+        assert line.startswith(f"--reference {reference} needs about") and "\n" not in line
+        assert "nothing was loaded" in line and "--train-device cuda:1" in line and "no --reference (fits)" in line
+        assert ("--reference float32 (fits)" in line) == float32_fits
 
 
 def test_a_loaded_probe_refuses_alternate():

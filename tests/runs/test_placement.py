@@ -10,6 +10,7 @@ The together runs are the suite's own: the CLI processes' Qwen2 compare, generat
 from __future__ import annotations
 
 import pytest
+import torch
 
 import divergence_probe as dp
 from divergence_probe.runs import memory as memory_plan
@@ -53,16 +54,38 @@ def test_qwen2_alternate_writes_the_together_files(mode, cli_processes, qwen2_ti
         assert placement["engine_passes"] == len(run.runs)
 
 
-def test_qwen3_alternate_with_the_noise_floor(vllm_probe, prompts_file, tmp_path):
+def test_qwen3_alternate_with_the_noise_floor_and_the_reference(vllm_probe, prompts_file, tmp_path, monkeypatch):
     """The in-process engine (conftest.vllm_probe) beside the trainer, against a worker engine and then the trainer
-    alone; --batch-invariance's engine calls (each sequence alone, batched) come from the kept outputs too."""
-    together = vllm_probe.compare(prompts=str(prompts_file), taps="all", batch_invariance=True)
+    alone; --batch-invariance's engine calls (each sequence alone, batched) come from the kept outputs too. The
+    float64 reference loads in the trainer's pass, once the engine's worker has exited (the memory plan counts it
+    beside the trainer alone), and measures both stacks as it does beside both."""
+    from divergence_probe.engines.hf.trainer import HFStack
+    from divergence_probe.runs import alternate
+
+    together = vllm_probe.compare(prompts=str(prompts_file), taps="all", batch_invariance=True, reference="float64")
     together.write(tmp_path / "together")
+    events = []
+    load, passes = HFStack.load, alternate._engine_passes
+
+    def logged_load(self, settings):
+        events.append(settings.dtype)
+        return load(self, settings)
+
+    def logged_passes(*args, **kwargs):
+        done = passes(*args, **kwargs)
+        events.append("engines closed")
+        return done
+
+    monkeypatch.setattr(HFStack, "load", logged_load)
+    monkeypatch.setattr(alternate, "_engine_passes", logged_passes)
     run = alternate_run("compare", tmp_path / "alternate", model=vllm_probe.config.model, dtype="bfloat16",
-                        device="cpu", prompts=str(prompts_file), taps="all", batch_invariance=True)
+                        device="cpu", prompts=str(prompts_file), taps="all", batch_invariance=True,
+                        reference="float64")
     assert_same_files(tmp_path / "together", tmp_path / "alternate")
     for name in ("batch_invariance.csv", "kernel_noise.csv"):
         assert (tmp_path / "alternate" / name).read_bytes() == (tmp_path / "together" / name).read_bytes(), name
+    assert events.index("engines closed") < events.index(torch.float64)
+    assert run.manifest["memory_plan"]["inputs"]["reference"] == "float64"
 
 
 def test_spilled_outputs_read_back_and_removed(hf_probe, prompts_file, tmp_path, monkeypatch):
