@@ -6,11 +6,8 @@ vLLM's CPU backend can host one engine per process, so every in-process vLLM tes
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,12 +18,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # CI has no model hub; a hub looku
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-# The compiled tap reduction is kept per machine (numerics/reduction_cache.py); the tests and the tools they start keep
-# theirs in a folder of this run, so that what a test compiles does not depend on what earlier runs left.
-if "DIVERGENCE_PROBE_HOME" not in os.environ:  # (pytest-xdist's workers inherit the first process's)
-    os.environ["DIVERGENCE_PROBE_HOME"] = tempfile.mkdtemp(prefix="divergence-probe-cache-")
-    atexit.register(shutil.rmtree, os.environ["DIVERGENCE_PROBE_HOME"], ignore_errors=True)
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS: torch reads it when imported)
 
