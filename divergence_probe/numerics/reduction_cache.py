@@ -65,7 +65,7 @@ def _layout(t: torch.Tensor) -> list:
     of metrics.diff_sums), with its dtype and whether it is contiguous."""
     row = t.numel() // len(t) if len(t) else 0
     return [str(t.dtype), [min(size, 2) for size in t.shape], row % metrics._BLOCK == 0,
-            t.shape[-1] % metrics._BLOCK == 0 if t.dim() else True, t.is_contiguous()]
+            t.shape[-1] % metrics._BLOCK == 0, t.is_contiguous()]
 
 
 class Saved:
