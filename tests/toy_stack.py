@@ -49,6 +49,7 @@ class ToyStack(StackPolicy):
     name = "toy"
     fused = False
     patches = "toy_stack:TOY_PATCHES"  # both toy stacks' region patches
+    aligns = ("toy-align",)  # TOY_PATCHES
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:

@@ -17,9 +17,10 @@ def make_model(
     out_dir: Path = typer.Argument(..., help="New folder for the checkpoint."),
     arch: Optional[str] = typer.Option(None, "--arch", help="qwen2, qwen3 or qwen3_moe; default: the preset's own (tiny: qwen3)."),
     preset: str = typer.Option("tiny", "--preset", help="tiny (a few MB; with --arch qwen3_moe: 32 experts, top-4), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b, qwen3-0.6b, qwen3-1.7b or qwen3-30b-a3b (real shapes, random weights)."),
-    seed: int = typer.Option(0, "--seed", help="Weight seed; same seed, same bytes."),
+    seed: int = typer.Option(0, "--seed", help="Weight seed; same seed and --device, same bytes."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty folder."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Number of decoder layers; default: the preset's. Cuts a real shape's depth to fit one device."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the weights are drawn. cuda builds a published shape in seconds, and its generator gives other bytes than the CPU's for the same seed."),
 ) -> None:
     """Write a Hugging Face-format Qwen checkpoint with seeded random weights and a real BPE tokenizer.
 
@@ -29,13 +30,15 @@ def make_model(
       divergence-probe make-model models/tiny
       divergence-probe make-model models/moe --arch qwen3_moe
       divergence-probe make-model models/q7 --preset qwen2.5-7b --layers 4
+      divergence-probe make-model models/a3b --preset qwen3-30b-a3b --device cuda
       divergence-probe compare --model models/q7 --device cuda
     """
     from ..models.modelzoo import make_model as build
 
     try:
         with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):
-            path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite, num_layers=layers)
+            path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite, num_layers=layers,
+                         device=device)
     except ProbeError as e:
         fail(e)
     out.print(f"model: {path}")

@@ -2,7 +2,7 @@
 field's `options.option` metadata its flag, short form and help. A field added to a spec is a new flag of every
 command that takes that spec, with no edit here.
 
-A command lists the fields it takes as `Flag`s (compare and ablate: spec.run.flat_fields; rl: RLSpec's fields;
+A command lists the fields it takes as `Flag`s (compare and ablate: spec.run.flat_fields; rl: spec.rl.RL_FLAGS;
 score: spec.score.SCORE_FLAGS) and `parameters` turns them into the keyword parameters typer reads; the options
 that steer the command line itself, not the run (--out, --fail-if), are declared here once.
 """
@@ -146,11 +146,23 @@ def run_flags(kind: str) -> list[Flag]:
             for component, f, name in flat_fields(kind)]
 
 
-def rl_flags() -> list[Flag]:
-    """The options of rl: every RLSpec field (spec/rl.py)."""
-    from ..spec.rl import RLSpec
+def listed_flags(owners: dict[str, type], table, own: str) -> list[Flag]:
+    """The options of a command whose spec composes parts (`owners`: part -> its class): the fields `table` names,
+    (part, name, help or None), in its order, then any other field of the command's own part `own` (a field added
+    there is a new flag with no edit of the table; a component field of its own, RLSpec's load, is no option)."""
+    found = {(part, f.name): f for part, owner in owners.items() for f in dataclasses.fields(owner)
+             if f.metadata.get("cli", True) and not (part == own and f.name in owners)}
+    listed = {(part, name) for part, name, _ in table}
+    return ([Flag(owners[part], found[part, name], name, None, help_text) for part, name, help_text in table]
+            + [Flag(owners[own], f, name) for (part, name), f in found.items() if part == own
+               and (part, name) not in listed])
 
-    return [Flag(RLSpec, f, f.name) for f in dataclasses.fields(RLSpec)]
+
+def rl_flags() -> list[Flag]:
+    """The options of rl: the RLSpec, LoadSpec and PromptSpec fields spec.rl.RL_FLAGS names, in its order."""
+    from ..spec.rl import PARTS, RL_FLAGS, RLSpec
+
+    return listed_flags({"rl": RLSpec, **PARTS}, RL_FLAGS, "rl")
 
 
 def score_flags() -> list[Flag]:
@@ -159,10 +171,4 @@ def score_flags() -> list[Flag]:
     from ..spec.load import LoadSpec
     from ..spec.score import SCORE_FLAGS, ScoreSpec
 
-    owners = {"score": ScoreSpec, "load": LoadSpec}
-    found = {(part, f.name): f for part, owner in owners.items() for f in dataclasses.fields(owner)
-             if f.metadata.get("cli", True)}
-    listed = {(part, name) for part, name, _ in SCORE_FLAGS}
-    return ([Flag(owners[part], found[part, name], name, None, help_text) for part, name, help_text in SCORE_FLAGS]
-            + [Flag(ScoreSpec, f, name) for (part, name), f in found.items() if part == "score"
-               and (part, name) not in listed])
+    return listed_flags({"score": ScoreSpec, "load": LoadSpec}, SCORE_FLAGS, "score")

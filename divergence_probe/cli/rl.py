@@ -1,5 +1,5 @@
-"""`rl`: an RLSpec from the flags (every option one of its fields: options.rl_flags), run by rl.run with one bar per
-(setting, seed) run, its summary on stdout."""
+"""`rl`: an RLSpec from the flags (every option a field of it or of its parts: options.rl_flags), run by rl.run with one
+bar per (setting, seed) run, its summary on stdout."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from .runner import closing, family_of
 
 
 def rl_command(out_dir: Optional[Path] = None, report: bool = False, **flags) -> None:
-    from .. import rl
     from ..rundir import default_out_dir
+    from ..spec.rl import rl_spec
 
     try:
-        spec = rl.RLSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
-                            or k in ("model", "prompts", "reward")})
+        spec = rl_spec(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items() if v is not None
+                          or k in ("model", "prompts", "reward")})
     except ProbeError as e:
         fail(e)
     rl_run(spec, out_dir or default_out_dir(), report)

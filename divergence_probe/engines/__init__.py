@@ -8,7 +8,7 @@ module and protocol.py are imported.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import import_module
 
 from ..errors import ProbeError
@@ -71,6 +71,51 @@ def knobs_of(infer: str | None = None, train: str | None = None) -> dict:
     return found
 
 
+# Deployment knobs as ablation factors (`--factor SIDE:KEY=VALUE`, spec/knobs.py): a factor is one value of a knob a
+# stack declares, read here against the knobs the registry's stacks declare.
+FACTOR_SIDES = ("engine", "train")
+
+
+@dataclass(frozen=True)
+class Factor:
+    knob: object  # engines.protocol.Knob, as the stack that owns it declares it
+    value: str
+
+    @property
+    def label(self) -> str:
+        """How combinations and the attribution name it: engine:kv_cache_dtype=fp8."""
+        return f"{self.knob.name}={self.value}"
+
+
+def parse_factor(text: str) -> Factor:
+    """'engine:kv_cache_dtype=fp8' -> its Factor; anything else is one line naming what a factor looks like."""
+    name, eq, value = text.strip().partition("=")
+    knobs = knobs_of()
+    if not eq or name not in knobs:
+        side = name.partition(":")[0]
+        hint = f"knobs: {', '.join(knobs)}" if side in FACTOR_SIDES else "a region goes in --regions"
+        raise ProbeError(f"--factor {text.strip()!r} is not SIDE:KEY=VALUE of a known knob ({hint}), e.g. "
+                         "engine:kv_cache_dtype=fp8 or train:kernels=vllm")
+    knob = knobs[name]
+    if value not in knob.values:
+        raise ProbeError(f"--factor {name}={value!r}: {name} takes {', '.join(knob.values)}")
+    return Factor(knob, value)
+
+
+def parse_factors(texts) -> tuple[str, ...]:
+    """--factor's values (repeated, each possibly a comma list) -> the factors' labels, checked, without repeats;
+    two values of one knob cannot both be factors (a combination would set it twice)."""
+    items = [t for text in ([texts] if isinstance(texts, str) else list(texts or ())) for t in text.split(",") if t.strip()]
+    factors = [parse_factor(t) for t in items]
+    seen: dict[str, str] = {}
+    for f in factors:
+        if seen.get(f.knob.name, f.label) != f.label:
+            raise ProbeError(f"--factor {seen[f.knob.name]} and {f.label} set the same knob; ablate one value of a "
+                             "knob at a time")
+        seen[f.knob.name] = f.label
+    return tuple(dict.fromkeys(f.label for f in factors))
+
+
 def capabilities_of(name: str, *, engine: str = "eager", ranks: int = 1):
     """What a stack declares it can do (protocol.Capabilities), before anything loads: what a spec check asks."""
     return stack_class(name, ranks).declare(engine, ranks)
@@ -81,5 +126,5 @@ def get_stack(name: str):
     return stack_class(name)()
 
 
-__all__ = ["STACKS", "SHARDED", "WORKERS", "INFER_STACKS", "TRAIN_STACKS", "capabilities_of", "get_stack", "knobs_of",
-           "register_stack", "stack_class"]
+__all__ = ["STACKS", "SHARDED", "WORKERS", "INFER_STACKS", "TRAIN_STACKS", "Factor", "capabilities_of", "get_stack",
+           "knobs_of", "parse_factor", "parse_factors", "register_stack", "stack_class"]

@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # annotations only: importing the module (the CLI's --help) n
 
 from ..errors import StackError
 from ..options import option
-from ..prompts import Prompt
 from ..taps import Tap, TapKey
+from ..tokenized import Prompt
 
 TapSink = Callable[[int, Tap, "torch.Tensor"], None]
 """sink(prompt_id, tap, tensor): one tap as [tokens, features], or a tuple of taps stacked as [taps, tokens, features]
@@ -130,6 +130,9 @@ class Capabilities:
     tap_meanings: tap -> what the stack's tensor of that name is, where that differs from the trainer's (a quantized
         engine's GEMM outputs, keys bound for an FP8 KV cache); known once the stack's settings are (a loaded stack's
         `capabilities`), and recorded in the manifest beside the taps.
+    own_process: its model runs in a process of its own (an engine worker), so the memory and the time its calls take
+        are that process's, read there (the Metered role); else this process's allocator, resident set and clock
+        measure them.
     """
 
     taps: Mapping[str, str]
@@ -141,6 +144,7 @@ class Capabilities:
     replays_routes: bool = False
     grafts: bool = False
     tap_meanings: Mapping[str, str] = field(default_factory=dict)
+    own_process: bool = False
 
     def __post_init__(self) -> None:  # read-only, as the dataclass is frozen: a declaration is shared
         if self.patch not in (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER):
@@ -244,6 +248,21 @@ class Grafter(Protocol):
     def forward_from(self, start: int, hidden: "torch.Tensor", embeds: "torch.Tensor") -> "torch.Tensor": ...
 
     def lm_head(self, final_norm: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A stack whose model runs in a process of its own (Capabilities.own_process): what the calls made inside the
+    block take, read in that process and set when the block ends."""
+
+    def peak_memory(self) -> AbstractContextManager:
+        """Their peak memory (engines/peak.py PeakMemory, `peak`)."""
+        ...
+
+    def step_time(self) -> AbstractContextManager:
+        """The time its model spent in them, timed where it runs (engines/elapsed.py Elapsed, `seconds`): without
+        the hand-over of their results to this process."""
+        ...
 
 
 # The trainer: what rl and ablate drive beyond the comparison's calls.
@@ -363,6 +382,7 @@ class KernelSet(Protocol):
     """Which ops a trainer's forward runs (`--train-kernels`), as far as a check before loading asks."""
 
     name: str
+    backward: bool  # whether its ops carry gradients: a training step (rl's, remedies' cost step) steps through them
 
     def check(self, device: str) -> None: ...
 
@@ -384,6 +404,8 @@ class StackClass(Protocol):
     owned_args: Mapping[str, str]  # engine args the tool sets itself (or that would make capture wrong), and why
     patches: str  # "module:NAME" of its region patches (region -> patcher, engines/patching.py), imported when it is
     # first patched; "": it takes no region
+    aligns: tuple[str, ...]  # the regions its patches align (the keys of `patches`), declared so that a run asking for
+    # another is refused before anything loads, where importing the patches would import the engine
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities: ...
@@ -465,6 +487,7 @@ class StackPolicy:
     libraries: tuple[str, ...] = ()
     owned_args: Mapping[str, str] = MappingProxyType({})
     patches = ""
+    aligns: tuple[str, ...] = ()
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:

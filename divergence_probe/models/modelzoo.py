@@ -10,7 +10,9 @@ The named presets copy the shapes of published Qwen models, so kernels see the s
     from divergence_probe.models.modelzoo import make_model
     make_model(Path("/tmp/qwen3-tiny"), arch="qwen3", preset="tiny", seed=0)
 
-Same arch, preset and seed give byte-identical files (with the same torch and transformers versions).
+Same arch, preset, seed and device give byte-identical files (with the same torch and transformers versions).
+`device="cuda"` draws the weights on the GPU, by its generator: other bytes than the CPU's for the same seed, in
+seconds where a published shape takes the CPU minutes.
 
 The default model (`default_model_path()`) is not random: it is the `tiny` Qwen3 trained on the Python standard
 library by scripts/train_default_model.py and shipped in data/default_model/ (model card: MODEL.md there).
@@ -34,6 +36,7 @@ ARCHS = ("qwen2", "qwen3")  # the dense archs, which share the `tiny` shape
 MOE_ARCHS = ("qwen3_moe",)  # mixture-of-experts archs: each has its own `tiny` (MOE_TINY)
 MODEL = "model"  # the kind of output a checkpoint folder is marked as (rundir.mark)
 SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed takes
+DEVICES = ("cpu", "cuda")  # where make_model draws the weights; each gives its own bytes for one seed
 BUILD_VERSION = 1  # bump when the weights or tokenizer recipe changes, so cached default models are rebuilt
 
 # arch -> config class in transformers; AutoModelForCausalLM maps each to Qwen2ForCausalLM / Qwen3ForCausalLM /
@@ -301,7 +304,7 @@ def _random_model(config, seed: int, device: str = "cpu"):
     return model
 
 
-def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: int | None) -> None:
+def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: int | None, device: str) -> None:
     """Write config, weights, tokenizer and generation config into the existing directory out_dir."""
     config = make_config(arch=arch, preset=preset, num_layers=num_layers)
     tokenizer = build_tokenizer(model_max_length=config.max_position_embeddings)
@@ -309,8 +312,15 @@ def _write_model(out_dir: Path, arch: str, preset: str, seed: int, num_layers: i
         config.bos_token_id, config.eos_token_id, config.pad_token_id
     ], "config and tokenizer disagree on special-token ids"
     tokenizer.save_pretrained(out_dir)
-    # One shard at any preset size: model.safetensors is what a hub checkpoint of this size ships.
-    _random_model(config, seed).save_pretrained(out_dir, max_shard_size="1000GB")
+    model = _random_model(config, seed, device)
+    if device == "cpu":
+        # One shard at any preset size: model.safetensors is what a hub checkpoint of this size ships.
+        model.save_pretrained(out_dir, max_shard_size="1000GB")
+    else:  # save_pretrained would copy a mixture's experts on the device; this writer copies them to the host
+        from . import get_family
+        from .hub_layout import save_hub_layout
+
+        save_hub_layout(model, out_dir, get_family(arch))
     # safetensors creates its file with mode 0600 whatever the umask; give every file the mode the umask gives
     # (out_dir was made with it), so that a shared cache is readable by everyone who can read the directory.
     mode = out_dir.stat().st_mode & 0o666
@@ -328,7 +338,7 @@ SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "data" / "default_model"
 
 def make_model(
     out_dir: Path, *, arch: str | None = None, preset: str = "tiny", seed: int = 0, overwrite: bool = False,
-    num_layers: int | None = None,
+    num_layers: int | None = None, device: str = "cpu",
 ) -> Path:
     """Build a random-weight checkpoint into out_dir and return out_dir.
 
@@ -338,6 +348,8 @@ def make_model(
     complete, even if the build fails or is interrupted.
     num_layers replaces the preset's number of decoder layers (None: the preset's), e.g. to see how a cost
     scales with depth; every other size stays the preset's.
+    device (DEVICES) is where the weights are drawn: "cuda" draws them on the GPU, by its generator, so the bytes
+    differ from the CPU's for the same seed, and writes them through the host in shards (hub_layout.py).
     """
     from ..rundir import mark, marked, refuse_link  # here: rundir imports pandas; default_model_path() must not
 
@@ -347,7 +359,13 @@ def make_model(
     if not SEEDS[0] <= seed <= SEEDS[1]:
         raise ModelError(f"--seed {seed} is outside the seeds torch takes ({SEEDS[0]} to {SEEDS[1]}); pass a smaller "
                          "seed")
-    _check_fits(out_dir, arch, preset, num_layers)
+    if device not in DEVICES:
+        raise ModelError(f"--device {device!r}; choose {' or '.join(DEVICES)}")
+    if device == "cuda":
+        from ..environment import resolve_device
+
+        resolve_device(device)  # refuses a machine whose torch sees no CUDA GPU
+    _check_fits(out_dir, arch, preset, num_layers, device)
     if out_dir.exists():
         if not out_dir.is_dir():
             raise OutputError(f"{out_dir} is a file; choose a directory path")
@@ -369,7 +387,7 @@ def make_model(
     old = None
     try:
         try:
-            _write_model(tmp, arch, preset, seed, num_layers)
+            _write_model(tmp, arch, preset, seed, num_layers, device)
             mark(tmp, MODEL)
         except Exception as e:
             reason = _os_error(e)
@@ -402,34 +420,41 @@ def make_model(
     return out_dir
 
 
-def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None) -> None:
-    """Refuse, before anything is allocated, a build this machine cannot finish: the weights in bfloat16 (safetensors
-    writes them from the tensors' own memory, no copy) and the libraries' allowance against the available RAM, the
-    weights again against the disk's free space. The parameters are counted on a one-layer config scaled to the depth: a config of
-    a billion layers would itself take gigabytes."""
+def _check_fits(out_dir: Path, arch: str, preset: str, num_layers: int | None, device: str) -> None:
+    """Refuse, before anything is allocated, a build this machine cannot finish: the weights in bfloat16 against the
+    free memory of the device that draws them (on the CPU with the libraries' allowance; safetensors writes them from
+    the tensors' own memory, no copy), a GPU build's host copy of one shard and the libraries against the available
+    RAM, and the weights again against the disk's free space. The parameters are counted on a one-layer config scaled
+    to the depth: a config of a billion layers would itself take gigabytes."""
     from dataclasses import replace
 
-    from .size import CPU_RUNTIME, ENV, ModelSize, device_memory
+    from . import get_family
+    from .hub_layout import SHARD_BYTES
+    from .size import CPU_RUNTIME, ENV, ModelSize, device_memory, gib
 
     one = make_config(arch=arch, preset=preset, num_layers=1)
     depth = _shape(arch, preset).num_hidden_layers if num_layers is None else num_layers
-    size = replace(ModelSize.of(one.to_dict()), layers=depth)
+    size = replace(ModelSize.of(one.to_dict(), get_family(arch)), layers=depth)
     weights = 2 * size.parameters_from_config(bool(one.tie_word_embeddings), arch == "qwen2")
-    available, _, source = device_memory("cpu")
     what = f"{preset} with {depth} layers" if num_layers is not None else preset
-    if weights + CPU_RUNTIME > available:
-        raise ModelError(f"building {what} needs about {_gib(weights + CPU_RUNTIME)} of RAM (its bfloat16 weights and "
-                         f"the libraries), and {_gib(available)} is available ({source}); choose a smaller --preset or "
-                         f"fewer --layers, or run on a machine with more memory ({ENV}=BYTES if the count is wrong)")
+    fix = f"choose a smaller --preset or fewer --layers, or run on a machine with more memory ({ENV}=BYTES if the " \
+          "count is wrong)"
+    if device != "cpu":
+        free, _, source = device_memory(device)
+        if weights > free:
+            raise ModelError(f"building {what} on {device} needs about {gib(weights)} of its memory (the bfloat16 "
+                             f"weights), and {gib(free)} is free ({source}); {fix}")
+    host = weights if device == "cpu" else min(weights, SHARD_BYTES)  # a GPU build copies one shard at a time
+    available, _, source = device_memory("cpu")
+    if host + CPU_RUNTIME > available:
+        held = "its bfloat16 weights" if device == "cpu" else "one shard of its weights"
+        raise ModelError(f"building {what} needs about {gib(host + CPU_RUNTIME)} of RAM ({held} and the libraries), "
+                         f"and {gib(available)} is available ({source}); {fix}")
     parent = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     free = shutil.disk_usage(parent).free
     if weights > free:
-        raise OutputError(f"{what}'s weights take about {_gib(weights)} on disk, and {parent} has {_gib(free)} free; "
+        raise OutputError(f"{what}'s weights take about {gib(weights)} on disk, and {parent} has {gib(free)} free; "
                           "free space on that disk or choose another path")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _os_error(e: BaseException) -> str | None:

@@ -38,16 +38,16 @@ class ModelSize:
     expert_intermediate: int = 0  # one expert's intermediate size
 
     @classmethod
-    def of(cls, config: dict, tensors: dict | None = None) -> "ModelSize":
-        """`tensors`: checkpoint.checkpoint_tensors(folder) (name -> Tensor with a shape); None: counted from the
-        config (a shape without files, for the benchmark's larger shapes). The taps and the MLP's width come from the
-        model's family: a mixture of experts' per-token MLP is its top-k experts (`intermediate` = top_k x one
-        expert's width), its router_logits tap one feature per expert."""
+    def of(cls, config: dict, family, tensors: dict | None = None) -> "ModelSize":
+        """`family`: the model's (models.get_family of its model_type), given by the caller, who has it, so that sizing
+        a model needs no family registry. `tensors`: checkpoint.checkpoint_tensors(folder) (name -> Tensor with a
+        shape); None: counted from the config (a shape without files, for the benchmark's larger shapes). The taps and
+        the MLP's width come from the family: a mixture of experts' per-token MLP is its top-k experts (`intermediate`
+        = top_k x one expert's width), its router_logits tap one feature per expert."""
         from types import SimpleNamespace
 
-        from . import dims, get_family
+        from .base import dims
 
-        family = get_family(config.get("model_type", "qwen2"))
         sizes = dims(SimpleNamespace(**config))
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
 import torch
 
 from .. import timings
+from ..home import cache_home
 from .metrics import diff_sums
 
 _compiled = None  # the compiled diff_sums, while compiling works
@@ -39,6 +41,15 @@ def backend() -> str | None:
 
 def diff_sums_of_groups(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([diff_sums(test, ref) for test, ref in zip(tests, refs)])
+
+
+def saved_reductions(options: dict):
+    """This process's saved reductions (numerics/reduction_cache.py), in reduction/ of the tool's cache folder."""
+    from . import metrics
+    from .reduction_cache import Saved
+
+    return Saved(diff_sums_of_groups, options, PATTERN_LIMIT, cache_home() / "reduction",
+                 (sys.modules[__name__], metrics), metrics._BLOCK)
 
 
 def _compile():
@@ -57,7 +68,7 @@ def _compile():
     (torch's precompile refused, or the saved function's guards refuse a call)."""
     import torch._inductor.config as inductor_config
 
-    from .reduction_cache import PAST_LIMIT, Saved
+    from .reduction_cache import PAST_LIMIT
 
     if hasattr(inductor_config, "deterministic"):
         options = {"deterministic": True}
@@ -67,7 +78,7 @@ def _compile():
         description = ("torch.compile (inductor; kernel configs timed per process: GPU sums may differ in the "
                        "last bits between runs)")
     compiled = torch.compile(diff_sums_of_groups, dynamic=True, options=options)
-    saved = Saved(diff_sums_of_groups, options, PATTERN_LIMIT)
+    saved = saved_reductions(options)
     dynamo = torch._dynamo.config
     # suppress_errors (set globally by some libraries) may not be on together with fail_on_recompile_limit_hit
     limits = ({"recompile_limit": PATTERN_LIMIT, "fail_on_recompile_limit_hit": True, "suppress_errors": False}

@@ -27,25 +27,18 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import torch
-
-from ..home import cache_home
-from . import metrics
 
 FORMAT = 1  # of the file: a line of the key as JSON, then torch's serialized function
 PAST_LIMIT = "past the limit"  # what a Saved gives for a pattern past its limit of patterns per process
 
 
-def cache_dir() -> Path:
-    """The folder of this machine's saved reductions."""
-    return cache_home() / "reduction"
-
-
-def source_digest(function) -> str:
-    """The reduction's code: the module of the traced function and metrics.py, whose functions it calls."""
+def source_digest(modules: tuple[ModuleType, ...]) -> str:
+    """The reduction's code: the modules its traced function comes from and calls into."""
     digest = hashlib.sha256()
-    for module in (inspect.getmodule(function), metrics):
+    for module in modules:
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()
 
@@ -60,22 +53,26 @@ def _device(device: torch.device) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def _layout(t: torch.Tensor) -> list:
+def _layout(t: torch.Tensor, block: int) -> list:
     """What of a tensor's shape the compiled function specializes on (dynamic sizes, save 0 and 1, and the branches
-    of metrics.diff_sums), with its dtype and whether it is contiguous."""
+    of metrics.diff_sums on rows and widths in `block`s), with its dtype and whether it is contiguous."""
     row = t.numel() // len(t) if len(t) else 0
-    return [str(t.dtype), [min(size, 2) for size in t.shape], row % metrics._BLOCK == 0,
-            t.shape[-1] % metrics._BLOCK == 0, t.is_contiguous()]
+    return [str(t.dtype), [min(size, 2) for size in t.shape], row % block == 0, t.shape[-1] % block == 0,
+            t.is_contiguous()]
 
 
 class Saved:
-    """The saved functions of one reduction in this process: each pattern's, loaded or compiled at its first call.
+    """The saved functions of one reduction in this process: each pattern's, loaded or compiled at its first call,
+    kept in `folder`. `sources`: the modules of the function's code; `block`: the row length metrics.diff_sums
+    branches on.
 
     What the key takes from the process (torch, the source, Inductor's configuration) is read once, at the first
     call, the way the plain compiled function fixes them at its first call too."""
 
-    def __init__(self, function, options: dict, limit: int):
+    def __init__(self, function, options: dict, limit: int, folder: Path, sources: tuple[ModuleType, ...],
+                 block: int):
         self.function, self.options, self.limit = function, options, limit
+        self.folder, self.sources, self.block = folder, sources, block
         self.fixed: dict | None = None
         self.patterns: dict[tuple, object] = {}  # (device, layouts) -> the function, or None where torch could not
 
@@ -83,12 +80,13 @@ class Saved:
         """The precompiled function for this pattern; None where torch's precompile failed; PAST_LIMIT for a new
         pattern past `limit` (the plain compiled function, which compiles only what this lets through, is then at
         most at the same count)."""
-        pattern = (str(tests[0].device), json.dumps([[_layout(t) for t in tests], [_layout(r) for r in refs]]))
+        layouts = [[_layout(t, self.block) for t in tests], [_layout(r, self.block) for r in refs]]
+        pattern = (str(tests[0].device), json.dumps(layouts))
         if pattern not in self.patterns:
             if len(self.patterns) >= self.limit:
                 return PAST_LIMIT
-            key_ = self.key(tests, refs)
-            self.patterns[pattern] = load(key_) or compile_and_save(self.function, tests, refs, key_, self.options)
+            key = self.key(tests, refs)
+            self.patterns[pattern] = self.load(key) or self.compile_and_save(tests, refs, key)
         return self.patterns[pattern]
 
     def key(self, tests: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
@@ -98,47 +96,44 @@ class Saved:
 
             config = repr(sorted(inductor_config.save_config_portable().items()))
             self.fixed = {"format": FORMAT, "torch": torch.__version__, "python": sys.version,
-                          "source": source_digest(self.function), "options": self.options,
+                          "source": source_digest(self.sources), "options": self.options,
                           "inductor_config": hashlib.sha256(config.encode()).hexdigest()}
-        return {**self.fixed, "device": _device(tests[0].device), "tests": [_layout(t) for t in tests],
-                "refs": [_layout(r) for r in refs]}
+        return {**self.fixed, "device": _device(tests[0].device), "tests": [_layout(t, self.block) for t in tests],
+                "refs": [_layout(r, self.block) for r in refs]}
 
+    def path(self, key: dict) -> Path:
+        return self.folder / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".bin")
 
-def _path(key_: dict) -> Path:
-    return cache_dir() / (hashlib.sha256(json.dumps(key_, sort_keys=True).encode()).hexdigest() + ".bin")
+    def load(self, key: dict):
+        """The saved function for this key, or None (absent, another key, unreadable)."""
+        try:
+            with open(self.path(key), "rb") as f:
+                if json.loads(f.readline()) != key:
+                    return None
+                fn = torch.compiler.load_compiled_function(f)
+        except Exception:  # absent, truncated, corrupt, or saved by a torch that reads it otherwise: compile anew
+            return None
+        fn.disable_guard_check()  # checked by the caller, which goes to the plain compiled function when they refuse
+        return fn
 
-
-def load(key_: dict):
-    """The saved function for this key, or None (absent, another key, unreadable)."""
-    path = _path(key_)
-    try:
-        with open(path, "rb") as f:
-            if json.loads(f.readline()) != key_:
-                return None
-            fn = torch.compiler.load_compiled_function(f)
-    except Exception:  # absent, truncated, corrupt, or saved by a torch that reads it otherwise: compile anew
-        return None
-    fn.disable_guard_check()  # checked by the caller, which goes to the plain compiled function when they refuse
-    return fn
-
-
-def compile_and_save(function, tests: list[torch.Tensor], refs: list[torch.Tensor], key_: dict, options: dict):
-    """Compile `function` for this pattern and keep it for later processes; None where torch's precompile cannot
-    (the caller compiles as before). A cache folder that cannot be written only costs the saving."""
-    try:
-        fn = torch.compile(function, dynamic=True, fullgraph=True, options=options).aot_compile(((tests, refs), {}))
-    except Exception:  # precompile refuses this function or this torch: the plain compiled path serves it
-        return None
-    fn.disable_guard_check()
-    path, tmp = _path(key_), None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(json.dumps(key_, sort_keys=True).encode() + b"\n")
-            tmp.write(type(fn).serialize(fn).serialized_data)
-        os.replace(tmp.name, path)  # whole or not at all: a process reading it meanwhile sees the old file or none
-    except Exception:  # a read-only or full disk, a function torch cannot serialize: this process still has it
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp.name)
-    return fn
+    def compile_and_save(self, tests: list[torch.Tensor], refs: list[torch.Tensor], key: dict):
+        """Compile the function for this pattern and keep it for later processes; None where torch's precompile
+        cannot (the caller compiles as before). A folder that cannot be written only costs the saving."""
+        try:
+            fn = torch.compile(self.function, dynamic=True, fullgraph=True,
+                               options=self.options).aot_compile(((tests, refs), {}))
+        except Exception:  # precompile refuses this function or this torch: the plain compiled path serves it
+            return None
+        fn.disable_guard_check()
+        path, tmp = self.path(key), None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+                tmp.write(json.dumps(key, sort_keys=True).encode() + b"\n")
+                tmp.write(type(fn).serialize(fn).serialized_data)
+            os.replace(tmp.name, path)  # whole or not at all: a reader meanwhile sees the old file or none
+        except Exception:  # a read-only or full disk, a function torch cannot serialize: this process still has it
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp.name)
+        return fn

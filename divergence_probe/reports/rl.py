@@ -72,7 +72,8 @@ def _setup(manifest: dict | None, rows: pd.DataFrame) -> list[str]:
         return [runs, "no manifest: the run did not finish, so its settings beyond these were not recorded"]
     if not isinstance(spec, dict):
         return [runs, "the manifest records no spec (a run made before rl runs recorded theirs)"]
-    get = lambda key: spec.get(key)  # noqa: E731
+    parts = [*(spec.get(part) for part in ("load", "prompts")), spec]  # its load's fields, its prompts', rl's own
+    get = lambda key: next((part[key] for part in parts if isinstance(part, dict) and key in part), None)  # noqa: E731
     items = [runs]
     if isinstance(model, dict):
         items.append(f"model `{model.get('spec') or model.get('path')}` ({model.get('arch')}, "

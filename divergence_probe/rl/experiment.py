@@ -42,10 +42,10 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
     out_dir = Path(out_dir)
     load_reward(spec.reward)  # a bad plug-in, prompt file or engine arg fails in seconds, before the engine starts
     prompt_hashes = {}  # what rerun checks before it replays the run on prompt files of the user's
-    if spec.prompts is not None:
-        read_prompt_sources(Path(spec.prompts))
-        prompt_hashes = {"prompt_files_sha256": file_hashes(Path(spec.prompts))}
-    if probe is None and spec.engine_args:
+    if spec.prompts.prompts is not None:
+        read_prompt_sources(spec.prompts.path)
+        prompt_hashes = {"prompt_files_sha256": file_hashes(spec.prompts.path)}
+    if probe is None and spec.load.engine_args:
         from ..engines import capabilities_of, stack_class
 
         settings = load_spec(spec)

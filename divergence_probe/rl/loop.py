@@ -38,8 +38,7 @@ from __future__ import annotations
 import random
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -102,21 +101,17 @@ def check_route_roles(load, *, replays: bool) -> None:
 def load_spec(spec: RLSpec):
     """The LoadSpec of rl's probe: the run's settings, with the engine knobs its settings turn (all the same)."""
     from ..spec.knobs import applied
-    from ..spec.load import LoadSpec
 
-    load = LoadSpec(model=spec.model, device=spec.device, dtype="bfloat16", engine=spec.engine,
-                    engine_args={**spec.engine_args, **ENGINE_ARGS}, seed=spec.seed, train_precision=spec.train_precision,
-                    train_kernels=spec.train_kernels, allow_untested_versions=spec.allow_untested_versions)
-    return applied(load, spec.engine_knobs)
+    return applied(replace(spec.load, engine_args={**spec.load.engine_args, **ENGINE_ARGS}), spec.engine_knobs)
 
 
 def prompt_pool(spec: RLSpec, tokenizer, max_model_len: int) -> list[tuple[str, tuple[int, ...]]]:
     """(text, token ids) of every prompt a step may draw; each leaves room for --max-new-tokens."""
-    if spec.prompts is not None:  # the compare command's prompt files: .txt, .jsonl (chat rendered), or a folder
+    if spec.prompts.prompts is not None:  # the compare command's prompt files: .txt, .jsonl (chat rendered), a folder
         from ..prompts import load_prompts
 
         # no context limit there: its message would name compare's --max-prompt-tokens; rl's own check is below
-        prompts = load_prompts(Path(spec.prompts), tokenizer, max_model_len=2**62)
+        prompts = load_prompts(spec.prompts.path, tokenizer, max_model_len=2**62)
         pool = [(p.source, p.text, p.token_ids) for p in prompts]
     else:
         pool = [(repr(t), t, tuple(tokenizer(t)["input_ids"])) for t in PROMPTS]
@@ -266,7 +261,7 @@ class Loop:
         """The trainer of a setting: the run's own, or, for another train:precision, one on a training stack loaded
         beside it (once; closed by `close`)."""
         precision = arm.value("train:precision")
-        if precision is None or precision == self.spec.train_precision:
+        if precision is None or precision == self.spec.load.train_precision:
             return self._own
         if precision not in self.precisions:
             view = self.probe.with_trainer(train_precision=precision)

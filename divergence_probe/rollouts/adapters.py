@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .formats import EXPORT_FORMATS
 from .record import Rollout, RolloutError, field, logprobs, mask, same_length, token_ids
 
 
@@ -140,8 +141,7 @@ ADAPTERS = {
                    lambda p, r, lps, g: {"prompt_ids": p, "completion_ids": r, "sampling_per_token_logps": lps,
                                          "group": g}),
 }
-FORMATS = ("auto", *ADAPTERS, "generic")
-EXPORT_FORMATS = (*ADAPTERS, "generic")  # the layouts a generate-mode run writes its rollouts.jsonl in
+FORMATS = ("auto", *EXPORT_FORMATS)
 
 
 def export_row(fmt: str, prompt: list, response: list, lps: list, group) -> dict:

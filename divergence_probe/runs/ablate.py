@@ -10,7 +10,7 @@ every other option are the same in every run, so the runs differ in the aligned 
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -18,14 +18,14 @@ from pathlib import Path
 import pandas as pd
 
 from .batch_invariance import NoiseEngines
+from .combination import configured, needs_worker, start_worker, trainer_configured
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .progress import Progress, phase
 from .loading import engine_settings_for
 from .reference import reference_arm
-from .engine_align import aligned_probe, needs_engine_build, stacks_for  # noqa: F401 (stacks_for: API)
+from .engine_align import stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
-from ..engines import stack_class
 from ..engines.patching import aligned
 from ..numerics.shapley import DISAGREE, EFFECT, METRICS, OTHER_METRIC, SHARE, attribution, bootstrap_intervals, \
     combo_name, disagree, effect, per_prompt, subsets
@@ -139,68 +139,6 @@ def combo_spec(spec: RunSpec, combo) -> RunSpec:
     return spec.combination(combo)
 
 
-ENGINE_FIELDS = ("engine", "engine_args")  # LoadSpec fields a factor changes on the engine (knobs.py)
-
-
-def _engine_changed(probe, step: RunSpec) -> bool:
-    return any(getattr(step.load, f) != getattr(probe.config, f) for f in ENGINE_FIELDS)
-
-
-def _engine_settings(probe, step: RunSpec):
-    """The probe's engine settings (as its memory plan made them) with the combination's engine factors."""
-    return engine_settings_for(probe.config, probe.settings, step)
-
-
-
-
-
-def _needs_worker(probe, step: RunSpec, side: str) -> bool:
-    return _engine_changed(probe, step) or needs_engine_build(probe, step.align.regions, side)
-
-
-def _worker(probe, step: RunSpec):
-    """A started engine worker for a combination: its factors' engine settings, its engine-side regions."""
-    from ..regions import patched
-
-    regions = patched(step.align.regions) if step.align.side != "train" else ()
-    return stack_class(probe.config.infer).for_settings(_engine_settings(probe, step), regions).start()
-
-
-@contextmanager
-def _configured(probe, step: RunSpec, worker):
-    """The probe a combination runs on: its trainer factors (the kernel set swapped in place, another precision
-    loaded beside) and its engine factors (an engine built in a worker), with its regions aligned."""
-    side = step.align.side
-    with ExitStack() as stack:
-        view = trainer_configured(probe, step, stack)
-        if _engine_changed(probe, step):
-            worker = worker or _worker(probe, step)
-            stack.callback(worker.close)
-            worker.wait_ready()
-            view = replace(view, infer=worker, owns_infer=False, settings=_engine_settings(probe, step))
-            stack.enter_context(aligned([view.train] if side != "infer" else [], step.align.regions))
-            yield view
-            return
-        yield stack.enter_context(aligned_probe(view, step.align.regions, side, worker))
-
-
-def trainer_configured(probe, step: RunSpec, stack: ExitStack):
-    """The probe with a combination's trainer factors: the kernel set swapped in place (undone by `stack`), another
-    precision loaded beside the run's own trainer (closed by `stack`)."""
-    view = probe
-    if step.load != probe.config:
-        view = replace(probe, config=step.load)
-    train_changes = {f: getattr(step.load, f) for f in ("train_precision",)
-                     if getattr(step.load, f) != getattr(probe.config, f)}
-    if train_changes:  # another trainer, loaded beside the run's own for this combination
-        view = probe.with_trainer(**train_changes, train_kernels=step.load.train_kernels)
-        view = replace(view, config=step.load)
-        stack.callback(view.train.close)
-    elif step.load.train_kernels != probe.config.train_kernels:
-        stack.enter_context(probe.train.kernels_used(step.load.train_kernels))
-    return view
-
-
 def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> AblationRun:
     players = spec.ablate.players
     combos = subsets(players)
@@ -214,12 +152,12 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
     if ahead is None:
         ahead = 1 if probe.settings.device == "cpu" else 0
     steps = [spec.combination(combo) for combo in combos]
-    builds = [_needs_worker(probe, step, side) for step in steps]
+    builds = [needs_worker(probe, step, side) for step in steps]
     started: dict[int, object] = {}
 
     def start(i: int) -> None:
         if i < len(steps) and builds[i] and i not in started:
-            started[i] = _worker(probe, steps[i])
+            started[i] = start_worker(probe, steps[i])
 
     noise_engines = NoiseEngines(probe.config.infer)  # --engine-noise: one eager engine serves every combination
     arm = ExitStack()  # --reference: one reference stack serves every combination
@@ -230,7 +168,7 @@ def run_ablation(probe, spec: RunSpec, progress: Progress | None = None) -> Abla
                 start(j)
             phase(progress, f"combination {combo_name(combo, players)} ({i + 1}/{len(combos)})",
                   offset=done_before, scale=len(combos))
-            with _configured(probe, step, started.pop(i, None)) as view:
+            with configured(probe, step, started.pop(i, None)) as view:
                 runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
                                           noise_engines=noise_engines, reference=reference)
             done_before += len(runs[combo].prompts)

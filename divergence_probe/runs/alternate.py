@@ -28,9 +28,9 @@ from .progress import Progress, phase
 from ..engines import stack_class
 from ..engines.kept import KeptEngine, KeptNoise, KeptOutputs, Recording, RecordingNoise
 from ..engines.patching import aligned
-from ..environment import environment
 from ..numerics.shapley import subsets
 from ..prompts import batches
+from ..versions import environment
 from ..spec.run import RunSpec
 
 

@@ -17,14 +17,14 @@ from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
-from ..environment import environment, resolve_device, resolve_train_device, same_device
+from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory
 from ..models.source import ModelSource, resolve_model
 from ..prompts import Prompt, load_prompts
 from ..quiet import libraries_quieted
 from ..spec.load import LoadSpec
-from ..spec.run import RunSpec, check_family
+from ..spec.run import RunSpec, check_family, stacks_beside
 from ..engines import stack_class
 from ..engines.protocol import Stack, StackSettings, freeze_engine_args
 
@@ -276,8 +276,8 @@ def load_prepared(prepared: Prepared, loaded: type[LoadedStacks]) -> LoadedStack
         train.close()
         raise
     load_peak = int(torch.cuda.max_memory_allocated()) if settings.device == "cuda" else None
-    return loaded(cfg, source, settings, infer, train, tokenizer, environment(settings.device), memory_plan=plan,
-                  load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
+    return loaded(cfg, source, settings, infer, train, tokenizer, versions.environment(settings.device),
+                  memory_plan=plan, load_peak_bytes=load_peak, placement=prepared.placement, checked=prepared.checked,
                   prompts=prepared.prompts)
 
 
@@ -301,7 +301,7 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
     train_device = resolve_train_device(cfg.train_device, cfg.device)
     apart = not same_device(train_device, settings.device)  # the trainer on a device of its own: planned apart
     train_free, train_total, train_source = device_memory(train_device) if apart else (0, 0, "")
-    size = ModelSize.of(source.config, checkpoint_tensors(source.path))
+    size = ModelSize.of(source.config, source.family, checkpoint_tensors(source.path))
     if plan_for is not None:
         lengths = tuple(len(p.token_ids) for p in prompts[1])
         tap_names, g = plan_for.capture.tap_names, plan_for.generate
@@ -325,7 +325,8 @@ def _planned(cfg: LoadSpec, source: ModelSource, settings: StackSettings, plan_f
         tensor_parallel=engine.ranks,
         train_amp=cfg.train_precision == "amp", train_device=train_device if apart else None, train_tp=cfg.train_tp,
         train_free_bytes=train_free, train_free_source=train_source,
-        engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise)
+        engine_passes=_engine_passes(plan_for), engine_noise=plan_for is not None and plan_for.capture.engine_noise,
+        beside=stacks_beside(plan_for), cost_step=plan_for is not None and plan_for.kind == "remedies")
     plan, why = memory_plan.placed(inputs, cfg.placement, can_alternate)
     plan = memory_plan.check(plan)
     memory_plan.enforce_cap(plan, total)

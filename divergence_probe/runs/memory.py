@@ -3,7 +3,7 @@ when it does not fit.
 
     from divergence_probe.models.size import ModelSize
     from divergence_probe.runs.memory import PlanInputs, plan
-    size = ModelSize.of(config, checkpoint_tensors(folder))  # config.json + safetensors headers: no tensor is read
+    size = ModelSize.of(config, family, checkpoint_tensors(folder))  # config.json + safetensors headers only
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=frozenset({"resid_out"}), prompt_lengths=(512, 700), ...))
     p.batch_tokens, p.kv_cache_bytes, p.reduction_chunk_elements, p.needed, p.fits
 
@@ -50,6 +50,8 @@ FRAGMENTATION = 0.10  # the caching allocator rounds and splits blocks: share of
 # compiled on the CPU, one fused loop per row, nothing of the pair's size.
 REDUCTION_TEMP_BYTES = {"eager": 48.0, "compiled-cuda": 0.875, "compiled-cpu": 0.0}
 CHUNKS = (1 << 28, 1 << 26, 1 << 24, 1 << 22)  # elements per reduction call, tried in this order when unchunked fails
+# remedies' arms that load stacks beside the shipped ones: the terms of what they hold (_remedies_terms)
+ARM_TERMS = {"fp16": ("arm_fp16_trainer", "arm_fp16_engine"), "train_amp": ("arm_train_amp_trainer",)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,8 @@ class PlanInputs:
     alternate: bool = False
     engine_passes: int = 1  # runs of the engine over every prompt: an ablation's engine-side combinations
     engine_noise: bool = False  # --engine-noise: the engine's scores of every sequence, and the other engine's
+    beside: tuple[str, ...] = ()  # remedies: the arms that load stacks beside the shipped ones (spec.run.stacks_beside)
+    cost_step: bool = False  # remedies: each side's step timed on one batch, the trainer's backward among them
 
     def record(self) -> dict:
         """The inputs for the manifest; the free memory is the plan's `free` (the machine's state, not the run's)."""
@@ -265,7 +269,26 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
+    _remedies_terms(i, batch_tokens, terms, kv, train)
     return terms, kv, train
+
+
+def _remedies_terms(i: PlanInputs, batch_tokens: int, terms: dict[str, int], kv: int, train: dict | None) -> None:
+    """A remedies run's terms: its cost step (a forward with grad over one batch, its logits, their FP32 log-softmax and
+    both grads, a grad per weight) and the arms that load stacks beside (_with_arms: fp16's trainers and engine, its KV
+    budget as planned, profile run and process; train_amp's FP32 trainer, casts and kernel floor's trainer)."""
+    m, b, floor, trainer = i.model, i.dtype_bytes, int(i.noise_floor), terms if train is None else train
+    if i.cost_step:  # kept for the backward, per token and layer, as transformers' Qwen layers keep them:
+        top_k = m.intermediate // m.expert_intermediate if m.experts else 0  # the copies a mixture dispatches
+        saved = (4 * m.intermediate + 6 * m.q_width + 4 * m.kv_width + (7 + top_k) * m.hidden  # the MLP's 4 widths,
+                 + (3 * (m.q_width + m.kv_width) if m.qk_norm else 0)) * m.layers * b  # q/k/v, RoPE, norms in FP32
+        trainer["cost_forward_backward"] = batch_tokens * (saved + m.vocab * (b + 16)) + m.parameters * b
+    if "fp16" in i.beside:
+        trainer["arm_fp16_trainer"] = m.parameters * 2 + floor * m.parameters * max(0, 2 - b)
+        terms["arm_fp16_engine"] = (terms["infer_weights"] * 2 // b + kv + terms["engine_profile_activations"]
+                                    + (CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME))
+    if "train_amp" in i.beside:
+        trainer["arm_train_amp_trainer"] = m.parameters * (4 + b) + floor * m.parameters * (4 - b)
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
@@ -310,7 +333,13 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False) -> dict[str, tupl
                              + t["reduction_temporaries"] + t.get("train_amp_weight_casts", 0)),
     } | ({"noise_floor": (train_weights, train_kv + t.get("train_amp_weight_casts", 0)
                           + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"])}
-         if "noise_floor_second_trainer" in t else {})
+         if "noise_floor_second_trainer" in t else {}) | _cost_phase(t, train_weights, train_kv
+                                                                   + t.get("train_amp_weight_casts", 0))
+
+
+def _cost_phase(t: dict[str, int], weights: int, held: int) -> dict:
+    """remedies' cost step where the trainer's device holds it (cost_forward_backward), beside `weights` and `held`."""
+    return {"cost_step": (weights, held + t["cost_forward_backward"])} if "cost_forward_backward" in t else {}
 
 
 def _train_phases(t: dict[str, int]) -> dict[str, int]:
@@ -320,7 +349,7 @@ def _train_phases(t: dict[str, int]) -> dict[str, int]:
         + t["runtime_allowance"] + t["fragmentation_allowance"]
     return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]} | (
         {"noise_floor": fixed + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"]}
-        if "noise_floor_second_trainer" in t else {})
+        if "noise_floor_second_trainer" in t else {}) | {k: fixed + w + r for k, (w, r) in _cost_phase(t, 0, 0).items()}
 
 
 def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> MemoryPlan:
@@ -332,9 +361,17 @@ def _evaluate(i: PlanInputs, batch_tokens: int, chunk: int | None, **extra) -> M
     phases = {phase: weights + rest + terms["runtime_allowance"] + int(share * rest)
               for phase, (weights, rest) in tensors.items()}
     terms["fragmentation_allowance"] = int(share * tensors[max(phases, key=phases.get)][1])  # at the plan's peak
-    apart = {} if train is None else {"train_terms": train, "train_phases": (tp := _train_phases(train)),
+    phases = _with_arms(phases, terms, i.beside)
+    apart = {} if train is None else {"train_terms": train,
+                                      "train_phases": (tp := _with_arms(_train_phases(train), train, i.beside)),
                                       "train_needed": max(tp.values())}
     return MemoryPlan(i, batch_tokens, kv, chunk, terms, phases, max(phases.values()), **apart, **extra)
+
+
+def _with_arms(phases: dict[str, int], terms: dict[str, int], beside: tuple[str, ...]) -> dict[str, int]:
+    """One more phase per arm that loads stacks beside (remedies): it runs a whole compare with them held."""
+    return phases | {f"arm_{arm}": max(phases.values()) + sum(terms.get(n, 0) for n in names) for arm, names in ARM_TERMS.items()
+                     if arm in beside and any(terms.get(n) for n in names)}
 
 
 def _batch_candidates(i: PlanInputs) -> list[int]:
@@ -468,6 +505,10 @@ def check(p: MemoryPlan) -> MemoryPlan:
         options.append("a machine with more memory (or --device cuda)")
     else:
         options.append("a GPU with more free memory" + ("" if i.train_device else " (or --train-device cuda:1)"))
+    if i.beside:  # remedies' arms that load stacks beside the shipped ones
+        fits = _first_fit(replace(i, beside=()), [p.batch_tokens] if i.batch_tokens_fixed else _batch_candidates(i))
+        options.insert(0, f"--arms without {','.join(i.beside)} (the stacks they load beside the shipped ones; "
+                          f"without them the run {'fits' if fits else 'still does not fit'})")
     options.append(f"a larger {ENV}" if source == ENV else f"{ENV}=BYTES if {source} is wrong")
     whose = ("" if i.train_device is None else " (the engine's device)") if engine else " (--train-device)"
     whose += " with one stack at a time (--placement alternate)" if i.alternate else ""

@@ -147,10 +147,10 @@ def after_ablate(spec, attribution, family=None) -> Step | None:
                       if r.region in spec.ablate.regions and getattr(r, EFFECT) == REMOVES)
     if not helped or not _can(family, "rl"):
         return None
-    from ..spec.rl import RLSpec
+    from ..spec.rl import rl_spec
 
-    return _rl_step(lambda: RLSpec(model=spec.load.model, device=spec.load.device, setting=("none", helped),
-                                   side="train"), f"whether aligning {helped} in the trainer changes training", family)
+    return _rl_step(lambda: rl_spec(model=spec.load.model, device=spec.load.device, setting=("none", helped),
+                                    side="train"), f"whether aligning {helped} in the trainer changes training", family)
 
 
 def after_score(call, load, summary: dict) -> Step | None:

@@ -13,7 +13,6 @@ comparison and ablation on that model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import import_module
 from pathlib import Path
 from typing import Callable
 
@@ -28,10 +27,6 @@ from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family, flat_fields, spec_from_flat
 
 LoadConfig = LoadSpec  # the name of earlier releases
-# The kinds that run many compares on one probe, by their runner ("module:function"), imported when such a run runs: a
-# compare needs neither, and each runner brings the modules of its own arms.
-RUNNERS = {"ablate": "divergence_probe.runs.ablate:run_ablation",
-           "remedies": "divergence_probe.runs.remedies:run_remedies"}
 
 
 @dataclass
@@ -56,9 +51,16 @@ class Probe(LoadedStacks):
 
     def _run(self, spec: RunSpec, progress: Progress | None):
         self.infer.begin_run()  # the manifest's captured-logits gap describes this run alone
-        if spec.kind in RUNNERS:
-            module, name = RUNNERS[spec.kind].split(":")
-            return getattr(import_module(module), name)(self, spec, progress)
+        # The kinds that run many compares on one probe are imported when such a run runs: a compare needs neither,
+        # and each brings the modules of its own arms.
+        if spec.kind == "ablate":
+            from .ablate import run_ablation
+
+            return run_ablation(self, spec, progress)
+        if spec.kind == "remedies":
+            from .remedies import run_remedies
+
+            return run_remedies(self, spec, progress)
         from .engine_align import aligned_probe
 
         with aligned_probe(self, spec.align.regions, spec.align.side) as probe:

@@ -1,7 +1,7 @@
 """remedies: which change to make, and what it costs. Every candidate remedy (an arm) runs as its own compare on the
 same prompts beside the stacks as shipped, with its own noise floors; its change of the mismatch gets a paired
-bootstrap interval over prompts, and its cost (the time and peak memory each side's step adds) is measured in this
-process on the same loaded stacks. Arms whose interval holds zero are "no detectable effect" and are not ranked.
+bootstrap interval over prompts, and its cost (the time and peak memory each side's step adds) is measured on the
+same loaded stacks, each side in the process that runs it. Arms whose interval holds zero are "no detectable effect" and are not ranked.
 
     run = probe.run(spec_from_flat("remedies", load=probe.config, arms="aligned_both,fp32_layers"))
     run.table            # remedies.csv: one row per arm, run or not (and why not)
@@ -17,8 +17,6 @@ expert ids alone against ids plus the engine's combine weights, paired with each
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,19 +25,24 @@ from typing import Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from .ablate import _configured
+from .combination import configured
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
+from .memory import is_out_of_memory
 from .progress import Progress, phase
+from ..engines.elapsed import Elapsed
+from ..engines.peak import PeakMemory
 from ..errors import ProbeError, StackError
 from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
 from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
 from ..numerics.shapley import METRICS, NO_INTERVAL, SHIPPED, bootstrap, effect, per_prompt
 from ..numerics.tables import NOISE_FLOORS, largest_noise_floor
 from ..spec.knobs import applied
+from ..spec.remedies import fp16_refusal
 from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
 
 TRAINER, ENGINE, BOTH = "trainer only", "engine setting", "both"
+SCORING = f"{TRAINER}, scoring side: cannot train"  # `needs` of a trainer arm whose kernel set has no backward
 SIDES = ("train_forward", "train_forward_backward", "engine_step")  # the steps whose cost is timed, per arm
 NUMERIC = ("rope", "swiglu", "rmsnorm")  # the published alignment: what a dense layer has of them, aligned
 
@@ -90,10 +93,9 @@ def _factor(label: str):
 
 
 def _fp16(base: RunSpec, family) -> RunSpec:
-    if base.load.dtype == "float16":
-        raise NotRun("the run is FP16 already")
-    if base.load.train_precision == "amp":
-        raise NotRun("--train-precision amp autocasts to --dtype; FP16 here would change two things at once")
+    refusal = fp16_refusal(base.load)
+    if refusal:
+        raise NotRun(refusal)
     return replace(base, load=replace(base.load, dtype="float16"))
 
 
@@ -105,7 +107,7 @@ def _fp8_off(base: RunSpec, family) -> RunSpec:
            if knob.side == "engine" and knob.field == "engine_args" and "fp8" in str(args.get(knob.key, ""))}
     if not fp8:
         raise NotRun("the engine runs no FP8 (no kv_cache_dtype or quantization in --engine-args): nothing to turn "
-                     "off; FP8 in vLLM needs a GPU")
+                     "off" + ("" if base.load.device == "cuda" else "; FP8 in vLLM needs a GPU"))
     return replace(base, load=replace(base.load, engine_args={k: v for k, v in base.load.engine_args.items()
                                                               if k not in fp8}))
 
@@ -174,47 +176,40 @@ def divergent_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tup
 
 
 # ---------------------------------------------------------------------------------------------- cost
-class _PeakMemory:
-    """The peak of the memory this process holds above where it was when the block began: the CUDA allocator's own
-    peak on a GPU; on the CPU the resident set, sampled by a thread (torch's CPU allocator hands large blocks back
-    to the system, so the resident set follows what a step holds)."""
+@contextmanager
+def _measured(stack, device: str) -> Iterator[tuple[PeakMemory, Elapsed]]:
+    """Where a side's step is measured: in the stack's own process when it runs in one (an engine worker, declared in
+    its capabilities: its peak memory there, and its own clock around the engine's call, so the hand-over of the
+    results to this process is no part of the step), else in this one, on `device`. The peak's reset and read stay
+    outside the timed step."""
+    own = stack.capabilities().own_process
+    with (stack.peak_memory() if own else PeakMemory(device).measuring() as peak,
+          stack.step_time() if own else Elapsed(device).timing() as clock):
+        yield peak, clock
 
-    def __init__(self, device: str) -> None:
-        self.device, self.peak = device, float("nan")
 
-    @contextmanager
-    def measuring(self) -> Iterator[None]:
+def _untrained(load) -> str | None:
+    """Why the trainer `load` configures cannot take a training step (its kernel set declares no backward: a backward
+    through its ops raises nothing, it stops at the first one, so its time would be no step's), or None."""
+    from ..engines import stack_class
+    from ..spec.load import SHIPPED_KERNELS
+
+    if load.train_kernels == SHIPPED_KERNELS or stack_class(load.train).kernel_set(load.train_kernels).backward:
+        return None
+    return f"--train-kernels {load.train_kernels}: its ops carry no gradients: rl refuses this set"
+
+
+def _release(device: str) -> None:
+    """What a closed arm's stacks (or the shipped run's temporaries) left in this process goes back to the device, so
+    that the next arm's stacks, and an engine starting in another process, find it free: vLLM checks at start-up
+    that its share of the GPU is free, and memory this process's allocator keeps cached is not."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
         import torch
 
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            yield
-            torch.cuda.synchronize(self.device)
-            self.peak = float(torch.cuda.max_memory_allocated(self.device) - before)
-            return
-        before, high, done = _resident(), [0], threading.Event()
-
-        def sample() -> None:
-            while not done.wait(0.002):
-                high[0] = max(high[0], _resident())
-
-        watcher = threading.Thread(target=sample, daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            done.set()
-            watcher.join()
-            self.peak = float(max(high[0], _resident()) - before)
-
-
-def _resident() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        torch.cuda.empty_cache()
 
 
 def _forward(view, prompts) -> None:
@@ -261,52 +256,40 @@ STEPS = {"train_forward": _forward, "train_forward_backward": _forward_backward,
 
 def measure_cost(view, prompts, repeats: int, steps=STEPS) -> dict:
     """Each side's step on one batch of `prompts` (a batch as each side groups them), timed `repeats` times after one
-    untimed warm-up: {side}_s (median), {side}_spread_s (max - min over the repeats), {side}_peak_bytes (the largest
-    peak above the start, trainer sides; the engine allocates from its own pool, often in its own process, so its peak
-    is not read here), and train_weights_bytes (what the trainer holds). A step the arm cannot run (a kernel set
-    without a backward) is NaN, its reason under {side}_note."""
-    row: dict = {}
+    untimed warm-up, where the side runs: {side}_s (median), {side}_spread_s (max - min over the repeats),
+    {side}_peak_bytes (the largest peak above the step's start), engine_step_timed_in (`worker`: an engine in a worker
+    process timed there, `process`: in this one), trains (whether the trainer can take a training step), and
+    train_weights_bytes (what the trainer holds). A side the arm cannot run (the forward and backward of a kernel set
+    without a backward, a sharded trainer's sides) is never run: NaN, its reason under {side}_note."""
+    untrained = _untrained(view.config)
+    skipped = {"train_forward_backward": untrained} if untrained else {}
+    if view.config.train_tp > 1:  # its model is not in this process
+        skipped = dict.fromkeys(("train_forward", "train_forward_backward"), "a sharded trainer runs in worker processes")
+    row: dict = {"engine_step_timed_in": "worker" if view.infer.capabilities().own_process else "process",
+                 "trains": untrained is None}
     train_device = str(next(view.train.model.parameters()).device) if view.config.train_tp == 1 else "cpu"
     for side, run_step in steps.items():
-        group = (view.infer if side == "engine_step" else view.train).batch_groups(prompts)[0]
-        sync = _synchronizer(view.settings.device if side == "engine_step" else train_device)
-        times, peaks = [], []
-        try:
-            if side != "engine_step" and view.config.train_tp > 1:
-                raise NotRun("a sharded trainer runs in worker processes")
-            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
-            for _ in range(repeats):
-                peak = _PeakMemory(train_device)
-                sync()
-                start = time.perf_counter()
-                if side == "engine_step":
-                    run_step(view, group)
-                else:
-                    with peak.measuring():
-                        run_step(view, group)
-                sync()
-                times.append(time.perf_counter() - start)
-                peaks.append(peak.peak)
-        except (RuntimeError, NotImplementedError, NotRun) as e:  # e.g. a kernel set with no backward
-            from ..errors import one_line
-
-            row[f"{side}_note"] = one_line(e, 120)
+        engine = side == "engine_step"
+        stack, device = (view.infer, view.settings.device) if engine else (view.train, train_device)
+        group = stack.batch_groups(prompts)[0]
+        if side in skipped:
+            row[f"{side}_note"] = skipped[side]
             times, peaks = [float("nan")], [float("nan")]
+        else:
+            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
+            times, peaks = [], []
+            for _ in range(repeats):
+                with _measured(stack, device) as (peak, clock):
+                    run_step(view, group)
+                times.append(clock.seconds)
+                peaks.append(peak.peak)
         row[f"{side}_s"] = statistics.median(times)
         row[f"{side}_spread_s"] = max(times) - min(times)
-        row[f"{side}_peak_bytes"] = max(peaks) if side != "engine_step" else float("nan")
+        row[f"{side}_peak_bytes"] = max(peaks)
     row["train_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in
                                            (*view.train.model.parameters(), *view.train.model.buffers()))) \
         if view.config.train_tp == 1 else float("nan")
     return row
-
-
-def _synchronizer(device: str) -> Callable[[], None]:
-    import torch
-
-    if device.startswith("cuda"):
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def _pooled(first: dict, last: dict) -> dict:
@@ -320,6 +303,7 @@ def _pooled(first: dict, last: dict) -> dict:
                                       abs(values[0] - values[1]))
         row[f"{side}_peak_bytes"] = max(first[f"{side}_peak_bytes"], last[f"{side}_peak_bytes"])
     row["train_weights_bytes"] = first["train_weights_bytes"]
+    row["engine_step_timed_in"] = first["engine_step_timed_in"]
     return row
 
 
@@ -386,24 +370,46 @@ def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]
                                                                             _regions_of(probe.source.family, NUMERIC)))
             yield probe
         else:
-            yield stack.enter_context(_configured(probe, step, None))
+            yield stack.enter_context(configured(probe, step, None))
 
 
 def _fp16_view(probe, step: RunSpec, stack: ExitStack):
     """Both stacks in the arm's dtype: another trainer, and another engine (in a worker process where the stack builds
     one there, as vLLM, whose CPU backend hosts one engine per process; else beside the first in this process)."""
     from ..engines import stack_class
-    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
 
     view = probe.with_trainer(dtype=step.load.dtype)
     stack.callback(view.train.close)
-    settings = replace(engine_settings_for(probe.config, probe.settings, step), dtype=TORCH_DTYPES[step.load.dtype])
     kind = stack_class(probe.config.infer)
-    settings = engine_settings(settings)
+    settings = _fp16_engine_settings(probe, step)
     engine = kind.for_settings(settings, () if kind.workers else None)  # vLLM's CPU backend: one engine a process
-    stack.callback(engine.close)
+    stack.callback(engine.close)  # a worker that fails to start, or an arm that fails, stops its process
+    _release(probe.settings.device)  # the trainer's load temporaries: the engine's start checks its share is free
     engine.load(settings)
     return replace(view, infer=engine, owns_infer=False, settings=replace(view.settings, dtype=settings.dtype))
+
+
+def _fp16_engine_settings(probe, step: RunSpec):
+    """The FP16 engine's settings: the shipped engine's as the memory plan made them, in the arm's dtype. On a GPU
+    they hold the plan's KV budget and the engine's share of the device (kv_cache_memory_bytes,
+    gpu_memory_utilization), which a second engine needs to start beside the first: the plan counts it (arm_fp16)."""
+    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
+
+    return engine_settings(replace(engine_settings_for(probe.config, probe.settings, step),
+                                   dtype=TORCH_DTYPES[step.load.dtype]))
+
+
+def _arm_failed(error: Exception, device: str) -> str:
+    """Why an arm that failed once loaded is not run: a stack that refuses it (a seam this version moved), or no room
+    on the device for what it loads or runs (the shipped run and the other arms are kept). Anything else is raised."""
+    if isinstance(error, StackError):
+        return str(error)
+    if not is_out_of_memory(error):
+        raise error
+    from ..errors import one_line
+
+    return (f"out of {device} memory while the arm ran ({type(error).__name__}: {one_line(error, 160)}); its stacks "
+            "were closed and the other arms ran. Try it alone (--arms), or a lower --batch-tokens")
 
 
 def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, steps=STEPS) -> RemediesRun:
@@ -431,12 +437,13 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
             continue
         phase(progress, f"arm {name} ({i + 1}/{len(chosen)})", offset=done, scale=scale)
         arm_layers = layers if name == "fp32_layers" else ()
+        _release(probe.settings.device)  # the shipped run's or the last arm's: its stacks are closed by now
         try:
             with _arm_view(probe, step, arm_layers) as view:
                 runs[name] = run_compare(view, step, progress, done_before=done, total_scale=scale)
                 costs[name] = measure_cost(view, shipped.prompts, options.cost_repeats, steps)
-        except StackError as e:  # a stack that refuses the arm once loaded (a seam this version moved)
-            reasons[name] = str(e)
+        except Exception as e:
+            reasons[name] = _arm_failed(e, probe.settings.device)
             runs.pop(name, None)
             continue
         done += len(shipped.prompts)
@@ -447,6 +454,7 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
             records[name]["align"] |= {"regions": list(_regions_of(family, NUMERIC)), "side": "train"}
             records[name]["layers"] = list(arm_layers)
             records[name]["layer_choice"] = choice
+    _release(probe.settings.device)
     shipped_cost = _pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))
     table = remedies_table(runs, costs, shipped_cost, reasons, chosen, options, spec.load.seed)
     section = {"metric": options.metric, "bootstrap": options.bootstrap, "ci_level": options.ci_level,
@@ -454,7 +462,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
                "not_run": reasons, "fp32_layers": {"k": options.fp32_layers, "layers": list(layers),
                                                    "choice": choice},
                "cost": {"device": probe.settings.device, "sides": list(SIDES),
-                        "shipped": "measured before the arms and again after them"}}
+                        "shipped": "measured before the arms and again after them",
+                        "shipped_engine_step_timed_in": shipped_cost["engine_step_timed_in"]}}
     manifest = build_manifest("remedies", shipped.manifest, {"remedies": section}, spec=spec.to_dict())
     return RemediesRun(spec, shipped, runs, table, manifest)
 
@@ -510,6 +519,8 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
                     "paired_ci_high": ci.get(key, (float("nan"),) * 2)[1],
                     "paired_effect": effect(*ci[key]) if key in ci else NO_INTERVAL}
         cost = costs[name]
+        if not cost["trains"]:  # its effect is the scoring forward's; the step that trains runs as shipped
+            row["needs"] = SCORING
         for side in SIDES:
             row[f"{side}_s"] = cost[f"{side}_s"]
             row[f"{side}_spread_s"] = cost[f"{side}_spread_s"]
@@ -518,7 +529,9 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
             row[f"{side}_peak_added_bytes"] = cost[f"{side}_peak_bytes"] - shipped_cost[f"{side}_peak_bytes"]
             if f"{side}_note" in cost:
                 row[f"{side}_note"] = cost[f"{side}_note"]
+        row["engine_step_timed_in"] = cost["engine_step_timed_in"]
         row["train_weights_added_bytes"] = cost["train_weights_bytes"] - shipped_cost["train_weights_bytes"]
+        # the sides the arm has: one that cannot train adds nothing to the step that trains, which runs as shipped
         row["step_added_s"] = float(np.nansum([row[f"{side}_added_s"] for side in SIDES]))
         rows.append(row)
     return ranked(pd.DataFrame(rows))

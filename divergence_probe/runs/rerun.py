@@ -165,22 +165,22 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
-    from ..spec.rl import BUILT_IN_REWARDS, RLSpec
+    from ..spec.rl import BUILT_IN_REWARDS, RLSpec, regrouped
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "
                          "`command` instead")
-    spec = recorded(RLSpec, manifest["spec"], "spec")
-    _check_engine_args(spec.engine_args, DEFAULT_INFER, "spec.engine_args", allowed, where)
+    spec = recorded(RLSpec, regrouped(manifest["spec"]), "spec")
+    _check_engine_args(spec.load.engine_args, DEFAULT_INFER, "spec.load.engine_args", allowed, where)
     if spec.reward is not None and spec.reward not in BUILT_IN_REWARDS:
         raise ProbeError(f"{where} sets spec.reward to the plug-in {spec.reward!r}, Python code rerun does not import "
                          "from a run folder; if you trust whoever made it, run "
                          f"`{shlex.join(rl_command_line(spec))}` yourself")
-    if spec.prompts is not None:
-        path = Path(spec.prompts)
+    if spec.prompts.prompts is not None:
+        path = spec.prompts.path
         if path.exists() and not (path.is_dir() or path.is_file()):
-            raise ProbeError(f"{where}: spec.prompts {path} is not a file or folder (a pipe or device would block or "
-                             "never end); point it at the prompt files the run used")
+            raise ProbeError(f"{where}: spec.prompts.prompts {path} is not a file or folder (a pipe or device would "
+                             "block or never end); point it at the prompt files the run used")
         section = manifest.get("rl")
         want = section.get("prompt_files_sha256") if isinstance(section, dict) else None
         if not isinstance(want, dict):
@@ -273,20 +273,21 @@ class RecordedRun:
 def describe_rl(spec, out_dir) -> list[str]:
     """What rerun is about to run for an rl run folder, in lines for the console."""
     argv = rl_command_line(spec) + (["--out", str(out_dir)] if out_dir is not None else [])
-    return [f"rerun: rl of model {spec.model or 'builtin:default'} ({len(spec.settings)} setting(s) x "
-            f"{spec.seeds} seed(s), {spec.steps} steps, engine {spec.engine}, on {spec.device})",
-            f"  engine args: {json.dumps(spec.engine_args, sort_keys=True) if spec.engine_args else 'none'}",
+    load = spec.load
+    return [f"rerun: rl of model {load.model or 'builtin:default'} ({len(spec.settings)} setting(s) x "
+            f"{spec.seeds} seed(s), {spec.steps} steps, engine {load.engine}, on {load.device})",
+            f"  engine args: {json.dumps(load.engine_args, sort_keys=True) if load.engine_args else 'none'}",
             f"  same as: {shlex.join(argv)}"]
 
 
 def rl_command_line(spec) -> list[str]:
     """The rl command line of an RLSpec: the flags that differ from their defaults (a tuple: the flag repeated, as
     --setting is given)."""
-    plain = type(spec)()
+    plain, values = type(spec)().options(), spec.options()
     argv = ["divergence-probe", "rl"]
-    for f in fields(spec):
-        value = getattr(spec, f.name)
-        if value == getattr(plain, f.name):
+    for f in spec.option_fields():
+        value = values[f.name]
+        if value == plain[f.name]:
             continue
         for item in value if isinstance(value, tuple) else (value,):
             argv += _flag_words(f, item)

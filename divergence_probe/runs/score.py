@@ -246,10 +246,10 @@ def load_scorer(spec: LoadSpec, infer: str | None, check=None) -> Scorer:
     """The training stack alone (and the engine `infer` for its prefill, through divergence_probe.load). `check(source,
     tokenizer)` runs before any stack loads, so a file that does not fit the model fails in seconds."""
     from ..engines import torch_state
-    from ..environment import environment, resolve_device
+    from ..environment import resolve_device
     from ..models.source import resolve_model
     from .loading import load_stacks, stack_settings, train_settings, stack_for
-    from ..versions import check as check_versions
+    from ..versions import check as check_versions, environment
 
     check_versions(stack_class(infer).libraries if infer else (), spec.allow_untested_versions)  # before any load
     if infer is not None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engines import parse_factors
 from ..errors import ProbeError
 from ..numerics.shapley import METRICS
-from ..options import check_finite, option
+from ..options import option
 from ..regions import ALL_REGIONS, REGIONS, parse_regions
-from .fields import _choice
-from .knobs import parse_factors
+from .fields import _choice, check_finite
 
 SIDES = ("both", "train", "infer")
 # Each bootstrap resample recomputes the metric of every combination (2^k of them) from per-prompt sums, in this

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ProbeError
-from ..options import check_finite, option
-from .fields import _choice
-from ..taps import ALL_TAPS, parse_tap_selection
+from ..options import option
+from .fields import _choice, check_finite
+from ..tap_selection import parse_tap_selection
+from ..taps import ALL_TAPS
 
 REFERENCES = ("float64", "float32")  # --reference (numerics/reference.py: PRECISIONS)
 

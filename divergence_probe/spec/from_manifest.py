@@ -3,7 +3,7 @@ anyone may have edited."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Mapping
 
 from ..errors import ProbeError
@@ -84,11 +84,13 @@ def _typed(value, hint, where: str, flag: str):
 
 
 def _build(cls, values, where: str):
-    """One component of a recorded spec, every field checked (see RunSpec.from_dict)."""
+    """One component of a recorded spec, every field checked (see RunSpec.from_dict); a field that is a component of
+    its own (RLSpec's load) is built as one."""
     known = {f.name: f for f in fields(cls)}
     values = _fields_of(values, known, where)
     hints = _hints(cls)
-    typed = {name: _typed(value, hints[name], f"{where}.{name}", flag_of(known[name])) for name, value in values.items()}
+    typed = {name: _build(hints[name], value, f"{where}.{name}") if is_dataclass(hints[name])
+             else _typed(value, hints[name], f"{where}.{name}", flag_of(known[name])) for name, value in values.items()}
     try:
         return cls(**typed)
     except ProbeError as e:

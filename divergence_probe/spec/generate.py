@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from ..engines.protocol import SamplingSpec
 from ..errors import ProbeError
-from ..options import check_finite, option
-from ..rollouts.adapters import EXPORT_FORMATS
-from .fields import _choice
+from ..options import option
+from ..rollouts.formats import EXPORT_FORMATS
+from .fields import _choice, check_finite
 
 MODES = ("prefill", "generate")
 # Upper bounds of the sampling counts, shared with rl (its group and its responses): each sample is a request held

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ..errors import ProbeError
 from ..numerics.shapley import METRICS
-from ..options import check_finite, option
+from ..options import option
+from .fields import check_finite
 
 # The candidate arms, by name: what each changes is runs/remedies.py's ARMS (the published claim it tests, what it
 # needs, how its compare is made). Listed here so that the flag's help and its check need no torch.
@@ -17,6 +18,18 @@ ARM_NAMES = ("aligned_both", "aligned_trainer", "lm_head", "fp32_layers", "fp16"
 # mistyped repeat count from running for hours, where the spread of a few repeats is already what the table needs.
 MAX_COST_REPEATS = 50
 MAX_BOOTSTRAP = 10_000  # as ablate's (spec/align.py): each draw recomputes every arm's change from per-prompt sums
+# The arms that load stacks beside the shipped ones for their compare, and what: the memory plan counts them
+# (runs/memory.py) so that a run they cannot fit is refused before anything loads.
+LOADS_BESIDE = {"fp16": "a trainer and an engine in FP16", "train_amp": "a trainer with FP32 weights"}
+
+
+def fp16_refusal(load) -> str | None:
+    """Why the fp16 arm cannot run on this load, or None: it would change nothing, or two things at once."""
+    if load.dtype == "float16":
+        return "the run is FP16 already"
+    if load.train_precision == "amp":
+        return "--train-precision amp autocasts to --dtype; FP16 here would change two things at once"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

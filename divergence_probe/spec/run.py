@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of, stack_class
+from ..engines import capabilities_of, parse_factor, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -26,10 +26,10 @@ from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
-from .knobs import applied, parse_factor
+from .knobs import applied
 from .load import SHIPPED_KERNELS, LoadSpec
 from .prompts import PromptSpec
-from .remedies import RemediesSpec
+from .remedies import LOADS_BESIDE, RemediesSpec, fp16_refusal
 
 
 COMPONENTS = {"load": LoadSpec, "prompts": PromptSpec, "capture": CaptureSpec, "generate": GenerateSpec,
@@ -111,6 +111,7 @@ class RunSpec:
         if self.kind == "ablate" and self.align.regions:
             raise ProbeError("ablate aligns every subset of --regions itself; drop --align")
         regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        self._check_aligns(regions)
         if self.load.train_kernels != SHIPPED_KERNELS:
             stack_class(self.load.train).kernel_set(self.load.train_kernels).check_regions(regions, self.align.side)
         if "lm_head" in regions and self.align.side != "both" and (
@@ -166,6 +167,23 @@ class RunSpec:
     def _graft_features(self) -> list[str]:
         return [feature for feature, on in (("--graft", self.capture.graft), ("--depth", self.capture.depth)) if on]
 
+    def _check_aligns(self, regions) -> None:
+        """Each region patched on a stack is one its class declares it aligns (StackClass.aligns): refused here, in one
+        line, before anything loads, rather than by the stack's patches once it is loaded."""
+        flag = "--regions" if self.kind == "ablate" else "--align"
+        for side in ("infer", "train"):
+            if self.align.side not in (side, "both"):
+                continue
+            name = getattr(self.load, side)
+            cls = stack_class(name)
+            missing = [r for r in patched(regions) if r not in cls.aligns]
+            if missing:
+                other = "train" if side == "infer" else "infer"
+                raise ProbeError(f"{', '.join(missing)} cannot be aligned on {cls.title or name} (--{side} {name}), which "
+                                 f"aligns {', '.join(cls.aligns) or 'no region'}; leave "
+                                 f"{'them' if len(missing) > 1 else 'it'} out of {flag}, or align on the other stack "
+                                 f"alone (--side {other})")
+
     def _check_trainer(self) -> None:
         """What the trainer refuses (its Capabilities: one sharded over processes, engines/hf/tensor_parallel.py, runs
         no single op and takes no patch here), in one line."""
@@ -215,6 +233,26 @@ def remedies_capture(load: LoadSpec) -> CaptureSpec:
     readable = READING_TAP not in capabilities_of(load.infer, engine=load.engine).not_captured() \
         and load.train_precision != "amp"
     return CaptureSpec(taps=READING_TAP if readable else "none", batch_invariance=True)
+
+
+def stacks_beside(spec: "RunSpec | None") -> tuple[str, ...]:
+    """The arms of a remedies run that will load stacks beside the shipped ones (LOADS_BESIDE), those this load does
+    not refuse: what its memory plan counts on top of the shipped stacks."""
+    if spec is None or spec.kind != "remedies":
+        return ()
+    beside = []
+    for arm in LOADS_BESIDE:
+        if arm not in spec.remedies.chosen:
+            continue
+        if arm == "fp16" and fp16_refusal(spec.load) is None:
+            beside.append(arm)
+        elif arm == "train_amp":
+            try:
+                check_factor("train:precision=amp", spec.load)  # the arm's own check (runs/remedies.py _factor)
+                beside.append(arm)
+            except ProbeError:
+                pass
+    return tuple(beside)
 
 
 def _resolved_device(device: str) -> str:

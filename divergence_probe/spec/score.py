@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ProbeError
-from ..options import check_finite, option
+from ..options import option
 from ..rollouts.adapters import FORMATS, parse_fields
+from .fields import check_finite
 from .generate import GenerateSpec
 from .load import DEFAULT_INFER
 

@@ -68,8 +68,8 @@ def test_rl_counts_are_bounded(flags, message, tmp_path):
 def test_rl_engine_args_are_refused_before_vllm_is_imported_naming_rls_own_flags(args, message, tmp_path):
     """The keys rl sets itself are refused when the spec is made, in a process that never imports vLLM, and the
     line names no flag of compare's that rl does not have."""
-    code = ("import sys, json\nfrom divergence_probe.spec.rl import RLSpec\nfrom divergence_probe.errors import "
-            f"ProbeError\ntry:\n    RLSpec(engine_args={args!r})\nexcept ProbeError as e:\n    print(json.dumps("
+    code = ("import sys, json\nfrom divergence_probe.spec.rl import rl_spec\nfrom divergence_probe.errors import "
+            f"ProbeError\ntry:\n    rl_spec(engine_args={args!r})\nexcept ProbeError as e:\n    print(json.dumps("
             "[str(e), 'vllm' in sys.modules]))\n")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=300)

@@ -29,7 +29,7 @@ def _spec_flags(name: str) -> set[str]:
     from divergence_probe.spec.score import SCORE_FLAGS, ScoreSpec
 
     if name == "rl":
-        return {flag_of(f) for f in dataclasses.fields(RLSpec)}
+        return {flag_of(f) for f in RLSpec.option_fields()}
     if name == "score":
         load = {f.name: f for f in dataclasses.fields(LoadSpec)}
         return ({flag_of(f) for f in dataclasses.fields(ScoreSpec) if f.metadata.get("cli", True)}
@@ -72,3 +72,39 @@ def test_a_run_spec_field_added_is_an_option_of_compare_and_ablate(monkeypatch):
     for kind in ("compare", "ablate"):
         added = [p for p in options.parameters(options.run_flags(kind)) if p.name == "added_knob"]
         assert [p.default.rich_help_panel for p in added] == ["Capture"]
+
+
+def test_rl_takes_its_model_engine_trainer_and_prompt_options_from_the_shared_parts():
+    """RLSpec declares none of the fields of the specs it composes: rl's model, engine and trainer options are a
+    LoadSpec's fields and --prompts a PromptSpec's, made into flags as score's are; the manifest records them nested
+    and a rerun reads back the same spec."""
+    import json
+
+    from divergence_probe.cli import options
+    from divergence_probe.spec.from_manifest import recorded
+    from divergence_probe.spec.load import LoadSpec
+    from divergence_probe.spec.prompts import PromptSpec
+    from divergence_probe.spec.rl import PARTS, RLSpec, rl_spec
+
+    shared = {f.name for part in (LoadSpec, PromptSpec) for f in dataclasses.fields(part)}
+    assert not ({f.name for f in dataclasses.fields(RLSpec)} - set(PARTS)) & shared  # `prompts`: the PromptSpec itself
+    owners = {flag.name: flag.owner for flag in options.rl_flags()}
+    assert {name for name, owner in owners.items() if owner is LoadSpec} == {
+        "model", "device", "engine", "engine_args", "seed", "train_precision", "train_kernels", "allow_untested_versions"}
+    assert owners["prompts"] is PromptSpec and owners["steps"] is RLSpec
+    spec = rl_spec(steps=3, seed=5, engine_args='{"max_num_seqs": 4}', setting=("none", "rope"))
+    assert (spec.load.seed, spec.load.engine_args, spec.seed_list) == (5, {"max_num_seqs": 4}, (5,))
+    assert recorded(RLSpec, json.loads(json.dumps(spec.to_dict())), "spec") == spec
+
+
+def test_an_rl_spec_recorded_flat_by_an_earlier_release_reads_back_as_the_same_spec():
+    """Before RLSpec was composed of its parts, the manifest recorded rl's options side by side: rerun regroups them."""
+    import json
+
+    from divergence_probe.spec.from_manifest import recorded
+    from divergence_probe.spec.rl import RLSpec, regrouped, rl_spec
+
+    spec = rl_spec(steps=2, seed=7, device="cpu", prompts=None, setting=("none", "rope"), train_precision="amp")
+    flat = json.loads(json.dumps(spec.options()))  # what asdict of the flat RLSpec wrote: its fields were the options
+    assert recorded(RLSpec, regrouped(flat), "spec") == spec
+    assert regrouped(spec.to_dict()) == spec.to_dict()

@@ -14,10 +14,10 @@ import pytest
 
 from divergence_probe.engines import SHARDED, STACKS, TRAIN_STACKS, WORKERS, stack_class
 from divergence_probe.engines.kept import KeptEngine, KeptOutputs, Recording
-from divergence_probe.engines.protocol import (Capabilities, Grafter, RouteRecorder, RouteReplayer, Stack, StackInfo,
-                                               Trainer)
+from divergence_probe.engines.protocol import (Capabilities, Grafter, Metered, RouteRecorder, RouteReplayer, Stack,
+                                               StackInfo, Trainer)
 
-ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder}
+ROLES = {"grafts": Grafter, "replays_routes": RouteReplayer, "records_routes": RouteRecorder, "own_process": Metered}
 
 
 def _members(protocol: type) -> tuple[dict[str, object], set[str]]:
@@ -158,3 +158,12 @@ def test_the_patches_a_registered_class_names_are_patchers_of_known_regions(name
     patches = patches_of(name)
     assert set(patches) <= set(REGIONS) and all(callable(patch) for patch in patches.values())
     assert bool(patches) == bool(stack_class(name).patches)
+
+
+@pytest.mark.parametrize("name, ranks, worker", _registered())
+def test_every_registered_class_declares_the_regions_its_patches_align(name, ranks, worker):
+    """`aligns` is what a run is checked against before anything loads (spec/run.py), the patches what aligns once
+    loaded: the two say the same, in every variant of the class."""
+    from divergence_probe.engines.patching import patches_of
+
+    assert set(stack_class(name, ranks, worker=worker).aligns) == set(patches_of(name))

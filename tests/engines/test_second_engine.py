@@ -90,6 +90,27 @@ def test_what_the_engine_declares_it_cannot_do_is_one_line_before_it_loads(secon
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command, flags", [("compare", ["--align", "rope", "--side", "infer"]),
+                                            ("ablate", ["--regions", "rope,swiglu", "--side", "both"])])
+def test_a_region_the_engine_does_not_align_is_one_line_before_anything_loads(second, command, flags, tmp_path,
+                                                                               monkeypatch):
+    """The engine declares the regions it aligns (SecondStack.aligns: swiglu); a run asking it for another is refused
+    by the spec, before the model is resolved or either stack loads, not by the engine's patches once loaded."""
+    from divergence_probe.engines.hf.trainer import HFStack
+    from divergence_probe.runs import loading
+
+    monkeypatch.setattr(loading, "resolve_model", lambda *a, **k: pytest.fail("the model was resolved"))
+    monkeypatch.setattr(SecondStack, "load", lambda self, settings: pytest.fail("the engine loaded"))
+    monkeypatch.setattr(HFStack, "load", lambda self, settings: pytest.fail("the trainer loaded"))
+    out = tmp_path / "refused"
+    result = cli(command, *second, *flags, "--taps", "none", "--out", out)
+    flag = "--regions" if command == "ablate" else "--align"
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: rope cannot be aligned on the second engine (--infer second), which aligns swiglu; leave it out of "
+        f"{flag}, or align on the other stack alone (--side train)")
+    assert not out.exists()
+
+
 def test_a_model_the_engine_cannot_run_is_one_line_before_anything_loads(second, qwen3_moe_tiny, tmp_path,
                                                                           monkeypatch):
     from divergence_probe.engines.hf.trainer import HFStack

@@ -19,6 +19,7 @@ from divergence_probe.runs import capture as capture_module
 from divergence_probe.numerics import fused
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.measured import CountingCapture
+from divergence_probe.models import get_family
 from divergence_probe.models.size import parse_bytes
 from divergence_probe.runs.capture import TapPairing
 from divergence_probe.models.checkpoint import checkpoint_tensors
@@ -36,7 +37,7 @@ QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18
 
 
 def inputs(**changes) -> PlanInputs:
-    base = dict(model=ModelSize.of(QWEN25_7B), dtype_bytes=2, taps=frozenset(ModelSize.of(QWEN25_7B).tap_widths()),
+    base = dict(model=ModelSize.of(QWEN25_7B, get_family("qwen2")), dtype_bytes=2, taps=frozenset(ModelSize.of(QWEN25_7B, get_family("qwen2")).tap_widths()),
                 prompt_lengths=(900,) * 32, batch_tokens=8192, batch_tokens_fixed=False, max_model_len=8192,
                 device="cuda", free_bytes=141 * 10**9, free_source="test")
     return PlanInputs(**(base | changes))
@@ -81,7 +82,7 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
     assert len(counting.batches) > 1  # several batches: the plan must pick the largest, not the sum
     from divergence_probe.engines import stack_class
 
-    size = ModelSize.of(probe.source.config, checkpoint_tensors(probe.source.path))
+    size = ModelSize.of(probe.source.config, probe.source.family, checkpoint_tensors(probe.source.path))
     engine = stack_class(probe.config.infer).plan(probe.settings, size=size)  # what the memory plan asks of it
     p = plan(PlanInputs(model=size, dtype_bytes=2, taps=taps, prompt_lengths=tuple(len(q.token_ids) for q in prompts),
                         batch_tokens=40, batch_tokens_fixed=True, max_model_len=probe.settings.max_model_len,
@@ -101,7 +102,8 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
 def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
     for path in (qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
         config = json.loads((path / "config.json").read_text())
-        assert ModelSize.of(config, checkpoint_tensors(path)).parameters == ModelSize.of(config).parameters
+        family = get_family(config["model_type"])
+        assert ModelSize.of(config, family, checkpoint_tensors(path)).parameters == ModelSize.of(config, family).parameters
 
 
 def test_a_mixture_of_experts_is_planned_with_its_familys_taps(qwen3_moe_tiny):
@@ -110,7 +112,7 @@ def test_a_mixture_of_experts_is_planned_with_its_familys_taps(qwen3_moe_tiny):
     from divergence_probe.models import get_family
 
     config = json.loads((qwen3_moe_tiny / "config.json").read_text())
-    size = ModelSize.of(config)
+    size = ModelSize.of(config, get_family("qwen3_moe"))
     widths = size.tap_widths()
     assert set(widths) == {"embed", "final_norm", *get_family("qwen3_moe").layer_taps}
     experts = config.get("num_experts") or config["num_local_experts"]
@@ -125,7 +127,7 @@ def test_the_default_fits_an_h200_at_the_7b_shape_with_a_kv_budget_sized_to_the_
     assert p.kv_cache_bytes >= 8192 * per_token  # at least one request of max_model_len
     assert p.kv_cache_bytes < 2 * GiB  # not half the GPU
     assert planned_args(p) == {"kv_cache_memory_bytes": p.kv_cache_bytes, "gpu_memory_utilization": 0.5}
-    assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B).tap_elements_per_token(inputs().taps) * 2
+    assert p.terms["infer_taps"] == 8100 * ModelSize.of(QWEN25_7B, get_family("qwen2")).tap_elements_per_token(inputs().taps) * 2
 
 
 def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
@@ -145,6 +147,56 @@ def test_the_noise_floor_plans_a_second_trainer_and_the_trainers_micro_batch():
     untapped, untapped_floor = plan(inputs(taps=frozenset())), plan(inputs(taps=frozenset(), noise_floor=True))
     assert untapped_floor.needed == untapped_floor.phases["noise_floor"] > untapped.needed  # the second trainer
     assert not plan(inputs(taps=frozenset(), noise_floor=True, free_bytes=untapped.needed)).fits
+
+
+def test_remedies_arms_that_load_stacks_beside_are_planned_and_refused_in_one_line_naming_the_arms():
+    """The fp16 arm holds a second trainer and engine (its KV cache the same budget) on top of the shipped run's peak,
+    train_amp an FP32 trainer: planned, and a device that holds the shipped stacks only is refused naming --arms."""
+    shipped = plan(inputs(noise_floor=True, batch_tokens_fixed=True))
+    fp16 = plan(inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16",)))
+    weights = shipped.terms["train_weights"]
+    assert fp16.needed == fp16.phases["arm_fp16"] >= shipped.needed + 2 * weights + fp16.kv_cache_bytes
+    both = plan(inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16", "train_amp")))
+    assert both.phases["arm_train_amp"] >= shipped.needed + 3 * weights and both.phases["arm_fp16"] == fp16.needed
+    tight = inputs(noise_floor=True, batch_tokens_fixed=True, beside=("fp16",), free_bytes=shipped.needed)
+    with pytest.raises(DeviceMemoryError, match=r"Options: --arms without fp16 \(.*the run fits\)"):
+        memory_plan.check(plan(tight))
+
+
+def test_remedies_cost_step_is_planned_a_device_that_holds_the_compare_only_gets_a_smaller_batch():
+    """remedies times the trainer's forward with grad and its backward over one batch (every layer's activations, the
+    logits' FP32 log-softmax and both grads): on a device that holds the compare and not that, the batch is lowered,
+    and a batch the user set is refused naming one that fits."""
+    compare = plan(inputs(noise_floor=True))
+    remedies = plan(inputs(noise_floor=True, cost_step=True))
+    assert remedies.needed == remedies.phases["cost_step"] > compare.needed
+    tight = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed))
+    assert tight.fits and tight.batch_tokens < compare.batch_tokens
+    fixed = plan(inputs(noise_floor=True, cost_step=True, free_bytes=compare.needed, batch_tokens_fixed=True))
+    assert not fixed.fits and fixed.batch_tokens_fitting == tight.batch_tokens
+
+
+def test_a_remedies_run_whose_fp16_arm_cannot_fit_is_refused_before_anything_loads(qwen3_tiny, prompts_file,
+                                                                                   tmp_path, monkeypatch):
+    import divergence_probe.runs.loading as loading
+
+    spec = spec_from_flat("remedies", model=str(qwen3_tiny), prompts=str(prompts_file), num_prompts=2,
+                          device="cpu", arms="aligned_trainer")
+    monkeypatch.setenv(memory_plan.ENV, "64GB")  # whatever this machine has free: the plan of the shipped stacks
+    shipped = loading.prepare(spec.load, None, spec.capture.taps, spec, can_alternate=False).plan
+    assert "arm_fp16" not in shipped.phases
+
+    def no_stack(name, settings):
+        raise AssertionError(f"a stack ({name}) was loaded although the fp16 arm does not fit")
+
+    monkeypatch.setattr(loading, "stack_for", no_stack)
+    monkeypatch.setenv(memory_plan.ENV, str(shipped.needed))
+    out_dir = tmp_path / "run"
+    result = runner.invoke(app, ["remedies", "--model", str(qwen3_tiny), "--prompts", str(prompts_file),
+                                 "--num-prompts", "2", "--device", "cpu", "--arms", "aligned_trainer,fp16", "--out",
+                                 str(out_dir)], catch_exceptions=False)
+    one_line_error(result, "nothing was loaded", "--arms without fp16", "the run fits")
+    assert nothing_written(out_dir)
 
 
 def test_a_smaller_device_chunks_the_reduction_before_it_lowers_batch_tokens():

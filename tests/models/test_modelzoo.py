@@ -6,6 +6,7 @@ No vLLM here: starting an engine takes a minute, and the vLLM stack's tests do i
 
 import unicodedata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,6 +143,42 @@ def test_a_build_that_cannot_finish_is_refused_before_anything_is_allocated(opti
     monkeypatch.setattr(modelzoo, "_random_model", lambda *a: pytest.fail("the build started"))
     with pytest.raises(ModelError, match=says):
         make_model(tmp_path / "m", **options)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gpu_build_is_measured_against_the_gpus_free_memory(tmp_path, monkeypatch):
+    """--device cuda: the weights against the free memory torch reports for the GPU (here 4 GB of 80, on a machine
+    whose RAM holds them), refused before anything is drawn or written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(modelzoo, "_random_model", lambda *a: pytest.fail("the build started"))
+    with pytest.raises(ModelError, match=r"qwen2.5-7b on cuda needs about 14\.\d GiB of its memory .* 3\.7 GiB is free "
+                                         r"\(torch.cuda.mem_get_info\)"):
+        make_model(tmp_path / "m", preset="qwen2.5-7b", device="cuda")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gpu_build_needs_one_shard_of_ram_not_the_weights(tmp_path, monkeypatch):
+    """A GPU build copies its weights to the host one shard at a time: a host whose RAM holds a shard but not the
+    weights (8 GB against qwen2.5-7b's 15 GB) may build on the GPU, and is refused on the CPU."""
+    from divergence_probe.models import size
+
+    class Started(Exception):
+        pass
+
+    def started(*args):
+        raise Started
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(size, "system_memory", lambda: (8 * 10**9, 16 * 10**9))
+    monkeypatch.delenv(size.ENV, raising=False)
+    monkeypatch.setattr(modelzoo.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))  # the disk holds it
+    monkeypatch.setattr(modelzoo, "_random_model", started)
+    with pytest.raises(Started):
+        make_model(tmp_path / "gpu", preset="qwen2.5-7b", device="cuda")
+    with pytest.raises(ModelError, match="qwen2.5-7b needs about .* of RAM"):
+        make_model(tmp_path / "cpu", preset="qwen2.5-7b", device="cpu")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -130,6 +130,9 @@ def test_cli_make_model_layers(tmp_path):
 @pytest.mark.parametrize("argv, fragment", [
     (["--arch", "qwen3_moe", "--layers", "0"], "--layers"),
     (["--arch", "qwen3", "--preset", "qwen3-30b-a3b"], "qwen3_moe"),
+    (["--device", "tpu"], "choose cpu or cuda"),
+    pytest.param(["--device", "cuda"], "sees no CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_cli_make_model_errors_are_one_line(tmp_path, monkeypatch, argv, fragment):
     monkeypatch.delenv("DP_RAISE_ERRORS", raising=False)

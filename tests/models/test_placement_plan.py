@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from divergence_probe.errors import DeviceMemoryError, ProbeError
+from divergence_probe.models import get_family
 from divergence_probe.models.modelzoo import make_config
 from divergence_probe.runs import memory as memory_plan
 from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, placed
@@ -20,7 +21,7 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_s
 
 
 def inputs(free: int, **changes) -> PlanInputs:
-    size = ModelSize.of(QWEN3_30B_A3B)
+    size = ModelSize.of(QWEN3_30B_A3B, get_family("qwen3_moe"))
     base = dict(model=size, dtype_bytes=2, taps=frozenset(size.tap_widths()), prompt_lengths=(300,) * 8,
                 batch_tokens=8192, batch_tokens_fixed=False, max_model_len=4096, device="cuda", free_bytes=free,
                 free_source="test")
@@ -59,7 +60,7 @@ def test_weights_take_no_fragmentation_allowance():
 def test_alternate_holds_the_32b_shape_on_an_80gb_device():
     """One stack at a time: the trainer's phase holds its own weights and its own allocations' slack, nothing of the
     engine that left, so the Qwen2.5-32B shape (65.5 GB of weights) fits 78.7 GiB with short prompts."""
-    size = ModelSize.of(make_config(preset="qwen2.5-32b").to_dict())
+    size = ModelSize.of(make_config(preset="qwen2.5-32b").to_dict(), get_family("qwen2"))
     p, why = placed(inputs(int(78.7 * GiB), model=size, taps=frozenset(size.tap_widths()), prompt_lengths=(256,) * 8),
                     "auto")
     assert p.fits and p.inputs.alternate, why

@@ -31,7 +31,7 @@ def saved_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(home.HOME_ENV, str(folder))
         tests, refs = _groups(40)
-        saved = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4)
+        saved = fused.saved_reductions(OPTIONS)
         assert saved(tests, refs) is not None
     assert len(list((folder / "reduction").iterdir())) == 1
     return folder
@@ -46,13 +46,13 @@ def cache(saved_dir, monkeypatch):
 def _compiles(monkeypatch) -> list:
     """Record each compile a Saved asks for instead of compiling (it then serves the plain compiled path)."""
     calls = []
-    monkeypatch.setattr(reduction_cache, "compile_and_save", lambda *args: calls.append(args[3]))
+    monkeypatch.setattr(reduction_cache.Saved, "compile_and_save", lambda self, tests, refs, key: calls.append(key))
     return calls
 
 
 def test_a_later_process_loads_the_saved_function_and_sums_bit_for_bit_as_compiled(cache, monkeypatch):
     compiles = _compiles(monkeypatch)
-    saved = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4)
+    saved = fused.saved_reductions(OPTIONS)
     plain = torch.compile(diff_sums_of_groups, dynamic=True, options=OPTIONS)
     for tokens in (40, 71, 7):  # the saved function takes every size of its pattern
         tests, refs = _groups(tokens)
@@ -65,11 +65,11 @@ def test_a_later_process_loads_the_saved_function_and_sums_bit_for_bit_as_compil
 @pytest.mark.parametrize("change", ["torch version", "source", "dtype", "device", "threads"])
 def test_a_key_that_differs_in_what_the_function_depends_on_misses_and_compiles(cache, monkeypatch, change):
     tests, refs = _groups(40)
-    before = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4).key(tests, refs)
+    before = fused.saved_reductions(OPTIONS).key(tests, refs)
     if change == "torch version":
         monkeypatch.setattr(torch, "__version__", torch.__version__ + ".local")
     elif change == "source":
-        monkeypatch.setattr(reduction_cache, "source_digest", lambda function: "0" * 64)
+        monkeypatch.setattr(reduction_cache, "source_digest", lambda modules: "0" * 64)
     elif change == "dtype":
         tests, refs = _groups(40, torch.float16)
     elif change == "device":
@@ -77,10 +77,10 @@ def test_a_key_that_differs_in_what_the_function_depends_on_misses_and_compiles(
     else:
         monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     compiles = _compiles(monkeypatch)
-    saved = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4)
+    saved = fused.saved_reductions(OPTIONS)
     key = saved.key(tests, refs)
     assert key != before
-    assert reduction_cache.load(key) is None
+    assert saved.load(key) is None
     assert saved(tests, refs) is None  # what the recorder gave: the plain compiled path serves it
     assert compiles == [key]
 
@@ -88,15 +88,16 @@ def test_a_key_that_differs_in_what_the_function_depends_on_misses_and_compiles(
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "another key inside"])
 def test_a_damaged_file_is_not_loaded(cache, monkeypatch, damage):
     tests, refs = _groups(40)
-    key = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4).key(tests, refs)
-    path = reduction_cache._path(key)
+    saved = fused.saved_reductions(OPTIONS)
+    key = saved.key(tests, refs)
+    path = saved.path(key)
     data = path.read_bytes()
     header, payload = data.split(b"\n", 1)
     broken = {"garbage": b"\x00not a cache file", "truncated": data[:len(header) + 1 + len(payload) // 2],
               "another key inside": header.replace(b'"format": 1', b'"format": 0') + b"\n" + payload}[damage]
     try:
         path.write_bytes(broken)
-        assert reduction_cache.load(key) is None
+        assert saved.load(key) is None
     finally:
         with open(path, "wb") as f:
             f.write(data)
@@ -107,8 +108,9 @@ def test_the_run_reduces_over_a_corrupt_file_without_a_word_and_writes_it_anew(t
     monkeypatch.setenv(home.HOME_ENV, str(tmp_path))
     monkeypatch.delenv("DIVERGENCE_PROBE_EAGER", raising=False)
     tests, refs = _groups(40)
-    key = reduction_cache.Saved(diff_sums_of_groups, OPTIONS, limit=4).key(tests, refs)
-    path = reduction_cache._path(key)
+    saved = fused.saved_reductions(OPTIONS)
+    key = saved.key(tests, refs)
+    path = saved.path(key)
     path.parent.mkdir(parents=True)
     path.write_bytes(json.dumps(key, sort_keys=True).encode() + b"\n\x00corrupt")
     monkeypatch.setattr(fused, "_compiled", None)
@@ -118,4 +120,4 @@ def test_the_run_reduces_over_a_corrupt_file_without_a_word_and_writes_it_anew(t
         got = fused.fused_diff_sums(tests, refs)
     assert fused.backend() == "torch.compile (inductor, deterministic)"
     assert torch.equal(got, torch.compile(diff_sums_of_groups, dynamic=True, options=OPTIONS)(tests, refs))
-    assert reduction_cache.load(key) is not None  # compiled and saved over the corrupt file
+    assert saved.load(key) is not None  # compiled and saved over the corrupt file

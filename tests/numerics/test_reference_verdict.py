@@ -71,10 +71,11 @@ QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18
 
 def test_a_7b_reference_in_float64_is_refused_for_float32_where_that_fits_and_outright_where_neither_does():
     from divergence_probe.errors import DeviceMemoryError
+    from divergence_probe.models import get_family
     from divergence_probe.models.size import ModelSize
     from divergence_probe.runs.reference import check_fits, reference_bytes
 
-    size = ModelSize.of(QWEN25_7B)
+    size = ModelSize.of(QWEN25_7B, get_family("qwen2"))
     weights64 = size.parameters * 8
     assert 56e9 < weights64 < 64e9  # an FP64 copy of a 7B model: its weights alone
     assert reference_bytes(size, "float64", 512) == 2 * reference_bytes(size, "float32", 512)

@@ -73,8 +73,8 @@ def test_a_gate_that_could_never_judge_the_run_is_refused_before_anything_loads(
     import divergence_probe.runs.loading as loading
 
     monkeypatch.setattr(loading, "stack_for", lambda *a: pytest.fail("a stack loaded before the gate was checked"))
-    for command in ("compare", "ablate"):
-        result = invoke(command, *toy_args, "--fail-if", condition, "--out", tmp_path / "run")
+    for command, regions in (("compare", []), ("ablate", ["--regions", "toy-align"])):  # the region the toys align
+        result = invoke(command, *toy_args, *regions, "--fail-if", condition, "--out", tmp_path / "run")
         assert result.exit_code == 2 and named in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1 and "--fail-if" in result.output
         assert not (tmp_path / "run").exists()

@@ -152,14 +152,12 @@ def test_bad_rl_flags_fail_before_loading(flags, message, tmp_path):
 
 
 def test_every_rl_option_is_a_flag():
-    from dataclasses import fields
-
     from divergence_probe.spec.rl import RLSpec
     from divergence_probe.spec import flag_of
 
     result = CliRunner().invoke(app, ["rl", "--help"], terminal_width=400)
     assert result.exit_code == 0
-    for f in fields(RLSpec):
+    for f in RLSpec.option_fields():
         assert flag_of(f) in result.output, f.name
     assert RLSpec(setting=("none", "rope,swiglu")).settings == ("none", "rope,swiglu")
 
@@ -377,17 +375,17 @@ def test_rl_report_shows_the_setup_and_refuses_a_changed_rl_csv(rl_process, tmp_
 ])
 def test_compiled_engine_options_that_cannot_work_are_refused(options, message):
     from divergence_probe.errors import ProbeError
-    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.spec.rl import rl_spec
 
     with pytest.raises(ProbeError, match=message):
-        RLSpec(**options)
+        rl_spec(**options)
 
 
 def test_compiled_engine_takes_trainer_side_alignment_and_routing_replay():
     """Nothing of these is patched into the engine: the trainer alone is aligned, routes are replayed in the trainer."""
-    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.spec.rl import rl_spec
 
-    assert RLSpec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).engine == "compiled"
-    assert RLSpec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")
+    assert rl_spec(engine="compiled", side="train", setting=("none", "rope,swiglu,rmsnorm")).load.engine == "compiled"
+    assert rl_spec(engine="compiled", setting=("none", "routing")).settings == ("none", "routing")
     # lm_head is patched outside the compiled graph (the logits processor runs as Python): side both takes it
-    assert RLSpec(engine="compiled", side="both", setting=("none", "lm_head")).settings == ("none", "lm_head")
+    assert rl_spec(engine="compiled", side="both", setting=("none", "lm_head")).settings == ("none", "lm_head")

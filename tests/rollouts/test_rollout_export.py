@@ -3,7 +3,8 @@ itself, as the same sample (rollouts/adapters.py: every adapter's `write` is the
 
 import pytest
 
-from divergence_probe.rollouts.adapters import ADAPTERS, EXPORT_FORMATS, choose, export_row
+from divergence_probe.rollouts.adapters import ADAPTERS, choose, export_row
+from divergence_probe.rollouts.formats import EXPORT_FORMATS, FRAMEWORKS
 from divergence_probe.spec import GenerateSpec
 from divergence_probe.errors import ProbeError
 
@@ -21,7 +22,9 @@ def test_each_layout_reads_back_as_itself_and_the_same_sample(fmt):
 
 
 def test_every_framework_layout_can_be_exported():
-    assert set(ADAPTERS) < set(EXPORT_FORMATS) and all(a.write is not None for a in ADAPTERS.values())
+    """The layout names a spec offers (formats.py, import-free) are the adapters', in their order, and the generic."""
+    assert tuple(ADAPTERS) == FRAMEWORKS and EXPORT_FORMATS == (*FRAMEWORKS, "generic")
+    assert all(a.write is not None for a in ADAPTERS.values())
 
 
 def test_an_unknown_layout_is_refused_by_the_spec():

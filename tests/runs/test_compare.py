@@ -159,7 +159,7 @@ def test_training_stack_captures_a_batch_under_one_set_of_hooks(hf_probe, prompt
     scores arrive (in order) before the next prompt runs, and no hook outlives the call."""
     from divergence_probe.prompts import load_prompts
     from divergence_probe.engines.hooks import HookSet
-    from divergence_probe.taps import parse_tap_selection
+    from divergence_probe.tap_selection import parse_tap_selection
 
     prompts = load_prompts(prompts_file, hf_probe.tokenizer, max_model_len=hf_probe.settings.max_model_len)
     stack, installs = hf_probe.train, []
@@ -185,7 +185,7 @@ def test_training_projection_taps_are_the_projections_in_and_out_and_leave_nothi
     installed because another live patch holds that forward."""
     from divergence_probe.prompts import Prompt
     from divergence_probe.engines.hooks import HookSet, PatchConflict
-    from divergence_probe.taps import parse_tap_selection
+    from divergence_probe.tap_selection import parse_tap_selection
 
     stack = hf_probe.train
     prompt = Prompt(0, "test", "", tuple(range(3, 14)))

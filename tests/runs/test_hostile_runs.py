@@ -446,23 +446,27 @@ def test_rerun_refuses_a_prompts_path_that_is_a_pipe(run, tmp_path, no_load):
 
 
 def rl_with_spec(path: Path, **changes) -> Path:
-    """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`), as a forger would."""
-    from divergence_probe.spec.rl import RLSpec
+    """make_rl's folder whose manifest records an rl spec (RLSpec's defaults, then `changes`; a change of its load or
+    its prompts, a dict, is merged into theirs), as a forger would."""
+    from divergence_probe.spec.rl import PARTS, RLSpec
 
+    spec = json.loads(json.dumps(RLSpec().to_dict()))
+    spec.update({k: {**spec[k], **v} if k in PARTS else v for k, v in changes.items()})
     run = make_rl(path)
-    edit(run / "manifest.json", lambda m: m.update(spec={**json.loads(json.dumps(RLSpec().to_dict())), **changes}))
+    edit(run / "manifest.json", lambda m: m.update(spec=spec))
     return run
 
 
 RL_REFUSALS = {
     "no-spec": (lambda p: make_rl(p), "lacks the recorded rl spec"),
     "reward-plugin": (lambda p: rl_with_spec(p, reward="evil_rewards:score"), "spec.reward"),
-    "engine-arg-code": (lambda p: rl_with_spec(p, engine_args={"worker_cls": "evil.Worker"}),
-                        "spec.engine_args.worker_cls"),
+    "engine-arg-code": (lambda p: rl_with_spec(p, load={"engine_args": {"worker_cls": "evil.Worker"}}),
+                        "spec.load.engine_args.worker_cls"),
     "unknown-field": (lambda p: rl_with_spec(p, warp_drive=True), "unknown field(s) spec.warp_drive"),
     "bad-value": (lambda p: rl_with_spec(p, steps=0), "--steps must be from 1"),
     "wrong-type": (lambda p: rl_with_spec(p, seeds="many"), "spec.seeds (--seeds) is 'many'"),
-    "prompts-unrecorded": (lambda p: rl_with_spec(p, prompts=str(p.parent / "prompts.txt")), "rl.prompt_files_sha256"),
+    "prompts-unrecorded": (lambda p: rl_with_spec(p, prompts={"prompts": str(p.parent / "prompts.txt")}),
+                           "rl.prompt_files_sha256"),
     "rows-changed": (lambda p: (rl_with_spec(p), (p / "rl.csv").open("a").write("plain,0,4\n")), "sha256"),
     "not-finished": (lambda p: (rl_with_spec(p), (p / "manifest.json").unlink()), "did not finish"),
 }

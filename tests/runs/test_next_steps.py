@@ -17,7 +17,7 @@ from divergence_probe.runs.next_steps import NUMERIC_REGIONS, after_ablate, afte
 from divergence_probe.numerics.noise_verdict import ABOVE, CANNOT_TELL, FLOOR_KIND, FLOOR_USED, PROMPTS, RATIO, TOO_FEW, \
     VERDICT, WITHIN, as_read, floor_columns, floor_moved, in_words, manifest_record, verdict
 from divergence_probe.numerics.tables import NOISE, SYSTEMATIC
-from divergence_probe.spec.rl import RLSpec
+from divergence_probe.spec.rl import RLSpec, rl_spec
 from divergence_probe.numerics.rl_summary import SEEDS_NEEDED, with_comparison
 from divergence_probe.numerics.shapley import ADDS, ALL_REGIONS, CHANGE, EFFECT, MIN_PROMPTS, NO_INTERVAL, NOT_DETECTED, \
     REMOVES, bootstrap
@@ -240,7 +240,7 @@ def test_no_step_is_a_command_the_model_refuses():
     from divergence_probe.spec import check_family
 
     moe, dense = get_family("qwen3_moe"), get_family("qwen3")
-    step = after_rl(RLSpec(model="M", steps=5), moe)
+    step = after_rl(rl_spec(model="M", steps=5), moe)
     assert step is not None and "rope,rmsnorm" in step.argv and not any("swiglu" in a for a in step.argv)
     over = _measured(1.0, frac_tokens_any_flip=0.5)
     step = after_compare(_compare(model="M", taps="none", batch_invariance=True, side="infer", align="rope"), over, moe)

@@ -21,12 +21,14 @@ from divergence_probe.spec.run import spec_from_flat
 
 ARMS = "aligned_trainer,fp32_layers,fp16,train_kernels_liger,routing_ids,correction"
 SLOW = 0.1  # seconds each aligned RMSNorm call sleeps while costs are timed: far above the machine's own spread
+HELD = 64 << 20  # bytes the FP16 arm's engine step holds on top of its work: far above the resident set's wander
 
 
 @pytest.fixture(scope="module")
 def run(hf_probe, prompts_file, tmp_path_factory, request):
     """Every arm the dense tiny model runs on two prompts, with the aligned RMSNorm slowed while the trainer's forward is
-    timed: aligned_trainer calls it in every layer, fp32_layers in one."""
+    timed (aligned_trainer calls it in every layer, fp32_layers in one) and the FP16 arm's engine step made to hold
+    more memory."""
     import divergence_probe.engines.hf.patches.rmsnorm as patched_norm
 
     shipped_normalize = patched_norm.normalize
@@ -44,7 +46,16 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
                 patched_norm.normalize = shipped_normalize
         return timed
 
-    steps = {side: slowed(step) if side == "train_forward" else step for side, step in remedies.STEPS.items()}
+    def heavier(step):
+        def timed(view, prompts):
+            held = torch.ones(HELD // 4) if view.settings.dtype == torch.float16 else None  # the FP16 arm's engine
+            time.sleep(0.05)  # long enough for the sampler to see it
+            step(view, prompts)
+            del held
+        return timed
+
+    steps = {side: slowed(step) if side == "train_forward" else heavier(step) if side == "engine_step" else step
+             for side, step in remedies.STEPS.items()}
     spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
                           fp32_layers=1, cost_repeats=2)
     return remedies.run_remedies(hf_probe, spec, steps=steps)
@@ -78,6 +89,92 @@ def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costli
                             step_added_s=run.table["train_forward_added_s"])
     ranks = ranked(both).set_index("arm")["cost_rank"]
     assert ranks["fp32_layers"] == 1 and ranks["aligned_trainer"] == 2
+
+
+def test_the_engine_steps_peak_memory_is_read_an_arm_holding_more_there_is_seen_larger(run):
+    table = run.table.set_index("arm")
+    peaks = table.loc[table["status"] == RAN, "engine_step_peak_added_bytes"]
+    assert peaks.notna().all()
+    others = peaks.drop("fp16")
+    assert peaks["fp16"] - others.max() > HELD / 2  # the sampled resident set of the process running the engine
+
+
+def test_a_workers_resident_set_is_read_in_its_own_process():
+    """An engine in a worker process holds its memory there: its resident set is sampled from this one."""
+    import subprocess
+    import sys
+
+    from divergence_probe.engines.peak import PeakMemory
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.readline(); "
+                              f"held = b\"1\" * {HELD}; time.sleep(0.3)"], stdin=subprocess.PIPE)
+    try:
+        with PeakMemory("cpu", pid=child.pid).measuring() as meter:
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            time.sleep(0.2)
+        mine = PeakMemory("cpu")
+        with mine.measuring():
+            time.sleep(0.05)
+    finally:
+        child.wait()
+    assert meter.peak > HELD / 2 and mine.peak < HELD / 2
+
+
+def test_a_kernel_set_without_a_backward_is_never_stepped_backward_and_ranks_as_scoring_side(hf_probe, run):
+    """The engine's kernels in the trainer carry no gradients (their kernel set declares no backward): a backward
+    through them raises nothing, it stops at the first such op, so its time and memory are no training step's. The
+    side is not run, says why, and the arm is a scoring-side remedy ranked on the sides it has."""
+    from dataclasses import replace
+
+    called = []
+    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedies.STEPS}
+    step = remedies.ARMS["train_kernels_vllm"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    cost = remedies.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
+    assert called == ["train_forward", "train_forward", "engine_step", "engine_step"]  # a warm-up and one repeat each
+    assert np.isnan(cost["train_forward_backward_s"]) and np.isnan(cost["train_forward_backward_peak_bytes"])
+    assert cost["train_forward_backward_note"] == ("--train-kernels vllm: its ops carry no gradients: rl refuses "
+                                                   "this set")
+    shipped = remedies.measure_cost(hf_probe, run.prompts, 1, steps)
+    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedies.STEPS for _ in "12"]
+
+    def compared(scale):
+        tokens = pd.DataFrame({"prompt_id": np.arange(20), "delta_logprob": scale * np.linspace(1, 2, 20), "kl": 0.0})
+        return SimpleNamespace(tokens_table=tokens, summary={})
+
+    table = remedies.remedies_table({SHIPPED: compared(1.0), "train_kernels_vllm": compared(0.5)},
+                                    {"train_kernels_vllm": cost}, shipped, {}, ("train_kernels_vllm",),
+                                    spec_from_flat("remedies").remedies, 0)
+    row = table.iloc[0]
+    assert row["needs"] == "trainer only, scoring side: cannot train" and row["cost_rank"] == 1
+    assert row["step_added_s"] == row["train_forward_added_s"] + row["engine_step_added_s"]
+    assert ranking_lines(table, "mean_abs_dlogp")[0].startswith(
+        "1. train_kernels_vllm (trainer only, scoring side: cannot train)")
+
+
+def test_an_arm_that_runs_out_of_memory_is_not_run_with_why_and_other_failures_are_raised():
+    from divergence_probe.errors import StackError
+
+    why = remedies._arm_failed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cuda")
+    assert why.startswith("out of cuda memory while the arm ran (OutOfMemoryError: CUDA out of memory") and \
+        "--batch-tokens" in why
+    assert remedies._arm_failed(StackError("the seam moved"), "cuda") == "the seam moved"
+    with pytest.raises(KeyError):
+        remedies._arm_failed(KeyError("a bug"), "cuda")
+
+
+def test_the_fp16_engine_is_given_the_shipped_engines_planned_kv_budget_and_share(hf_probe):
+    """On a GPU a second engine starts only with its KV cache sized and its share of the device given: the memory
+    plan's, as the shipped engine got them (the worker refuses to start without a share)."""
+    from dataclasses import replace
+
+    from divergence_probe.engines.protocol import freeze_engine_args
+
+    planned = {"kv_cache_memory_bytes": 123_456_789, "gpu_memory_utilization": 0.07}
+    probe = replace(hf_probe, settings=replace(hf_probe.settings, engine_args=freeze_engine_args(planned)))
+    step = remedies.ARMS["fp16"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    settings = remedies._fp16_engine_settings(probe, step)
+    assert settings.dtype == torch.float16 and settings.engine_kwargs() == planned
 
 
 def test_fp16_arm_runs_both_stacks_in_fp16_against_its_own_floors(hf_probe, run):
@@ -174,7 +271,7 @@ def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
 
     runs = {SHIPPED: run_of(1.0), "routing_ids": run_of(0.6), "routing_ids_weights": run_of(0.55)}
     cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
-        "train_weights_bytes": 0.0}
+        "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
     table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, ("routing_ids", "routing_ids_weights"),
                                     options, 0).set_index("arm")
@@ -208,3 +305,12 @@ def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
     with pytest.raises(ProbeError, match="--placement together"):
         spec_from_flat("remedies", placement="alternate")
     assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp8_off_with_no_fp8_says_why_and_names_the_gpu_only_off_one(device):
+    spec = spec_from_flat("remedies", device=device)
+    with pytest.raises(remedies.NotRun) as why:
+        remedies._fp8_off(spec, None)
+    assert "nothing to turn off" in str(why.value)
+    assert ("needs a GPU" in str(why.value)) == (device == "cpu")

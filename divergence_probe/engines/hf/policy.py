@@ -58,6 +58,7 @@ class HFPolicy(StackPolicy):
     sdpa = True
     released = "closed: the second transformers instance was dropped in this process before the trainer loaded"
     patches = "divergence_probe.engines.hf.patches:PATCHES"
+    aligns = ("rope", "swiglu", "rmsnorm", "lm_head", "residual")  # patches/: PATCHES
 
     @classmethod
     def knobs(cls) -> Mapping[str, Knob]:

@@ -392,7 +392,7 @@ def tap_points_for(taps: str | None, settings, family=None, routes: bool = False
     for (empty: no tap points, vLLM as deployed) and the model's family (None: a dense one). A mixture of experts gets
     its route records with its router logits (a compare checks one against the other), or alone where `routes` (a
     run replays them: --align routing). CUDA graphs replay the buffers' copies, so every cudagraph mode is fine."""
-    from ...taps import parse_tap_selection
+    from ...tap_selection import parse_tap_selection
 
     if settings.engine != "compiled":
         return frozenset()  # eager taps are plain module hooks: no tap points, no buffers

@@ -33,6 +33,7 @@ class VLLMPolicy(StackPolicy):
     libraries = ("vllm",)
     owned_args = OWNED_ENGINE_ARGS
     patches = "divergence_probe.engines.vllm.patches:PATCHES"
+    aligns = ("rope", "swiglu", "rmsnorm", "lm_head", "residual")  # patches/: PATCHES
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:

@@ -25,13 +25,15 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from ...errors import StackError
 from ...prompts import Prompt, batches
 from ...signals import forget, pass_on_to
+from ..elapsed import Elapsed
+from ..peak import PeakMemory
 from ..protocol import (PATCH_AT_BUILD, PATCH_ONCE_LOADED, Capabilities, PromptScores, SamplingSpec, ScoresSink,
                         SequenceScores, StackInfo, StackSettings, TapSink)
 from .aligned import cache_namespace
@@ -41,6 +43,7 @@ from .stack import VLLMStack
 
 LOG_TAIL = 2000  # characters of the child's log quoted when it dies
 STOP_SECONDS = 30  # how long a child may take to stop (SIGTERM unwinds its engine build) before it is killed
+ENGINE_CALLS = ("score", "score_batched", "sample")  # the calls the child times around its engine (step_time)
 
 
 class WorkerStack(VLLMPolicy):
@@ -61,6 +64,7 @@ class WorkerStack(VLLMPolicy):
         self.patched: tuple[str, ...] = ()
         self._folder = Path(tempfile.mkdtemp(prefix="divergence-probe-engine-"))
         self._calls = 0
+        self._engine_seconds = 0.0  # the time the child's engine spent in the calls so far, timed in the child
         self._idle = False  # True while the child waits for a request: only then does it read "close"
         self.build_seconds = float("nan")
         self._status: dict = {}
@@ -187,6 +191,8 @@ class WorkerStack(VLLMPolicy):
         result = torch.load(self._folder / f"{name}.out.pt", weights_only=False)
         for suffix in (".pt", ".out.pt"):
             (self._folder / f"{name}{suffix}").unlink(missing_ok=True)
+        if method in ENGINE_CALLS:
+            self._engine_seconds += result["seconds"]
         return result
 
     def score(self, prompts, taps: frozenset[str], sink: TapSink, on_scored: ScoresSink | None = None) -> list[PromptScores]:
@@ -227,12 +233,36 @@ class WorkerStack(VLLMPolicy):
         }
         return info
 
+    @contextlib.contextmanager
+    def peak_memory(self) -> Iterator[PeakMemory]:
+        """The child's peak over the calls made in the block, above what it held when the block began: its device
+        allocator's, reset and read by the child (its info()'s device_peak is then the peak since this block); on the
+        CPU its resident set, sampled from here."""
+        if not self.settings.device.startswith("cuda"):
+            with PeakMemory("cpu", pid=self._proc.pid).measuring() as meter:
+                yield meter
+            return
+        meter = PeakMemory(self.settings.device, pid=self._proc.pid)
+        before = self._call("memory", True)
+        yield meter
+        meter.peak = float(self._call("memory", False) - before)
+
+    @contextlib.contextmanager
+    def step_time(self) -> Iterator[Elapsed]:
+        """The time the child's engine spent in the calls made in the block, timed in the child around each engine
+        call (after a device synchronize on a GPU): the time an engine in this process takes, without the hand-over
+        of the results (every position's logits) to this process, which grows with the vocabulary."""
+        meter = Elapsed(self.settings.device)
+        before = self._engine_seconds
+        yield meter
+        meter.seconds = self._engine_seconds - before
+
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities:
         """The engine's own, with its regions built in: nothing is patched into it from this process, and its routes
         stay in the child."""
         declared = VLLMStack.declare(engine)
-        return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, refused={
+        return replace(declared, patch=PATCH_AT_BUILD, records_routes=False, own_process=True, refused={
             **declared.refused,
             PATCH_ONCE_LOADED: "an engine in a worker process has its regions built in; start another worker for "
                                "others"})
@@ -317,17 +347,18 @@ def _run(stack, method: str, args: tuple):
         taps.append((key, tap, x.clone(memory_format=torch.contiguous_format)))
 
     stack.recompute_gap = 0.0
-    if method == "score":
-        prompts, wanted = args
-        return {"scores": stack.score(prompts, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
-    if method == "score_batched":
-        prompts, wanted = args
-        return {"scores": stack.score_batched(prompts, wanted, sink), "taps": taps}
-    if method == "sample":
-        prompts, spec, wanted = args
-        return {"scores": stack.sample(prompts, spec, wanted, sink), "taps": taps, "recompute_gap": stack.recompute_gap}
+    if method in ENGINE_CALLS:  # (prompts, [spec,] taps), the sink last: timed here, where the engine runs
+        with Elapsed(stack.settings.device).timing() as clock:
+            scores = getattr(stack, method)(*args, sink)
+        return {"scores": scores, "taps": taps, "recompute_gap": stack.recompute_gap, "seconds": clock.seconds}
     if method == "info":
         return stack.info(), _device_peak(stack.settings.device)
+    if method == "memory":  # (reset,): reset the allocator's peak and return what it holds, or return its peak
+        torch.cuda.synchronize()
+        if args[0]:
+            torch.cuda.reset_peak_memory_stats()
+            return int(torch.cuda.memory_allocated())
+        return int(torch.cuda.max_memory_allocated())
     raise StackError(f"unknown engine worker call {method!r}")
 
 

@@ -75,7 +75,7 @@ def test_amp_is_recorded_and_its_logprobs_are_the_amp_trainers(amp_probe, prompt
 
 
 def test_the_plan_counts_the_amp_trainers_fp32_weights(amp_probe):
-    size = ModelSize.of(amp_probe.source.config)
+    size = ModelSize.of(amp_probe.source.config, amp_probe.source.family)
     inputs = dict(model=size, dtype_bytes=2, taps=frozenset(), prompt_lengths=(64,), batch_tokens=64,
                   batch_tokens_fixed=True, max_model_len=amp_probe.settings.max_model_len, device="cpu",
                   free_bytes=1 << 40, free_source="test", engine_kv=False)
@@ -105,12 +105,12 @@ def test_rl_trainer_under_amp_pushes_what_it_computes_with(amp_probe):
     engine are those masters rounded to BF16 (the values autocast computes with), not FP32 tensors."""
     from dataclasses import replace
 
-    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.spec.rl import rl_spec
     from divergence_probe.rl.loop import load_spec
     from divergence_probe.rl.trainer import Trainer
     from divergence_probe.engines.hf.trainer import HFStack
 
-    assert load_spec(RLSpec(train_precision="amp")).train_precision == "amp"
+    assert load_spec(rl_spec(train_precision="amp")).train_precision == "amp"
     stack = HFStack()
     stack.load(replace(amp_probe.settings))
     trainer = Trainer(stack, lr=1e-2, grad_clip=1.0)

@@ -37,6 +37,7 @@ class SecondStack(StackPolicy):
     name = NAME
     title = "the second engine"
     patches = f"{__package__}.patches:PATCHES"
+    aligns = ("swiglu",)  # patches.py: PATCHES
 
     def __init__(self) -> None:
         self.model: Model | None = None

@@ -236,11 +236,11 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from divergence_probe.runs import ablate
+    from divergence_probe.runs import ablate, combination
     from divergence_probe.spec import AblateSpec, RunSpec
 
     started, closed, seen = [], [], {}
-    monkeypatch.setattr(ablate, "needs_engine_build", lambda probe, regions, side: bool(regions))
+    monkeypatch.setattr(combination, "needs_engine_build", lambda probe, regions, side: bool(regions))
 
     def worker(probe, step):
         regions = tuple(step.align.regions)
@@ -259,8 +259,8 @@ def test_build_ahead_starts_that_many_engines_before_they_are_needed(monkeypatch
         manifest = {"compare": {"tap_reduction": {}}, "stacks": {"infer": {"settings": {}}}}
         return SimpleNamespace(manifest=manifest, prompts=[])
 
-    monkeypatch.setattr(ablate, "_worker", worker)
-    monkeypatch.setattr(ablate, "aligned_probe", aligned_probe)
+    monkeypatch.setattr(ablate, "start_worker", worker)
+    monkeypatch.setattr(combination, "aligned_probe", aligned_probe)
     monkeypatch.setattr(ablate, "run_compare", run_compare)
     spec = RunSpec(kind="ablate", ablate=AblateSpec(regions=("rope", "swiglu", "rmsnorm"), build_ahead=ahead))
     probe = SimpleNamespace(settings=SimpleNamespace(device="cuda"), config=spec.load)

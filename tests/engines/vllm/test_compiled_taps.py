@@ -408,7 +408,7 @@ def test_tap_points_are_part_of_the_engine_key():
     from divergence_probe.engines.protocol import StackSettings
     from divergence_probe.engines.vllm.compiled_taps import wants_tap_points
     from divergence_probe.engines.vllm.engine_start import _engine_key
-    from divergence_probe.taps import parse_tap_selection
+    from divergence_probe.tap_selection import parse_tap_selection
 
     compiled = StackSettings(model_path="m", dtype=torch.bfloat16, device="cpu", engine="compiled")
     swiglu = frozenset({"swiglu"})

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
+from divergence_probe.engines import parse_factors
 from divergence_probe.engines.vllm.knobs import check_knobs, tap_meanings
 from divergence_probe.errors import ProbeError
-from divergence_probe.spec.knobs import parse_factors
 from divergence_probe.numerics.shapley import ALL_REGIONS, CHANGE
 from divergence_probe.spec import AblateSpec, LoadSpec, RunSpec
 from test_compare_cli import assert_nothing_written, assert_one_line_error

@@ -224,10 +224,10 @@ def test_a_mixture_of_experts_and_rl_are_refused_at_tp_2(tmp_path):
     with pytest.raises(ProbeError, match="tensor_parallel_size > 1 is not supported for Qwen3-MoE"):
         check_family(None, LoadSpec(model="m", engine_args=TP2), get_family("qwen3_moe"))
     from divergence_probe.rl.experiment import run
-    from divergence_probe.spec.rl import RLSpec
+    from divergence_probe.spec.rl import rl_spec
 
     with pytest.raises(ProbeError, match="rl cannot run at tensor_parallel_size 2"):
-        run(RLSpec(engine_args=TP2, device="cpu"), tmp_path / "rl")
+        run(rl_spec(engine_args=TP2, device="cpu"), tmp_path / "rl")
     assert not (tmp_path / "rl").exists()
 
 
