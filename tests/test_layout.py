@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engine-neutral models, regions, numerics and rollout files", frozenset({"models", "regions", "numerics",
                                                                                  "rollouts"})),
     ("base modules", frozenset({"errors", "lazy", "options", "taps", "tap_selection", "tokenized", "prompts",
-                                "environment", "rundir", "versions", "signals", "quiet", "timings", "run_folder",
+                                "environment", "rundir", "versions", "signals", "quiet", "timings", "run_folder", "home",
                                 "engines.hooks"})),  # the conflict-checked hook set every patch goes through
 )
 # The most modules one chain of imports may pass through (__main__ -> cli -> ... -> errors counts every link). The

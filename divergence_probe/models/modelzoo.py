@@ -27,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from divergence_probe.errors import ModelError, OutputError
+from divergence_probe.home import cache_home
 
 # torch, tokenizers and transformers are imported inside the functions that build things, so that
 # default_model_path() on an already built model (every CLI start) does not pay for importing them.
@@ -469,15 +470,13 @@ def default_model_path() -> Path:
     """The built-in model: the trained tiny Qwen3 shipped in the package (data/default_model/, see MODEL.md).
 
     Only if that folder is missing (an install without package data) does it fall back to the random tiny Qwen3
-    (seed 0), built into the cache on first use and reused after. The cache is $DIVERGENCE_PROBE_HOME/models
-    (default ~/.cache/divergence-probe/models). No lock is needed: make_model renames a complete directory into
+    (seed 0), built into the cache on first use and reused after. The cache is home.cache_home()/models. No lock is needed: make_model renames a complete directory into
     place, so when two processes build at once one rename wins and the other process uses the winner's files,
     which are byte-identical to its own.
     """
     if (SHIPPED_MODEL / "config.json").is_file() and (SHIPPED_MODEL / "model.safetensors").is_file():
         return SHIPPED_MODEL
-    home = Path(os.environ.get("DIVERGENCE_PROBE_HOME") or "~/.cache/divergence-probe").expanduser()
-    path = home / "models" / f"qwen3-tiny-seed0-v{BUILD_VERSION}"  # a new build recipe gets a new cache entry
+    path = cache_home() / "models" / f"qwen3-tiny-seed0-v{BUILD_VERSION}"  # a new build recipe gets a new cache entry
     if not (path / "config.json").is_file():
         try:
             make_model(path, arch="qwen3", preset="tiny", seed=0)

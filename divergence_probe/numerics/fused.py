@@ -5,7 +5,8 @@ reduction the largest cost of a tapped compare. torch.compile fuses it into one 
 (C++/OpenMP on CPU, Triton on CUDA; docs/benchmarks.md has the speed-up). It is compiled once per process with dynamic
 shapes: one graph per pattern of a prompt's groups (how many, their dtypes, whether rows are multiples of 64),
 whatever the sizes; a compare has one pattern. Up to PATTERN_LIMIT patterns per process are compiled; a pattern
-past that runs eagerly, and `backend()` says so (torch's own limit, 8, would switch to eager silently).
+past that runs eagerly, and `backend()` says so (torch's own limit, 8, would switch to eager silently). Each pattern's
+compiled function is kept per machine and loaded by later processes (numerics/reduction_cache.py).
 
 The float sums' last bits depend on the kernel's summation order (eager vs compiled, and the kernel inductor
 generates for a pattern), so they are reproducible for the same inputs and options, not across tap selections.
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
 import torch
 
 from .. import timings
+from ..home import cache_home
 from .metrics import diff_sums
 
 _compiled = None  # the compiled diff_sums, while compiling works
@@ -40,6 +43,15 @@ def diff_sums_of_groups(tests: list[torch.Tensor], refs: list[torch.Tensor]) -> 
     return torch.cat([diff_sums(test, ref) for test, ref in zip(tests, refs)])
 
 
+def saved_reductions(options: dict):
+    """This process's saved reductions (numerics/reduction_cache.py), in reduction/ of the tool's cache folder."""
+    from . import metrics
+    from .reduction_cache import Saved
+
+    return Saved(diff_sums_of_groups, options, PATTERN_LIMIT, cache_home() / "reduction",
+                 (sys.modules[__name__], metrics), metrics._BLOCK)
+
+
 def _compile():
     """The compiled reduction and its description for the manifest.
 
@@ -49,16 +61,24 @@ def _compile():
     sums, in every run, at a small cost (docs/results/h200/qwen2.5-1.5b-perf/reduction-modes.json).
 
     The returned function gives None for a pattern past PATTERN_LIMIT, where dynamo would otherwise fall back to
-    eager without a word (torch >= 2.7 names these settings; older ones keep torch's silent limit of 8)."""
+    eager without a word (torch >= 2.7 names these settings; older ones keep torch's silent limit of 8).
+
+    Each pattern's function is first looked up in this machine's cache (numerics/reduction_cache.py), which skips
+    dynamo's trace in every process after the first; the plain compiled function serves whatever the cache cannot
+    (torch's precompile refused, or the saved function's guards refuse a call)."""
     import torch._inductor.config as inductor_config
 
+    from .reduction_cache import PAST_LIMIT
+
     if hasattr(inductor_config, "deterministic"):
-        compiled = torch.compile(diff_sums_of_groups, dynamic=True, options={"deterministic": True})
+        options = {"deterministic": True}
         description = "torch.compile (inductor, deterministic)"
     else:
-        compiled = torch.compile(diff_sums_of_groups, dynamic=True)
+        options = {}
         description = ("torch.compile (inductor; kernel configs timed per process: GPU sums may differ in the "
                        "last bits between runs)")
+    compiled = torch.compile(diff_sums_of_groups, dynamic=True, options=options)
+    saved = saved_reductions(options)
     dynamo = torch._dynamo.config
     # suppress_errors (set globally by some libraries) may not be on together with fail_on_recompile_limit_hit
     limits = ({"recompile_limit": PATTERN_LIMIT, "fail_on_recompile_limit_hit": True, "suppress_errors": False}
@@ -73,6 +93,11 @@ def _compile():
     def reduce(tests, refs):
         try:
             with dynamo.patch(**limits), shape_config.patch(use_duck_shape=False):
+                precompiled = saved(tests, refs)
+                if precompiled is PAST_LIMIT:
+                    return None
+                if precompiled is not None and precompiled.guard_check(tests, refs):
+                    return precompiled(tests, refs)
                 return compiled(tests, refs)
         except limit_hit:
             return None

@@ -145,8 +145,11 @@ def test_diff_sums_within_documented_error_of_float64(reduce, dtype):
         assert ((got - exact).abs() <= bound * exact.abs()).all(), (got - exact).abs() / exact.abs()
 
 
-def test_reduction_falls_back_to_eager_when_compiling_fails(monkeypatch):
+def test_reduction_falls_back_to_eager_when_compiling_fails(monkeypatch, tmp_path):
+    from divergence_probe import home
     from divergence_probe.numerics import fused
+
+    monkeypatch.setenv(home.HOME_ENV, str(tmp_path))  # nothing saved by a compile that worked
 
     def broken(fn, **_):
         def run(*args):
