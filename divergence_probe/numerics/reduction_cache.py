@@ -86,7 +86,10 @@ class Saved:
             if len(self.patterns) >= self.limit:
                 return PAST_LIMIT
             key = self.key(tests, refs)
-            self.patterns[pattern] = self.load(key) or self.compile_and_save(tests, refs, key)
+            if self.unloadable(key).exists():  # torch here could not load what it saved: plain compile, as before
+                self.patterns[pattern] = None
+            else:
+                self.patterns[pattern] = self.load(key) or self.compile_and_save(tests, refs, key)
         return self.patterns[pattern]
 
     def key(self, tests: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
@@ -103,6 +106,12 @@ class Saved:
 
     def path(self, key: dict) -> Path:
         return self.folder / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".bin")
+
+    def unloadable(self, key: dict) -> Path:
+        """The mark of a key whose saved function this torch, on this machine, could not load back right after
+        saving it: every later process would otherwise precompile and save again, each paying more than the plain
+        compile it replaces."""
+        return self.path(key).with_suffix(".unloadable")
 
     def load(self, key: dict):
         """The saved function for this key, or None (absent, another key, unreadable)."""
@@ -132,6 +141,9 @@ class Saved:
                 tmp.write(json.dumps(key, sort_keys=True).encode() + b"\n")
                 tmp.write(type(fn).serialize(fn).serialized_data)
             os.replace(tmp.name, path)  # whole or not at all: a reader meanwhile sees the old file or none
+            if self.load(key) is None:  # read back once: a file this torch cannot load must not be made again
+                self.unloadable(key).write_text(json.dumps(key, sort_keys=True))
+                path.unlink()
         except Exception:  # a read-only or full disk, a function torch cannot serialize: this process still has it
             if tmp is not None:
                 with contextlib.suppress(OSError):

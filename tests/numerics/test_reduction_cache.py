@@ -121,3 +121,22 @@ def test_the_run_reduces_over_a_corrupt_file_without_a_word_and_writes_it_anew(t
     assert fused.backend() == "torch.compile (inductor, deterministic)"
     assert torch.equal(got, torch.compile(diff_sums_of_groups, dynamic=True, options=OPTIONS)(tests, refs))
     assert saved.load(key) is not None  # compiled and saved over the corrupt file
+
+
+def test_a_saved_function_torch_cannot_load_back_is_marked_and_never_precompiled_again(tmp_path, monkeypatch):
+    """Bounded worst case: where this torch saves a function it cannot load (a device whose kernels do not come back),
+    the first process marks the key and keeps its compiled function; later processes take the plain compiled path
+    without precompiling."""
+    monkeypatch.setenv(home.HOME_ENV, str(tmp_path))
+
+    def refuse(f):
+        raise RuntimeError("cannot load this function here")
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", refuse)
+    tests, refs = _groups(40)
+    first = fused.saved_reductions(OPTIONS)
+    assert first(tests, refs) is not None  # this process keeps what it compiled
+    key = first.key(tests, refs)
+    assert first.unloadable(key).exists() and not first.path(key).exists()
+    compiles = _compiles(monkeypatch)
+    assert fused.saved_reductions(OPTIONS)(tests, refs) is None and compiles == []
