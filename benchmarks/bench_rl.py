@@ -50,8 +50,8 @@ def measure(args) -> dict:
 
     import divergence_probe.rl as rl
 
-    base = rl.RLSpec(steps=args.steps, device=args.device, align=args.align, model=args.model, reward=args.reward,
-                     engine_args=json.loads(args.engine_args))
+    base = rl.rl_spec(steps=args.steps, device=args.device, align=args.align, model=args.model, reward=args.reward,
+                      engine_args=json.loads(args.engine_args))
     load = [os.getloadavg()]
     rows: dict[str, list] = {side: [] for side in args.side}
     with tempfile.TemporaryDirectory() as tmp:

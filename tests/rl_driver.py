@@ -28,7 +28,7 @@ code = app(["rl", *small, "--steps", "1", "--setting", "none", "--setting", "rop
 seen["cli_exit"] = code or 0
 
 # 2. the API on the same engine: rows on disk as each step's push is proven; weights change; checksums pass after every push
-spec = rl.RLSpec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu", audit_every=2)
+spec = rl.rl_spec(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu", audit_every=2)
 probe = rl.load(spec)
 on_disk = []
 result = rl.run(spec, root / "api", lambda row, done, total: on_disk.append(
@@ -183,8 +183,8 @@ seen["nan_logprob_weights_kept"] = all(torch.equal(t, before[n]) for n, t in loo
 # 9. deployment knobs as settings of one experiment on this engine: the update's correction and another trainer
 # precision (a training stack loaded beside the run's own); each run's first row holds its noise floors, and the
 # engine's floor compares the samples rolled out alone (here moved by a known 0.01 on every logprob) with the step's own
-knobs = rl.RLSpec(steps=1, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu",
-                  setting=("train:correction=tis", "rope,train:precision=amp"))
+knobs = rl.rl_spec(steps=1, group_size=4, prompts_per_step=2, max_new_tokens=8, device="cpu",
+                   setting=("train:correction=tis", "rope,train:precision=amp"))
 precisions: list = []
 real_trainer_for = rl.Loop.trainer_for
 

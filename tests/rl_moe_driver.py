@@ -37,9 +37,9 @@ prompts.write_text("Write a short list of words in lowercase letters only, one a
                    "wind, the boats and the birds that fly over the water in the morning:\n\n"
                    "Continue this sentence with plain lowercase words and no digits or symbols at all: the old "
                    "library by the river kept its doors open late into the night because\n")
-spec = rl.RLSpec(model=model, setting=("none", "routing"), steps=1, group_size=4, prompts_per_step=2,
-                 max_new_tokens=8, device="cpu", reward="letters", prompts=str(prompts), audit_every=1,
-                 engine_args={"block_size": 32}, engine=mode)
+spec = rl.rl_spec(model=model, setting=("none", "routing"), steps=1, group_size=4, prompts_per_step=2,
+                  max_new_tokens=8, device="cpu", reward="letters", prompts=str(prompts), audit_every=1,
+                  engine_args={"block_size": 32}, engine=mode)
 t0 = time.perf_counter()
 if mode == "compiled":  # rl's own load (route records only), with router_logits tap points beside (docstring)
     import divergence_probe as dp
@@ -210,5 +210,5 @@ if mode == "compiled":
 
     loop.replay = True
     with mock.patch.object(tap_points, "deliver", stale):
-        seen["stale_routes"] = error_of(lambda: loop.step(spec.seed, 1))
+        seen["stale_routes"] = error_of(lambda: loop.step(spec.load.seed, 1))
 print("RESULT " + json.dumps(seen))
