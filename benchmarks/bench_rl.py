@@ -84,10 +84,18 @@ def measure(args) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit.stdout.strip(), "command": " ".join(sys.argv),
-        "spec": {k: v for k, v in base.to_dict().items() if k != "side"}, "sides": list(args.side),
+        "spec": {k: v for k, v in _flat(base.to_dict()).items() if k != "side"}, "sides": list(args.side),
         "rounds": args.rounds, "cpu_count": os.cpu_count(), "loadavg": [[round(x, 2) for x in a] for a in load],
         "target": TARGET, "results": sides,
     }
+
+
+def _flat(recorded: dict) -> dict:
+    """The spec by option names, one level (rl's own fields beside its load and prompt parts' fields), as this
+    benchmark's results have always recorded it."""
+    parts = {k: v for k, v in recorded.items() if isinstance(v, dict) and k in ("load", "prompts")}
+    return {k: v for part in parts.values() for k, v in part.items()} | \
+        {k: v for k, v in recorded.items() if k not in parts}
 
 
 def section(raw: dict) -> str:
