@@ -70,7 +70,7 @@ def lazy_table(package: str) -> dict[str, str]:
     if path is None or path.name != "__init__.py":
         return {}
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_LAZY"]:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["_LAZY"]:
             # a dict display of string constants, names spread in from a comprehension over a tuple of them
             table = eval(compile(ast.Expression(node.value), str(path), "eval"), {"__builtins__": {}})
             return {name: _absolute(target, package) for name, target in table.items()}

@@ -360,7 +360,7 @@ def make_model(
         raise ModelError(f"--seed {seed} is outside the seeds torch takes ({SEEDS[0]} to {SEEDS[1]}); pass a smaller "
                          "seed")
     if device not in DEVICES:
-        raise ModelError(f"--device {device!r}; choose {' or '.join(DEVICES)}")
+        raise ModelError(f"--device {device!r} is not a device make-model draws on; choose {' or '.join(DEVICES)}")
     if device == "cuda":
         from ..environment import resolve_device
 
@@ -390,6 +390,11 @@ def make_model(
             _write_model(tmp, arch, preset, seed, num_layers, device)
             mark(tmp, MODEL)
         except Exception as e:
+            import torch
+
+            if isinstance(e, torch.OutOfMemoryError):  # another process took the GPU after the fit check
+                raise ModelError(f"building {preset} on {device} ran out of its memory; free the GPU, or pass fewer "
+                                 "--layers or --device cpu") from e
             reason = _os_error(e)
             if reason is None:
                 raise

@@ -17,6 +17,7 @@ from . import memory as memory_plan
 from ..engines import torch_state
 from .. import timings, versions
 from .manifest import model_section
+from .out_of_memory import is_out_of_memory
 from .reference_plan import check_planned
 from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
@@ -357,7 +358,7 @@ def memory_errors(plan: memory_plan.MemoryPlan | None, phase: str):
     except DeviceMemoryError:
         raise
     except Exception as e:
-        if memory_plan.is_out_of_memory(e):
+        if is_out_of_memory(e):
             raise memory_plan.out_of_memory_error(e, plan, phase) from e
         raise
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from ..errors import DeviceMemoryError
-from .out_of_memory import is_out_of_memory, part_that_ran_out  # noqa: F401 (is_out_of_memory: callers find it here)
+from .out_of_memory import part_that_ran_out
 from ..models.size import CPU_RUNTIME, ENV, GiB, ModelSize, gib, parse_bytes, system_memory
 
 # A sequence's KV cache is whole blocks; the largest block vLLM picks for these models (its CPU backend's 128, CUDA's

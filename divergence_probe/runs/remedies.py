@@ -28,7 +28,7 @@ import pandas as pd
 from .combination import configured
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
-from .memory import is_out_of_memory
+from .out_of_memory import is_out_of_memory
 from .progress import Progress, phase
 from ..engines.elapsed import Elapsed
 from ..engines.peak import PeakMemory

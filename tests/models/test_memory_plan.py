@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from divergence_probe.runs import capture as capture_module
 from divergence_probe.numerics import fused
 from divergence_probe.runs import memory as memory_plan
+from divergence_probe.runs.out_of_memory import is_out_of_memory
 from divergence_probe.runs.measured import CountingCapture
 from divergence_probe.models import get_family
 from divergence_probe.models.size import parse_bytes
@@ -361,10 +362,10 @@ def test_vllm_start_up_memory_errors_are_recognised():
             except ValueError as e:
                 raise StackError(f"vLLM could not start on m: ValueError: {text}") from e
         except StackError as wrapped:
-            assert memory_plan.is_out_of_memory(wrapped)
+            assert is_out_of_memory(wrapped)
             assert "starting the inference stack" in str(memory_plan.out_of_memory_error(wrapped, None,
                                                                                          "starting the inference stack"))
-    assert not memory_plan.is_out_of_memory(StackError("vLLM could not start on m: ValueError: bad dtype"))
+    assert not is_out_of_memory(StackError("vLLM could not start on m: ValueError: bad dtype"))
 
 
 def test_a_users_engine_share_too_small_for_a_kv_cache_names_that_share():

@@ -182,6 +182,20 @@ def test_a_gpu_build_needs_one_shard_of_ram_not_the_weights(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_gpu_that_runs_out_of_memory_during_the_build_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """Another process may take the GPU between the fit check and the draw: a ModelError naming the fix (the CLI's
+    one line, exit 2), not a traceback, and no folder left behind."""
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(modelzoo, "_random_model", out_of_memory)
+    with pytest.raises(ModelError, match="ran out of its memory; free the GPU"):
+        make_model(tmp_path / "m", device="cuda")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_preset_arch_mismatch(tmp_path):
     with pytest.raises(ModelError, match="qwen2"):
         make_model(tmp_path / "m", arch="qwen3", preset="qwen2.5-0.5b")
