@@ -8,10 +8,11 @@ same loaded stacks, each side in the process that runs it. Arms whose interval h
 
 An arm is a change a deployment can make, declared once in ARMS with the published claim it tests and what it needs
 (the trainer only, an engine setting, or both). Most are the regions and factors ablate already toggles (knobs.py,
-regions/), configured the way ablate configures a combination; three are this command's own: both stacks in FP16
+regions/), configured the way ablate configures a combination; the rest are this command's own: both stacks in FP16
 (a second trainer and engine in FP16, against their own FP16 floors), the trainer's k most divergent layers in FP32
-(engines/hf/patches/layers.py; the layers read from the shipped run's residual stream), and MoE routing replay of
-expert ids alone against ids plus the engine's combine weights, paired with each other.
+(engines/hf/patches/layers.py; the layers read from the shipped run's residual stream) against its last k layers in
+FP32, and MoE routing replay of expert ids alone against ids plus the engine's combine weights; each pair is compared
+directly too, on the same prompt draws.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Arm:
     needs: str  # TRAINER, ENGINE or BOTH: what adopting it changes
     step: Callable[[RunSpec, object], RunSpec]  # (the shipped compare, the model's family) -> the arm's compare
     paired_with: str | None = None  # an arm it is also compared with directly, on the same prompt draws
+    # the trainer's decoder layers it runs in FP32, chosen from (the shipped run's layers.csv, k, the model's layers):
+    # (the layers, how they were chosen); None for an arm that patches no layers
+    layers: Callable[[pd.DataFrame, int, int], tuple[tuple[int, ...], str]] | None = None
 
 
 def _regions_of(family, wanted) -> tuple[str, ...]:
@@ -130,6 +134,40 @@ def _fp32_layers(base: RunSpec, family) -> RunSpec:
     return base  # the layers are patched by run_remedies, not by an aligned region
 
 
+# ---------------------------------------------------------------------------------------------- layers
+def divergent_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tuple[int, ...], str]:
+    """The k layers whose residual stream's divergence rises most (the shipped run's resid_out rel_l2 minus the layer
+    before's), and how they were chosen; the first k when the run has no such reading."""
+    k = min(k, num_layers)
+    rows = layers[layers["tap"] == READING_TAP].sort_values("layer") if len(layers) else layers
+    if not len(rows):
+        return tuple(range(k)), f"the first {k} (the shipped run has no {READING_TAP} reading)"
+    rise = rows["rel_l2"].diff().fillna(rows["rel_l2"]).to_numpy()
+    order = sorted(range(len(rows)), key=lambda i: (-rise[i], i))[:k]  # ties: the earlier layer
+    chosen = tuple(sorted(int(rows["layer"].iloc[i]) for i in order))
+    return chosen, f"the {k} with the largest rise of {READING_TAP} rel_l2 in the shipped run"
+
+
+def last_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tuple[int, ...], str]:
+    """The last k layers, whatever the shipped run read: the choice the divergent one is measured against."""
+    k = min(k, num_layers)
+    return tuple(range(num_layers - k, num_layers)), f"the last {k}"
+
+
+def arm_layers(arm: Arm, choices: dict) -> tuple[int, ...]:
+    """The layers `arm` runs in FP32, from `choices` (arm name -> its layers and how they were chosen); none for an
+    arm that patches none. One whose layers are those of the arm it is paired with would run that arm again and pair
+    it with itself: it is not run."""
+    if arm.layers is None:
+        return ()
+    layers = choices[arm.name][0]
+    other = choices.get(arm.paired_with)
+    if other is not None and set(layers) == set(other[0]):
+        raise NotRun(f"its layers ({', '.join(map(str, layers))}) are those {arm.paired_with} chose ({other[1]}): "
+                     f"the same arm; {arm.paired_with}'s row is its result")
+    return layers
+
+
 def _correction(base: RunSpec, family) -> RunSpec:
     raise NotRun("TIS/MIS reweight the policy loss and leave both stacks' logprobs as they are, so there is no "
                  "change in the mismatch to measure; their effect on training: rl --setting train:correction=tis")
@@ -143,7 +181,9 @@ ARMS = {arm.name: arm for arm in (
     Arm("lm_head", "an FP32 LM head (FP32 logits on both stacks) removes much of the gap", BOTH,
         _aligned("both", ("lm_head",))),
     Arm("fp32_layers", "upcasting the layers with the largest divergence increment beats upcasting the last ones",
-        TRAINER, _fp32_layers),
+        TRAINER, _fp32_layers, layers=divergent_layers),
+    Arm("fp32_last_layers", "the last layers in FP32, the usual choice, leave more mismatch than fp32_layers' most "
+        "divergent ones", TRAINER, _fp32_layers, paired_with="fp32_layers", layers=last_layers),
     Arm("fp16", "scoring and rollouts in FP16 remove a BF16 trainer's out-of-band tokens at about BF16's cost", BOTH,
         _fp16),
     Arm("train_kernels_vllm", "the engine's own RMSNorm, SiLU-and-mul and rotary kernels in the trainer leave only "
@@ -159,20 +199,6 @@ ARMS = {arm.name: arm for arm in (
         _routing("ids+weights"), paired_with="routing_ids"),
     Arm("correction", "TIS/MIS importance weights correct the gap in the loss", TRAINER, _correction),
 )}
-
-
-# ---------------------------------------------------------------------------------------------- layers
-def divergent_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tuple[int, ...], str]:
-    """The k layers whose residual stream's divergence rises most (the shipped run's resid_out rel_l2 minus the layer
-    before's), and how they were chosen; the first k when the run has no such reading."""
-    k = min(k, num_layers)
-    rows = layers[layers["tap"] == READING_TAP].sort_values("layer") if len(layers) else layers
-    if not len(rows):
-        return tuple(range(k)), f"the first {k} (the shipped run has no {READING_TAP} reading)"
-    rise = rows["rel_l2"].diff().fillna(rows["rel_l2"]).to_numpy()
-    order = sorted(range(len(rows)), key=lambda i: (-rise[i], i))[:k]  # ties: the earlier layer
-    chosen = tuple(sorted(int(rows["layer"].iloc[i]) for i in order))
-    return chosen, f"the {k} with the largest rise of {READING_TAP} rel_l2 in the shipped run"
 
 
 # ---------------------------------------------------------------------------------------------- cost
@@ -357,9 +383,9 @@ class RemediesRun:
 
 @contextmanager
 def _arm_view(probe, step: RunSpec, layers: tuple[int, ...]) -> Iterator[object]:
-    """The loaded stacks as the arm runs them: FP16 loads both stacks again beside the shipped ones; fp32_layers
-    patches the chosen layers of the trainer (the numeric regions its family has); every other arm is configured as
-    ablate configures a combination."""
+    """The loaded stacks as the arm runs them: FP16 loads both stacks again beside the shipped ones; fp32_layers and
+    fp32_last_layers patch their layers of the trainer (the numeric regions its family has); every other arm is
+    configured as ablate configures a combination."""
     from ..engines.hooks import HookSet
 
     with ExitStack() as stack:
@@ -425,21 +451,22 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)
     done = len(shipped.prompts)
     first_cost = measure_cost(probe, shipped.prompts, options.cost_repeats, steps)
-    layers, choice = divergent_layers(shipped.layers_table, options.fp32_layers, probe.source.num_layers)
+    choices = {name: arm.layers(shipped.layers_table, options.fp32_layers, probe.source.num_layers)
+               for name, arm in ARMS.items() if arm.layers}
     runs, costs, reasons, records = {SHIPPED: shipped}, {}, {}, {}
     for i, name in enumerate(chosen):
         arm = ARMS[name]
         try:
             step = arm.step(arm_base, family)
             check_family(step, step.load, family)
+            layers = arm_layers(arm, choices)
         except ProbeError as e:
             reasons[name] = str(e)
             continue
         phase(progress, f"arm {name} ({i + 1}/{len(chosen)})", offset=done, scale=scale)
-        arm_layers = layers if name == "fp32_layers" else ()
         _release(probe.settings.device)  # the shipped run's or the last arm's: its stacks are closed by now
         try:
-            with _arm_view(probe, step, arm_layers) as view:
+            with _arm_view(probe, step, layers) as view:
                 runs[name] = run_compare(view, step, progress, done_before=done, total_scale=scale)
                 costs[name] = measure_cost(view, shipped.prompts, options.cost_repeats, steps)
         except Exception as e:
@@ -450,17 +477,18 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
         records[name] = {"load": runs[name].manifest["load"], "align": {"regions": list(step.align.regions),
                                                                          "side": step.align.side,
                                                                          "routing_replay": step.align.routing_replay}}
-        if arm_layers:  # aligned by its own patch, in those layers of the trainer alone
+        if layers:  # aligned by its own patch, in those layers of the trainer alone
             records[name]["align"] |= {"regions": list(_regions_of(family, NUMERIC)), "side": "train"}
-            records[name]["layers"] = list(arm_layers)
-            records[name]["layer_choice"] = choice
+            records[name]["layers"] = list(layers)
+            records[name]["layer_choice"] = choices[name][1]
     _release(probe.settings.device)
     shipped_cost = _pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))
     table = remedies_table(runs, costs, shipped_cost, reasons, chosen, options, spec.load.seed)
     section = {"metric": options.metric, "bootstrap": options.bootstrap, "ci_level": options.ci_level,
                "seed": spec.load.seed, "cost_repeats": options.cost_repeats, "arms": records,
-               "not_run": reasons, "fp32_layers": {"k": options.fp32_layers, "layers": list(layers),
-                                                   "choice": choice},
+               "not_run": reasons,
+               **{name: {"k": options.fp32_layers, "layers": list(layers), "choice": choice}
+                  for name, (layers, choice) in choices.items()},
                "cost": {"device": probe.settings.device, "sides": list(SIDES),
                         "shipped": "measured before the arms and again after them",
                         "shipped_engine_step_timed_in": shipped_cost["engine_step_timed_in"]}}

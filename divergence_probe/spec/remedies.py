@@ -12,8 +12,9 @@ from .fields import check_finite
 
 # The candidate arms, by name: what each changes is runs/remedies.py's ARMS (the published claim it tests, what it
 # needs, how its compare is made). Listed here so that the flag's help and its check need no torch.
-ARM_NAMES = ("aligned_both", "aligned_trainer", "lm_head", "fp32_layers", "fp16", "train_kernels_vllm",
-             "train_kernels_liger", "train_amp", "fp8_off", "routing_ids", "routing_ids_weights", "correction")
+ARM_NAMES = ("aligned_both", "aligned_trainer", "lm_head", "fp32_layers", "fp32_last_layers", "fp16",
+             "train_kernels_vllm", "train_kernels_liger", "train_amp", "fp8_off", "routing_ids", "routing_ids_weights",
+             "correction")
 # Each arm is one full compare with its noise floors on the same prompts, plus its cost's repeats: the bound keeps a
 # mistyped repeat count from running for hours, where the spread of a few repeats is already what the table needs.
 MAX_COST_REPEATS = 50
@@ -40,7 +41,8 @@ class RemediesSpec:
                                        "the model or the device cannot run is listed as not run, with the reason.")
     fp32_layers: int = option(2, "fp32_layers arm: how many of the trainer's decoder layers run their norms, RoPE and "
                                  "SwiGLU in FP32: those whose residual stream diverges most in the shipped run "
-                                 "(the largest rise of resid_out rel_l2), or the first k when it has no such reading.")
+                                 "(the largest rise of resid_out rel_l2), or the first k when it has no such reading. "
+                                 "fp32_last_layers: as many, the last ones.")
     metric: str = option("mean_abs_dlogp", "The mismatch each arm's change is measured in: " + ", ".join(METRICS)
                                            + ". The noise floors are in mean |Δlogp|.")
     bootstrap: int = option(1000, f"Bootstrap resamples of prompts for each change's interval (0 = none; at most "

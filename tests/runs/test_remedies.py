@@ -19,7 +19,7 @@ from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPP
 from divergence_probe.runs import remedies
 from divergence_probe.spec.run import spec_from_flat
 
-ARMS = "aligned_trainer,fp32_layers,fp16,train_kernels_liger,routing_ids,correction"
+ARMS = "aligned_trainer,fp32_layers,fp32_last_layers,fp16,train_kernels_liger,routing_ids,correction"
 SLOW = 0.1  # seconds each aligned RMSNorm call sleeps while costs are timed: far above the machine's own spread
 HELD = 64 << 20  # bytes the FP16 arm's engine step holds on top of its work: far above the resident set's wander
 
@@ -68,7 +68,7 @@ def _row(run, arm: str) -> pd.Series:
 def test_every_chosen_arm_is_listed_and_those_the_platform_cannot_run_say_why(run):
     table = run.table
     assert list(table["arm"]) == ARMS.split(",")
-    assert set(table[table["status"] == RAN]["arm"]) == {"aligned_trainer", "fp32_layers", "fp16"}
+    assert set(table[table["status"] == RAN]["arm"]) == {"aligned_trainer", "fp32_layers", "fp32_last_layers", "fp16"}
     assert "cuda only" in _row(run, "train_kernels_liger")["reason"]  # Liger on the CPU
     assert "dense" in _row(run, "routing_ids")["reason"] and "rl --setting" in _row(run, "correction")["reason"]
     lines = ranking_lines(table, "mean_abs_dlogp")
@@ -233,6 +233,48 @@ def test_fp32_layers_changes_exactly_those_layers_norms_rope_and_swiglu(hf_probe
     assert recorded["align"]["regions"] == ["rope", "swiglu", "rmsnorm"] and recorded["align"]["side"] == "train"
 
 
+def test_fp32_last_layers_changes_exactly_the_last_k_layers_and_is_paired_with_fp32_layers(hf_probe, run):
+    recorded = run.manifest["remedies"]
+    last = hf_probe.source.num_layers - 1
+    assert recorded["arms"]["fp32_last_layers"]["layers"] == [last] == recorded["fp32_last_layers"]["layers"]
+    assert recorded["arms"]["fp32_last_layers"]["layer_choice"] == "the last 1"
+    assert recorded["fp32_layers"]["layers"] != [last]  # else the arm would not have run (below)
+    model = hf_probe.train.model
+    ids = torch.tensor([run.prompts[0].token_ids])
+
+    def outputs() -> list[torch.Tensor]:
+        got = []
+        hooks = [m.register_forward_hook(lambda mod, a, out: got.append(out[0] if isinstance(out, tuple) else out))
+                 for m in model.model.layers]
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])
+        for h in hooks:
+            h.remove()
+        return got
+
+    shipped = outputs()
+    step = remedies.ARMS["fp32_last_layers"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    with remedies._arm_view(hf_probe, step, (last,)):
+        arm = outputs()
+    assert all(torch.equal(a, b) for a, b in zip(shipped[:last], arm[:last])) and not torch.equal(shipped[-1], arm[-1])
+    row, other = _row(run, "fp32_last_layers"), _row(run, "fp32_layers")
+    assert row["paired_with"] == "fp32_layers" and row["paired_change"] == pytest.approx(row["value"] - other["value"])
+
+
+def test_last_layers_that_are_the_divergent_ones_are_not_run_and_say_why():
+    table = pd.DataFrame({"layer": [0, 1, 2, 3], "tap": "resid_out", "rel_l2": [0.01, 0.05, 0.10, 0.30]})
+    last = remedies.ARMS["fp32_last_layers"]
+    for k, divergent in ((2, (2, 3)), (3, (1, 2, 3)), (5, (0, 1, 2, 3))):  # rises 0.01, 0.04, 0.05, 0.20
+        choices = {name: arm.layers(table, k, 4) for name, arm in remedies.ARMS.items() if arm.layers}
+        assert choices["fp32_layers"][0] == choices["fp32_last_layers"][0] == divergent
+        with pytest.raises(remedies.NotRun, match="are those fp32_layers chose .the .* with the largest rise"):
+            remedies.arm_layers(last, choices)
+    rising_early = table.assign(rel_l2=[0.5, 1.0, 1.25, 1.5])
+    choices = {name: arm.layers(rising_early, 2, 4) for name, arm in remedies.ARMS.items() if arm.layers}
+    assert choices["fp32_layers"][0] == (0, 1)
+    assert remedies.arm_layers(last, choices) == (2, 3) and remedies.arm_layers(remedies.ARMS["fp16"], choices) == ()
+
+
 def test_layers_are_chosen_by_the_rise_of_the_shipped_runs_divergence():
     layers = pd.DataFrame({"layer": [0, 1, 2, 3], "tap": "resid_out", "rel_l2": [0.01, 0.02, 0.10, 0.11]})
     assert remedies.divergent_layers(layers, 2, 4)[0] == (0, 2)  # rises 0.01, 0.01, 0.08, 0.01: ties go earlier
@@ -259,8 +301,12 @@ def test_ranking_ignores_arms_whose_interval_straddles_zero():
     assert not any(line.startswith(("3.", "4.")) for line in lines)
 
 
-def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
-    """ids+weights removes a little more than ids alone on every prompt: paired, that difference is detectable
+@pytest.mark.parametrize(("arm", "other", "scale", "effect"), [
+    ("routing_ids_weights", "routing_ids", 0.55, REMOVES),  # ids+weights removes more than ids alone
+    ("fp32_last_layers", "fp32_layers", 0.65, ADDS),  # the divergent layers remove more than the last ones
+])
+def test_paired_arms_are_compared_on_the_same_prompt_draws(arm, other, scale, effect):
+    """One arm of a pair removes a little more than the other on every prompt: paired, that difference is detectable
     even where each arm's own interval against shipped is wide."""
     rng = np.random.default_rng(0)
     base = rng.uniform(0.5, 5.0, 40)  # prompts of very different mismatch: unpaired intervals are wide
@@ -269,15 +315,17 @@ def test_routing_ids_and_ids_plus_weights_are_paired_on_the_same_prompt_draws():
         tokens = pd.DataFrame({"prompt_id": np.arange(40), "delta_logprob": base * scale, "kl": base * scale})
         return SimpleNamespace(tokens_table=tokens, summary={})
 
-    runs = {SHIPPED: run_of(1.0), "routing_ids": run_of(0.6), "routing_ids_weights": run_of(0.55)}
+    runs = {SHIPPED: run_of(1.0), other: run_of(0.6), arm: run_of(scale)}
     cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
         "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
-    table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, ("routing_ids", "routing_ids_weights"),
-                                    options, 0).set_index("arm")
-    row = table.loc["routing_ids_weights"]
-    assert row["paired_with"] == "routing_ids" and row["paired_change"] == pytest.approx(-0.05 * base.mean())
-    assert row["paired_effect"] == REMOVES and row["paired_ci_high"] < 0
+    chosen = tuple(a for a in remedies.ARMS if a in runs)
+    table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, chosen, options, 0).set_index("arm")
+    row = table.loc[arm]
+    assert row["paired_with"] == other and row["paired_change"] == pytest.approx((scale - 0.6) * base.mean())
+    assert row["paired_effect"] == effect and (row["paired_ci_high"] < 0 if effect == REMOVES else
+                                               row["paired_ci_low"] > 0)
+    assert pd.isna(table.loc[other].get("paired_with"))  # the pair is one row's: the other arm's is its own
 
 
 def test_the_run_folder_and_its_report_section(run, tmp_path):
@@ -288,7 +336,8 @@ def test_the_run_folder_and_its_report_section(run, tmp_path):
     run.write(folder)
     read = read_run(folder)
     assert list(read.tables["remedies.csv"]["arm"]) == ARMS.split(",")
-    assert set(read.tables["tokens.csv"]["combo"]) == {SHIPPED, "aligned_trainer", "fp32_layers", "fp16"}
+    assert set(read.tables["tokens.csv"]["combo"]) == {SHIPPED, "aligned_trainer", "fp32_layers", "fp32_last_layers",
+                                                       "fp16"}
     report = write_report(folder).read_text()
     assert "What to change: remedies ranked" in report and "not run: correction" in report
 
