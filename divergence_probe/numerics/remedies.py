@@ -10,6 +10,8 @@ import pandas as pd
 from .shapley import ADDS, NO_INTERVAL, NOT_DETECTED, REMOVES
 
 RAN, NOT_RUN = "run", "not_run"  # remedies.csv `status`
+# why a change has no interval, in the words of the ranking and of the report
+NO_INTERVAL_WHY = "no interval (fewer prompts than a bootstrap needs, or --bootstrap 0)"
 
 
 def ranked(table: pd.DataFrame) -> pd.DataFrame:
@@ -34,14 +36,13 @@ def ranking_lines(table: pd.DataFrame, metric: str) -> list[str]:
     lines = []
     ranked_rows = table[table["effect_rank"].notna()].sort_values("effect_rank") if "effect_rank" in table else table[:0]
     for row in ranked_rows.itertuples():
-        lines.append(f"{row.effect_rank}. {row.arm} ({row.needs}): {metric} {100 * row.share:+.3g}% "
+        lines.append(f"{int(row.effect_rank)}. {row.arm} ({row.needs}): {metric} {100 * row.share:+.3g}% "
                      f"[{100 * row.share_ci_low:+.3g}%, {100 * row.share_ci_high:+.3g}%], now "
                      f"{row.mismatch_over_floor:.3g}x its floor; adds {_seconds(row.step_added_s)} a step "
-                     f"(cost rank {row.cost_rank}); tests: {row.claim}")
+                     f"(cost rank {int(row.cost_rank)}); tests: {row.claim}")
     if not len(ranked_rows):
         lines.append(f"No arm removes a detectable part of the {metric}.")
-    for kind, words in ((NOT_DETECTED, "no detectable effect"), (ADDS, "adds mismatch"),
-                        (NO_INTERVAL, "no interval (fewer prompts than a bootstrap needs, or --bootstrap 0)")):
+    for kind, words in ((NOT_DETECTED, "no detectable effect"), (ADDS, "adds mismatch"), (NO_INTERVAL, NO_INTERVAL_WHY)):
         names = table[table["effect"] == kind]["arm"].tolist() if "effect" in table else []
         if names:
             lines.append(f"{words}: {', '.join(names)}")

@@ -27,8 +27,10 @@ def _recorded(manifest: dict, section: str, name: str, default):
     from ..spec.align import AblateSpec
     from ..spec.generate import GenerateSpec
     from ..spec.from_manifest import recorded_value
+    from ..spec.remedies import RemediesSpec
 
-    return recorded_value({"ablate": AblateSpec}.get(section, GenerateSpec), name, value, f"{section}.{name}")
+    return recorded_value({"ablate": AblateSpec, "remedies": RemediesSpec}.get(section, GenerateSpec), name, value,
+                          f"{section}.{name}")
 
 
 def _as_bool(series: pd.Series) -> pd.Series:
@@ -39,7 +41,7 @@ def _as_bool(series: pd.Series) -> pd.Series:
 
 # The manifest sections the report reads into, and the objects inside `stacks.<side>`: each must be a JSON object
 # when present (an edited manifest with `"model": 5` is refused here, not met as a traceback while writing prose).
-SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files", "score", "generate")
+SECTIONS = ("model", "load", "environment", "stacks", "compare", "ablate", "files", "score", "generate", "remedies")
 STACK_SECTIONS = ("settings", "implementations", "versions")
 
 
@@ -97,9 +99,10 @@ def load_run(run_dir: str | Path) -> RunData:
     layers = tables.get("layers.csv", pd.DataFrame(columns=["layer", "tap", "rel_l2"]))
     manifest = folder.manifest  # its numbers are checked here, before anything is drawn or written
     clip_section = "score" if manifest.get("kind") == "score" else "generate"  # RunData.is_score
+    level_section = "remedies" if manifest.get("kind") == "remedies" else "ablate"  # the runs that draw intervals
     run = RunData(path=path, manifest=manifest, summary=summary, layers=layers,
                   clip_eps=_recorded(manifest, clip_section, "clip_eps", DEFAULT_CLIP_EPS),
-                  ci_level=f"{100 * _recorded(manifest, 'ablate', 'ci_level', DEFAULT_CI_LEVEL):g}%")
+                  ci_level=f"{100 * _recorded(manifest, level_section, 'ci_level', DEFAULT_CI_LEVEL):g}%")
 
     if "ablation.csv" in tables:
         run.ablation = tables["ablation.csv"]

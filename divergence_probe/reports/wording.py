@@ -46,9 +46,20 @@ def _finite(x) -> bool:
         return False
 
 
+def _signed(value) -> str:
+    """A change with its sign and 3 significant digits (the attribution's convention: − removes, + adds)."""
+    return f"{float(value):+.3g}"
+
+
 def _signed_pct(share) -> str:
-    """A share of the shipped metric in percent with its sign (the attribution's convention: − removes, + adds)."""
-    return f"{100 * float(share):+.3g}%"
+    """A share of the shipped metric in percent with its sign."""
+    return _signed(100 * float(share)) + "%"
+
+
+def interval(low, high, level: str, signed=_signed) -> str:
+    """"95% interval -0.00123 to +0.000456": a bootstrap interval as every section words it, its ends written by
+    `signed` (_signed_pct for shares)."""
+    return f"{level} interval {signed(low)} to {signed(high)}"
 
 
 def scored_prompts(run) -> int | None:
@@ -83,4 +94,4 @@ def share_interval(low, high, level: str) -> str:
 
     if not (_finite(low) and _finite(high)) or effect(float(low), float(high)) not in (REMOVES, ADDS):
         return ""
-    return f" ({level} interval {_signed_pct(low)} to {_signed_pct(high)})"
+    return f" ({interval(low, high, level, _signed_pct)})"

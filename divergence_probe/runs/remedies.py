@@ -527,6 +527,8 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
         arm = ARMS[name]
         row = {"arm": name, "claim": arm.claim, "needs": arm.needs, "status": RAN if name in runs else NOT_RUN,
                "reason": reasons.get(name, ""), "metric": options.metric, "shipped": shipped_value}
+        if arm.paired_with:  # on a paired arm not run too: the comparison it leaves out is read with its reason
+            row["paired_with"] = arm.paired_with
         if name not in runs:
             rows.append(row)
             continue
@@ -542,7 +544,7 @@ def remedies_table(runs: dict, costs: dict, shipped_cost: dict, reasons: dict, c
                 "shipped_mismatch_over_floor": shipped_summary.get(RATIO, float("nan"))}
         if arm.paired_with:
             key = name + "/paired"
-            row |= {"paired_with": arm.paired_with, "paired_change": point.get(key, float("nan")),
+            row |= {"paired_change": point.get(key, float("nan")),
                     "paired_ci_low": ci.get(key, (float("nan"),) * 2)[0],
                     "paired_ci_high": ci.get(key, (float("nan"),) * 2)[1],
                     "paired_effect": effect(*ci[key]) if key in ci else NO_INTERVAL}

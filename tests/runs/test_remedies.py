@@ -14,7 +14,7 @@ import torch
 
 from divergence_probe.engines.hf.patches import layers as fp32_layers
 from divergence_probe.engines.hooks import HookSet
-from divergence_probe.numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
+from divergence_probe.numerics.remedies import NO_INTERVAL_WHY, NOT_RUN, RAN, ranked, ranking_lines
 from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
 from divergence_probe.runs import remedies
 from divergence_probe.spec.run import spec_from_flat
@@ -319,13 +319,18 @@ def test_paired_arms_are_compared_on_the_same_prompt_draws(arm, other, scale, ef
     cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
         "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
-    chosen = tuple(a for a in remedies.ARMS if a in runs)
-    table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {}, chosen, options, 0).set_index("arm")
+    unrun = next(a for a in ("fp32_last_layers", "routing_ids_weights") if a != arm)  # the other pair's, not run
+    chosen = tuple(a for a in remedies.ARMS if a in runs or a == unrun)
+    table = remedies.remedies_table(runs, {a: cost for a in runs}, cost, {unrun: "why"}, chosen, options, 0
+                                    ).set_index("arm")
     row = table.loc[arm]
     assert row["paired_with"] == other and row["paired_change"] == pytest.approx((scale - 0.6) * base.mean())
     assert row["paired_effect"] == effect and (row["paired_ci_high"] < 0 if effect == REMOVES else
                                                row["paired_ci_low"] > 0)
     assert pd.isna(table.loc[other].get("paired_with"))  # the pair is one row's: the other arm's is its own
+    # a paired arm not run names its pair beside its reason, and has no difference
+    assert table.loc[unrun, "status"] == NOT_RUN and table.loc[unrun, "paired_with"] == remedies.ARMS[unrun].paired_with
+    assert pd.isna(table.loc[unrun, "paired_change"])
 
 
 def test_the_run_folder_and_its_report_section(run, tmp_path):
@@ -340,6 +345,73 @@ def test_the_run_folder_and_its_report_section(run, tmp_path):
                                                        "fp16"}
     report = write_report(folder).read_text()
     assert "What to change: remedies ranked" in report and "not run: correction" in report
+    paired = next(line for line in report.splitlines() if line.startswith("- `fp32_last_layers` against `fp32_layers`"))
+    assert paired.endswith(NO_INTERVAL_WHY) and "`mean_abs_dlogp` " in paired  # two prompts: no bootstrap interval
+
+
+def _remedies_folder(path, pair: dict | None, level: float = 0.9):
+    """A remedies run folder written by hand: fp32_layers and its paired fp32_last_layers, whose row holds `pair`'s
+    columns (status, reason and the paired_* ones; None: a folder from before the pairs, no paired column at all)."""
+    from test_report import _layers, _manifest, _summary, _tokens, _write
+
+    rng = np.random.default_rng(4)
+    tokens = _tokens(rng, 0.01)
+    summary = pd.DataFrame([{"combo": combo, **_summary(tokens, "q_rope@0")}
+                            for combo in (SHIPPED, "fp32_layers", "fp32_last_layers")])
+    ran = {"status": RAN, "reason": "", "needs": "trainer only", "metric": "mean_abs_dlogp", "shipped": 0.02,
+           "mismatch_over_floor": 1.1, "floor": "the engine's own batch change", "step_added_s": 0.01}
+    rows = [{"arm": "fp32_layers", "claim": remedies.ARMS["fp32_layers"].claim, **ran, "change": -0.004,
+             "change_ci_low": -0.005, "change_ci_high": -0.003, "share": -0.2, "share_ci_low": -0.25,
+             "share_ci_high": -0.15, "effect": REMOVES},
+            {"arm": "fp32_last_layers", "claim": remedies.ARMS["fp32_last_layers"].claim, **ran, "change": -0.001,
+             "change_ci_low": -0.003, "change_ci_high": 0.001, "share": -0.05, "share_ci_low": -0.15,
+             "share_ci_high": 0.05, "effect": NOT_DETECTED, **(pair or {})}]
+    manifest = _manifest(kind="remedies", remedies={"metric": "mean_abs_dlogp", "bootstrap": 1000, "ci_level": level})
+    return _write(path, manifest, {"layers": _layers(rng, 0.01), "summary": summary,
+                                   "remedies": ranked(pd.DataFrame(rows))}, tokens.assign(combo=SHIPPED))
+
+
+def _remedies_report(tmp_path, pair: dict | None, fmt: str = "md") -> str:
+    from divergence_probe.reports import write_report
+
+    return write_report(_remedies_folder(tmp_path / "run", pair), fmt=fmt).read_text()
+
+
+@pytest.mark.parametrize("fmt", ["md", "html", "latex"])
+def test_a_paired_difference_clear_of_zero_is_stated_with_its_interval_and_verdict(fmt, tmp_path):
+    report = _remedies_report(tmp_path, {"paired_with": "fp32_layers", "paired_change": 0.003,
+                                         "paired_ci_low": 0.0021, "paired_ci_high": 0.0042, "paired_effect": ADDS}, fmt)
+    code = {"md": "`{}`", "html": "<code>{}</code>", "latex": "\\texttt{{{}}}"}[fmt]
+    arm, pair = code.format("fp32\\_last\\_layers" if fmt == "latex" else "fp32_last_layers"), \
+        code.format("fp32\\_layers" if fmt == "latex" else "fp32_layers")
+    assert "Paired comparisons" in report
+    percent = "\\%" if fmt == "latex" else "%"
+    assert f"{arm} against {pair}: " in report and f"+0.003 (90{percent} interval +0.0021 to +0.0042): " in report
+    assert f"{arm} leaves more mismatch than {pair}" in report and "no detectable difference" not in report
+
+
+def test_a_paired_difference_whose_interval_holds_zero_is_no_detectable_difference(tmp_path):
+    report = _remedies_report(tmp_path, {"paired_with": "fp32_layers", "paired_change": -3.4e-05,
+                                         "paired_ci_low": -0.000147, "paired_ci_high": 8.7e-05,
+                                         "paired_effect": NOT_DETECTED})
+    line = next(line for line in report.splitlines() if line.startswith("- `fp32_last_layers` against"))
+    assert "`mean_abs_dlogp` -3.4e-05 (90% interval -0.000147 to +8.7e-05): no detectable difference" in line
+    assert "leaves" not in line
+
+
+def test_a_paired_arm_not_run_gives_its_reason_in_place_of_the_comparison(tmp_path):
+    why = "its layers (3) are those fp32_layers chose (the 1 with the largest rise): the same arm"
+    report = _remedies_report(tmp_path, {"status": NOT_RUN, "reason": why, "paired_with": "fp32_layers",
+                                         "paired_change": float("nan"), "paired_ci_low": float("nan"),
+                                         "paired_ci_high": float("nan"), "paired_effect": float("nan")})
+    assert f"- `fp32_last_layers` against `fp32_layers`: not run: {why}" in report
+    assert "interval" not in report.split("Paired comparisons")[1].split("**Table")[0]
+
+
+def test_a_folder_from_before_the_paired_columns_renders_without_a_paired_line(tmp_path):
+    report = _remedies_report(tmp_path, None)
+    assert "What to change: remedies ranked" in report and "- 1. fp32_layers" in report and "(cost rank 1)" in report
+    assert "Paired comparisons" not in report and " against `fp32_layers`" not in report
 
 
 def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
