@@ -43,7 +43,8 @@ def child(model: str, infer: str, device: str, prompts: str | None, num_prompts:
 
     import divergence_probe as dp
     from divergence_probe.runs.capture import TapPairing
-    from divergence_probe.runs.compare import SequenceSource, load_run_prompts, score_both
+    from divergence_probe.runs.compare import SequenceSource, score_both
+    from divergence_probe.runs.loading import load_run_prompts
     from divergence_probe.runs.measured import CountingCapture, Peaks, engine_report
     from divergence_probe.spec import spec_from_flat
     from divergence_probe.taps import expected_taps

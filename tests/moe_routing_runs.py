@@ -51,7 +51,7 @@ def _routes_handed() -> tuple[dict, callable]:
 def _router_taps(probe, name: str, out: Path) -> None:
     """Both stacks' router logits of the run's prompts, captured through a sink of this script and batched as compare
     batches them: the engine's steps of --batch-tokens, the trainer's one prompt per forward."""
-    from divergence_probe.runs.compare import load_run_prompts
+    from divergence_probe.runs.loading import load_run_prompts
     from divergence_probe.spec import spec_from_flat
 
     spec = spec_from_flat("compare", load=probe.config, **PROMPTS)

@@ -2,6 +2,10 @@
 (local_families.csv, sorted by local error) and which step of the forward adds most of the gap (depth.csv), in
 words the CLI and the report both print, so the answer is stated rather than left to be read off a table.
 
+The op family each seam is filed under, and the taps a seam's op reads and writes, are here too: the graft
+(runs/graft.py) and the reference arm's local reading (runs/reference.py) both measure seams by them, and neither
+needs the other's capture for it.
+
 depth.csv's point x is the gap the forward makes from x on when everything before x is the engine's, so what the
 step at x adds is the drop to the next point: decoder layer x for x < L, the final norm at x = L, and the lm_head
 alone at x = L + 1 (the last point, nothing after it). The steps add up to the whole gap, point 0.
@@ -10,12 +14,29 @@ alone at x = L + 1 (the last point, nothing after it). The steps add up to the w
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import pandas as pd
 
-# The op families a seam's local error is filed under (runs/graft.py maps each seam to one), in the order tables
-# and figures list them.
+from ..taps import ALL_TAPS
+
+# The op families a seam's local error is filed under, in the order tables and figures list them.
 FAMILIES = ("gemm", "attention", "norm", "rope", "swiglu", "residual_add", "logits", "router", "experts")
+# seam (the tap its op produces) -> op family. The seam's inputs are the taps its op reads (engines/hf/replay.py).
+SEAM_FAMILY = {
+    "input_norm": "norm", "q_proj": "gemm", "k_proj": "gemm", "v_proj": "gemm", "q_norm": "norm", "k_norm": "norm",
+    "q_rope": "rope", "k_rope": "rope", "attn_core": "attention", "attn_out": "gemm", "resid_mid": "residual_add",
+    "post_norm": "norm", "gate_proj": "gemm", "up_proj": "gemm", "swiglu": "swiglu", "mlp_out": "gemm",
+    "resid_out": "residual_add", "final_norm": "norm", "logits": "logits",
+}
+# a mixture-of-experts layer's (runs/graft.py's docstring): the router's GEMM, and the experts on the engine's routes
+MOE_SEAM_FAMILY = {"router_logits": "router", "mlp_out": "experts"}
+GRAFT_TAPS = frozenset(ALL_TAPS)  # what a graft captures, a seam's inputs and outputs: every tap
+
+
+def seam_families(layer_taps: Sequence[str]) -> dict[str, str]:
+    """seam -> op family for a model family's layer taps (models/): a router among them makes it mixture-of-experts."""
+    return {**SEAM_FAMILY, **(MOE_SEAM_FAMILY if "router_logits" in layer_taps else {})}
 
 
 def step_name(x: int, num_layers: int) -> str:

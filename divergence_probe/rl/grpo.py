@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.rl import CORRECTIONS
+from ..rl_choices import CORRECTIONS
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Callable
 
 from ..errors import ProbeError, one_line
 from ..signals import Stopped
-from ..spec.rl import BUILT_IN_REWARDS
+from ..rl_choices import BUILT_IN_REWARDS
 
 Reward = Callable[[str, str], float]
 

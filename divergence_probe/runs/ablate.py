@@ -22,7 +22,7 @@ from .combination import configured, needs_worker, start_worker, trainer_configu
 from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .progress import Progress, phase
-from .loading import engine_settings_for
+from .side_settings import engine_settings_for
 from .reference import reference_arm
 from .engine_align import stacks_for  # noqa: F401 (stacks_for: API)
 from ..numerics.noise_verdict import manifest_record
@@ -194,7 +194,7 @@ def run_ablation_kept(probe, spec: RunSpec, engine_for, progress: Progress | Non
         engine, noise = engine_for(step)
         with ExitStack() as stack:
             view = replace(trainer_configured(probe, step, stack), infer=engine, owns_infer=False,
-                           settings=engine_settings_for(probe.config, probe.settings, step))
+                           settings=engine_settings_for(probe.config, probe.settings, step.load))
             stack.enter_context(aligned([view.train] if step.align.side != "infer" else [], step.align.regions))
             runs[combo] = run_compare(view, step, progress, done_before=done_before, total_scale=len(combos),
                                       noise_engines=noise)

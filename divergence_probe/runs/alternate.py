@@ -22,9 +22,9 @@ from pathlib import Path
 from .batch_invariance import NoiseEngines, engine_noise, measure_side, routing_taps
 from .capture import TapPairing
 from .compare import _route_capture, capturable_taps, engine_prefill, run_compare, source_for
-from .loading import LoadedStacks, Prepared, engine_settings, engine_settings_for, memory_errors, \
-    train_settings, stack_for
+from .loading import LoadedStacks, Prepared, memory_errors, stack_for
 from .progress import Progress, phase
+from .side_settings import engine_settings, engine_settings_for, train_settings
 from ..engines import stack_class
 from ..engines.kept import KeptEngine, KeptNoise, KeptOutputs, Recording, RecordingNoise
 from ..engines.patching import aligned
@@ -143,7 +143,7 @@ def _engine_passes(prepared: Prepared, steps: list[RunSpec], configurations: lis
         for i, configuration in enumerate(configurations):
             step = next(s for s in steps if s.engine_configuration == configuration)
             phase(progress, f"the engine, pass {i + 1}/{len(configurations)}: every prompt")
-            step_settings = engine_settings_for(cfg, settings, step)  # as the run's view has them (noise engines')
+            step_settings = engine_settings_for(cfg, settings, step.load)  # as the run's view has them (noise engines')
             regions = configuration[2]
             with ExitStack() as inner:
                 if infer.workers:
@@ -174,7 +174,8 @@ def _trainer_passes(probe, spec: RunSpec, kept: dict, recorded: dict, progress, 
     if spec.kind == "ablate":
         return ablate(probe, spec, engine_for, progress)
     engine, noise = engine_for(spec)
-    view = replace(probe, infer=engine, owns_infer=False, settings=engine_settings_for(probe.config, probe.settings, spec))
+    view = replace(probe, infer=engine, owns_infer=False,
+                   settings=engine_settings_for(probe.config, probe.settings, spec.load))
     with aligned([view.train] if spec.align.side != "infer" else [], spec.align.regions):
         return run_compare(view, spec, progress, noise_engines=noise)
 

@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 
 from .engine_align import aligned_probe, needs_engine_build
-from .loading import engine_settings_for
+from .side_settings import engine_settings_for
 from ..engines import stack_class
 from ..engines.patching import aligned
 from ..spec.run import RunSpec
@@ -25,7 +25,7 @@ def engine_changed(probe, step: RunSpec) -> bool:
 
 def _engine_settings(probe, step: RunSpec):
     """The probe's engine settings (as its memory plan made them) with the combination's engine factors."""
-    return engine_settings_for(probe.config, probe.settings, step)
+    return engine_settings_for(probe.config, probe.settings, step.load)
 
 
 def needs_worker(probe, step: RunSpec, side: str) -> bool:

@@ -25,7 +25,6 @@ from .batch_invariance import measure as measure_batch_invariance
 from .. import timings
 from .capture import TapPairing
 from .loop import PendingScores, ScoredSequence, SequenceSource, score_both
-from .loading import load_run_prompts
 from ..errors import ProbeError, StackError
 from ..numerics.fused import backend as fused_backend
 from .measured import Peaks, engine_report
@@ -410,7 +409,8 @@ def _run_compare(probe, spec: RunSpec, progress: Progress | None, done_before: i
     capture = graft = pairing
     plan = probe.memory_plan
     if spec.capture.graft or spec.capture.depth:
-        from .graft import GRAFT_TAPS, GraftCapture, check_graftable
+        from .graft import GraftCapture, check_graftable
+        from ..numerics.graft_reading import GRAFT_TAPS
 
         check_graftable(probe.train)
         taps = taps | GRAFT_TAPS

@@ -38,37 +38,22 @@ import torch
 from ..numerics import routing
 from .capture import TapPairing
 from ..errors import ProbeError
-from ..numerics.graft_reading import FAMILIES
+from ..numerics.graft_reading import FAMILIES, SEAM_FAMILY, seam_families
 from ..numerics.metrics import DiffStats, token_kl, token_logprobs
 from ..numerics.tables import HEADLINE, headline
 from .route_capture import cat_routing, routing_table
-from ..taps import ALL_TAPS, Tap, TapKey, each_tap, expected_taps
+from ..taps import Tap, TapKey, each_tap, expected_taps
 
-# seam (the tap its op produces) -> op family. The seam's inputs are the taps its op reads (hf_replay.py).
-SEAM_FAMILY = {
-    "input_norm": "norm", "q_proj": "gemm", "k_proj": "gemm", "v_proj": "gemm", "q_norm": "norm", "k_norm": "norm",
-    "q_rope": "rope", "k_rope": "rope", "attn_core": "attention", "attn_out": "gemm", "resid_mid": "residual_add",
-    "post_norm": "norm", "gate_proj": "gemm", "up_proj": "gemm", "swiglu": "swiglu", "mlp_out": "gemm",
-    "resid_out": "residual_add", "final_norm": "norm", "logits": "logits",
-}
-# a mixture-of-experts layer's (module docstring): the router's GEMM, and the experts on the engine's routes
-MOE_SEAM_FAMILY = {"router_logits": "router", "mlp_out": "experts"}
 # which seams an aligned region computes (regions/): their local error is the aligned op's
 REGION_SEAMS = {"rope": ("q_rope", "k_rope"), "swiglu": ("swiglu",),
                 "rmsnorm": ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"), "lm_head": ("logits",),
                 "residual": ("input_norm", "resid_mid", "post_norm", "resid_out", "final_norm")}
-GRAFT_TAPS = frozenset(ALL_TAPS)  # a seam's inputs and outputs: every tap
 STAT_COLUMNS = ("rel_l2", "mean_abs", "max_abs", "frac_equal", "max_ulp")
 LOCAL_COLUMNS = ["layer", "tap", "family", "aligned", *(f"local_{c}" for c in STAT_COLUMNS),
                  *(f"propagated_{c}" for c in STAT_COLUMNS), "amplification"]
 FAMILY_COLUMNS = ["family", "seams", "local_rel_l2", "local_frac_equal", "local_max_ulp", "propagated_rel_l2",
                   "amplification"]
 DEPTH_COLUMNS = ["layer", "graft", *HEADLINE, "n_tokens"]
-
-
-def seam_families(layer_taps: Sequence[str]) -> dict[str, str]:
-    """seam -> op family for a model family's layer taps (models/): a router among them makes it mixture-of-experts."""
-    return {**SEAM_FAMILY, **(MOE_SEAM_FAMILY if "router_logits" in layer_taps else {})}
 
 
 def seam_inputs(key: TapKey, num_layers: int, layer_taps: Sequence[str]) -> tuple[TapKey, ...]:

@@ -19,6 +19,7 @@ from .. import timings, versions
 from .manifest import model_section
 from .out_of_memory import is_out_of_memory
 from .reference_plan import check_planned
+from .side_settings import TORCH_DTYPES, engine_settings, train_settings
 from ..environment import resolve_device, resolve_train_device, same_device
 from ..errors import DeviceMemoryError, ProbeError
 from ..models.size import ModelSize, device_memory
@@ -29,8 +30,6 @@ from ..spec.load import LoadSpec
 from ..spec.run import RunSpec, check_family, stacks_beside
 from ..engines import stack_class
 from ..engines.protocol import Stack, StackSettings, freeze_engine_args
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -141,24 +140,6 @@ def stack_for(name: str, settings: StackSettings) -> Stack:
     """A fresh, unloaded stack of the registry's `name`, the variant these settings need (StackClass.for_settings:
     a trainer sharded at train_tp > 1, an engine over its tensor-parallel ranks)."""
     return stack_class(name).for_settings(settings)
-
-
-def engine_settings(settings: StackSettings) -> StackSettings:
-    """The engine's settings: the run's, without what only the training side takes."""
-    return replace(settings, train_precision="bf16", train_kernels="torch", train_tp=1)
-
-
-def engine_settings_for(config: LoadSpec, settings: StackSettings, step: RunSpec) -> StackSettings:
-    """The run's engine settings (`settings`, as the memory plan of `config` made them) with an ablation
-    combination's engine factors."""
-    added = {k: v for k, v in step.load.engine_args.items() if config.engine_args.get(k) != v}
-    return replace(settings, engine=step.load.engine,
-                   engine_args=freeze_engine_args({**settings.engine_kwargs(), **added}))
-
-
-def train_settings(cfg: LoadSpec, settings: StackSettings) -> StackSettings:
-    """The training stack's settings: the run's, on --train-device (the engine keeps --device)."""
-    return replace(settings, device=resolve_train_device(cfg.train_device, cfg.device))
 
 
 def load_stacks(model: str | None = None, *, spec: LoadSpec | None = None, before_stacks=None,

@@ -30,6 +30,7 @@ from ..engines import get_stack
 from ..environment import resolve_train_device
 from ..errors import DeviceMemoryError, StackError
 from ..models.size import gib
+from ..numerics.graft_reading import GRAFT_TAPS, seam_families
 from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs, reference_bytes
 from ..taps import Tap, TapKey, each_tap, expected_taps
 
@@ -106,8 +107,6 @@ class ReferenceCapture:
     experts none at all (its experts' seam reads the engine's routes, which the reference does not make)."""
 
     def __init__(self, inner, arm: ReferenceArm, probe, taps: frozenset[str]) -> None:
-        from .graft import GRAFT_TAPS, seam_families
-
         layer_taps, layers = probe.source.family.layer_taps, probe.source.num_layers
         self.inner, self.arm, self.expected = inner, arm, expected_taps(taps, layers, layer_taps)
         self.families = seam_families(layer_taps)

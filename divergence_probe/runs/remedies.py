@@ -419,9 +419,9 @@ def _fp16_engine_settings(probe, step: RunSpec):
     """The FP16 engine's settings: the shipped engine's as the memory plan made them, in the arm's dtype. On a GPU
     they hold the plan's KV budget and the engine's share of the device (kv_cache_memory_bytes,
     gpu_memory_utilization), which a second engine needs to start beside the first: the plan counts it (arm_fp16)."""
-    from .loading import TORCH_DTYPES, engine_settings, engine_settings_for
+    from .side_settings import TORCH_DTYPES, engine_settings, engine_settings_for
 
-    return engine_settings(replace(engine_settings_for(probe.config, probe.settings, step),
+    return engine_settings(replace(engine_settings_for(probe.config, probe.settings, step.load),
                                    dtype=TORCH_DTYPES[step.load.dtype]))
 
 

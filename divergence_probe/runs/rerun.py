@@ -165,7 +165,8 @@ def recorded_rl(manifest: dict, where: str, allowed: Iterable[str] = ()):
     compare's are (check_replayable); a reward plug-in (module:function: code to import) is refused, and a prompt
     file must have the sha256 the run recorded."""
     from ..prompts import file_hashes
-    from ..spec.rl import BUILT_IN_REWARDS, RLSpec, regrouped
+    from ..rl_choices import BUILT_IN_REWARDS
+    from ..spec.rl import RLSpec, regrouped
 
     if "spec" not in manifest:
         raise ProbeError(f"{where} lacks the recorded rl spec: the run was made before rl runs recorded it; re-run its "

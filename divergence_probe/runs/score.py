@@ -248,7 +248,8 @@ def load_scorer(spec: LoadSpec, infer: str | None, check=None) -> Scorer:
     from ..engines import torch_state
     from ..environment import resolve_device
     from ..models.source import resolve_model
-    from .loading import load_stacks, stack_settings, train_settings, stack_for
+    from .loading import load_stacks, stack_settings, stack_for
+    from .side_settings import train_settings
     from ..versions import check as check_versions, environment
 
     check_versions(stack_class(infer).libraries if infer else (), spec.allow_untested_versions)  # before any load

@@ -12,6 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from ..errors import ProbeError
 from ..options import option
 from ..regions import ALL_REGIONS, get_region, parse_regions
+from ..rl_choices import CORRECTIONS
 from .fields import check_finite
 from .generate import MAX_GROUP_SIZE, MAX_NEW_TOKENS
 from .load import DEFAULT_INFER, DEFAULT_TRAIN, SHIPPED_KERNELS, LoadSpec, parse_engine_args
@@ -19,8 +20,6 @@ from .prompts import PromptSpec
 
 SIDES = ("both", "train")
 NO_SIGNAL_STEPS = ("step", "skip")
-BUILT_IN_REWARDS = ("brackets", "letters")  # --reward's tasks by name (rl/reward.py BUILT_IN); anything else is code
-CORRECTIONS = ("none", "tis", "mis")  # off-policy corrections of the engine/trainer mismatch (rl/grpo.py)
 # Upper bounds of the counts: each is a loop or a batch the run makes whole, so a mistyped value would run for hours
 # or fill memory before anything failed. Well above what GRPO recipes use (groups of 4 to 64 responses, a few
 # hundred prompts per step, responses of a few thousand tokens), and far below what would never finish.

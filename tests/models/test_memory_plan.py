@@ -25,7 +25,8 @@ from divergence_probe.models.size import parse_bytes
 from divergence_probe.runs.capture import TapPairing
 from divergence_probe.models.checkpoint import checkpoint_tensors
 from divergence_probe.cli import app
-from divergence_probe.runs.compare import SequenceSource, load_run_prompts, score_both
+from divergence_probe.runs.compare import SequenceSource, score_both
+from divergence_probe.runs.loading import load_run_prompts
 from divergence_probe.errors import DeviceMemoryError
 from divergence_probe.runs.memory import GiB, ModelSize, PlanInputs, plan
 from divergence_probe.spec import spec_from_flat

@@ -36,7 +36,7 @@ import sys, time, torch
 
 def main():
     import divergence_probe as dp
-    from divergence_probe.runs.compare import load_run_prompts
+    from divergence_probe.runs.loading import load_run_prompts
     from divergence_probe.errors import ProbeError
     from divergence_probe.spec import spec_from_flat
     from divergence_probe.engines.vllm import tensor_parallel
@@ -87,7 +87,7 @@ def tp2(tmp_path_factory, qwen3_tiny, prompts_file):
 @pytest.fixture(scope="module")
 def tp1(tp2, vllm_probe, prompts_file):
     """The same prompts through the session's in-process engine at tensor_parallel_size 1, batched alike."""
-    from divergence_probe.runs.compare import load_run_prompts
+    from divergence_probe.runs.loading import load_run_prompts
 
     spec = spec_from_flat("compare", model=str(vllm_probe.source.path), prompts=str(prompts_file), device="cpu")
     _, sequences = load_run_prompts(spec, vllm_probe.tokenizer, vllm_probe.source.max_model_len)
