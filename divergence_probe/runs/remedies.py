@@ -38,6 +38,7 @@ from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
 from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
 from ..numerics.shapley import METRICS, NO_INTERVAL, SHIPPED, bootstrap, effect, per_prompt
 from ..numerics.tables import NOISE_FLOORS, largest_noise_floor
+from ..spec.align import unaligned
 from ..spec.knobs import applied
 from ..spec.remedies import fp16_refusal
 from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
@@ -82,6 +83,7 @@ def _aligned(side: str, regions=NUMERIC, replay: str = "ids"):
         found = _regions_of(family, regions)
         if not found:
             raise NotRun(f"{family.model_type} models have none of {', '.join(regions)}")
+        _check_alignable(base, found, side)
         return replace(base, align=replace(base.align, regions=found, side=side, routing_replay=replay))
     return step
 
@@ -131,7 +133,17 @@ def _fp32_layers(base: RunSpec, family) -> RunSpec:
     refusal = capabilities_of(base.load.train, ranks=base.load.train_tp).first_refused([TRAINER_REGIONS])
     if refusal:
         raise NotRun(refusal)
+    _check_alignable(base, _regions_of(family, NUMERIC), "train")
     return base  # the layers are patched by run_remedies, not by an aligned region
+
+
+def _check_alignable(base: RunSpec, regions, side: str) -> None:
+    """An arm whose regions a stack on its side does not declare it aligns (StackClass.aligns) is not run, with the
+    line compare refuses them in (without its fix: remedies has no flag naming regions), known from the stacks' classes
+    before any stack is configured for the arm."""
+    refusal = unaligned(regions, base.load, side)
+    if refusal:
+        raise NotRun(refusal)
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -438,14 +450,31 @@ def _arm_failed(error: Exception, device: str) -> str:
             "were closed and the other arms ran. Try it alone (--arms), or a lower --batch-tokens")
 
 
+def plan_arms(base: RunSpec, chosen, family) -> tuple[dict[str, RunSpec], dict[str, str]]:
+    """Each chosen arm's compare (from `base`, the shipped compare), or why the arm is not run: decided from the run's
+    spec, the stacks' classes and the model's family alone, so it needs no loaded stack."""
+    planned, reasons = {}, {}
+    for name in chosen:
+        try:
+            step = ARMS[name].step(base, family)
+            check_family(step, step.load, family)
+        except ProbeError as e:
+            reasons[name] = str(e)
+            continue
+        planned[name] = step
+    return planned, reasons
+
+
 def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, steps=STEPS) -> RemediesRun:
-    """The shipped compare (its floors and per-layer readings), then every chosen arm's compare and cost. `steps`:
-    the timed step of each side (tests slow one down)."""
+    """The arms planned (plan_arms: those the model or the stacks cannot run are not run, with why), the shipped
+    compare (its floors and per-layer readings), then every planned arm's compare and cost. `steps`: the timed step of
+    each side (tests slow one down)."""
     options = spec.remedies
     family = probe.source.family
     shipped_spec = replace(spec, kind="compare", remedies=None)
     arm_base = replace(shipped_spec, capture=replace(spec.capture, taps="none"))  # every arm: its floors, no taps
     chosen = options.chosen
+    planned, reasons = plan_arms(arm_base, chosen, family)  # no stack needed: known before the shipped compare
     scale = len(chosen) + 1  # the shipped run and every arm's: one bar over the prompts of all
     phase(progress, "the stacks as shipped", scale=scale)
     shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)
@@ -453,12 +482,12 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     first_cost = measure_cost(probe, shipped.prompts, options.cost_repeats, steps)
     choices = {name: arm.layers(shipped.layers_table, options.fp32_layers, probe.source.num_layers)
                for name, arm in ARMS.items() if arm.layers}
-    runs, costs, reasons, records = {SHIPPED: shipped}, {}, {}, {}
+    runs, costs, records = {SHIPPED: shipped}, {}, {}
     for i, name in enumerate(chosen):
-        arm = ARMS[name]
+        if name not in planned:
+            continue
+        arm, step = ARMS[name], planned[name]
         try:
-            step = arm.step(arm_base, family)
-            check_family(step, step.load, family)
             layers = arm_layers(arm, choices)
         except ProbeError as e:
             reasons[name] = str(e)
@@ -486,7 +515,7 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     table = remedies_table(runs, costs, shipped_cost, reasons, chosen, options, spec.load.seed)
     section = {"metric": options.metric, "bootstrap": options.bootstrap, "ci_level": options.ci_level,
                "seed": spec.load.seed, "cost_repeats": options.cost_repeats, "arms": records,
-               "not_run": reasons,
+               "not_run": {name: reasons[name] for name in chosen if name in reasons},
                **{name: {"k": options.fp32_layers, "layers": list(layers), "choice": choice}
                   for name, (layers, choice) in choices.items()},
                "cost": {"device": probe.settings.device, "sides": list(SIDES),

@@ -4,12 +4,13 @@ every subset of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
-from ..engines import parse_factors
+from ..engines import parse_factors, stack_class
 from ..errors import ProbeError
 from ..numerics.shapley import METRICS
 from ..options import option
-from ..regions import ALL_REGIONS, REGIONS, parse_regions
+from ..regions import ALL_REGIONS, REGIONS, parse_regions, patched
 from .fields import _choice, check_finite
 
 SIDES = ("both", "train", "infer")
@@ -26,6 +27,33 @@ ROUTING_REPLAYS = ("ids", "ids+weights")
 
 def _regions(value) -> tuple[str, ...]:
     return parse_regions(value if value is not None else ())
+
+
+def unaligned(regions: Sequence[str], load, side: str, *, named: Mapping[str, str] | None = None,
+              leave_out_of: str | None = None, sides: Sequence[str] = SIDES) -> str | None:
+    """The line saying which of `regions` a stack patched on `side` (both, train or infer) cannot align, or None when
+    each stack aligns them all. Asked of the stack's class (StackClass.aligns) for the stacks a LoadSpec (`load`)
+    names, so a run is refused, or an arm not run, before anything loads, where importing a stack's patches would
+    import its engine. `named`: how the line names each stack side ("infer", "train"), where the command has no
+    --infer/--train flag to name it by. `leave_out_of`: the flag the regions came from; the line then ends with the
+    fix, aligning on the other stack alone where the command's `sides` have that --side."""
+    for stack_side, other in (("infer", "train"), ("train", "infer")):
+        if side not in (stack_side, "both"):
+            continue
+        name = getattr(load, stack_side)
+        cls = stack_class(name)
+        missing = [r for r in patched(regions) if r not in cls.aligns]
+        if not missing:
+            continue
+        where = named[stack_side] if named else f"--{stack_side} {name}"
+        line = (f"{', '.join(missing)} cannot be aligned on {cls.title or name} ({where}), which aligns "
+                f"{', '.join(cls.aligns) or 'no region'}")
+        if leave_out_of is None:
+            return line
+        fixes = [f"leave {'them' if len(missing) > 1 else 'it'} out of {leave_out_of}",
+                 *([f"align on the other stack alone (--side {other})"] if other in sides else [])]
+        return f"{line}; {', or '.join(fixes)}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

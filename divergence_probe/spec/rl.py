@@ -13,6 +13,7 @@ from ..errors import ProbeError
 from ..options import option
 from ..regions import ALL_REGIONS, get_region, parse_regions
 from ..rl_choices import CORRECTIONS
+from .align import unaligned
 from .fields import check_finite
 from .generate import MAX_GROUP_SIZE, MAX_NEW_TOKENS
 from .load import DEFAULT_INFER, DEFAULT_TRAIN, SHIPPED_KERNELS, LoadSpec, parse_engine_args
@@ -37,6 +38,7 @@ ENGINE_ARGS_OWNED = {
     "enable_prefix_caching": "rl runs with prefix caching on, as production rollouts do (the stale-cache probe "
                              "checks it after every push)",
 }
+STACKS_NAMED = {"infer": "rl's rollout engine", "train": "rl's trainer"}  # rl has no --infer/--train flag to name them
 
 
 def setting_name(regions: tuple[str, ...], knobs: tuple[str, ...] = ()) -> str:
@@ -315,6 +317,11 @@ class RLSpec:
                                  f"{seen[arm].strip()!r}: the same regions and knobs, in another order); give each "
                                  "setting once (--seeds repeats a setting)")
             seen[arm] = text
+        flag = "--setting" if self.setting else "--align"
+        for arm in arms:  # a region a stack's class does not align, before anything loads (as compare refuses it)
+            refusal = unaligned(arm.regions, self.load, self.side, named=STACKS_NAMED, leave_out_of=flag, sides=SIDES)
+            if refusal:
+                raise ProbeError(f"{flag} {arm.name!r}: {refusal}")
         for arm in arms:
             kernels = arm.value("train:kernels")
             if kernels is not None:

@@ -21,7 +21,7 @@ from ..numerics.shapley import combo_name, subsets
 from ..options import option
 from ..regions import check_regions_exist, patched
 from ..rundir import KINDS
-from .align import AblateSpec, AlignSpec
+from .align import AblateSpec, AlignSpec, unaligned
 from .capture import CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
@@ -179,19 +179,10 @@ class RunSpec:
     def _check_aligns(self, regions) -> None:
         """Each region patched on a stack is one its class declares it aligns (StackClass.aligns): refused here, in one
         line, before anything loads, rather than by the stack's patches once it is loaded."""
-        flag = "--regions" if self.kind == "ablate" else "--align"
-        for side in ("infer", "train"):
-            if self.align.side not in (side, "both"):
-                continue
-            name = getattr(self.load, side)
-            cls = stack_class(name)
-            missing = [r for r in patched(regions) if r not in cls.aligns]
-            if missing:
-                other = "train" if side == "infer" else "infer"
-                raise ProbeError(f"{', '.join(missing)} cannot be aligned on {cls.title or name} (--{side} {name}), which "
-                                 f"aligns {', '.join(cls.aligns) or 'no region'}; leave "
-                                 f"{'them' if len(missing) > 1 else 'it'} out of {flag}, or align on the other stack "
-                                 f"alone (--side {other})")
+        refusal = unaligned(regions, self.load, self.align.side,
+                            leave_out_of="--regions" if self.kind == "ablate" else "--align")
+        if refusal:
+            raise ProbeError(refusal)
 
     def _check_trainer(self) -> None:
         """What the trainer refuses (its Capabilities: one sharded over processes, engines/hf/tensor_parallel.py, runs

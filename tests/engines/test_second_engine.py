@@ -120,3 +120,49 @@ def test_a_model_the_engine_cannot_run_is_one_line_before_anything_loads(second,
     result = cli("compare", *flags, "--taps", "none", "--out", tmp_path / "moe")
     assert result.exit_code == 2 and "runs dense models" in result.output and len(result.output.splitlines()) == 1
     assert not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("side, stack, line", [
+    ("both", "vllm", "rope cannot be aligned on the second engine (rl's rollout engine), which aligns swiglu; leave it "
+                     "out of --setting, or align on the other stack alone (--side train)"),
+    ("train", "hf", "rope cannot be aligned on the second engine (rl's trainer), which aligns swiglu; leave it out of "
+                    "--setting"),  # rl has no --side infer to offer
+])
+def test_rl_refuses_a_setting_its_stacks_do_not_align_before_anything_loads(second, side, stack, line, tmp_path,
+                                                                             monkeypatch):
+    """rl's engine (or trainer) resolved to the engine, which declares swiglu alone: a setting aligning rope there is
+    refused by rl's spec in compare's words, naming the setting, before the model is resolved or a stack loads."""
+    from divergence_probe.engines.hf.trainer import HFStack
+    from divergence_probe.rl import experiment
+    from divergence_probe.runs import loading
+
+    monkeypatch.setitem(STACKS, stack, STACKS[second_engine.NAME])
+    monkeypatch.setattr(experiment, "load", lambda *a, **k: pytest.fail("rl loaded its stacks"))
+    monkeypatch.setattr(loading, "resolve_model", lambda *a, **k: pytest.fail("the model was resolved"))
+    monkeypatch.setattr(SecondStack, "load", lambda self, settings: pytest.fail("the engine loaded"))
+    monkeypatch.setattr(HFStack, "load", lambda self, settings: pytest.fail("the trainer loaded"))
+    out = tmp_path / "refused"
+    result = cli("rl", "--model", second[1], "--device", "cpu", "--side", side, "--setting", "none",
+                 "--setting", "swiglu,rope", "--out", out)
+    assert result.exit_code == 2 and result.output.strip() == f"error: --setting 'rope,swiglu': {line}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("arms", ["aligned_both,aligned_trainer,lm_head", "aligned_both,lm_head"])
+def test_remedies_lists_the_arms_the_engine_cannot_align_as_not_run_and_runs_the_rest(second, arms, tmp_path):
+    """The engine aligns swiglu alone: the arms aligning more on it are not run, with compare's line (without its fix:
+    remedies has no flag naming regions), and the run goes on; with no other arm asked, only the stacks as shipped
+    run, as for any run none of whose arms can run."""
+    out = tmp_path / "remedies"
+    result = cli("remedies", *second, "--num-prompts", 2, "--arms", arms, "--cost-repeats", 1, "--bootstrap", 0,
+                 "--out", out)
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(out / "remedies.csv").set_index("arm")
+    assert list(table.index) == arms.split(",")
+    reasons = {"aligned_both": "rope, rmsnorm cannot be aligned on the second engine (--infer second), which aligns "
+                               "swiglu",
+               "lm_head": "lm_head cannot be aligned on the second engine (--infer second), which aligns swiglu"}
+    assert table.loc[list(reasons), "status"].eq("not_run").all()
+    assert table.loc[list(reasons), "reason"].to_dict() == reasons
+    assert table.drop(list(reasons))["status"].eq("run").all()
+    assert json.loads((out / "manifest.json").read_text())["remedies"]["not_run"] == reasons

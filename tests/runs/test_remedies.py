@@ -253,7 +253,8 @@ def test_fp32_last_layers_changes_exactly_the_last_k_layers_and_is_paired_with_f
         return got
 
     shipped = outputs()
-    step = remedies.ARMS["fp32_last_layers"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
+    step = remedies.ARMS["fp32_last_layers"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"),
+                                                  hf_probe.source.family)
     with remedies._arm_view(hf_probe, step, (last,)):
         arm = outputs()
     assert all(torch.equal(a, b) for a, b in zip(shipped[:last], arm[:last])) and not torch.equal(shipped[-1], arm[-1])
@@ -435,3 +436,23 @@ def test_fp8_off_with_no_fp8_says_why_and_names_the_gpu_only_off_one(device):
         remedies._fp8_off(spec, None)
     assert "nothing to turn off" in str(why.value)
     assert ("needs a GPU" in str(why.value)) == (device == "cpu")
+
+
+def test_arms_aligning_regions_a_stack_does_not_align_are_planned_not_run_with_no_stack_loaded(toy):
+    """The toy stacks align toy-align alone: every arm aligning the numeric regions, on the trainer (fp32_layers and
+    fp32_last_layers patch its layers) or on both, is not run, with why, decided from the spec and the model's family."""
+    from dataclasses import replace
+
+    from divergence_probe.models import get_family
+
+    spec = spec_from_flat("remedies", infer="toy-fused", train="toy", arms="aligned_both,aligned_trainer,lm_head,"
+                          "fp32_layers,fp32_last_layers,fp16")
+    planned, reasons = remedies.plan_arms(replace(spec, kind="compare", remedies=None), spec.remedies.chosen,
+                                          get_family("qwen3"))
+    numeric = "rope, swiglu, rmsnorm cannot be aligned on toy (--train toy), which aligns toy-align"
+    assert reasons == {"aligned_both": "rope, swiglu, rmsnorm cannot be aligned on toy-fused (--infer toy-fused), "
+                                       "which aligns toy-align",
+                       "aligned_trainer": numeric,
+                       "lm_head": "lm_head cannot be aligned on toy-fused (--infer toy-fused), which aligns toy-align",
+                       "fp32_layers": numeric, "fp32_last_layers": numeric}
+    assert list(planned) == ["fp16"]  # the arm that aligns no region
