@@ -19,14 +19,15 @@ SHOWN = (("arm", "code"), ("needs", "text"), ("status", "code"), ("share", "pct"
          ("engine_step_added_s", "num"), ("train_forward_backward_peak_added_bytes", "num"), ("cost_rank", "int"))
 
 
-def paired_lines(table: pd.DataFrame, metric: str, level: str) -> list[str]:
+def paired_lines(table: pd.DataFrame, metric: str, level: str, code=_code) -> list[str]:
     """Each paired arm against its pair: the difference of the metric (the arm's minus its pair's) with its interval,
-    and what the interval says of it; a paired arm not run, why. No line for a folder from before the pairs."""
+    and what the interval says of it; a paired arm not run, why. No line for a folder from before the pairs. `code`
+    marks names (the terminal's lines take them plain)."""
     if "paired_with" not in table:
         return []
     lines = []
     for row in table[table["paired_with"].notna()].itertuples():
-        arm, pair = _code(row.arm), _code(row.paired_with)
+        arm, pair = code(row.arm), code(row.paired_with)
         head = f"{arm} against {pair}"
         if row.status == NOT_RUN:
             lines.append(f"{head}: not run: {row.reason}")
@@ -36,7 +37,7 @@ def paired_lines(table: pd.DataFrame, metric: str, level: str) -> list[str]:
             continue
         low, high = row.paired_ci_low, row.paired_ci_high
         found = effect(float(low), float(high))
-        difference = f"{head}: `{metric}` {_signed(row.paired_change)}"
+        difference = f"{head}: {code(metric)} {_signed(row.paired_change)}"
         if found == NO_INTERVAL:
             lines.append(f"{difference}, {NO_INTERVAL_WHY}")
             continue

@@ -389,8 +389,13 @@ class RemediesRun:
         return write_run(Path(out_dir), self.manifest | manifest_record(self.summary), self.prompts, self.files())
 
     def lines(self) -> list[str]:
-        """What the command prints: the ranking and the arms without a detectable effect or not run."""
-        return ranking_lines(self.table, self.spec.remedies.metric)
+        """What the command prints: the ranking, the arms without a detectable effect or not run, and each paired
+        comparison, in the report's words."""
+        from ..reports.remedies import paired_lines
+
+        options = self.spec.remedies
+        return [*ranking_lines(self.table, options.metric),
+                *paired_lines(self.table, options.metric, f"{100 * options.ci_level:g}%", code=str)]
 
 
 @contextmanager

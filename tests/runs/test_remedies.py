@@ -348,6 +348,8 @@ def test_the_run_folder_and_its_report_section(run, tmp_path):
     assert "What to change: remedies ranked" in report and "not run: correction" in report
     paired = next(line for line in report.splitlines() if line.startswith("- `fp32_last_layers` against `fp32_layers`"))
     assert paired.endswith(NO_INTERVAL_WHY) and "`mean_abs_dlogp` " in paired  # two prompts: no bootstrap interval
+    printed = next(line for line in run.lines() if line.startswith("fp32_last_layers against fp32_layers: "))
+    assert printed == paired.removeprefix("- ").replace("`", "")  # the command prints the report's words, plain
 
 
 def _remedies_folder(path, pair: dict | None, level: float = 0.9):
