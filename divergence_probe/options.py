@@ -13,9 +13,10 @@ import math
 from dataclasses import MISSING, field
 
 
-def option(default=MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
+def option(default=MISSING, help="", *, flag: str | None = None, short: str | None = None,
            cli: bool = True, default_factory=MISSING, repeat: bool = False):
-    """A field with its flag's help text. `flag` overrides the `--field-name` spelling; `cli=False` keeps the
+    """A field with its flag's help text (or a function of none returning it, called when the command is built: help
+    that says what this environment has installed). `flag` overrides the `--field-name` spelling; `cli=False` keeps the
     field out of the command line (it is filled in by the tool, e.g. a seed derived from the run's seed); `repeat`: a
     list field whose flag may be given several times (each a comma list)."""
     metadata = {"help": help, "flag": flag, "short": short, "cli": cli, "repeat": repeat}

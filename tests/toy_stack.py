@@ -47,6 +47,7 @@ class ToyModel(torch.nn.Module):
 
 class ToyStack(StackPolicy):
     name = "toy"
+    sides = ("infer", "train")
     fused = False
     patches = "toy_stack:TOY_PATCHES"  # both toy stacks' region patches
     aligns = ("toy-align",)  # TOY_PATCHES

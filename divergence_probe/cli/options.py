@@ -90,9 +90,11 @@ def parameters(flags: typing.Iterable[Flag]) -> list[inspect.Parameter]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         cli_type, cli_default = (Optional[list[str]], None) if f.metadata.get("repeat") else _cli_type(hint, default)
         decls = [flag_of(f)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        if help_text is None:
+            help_text = f.metadata.get("help", "")
+            help_text = help_text() if callable(help_text) else help_text  # options.option: help made now
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=cli_type, default=typer.Option(
-            cli_default, *decls, help=f.metadata.get("help", "") if help_text is None else help_text,
-            rich_help_panel=panel)))
+            cli_default, *decls, help=help_text, rich_help_panel=panel)))
     return params
 
 

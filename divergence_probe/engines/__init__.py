@@ -1,4 +1,5 @@
-"""Stack registry. A new stack (SGLang, Megatron) is one package plus one line here.
+"""Stack registry. A new stack (SGLang, Megatron) is one package plus one line here, or a package of its own that
+names its class in an entry point of the group `divergence_probe.stacks` (ENTRY_POINTS) when it is installed.
 
 Entries are "module:Class" strings so a heavy engine is imported only when it is chosen. The class an entry hands out
 declares what it can do (`declare`) and owns its pre-load policy (protocol.StackClass): its settings check, knobs,
@@ -9,9 +10,10 @@ module and protocol.py are imported.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 from importlib import import_module
 
-from ..errors import ProbeError
+from ..errors import ProbeError, StackError, one_line
 
 # The types below are engines/protocol.py's (Capabilities, Knob, Stack, StackClass); the registry does not import them,
 # so that a spec asking it for a class sits no deeper in the import graph than the registry itself.
@@ -30,13 +32,28 @@ WORKERS: dict[str, str] = {  # the same stack built with regions in a worker pro
 }
 INFER_STACKS = ["vllm", "hf"]  # may sit on the inference side of a comparison
 TRAIN_STACKS = ["hf"]  # may sit on the training side (a trainer's forward: transformers)
+SHIPPED = frozenset(STACKS)  # the names an installed stack may not take
+SIDE_LISTS = {"infer": INFER_STACKS, "train": TRAIN_STACKS}
+
+ENTRY_POINTS = "divergence_probe.stacks"
+"""The entry-point group of the stacks other packages install: name = "module:Class", the registry's own format.
+
+    [project.entry-points."divergence_probe.stacks"]
+    my-engine = "my_engine.stack:MyEngineStack"
+
+The sides an installed stack sits on are its class's declaration (StackClass.sides), not its entry point's: the class
+is where a stack declares all it can do before it loads (declare, aligns, knobs), and the entry point's value stays
+the registry's own string, as it would not with extras (which mean optional dependencies, and which the entry-point
+specification no longer recommends). The price: an installed stack's sides are known only once it is chosen and its
+class imported, so until then its name is offered on both sides, and a side its class does not declare is refused in
+one line when it is chosen (`check_side`)."""
 
 
 def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "train")):
     """Add a stack ("module:Class") on the given sides; returns a function that removes it again (tests use this
     for a toy stack; a stack that ships with the tool is a line in STACKS instead)."""
     STACKS[name] = target
-    lists = [lst for side, lst in (("infer", INFER_STACKS), ("train", TRAIN_STACKS)) if side in sides]
+    lists = [lst for side, lst in SIDE_LISTS.items() if side in sides]
     for lst in lists:
         lst.append(name)
 
@@ -48,15 +65,78 @@ def register_stack(name: str, target: str, sides: tuple[str, ...] = ("infer", "t
     return unregister
 
 
+@cache
+def _entry_points() -> tuple:
+    """The installed packages' entry points of ENTRY_POINTS (importlib.metadata.EntryPoint), read from their metadata
+    once per process, when a list of stacks or a stack is first asked for; no module of theirs is imported."""
+    from importlib.metadata import entry_points
+
+    return tuple(entry_points(group=ENTRY_POINTS))
+
+
+def _package(entry) -> str:
+    """The installed package an entry point comes from, as pip names it."""
+    return f"{entry.dist.name} {entry.dist.version}"
+
+
+def installed_stacks() -> dict:
+    """The stacks installed packages add, by name -> their entry point. A name the tool ships (or that two packages
+    both take) is refused in one line: an installed stack never shadows a shipped one, nor one package another."""
+    found = {}
+    for entry in _entry_points():
+        if entry.name in SHIPPED or entry.name in found:
+            taken = ("a stack the tool ships" if entry.name in SHIPPED
+                     else f"the stack {_package(found[entry.name])} adds")
+            raise ProbeError(f"{_package(entry)} adds a stack named {entry.name!r} ({ENTRY_POINTS} entry point), "
+                             f"the name of {taken}; rename its entry point, or uninstall it")
+        found[entry.name] = entry
+    return found
+
+
+def installed_names() -> list[str]:
+    """The names of the stacks installed packages add, as listed (options' help, a line listing the stacks): this
+    refuses nothing, so that --help shows what is installed; a run reading the registry refuses a clashing name
+    (`installed_stacks`), which the list leaves out."""
+    return [name for name in dict.fromkeys(entry.name for entry in _entry_points()) if name not in STACKS]
+
+
+def stacks_on(side: str) -> list[str]:
+    """The stacks that may be chosen for `side` ("infer", "train"): the registry's on that side, then every installed
+    one (its class says which sides it sits on once it is chosen: `check_side`)."""
+    return SIDE_LISTS[side] + installed_names()
+
+
+def check_side(name: str, side: str, flag: str) -> None:
+    """Refuse in one line an installed stack chosen for a side its class does not declare (StackClass.sides): only
+    its class knows (ENTRY_POINTS); the registry's own stacks are listed on their sides."""
+    if name in SIDE_LISTS[side]:
+        return
+    cls = stack_class(name)
+    if side not in cls.sides:
+        others = [other for other in stacks_on(side) if other != name]
+        raise ProbeError(f"{flag} {name}: {cls.title or name} does not sit on the {side} side (its class's sides: "
+                         f"{', '.join(cls.sides) or 'none'}); choose one of: {', '.join(others)}")
+
+
 def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
     """The class of a stack by registry name, at `ranks` processes (`worker`: its worker-process variant); imported,
     never instantiated (no engine library is imported: every stack imports its engine when it loads). A caller
-    that has settings asks `stack_class(name).for_settings(settings)` for the variant they need."""
-    if name not in STACKS:
-        raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join(STACKS)}")
-    entry = WORKERS[name] if worker else SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name]
-    module, cls = entry.split(":")
-    return getattr(import_module(module), cls)
+    that has settings asks `stack_class(name).for_settings(settings)` for the variant they need. An installed stack
+    has one class, which builds its own variants."""
+    installed = installed_stacks()  # read for every stack: a name clash is refused whichever stacks a run chose
+    if name in STACKS:
+        entry = WORKERS[name] if worker else SHARDED[name] if ranks > 1 and name in SHARDED else STACKS[name]
+        module, cls = entry.split(":")
+        return getattr(import_module(module), cls)
+    if name not in installed:
+        raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join([*STACKS, *installed])}")
+    entry = installed[name]
+    try:
+        return entry.load()
+    except Exception as e:  # noqa: BLE001 - whatever another package's module raises as it imports, it did not import
+        raise StackError(f"the stack {name!r} that {_package(entry)} adds did not import ({entry.value}: "
+                         f"{type(e).__name__}: {one_line(e, 200)}); fix or reinstall that package, or uninstall "
+                         "it") from e
 
 
 def knobs_of(infer: str | None = None, train: str | None = None) -> dict:
@@ -126,5 +206,6 @@ def get_stack(name: str):
     return stack_class(name)()
 
 
-__all__ = ["STACKS", "SHARDED", "WORKERS", "INFER_STACKS", "TRAIN_STACKS", "Factor", "capabilities_of", "get_stack",
-           "knobs_of", "parse_factor", "parse_factors", "register_stack", "stack_class"]
+__all__ = ["STACKS", "SHARDED", "WORKERS", "INFER_STACKS", "TRAIN_STACKS", "SIDE_LISTS", "ENTRY_POINTS", "Factor",
+           "capabilities_of", "check_side", "get_stack", "installed_names", "installed_stacks", "knobs_of",
+           "parse_factor", "parse_factors", "register_stack", "stack_class", "stacks_on"]

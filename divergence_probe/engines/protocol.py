@@ -406,6 +406,8 @@ class StackClass(Protocol):
     # first patched; "": it takes no region
     aligns: tuple[str, ...]  # the regions its patches align (the keys of `patches`), declared so that a run asking for
     # another is refused before anything loads, where importing the patches would import the engine
+    sides: tuple[str, ...]  # the sides of a comparison it may sit on ("infer", "train"): asked of a stack an installed
+    # package adds once it is chosen (engines.check_side); the registry lists its own stacks' sides
 
     @classmethod
     def declare(cls, engine: str = "eager", ranks: int = 1) -> Capabilities: ...
@@ -488,6 +490,7 @@ class StackPolicy:
     owned_args: Mapping[str, str] = MappingProxyType({})
     patches = ""
     aligns: tuple[str, ...] = ()
+    sides: tuple[str, ...] = ("infer",)  # an engine; a trainer (protocol.Trainer) sits on the training side too
 
     @classmethod
     def check_settings(cls, load, *, imports: bool = False) -> None:

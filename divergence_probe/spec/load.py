@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..engines import INFER_STACKS, TRAIN_STACKS, stack_class
+from ..engines import check_side, installed_names, stack_class, stacks_on
 from ..engines.protocol import ENGINE_MODES
 from ..errors import ProbeError, one_line
 from ..options import option
@@ -24,6 +24,15 @@ PLACEMENTS = ("auto", "together", "alternate")  # --placement (runs/memory.place
 DEFAULT_INFER, DEFAULT_TRAIN = "vllm", "hf"  # the stacks a run loads unless told (rl's, always)
 SHIPPED_KERNELS = "torch"  # --train-kernels' default: the trainer's own ops, as it ships
 TRAIN_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # --train-device: a device of its own may carry an index
+
+
+def _stacks_help(text: str):
+    """--infer's or --train's help: `text`, then the stacks installed packages add, read when the command is built
+    (engines.installed_names), so that --help lists what this environment has."""
+    def stacks_help() -> str:
+        installed = installed_names()
+        return f"{text} Installed: {', '.join(installed)}." if installed else text
+    return stacks_help
 
 
 def parse_engine_args(text: str | Mapping | None) -> dict:
@@ -54,8 +63,9 @@ class LoadSpec:
 
     model: str | None = option(None, "Checkpoint folder or hub id (e.g. Qwen/Qwen2.5-1.5B). Default: the built-in "
                                      "tiny trained Qwen3.", short="-m")
-    infer: str = option(DEFAULT_INFER, "Inference side: vllm, or hf (a second transformers instance: the zero baseline).")
-    train: str = option(DEFAULT_TRAIN, "Training side: hf (transformers).")
+    infer: str = option(DEFAULT_INFER, _stacks_help("Inference side: vllm, or hf (a second transformers instance: the "
+                                                    "zero baseline)."))
+    train: str = option(DEFAULT_TRAIN, _stacks_help("Training side: hf (transformers)."))
     dtype: str = option("bfloat16", "bfloat16, float16 or float32; both stacks use it.")
     device: str = option("auto", "auto (cuda when present), cpu or cuda.")
     engine: str = option("eager", "vLLM engine mode: eager (no compile, no CUDA graphs; layer taps work) or compiled "
@@ -108,8 +118,9 @@ class LoadSpec:
         return stack_class(self.infer).ranks(self.engine_args)
 
     def __post_init__(self) -> None:
-        _choice(self.infer, INFER_STACKS, "--infer")
-        _choice(self.train, TRAIN_STACKS, "--train")
+        for side, name in (("infer", self.infer), ("train", self.train)):
+            _choice(name, stacks_on(side), f"--{side}")
+            check_side(name, side, f"--{side}")
         _choice(self.dtype, DTYPES, "--dtype")
         _choice(self.device, DEVICES, "--device")
         _choice(self.engine, ENGINE_MODES, "--engine")

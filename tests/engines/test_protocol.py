@@ -15,7 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from divergence_probe.cli import app
-from divergence_probe.engines import SHARDED, STACKS, WORKERS, capabilities_of, register_stack, stack_class
+from divergence_probe.engines import (SHARDED, SIDE_LISTS, STACKS, WORKERS, capabilities_of, register_stack,
+                                      stack_class)
 from divergence_probe.errors import StackError
 from divergence_probe.engines.protocol import (PATCH_AFTER_LOAD, PATCH_AT_BUILD, PATCH_NEVER, PATCH_ONCE_LOADED,
                                                Capabilities, Grafter, RouteRecorder, RouteReplayer, StackSettings)
@@ -94,6 +95,13 @@ def test_every_registered_stack_class_declares_its_capabilities(name, ranks, eng
 
 def _registered_classes() -> list[str]:
     return sorted({*STACKS.values(), *SHARDED.values(), *WORKERS.values()})
+
+
+@pytest.mark.parametrize("side", sorted(SIDE_LISTS))
+def test_the_registry_lists_a_stack_only_on_a_side_its_class_declares(side):
+    """The registry lists its stacks' sides so that --help imports none of them; the class declares them
+    (StackClass.sides, what a stack an installed package adds is asked), and the two agree."""
+    assert [name for name in SIDE_LISTS[side] if side not in stack_class(name).sides] == []
 
 
 @pytest.mark.parametrize("entry", _registered_classes())

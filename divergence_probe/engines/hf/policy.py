@@ -55,6 +55,7 @@ def rank_devices(device: str, ranks: int) -> list[str]:
 class HFPolicy(StackPolicy):
     name = "hf"
     title = "transformers"
+    sides = ("infer", "train")
     sdpa = True
     released = "closed: the second transformers instance was dropped in this process before the trainer loaded"
     patches = "divergence_probe.engines.hf.patches:PATCHES"

@@ -6,8 +6,11 @@ registry as the `second` inference stack, and from then on the CLI and the Pytho
     divergence-probe compare --infer second --batch-invariance ...      # or ablate --regions swiglu --side infer
     remove()
 
-An engine installed as a package of its own makes the same call before the tool runs (from a script over the Python
-API, say).
+Installed as a package of its own, an engine names its class in an entry point instead, and every run finds it
+without a call (engines.ENTRY_POINTS):
+
+    [project.entry-points."divergence_probe.stacks"]
+    second = "second_engine.stack:SecondStack"
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from divergence_probe.engines import register_stack
 
 from .stack import NAME, SecondStack
 
+TARGET = f"{__name__}.stack:{SecondStack.__name__}"  # its registry entry, and its entry point's value
+
 
 def register() -> Callable[[], None]:
-    """Register the engine on the inference side; returns the function that removes it again."""
-    return register_stack(NAME, f"{__name__}.stack:{SecondStack.__name__}", sides=("infer",))
+    """Register the engine on the sides its class declares; returns the function that removes it again."""
+    return register_stack(NAME, TARGET, sides=SecondStack.sides)
 
 
-__all__ = ["NAME", "SecondStack", "register"]
+__all__ = ["NAME", "TARGET", "SecondStack", "register"]

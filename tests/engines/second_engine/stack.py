@@ -38,6 +38,7 @@ class SecondStack(StackPolicy):
     title = "the second engine"
     patches = f"{__package__}.patches:PATCHES"
     aligns = ("swiglu",)  # patches.py: PATCHES
+    sides = ("infer",)  # an engine: it runs no trainer's forward (protocol.Trainer)
 
     def __init__(self) -> None:
         self.model: Model | None = None

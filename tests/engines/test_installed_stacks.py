@@ -1,0 +1,113 @@
+"""An engine shipped as a package of its own is found through its entry point (engines.ENTRY_POINTS), with no call
+that registers it: a package installed is its metadata on the path, here a `<name>.dist-info` folder made in a temporary
+folder (no pip install), whose entry point names tests/engines/second_engine/'s class. The registry reads entry
+points once per process, so each test here makes it read them again (`installed`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import second_engine
+from divergence_probe import engines
+from divergence_probe.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "second-engine-plugin"
+BROKEN = "second_engine.missing:SecondStack"  # a module its package does not have
+
+
+def distribution(folder: Path, entries: dict[str, str], package: str = PACKAGE) -> Path:
+    """`folder`, holding a package as pip leaves it installed, its metadata alone: METADATA and entry_points.txt, the
+    stacks in `entries` (name -> "module:Class")."""
+    info = folder / f"{package.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{engines.ENTRY_POINTS}]\n"
+                                           + "".join(f"{name} = {target}\n" for name, target in entries.items()))
+    return folder
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """install(entries, package): that package on sys.path for this test, read by the registry from then on."""
+    def install(entries: dict[str, str], package: str = PACKAGE) -> None:
+        monkeypatch.syspath_prepend(str(distribution(tmp_path / package, entries, package)))
+        engines._entry_points.cache_clear()
+
+    yield install
+    engines._entry_points.cache_clear()  # the next test reads the path as it finds it
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], terminal_width=400)
+
+
+@pytest.mark.engine  # the tool runs in a child process
+def test_compare_runs_an_engine_found_only_through_its_entry_point(qwen3_tiny, prompts_file, tmp_path):
+    """A process of its own, in which nothing registers the engine: only the package's metadata names it."""
+    site = distribution(tmp_path / "site", {second_engine.NAME: second_engine.TARGET})
+    path = os.pathsep.join([str(site), str(ROOT / "tests" / "engines"), str(ROOT)])
+    out = tmp_path / "compare"
+    result = subprocess.run([sys.executable, "-m", "divergence_probe", "compare", "--model", str(qwen3_tiny),
+                             "--infer", second_engine.NAME, "--prompts", str(prompts_file), "--taps", "none",
+                             "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": path, "DIVERGENCE_PROBE_EAGER": "1"})
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stacks"]["infer"]["name"] == second_engine.NAME and manifest["stacks"]["train"]["name"] == "hf"
+
+
+def test_the_options_and_their_error_lines_list_an_installed_stack_without_importing_it(installed):
+    """Listed from the metadata alone: a stack whose module does not import is listed all the same."""
+    installed({second_engine.NAME: second_engine.TARGET, "broken": BROKEN})
+    shown = CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "400"})
+    assert shown.exit_code == 0, shown.output
+    assert [line.split()[1] for line in shown.output.splitlines() if "Installed: second, broken." in line] == [
+        "--infer", "--train"]
+    refused = cli("compare", "--infer", "nope")
+    assert refused.exit_code == 2 and refused.output.strip() == (
+        "error: --infer 'nope' is not valid; choose one of: vllm, hf, second, broken")
+
+
+@pytest.mark.parametrize("packages, taken", [
+    ({PACKAGE: {"hf": second_engine.TARGET}}, "a stack the tool ships"),
+    ({PACKAGE: {"second": second_engine.TARGET}, "other-plugin": {"second": second_engine.TARGET}},
+     "the stack other-plugin 0.1 adds"),  # installed last, so first on the path: found first
+])
+def test_a_name_taken_already_is_refused_in_one_line_for_any_run(installed, packages, taken, tmp_path, monkeypatch):
+    """Even a run that never names it (--infer hf --train hf): an installed stack shadows no other, silently or not."""
+    from divergence_probe.engines.hf.trainer import HFStack
+
+    monkeypatch.setattr(HFStack, "load", lambda self, settings: pytest.fail("a stack loaded"))
+    for package, entries in packages.items():
+        installed(entries, package)
+    name = next(iter(packages[PACKAGE]))
+    result = cli("compare", "--infer", "hf", "--device", "cpu", "--taps", "none", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: {PACKAGE} 0.1 adds a stack named {name!r} ({engines.ENTRY_POINTS} entry point), the name of {taken}; "
+        "rename its entry point, or uninstall it")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_installed_stack_that_does_not_import_is_one_line_naming_it_its_package_and_the_error(installed, tmp_path):
+    installed({"broken": BROKEN})
+    result = cli("compare", "--infer", "broken", "--device", "cpu", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: the stack 'broken' that {PACKAGE} 0.1 adds did not import ({BROKEN}: ModuleNotFoundError: No module "
+        "named 'second_engine.missing'); fix or reinstall that package, or uninstall it")
+
+
+def test_a_side_its_class_does_not_declare_is_refused_once_it_is_chosen(installed, tmp_path):
+    """Its entry point says nothing of sides: the class does (SecondStack.sides, the inference side alone)."""
+    installed({second_engine.NAME: second_engine.TARGET})
+    result = cli("compare", "--train", second_engine.NAME, "--device", "cpu", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: --train second: the second engine does not sit on the train side (its class's sides: infer); "
+        "choose one of: hf")
