@@ -38,6 +38,7 @@ from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
 from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
 from ..numerics.shapley import METRICS, NO_INTERVAL, SHIPPED, bootstrap, effect, per_prompt
 from ..numerics.tables import NOISE_FLOORS, largest_noise_floor
+from ..reports.remedies import paired_lines
 from ..spec.align import unaligned
 from ..spec.knobs import applied
 from ..spec.remedies import fp16_refusal
@@ -391,8 +392,6 @@ class RemediesRun:
     def lines(self) -> list[str]:
         """What the command prints: the ranking, the arms without a detectable effect or not run, and each paired
         comparison, in the report's words."""
-        from ..reports.remedies import paired_lines
-
         options = self.spec.remedies
         return [*ranking_lines(self.table, options.metric),
                 *paired_lines(self.table, options.metric, f"{100 * options.ci_level:g}%", code=str)]
