@@ -46,20 +46,53 @@ LAYER_COLUMNS = ["ref_err_infer", "ref_err_train", "ref_floor", "closer_to_ref",
 TOKEN_COLUMNS = ["logprob_ref", "ref_err_infer", "ref_err_train", "ref_floor", "closer_to_ref"]
 
 
-def reference_terms(size, precision: str, batch_tokens: int) -> dict[str, int]:
-    """What --reference holds on the trainer's device, about (`size`: models.size.ModelSize; the memory plan's terms):
-    its weights in `precision`, and one inference batch of every tap (the local reading captures them all) with a
-    sequence's logits twice (the logits tap and the log_softmax), each element in `precision`; the batch is held from
-    the reference's forward of an inference batch until the trainer has run its last sequence."""
+def reference_terms(size, precision: str, batch_tokens: int, longest: int) -> dict[str, int]:
+    """What --reference holds on the trainer's device, about (`size`: models.size.ModelSize; the memory plan's terms),
+    each element in `precision`: its weights; one inference batch of every tap (the local reading captures them all)
+    and its logits (the logits tap), held from the reference's forward of the batch until the trainer has run its last
+    sequence; and, while it scores a sequence, that sequence's transients (`reference_forward`, of the batch's
+    `longest` sequence)."""
     width = PRECISIONS[precision].itemsize
-    taps = frozenset(size.tap_widths()) | {"logits"}
-    batch = batch_tokens * (size.tap_elements_per_token(taps) + 2 * size.vocab)
-    return {"reference_weights": width * size.parameters, "reference_batch": width * batch}
+    batch = batch_tokens * (size.tap_elements_per_token(frozenset(size.tap_widths())) + size.vocab)
+    return {"reference_weights": width * size.parameters, "reference_batch": width * batch,
+            "reference_forward": reference_forward(size, precision, longest)}
 
 
-def reference_bytes(size, precision: str, batch_tokens: int) -> int:
+def reference_forward(size, precision: str, longest: int) -> int:
+    """The peak the reference reaches scoring one sequence of `longest` tokens, beyond its weights and what it keeps
+    of the sequence (its taps and logits: reference_terms' batch), each element in `precision` unless said: the
+    larger of its forward's peak and its logprobs' (the forward has freed its transients when they run).
+
+    The forward is transformers' own with eager attention (runs/reference.py ATTENTION; transformers'
+    modeling_qwen2.eager_attention_forward, the decoder layer and the model around it). Its peak is one layer's
+    attention or that layer's MLP, beside what the model holds for the whole forward:
+    - the whole forward: the causal mask eager attention adds to every layer's scores, [tokens, tokens] in
+      `precision` (where SDPA would take a boolean one, or none), and RoPE's cos and sin, [tokens, head_dim] each;
+    - attention: the scores, [heads, tokens, tokens], and their softmax, which it takes in float32: in float32 one
+      more tensor of the scores' size; in float64 a float32 copy of the scores to take it on, then the float32 output
+      cast back to float64 while the scores are still held (the copy freed by then): 4 + 8 bytes a score beside the
+      scores' 8. Beside them the query and key after RoPE (their taps are reshaped copies, so the capture does not
+      hold these) and, with grouped-query attention, the key and value repeated to every head (repeat_kv);
+    - the MLP: SiLU of gate_proj's output (not a tap: swiglu is the product), while the softmax's output is still
+      held (the decoder layer keeps the attention weights it discards until it returns).
+    The logprobs, per logit: the stack's float32 log_softmax (metrics.token_logprobs: of a float64 reference, on a
+    float32 copy), the float64 log_softmax (ref_logprobs: of a float32 reference, on a float64 copy), and the floor's
+    logits rounded to the run's dtype (2 bytes at most where a copy is made), their float32 upcast and log_softmax;
+    one after the other, so the largest counts."""
+    width = PRECISIONS[precision].itemsize
+    tokens, scores = longest, size.heads * longest * longest
+    whole_forward = tokens * tokens * width + 2 * tokens * size.head_dim * width
+    softmax = 4 if width == 4 else 4 + width
+    repeated = 2 * size.q_width if size.kv_heads < size.heads else 0
+    attention = scores * (width + softmax) + tokens * (size.q_width + size.kv_width + repeated) * width
+    mlp = scores * width + tokens * size.intermediate * width
+    per_logit = max(4 + (4 if width != 4 else 0), 8 + (8 if width != 8 else 0), 2 + 4 + 4)
+    return max(whole_forward + max(attention, mlp), tokens * size.vocab * per_logit)
+
+
+def reference_bytes(size, precision: str, batch_tokens: int, longest: int) -> int:
     """reference_terms, summed: the reference at its largest."""
-    return sum(reference_terms(size, precision, batch_tokens).values())
+    return sum(reference_terms(size, precision, batch_tokens, longest).values())
 
 
 def error_sums(infer: torch.Tensor, train: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,8 @@ loop (runs/compare.py, runs/capture.py, engines/):
   side (a copy of both sides), plus the reduction's own temporaries (FP32 working copies when it runs eagerly,
   per-block FP64 sums on a GPU). `reduction_chunk_elements` bounds the pairs reduced per call, and so both.
 - --reference's checkpoint in float64/float32 on the trainer's device, from the run loop's start to its end: its
-  weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py).
+  weights, and one inference batch of its taps until the trainer has run that batch (runs/reference.py); and while
+  it scores that batch, before the trainer runs it, one sequence's transients (eager attention's scores among them).
 The engine's transient activations (its profile run at start-up, each step's forward) come on top of what is held
 when they run. Allowances the arithmetic cannot see (the CUDA context, cuBLAS and NCCL workspaces, CUDA graphs,
 allocator fragmentation) are named terms, so a measured peak can be set against each.
@@ -181,6 +182,16 @@ def _batches(lengths: tuple[int, ...], max_tokens: int) -> Iterator[list[int]]:
         yield group
 
 
+def _lengths(i: PlanInputs, batch_tokens: int) -> tuple[int, ...]:
+    """The prompts' lengths; without them (a shape alone), one prompt that fills a batch."""
+    return i.prompt_lengths or (min(batch_tokens, i.max_model_len),)
+
+
+def longest_sequence(i: PlanInputs, batch_tokens: int) -> int:
+    """Tokens of the run's longest sequence: its longest prompt with the most tokens sampled after it."""
+    return max(_lengths(i, batch_tokens)) + max(0, i.new_tokens)
+
+
 def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[str, int], int, dict[str, int] | None]:
     """The byte count of every term for one choice of batch_tokens and chunking, the KV cache it implies, and the terms
     of the trainer's own device (--train-device; None when it shares the engine's)."""
@@ -188,11 +199,11 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     engine = i.engine_kv
     samples, new = max(1, i.samples), max(0, i.new_tokens)
     per_batch = max(1, batch_tokens // samples) if samples > 1 or new else batch_tokens
-    lengths = i.prompt_lengths or (min(batch_tokens, i.max_model_len),)
+    lengths = _lengths(i, batch_tokens)
     groups = list(_batches(lengths, per_batch))
     batch_rows = max(sum(n + new for n in group) * samples for group in groups)
     batch_logit_rows = max(sum(n + new - 1 for n in group) * samples for group in groups)
-    longest = max(n + new for n in lengths)
+    longest = longest_sequence(i, batch_tokens)
     step_tokens = max(sum(group) * samples for group in groups)  # tokens one engine step computes (prefill)
     per_token = m.tap_elements_per_token(i.taps) * b
     terms: dict[str, int] = {}
@@ -272,7 +283,7 @@ def _terms(i: PlanInputs, batch_tokens: int, chunk: int | None) -> tuple[dict[st
     if i.reference is not None:  # on the trainer's device: moved with the trainer's terms when it has its own
         from ..numerics.reference import reference_terms
 
-        terms |= reference_terms(m, i.reference, batch_rows)  # the batch it runs
+        terms |= reference_terms(m, i.reference, batch_rows, longest)  # the batch it runs
     train = _trainer_apart(i, terms, longest, call_stacked, moved_taps) if i.train_device is not None else None
     # on the CPU each tensor-parallel rank is a process of its own, with its own libraries (on a GPU: its own device)
     terms["runtime_allowance"] = CUDA_RUNTIME if i.device == "cuda" else CPU_RUNTIME * (1 + ranks if ranks > 1 else 1)
@@ -299,7 +310,8 @@ def _remedies_terms(i: PlanInputs, batch_tokens: int, terms: dict[str, int], kv:
 
 
 TRAIN_TERMS = ("train_weights", "train_amp_weight_casts", "train_taps", "noise_floor_train_batch",
-               "noise_floor_second_trainer", "train_rank_processes", "reference_weights", "reference_batch")
+               "noise_floor_second_trainer", "train_rank_processes", "reference_weights", "reference_batch",
+               "reference_forward")
 
 
 def _trainer_apart(i: PlanInputs, terms: dict[str, int], longest: int, call_stacked: int, moved_taps: int) -> dict:
@@ -327,7 +339,10 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: in
     host.
 
     --reference: together, its weights beside the engine's steps (and an ablation's later engine starts) and its batch
-    beside the trainer's; one at a time it loads once the engine has left, and the engine's phases never hold it."""
+    beside the trainer's; one at a time it loads once the engine has left, and the engine's phases never hold it. Its
+    forward of a batch is a phase of its own (`reference_forward`): the run loop hands it the engine's batch before the
+    trainer runs any of it (loop.score_both: add_sequences), so the trainer's forward, taps and reduction are not held
+    then, and its batch fills as it runs."""
     trainer = t.get("train_weights", 0) + t.get("train_rank_processes", 0)
     engine = t["infer_weights"]
     engine_weights, train_weights = (engine, trainer) if alternate else (trainer + engine, trainer + engine)
@@ -345,7 +360,9 @@ def _phase_tensors(t: dict[str, int], alternate: bool = False, engine_passes: in
                              + t.get("train_forward", 0) + t.get("train_outputs_moved", 0)
                              + t["reduction_stacked_copies"] + t["reduction_temporaries"]
                              + t.get("train_amp_weight_casts", 0) + t.get("reference_batch", 0)),
-    } | ({"noise_floor": (train_weights + reference, train_kv + t.get("train_amp_weight_casts", 0)
+    } | ({"reference_forward": (train_weights + reference, train_kv + held + t["reference_batch"]
+                                + t["reference_forward"])} if "reference_forward" in t else {}) | (
+        {"noise_floor": (train_weights + reference, train_kv + t.get("train_amp_weight_casts", 0)
                           + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"])}
          if "noise_floor_second_trainer" in t else {}) | _cost_phase(t, train_weights, train_kv
                                                                    + t.get("train_amp_weight_casts", 0))
@@ -358,11 +375,14 @@ def _cost_phase(t: dict[str, int], weights: int, held: int) -> dict:
 
 def _train_phases(t: dict[str, int]) -> dict[str, int]:
     """The trainer's own device (--train-device): its weights, one sequence's forward and taps, and the noise floor's
-    batch or second trainer; the reference's weights throughout and its batch beside the trainer's forward."""
+    batch or second trainer; the reference's weights throughout, its batch beside the trainer's forward and its own
+    forward apart (_phase_tensors says why)."""
     fixed = t["train_weights"] + t.get("train_amp_weight_casts", 0) + t.get("train_rank_processes", 0) \
         + t.get("reference_weights", 0) + t["runtime_allowance"] + t["fragmentation_allowance"]
     return {"train_and_reduce": fixed + t["train_taps"] + t["train_forward"] + t["train_stacked_copies"]
             + t.get("reference_batch", 0)} | (
+        {"reference_forward": fixed + t["reference_batch"] + t["reference_forward"]}
+        if "reference_forward" in t else {}) | (
         {"noise_floor": fixed + t["noise_floor_train_batch"] + t["noise_floor_second_trainer"] + t["train_forward"]}
         if "noise_floor_second_trainer" in t else {}) | {k: fixed + w + r for k, (w, r) in _cost_phase(t, 0, 0).items()}
 
@@ -451,7 +471,7 @@ def kept_output_bytes(p: MemoryPlan) -> int:
     batched (and a mixture's router logits both ways), with --engine-noise both engines' scores."""
     i, m, b = p.inputs, p.inputs.model, p.inputs.dtype_bytes
     samples, new = max(1, i.samples), max(0, i.new_tokens)
-    lengths = i.prompt_lengths or (min(p.batch_tokens, i.max_model_len),)
+    lengths = _lengths(i, p.batch_tokens)
     rows = sum(n + new for n in lengths) * samples
     scored = sum(n + new - 1 for n in lengths) * samples
     per_row = m.tap_elements_per_token(i.taps) * b + (m.vocab * b if "logits" in i.taps else 0)

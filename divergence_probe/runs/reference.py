@@ -63,8 +63,10 @@ class ReferenceArm:
                            train_tp=1)
         if probe.memory_plan is not None:  # what is free now, with the stacks loaded (one, under alternate)
             from ..models.size import device_memory
+            from .memory import longest_sequence
 
-            check_fits(probe.memory_plan.inputs.model, precision, probe.settings.batch_tokens,
+            i, batch_tokens = probe.memory_plan.inputs, probe.settings.batch_tokens
+            check_fits(i.model, precision, batch_tokens, longest_sequence(i, batch_tokens),
                        device_memory(settings.device)[0], settings.device, "beside the stacks loaded now")
         self.stack = get_stack(probe.config.train)  # the trainer's own stack, in the reference's precision
         self.stack.load(settings)
@@ -211,12 +213,14 @@ class ReferenceCapture:
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def check_fits(size, precision: str | None, batch_tokens: int, free: int, device: str, where: str) -> None:
+def check_fits(size, precision: str | None, batch_tokens: int, longest: int, free: int, device: str,
+               where: str) -> None:
     """Refuse --reference in one line, before it loads, when it does not fit in `free` bytes of `device` (`where`
-    says beside what): float64 that does not fit where float32 would is told to use float32."""
+    says beside what), scoring batches of `batch_tokens` whose longest sequence is `longest` tokens: float64 that does
+    not fit where float32 would is told to use float32."""
     if precision is None:
         return
-    need = {p: reference_bytes(size, p, batch_tokens) for p in PRECISIONS}
+    need = {p: reference_bytes(size, p, batch_tokens, longest) for p in PRECISIONS}
     if need[precision] <= free:
         return
     head = (f"--reference {precision} needs about {gib(need[precision])} on {device} {where}, and "
@@ -224,5 +228,5 @@ def check_fits(size, precision: str | None, batch_tokens: int, free: int, device
     if precision == "float64" and need["float32"] <= free:
         raise DeviceMemoryError(f"{head}; --reference float32 needs about {gib(need['float32'])} and fits: use it")
     also = "" if precision == "float32" else f" (float32: about {gib(need['float32'])})"
-    raise DeviceMemoryError(f"{head}{also}; drop --reference, lower --batch-tokens, or give the trainer a device of "
-                            "its own (--train-device)")
+    raise DeviceMemoryError(f"{head}{also}; drop --reference, lower --batch-tokens or --max-prompt-tokens, or give "
+                            "the trainer a device of its own (--train-device)")

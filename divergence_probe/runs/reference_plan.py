@@ -1,6 +1,6 @@
 """--reference in the memory plan (runs/memory.py): where the run fits without its reference, or with a float32 one,
-and not as asked, the one line that says so, before anything loads. What the reference holds is in the plan's terms
-(numerics/reference.reference_terms); the reference itself is runs/reference.py."""
+and not as asked, the one line that says so, before anything loads. What the reference holds and its forward's peak
+are the plan's terms (numerics/reference.reference_terms); the reference itself is runs/reference.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..errors import DeviceMemoryError
 from ..models.size import gib
-from .memory import MemoryPlan, check, placed
+from .memory import MemoryPlan, check, longest_sequence, placed
 
 
 def check_planned(p: MemoryPlan, asked: str = "auto", can_alternate: bool = True) -> MemoryPlan:
@@ -35,8 +35,9 @@ def check_planned(p: MemoryPlan, asked: str = "auto", can_alternate: bool = True
         options.append("a machine with more memory")
     else:
         options.append("the trainer and the reference on a GPU of their own (--train-device cuda:1)")
+    reference = sum(v for k, v in terms.items() if k.startswith("reference_"))  # numerics/reference.reference_terms
     raise DeviceMemoryError(
-        f"--reference {i.reference} needs about {gib(terms['reference_weights'] + terms['reference_batch'])} of "
-        f"{device} memory {beside}, and the run's peak with it is about {gib(needed)} (batch_tokens {p.batch_tokens}) "
-        f"but {gib(free)} is free ({source}); nothing was loaded. Options: {'; '.join(options)}")
-
+        f"--reference {i.reference} needs about {gib(reference)} of {device} memory {beside}, and the run's peak with "
+        f"it is about {gib(needed)} (batch_tokens {p.batch_tokens}, longest sequence "
+        f"{longest_sequence(i, p.batch_tokens)} tokens) but {gib(free)} is free ({source}); nothing was loaded. "
+        f"Options: {'; '.join(options)}")

@@ -101,6 +101,84 @@ def test_tap_terms_equal_the_bytes_a_run_hands_over(which, request, prompts_file
     assert p.terms["train_weights"] == sum(storages.values())
 
 
+def allocations_beyond_kept(run) -> tuple[int, int]:
+    """(peak, kept) of the CPU tensor memory `run()` allocates: `kept`, the bytes of its allocations still live when it
+    returns; `peak`, the most bytes live at once of those freed by then, each moment's kept ones set aside (those
+    allocated so far). From torch.profiler's allocation events (profile_memory=True: c10's CPU allocator reports every
+    tensor allocation and free with its pointer and size), so exact for tensors; memory a library takes outside torch's
+    allocator (a BLAS workspace) is not in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    events = sorted((e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+                     if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"), key=lambda e: e.start_time_ns)
+    sizes = [(e.extra_fields.ptr, e.extra_fields.alloc_size) for e in events]
+    live: dict[int, int] = {}  # pointer -> index of its allocation; a free of memory allocated before run() is skipped
+    for index, (ptr, size) in enumerate(sizes):
+        if size > 0:
+            live[ptr] = index
+        else:
+            live.pop(ptr, None)
+    survivors = set(live.values())
+    held, now, kept, peak = {}, 0, 0, 0
+    for index, (ptr, size) in enumerate(sizes):
+        if size > 0:
+            held[ptr], now = size, now + size
+            kept += size if index in survivors else 0
+        elif ptr in held:
+            now -= held.pop(ptr)
+        peak = max(peak, now - kept)
+    return peak, kept
+
+
+@pytest.mark.parametrize("model", ["qwen2_tiny", "qwen3_tiny"])
+def test_the_reference_forward_term_covers_the_peak_measured_when_it_scores_a_sequence(model, request):
+    """The reference scoring one sequence as a run has it do it (runs/reference.ReferenceCapture.add_sequences, every
+    tap): what it keeps is reference_batch's count of one sequence (its taps and logits, and the two logprob
+    vectors kept until the sequence is done), and the peak beyond that is at most reference_forward and at least half
+    of it. The longest length is where eager attention's [heads, tokens, tokens] scores make most of the peak, so a
+    term without them, or without float64's float32 softmax copies, falls short there."""
+    from types import SimpleNamespace
+
+    import divergence_probe as dp
+    from divergence_probe.numerics.reference import reference_terms
+    from divergence_probe.runs.reference import ReferenceArm, ReferenceCapture
+    from divergence_probe.taps import ALL_TAPS
+    from divergence_probe.tokenized import Prompt
+
+    class Inner:  # the run's own capture, which the reference passes each batch on to first
+        def add_sequences(self, sequences) -> None:
+            pass
+
+    probe = dp.load(str(request.getfixturevalue(model)), infer="hf", dtype="bfloat16", device="cpu")
+    size = probe.memory_plan.inputs.model
+    try:
+        for precision in ("float32", "float64"):
+            arm = ReferenceArm(probe, precision)
+            peaks = {}
+            for tokens in (512, 1024, 2048):
+                capture = ReferenceCapture(Inner(), arm, probe, frozenset(ALL_TAPS))
+                ids = tuple(50 + (7 * n) % (size.vocab - 100) for n in range(tokens))
+                sequence = SimpleNamespace(prompt=Prompt(0, "test", "", ids), key=0, prompt_id=0, fed=tokens)
+                peak, kept = allocations_beyond_kept(lambda: capture.add_sequences([sequence]))
+                terms = reference_terms(size, precision, tokens, tokens)
+                logprobs = 2 * 8 * tokens  # the reference's and the floor's float64 logprobs, kept with the taps
+                assert terms["reference_batch"] <= kept <= terms["reference_batch"] + logprobs, (precision, tokens)
+                assert peak <= terms["reference_forward"] <= 2 * peak, (precision, tokens, peak, terms)
+                peaks[tokens] = peak
+            arm.close()
+            assert peaks[2048] > 3 * peaks[1024]  # the square of the length: attention's scores lead
+    finally:
+        probe.close()
+
+
 def test_parameters_from_the_headers_equal_the_count_from_the_config(qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
     for path in (qwen2_tiny, qwen3_tiny, qwen3_moe_tiny):
         config = json.loads((path / "config.json").read_text())

@@ -149,8 +149,9 @@ def reference_inputs(free: int, reference: str | None, **changes) -> PlanInputs:
 
 def test_the_reference_is_counted_where_it_is_held():
     """Together, the reference's weights sit beside the engine's steps and its batch beside the trainer's; one at a
-    time it loads after the engine has left, so the engine's phases are those of a run without it. On a trainer's
-    device of its own, it is that device's."""
+    time it loads after the engine has left, so the engine's phases are those of a run without it. Its forward of a
+    batch is a phase of its own, before the trainer runs the batch. On a trainer's device of its own, it is that
+    device's."""
     from divergence_probe.numerics.reference import reference_bytes
 
     size = ModelSize.of(QWEN25_7B, get_family("qwen2"))
@@ -158,15 +159,24 @@ def test_the_reference_is_counted_where_it_is_held():
         bare, _ = placed(reference_inputs(10**15, None), asked)
         p, _ = placed(reference_inputs(10**15, "float32"), asked)
         weights, batch = p.terms["reference_weights"], p.terms["reference_batch"]
-        assert weights == 4 * size.parameters and weights + batch == reference_bytes(size, "float32", 512)
+        forward = p.terms["reference_forward"]
+        assert weights == 4 * size.parameters and weights + batch + forward == reference_bytes(size, "float32", 512,
+                                                                                             512)
         assert p.phases["engine_step"] - bare.phases["engine_step"] == (weights if asked == "together" else 0)
         assert p.phases["engine_start"] == bare.phases["engine_start"]  # the engine started before it loaded
         assert p.phases["train_and_reduce"] - bare.phases["train_and_reduce"] >= weights + batch
+        # the reference's forward beside the trainer's weights (and the engine's, together) and the engine's batch
+        beside = bare.terms["train_weights"] + (bare.terms["infer_weights"] + bare.kv_cache_bytes
+                                                if asked == "together" else 0) + bare.terms["infer_taps"]
+        assert p.phases["reference_forward"] >= beside + weights + batch + forward
+        assert "reference_forward" not in bare.phases
         record = p.record()
         assert record["inputs"]["reference"] == "float32" and record["terms_bytes"]["reference_weights"] == weights
     assert "reference_weights" not in bare.terms and bare.record()["inputs"]["reference"] is None
     apart = memory_plan.plan(reference_inputs(10**15, "float64", train_device="cuda:1", train_free_bytes=10**15))
     assert "reference_weights" not in apart.terms and apart.train_terms["reference_weights"] == 8 * size.parameters
+    assert "reference_forward" not in apart.phases and apart.train_phases["reference_forward"] >= sum(
+        apart.train_terms[t] for t in ("train_weights", "reference_weights", "reference_batch", "reference_forward"))
 
 
 def test_auto_alternates_when_the_reference_fits_only_beside_the_trainer():

@@ -73,18 +73,20 @@ def test_a_7b_reference_in_float64_is_refused_for_float32_where_that_fits_and_ou
     from divergence_probe.errors import DeviceMemoryError
     from divergence_probe.models import get_family
     from divergence_probe.models.size import ModelSize
+    from divergence_probe.numerics.reference import reference_terms
     from divergence_probe.runs.reference import check_fits, reference_bytes
 
     size = ModelSize.of(QWEN25_7B, get_family("qwen2"))
     weights64 = size.parameters * 8
     assert 56e9 < weights64 < 64e9  # an FP64 copy of a 7B model: its weights alone
-    assert reference_bytes(size, "float64", 512) == 2 * reference_bytes(size, "float32", 512)
-    free = (reference_bytes(size, "float64", 512) + reference_bytes(size, "float32", 512)) // 2  # float32 fits
+    terms64, terms32 = reference_terms(size, "float64", 512, 512), reference_terms(size, "float32", 512, 512)
+    assert all(terms64[t] == 2 * terms32[t] for t in ("reference_weights", "reference_batch"))  # what it holds
+    free = (reference_bytes(size, "float64", 512, 512) + reference_bytes(size, "float32", 512, 512)) // 2  # f32 fits
     with pytest.raises(DeviceMemoryError, match="--reference float32 needs about .* and fits: use it"):
-        check_fits(size, "float64", 512, free, "cuda", "beside the two stacks as planned")
+        check_fits(size, "float64", 512, 512, free, "cuda", "beside the two stacks as planned")
     with pytest.raises(DeviceMemoryError, match=r"\(float32: about .*\); drop --reference"):
-        check_fits(size, "float64", 512, weights64 // 4, "cuda", "beside the two stacks as planned")
-    check_fits(size, "float32", 512, free, "cuda", "beside the two stacks as planned")  # fits: no error
+        check_fits(size, "float64", 512, 512, weights64 // 4, "cuda", "beside the two stacks as planned")
+    check_fits(size, "float32", 512, 512, free, "cuda", "beside the two stacks as planned")  # fits: no error
 
 
 def test_an_ablation_says_whether_each_combination_moved_the_trainer_toward_exact_from_its_interval():
