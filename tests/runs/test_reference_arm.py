@@ -133,3 +133,36 @@ def test_rmsnorm_aligned_on_both_sides_leaves_vllm_and_transformers_equally_far_
     assert local["ref_err_infer"].isna().all() and (local["closer_to_ref"] == "").all()
     assert (local["ref_err_train"] > 0).all()
     assert run.manifest["reference"]["local"]["stacks"] == ["train"]
+
+
+def test_the_float64_reference_is_exact_far_below_the_floor(monkeypatch):
+    """transformers takes eager attention's softmax and RMSNorm in float32 (an upcast for BF16, a downcast for a
+    float64 model), so a float64 reference is not float64 throughout: its logits against the same forward with those
+    two ops in float64 must stay a thousand times below the floor (the exact logits rounded once to BF16) for the
+    reference to tell which stack is wrong."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from divergence_probe.runs.reference import ATTENTION
+
+    model = AutoModelForCausalLM.from_pretrained(dp.__path__[0] + "/data/default_model", dtype=torch.float64,
+                                                 attn_implementation=ATTENTION).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        as_run = model(ids).logits[0]
+    softmax = torch.nn.functional.softmax
+
+    def softmax_in_float64(x, dim=None, dtype=None, **kwargs):
+        return softmax(x, dim=dim, dtype=x.dtype if x.dtype == torch.float64 else dtype, **kwargs)
+
+    def norm_in_float64(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax_in_float64)
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", norm_in_float64)
+    with torch.no_grad():
+        exact = model(ids).logits[0]
+    assert as_run.dtype == exact.dtype == torch.float64
+    error = ((as_run - exact).norm() / exact.norm()).item()
+    floor = ((exact.to(torch.bfloat16).double() - exact).norm() / exact.norm()).item()
+    assert 0 < error < floor / 1000, (error, floor)  # > 0: the float32 steps are there, and the patches took
