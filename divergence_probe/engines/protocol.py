@@ -41,6 +41,7 @@ class StackSettings:
     seed: int = 0
     max_model_len: int = 2048
     train_attn: str = "sdpa"  # transformers attention implementation (training side)
+    train_experts: str | None = None  # transformers experts implementation (training side); None: transformers' own
     batch_tokens: int = 8192  # most prompt tokens one vLLM step holds; bounds capture memory
     engine: str = "eager"  # vLLM: "eager" (enforce_eager, every module hook fires) or "compiled" (vLLM's defaults)
     engine_args: tuple[tuple[str, object], ...] = ()  # extra vllm.LLM keywords, frozen (`freeze_engine_args`)

@@ -35,6 +35,9 @@ from ..numerics.reference import PRECISIONS, SUMS, error_sums, ref_logprobs, ref
 from ..taps import Tap, TapKey, each_tap, expected_taps
 
 ATTENTION = "eager"  # the reference's attention: transformers' plain matmul-softmax-matmul
+# the reference's experts (a mixture's): transformers' loop over the experts hit, each a plain matmul, where its
+# default grouped matmul is a kernel choice of its own and takes no float64
+EXPERTS = "eager"
 
 
 @dataclass
@@ -59,8 +62,8 @@ class ReferenceArm:
         self.run_dtype = probe.settings.dtype
         settings = replace(probe.settings, device=resolve_train_device(probe.config.train_device, probe.config.device),
                            dtype=PRECISIONS[precision],
-                           train_attn=ATTENTION, train_sdpa="auto", train_precision="bf16", train_kernels="torch",
-                           train_tp=1)
+                           train_attn=ATTENTION, train_experts=EXPERTS, train_sdpa="auto", train_precision="bf16",
+                           train_kernels="torch", train_tp=1)
         if probe.memory_plan is not None:  # what is free now, with the stacks loaded (one, under alternate)
             from ..models.size import device_memory
             from .memory import longest_sequence
@@ -74,6 +77,7 @@ class ReferenceArm:
     def manifest(self) -> dict:
         """The manifest's `reference`: its precision, device and kernels, and what it is measured as."""
         return {"precision": self.precision, "device": self.stack.settings.device, "attention": ATTENTION,
+                "experts": EXPERTS,
                 "stack": vars(self.stack.info()),
                 "floor": f"the reference rounded once to {str(self.run_dtype).removeprefix('torch.')}",
                 "measure": "taps: rel_l2 of each stack against the reference; tokens: |logprob - logprob_ref|"}

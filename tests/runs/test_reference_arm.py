@@ -166,3 +166,17 @@ def test_the_float64_reference_is_exact_far_below_the_floor(monkeypatch):
     error = ((as_run - exact).norm() / exact.norm()).item()
     floor = ((exact.to(torch.bfloat16).double() - exact).norm() / exact.norm()).item()
     assert 0 < error < floor / 1000, (error, floor)  # > 0: the float32 steps are there, and the patches took
+
+
+def test_a_mixture_of_experts_has_a_float64_reference(qwen3_moe_tiny, twenty_prompts):
+    """transformers' default experts kernel (a grouped matmul) takes no float64: the reference runs its experts one
+    by one, so a mixture's float64 reference loads and scores, with the same verdict words as a dense model's."""
+    probe = dp.load(str(qwen3_moe_tiny), infer="hf", dtype="bfloat16", device="cpu")
+    try:
+        run = probe.compare(prompts=twenty_prompts, num_prompts=3, taps="none", reference="float64")
+    finally:
+        probe.close()
+    reference = run.manifest["reference"]
+    assert reference["experts"] == "eager" == reference["stack"]["implementations"]["experts"]
+    logprobs = run.tokens_table["logprob_ref"].to_numpy()
+    assert len(logprobs) and np.isfinite(logprobs).all() and (logprobs <= 0).all()

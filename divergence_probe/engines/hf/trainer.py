@@ -111,6 +111,7 @@ class HFStack(HFPolicy):
             model, info = AutoModelForCausalLM.from_pretrained(
                 settings.model_path, dtype=torch.float32 if settings.train_precision == "amp" else settings.dtype,
                 attn_implementation=settings.train_attn,
+                **({"experts_implementation": settings.train_experts} if settings.train_experts else {}),
                 output_loading_info=True,
             )
         except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: shape mismatches
