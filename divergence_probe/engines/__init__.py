@@ -141,9 +141,12 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
 
 def knobs_of(infer: str | None = None, train: str | None = None) -> dict:
     """The deployment knobs, by name (`engine:kv_cache_dtype`): the engine side's of the inference stacks, the
-    training side's of the trainers, each marked with the stack that owns it; `infer`/`train`: those stacks only."""
+    training side's of the trainers, installed ones included (a factor names a knob before it names a stack, so
+    reading every knob imports every installed stack's class, which imports no engine), each marked with the stack
+    that owns it; `infer`/`train`: those stacks only."""
     found = {}
-    for side, names in (("engine", [infer] if infer else INFER_STACKS), ("train", [train] if train else TRAIN_STACKS)):
+    for side, names in (("engine", [infer] if infer else stacks_on("infer")),
+                        ("train", [train] if train else stacks_on("train"))):
         for name in names:
             for knob in stack_class(name).knobs().values():
                 if knob.side == side:

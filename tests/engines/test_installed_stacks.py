@@ -111,3 +111,21 @@ def test_a_side_its_class_does_not_declare_is_refused_once_it_is_chosen(installe
     assert result.exit_code == 2 and result.output.strip() == (
         "error: --train second: the second engine does not sit on the train side (its class's sides: infer); "
         "choose one of: hf")
+
+
+class KnobbedStack(second_engine.SecondStack):
+    """The second engine with one deployment knob of its own, as an installed engine may declare."""
+
+    @classmethod
+    def knobs(cls):
+        from divergence_probe.engines.protocol import Knob
+
+        return {"engine:speed": Knob(side="engine", key="speed", values=("fast",), field="engine_args",
+                                     change=lambda value, load: {**load.engine_args, "speed": value},
+                                     check=lambda value, device: None, summary="how fast the second engine runs")}
+
+
+def test_an_installed_stacks_knob_is_a_factor(installed):
+    installed({"knobbed": f"{__name__}:{KnobbedStack.__name__}"})
+    factor = engines.parse_factor("engine:speed=fast")
+    assert (factor.knob.owner, factor.label) == ("knobbed", "engine:speed=fast")
