@@ -378,14 +378,13 @@ def make_model(
                                   "or files it did not write); will not overwrite it: choose another path")
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would make a shared cache unreadable to others
-    except OSError as e:
-        raise OutputError(f"cannot write in {out_dir.parent}: {e.strerror}; choose another path") from None
-
     old = None
-    try:
+    try:  # from the folder's making on: a stop the moment it exists must remove it too
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would make a shared cache unreadable to others
+        except OSError as e:
+            raise OutputError(f"cannot write in {out_dir.parent}: {e.strerror}; choose another path") from None
         try:
             _write_model(tmp, arch, preset, seed, num_layers, device)
             mark(tmp, MODEL)

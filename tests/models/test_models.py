@@ -172,3 +172,23 @@ def test_the_trainers_tensors_as_saved_are_the_checkpoints_bit_for_bit(arch, che
     assert set(pushed) - tied == set(saved)
     for name, tensor in saved.items():
         assert torch.equal(pushed[name], tensor), name
+
+
+def test_a_stop_the_moment_the_build_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """A signal lands at the first bytecode after a system call: a stop right after make_model's temporary folder is
+    made must remove it too, as a stop during the build does."""
+    from pathlib import Path
+
+    from divergence_probe.models import modelzoo
+
+    made = Path.mkdir
+
+    def mkdir_then_stop(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if ".tmp-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        modelzoo.make_model(tmp_path / "model")
+    assert list(tmp_path.iterdir()) == []

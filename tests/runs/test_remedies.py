@@ -106,17 +106,21 @@ def test_a_workers_resident_set_is_read_in_its_own_process():
 
     from divergence_probe.engines.peak import PeakMemory
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.readline(); "
-                              f"held = b\"1\" * {HELD}; time.sleep(0.3)"], stdin=subprocess.PIPE)
+    # the child says when it holds the bytes and keeps them until told to go: no race with a loaded machine
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); "
+                              f"held = b\"1\" * {HELD}; print('held', flush=True); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         with PeakMemory("cpu", pid=child.pid).measuring() as meter:
             child.stdin.write(b"go\n")
             child.stdin.flush()
-            time.sleep(0.2)
+            assert child.stdout.readline() == b"held\n"
         mine = PeakMemory("cpu")
         with mine.measuring():
             time.sleep(0.05)
     finally:
+        child.stdin.write(b"done\n")
+        child.stdin.flush()
         child.wait()
     assert meter.peak > HELD / 2 and mine.peak < HELD / 2
 
