@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from divergence_probe.engines.hf.patches import layers as fp32_layers
+from divergence_probe.engines import peak
 from divergence_probe.engines.hooks import HookSet
 from divergence_probe.numerics.remedies import NO_INTERVAL_WHY, NOT_RUN, RAN, ranked, ranking_lines
 from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
@@ -46,10 +47,21 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
                 patched_norm.normalize = shipped_normalize
         return timed
 
+    reads = []  # the resident sets read so far, by the sampler and at a block's ends
+    shipped_resident = peak.resident
+
+    def counted(pid=None):
+        reads.append(shipped_resident(pid))
+        return reads[-1]
+
     def heavier(step):
         def timed(view, prompts):
             held = torch.ones(HELD // 4) if view.settings.dtype == torch.float16 else None  # the FP16 arm's engine
-            time.sleep(0.05)  # long enough for the sampler to see it
+            if held is not None:  # held until the sampler has read the resident set once with it: a loaded machine
+                seen = len(reads)  # can keep the sampling thread off a core for longer than any fixed sleep
+                deadline = time.monotonic() + 30
+                while len(reads) == seen and time.monotonic() < deadline:
+                    time.sleep(0.001)
             step(view, prompts)
             del held
         return timed
@@ -58,7 +70,9 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
              for side, step in remedies.STEPS.items()}
     spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
                           fp32_layers=1, cost_repeats=2)
-    return remedies.run_remedies(hf_probe, spec, steps=steps)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(peak, "resident", counted)
+        return remedies.run_remedies(hf_probe, spec, steps=steps)
 
 
 def _row(run, arm: str) -> pd.Series:
