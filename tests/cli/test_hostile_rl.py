@@ -363,13 +363,14 @@ def test_closing_a_worker_while_its_engine_builds_stops_it_at_once(qwen3_tiny, t
     from divergence_probe.engines.vllm.worker import STOP_SECONDS, WorkerStack
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's temp folder, where vLLM puts vllm_dist_*
+    monkeypatch.setenv("DP_ENGINE_LOG", str(tmp_path / "kept"))  # the child's log, kept by close: where it stopped
     settings = stack_settings(LoadSpec(model=str(qwen3_tiny), device="cpu"), resolve_model(str(qwen3_tiny)))
     worker = WorkerStack(settings, ("rope",)).start()
     proc = worker._proc
     try:
         deadline = time.monotonic() + 600
         while not dist_files(tmp_path):  # the engine has begun to start
-            assert proc.poll() is None, (tmp_path / "engine.log").exists()
+            assert proc.poll() is None, open(worker._log.name, errors="replace").read()[-4000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
         t0 = time.monotonic()
@@ -378,8 +379,10 @@ def test_closing_a_worker_while_its_engine_builds_stops_it_at_once(qwen3_tiny, t
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, proc.returncode  # stopped by its handler, not killed
-    assert took < STOP_SECONDS / 2, took
+    log = "".join(path.read_text(errors="replace")[-4000:] for path in tmp_path.glob("kept.*"))
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, log)  # stopped by its handler, not killed
+    assert took < STOP_SECONDS / 2, (took, log)
+    assert log  # the kept log is read: a failure above shows where the child was
     assert dist_files(tmp_path) == []
 
 
