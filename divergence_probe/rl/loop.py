@@ -77,25 +77,23 @@ def load(spec: RLSpec, check: Callable | None = None):
             check_regions_exist(source.family, parse_setting(setting).regions)
         prompt_pool(spec, tokenizer, source.max_model_len)
         if source.family.top_k_field is not None:
-            check_route_roles(load_spec(spec), replays=any(from_engine(parse_setting(s).regions) for s in spec.settings))
+            check_route_recording(load_spec(spec))
 
     # a compiled engine of a mixture of experts records the rollout's routes at tap points in its graph
     return load_stacks(spec=load_spec(spec), before_stacks=before_stacks, routes=True)
 
 
-def check_route_roles(load, *, replays: bool) -> None:
-    """A mixture of experts' rollouts record the routes the engine took, and a routing setting replays them in the
-    trainer's update: roles a stack declares (Capabilities.records_routes, replays_routes). Asked of the declarations
-    before anything loads, so a stack that does not play one is refused in one line, not in the first step."""
+def check_route_recording(load) -> None:
+    """A mixture of experts' rollouts record the routes the engine took (for the update's routing setting and the
+    routing metrics): a role the engine declares (Capabilities.records_routes). Asked of the declaration before
+    anything loads, so an engine that does not play it is refused in one line, not in the first step. (A routing setting
+    on a trainer that does not declare replaying them is refused with the settings: spec/align.py unaligned.)"""
     from ..engines import capabilities_of
 
     if not capabilities_of(load.infer, engine=load.engine, ranks=load.engine_ranks).records_routes:
         raise ProbeError(f"rl on a mixture of experts records the rollout's routes, which the {load.infer} stack "
                          f"(--engine {load.engine}, {load.engine_ranks} rank(s)) does not declare it can; use a "
                          "single-process vLLM engine or a dense model")
-    if replays and not capabilities_of(load.train, ranks=load.train_tp).replays_routes:
-        raise ProbeError(f"the routing setting replays the rollout's routes in the update, which the {load.train} "
-                         "trainer does not declare it can; drop the routing setting")
 
 
 def load_spec(spec: RLSpec):

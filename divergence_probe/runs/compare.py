@@ -520,9 +520,6 @@ def _routes_replayed(probe, spec: RunSpec, routes: RouteCapture | None) -> Itera
     if routes is None or "routing" not in spec.align.regions:
         yield
         return
-    if not probe.train.capabilities().replays_routes:
-        raise StackError(f"routing replays the engine's routes in the trainer, which {probe.train.name} cannot; use "
-                         "--train hf or leave routing out")
     with_weights = spec.align.routing_replay == "ids+weights"
 
     def engine_routes(key: int, layer: int):

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..engines import parse_factors, stack_class
+from ..engines import capabilities_of, parse_factors, stack_class
 from ..errors import ProbeError
 from ..numerics.shapley import METRICS
 from ..options import option
-from ..regions import ALL_REGIONS, REGIONS, parse_regions, patched
+from ..regions import ALL_REGIONS, REGIONS, from_engine, parse_regions, patched
 from .fields import _choice, check_finite
 
 SIDES = ("both", "train", "infer")
@@ -32,20 +32,26 @@ def _regions(value) -> tuple[str, ...]:
 def unaligned(regions: Sequence[str], load, side: str, *, named: Mapping[str, str] | None = None,
               leave_out_of: str | None = None, sides: Sequence[str] = SIDES) -> str | None:
     """The line saying which of `regions` a stack patched on `side` (both, train or infer) cannot align, or None when
-    each stack aligns them all. Asked of the stack's class (StackClass.aligns) for the stacks a LoadSpec (`load`)
-    names, so a run is refused, or an arm not run, before anything loads, where importing a stack's patches would
-    import its engine. `named`: how the line names each stack side ("infer", "train"), where the command has no
-    --infer/--train flag to name it by. `leave_out_of`: the flag the regions came from; the line then ends with the
-    fix, aligning on the other stack alone where the command's `sides` have that --side."""
+    each stack aligns them all. Asked of the stack's class (StackClass.aligns; for routing replay, which is wired, not
+    patched, the trainer's declared Capabilities.replays_routes) for the stacks a LoadSpec (`load`) names, so a run is
+    refused, or an arm not run, before anything loads, where importing a stack's patches would import its engine.
+    `named`: how the line names each stack side ("infer", "train"), where the command has no --infer/--train flag to
+    name it by. `leave_out_of`: the flag the regions came from; the line then ends with the fix, aligning on the other
+    stack alone where the command's `sides` have that --side."""
     for stack_side, other in (("infer", "train"), ("train", "infer")):
         if side not in (stack_side, "both"):
             continue
         name = getattr(load, stack_side)
         cls = stack_class(name)
+        where = named[stack_side] if named else f"--{stack_side} {name}"
         missing = [r for r in patched(regions) if r not in cls.aligns]
+        replayed = from_engine(regions) if stack_side == "train" else ()
+        if replayed and not capabilities_of(name, ranks=load.train_tp).replays_routes:
+            line = (f"{', '.join(replayed)} replays the engine's routes in the trainer, which {cls.title or name} "
+                    f"({where}) does not declare it can")
+            return f"{line}; leave it out of {leave_out_of}" if leave_out_of else line
         if not missing:
             continue
-        where = named[stack_side] if named else f"--{stack_side} {name}"
         line = (f"{', '.join(missing)} cannot be aligned on {cls.title or name} ({where}), which aligns "
                 f"{', '.join(cls.aligns) or 'no region'}")
         if leave_out_of is None:

@@ -1,5 +1,6 @@
-"""rl on a mixture of experts asks the stacks' declarations (Capabilities.records_routes, replays_routes) whether they
-record and replay routes, and refuses a stack that does not declare one in one line, before anything loads."""
+"""Routes are a role a stack declares (Capabilities.records_routes, replays_routes), asked before anything loads: rl on
+a mixture of experts refuses an engine that does not declare recording them, and every command refuses routing replay
+on a trainer that does not declare replaying them, each in one line."""
 
 from __future__ import annotations
 
@@ -8,31 +9,50 @@ from types import SimpleNamespace
 import pytest
 
 from divergence_probe.errors import ProbeError
-from divergence_probe.rl.loop import check_route_roles
+from divergence_probe.rl.loop import check_route_recording
+from divergence_probe.spec import spec_from_flat
+from divergence_probe.spec.rl import rl_spec
+
+REPLAY_REFUSED = "routing replays the engine's routes in the trainer, which toy (--train toy) does not declare it " \
+                 "can; leave it out of "
 
 
-def _load(infer: str, train: str, ranks: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(infer=infer, engine="eager", engine_ranks=ranks, train=train, train_tp=1)
+def _load(infer: str, ranks: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(infer=infer, engine="eager", engine_ranks=ranks)
 
 
-def test_shipped_stacks_record_and_replay_routes():
-    check_route_roles(_load("vllm", "hf"), replays=True)
+def test_the_shipped_engine_records_routes():
+    check_route_recording(_load("vllm"))
 
 
 def test_a_single_rank_of_the_sharded_engine_is_what_records():
     with pytest.raises(ProbeError, match="does not declare") as e:
-        check_route_roles(_load("vllm", "hf", ranks=2), replays=False)
+        check_route_recording(_load("vllm", ranks=2))
     assert "\n" not in str(e.value) and "2 rank(s)" in str(e.value)
 
 
 def test_an_engine_that_does_not_declare_recording_is_refused(toy):
     with pytest.raises(ProbeError, match="the toy stack .* does not declare it can") as e:
-        check_route_roles(_load("toy", "hf"), replays=False)
+        check_route_recording(_load("toy"))
     assert "\n" not in str(e.value)
 
 
-def test_a_trainer_that_does_not_declare_replaying_is_refused_only_when_a_setting_replays(toy):
-    check_route_roles(_load("vllm", "toy"), replays=False)
-    with pytest.raises(ProbeError, match="the toy trainer does not declare it can") as e:
-        check_route_roles(_load("vllm", "toy"), replays=True)
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("kind, flags, flag", [
+    ("compare", {"align": "routing", "side": "train"}, "--align"),
+    ("ablate", {"regions": "routing"}, "--regions"),
+])
+def test_routing_replay_on_a_trainer_that_does_not_declare_it_is_refused_by_the_spec(toy, kind, flags, flag):
+    spec_from_flat(kind, train="hf", taps="none", **flags)  # the shipped trainer declares it
+    with pytest.raises(ProbeError) as e:
+        spec_from_flat(kind, train="toy", taps="none", **flags)
+    assert str(e.value) == REPLAY_REFUSED + flag
+
+
+def test_rl_refuses_a_routing_setting_on_a_trainer_that_does_not_declare_replaying(toy, monkeypatch):
+    from divergence_probe.engines import STACKS
+
+    monkeypatch.setitem(STACKS, "hf", STACKS["toy"])  # rl's trainer resolved to a class that does not declare it
+    with pytest.raises(ProbeError) as e:
+        rl_spec(setting=["none", "routing"])
+    assert str(e.value) == "--setting 'routing': " + REPLAY_REFUSED.replace("toy (--train toy)", "hf (rl's trainer)") \
+        + "--setting"
