@@ -168,9 +168,9 @@ def last_layers(layers: pd.DataFrame, k: int, num_layers: int) -> tuple[tuple[in
 
 
 def arm_layers(arm: Arm, choices: dict) -> tuple[int, ...]:
-    """The layers `arm` runs in FP32, from `choices` (arm name -> its layers and how they were chosen); none for an
-    arm that patches none. One whose layers are those of the arm it is paired with would run that arm again and pair
-    it with itself: it is not run."""
+    """The layers `arm` runs in FP32, from `choices` (arm name -> its layers and how they were chosen, for the arms the
+    run runs); none for an arm that patches none. One whose layers are those of the arm it is paired with would run
+    that arm again and pair it with itself: it is not run. Its pair not run, nothing is repeated: it runs."""
     if arm.layers is None:
         return ()
     layers = choices[arm.name][0]
@@ -492,7 +492,7 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
             continue
         arm, step = ARMS[name], planned[name]
         try:
-            layers = arm_layers(arm, choices)
+            layers = arm_layers(arm, {other: choices[other] for other in planned if other in choices})
         except ProbeError as e:
             reasons[name] = str(e)
             continue

@@ -476,3 +476,15 @@ def test_arms_aligning_regions_a_stack_does_not_align_are_planned_not_run_with_n
                        "lm_head": "lm_head cannot be aligned on toy-fused (--infer toy-fused), which aligns toy-align",
                        "fp32_layers": numeric, "fp32_last_layers": numeric}
     assert list(planned) == ["fp16"]  # the arm that aligns no region
+
+
+def test_last_layers_run_alone_whatever_the_divergent_arm_would_choose(hf_probe, prompts_file):
+    """fp32_last_layers is not run as a repeat of fp32_layers only where fp32_layers runs: chosen alone, with every
+    layer in FP32 (the divergent arm would choose the same), it runs."""
+    every = hf_probe.source.num_layers
+    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=1,
+                          arms="fp32_last_layers", fp32_layers=every, cost_repeats=1, bootstrap=0)
+    run = remedies.run_remedies(hf_probe, spec)
+    row = _row(run, "fp32_last_layers")
+    assert row["status"] == RAN, row["reason"]
+    assert run.manifest["remedies"]["arms"]["fp32_last_layers"]["layers"] == list(range(every))
