@@ -131,6 +131,10 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
     if name not in installed:
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join([*STACKS, *installed])}")
     entry = installed[name]
+    if not entry.attr:  # "module" alone: loading it hands back the module, which is no stack's class
+        raise StackError(f"the stack {name!r} that {_package(entry)} adds names the module {entry.value}, not a class "
+                         f"in it ({ENTRY_POINTS} entry points are \"module:Class\"); fix or reinstall that package, "
+                         "or uninstall it")
     try:
         return entry.load()
     except Exception as e:  # noqa: BLE001 - whatever another package's module raises as it imports, it did not import

@@ -129,3 +129,12 @@ def test_an_installed_stacks_knob_is_a_factor(installed):
     installed({"knobbed": f"{__name__}:{KnobbedStack.__name__}"})
     factor = engines.parse_factor("engine:speed=fast")
     assert (factor.knob.owner, factor.label) == ("knobbed", "engine:speed=fast")
+
+
+def test_an_entry_point_naming_a_module_and_no_class_is_one_line(installed, tmp_path):
+    module = second_engine.TARGET.partition(":")[0]
+    installed({"bare": module})
+    result = cli("compare", "--infer", "bare", "--device", "cpu", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: the stack 'bare' that {PACKAGE} 0.1 adds names the module {module}, not a class in it "
+        f"({engines.ENTRY_POINTS} entry points are \"module:Class\"); fix or reinstall that package, or uninstall it")
