@@ -143,14 +143,14 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
                          "it") from e
 
 
-def knobs_of(infer: str | None = None, train: str | None = None) -> dict:
+def knobs_of(infer: str | None = None, train: str | None = None, *, installed: bool = True) -> dict:
     """The deployment knobs, by name (`engine:kv_cache_dtype`): the engine side's of the inference stacks, the
-    training side's of the trainers, installed ones included (a factor names a knob before it names a stack, so
-    reading every knob imports every installed stack's class, which imports no engine), each marked with the stack
-    that owns it; `infer`/`train`: those stacks only."""
+    training side's of the trainers, each marked with the stack that owns it (the first that declares the name);
+    `infer`/`train`: those stacks only; `installed`: the installed stacks' too (reading them imports their classes,
+    which import no engine)."""
     found = {}
-    for side, names in (("engine", [infer] if infer else stacks_on("infer")),
-                        ("train", [train] if train else stacks_on("train"))):
+    for side, names in (("engine", [infer] if infer else stacks_on("infer") if installed else SIDE_LISTS["infer"]),
+                        ("train", [train] if train else stacks_on("train") if installed else SIDE_LISTS["train"])):
         for name in names:
             for knob in stack_class(name).knobs().values():
                 if knob.side == side:
@@ -174,10 +174,15 @@ class Factor:
         return f"{self.knob.name}={self.value}"
 
 
-def parse_factor(text: str) -> Factor:
-    """'engine:kv_cache_dtype=fp8' -> its Factor; anything else is one line naming what a factor looks like."""
+def parse_factor(text: str, infer: str | None = None, train: str | None = None) -> Factor:
+    """'engine:kv_cache_dtype=fp8' -> its Factor; anything else is one line naming what a factor looks like.
+    `infer` and `train`: the run's stacks, whose knobs alone it is read against (an installed stack may declare a knob
+    of a name a shipped one has). Without them, the shipped stacks' knobs first and the installed ones' only for a
+    name none of those has, so a package that does not import stops only a run that asks for its knob."""
     name, eq, value = text.strip().partition("=")
-    knobs = knobs_of()
+    knobs = knobs_of(infer, train) if infer and train else knobs_of(installed=False)
+    if name not in knobs and not (infer and train):
+        knobs = knobs_of()
     if not eq or name not in knobs:
         side = name.partition(":")[0]
         hint = f"knobs: {', '.join(knobs)}" if side in FACTOR_SIDES else "a region goes in --regions"

@@ -23,7 +23,7 @@ def applied(load, labels) -> object:
 
     changes: dict = {}
     for label in labels:
-        factor = parse_factor(label)
+        factor = parse_factor(label, load.infer, load.train)
         current = replace(load, **changes) if changes else load
         changes[factor.knob.field] = factor.knob.change(factor.value, current)
     return replace(load, **changes) if changes else load

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..engines import capabilities_of, parse_factor, stack_class
+from ..engines import capabilities_of, knobs_of, parse_factor, stack_class
 from ..engines.protocol import ENGINE_REGIONS, TRAINER_REGIONS, freeze_engine_args
 from ..errors import ProbeError, StackError
 from ..numerics.shapley import combo_name, subsets
@@ -318,12 +318,16 @@ def check_factor(label: str, load) -> None:
     value the run already has (no change to attribute) refused."""
     from ..environment import resolve_device, resolve_train_device
 
-    factor = parse_factor(label)
-    knob = factor.knob
-    flag, stack = ("--infer", load.infer) if knob.side == "engine" else ("--train", load.train)
-    if knob.owner != stack:  # a knob of another stack than the run's on that side
+    try:
+        factor = parse_factor(label, load.infer, load.train)
+    except ProbeError:
+        if label.partition("=")[0].strip() in knobs_of(load.infer, load.train):
+            raise  # a knob of the run's stacks, refusing the value
+        knob = parse_factor(label).knob  # a knob of another stack than the run's on that side (or no knob: its line)
+        flag, stack = ("--infer", load.infer) if knob.side == "engine" else ("--train", load.train)
         raise ProbeError(f"--factor {label} changes {stack_class(knob.owner).title}, but {flag} is {stack}; drop it or "
-                         f"use {flag} {knob.owner}")
+                         f"use {flag} {knob.owner}") from None
+    knob = factor.knob
     device = resolve_device(load.device) if knob.side == "engine" else resolve_train_device(load.train_device,
                                                                                             load.device)
     if knob.change(factor.value, load) == getattr(load, knob.field):

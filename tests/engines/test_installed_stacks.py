@@ -138,3 +138,36 @@ def test_an_entry_point_naming_a_module_and_no_class_is_one_line(installed, tmp_
     assert result.exit_code == 2 and result.output.strip() == (
         f"error: the stack 'bare' that {PACKAGE} 0.1 adds names the module {module}, not a class in it "
         f"({engines.ENTRY_POINTS} entry points are \"module:Class\"); fix or reinstall that package, or uninstall it")
+
+
+class ClashingStack(second_engine.SecondStack):
+    """The second engine declaring a knob of a name the shipped engine has, with values and a change of its own."""
+
+    @classmethod
+    def knobs(cls):
+        from divergence_probe.engines.protocol import Knob
+
+        return {"engine:kv_cache_dtype": Knob(side="engine", key="kv_cache_dtype", values=("fp8", "int4"),
+                                              field="batch_tokens", change=lambda value, load: 1024,
+                                              check=lambda value, device: None, summary="its own cache format")}
+
+
+def test_a_knob_of_a_shipped_name_is_read_from_the_runs_own_engine(installed):
+    """A factor is read against the run's stacks: the installed engine's knob, not the shipped engine's of that name."""
+    from divergence_probe.spec import LoadSpec
+    from divergence_probe.spec.knobs import applied
+    from divergence_probe.spec.run import check_factor
+
+    installed({"clash": f"{__name__}:{ClashingStack.__name__}"})
+    load = LoadSpec(infer="clash", device="cpu")
+    check_factor("engine:kv_cache_dtype=fp8", load)  # refused as vLLM's knob on another engine before
+    assert applied(load, ["engine:kv_cache_dtype=fp8"]).batch_tokens == 1024  # its own change, not vLLM's
+    with pytest.raises(engines.ProbeError, match="changes vLLM, but --infer is clash"):
+        check_factor("engine:enforce_eager=false", load)  # a knob the installed engine does not have
+
+
+def test_a_package_that_does_not_import_stops_only_a_run_that_asks_its_knob(installed):
+    installed({"broken": BROKEN})
+    assert engines.parse_factor("train:kernels=vllm").knob.owner == "hf"  # a shipped knob: no installed class read
+    with pytest.raises(engines.StackError, match="the stack 'broken'"):
+        engines.parse_factor("engine:speed=fast")  # a knob no shipped stack has: the installed ones are read
