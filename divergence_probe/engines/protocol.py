@@ -306,6 +306,12 @@ class Trainer(Stack, Protocol):
         """The forwards of this block on the kernel set `name`; the set the trainer was loaded with again after."""
         ...
 
+    def layers_aligned(self, layers: Sequence[int], regions: Sequence[str]) -> list:
+        """The replacements (engines/hooks.py) that align `regions` in the decoder layers `layers` alone, every other
+        layer as loaded, for the caller's HookSet: remedies' FP32-layer arms, asked only of regions the class
+        declares it aligns."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSpec:
