@@ -88,7 +88,7 @@ def installed_stacks() -> dict:
             taken = ("a stack the tool ships" if entry.name in SHIPPED
                      else f"the stack {_package(found[entry.name])} adds")
             raise ProbeError(f"{_package(entry)} adds a stack named {entry.name!r} ({ENTRY_POINTS} entry point), "
-                             f"the name of {taken}; rename its entry point, or uninstall it")
+                             f"the name of {taken}; rename its entry point and its class's `name`, or uninstall it")
         found[entry.name] = entry
     return found
 
@@ -131,16 +131,27 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
     if name not in installed:
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join([*STACKS, *installed])}")
     entry = installed[name]
-    if not entry.attr:  # "module" alone: loading it hands back the module, which is no stack's class
-        raise StackError(f"the stack {name!r} that {_package(entry)} adds names the module {entry.value}, not a class "
-                         f"in it ({ENTRY_POINTS} entry points are \"module:Class\"); fix or reinstall that package, "
-                         "or uninstall it")
+    from ..signals import Stopped
+    from .protocol import StackPolicy
+
     try:
-        return entry.load()
-    except Exception as e:  # noqa: BLE001 - whatever another package's module raises as it imports, it did not import
+        cls = entry.load()
+    except Stopped:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever another package's module raises (an exit too) as
+        # it imports, it did not import
         raise StackError(f"the stack {name!r} that {_package(entry)} adds did not import ({entry.value}: "
                          f"{type(e).__name__}: {one_line(e, 200)}); fix or reinstall that package, or uninstall "
                          "it") from e
+    if not (isinstance(cls, type) and issubclass(cls, StackPolicy)):
+        raise StackError(f"the stack {name!r} that {_package(entry)} adds names {entry.value}, which is not a stack "
+                         "class (a subclass of engines.protocol.StackPolicy); fix or reinstall that package, or "
+                         "uninstall it")
+    if cls.name != name:  # the class names itself when its variants and patches are looked up
+        raise StackError(f"the stack {name!r} that {_package(entry)} adds is the class {entry.value}, whose name is "
+                         f"{cls.name!r}; an entry point's name is its class's `name`: fix or reinstall that package, "
+                         "or uninstall it")
+    return cls
 
 
 def knobs_of(infer: str | None = None, train: str | None = None, *, installed: bool = True) -> dict:

@@ -47,9 +47,11 @@ def unaligned(regions: Sequence[str], load, side: str, *, named: Mapping[str, st
         missing = [r for r in patched(regions) if r not in cls.aligns]
         replayed = from_engine(regions) if stack_side == "train" else ()
         if replayed and not capabilities_of(name, ranks=load.train_tp).replays_routes:
+            sharded = f", --train-tp {load.train_tp}" if load.train_tp > 1 and not named else ""
             line = (f"{', '.join(replayed)} replays the engine's routes in the trainer, which {cls.title or name} "
-                    f"({where}) does not declare it can")
-            return f"{line}; leave it out of {leave_out_of}" if leave_out_of else line
+                    f"({where}{sharded}) does not declare it can")
+            fix = f"leave it out of {leave_out_of}{', or use --train-tp 1' if sharded else ''}"
+            return f"{line}; {fix}" if leave_out_of else line
         if not missing:
             continue
         line = (f"{', '.join(missing)} cannot be aligned on {cls.title or name} ({where}), which aligns "

@@ -313,9 +313,10 @@ class RLSpec:
             # a setting is a set of regions and knobs: 'swiglu,rope' is 'rope,swiglu', and two runs of one name
             # would be read (rl_summary.csv, the report) as one setting with twice the runs
             if arm in seen:
-                raise ProbeError(f"--setting {text.strip()!r} is the setting {arm.name!r} again (--setting "
-                                 f"{seen[arm].strip()!r}: the same regions and knobs, in another order); give each "
-                                 "setting once (--seeds repeats a setting)")
+                again = "given twice" if text.strip() == seen[arm].strip() else (
+                    f"again (--setting {seen[arm].strip()!r}: the same regions and knobs, in another order)")
+                raise ProbeError(f"--setting {text.strip()!r} is the setting {arm.name!r} {again}; give each setting "
+                                 "once (--seeds repeats a setting)")
             seen[arm] = text
         flag = "--setting" if self.setting else "--align"
         for arm in arms:  # a region a stack's class does not align, before anything loads (as compare refuses it)

@@ -187,7 +187,7 @@ class RunSpec:
     def _check_trainer(self) -> None:
         """What the trainer refuses (its Capabilities: one sharded over processes, engines/hf/tensor_parallel.py, runs
         no single op and takes no patch here), in one line."""
-        regions = self.ablate.regions if self.kind == "ablate" else self.align.regions
+        regions = patched(self.ablate.regions if self.kind == "ablate" else self.align.regions)  # routing: replayed
         trainer_regions = [TRAINER_REGIONS] if regions and self.align.side != "infer" else []
         refusal = capabilities_of(self.load.train, ranks=self.load.train_tp).first_refused(
             [*self._graft_features(), *trainer_regions])

@@ -92,7 +92,7 @@ def test_a_name_taken_already_is_refused_in_one_line_for_any_run(installed, pack
     result = cli("compare", "--infer", "hf", "--device", "cpu", "--taps", "none", "--out", tmp_path / "run")
     assert result.exit_code == 2 and result.output.strip() == (
         f"error: {PACKAGE} 0.1 adds a stack named {name!r} ({engines.ENTRY_POINTS} entry point), the name of {taken}; "
-        "rename its entry point, or uninstall it")
+        "rename its entry point and its class's `name`, or uninstall it")
     assert not (tmp_path / "run").exists()
 
 
@@ -116,6 +116,8 @@ def test_a_side_its_class_does_not_declare_is_refused_once_it_is_chosen(installe
 class KnobbedStack(second_engine.SecondStack):
     """The second engine with one deployment knob of its own, as an installed engine may declare."""
 
+    name = "knobbed"
+
     @classmethod
     def knobs(cls):
         from divergence_probe.engines.protocol import Knob
@@ -131,17 +133,46 @@ def test_an_installed_stacks_knob_is_a_factor(installed):
     assert (factor.knob.owner, factor.label) == ("knobbed", "engine:speed=fast")
 
 
-def test_an_entry_point_naming_a_module_and_no_class_is_one_line(installed, tmp_path):
-    module = second_engine.TARGET.partition(":")[0]
-    installed({"bare": module})
+def not_a_stack():
+    """What an entry point may name by mistake: a function."""
+
+
+@pytest.mark.parametrize("target", [second_engine.TARGET.partition(":")[0], f"{__name__}:not_a_stack",
+                                    f"{__name__}:Path"])
+def test_an_entry_point_naming_no_stack_class_is_one_line(installed, target, tmp_path):
+    """A module, a function, a class of another kind: each refused in one line, not read for its sides or knobs."""
+    installed({"bare": target})
     result = cli("compare", "--infer", "bare", "--device", "cpu", "--out", tmp_path / "run")
     assert result.exit_code == 2 and result.output.strip() == (
-        f"error: the stack 'bare' that {PACKAGE} 0.1 adds names the module {module}, not a class in it "
-        f"({engines.ENTRY_POINTS} entry points are \"module:Class\"); fix or reinstall that package, or uninstall it")
+        f"error: the stack 'bare' that {PACKAGE} 0.1 adds names {target}, which is not a stack class (a subclass of "
+        "engines.protocol.StackPolicy); fix or reinstall that package, or uninstall it")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_entry_point_named_otherwise_than_its_class_is_one_line(installed, tmp_path):
+    """The class names itself when its patches and variants are looked up: an entry point of another name would find
+    the stack, then fail to find it again once loaded."""
+    installed({"second2": second_engine.TARGET})
+    result = cli("compare", "--infer", "second2", "--device", "cpu", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: the stack 'second2' that {PACKAGE} 0.1 adds is the class {second_engine.TARGET}, whose name is "
+        "'second'; an entry point's name is its class's `name`: fix or reinstall that package, or uninstall it")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_module_that_exits_as_it_imports_is_one_line(installed, tmp_path, monkeypatch):
+    (tmp_path / "exiting_engine.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed({"exiting": "exiting_engine:Stack"})
+    result = cli("compare", "--infer", "exiting", "--device", "cpu", "--out", tmp_path / "run")
+    assert result.exit_code == 2 and result.output.strip().startswith(
+        f"error: the stack 'exiting' that {PACKAGE} 0.1 adds did not import (exiting_engine:Stack: SystemExit: 3)")
 
 
 class ClashingStack(second_engine.SecondStack):
     """The second engine declaring a knob of a name the shipped engine has, with values and a change of its own."""
+
+    name = "clash"
 
     @classmethod
     def knobs(cls):

@@ -184,6 +184,7 @@ def test_knob_settings_that_cannot_run_are_one_line(settings, message, tmp_path)
     (("rope,swiglu", "swiglu,rope"), "'swiglu,rope' is the setting 'rope,swiglu' again"),
     (("none", ""), "is the setting 'none' again"),
     (("rope,train:precision=amp", "train:precision=amp, rope,rope"), "the setting 'rope,train:precision=amp' again"),
+    (("none", "none"), "^--setting 'none' is the setting 'none' given twice; give each setting once"),
 ])
 def test_a_setting_given_twice_in_another_order_is_refused(settings, message):
     """Two runs of one name would be summarized as one setting of twice the runs: refused with the spec, before

@@ -56,3 +56,13 @@ def test_rl_refuses_a_routing_setting_on_a_trainer_that_does_not_declare_replayi
         rl_spec(setting=["none", "routing"])
     assert str(e.value) == "--setting 'routing': " + REPLAY_REFUSED.replace("toy (--train toy)", "hf (rl's trainer)") \
         + "--setting"
+
+
+@pytest.mark.parametrize("side", ["both", "train"])
+def test_routing_on_a_sharded_trainer_names_the_fix_that_runs(side):
+    """A trainer sharded over processes replays no routes: the line names --train-tp 1, never --side infer (routing has
+    no inference side, so that fix would be refused in turn)."""
+    with pytest.raises(ProbeError) as e:
+        spec_from_flat("compare", align="routing", side=side, train_tp=2, taps="none")
+    assert str(e.value) == ("routing replays the engine's routes in the trainer, which transformers (--train hf, "
+                            "--train-tp 2) does not declare it can; leave it out of --align, or use --train-tp 1")
