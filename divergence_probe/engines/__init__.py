@@ -84,6 +84,9 @@ def installed_stacks() -> dict:
     both take) is refused in one line: an installed stack never shadows a shipped one, nor one package another."""
     found = {}
     for entry in _entry_points():
+        if entry.name in found and (_package(found[entry.name]), found[entry.name].value) == (_package(entry),
+                                                                                              entry.value):
+            continue  # the same package's entry read twice (its metadata on the path twice): one stack
         if entry.name in SHIPPED or entry.name in found:
             taken = ("a stack the tool ships" if entry.name in SHIPPED
                      else f"the stack {_package(found[entry.name])} adds")

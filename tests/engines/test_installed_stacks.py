@@ -202,3 +202,12 @@ def test_a_package_that_does_not_import_stops_only_a_run_that_asks_its_knob(inst
     assert engines.parse_factor("train:kernels=vllm").knob.owner == "hf"  # a shipped knob: no installed class read
     with pytest.raises(engines.StackError, match="the stack 'broken'"):
         engines.parse_factor("engine:speed=fast")  # a knob no shipped stack has: the installed ones are read
+
+
+def test_one_package_found_twice_on_the_path_is_one_stack(installed, tmp_path, monkeypatch):
+    """Its metadata in two folders of the path (an editable install beside a built one) is no clash with itself."""
+    installed({second_engine.NAME: second_engine.TARGET})
+    monkeypatch.syspath_prepend(str(distribution(tmp_path / "again", {second_engine.NAME: second_engine.TARGET})))
+    engines._entry_points.cache_clear()
+    assert len([e for e in engines._entry_points() if e.name == second_engine.NAME]) == 2
+    assert list(engines.installed_stacks()) == [second_engine.NAME]
