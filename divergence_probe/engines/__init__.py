@@ -86,7 +86,7 @@ def installed_stacks() -> dict:
     for entry in _entry_points():
         if entry.name in found and (_package(found[entry.name]), found[entry.name].value) == (_package(entry),
                                                                                               entry.value):
-            continue  # the same package's entry read twice (its metadata on the path twice): one stack
+            continue  # the same package's entry listed twice in its metadata: one stack
         if entry.name in SHIPPED or entry.name in found:
             taken = ("a stack the tool ships" if entry.name in SHIPPED
                      else f"the stack {_package(found[entry.name])} adds")

@@ -204,10 +204,11 @@ def test_a_package_that_does_not_import_stops_only_a_run_that_asks_its_knob(inst
         engines.parse_factor("engine:speed=fast")  # a knob no shipped stack has: the installed ones are read
 
 
-def test_one_package_found_twice_on_the_path_is_one_stack(installed, tmp_path, monkeypatch):
-    """Its metadata in two folders of the path (an editable install beside a built one) is no clash with itself."""
+def test_one_entry_point_listed_twice_by_its_package_is_one_stack(installed, tmp_path):
+    """A package whose metadata lists the same entry point twice does not clash with itself."""
     installed({second_engine.NAME: second_engine.TARGET})
-    monkeypatch.syspath_prepend(str(distribution(tmp_path / "again", {second_engine.NAME: second_engine.TARGET})))
+    listed = next((tmp_path / PACKAGE).glob("*.dist-info")) / "entry_points.txt"
+    listed.write_text(listed.read_text() + f"{second_engine.NAME} = {second_engine.TARGET}\n")
     engines._entry_points.cache_clear()
     assert len([e for e in engines._entry_points() if e.name == second_engine.NAME]) == 2
     assert list(engines.installed_stacks()) == [second_engine.NAME]
