@@ -135,7 +135,6 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join([*STACKS, *installed])}")
     entry = installed[name]
     from ..signals import Stopped
-    from .protocol import StackPolicy
 
     try:
         cls = entry.load()
@@ -146,11 +145,14 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
         raise StackError(f"the stack {name!r} that {_package(entry)} adds did not import ({entry.value}: "
                          f"{type(e).__name__}: {one_line(e, 200)}); fix or reinstall that package, or uninstall "
                          "it") from e
-    if not (isinstance(cls, type) and issubclass(cls, StackPolicy)):
+    # What another package hands over is checked, not trusted: a class that names itself (StackClass.name, a
+    # string; engines.protocol.StackPolicy's subclasses do), under the name its entry point gives it, since the class
+    # names itself when its variants and patches are looked up
+    if not (isinstance(cls, type) and isinstance(getattr(cls, "name", None), str)):
         raise StackError(f"the stack {name!r} that {_package(entry)} adds names {entry.value}, which is not a stack "
                          "class (a subclass of engines.protocol.StackPolicy); fix or reinstall that package, or "
                          "uninstall it")
-    if cls.name != name:  # the class names itself when its variants and patches are looked up
+    if cls.name != name:
         raise StackError(f"the stack {name!r} that {_package(entry)} adds is the class {entry.value}, whose name is "
                          f"{cls.name!r}; an entry point's name is its class's `name`: fix or reinstall that package, "
                          "or uninstall it")
