@@ -150,12 +150,13 @@ def main() -> None:
                 error_line(one_line(e.format_message()))
                 code = e.exit_code
             except typer.Abort:
-                console.print("[bold red]stopped:[/] aborted", highlight=False)
+                console.print("[bold red]stopped:[/] aborted", highlight=False, markup=True)
                 code = 1
         raise SystemExit(code if isinstance(code, int) else 0)
     except BaseException as e:
         stop = stop_behind(e)
         if stop is None:
             raise
-        console.print(f"[bold red]stopped:[/] {stop.name} received; nothing was left half-written", highlight=False)
+        console.print(f"[bold red]stopped:[/] {stop.name} received; nothing was left half-written", highlight=False,
+                      markup=True)
         raise SystemExit(stop.code) from None

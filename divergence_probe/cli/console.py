@@ -60,8 +60,11 @@ class _Console(Console):
         Console.size.fset(self, new_size)
 
 
-console = _Console(stderr=True, soft_wrap=True)  # soft_wrap: an error stays one line in a pipe or CI log (no wrap)
-out = _Console()
+# soft_wrap: an error stays one line in a pipe or CI log (no wrap). No emoji codes and no markup unless a print asks
+# for it: paths, names and messages are the user's text (`/tmp/o:smile:` or `[bold]x` is a path to copy as typed);
+# the tool's own styles (`error:` in red) are markup=True prints that escape what they interpolate.
+console = _Console(stderr=True, soft_wrap=True, emoji=False, markup=False)
+out = _Console(emoji=False, markup=False)
 
 
 def say(text: str) -> None:
@@ -71,7 +74,7 @@ def say(text: str) -> None:
 
 def error_line(text: str) -> None:
     """`error: TEXT` on stderr, one line."""
-    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, markup=True)
 
 
 def fail(error: ProbeError) -> None:
@@ -122,8 +125,9 @@ def _progress() -> Progress:
     # transient: the bars are for a person watching; they leave no lines in a log, where an error stays one line (off
     # outside a terminal, where rich would still end them with an empty line, and Phases writes lines instead).
     # The description takes the width the rest leaves (cut with an ellipsis): on a narrow terminal the counts and the
-    # times stay whole.
-    return Progress(TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+    # times stay whole. A description is shown as written (markup=False): it can hold an rl setting's name.
+    return Progress(TextColumn("{task.description}", markup=False,
+                               table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
                     BarColumn(bar_width=12), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
                     TimeRemainingColumn(compact=True), console=console, transient=True, expand=True,
                     disable=not console.is_terminal)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.text import Text
 
 from ..errors import ProbeError
 from .console import console, fail, out
@@ -36,7 +37,8 @@ def make_model(
     from ..models.modelzoo import make_model as build
 
     try:
-        with console.status(f"building {preset} ({arch})…" if arch else f"building {preset}…"):
+        # a Text: the spinner would read a str as markup and emoji codes, and the preset is the user's text
+        with console.status(Text(f"building {preset} ({arch})…" if arch else f"building {preset}…")):
             path = build(out_dir, arch=arch, preset=preset, seed=seed, overwrite=overwrite, num_layers=layers,
                          device=device)
     except ProbeError as e:

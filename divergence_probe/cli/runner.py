@@ -5,7 +5,6 @@ lines (the folder, the report, the next command to try)."""
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -104,6 +103,7 @@ def run_spec(make_spec, out_dir: Optional[Path], check=None, gate=None, check_ru
 
     import divergence_probe as dp
     from ..rundir import claim_out_dir, default_out_dir
+    from ..runs.manifest import runnable_command
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the status line above says what is loading
     timings.start()
@@ -125,7 +125,7 @@ def run_spec(make_spec, out_dir: Optional[Path], check=None, gate=None, check_ru
                 shown.end()
             if check_run is not None:
                 check_run(run.manifest)
-            run.manifest["command"] = sys.argv
+            run.manifest["command"] = runnable_command()
             run.manifest["phases"] = shown.timings
             if timings.enabled():  # the writing, the report and the exit follow: a whole-process clock has the rest
                 run.manifest["timings"] = timings.record() | {"until_written": round(timings.process_age() or 0.0, 3)}

@@ -5,7 +5,6 @@ or a glob: the run's history, step by step (runs/history.py). Its options are Sc
 from __future__ import annotations
 
 import inspect
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -128,6 +127,7 @@ def score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256:
     from transformers.utils import logging as hf_logging
 
     from ..rundir import claim_out_dir
+    from ..runs.manifest import runnable_command
     from ..runs.score import score_spec
 
     hf_logging.disable_progress_bar()
@@ -136,7 +136,7 @@ def score_run(call, load, out_dir: Path, check=None, gate=None, rollouts_sha256:
             shown.phase("reading the rollouts, loading the trainer" + (" and the engine" if call.infer else ""))
             run = score_spec(call, load, check, shown, rollouts_sha256, gate)
             shown.end()
-            run.manifest["command"] = sys.argv
+            run.manifest["command"] = runnable_command()
             run.manifest["phases"] = shown.timings
             verdict = judged(gate, run.manifest, [("run", run.summary)])
             run.write(out_dir)

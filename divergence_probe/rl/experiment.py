@@ -3,7 +3,6 @@ run folder saved or rescued whatever happens (rl/table.py writes it)."""
 
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import pandas as pd
 from ..errors import OutputError, StackError
 from ..prompts import file_hashes, read_prompt_sources
 from ..rundir import MANIFEST
-from ..runs.manifest import build_manifest
+from ..runs.manifest import build_manifest, runnable_command
 from .loop import Loop, load, load_spec
 from .reward import load_reward
 from ..spec.rl import RLSpec
@@ -84,7 +83,7 @@ def run(spec: RLSpec, out_dir: str | Path, progress: Progress | None = None, pro
                         "rl": {"engine_args": dict(probe.config.engine_args), "settings": list(spec.settings),
                                "seeds": list(spec.seed_list), "trainer": "FP32 master weights, AdamW (0.9, 0.95), "
                                "BF16 compute model; BF16 weights pushed", **prompt_hashes},
-                        **(recorded() if recorded is not None else {})}, spec=spec.to_dict(), command=sys.argv)
+                        **(recorded() if recorded is not None else {})}, spec=spec.to_dict(), command=runnable_command())
             finished = (manifest, summary)
             with _writing(f"{SUMMARY} or {MANIFEST}"):
                 writer.finish(manifest, summary)

@@ -19,7 +19,6 @@ import glob
 import math
 from array import array
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +26,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .manifest import build_manifest
+from .manifest import build_manifest, runnable_command
 from .progress import Progress, phase
 from ..errors import OutputError, ProbeError
 from ..reports.gate import Condition, Gate, GateWatch, Verdict, measured
@@ -286,7 +285,7 @@ def _write(folder: Path, steps: _Steps, manifest: dict | None, draw: Draw | None
         record = build_manifest("history", manifest or {}, {"history": {
             "n_steps": len(steps.files), "alarms": [a.row() for a in steps.watching],
             "steps_from": "the rows' step field" if steps.from_field else "the file order",
-            "files_in_step_order": steps.in_step_order}}, command=sys.argv)
+            "files_in_step_order": steps.in_step_order}}, command=runnable_command())
         if steps.watch is not None:
             record["gate"] = steps.watch.verdict.record()
         record["files"] = {n: {"rows": _rows(folder / n), "sha256": file_sha256(folder / n)}

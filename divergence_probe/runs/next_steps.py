@@ -69,6 +69,17 @@ def _as_remedies(spec):
     return _valid(lambda: replace(spec_from_flat("remedies", load=spec.load), prompts=spec.prompts))
 
 
+def _on_enough_prompts(spec, why: str):
+    """`spec` on MIN_PROMPTS prompts where it takes fewer, and `why` saying so: below that a floor's verdict and a
+    region's effect get no interval, so the step would answer nothing (a spec that takes a file's every prompt, or
+    that is not valid with more, is left as it is)."""
+    prompts = spec.prompts.num_prompts if spec is not None else None
+    more = _changed(spec, prompts={"num_prompts": MIN_PROMPTS}) if prompts and prompts < MIN_PROMPTS else None
+    if more is None:
+        return spec, why
+    return more, f"{why}, on {MIN_PROMPTS} prompts (fewer give no interval)"
+
+
 def _runs_on(spec, family) -> bool:
     """Whether the command would get past its own pre-load checks for this family (None: not known, so yes)."""
     from ..spec.run import check_family
@@ -81,7 +92,7 @@ def _step(spec, why: str, family=None) -> Step | None:
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
-    """No floor: measure it. Over its floor (the whole bootstrap interval of the ratio): which remedy removes it and
+    """No floor: measure it, on enough prompts for an interval. Over its floor (the whole bootstrap interval of the ratio): which remedy removes it and
     at what cost (remedies); where remedies cannot run (one stack at a time), which region removes it, or on a MoE
     model whether routing or rounding carries it (ablate, with routing). Within its floor: what RL sees (generate mode), if not seen
     yet. An interval that straddles the floor: the same run on more prompts, which narrows it (when the run used only
@@ -90,8 +101,9 @@ def after_compare(spec, summary: dict, family=None) -> Step | None:
         return None
     verdict = summary.get(VERDICT)
     if verdict is None:
-        return _step(_changed(spec, capture={"batch_invariance": True}),
-                     "no noise floor was measured, so the mismatch cannot be told from noise", family)
+        return _step(*_on_enough_prompts(_changed(spec, capture={"batch_invariance": True}),
+                                         "no noise floor was measured, so the mismatch cannot be told from noise"),
+                     family)
     if verdict in (CANNOT_TELL, TOO_FEW):  # too few for an interval: at least MIN_PROMPTS; straddles: 4x as many
         prompts = spec.prompts.num_prompts
         more = _changed(spec, prompts={"num_prompts": max(MIN_PROMPTS, prompts * 4)}) if prompts else None
@@ -136,13 +148,13 @@ def _rl_step(make, why: str, family=None) -> Step | None:
 
 
 def after_ablate(spec, attribution, family=None) -> Step | None:
-    """Aligned on both stacks: what the trainer alone can adopt. On the trainer alone: whether the regions that
+    """Aligned on both stacks: what the trainer alone can adopt, on enough prompts for an interval. On the trainer alone: whether the regions that
     removed mismatch matter in training (rl, shipped vs those regions, the trainer aligned); only a region whose
     whole interval removes mismatch (attribution.csv `effect`) counts: one the bootstrap cannot tell from no
     effect, or one without an interval, is no finding to train with."""
     if spec.align.side != "train":
-        return _step(_changed(spec, align={"side": "train"}), "what aligning the trainer alone (the engine as "
-                     "deployed) removes", family)
+        return _step(*_on_enough_prompts(_changed(spec, align={"side": "train"}), "what aligning the trainer alone "
+                                         "(the engine as deployed) removes"), family)
     helped = ",".join(r.region for r in attribution.itertuples()
                       if r.region in spec.ablate.regions and getattr(r, EFFECT) == REMOVES)
     if not helped or not _can(family, "rl"):

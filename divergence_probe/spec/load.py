@@ -135,6 +135,10 @@ class LoadSpec:
         if self.placement == "alternate" and (self.train_tp > 1 or self.train_device is not None):
             raise ProbeError("--placement alternate loads the trainer on the engine's device once the engine is gone; "
                              "drop --train-tp/--train-device, or use --placement together")
+        if self.keep_engine_outputs and self.placement == "together":  # no engine pass spills: nothing to keep
+            raise ProbeError("--keep-engine-outputs keeps what the engine's pass spilled to disk under --placement "
+                             "alternate, and --placement together spills nothing; drop --keep-engine-outputs or use "
+                             "--placement alternate or auto")
         if self.train_device is not None and not TRAIN_DEVICE.fullmatch(self.train_device):
             raise ProbeError(f"--train-device {self.train_device!r} is not a device; use cpu, cuda or cuda:N "
                              "(e.g. cuda:1), or drop it for --device's")

@@ -172,6 +172,15 @@ def test_bad_flags_fail_before_loading(tmp_path, prompts_file):
         assert_one_line_error(result, message)
 
 
+def test_keeping_the_engine_outputs_of_a_together_run_is_refused(tmp_path):
+    """--placement together spills no engine outputs: --keep-engine-outputs there would be ignored, so it is refused
+    before anything loads."""
+    result = invoke("compare", "--infer", "hf", "--device", "cpu", "-n", "2", "--placement", "together",
+                    "--keep-engine-outputs", "--out", tmp_path / "run")
+    assert_one_line_error(result, "--keep-engine-outputs", "--placement alternate")
+    assert_nothing_written(tmp_path / "run")
+
+
 def test_missing_vllm_is_a_clear_error(qwen3_tiny, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     result = invoke("compare", "--model", qwen3_tiny, "--prompts", prompts_file, "--out", tmp_path / "run")

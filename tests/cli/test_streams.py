@@ -62,3 +62,35 @@ def test_tables_outside_a_terminal_are_not_cut(two_runs, tmp_path, monkeypatch):
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") == 5}
     assert re.search(r"│ +5\.432e-03 │ +5\.432e-03 │", rows["noise_infer_mean_abs_dlogp (noise floor)"])
     assert len(rows) > 30  # one line per summary column: none wrapped onto a second
+
+
+# A name rich would read as an emoji code (:fire:) and as style tags ([bold], [/]): each must be printed as typed.
+UNRICH = ":fire:[bold]x[/]:smile:"
+
+
+def test_a_missing_path_is_named_as_typed(two_runs, tmp_path):
+    missing = tmp_path / f"gone{UNRICH}"
+    result = CliRunner().invoke(app, ["diff", str(two_runs[0]), str(missing)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: run folder ") and f"{missing} does not exist" in result.output
+
+
+@pytest.mark.parametrize("command", ["diff", "report"])
+def test_a_written_folder_is_named_as_typed(two_runs, tmp_path, command):
+    """The folder on the `diff:` or `report:` line is one to copy and paste: what the user typed, nothing else."""
+    folder = tmp_path / f"out{UNRICH}"
+    args = [*map(str, two_runs), "--out", str(folder)] if command == "diff" else [
+        str(two_runs[0]), "--format", "html", "--out", str(folder)]
+    result = CliRunner().invoke(app, [command, *args])
+    assert result.exit_code == 0, result.output
+    shown = result.output.splitlines()[-1].split(": ", 1)[1]
+    assert Path(shown) == (folder if command == "diff" else folder / "report.html")
+
+
+@pytest.mark.engine  # a child process
+def test_the_error_line_keeps_its_style_and_the_users_text(tmp_path):
+    """In a terminal `error:` stays bold red, while the option the user typed is shown as typed."""
+    result = child("diff", f"--nope{UNRICH}", env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert result.returncode == 2
+    line = result.stderr.decode()
+    assert line.startswith("\x1b[1;31merror:\x1b[0m ") and f"--nope{UNRICH}" in line

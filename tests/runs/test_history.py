@@ -5,6 +5,10 @@ every test here runs on synthetic rollouts."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -14,6 +18,7 @@ from typer.testing import CliRunner
 from divergence_probe.cli import app
 from divergence_probe.numerics.rl_metrics import token_metrics
 from divergence_probe.rollouts import RolloutError, read_rollouts
+from divergence_probe.runs.manifest import runnable_command
 from test_score import _jsonl, _layouts
 
 TRAIN_FIELD = {"generic": "train_logprobs", "verl": "old_log_probs", "openrlhf": "action_log_probs",
@@ -69,6 +74,28 @@ def test_each_framework_layout_scores_without_a_model(fmt, tmp_path, monkeypatch
         assert summary[name] == pytest.approx(expected[name], rel=1e-12), name
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["score"]["trainer"] == "recorded" and manifest["score"]["format"] == fmt
+
+
+@pytest.mark.engine  # a child process (the suite's marker for those)
+def test_a_run_started_as_a_module_records_a_command_that_runs(tmp_path):
+    """`python -m divergence_probe` puts the package's __main__.py in argv[0]: the manifest and the report's Command
+    line say `python -m divergence_probe`, which runs as typed, not the file's path, which does not."""
+    path = _jsonl(tmp_path / "r.jsonl", layouts_with_train(records(0, 0.05))["verl"])
+    args = ["score", str(path), "--out", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-m", "divergence_probe", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    command = json.loads((tmp_path / "run" / "manifest.json").read_text())["command"]
+    assert command == ["python", "-m", "divergence_probe", *args]
+    assert invoke("report", tmp_path / "run").exit_code == 0
+    assert f"Command: `python -m divergence_probe {' '.join(args)}`" in (tmp_path / "run/report/report.md").read_text()
+
+
+def test_the_console_script_is_recorded_by_its_name_and_a_script_as_started():
+    assert runnable_command(["/venv/bin/divergence-probe", "compare", "-n", "2"]) == ["divergence-probe", "compare",
+                                                                                      "-n", "2"]
+    assert runnable_command(["train.py", "--steps", "3"]) == ["train.py", "--steps", "3"]
 
 
 def test_fields_name_both_logprob_columns(tmp_path):

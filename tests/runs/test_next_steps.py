@@ -162,6 +162,20 @@ def test_too_few_prompts_give_no_interval_and_say_how_many_are_needed():
     assert math.isnan(bootstrap(MIN_PROMPTS - 1, lambda w: {"x": float(w.sum())}, 10, 0)["x"][0])
 
 
+def test_a_step_after_a_run_on_too_few_prompts_asks_for_as_many_as_an_interval_needs():
+    """A floor measured, or an ablation run, on fewer than MIN_PROMPTS prompts gives no interval: the step after a
+    run on 2 prompts asks for MIN_PROMPTS, and says why. A run on a file's every prompt has no count to raise."""
+    no_floor = after_compare(_compare(taps="none", num_prompts=2), {"mean_abs_dlogp": 1e-3})
+    ablated = after_ablate(spec_from_flat("ablate", num_prompts=2), pd.DataFrame())
+    for step in (no_floor, ablated):
+        assert step.argv[step.argv.index("--num-prompts") + 1] == str(MIN_PROMPTS), step.argv
+        assert f"on {MIN_PROMPTS} prompts" in step.why
+    assert "--batch-invariance" in no_floor.argv and ["--side", "train"] == ablated.argv[-2:]
+    assert "--num-prompts" not in after_compare(_compare(taps="none"), {"mean_abs_dlogp": 1e-3}).argv
+    enough = after_compare(_compare(taps="none", num_prompts=30), {"mean_abs_dlogp": 1e-3})
+    assert enough.argv[enough.argv.index("--num-prompts") + 1] == "30" and "prompts" not in enough.why
+
+
 def test_a_verdict_recorded_on_too_few_prompts_is_read_as_too_few():
     """A run folder from before the minimum holds an interval on 4 prompts and `above_floor`: the report reads it as
     a run today would write it, with no interval and the prompts it needs."""
