@@ -18,6 +18,7 @@ from divergence_probe.engines.hooks import HookSet
 from divergence_probe.numerics.remedies import NO_INTERVAL_WHY, NOT_RUN, RAN, ranked, ranking_lines
 from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
 from divergence_probe.runs import remedies
+from divergence_probe.spec.remedies import ARM_NAMES
 from divergence_probe.spec.run import spec_from_flat
 
 ARMS = "aligned_trainer,fp32_layers,fp32_last_layers,fp16,train_kernels_liger,routing_ids,correction"
@@ -447,6 +448,47 @@ def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
     with pytest.raises(ProbeError, match="--placement together"):
         spec_from_flat("remedies", placement="alternate")
     assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
+
+
+@pytest.mark.parametrize("arms, needles", [
+    ("", ["names no arm", "omit --arms to try every arm"]),
+    (",", ["names no arm", "omit --arms to try every arm"]),
+    ("fp16,,lm_head", ["--arms 'fp16,,lm_head' has an empty item", "omit --arms to try every arm"]),
+    ("fp16,", ["--arms 'fp16,' has an empty item"]),
+    ("fp16,fp16", ["--arms names fp16 twice", "name each arm once"]),
+    ("fp16, lm_head ,fp16", ["--arms names fp16 twice"]),
+])
+def test_an_arms_list_naming_no_arm_an_empty_item_or_an_arm_twice_is_one_line_before_loading(arms, needles, tmp_path,
+                                                                                              monkeypatch):
+    """Read leniently, an empty list ran every arm, a stray comma or a repeat ran other arms than the line seems to
+    name: each is refused before anything loads, nothing written."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "-n", "2", "--arms", arms])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert all(needle in lines[0] for needle in needles), lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_arms_omitted_are_every_arm_and_spaces_around_a_name_are_read_as_the_name():
+    """What the command passes for an omitted --arms, and the empty list a manifest records for it, are every arm."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+    from divergence_probe.spec import RunSpec
+
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "--bootstrap", "-1"])
+    assert result.exit_code == 2 and "--bootstrap -1" in result.output and "--arms" not in result.output
+    assert spec_from_flat("remedies").remedies.chosen == ARM_NAMES
+    assert spec_from_flat("remedies", arms=" fp16 , lm_head").remedies.arms == ("lm_head", "fp16")
+    recorded = spec_from_flat("remedies").to_dict()
+    assert not recorded["remedies"]["arms"]
+    assert RunSpec.from_dict(recorded).remedies.chosen == ARM_NAMES
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
