@@ -17,7 +17,7 @@ from divergence_probe.engines import peak
 from divergence_probe.engines.hooks import HookSet
 from divergence_probe.numerics.remedies import NO_INTERVAL_WHY, NOT_RUN, RAN, ranked, ranking_lines
 from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
-from divergence_probe.runs import remedies
+from divergence_probe.runs import remedies, remedy_cost
 from divergence_probe.spec.remedies import ARM_NAMES
 from divergence_probe.spec.run import spec_from_flat
 
@@ -68,7 +68,7 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
         return timed
 
     steps = {side: slowed(step) if side == "train_forward" else heavier(step) if side == "engine_step" else step
-             for side, step in remedies.STEPS.items()}
+             for side, step in remedy_cost.STEPS.items()}
     spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
                           fp32_layers=1, cost_repeats=2)
     with pytest.MonkeyPatch.context() as patch:
@@ -95,7 +95,7 @@ def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costli
     # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
     # above what a loaded machine moves a median of two by
     assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
-    for side in remedies.SIDES:  # every side is timed, each with its spread
+    for side in remedy_cost.SIDES:  # every side is timed, each with its spread
         assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"]) and np.isfinite(quick[f"{side}_s"])
     # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds: the forward's,
     # since on a shared machine the backward's and the engine's own spread can exceed the slowdown
@@ -147,15 +147,15 @@ def test_a_kernel_set_without_a_backward_is_never_stepped_backward_and_ranks_as_
     from dataclasses import replace
 
     called = []
-    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedies.STEPS}
+    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedy_cost.STEPS}
     step = remedies.ARMS["train_kernels_vllm"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
-    cost = remedies.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
+    cost = remedy_cost.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
     assert called == ["train_forward", "train_forward", "engine_step", "engine_step"]  # a warm-up and one repeat each
     assert np.isnan(cost["train_forward_backward_s"]) and np.isnan(cost["train_forward_backward_peak_bytes"])
     assert cost["train_forward_backward_note"] == ("--train-kernels vllm: its ops carry no gradients: rl refuses "
                                                    "this set")
-    shipped = remedies.measure_cost(hf_probe, run.prompts, 1, steps)
-    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedies.STEPS for _ in "12"]
+    shipped = remedy_cost.measure_cost(hf_probe, run.prompts, 1, steps)
+    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedy_cost.STEPS for _ in "12"]
 
     def compared(scale):
         tokens = pd.DataFrame({"prompt_id": np.arange(20), "delta_logprob": scale * np.linspace(1, 2, 20), "kl": 0.0})
@@ -336,7 +336,7 @@ def test_paired_arms_are_compared_on_the_same_prompt_draws(arm, other, scale, ef
         return SimpleNamespace(tokens_table=tokens, summary={})
 
     runs = {SHIPPED: run_of(1.0), other: run_of(0.6), arm: run_of(scale)}
-    cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
+    cost = {f"{side}_{k}": 0.0 for side in remedy_cost.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
         "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
     unrun = next(a for a in ("fp32_last_layers", "routing_ids_weights") if a != arm)  # the other pair's, not run
