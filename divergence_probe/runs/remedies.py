@@ -332,11 +332,14 @@ def _arm_failed(error: Exception, device: str) -> str:
             "were closed and the other arms ran. Try it alone (--arms), or a lower --batch-tokens")
 
 
-def plan_arms(base: RunSpec, chosen, family) -> tuple[dict[str, RunSpec], dict[str, str]]:
-    """Each chosen arm's compare (from `base`, the shipped compare), or why the arm is not run: decided from the run's
-    spec, the stacks' classes and the model's family alone, so it needs no loaded stack."""
+def plan_arms(spec: RunSpec, family) -> tuple[dict[str, RunSpec], dict[str, str]]:
+    """Each arm the remedies run `spec` chooses: its compare (the shipped one with no taps: its floors), or why the
+    arm is not run. Decided from the spec, the stacks' classes and the model's family alone, so it needs no loaded
+    stack: a run none of whose arms can run is refused here, in one line with each arm's reason, before its stacks
+    load (runs/probe.py asks once the model is resolved), where it would run the shipped compare to rank nothing."""
+    base = replace(spec, kind="compare", remedies=None, capture=replace(spec.capture, taps="none"))
     planned, reasons = {}, {}
-    for name in chosen:
+    for name in spec.remedies.chosen:
         try:
             step = ARMS[name].step(base, family)
             check_family(step, step.load, family)
@@ -344,6 +347,11 @@ def plan_arms(base: RunSpec, chosen, family) -> tuple[dict[str, RunSpec], dict[s
             reasons[name] = str(e)
             continue
         planned[name] = step
+    if not planned:
+        fix = "choose arms it can try with --arms, or omit --arms to try every arm" if spec.remedies.arms else \
+            "change what the reasons name"
+        raise ProbeError(f"no chosen arm can run: {' | '.join(f'{name}: {why}' for name, why in reasons.items())}; "
+                         f"{fix}")
     return planned, reasons
 
 
@@ -354,9 +362,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     options = spec.remedies
     family = probe.source.family
     shipped_spec = replace(spec, kind="compare", remedies=None)
-    arm_base = replace(shipped_spec, capture=replace(spec.capture, taps="none"))  # every arm: its floors, no taps
     chosen = options.chosen
-    planned, reasons = plan_arms(arm_base, chosen, family)  # no stack needed: known before the shipped compare
+    planned, reasons = plan_arms(spec, family)  # no stack needed: known before the shipped compare
     scale = len(chosen) + 1  # the shipped run and every arm's: one bar over the prompts of all
     phase(progress, "the stacks as shipped", scale=scale)
     shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)

@@ -491,6 +491,38 @@ def test_arms_omitted_are_every_arm_and_spaces_around_a_name_are_read_as_the_nam
     assert RunSpec.from_dict(recorded).remedies.chosen == ARM_NAMES
 
 
+@pytest.mark.parametrize("flags, reasons", [
+    (["--arms", "routing_ids"], ["routing_ids: qwen3 is a dense model: no router to replay"]),
+    (["--arms", "routing_ids,correction"], ["routing_ids: qwen3 is a dense model", "correction: TIS/MIS reweight"]),
+    (["--train-tp", "2", "--arms", "aligned_both"], ["aligned_both: regions are patched into the trainer's modules"]),
+])
+def test_arms_none_of_which_can_run_are_one_line_with_each_reason_before_loading(flags, reasons, tmp_path,
+                                                                                  monkeypatch):
+    """Loading both stacks and running the shipped compare to rank no arm would end in a conclusion about arms that
+    never ran: refused once the model's family is known, before anything loads, nothing written."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "-n", "2", *flags])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no chosen arm can run"), result.output
+    assert all(reason in lines[0] for reason in reasons) and "omit --arms" in lines[0], lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_loaded_probe_asked_for_arms_none_of_which_can_run_refuses_before_the_shipped_compare(hf_probe,
+                                                                                                prompts_file):
+    from divergence_probe.errors import ProbeError
+
+    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=1,
+                          arms="routing_ids")
+    with pytest.raises(ProbeError, match="no chosen arm can run: routing_ids: qwen3 is a dense model"):
+        remedies.run_remedies(hf_probe, spec, steps={})  # no step: the shipped compare would time none
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fp8_off_with_no_fp8_says_why_and_names_the_gpu_only_off_one(device):
     spec = spec_from_flat("remedies", device=device)
@@ -509,8 +541,7 @@ def test_arms_aligning_regions_a_stack_does_not_align_are_planned_not_run_with_n
 
     spec = spec_from_flat("remedies", infer="toy-fused", train="toy", arms="aligned_both,aligned_trainer,lm_head,"
                           "fp32_layers,fp32_last_layers,fp16")
-    planned, reasons = remedies.plan_arms(replace(spec, kind="compare", remedies=None), spec.remedies.chosen,
-                                          get_family("qwen3"))
+    planned, reasons = remedies.plan_arms(spec, get_family("qwen3"))
     numeric = "rope, swiglu, rmsnorm cannot be aligned on toy (--train toy), which aligns toy-align"
     assert reasons == {"aligned_both": "rope, swiglu, rmsnorm cannot be aligned on toy-fused (--infer toy-fused), "
                                        "which aligns toy-align",
