@@ -321,6 +321,14 @@ def test_ranking_ignores_arms_whose_interval_straddles_zero():
     assert not any(line.startswith(("3.", "4.")) for line in lines)
 
 
+def test_arms_that_all_failed_once_loaded_are_said_not_to_have_run_not_to_remove_nothing():
+    """Arms planned but all failing on the loaded stacks (out of memory, a stack refusing one) leave no arm that ran:
+    the conclusion says so, where "no arm removes" would read as arms measured and found wanting."""
+    table = ranked(pd.DataFrame([{"arm": "fp16", "status": NOT_RUN, "reason": "out of cpu memory while the arm ran"}]))
+    lines = ranking_lines(table, "mean_abs_dlogp")
+    assert lines == ["No arm ran, so none is ranked.", "not run: fp16: out of cpu memory while the arm ran"]
+
+
 @pytest.mark.parametrize(("arm", "other", "scale", "effect"), [
     ("routing_ids_weights", "routing_ids", 0.55, REMOVES),  # ids+weights removes more than ids alone
     ("fp32_last_layers", "fp32_layers", 0.65, ADDS),  # the divergent layers remove more than the last ones
