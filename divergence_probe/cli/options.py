@@ -70,8 +70,8 @@ def _cli_type(hint, default):
     """The typer type and default of a spec field: lists and objects are typed as text and parsed by the spec."""
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if origin in (tuple, list):
-        return str, ",".join(default)
+    if origin in (tuple, list):  # an empty default: None, so that a value typed empty (--arms "") reads as given
+        return (str, ",".join(default)) if default else (Optional[str], None)
     if hint is dict:
         return Optional[str], None
     if args and type(None) in typing.get_args(hint):  # X | None

@@ -32,7 +32,8 @@ def ranked(table: pd.DataFrame) -> pd.DataFrame:
 
 def ranking_lines(table: pd.DataFrame, metric: str) -> list[str]:
     """The ranking in words: each detectable remedy by effect with its interval and cost; then the arms with no
-    detectable effect, those that add mismatch, and those not run, each with why."""
+    detectable effect, those that add mismatch, and those not run, each with why. With none ranked: that none removes
+    a detectable part, or, where none ran (every one failed on the loaded stacks), that none ran."""
     lines = []
     ranked_rows = table[table["effect_rank"].notna()].sort_values("effect_rank") if "effect_rank" in table else table[:0]
     for row in ranked_rows.itertuples():
@@ -41,7 +42,8 @@ def ranking_lines(table: pd.DataFrame, metric: str) -> list[str]:
                      f"{row.mismatch_over_floor:.3g}x its floor; adds {_seconds(row.step_added_s)} a step "
                      f"(cost rank {int(row.cost_rank)}); tests: {row.claim}")
     if not len(ranked_rows):
-        lines.append(f"No arm removes a detectable part of the {metric}.")
+        ran = (table["status"] == RAN).any()
+        lines.append(f"No arm removes a detectable part of the {metric}." if ran else "No arm ran, so none is ranked.")
     for kind, words in ((NOT_DETECTED, "no detectable effect"), (ADDS, "adds mismatch"), (NO_INTERVAL, NO_INTERVAL_WHY)):
         names = table[table["effect"] == kind]["arm"].tolist() if "effect" in table else []
         if names:

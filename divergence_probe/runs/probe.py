@@ -118,7 +118,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
     with libraries_quieted(quiet):
         with timings.timed("load"):
             prepared = prepare(spec.load, before_stacks, spec.capture.taps, spec, can_alternate=spec.kind != "remedies",
-                               spill_near=spill_near, check=check, gate=gate)
+                               spill_near=spill_near, check=_arms_checked(spec, check), gate=gate)
         if notice is not None:
             notice(f"placement: {prepared.placement['placement']} ({prepared.placement['why']})")
         if prepared.alternate:
@@ -131,3 +131,18 @@ def run(spec: RunSpec, progress: Progress | None = None, *, quiet: bool = True, 
     probe.quiet = quiet
     with timings.timed("run"):
         return probe.run(spec, progress)
+
+
+def _arms_checked(spec: RunSpec, check):
+    """`check(source)`, and for a remedies run its arms planned once the model's family is known (runs/remedies.py
+    plan_arms): a run none of whose arms can run is refused before its stacks load."""
+    if spec.kind != "remedies":
+        return check
+
+    def checked(source) -> None:
+        if check is not None:
+            check(source)
+        from .remedies import plan_arms
+
+        plan_arms(spec, source.family)
+    return checked

@@ -17,7 +17,6 @@ directly too, on the same prompt draws.
 
 from __future__ import annotations
 
-import statistics
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,8 +30,7 @@ from .compare import CompareRun, run_compare
 from .manifest import build_manifest
 from .out_of_memory import is_out_of_memory
 from .progress import Progress, phase
-from ..engines.elapsed import Elapsed
-from ..engines.peak import PeakMemory
+from .remedy_cost import SIDES, STEPS, measure_cost, pooled
 from ..errors import ProbeError, StackError
 from ..numerics.noise_verdict import RATIO, VERDICT, manifest_record
 from ..numerics.remedies import NOT_RUN, RAN, ranked, ranking_lines
@@ -46,7 +44,6 @@ from ..spec.run import READING_TAP, RunSpec, check_factor, check_family
 
 TRAINER, ENGINE, BOTH = "trainer only", "engine setting", "both"
 SCORING = f"{TRAINER}, scoring side: cannot train"  # `needs` of a trainer arm whose kernel set has no backward
-SIDES = ("train_forward", "train_forward_backward", "engine_step")  # the steps whose cost is timed, per arm
 NUMERIC = ("rope", "swiglu", "rmsnorm")  # the published alignment: what a dense layer has of them, aligned
 
 
@@ -214,30 +211,7 @@ ARMS = {arm.name: arm for arm in (
 )}
 
 
-# ---------------------------------------------------------------------------------------------- cost
-@contextmanager
-def _measured(stack, device: str) -> Iterator[tuple[PeakMemory, Elapsed]]:
-    """Where a side's step is measured: in the stack's own process when it runs in one (an engine worker, declared in
-    its capabilities: its peak memory there, and its own clock around the engine's call, so the hand-over of the
-    results to this process is no part of the step), else in this one, on `device`. The peak's reset and read stay
-    outside the timed step."""
-    own = stack.capabilities().own_process
-    with (stack.peak_memory() if own else PeakMemory(device).measuring() as peak,
-          stack.step_time() if own else Elapsed(device).timing() as clock):
-        yield peak, clock
-
-
-def _untrained(load) -> str | None:
-    """Why the trainer `load` configures cannot take a training step (its kernel set declares no backward: a backward
-    through its ops raises nothing, it stops at the first one, so its time would be no step's), or None."""
-    from ..engines import stack_class
-    from ..spec.load import SHIPPED_KERNELS
-
-    if load.train_kernels == SHIPPED_KERNELS or stack_class(load.train).kernel_set(load.train_kernels).backward:
-        return None
-    return f"--train-kernels {load.train_kernels}: its ops carry no gradients: rl refuses this set"
-
-
+# ---------------------------------------------------------------------------------------------- the run
 def _release(device: str) -> None:
     """What a closed arm's stacks (or the shipped run's temporaries) left in this process goes back to the device, so
     that the next arm's stacks, and an engine starting in another process, find it free: vLLM checks at start-up
@@ -251,102 +225,6 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _forward(view, prompts) -> None:
-    view.train.score_batched(prompts)
-
-
-def _forward_backward(view, prompts) -> None:
-    """One right-padded batch forward with grad and the backward of its summed token logprobs: a training step's
-    compute without the optimizer (whose cost no remedy changes). Gradients are dropped after."""
-    import torch
-
-    stack = view.train
-    model = stack.model
-    params = [p for p in model.parameters()]
-    was = [p.requires_grad for p in params]
-    pad = model.generation_config.pad_token_id or 0
-    longest = max(len(p.token_ids) for p in prompts)
-    device = params[0].device
-    ids = torch.full((len(prompts), longest), pad, device=device)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, : len(p.token_ids)] = torch.tensor(p.token_ids)
-        mask[row, : len(p.token_ids)] = 1
-    positions = torch.arange(longest, device=device)[None].expand_as(ids)
-    try:
-        for p in params:
-            p.requires_grad_(True)
-        logits = stack.forward(ids, mask, positions)  # the Trainer protocol's training forward, as rl runs it
-        chosen = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-        with stack.numerics("train") as observed, observed(autocast=False):  # the forward was autocast; not this
-            (chosen * mask[:, 1:]).sum().backward()
-    finally:
-        for p, grad in zip(params, was):
-            p.grad = None
-            p.requires_grad_(grad)
-
-
-def _engine_step(view, prompts) -> None:
-    view.infer.score(prompts, frozenset(), lambda *_: None)
-
-
-STEPS = {"train_forward": _forward, "train_forward_backward": _forward_backward, "engine_step": _engine_step}
-
-
-def measure_cost(view, prompts, repeats: int, steps=STEPS) -> dict:
-    """Each side's step on one batch of `prompts` (a batch as each side groups them), timed `repeats` times after one
-    untimed warm-up, where the side runs: {side}_s (median), {side}_spread_s (max - min over the repeats),
-    {side}_peak_bytes (the largest peak above the step's start), engine_step_timed_in (`worker`: an engine in a worker
-    process timed there, `process`: in this one), trains (whether the trainer can take a training step), and
-    train_weights_bytes (what the trainer holds). A side the arm cannot run (the forward and backward of a kernel set
-    without a backward, a sharded trainer's sides) is never run: NaN, its reason under {side}_note."""
-    untrained = _untrained(view.config)
-    skipped = {"train_forward_backward": untrained} if untrained else {}
-    if view.config.train_tp > 1:  # its model is not in this process
-        skipped = dict.fromkeys(("train_forward", "train_forward_backward"), "a sharded trainer runs in worker processes")
-    row: dict = {"engine_step_timed_in": "worker" if view.infer.capabilities().own_process else "process",
-                 "trains": untrained is None}
-    train_device = str(next(view.train.model.parameters()).device) if view.config.train_tp == 1 else "cpu"
-    for side, run_step in steps.items():
-        engine = side == "engine_step"
-        stack, device = (view.infer, view.settings.device) if engine else (view.train, train_device)
-        group = stack.batch_groups(prompts)[0]
-        if side in skipped:
-            row[f"{side}_note"] = skipped[side]
-            times, peaks = [float("nan")], [float("nan")]
-        else:
-            run_step(view, group)  # warm-up: first-call allocations and kernel selection are no step's cost
-            times, peaks = [], []
-            for _ in range(repeats):
-                with _measured(stack, device) as (peak, clock):
-                    run_step(view, group)
-                times.append(clock.seconds)
-                peaks.append(peak.peak)
-        row[f"{side}_s"] = statistics.median(times)
-        row[f"{side}_spread_s"] = max(times) - min(times)
-        row[f"{side}_peak_bytes"] = max(peaks)
-    row["train_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in
-                                           (*view.train.model.parameters(), *view.train.model.buffers()))) \
-        if view.config.train_tp == 1 else float("nan")
-    return row
-
-
-def _pooled(first: dict, last: dict) -> dict:
-    """The shipped stacks' cost, measured before the arms and again after them: the median of both, the spread of
-    both (so a drift of the machine over the run shows as noise, not as an arm's cost)."""
-    row = {}
-    for side in SIDES:
-        values = [first[f"{side}_s"], last[f"{side}_s"]]
-        row[f"{side}_s"] = float(np.median(values))
-        row[f"{side}_spread_s"] = max(first[f"{side}_spread_s"], last[f"{side}_spread_s"],
-                                      abs(values[0] - values[1]))
-        row[f"{side}_peak_bytes"] = max(first[f"{side}_peak_bytes"], last[f"{side}_peak_bytes"])
-    row["train_weights_bytes"] = first["train_weights_bytes"]
-    row["engine_step_timed_in"] = first["engine_step_timed_in"]
-    return row
-
-
-# ---------------------------------------------------------------------------------------------- the run
 @dataclass
 class RemediesRun:
     spec: RunSpec
@@ -454,11 +332,14 @@ def _arm_failed(error: Exception, device: str) -> str:
             "were closed and the other arms ran. Try it alone (--arms), or a lower --batch-tokens")
 
 
-def plan_arms(base: RunSpec, chosen, family) -> tuple[dict[str, RunSpec], dict[str, str]]:
-    """Each chosen arm's compare (from `base`, the shipped compare), or why the arm is not run: decided from the run's
-    spec, the stacks' classes and the model's family alone, so it needs no loaded stack."""
+def plan_arms(spec: RunSpec, family) -> tuple[dict[str, RunSpec], dict[str, str]]:
+    """Each arm the remedies run `spec` chooses: its compare (the shipped one with no taps: its floors), or why the
+    arm is not run. Decided from the spec, the stacks' classes and the model's family alone, so it needs no loaded
+    stack: a run none of whose arms can run is refused here, in one line with each arm's reason, before its stacks
+    load (runs/probe.py asks once the model is resolved), where it would run the shipped compare to rank nothing."""
+    base = replace(spec, kind="compare", remedies=None, capture=replace(spec.capture, taps="none"))
     planned, reasons = {}, {}
-    for name in chosen:
+    for name in spec.remedies.chosen:
         try:
             step = ARMS[name].step(base, family)
             check_family(step, step.load, family)
@@ -466,6 +347,11 @@ def plan_arms(base: RunSpec, chosen, family) -> tuple[dict[str, RunSpec], dict[s
             reasons[name] = str(e)
             continue
         planned[name] = step
+    if not planned:
+        fix = "choose arms it can try with --arms, or omit --arms to try every arm" if spec.remedies.arms else \
+            "change what the reasons name"
+        raise ProbeError(f"no chosen arm can run: {' | '.join(f'{name}: {why}' for name, why in reasons.items())}; "
+                         f"{fix}")
     return planned, reasons
 
 
@@ -476,9 +362,8 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
     options = spec.remedies
     family = probe.source.family
     shipped_spec = replace(spec, kind="compare", remedies=None)
-    arm_base = replace(shipped_spec, capture=replace(spec.capture, taps="none"))  # every arm: its floors, no taps
     chosen = options.chosen
-    planned, reasons = plan_arms(arm_base, chosen, family)  # no stack needed: known before the shipped compare
+    planned, reasons = plan_arms(spec, family)  # no stack needed: known before the shipped compare
     scale = len(chosen) + 1  # the shipped run and every arm's: one bar over the prompts of all
     phase(progress, "the stacks as shipped", scale=scale)
     shipped = run_compare(probe, shipped_spec, progress, total_scale=scale)
@@ -515,7 +400,7 @@ def run_remedies(probe, spec: RunSpec, progress: Progress | None = None, *, step
             records[name]["layers"] = list(layers)
             records[name]["layer_choice"] = choices[name][1]
     _release(probe.settings.device)
-    shipped_cost = _pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))
+    shipped_cost = pooled(first_cost, measure_cost(probe, shipped.prompts, options.cost_repeats, steps))
     table = remedies_table(runs, costs, shipped_cost, reasons, chosen, options, spec.load.seed)
     section = {"metric": options.metric, "bootstrap": options.bootstrap, "ci_level": options.ci_level,
                "seed": spec.load.seed, "cost_repeats": options.cost_repeats, "arms": records,

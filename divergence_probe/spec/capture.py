@@ -11,6 +11,9 @@ from ..tap_selection import parse_tap_selection
 from ..taps import ALL_TAPS
 
 REFERENCES = ("float64", "float32")  # --reference (numerics/reference.py: PRECISIONS)
+# Significand bits of the precisions a run names (--dtype, --reference): a reference stands closer to exact than the
+# stacks only with more of them (RunSpec checks the two together).
+SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,27 @@ def fp16_refusal(load) -> str | None:
     return None
 
 
+def _arms(value) -> tuple[str, ...]:
+    """--arms' comma list (a sequence from the Python API or a manifest) -> the arms in ARMS order. None or an empty
+    sequence (--arms omitted, as a manifest records it) is every arm. A text naming no arm, with an empty item or
+    naming an arm twice is refused: read leniently, it would run every arm, or other arms than the line seems to name."""
+    if value is None or (not isinstance(value, str) and not value):
+        return ()
+    text = value if isinstance(value, str) else ",".join(value)
+    names = [a.strip() for a in text.split(",")]
+    if not any(names):
+        raise ProbeError(f"--arms {text!r} names no arm; omit --arms to try every arm")
+    if "" in names:
+        raise ProbeError(f"--arms {text!r} has an empty item; drop the stray comma, or omit --arms to try every arm")
+    unknown = [a for a in names if a not in ARM_NAMES]
+    if unknown:
+        raise ProbeError(f"--arms {unknown[0]!r} is not an arm; choose from: {', '.join(ARM_NAMES)}")
+    repeated = next((a for i, a in enumerate(names) if a in names[:i]), None)
+    if repeated:
+        raise ProbeError(f"--arms names {repeated} twice; name each arm once")
+    return tuple(a for a in ARM_NAMES if a in names)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RemediesSpec:
     """The candidate remedies a run tries, each against the stacks as shipped on the same prompts."""
@@ -54,12 +75,7 @@ class RemediesSpec:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        names = [a.strip() for a in (self.arms.split(",") if isinstance(self.arms, str) else self.arms)]
-        names = [a for text in names for a in text.split(",") if a.strip()]
-        unknown = [a for a in names if a not in ARM_NAMES]
-        if unknown:
-            raise ProbeError(f"--arms {unknown[0]!r} is not an arm; choose from: {', '.join(ARM_NAMES)}")
-        object.__setattr__(self, "arms", tuple(a for a in ARM_NAMES if a in names))
+        object.__setattr__(self, "arms", _arms(self.arms))
         if self.fp32_layers < 1:
             raise ProbeError(f"--fp32-layers must be at least 1, got {self.fp32_layers}")
         if self.metric not in METRICS:

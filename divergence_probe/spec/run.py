@@ -22,7 +22,7 @@ from ..options import option
 from ..regions import check_regions_exist, patched
 from ..rundir import KINDS
 from .align import AblateSpec, AlignSpec, unaligned
-from .capture import CaptureSpec
+from .capture import SIGNIFICAND_BITS, CaptureSpec
 from .fields import _choice, flag_of
 from .from_manifest import _build, _fields_of, _hints, _SpecError, _typed
 from .generate import GenerateSpec
@@ -99,6 +99,10 @@ class RunSpec:
                              f"--device {self.load.device}, not --train-device {self.load.train_device}; drop "
                              "--train-device or --graft/--depth")
         self._check_trainer()
+        reference = self.capture.reference
+        if reference is not None and SIGNIFICAND_BITS[reference] <= SIGNIFICAND_BITS[self.load.dtype]:
+            raise ProbeError(f"--reference {reference} is no finer than --dtype {self.load.dtype}, so both stacks would "
+                             "be measured against their own precision; use --reference float64")
         if self.load.placement == "alternate" and self._graft_features():
             raise ProbeError(f"{'/'.join(self._graft_features())} run the trainer's ops on the engine's tensors as they "
                              "are made, which needs both stacks loaded at once; use --placement together")

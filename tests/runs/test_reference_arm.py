@@ -90,10 +90,21 @@ def test_an_error_injected_into_one_stack_shows_in_that_stacks_error_only(hf_pro
     assert "the training stack is further from exact" in in_words(s)
 
 
-def test_a_float32_reference_against_float32_stacks_is_exactly_zero(qwen3_tiny, prompts_file):
+def test_a_reference_at_the_stacks_own_precision_measures_them_as_exactly_zero(qwen3_tiny, prompts_file):
+    """The reference's machinery at float32 beside float32 stacks (a run cannot ask for it: a reference no finer than
+    --dtype is refused, spec/run.py): every tap is the reference's to the bit."""
+    from divergence_probe.runs.compare import run_compare
+    from divergence_probe.runs.reference import ReferenceArm
+    from divergence_probe.spec.run import spec_from_flat
+
     with dp.load(str(qwen3_tiny), infer="hf", dtype="float32", device="cpu", train_attn="eager") as probe:
-        run = probe.compare(prompts=prompts_file, taps="input_norm,q_rope,attn_core,resid_out,logits",
-                            reference="float32")
+        spec = spec_from_flat("compare", load=probe.config, prompts=str(prompts_file),
+                              taps="input_norm,q_rope,attn_core,resid_out,logits", reference="float64")
+        arm = ReferenceArm(probe, "float32")  # the run's float64 arm in its place
+        try:
+            run = run_compare(probe, spec, reference=arm)
+        finally:
+            arm.close()
     layers, tokens = run.layers_table, run.tokens_table
     for column in ("ref_err_infer", "ref_err_train", "ref_floor"):
         assert (layers[column] == 0).all(), column

@@ -17,7 +17,8 @@ from divergence_probe.engines import peak
 from divergence_probe.engines.hooks import HookSet
 from divergence_probe.numerics.remedies import NO_INTERVAL_WHY, NOT_RUN, RAN, ranked, ranking_lines
 from divergence_probe.numerics.shapley import ADDS, NOT_DETECTED, REMOVES, SHIPPED
-from divergence_probe.runs import remedies
+from divergence_probe.runs import remedies, remedy_cost
+from divergence_probe.spec.remedies import ARM_NAMES
 from divergence_probe.spec.run import spec_from_flat
 
 ARMS = "aligned_trainer,fp32_layers,fp32_last_layers,fp16,train_kernels_liger,routing_ids,correction"
@@ -67,7 +68,7 @@ def run(hf_probe, prompts_file, tmp_path_factory, request):
         return timed
 
     steps = {side: slowed(step) if side == "train_forward" else heavier(step) if side == "engine_step" else step
-             for side, step in remedies.STEPS.items()}
+             for side, step in remedy_cost.STEPS.items()}
     spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=2, arms=ARMS,
                           fp32_layers=1, cost_repeats=2)
     with pytest.MonkeyPatch.context() as patch:
@@ -94,7 +95,7 @@ def test_costs_are_measured_an_arm_slowed_on_purpose_costs_more_and_ranks_costli
     # 4 layers' 4 norms and the final norm against one layer's 4: 13 more sleeps per forward; half of them is far
     # above what a loaded machine moves a median of two by
     assert slow["train_forward_added_s"] - quick["train_forward_added_s"] > 6 * SLOW
-    for side in remedies.SIDES:  # every side is timed, each with its spread
+    for side in remedy_cost.SIDES:  # every side is timed, each with its spread
         assert slow[f"{side}_spread_s"] >= 0 and np.isfinite(slow[f"{side}_s"]) and np.isfinite(quick[f"{side}_s"])
     # with both taken as removing the same mismatch, the ranking by cost follows the measured seconds: the forward's,
     # since on a shared machine the backward's and the engine's own spread can exceed the slowdown
@@ -146,15 +147,15 @@ def test_a_kernel_set_without_a_backward_is_never_stepped_backward_and_ranks_as_
     from dataclasses import replace
 
     called = []
-    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedies.STEPS}
+    steps = {side: lambda view, prompts, side=side: called.append(side) for side in remedy_cost.STEPS}
     step = remedies.ARMS["train_kernels_vllm"].step(spec_from_flat("compare", load=hf_probe.config, taps="none"), None)
-    cost = remedies.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
+    cost = remedy_cost.measure_cost(replace(hf_probe, config=step.load), run.prompts, 1, steps)
     assert called == ["train_forward", "train_forward", "engine_step", "engine_step"]  # a warm-up and one repeat each
     assert np.isnan(cost["train_forward_backward_s"]) and np.isnan(cost["train_forward_backward_peak_bytes"])
     assert cost["train_forward_backward_note"] == ("--train-kernels vllm: its ops carry no gradients: rl refuses "
                                                    "this set")
-    shipped = remedies.measure_cost(hf_probe, run.prompts, 1, steps)
-    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedies.STEPS for _ in "12"]
+    shipped = remedy_cost.measure_cost(hf_probe, run.prompts, 1, steps)
+    assert "train_forward_backward_note" not in shipped and called[4:] == [s for s in remedy_cost.STEPS for _ in "12"]
 
     def compared(scale):
         tokens = pd.DataFrame({"prompt_id": np.arange(20), "delta_logprob": scale * np.linspace(1, 2, 20), "kl": 0.0})
@@ -320,6 +321,14 @@ def test_ranking_ignores_arms_whose_interval_straddles_zero():
     assert not any(line.startswith(("3.", "4.")) for line in lines)
 
 
+def test_arms_that_all_failed_once_loaded_are_said_not_to_have_run_not_to_remove_nothing():
+    """Arms planned but all failing on the loaded stacks (out of memory, a stack refusing one) leave no arm that ran:
+    the conclusion says so, where "no arm removes" would read as arms measured and found wanting."""
+    table = ranked(pd.DataFrame([{"arm": "fp16", "status": NOT_RUN, "reason": "out of cpu memory while the arm ran"}]))
+    lines = ranking_lines(table, "mean_abs_dlogp")
+    assert lines == ["No arm ran, so none is ranked.", "not run: fp16: out of cpu memory while the arm ran"]
+
+
 @pytest.mark.parametrize(("arm", "other", "scale", "effect"), [
     ("routing_ids_weights", "routing_ids", 0.55, REMOVES),  # ids+weights removes more than ids alone
     ("fp32_last_layers", "fp32_layers", 0.65, ADDS),  # the divergent layers remove more than the last ones
@@ -335,7 +344,7 @@ def test_paired_arms_are_compared_on_the_same_prompt_draws(arm, other, scale, ef
         return SimpleNamespace(tokens_table=tokens, summary={})
 
     runs = {SHIPPED: run_of(1.0), other: run_of(0.6), arm: run_of(scale)}
-    cost = {f"{side}_{k}": 0.0 for side in remedies.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
+    cost = {f"{side}_{k}": 0.0 for side in remedy_cost.SIDES for k in ("s", "spread_s", "peak_bytes")} | {
         "train_weights_bytes": 0.0, "engine_step_timed_in": "process", "trains": True}
     options = spec_from_flat("remedies").remedies
     unrun = next(a for a in ("fp32_last_layers", "routing_ids_weights") if a != arm)  # the other pair's, not run
@@ -449,6 +458,79 @@ def test_a_remedies_spec_is_checked_before_loading_and_read_back_as_recorded():
     assert spec_from_flat("remedies", engine="compiled").capture.taps == "none"  # no residual stream to read
 
 
+@pytest.mark.parametrize("arms, needles", [
+    ("", ["names no arm", "omit --arms to try every arm"]),
+    (",", ["names no arm", "omit --arms to try every arm"]),
+    ("fp16,,lm_head", ["--arms 'fp16,,lm_head' has an empty item", "omit --arms to try every arm"]),
+    ("fp16,", ["--arms 'fp16,' has an empty item"]),
+    ("fp16,fp16", ["--arms names fp16 twice", "name each arm once"]),
+    ("fp16, lm_head ,fp16", ["--arms names fp16 twice"]),
+])
+def test_an_arms_list_naming_no_arm_an_empty_item_or_an_arm_twice_is_one_line_before_loading(arms, needles, tmp_path,
+                                                                                              monkeypatch):
+    """Read leniently, an empty list ran every arm, a stray comma or a repeat ran other arms than the line seems to
+    name: each is refused before anything loads, nothing written."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "-n", "2", "--arms", arms])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert all(needle in lines[0] for needle in needles), lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_arms_omitted_are_every_arm_and_spaces_around_a_name_are_read_as_the_name():
+    """What the command passes for an omitted --arms, and the empty list a manifest records for it, are every arm."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+    from divergence_probe.spec import RunSpec
+
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "--bootstrap", "-1"])
+    assert result.exit_code == 2 and "--bootstrap -1" in result.output and "--arms" not in result.output
+    assert spec_from_flat("remedies").remedies.chosen == ARM_NAMES
+    assert spec_from_flat("remedies", arms=" fp16 , lm_head").remedies.arms == ("lm_head", "fp16")
+    recorded = spec_from_flat("remedies").to_dict()
+    assert not recorded["remedies"]["arms"]
+    assert RunSpec.from_dict(recorded).remedies.chosen == ARM_NAMES
+
+
+@pytest.mark.parametrize("flags, reasons", [
+    (["--arms", "routing_ids"], ["routing_ids: qwen3 is a dense model: no router to replay"]),
+    (["--arms", "routing_ids,correction"], ["routing_ids: qwen3 is a dense model", "correction: TIS/MIS reweight"]),
+    (["--train-tp", "2", "--arms", "aligned_both"], ["aligned_both: regions are patched into the trainer's modules"]),
+])
+def test_arms_none_of_which_can_run_are_one_line_with_each_reason_before_loading(flags, reasons, tmp_path,
+                                                                                  monkeypatch):
+    """Loading both stacks and running the shipped compare to rank no arm would end in a conclusion about arms that
+    never ran: refused once the model's family is known, before anything loads, nothing written."""
+    from typer.testing import CliRunner
+
+    from divergence_probe.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["remedies", "--device", "cpu", "-n", "2", *flags])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no chosen arm can run"), result.output
+    assert all(reason in lines[0] for reason in reasons) and "omit --arms" in lines[0], lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_loaded_probe_asked_for_arms_none_of_which_can_run_refuses_before_the_shipped_compare(hf_probe,
+                                                                                                prompts_file):
+    from divergence_probe.errors import ProbeError
+
+    spec = spec_from_flat("remedies", load=hf_probe.config, prompts=str(prompts_file), num_prompts=1,
+                          arms="routing_ids")
+    with pytest.raises(ProbeError, match="no chosen arm can run: routing_ids: qwen3 is a dense model"):
+        remedies.run_remedies(hf_probe, spec, steps={})  # no step: the shipped compare would time none
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fp8_off_with_no_fp8_says_why_and_names_the_gpu_only_off_one(device):
     spec = spec_from_flat("remedies", device=device)
@@ -467,8 +549,7 @@ def test_arms_aligning_regions_a_stack_does_not_align_are_planned_not_run_with_n
 
     spec = spec_from_flat("remedies", infer="toy-fused", train="toy", arms="aligned_both,aligned_trainer,lm_head,"
                           "fp32_layers,fp32_last_layers,fp16")
-    planned, reasons = remedies.plan_arms(replace(spec, kind="compare", remedies=None), spec.remedies.chosen,
-                                          get_family("qwen3"))
+    planned, reasons = remedies.plan_arms(spec, get_family("qwen3"))
     numeric = "rope, swiglu, rmsnorm cannot be aligned on toy (--train toy), which aligns toy-align"
     assert reasons == {"aligned_both": "rope, swiglu, rmsnorm cannot be aligned on toy-fused (--infer toy-fused), "
                                        "which aligns toy-align",

@@ -56,6 +56,23 @@ def test_bad_values_fail_when_the_spec_is_built(flat, message):
         spec_from_flat("compare", **flat)
 
 
+def test_a_reference_no_finer_than_the_stacks_dtype_is_one_line_naming_float64(tmp_path, monkeypatch):
+    """Against a reference at their own precision both stacks' error is nothing but rounding order, its floor 0: the
+    verdict's ratio of one side's error to the other's would read as a finding."""
+    monkeypatch.chdir(tmp_path)
+    for kind in ("compare", "ablate"):
+        result = CliRunner().invoke(app, [kind, "--device", "cpu", "-n", "2", "--dtype", "float32", "--reference",
+                                          "float32"])
+        assert result.exit_code == 2, result.output
+        assert result.output.splitlines() == ["error: --reference float32 is no finer than --dtype float32, so both "
+                                              "stacks would be measured against their own precision; use "
+                                              "--reference float64"], result.output
+    assert not list(tmp_path.iterdir())
+    for dtype in ("bfloat16", "float16"):
+        assert spec_from_flat("compare", dtype=dtype, reference="float32").capture.reference == "float32"
+    assert spec_from_flat("compare", dtype="float32", reference="float64").capture.reference == "float64"
+
+
 def test_ablate_rejects_align_and_empty_regions():
     with pytest.raises(ProbeError, match="unknown option"):
         spec_from_flat("ablate", align="rope")
