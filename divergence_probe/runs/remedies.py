@@ -348,8 +348,8 @@ def plan_arms(spec: RunSpec, family) -> tuple[dict[str, RunSpec], dict[str, str]
             continue
         planned[name] = step
     if not planned:
-        fix = "choose arms it can try with --arms, or omit --arms to try every arm" if spec.remedies.arms else \
-            "change what the reasons name"
+        fix = ("choose arms this model and these stacks can run with --arms, or omit --arms to try every arm"
+               if spec.remedies.arms else "change what the reasons name")
         raise ProbeError(f"no chosen arm can run: {' | '.join(f'{name}: {why}' for name, why in reasons.items())}; "
                          f"{fix}")
     return planned, reasons

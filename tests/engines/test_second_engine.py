@@ -148,11 +148,10 @@ def test_rl_refuses_a_setting_its_stacks_do_not_align_before_anything_loads(seco
     assert not out.exists()
 
 
-@pytest.mark.parametrize("arms", ["aligned_both,aligned_trainer,lm_head", "aligned_both,lm_head"])
-def test_remedies_lists_the_arms_the_engine_cannot_align_as_not_run_and_runs_the_rest(second, arms, tmp_path):
+def test_remedies_lists_the_arms_the_engine_cannot_align_as_not_run_and_runs_the_rest(second, tmp_path):
     """The engine aligns swiglu alone: the arms aligning more on it are not run, with compare's line (without its fix:
-    remedies has no flag naming regions), and the run goes on; with no other arm asked, only the stacks as shipped
-    run, as for any run none of whose arms can run."""
+    remedies has no flag naming regions), and the run goes on with the rest."""
+    arms = "aligned_both,aligned_trainer,lm_head"
     out = tmp_path / "remedies"
     result = cli("remedies", *second, "--num-prompts", 2, "--arms", arms, "--cost-repeats", 1, "--bootstrap", 0,
                  "--out", out)
@@ -166,3 +165,19 @@ def test_remedies_lists_the_arms_the_engine_cannot_align_as_not_run_and_runs_the
     assert table.loc[list(reasons), "reason"].to_dict() == reasons
     assert table.drop(list(reasons))["status"].eq("run").all()
     assert json.loads((out / "manifest.json").read_text())["remedies"]["not_run"] == reasons
+
+
+def test_remedies_none_of_whose_arms_the_engine_can_run_is_one_line_before_loading(second, tmp_path, monkeypatch):
+    """With no arm it can run asked, the run is refused with each arm's reason, before either stack loads."""
+    from divergence_probe.engines.hf.trainer import HFStack
+
+    monkeypatch.setattr(SecondStack, "load", lambda self, settings: pytest.fail("the engine loaded"))
+    monkeypatch.setattr(HFStack, "load", lambda self, settings: pytest.fail("the trainer loaded"))
+    out = tmp_path / "remedies"
+    result = cli("remedies", *second, "--num-prompts", 2, "--arms", "aligned_both,lm_head", "--out", out)
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: no chosen arm can run: aligned_both: rope, rmsnorm cannot be aligned on the second engine (--infer "
+        "second), which aligns swiglu | lm_head: lm_head cannot be aligned on the second engine (--infer second), which "
+        "aligns swiglu; choose arms this model and these stacks can run with --arms, or omit --arms to try every "
+        "arm")
+    assert not out.exists()
