@@ -14,6 +14,7 @@ from functools import cache
 from importlib import import_module
 
 from ..errors import ProbeError, StackError, one_line
+from ..signals import Stopped
 
 # The types below are engines/protocol.py's (Capabilities, Knob, Stack, StackClass); the registry does not import them,
 # so that a spec asking it for a class sits no deeper in the import graph than the registry itself.
@@ -134,8 +135,6 @@ def stack_class(name: str, ranks: int = 1, *, worker: bool = False):
     if name not in installed:
         raise ProbeError(f"unknown stack {name!r}; choose one of: {', '.join([*STACKS, *installed])}")
     entry = installed[name]
-    from ..signals import Stopped
-
     try:
         cls = entry.load()
     except Stopped:
@@ -164,9 +163,11 @@ def knobs_of(infer: str | None = None, train: str | None = None, *, installed: b
     training side's of the trainers, each marked with the stack that owns it (the first that declares the name);
     `infer`/`train`: those stacks only; `installed`: the installed stacks' too (reading them imports their classes,
     which import no engine)."""
+    def on(side: str, chosen: str | None) -> list[str]:
+        return [chosen] if chosen else stacks_on(side) if installed else SIDE_LISTS[side]
+
     found = {}
-    for side, names in (("engine", [infer] if infer else stacks_on("infer") if installed else SIDE_LISTS["infer"]),
-                        ("train", [train] if train else stacks_on("train") if installed else SIDE_LISTS["train"])):
+    for side, names in (("engine", on("infer", infer)), ("train", on("train", train))):
         for name in names:
             for knob in stack_class(name).knobs().values():
                 if knob.side == side:

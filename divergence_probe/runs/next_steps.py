@@ -92,11 +92,12 @@ def _step(spec, why: str, family=None) -> Step | None:
 
 
 def after_compare(spec, summary: dict, family=None) -> Step | None:
-    """No floor: measure it, on enough prompts for an interval. Over its floor (the whole bootstrap interval of the ratio): which remedy removes it and
-    at what cost (remedies); where remedies cannot run (one stack at a time), which region removes it, or on a MoE
-    model whether routing or rounding carries it (ablate, with routing). Within its floor: what RL sees (generate mode), if not seen
-    yet. An interval that straddles the floor: the same run on more prompts, which narrows it (when the run used only
-    some of its prompts; otherwise the user has to bring more). A remedies run ends with its own ranking: no step."""
+    """No floor: measure it, on enough prompts for an interval. Over its floor (the whole bootstrap interval of the
+    ratio): which remedy removes it and at what cost (remedies); where remedies cannot run (one stack at a time),
+    which region removes it, or on a MoE model whether routing or rounding carries it (ablate, with routing). Within
+    its floor: what RL sees (generate mode), if not seen yet. An interval that straddles the floor: the same run on
+    more prompts, which narrows it (when the run used only some of its prompts; otherwise the user has to bring
+    more). A remedies run ends with its own ranking: no step."""
     if spec.kind == "remedies":
         return None
     verdict = summary.get(VERDICT)
